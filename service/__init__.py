@@ -1,0 +1,1 @@
+"""HTTP edge (FastAPI): arrives with the service issue. Empty until then so the package layout is stable."""
