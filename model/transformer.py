@@ -1,0 +1,206 @@
+"""The LLaMA block stack, written from the equations.
+
+Notation (shapes in comments use these letters):
+    B  batch rows             T  query tokens in this call      S  key/value positions attended over
+    D  model width (dim)      H  query heads                    K  key/value heads (H % K == 0)
+    E  head_dim               F  SwiGLU inner width             V  vocabulary size
+
+References:
+    RMSNorm   Zhang & Sennrich 2019, "Root Mean Square Layer Normalization".
+    RoPE      Su et al. 2021, "RoFormer", in the rotate-half layout of Meta's LLaMA / HF transformers
+              (dims i and i + E/2 form a pair); Llama 3.1 frequency scaling in model/config.py.
+    GQA       Ainslie et al. 2023, "GQA: Training Generalized Multi-Query Transformer Models" (K=1 is MQA,
+              Shazeer 2019).
+    SwiGLU    Shazeer 2020, "GLU Variants Improve Transformer": w2(silu(w1 x) * w3 x).
+    LLaMA     Touvron et al. 2023; pre-norm residual blocks, no biases.
+
+Weight names follow Meta's llama `model.py` (wq wk wv wo w1 w2 w3 attention_norm ffn_norm tok_embeddings output).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from model.config import ModelConfig, RopeScaling
+from model.kv_cache import KVCache
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:  # (..., D) -> (..., D)
+        # Statistics in float32 whatever the activation dtype, cast back before the gain (as Meta and HF do).
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> Tensor:
+    """Per-pair inverse frequencies theta^(-2i/E), i < E/2, with the configured scaling.  -> (E/2,) float32"""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if scaling.rope_type == "linear":
+        return inv_freq / scaling.factor
+    if scaling.rope_type == "llama3":
+        # Meta llama-models `apply_scaling` (Llama 3.1): keep high frequencies, divide low ones by `factor`,
+        # interpolate linearly in between by wavelength.
+        old_ctx = scaling.original_max_position_embeddings
+        low_freq_wavelen = old_ctx / scaling.low_freq_factor
+        high_freq_wavelen = old_ctx / scaling.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
+        smooth = (old_ctx / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+        is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+        return torch.where(is_medium, smoothed, scaled)
+    return inv_freq
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables computed per call from positions: O(T x E) work, no max_seq_len-sized table in memory."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.register_buffer("inv_freq", rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling), persistent=False)
+
+    def reset(self, device: torch.device | str, freq_factors: Tensor | None = None) -> None:
+        """Recompute `inv_freq` on `device` (after meta-device construction); GGUF's `rope_freqs` divides it."""
+        c = self.config
+        inv_freq = rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling)
+        if freq_factors is not None:
+            inv_freq = inv_freq / freq_factors.float().cpu()
+        self.inv_freq = inv_freq.to(device)
+
+    def forward(self, positions: Tensor) -> tuple[Tensor, Tensor]:  # (B, T) -> cos, sin (B, T, E) float32
+        freqs = positions.float().unsqueeze(-1) * self.inv_freq  # (B, T, E/2)
+        emb = torch.cat((freqs, freqs), dim=-1)  # rotate-half layout: pair (i, i + E/2) shares frequency i
+        return emb.cos(), emb.sin()
+
+
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x (B, T, heads, E), cos/sin (B, T, E) -> (B, T, heads, E): x*cos + rotate_half(x)*sin."""
+    cos = cos.to(x.dtype).unsqueeze(2)
+    sin = sin.to(x.dtype).unsqueeze(2)
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
+        self.wq = nn.Linear(config.dim, config.n_heads * config.head_dim, bias=False)
+        self.wk = nn.Linear(config.dim, config.n_kv_heads * config.head_dim, bias=False)
+        self.wv = nn.Linear(config.dim, config.n_kv_heads * config.head_dim, bias=False)
+        self.wo = nn.Linear(config.n_heads * config.head_dim, config.dim, bias=False)
+
+    def forward(
+        self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, positions: Tensor, cache: KVCache | None
+    ) -> Tensor:
+        B, T, _ = x.shape
+        q = self.wq(x).view(B, T, self.n_heads, self.head_dim)  # (B, T, H, E)
+        k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim)  # (B, T, K, E)
+        v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim)  # (B, T, K, E)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if cache is not None:
+            k, v = cache.update(self.layer_idx, positions, k, v)  # (B, S, K, E) each
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H|K, T|S, E)
+        # Scaled dot-product attention (Vaswani et al. 2017) with 1/sqrt(E); SDPA picks flash / memory-efficient
+        # kernels where it can and shares each KV head across its H/K query heads without copying (enable_gqa).
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=self.n_heads != self.n_kv_heads
+        )  # (B, H, T, E)
+        return self.wo(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))  # (B, T, D)
+
+
+class FeedForward(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(config.dim, config.hidden_dim, bias=False)  # gate
+        self.w3 = nn.Linear(config.dim, config.hidden_dim, bias=False)  # up
+        self.w2 = nn.Linear(config.hidden_dim, config.dim, bias=False)  # down
+
+    def forward(self, x: Tensor) -> Tensor:  # (B, T, D) -> (B, T, D), via (B, T, F)
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(config.dim, config.norm_eps)
+        self.attention = Attention(config, layer_idx)
+        self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
+        self.feed_forward = FeedForward(config)
+
+    def forward(
+        self, h: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, positions: Tensor, cache: KVCache | None
+    ) -> Tensor:  # (B, T, D) -> (B, T, D): the residual stream after both residual adds
+        h = h + self.attention(self.attention_norm(h), cos, sin, mask, positions, cache)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    """(tokens, positions, cache) -> logits. No sampling, text or HTTP in here (house rule 2)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
+        self.rope = RotaryEmbedding(config)
+        self.layers = nn.ModuleList(Block(config, i) for i in range(config.n_layers))
+        self.norm = RMSNorm(config.dim, config.norm_eps)
+        self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        if self.config.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+
+    @property
+    def device(self) -> torch.device:
+        return self.tok_embeddings.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.tok_embeddings.weight.dtype
+
+    def forward(
+        self,
+        tokens: Tensor,
+        positions: Tensor | None = None,
+        cache: KVCache | None = None,
+        last_only: bool = False,
+    ) -> Tensor:
+        """tokens (B, T) int64; positions (B, T) int64, default 0..T-1 -> logits (B, T, V), or (B, 1, V) if last_only.
+
+        Query at position p attends to keys at positions <= p. Without a cache the keys are this call's tokens;
+        with one, this call's K/V are written at `positions` first and keys are the cache's positions 0..S-1.
+        """
+        B, T = tokens.shape
+        causal_from_zero = positions is None
+        if positions is None:
+            positions = torch.arange(T, device=tokens.device).expand(B, T)
+        mask = None  # None -> SDPA's causal fast path (positions 0..T-1, no cache offset)
+        if cache is not None:
+            S = cache.prepare(positions)
+            mask = torch.arange(S, device=tokens.device) <= positions.unsqueeze(-1)  # (B, T, S)
+        elif not causal_from_zero:
+            mask = positions.unsqueeze(1) <= positions.unsqueeze(-1)  # (B, T, T): key pos <= query pos
+        if mask is not None:
+            mask = mask.unsqueeze(1)  # (B, 1, T, S), broadcast over heads
+        cos, sin = self.rope(positions)
+        h = self.tok_embeddings(tokens)  # (B, T, D)
+        for layer in self.layers:
+            h = layer(h, cos, sin, mask, positions, cache)
+        if last_only:
+            h = h[:, -1:]
+        return self.output(self.norm(h))  # (B, T, V)
+
