@@ -1,0 +1,71 @@
+"""Assemble a `Transformer` from named tensors: shape checks against the config, dtype/device cast, no double copy.
+
+Loaders translate their file's names to ours (LLaMA names, house rule 4) and hand tensors over one at a time;
+the model is built on the meta device and its parameters are the handed-over tensors themselves.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from model.config import ModelConfig
+from model.loaders.errors import CheckpointError
+from model.loaders.progress import LoadProgress
+from model.transformer import Transformer
+
+_LAYER_SHAPES = {
+    "attention_norm.weight": lambda c: (c.dim,),
+    "attention.wq.weight": lambda c: (c.n_heads * c.head_dim, c.dim),
+    "attention.wk.weight": lambda c: (c.n_kv_heads * c.head_dim, c.dim),
+    "attention.wv.weight": lambda c: (c.n_kv_heads * c.head_dim, c.dim),
+    "attention.wo.weight": lambda c: (c.dim, c.n_heads * c.head_dim),
+    "ffn_norm.weight": lambda c: (c.dim,),
+    "feed_forward.w1.weight": lambda c: (c.hidden_dim, c.dim),
+    "feed_forward.w3.weight": lambda c: (c.hidden_dim, c.dim),
+    "feed_forward.w2.weight": lambda c: (c.dim, c.hidden_dim),
+}
+
+
+def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Our parameter name -> shape, in `Transformer.state_dict()` naming. `output.weight` only when untied."""
+    shapes = {"tok_embeddings.weight": (config.vocab_size, config.dim)}
+    for i in range(config.n_layers):
+        for name, shape in _LAYER_SHAPES.items():
+            shapes[f"layers.{i}.{name}"] = shape(config)
+    shapes["norm.weight"] = (config.dim,)
+    if not config.tie_embeddings:
+        shapes["output.weight"] = (config.vocab_size, config.dim)
+    return shapes
+
+
+class ModelAssembler:
+    def __init__(self, config: ModelConfig, path: str, dtype: torch.dtype, device: torch.device | str, desc: str) -> None:
+        self.config, self.path, self.dtype, self.device = config, path, dtype, torch.device(device)
+        self.expected = expected_shapes(config)
+        self.tensors: dict[str, Tensor] = {}
+        self.progress = LoadProgress(len(self.expected), desc)
+
+    def add(self, name: str, tensor: Tensor, source_name: str, source_file: str | None = None) -> None:
+        """Take `tensor` for our parameter `name`, read from tensor `source_name` of `source_file` (a shard)."""
+        file = source_file or self.path
+        want = self.expected.get(name)
+        if want is None:
+            raise CheckpointError(f"unexpected tensor (maps to {name!r}, which this config does not have)", path=file, tensor=source_name)
+        if tuple(tensor.shape) != want:
+            raise CheckpointError(f"expected shape {list(want)}, found {list(tensor.shape)}", path=file, tensor=source_name)
+        self.tensors[name] = tensor.to(device=self.device, dtype=self.dtype)
+        self.progress.advance(source_name, self.tensors[name].nbytes)
+
+    def finish(self, rope_freq_factors: Tensor | None = None) -> Transformer:
+        missing = [n for n in self.expected if n not in self.tensors]
+        if missing:
+            more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
+            raise CheckpointError(f"missing tensors (our names): {', '.join(missing[:5])}{more}", path=self.path)
+        with torch.device("meta"):
+            model = Transformer(self.config)
+        model.load_state_dict(self.tensors, strict=False, assign=True)
+        model.tie_weights()
+        model.rope.reset(self.device, rope_freq_factors)
+        self.progress.close()
+        return model.eval().requires_grad_(False)

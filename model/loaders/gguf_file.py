@@ -1,0 +1,154 @@
+"""GGUF files (ggml's single-file format): metadata -> ModelConfig, tensors dequantized to the requested dtype.
+
+Spec: ggml `docs/gguf.md`. Read with the `gguf` package (memory-mapped); dequantization of F32, F16, BF16,
+Q4_0/Q4_1/Q5_0/Q5_1/Q8_0, the K-quants and the IQ types is the package's numpy reference code.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
+from gguf.quants import dequantize
+
+from model.config import ModelConfig
+from model.loaders.assemble import ModelAssembler
+from model.loaders.errors import CheckpointError
+from model.transformer import Transformer
+
+_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
+_LAYER_NAMES = {
+    "attn_norm": "attention_norm.weight",
+    "attn_q": "attention.wq.weight",
+    "attn_k": "attention.wk.weight",
+    "attn_v": "attention.wv.weight",
+    "attn_output": "attention.wo.weight",
+    "ffn_norm": "ffn_norm.weight",
+    "ffn_gate": "feed_forward.w1.weight",
+    "ffn_up": "feed_forward.w3.weight",
+    "ffn_down": "feed_forward.w2.weight",
+}
+_TOP_NAMES = {"token_embd.weight": "tok_embeddings.weight", "output_norm.weight": "norm.weight", "output.weight": "output.weight"}
+
+
+def gguf_to_ours(name: str) -> str | None:
+    if name in _TOP_NAMES:
+        return _TOP_NAMES[name]
+    m = _LAYER_RE.fullmatch(name)
+    if m and m.group(2) in _LAYER_NAMES:
+        return f"layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+    return None
+
+
+class _CheckedReader(GGUFReader):
+    """GGUFReader that, before viewing tensor data, checks each tensor's extent against the file's size, so a
+    truncated file is reported by tensor name and byte counts rather than as a numpy reshape error."""
+
+    def __init__(self, path: Path) -> None:
+        self._path = str(path)
+        super().__init__(path)
+
+    def _build_tensors(self, start_offs: int, fields: list) -> None:
+        size = len(self.data)
+        for field in fields:
+            _, name_data, _, dims, raw_dtype, offset = field.parts
+            try:
+                qtype = GGMLQuantizationType(int(raw_dtype[0]))
+            except ValueError:
+                raise CheckpointError(f"unknown ggml tensor type id {int(raw_dtype[0])}", path=self._path, tensor=bytes(name_data).decode(errors="replace")) from None
+            block_size, type_size = GGML_QUANT_SIZES[qtype]
+            n_bytes = int(np.prod(dims)) * type_size // block_size
+            end = int(start_offs + offset[0]) + n_bytes
+            if end > size:
+                raise CheckpointError(
+                    f"file is truncated: tensor data ends at byte {end} ({qtype.name}, shape {dims.tolist()}, "
+                    f"{n_bytes} bytes) but the file has {size} bytes",
+                    path=self._path,
+                    tensor=bytes(name_data).decode(errors="replace"),
+                )
+        super()._build_tensors(start_offs, fields)
+
+
+def open_gguf(path: str | Path) -> GGUFReader:
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError("no such file", path=str(path))
+    try:
+        return _CheckedReader(path)
+    except CheckpointError:
+        raise
+    except Exception as e:  # the reader raises ValueError/IndexError/struct errors on short or foreign files
+        raise CheckpointError(f"cannot read GGUF (truncated or not a GGUF file?): {type(e).__name__}: {e}", path=str(path)) from None
+
+
+def read_metadata(reader: GGUFReader) -> dict[str, Any]:
+    return {key: field.contents() for key, field in reader.fields.items()}
+
+
+def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo the row permutation llama.cpp's converter (`convert_hf_to_gguf.py`, `LlamaModel.permute`) applies to
+    wq/wk so ggml's interleaved RoPE (pairs 2i, 2i+1) matches HF's rotate-half (pairs i, i+E/2).
+    w (n_head * E, D) -> (n_head * E, D). transformers' `reverse_permute_weights` is the same map."""
+    rows = w.shape[0]
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _dequantize(reader_tensor: Any, path: str) -> np.ndarray:
+    qtype = reader_tensor.tensor_type
+    try:
+        data = dequantize(reader_tensor.data, qtype)
+    except NotImplementedError:
+        raise CheckpointError(
+            f"unsupported GGUF tensor type {qtype.name}; supported: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, "
+            "Q2_K..Q6_K, IQ*, TQ*",
+            path=path,
+            tensor=reader_tensor.name,
+        ) from None
+    shape = tuple(int(d) for d in reversed(reader_tensor.shape.tolist()))  # ggml lists ne0 (innermost) first
+    try:
+        return np.asarray(data, dtype=np.float32).reshape(shape)
+    except ValueError:
+        raise CheckpointError(f"data of {data.size} values does not fill shape {list(shape)}", path=path, tensor=reader_tensor.name) from None
+
+
+def load_gguf(
+    path: str | Path,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    reader: GGUFReader | None = None,
+    meta: dict[str, Any] | None = None,
+) -> Transformer:
+    """`reader`/`meta`: an already opened file and its metadata, so the caller's tokenizer shares one read."""
+    path = str(path)
+    reader = reader or open_gguf(path)
+    meta = meta if meta is not None else read_metadata(reader)
+    names = {t.name for t in reader.tensors}
+    config = ModelConfig.from_gguf(meta, source=path).replace(tie_embeddings="output.weight" not in names)
+    asm = ModelAssembler(config, path, dtype, device, f"load {Path(path).name}")
+    rope_freq_factors = None
+    for t in reader.tensors:
+        if t.name == "rope_freqs.weight":
+            # Llama 3.1 scaling as per-frequency divisors of inv_freq (llama.cpp `generate_extra_tensors`).
+            rope_freq_factors = torch.from_numpy(_dequantize(t, path).copy())
+            continue
+        ours = gguf_to_ours(t.name)
+        if ours is None:
+            raise CheckpointError("unknown tensor name for a llama GGUF", path=path, tensor=t.name)
+        w = _dequantize(t, path)
+        if t.name.endswith("attn_q.weight"):
+            w = unpermute_qk(w, config.n_heads)
+        elif t.name.endswith("attn_k.weight"):
+            w = unpermute_qk(w, config.n_kv_heads)
+        if not w.flags.writeable or not w.flags.c_contiguous:  # F32 data is a read-only view of the memory map
+            w = np.ascontiguousarray(w).copy()
+        asm.add(ours, torch.from_numpy(w), t.name)
+    if rope_freq_factors is not None and rope_freq_factors.shape != (config.head_dim // 2,):
+        raise CheckpointError(f"expected shape [{config.head_dim // 2}], found {list(rope_freq_factors.shape)}", path=path, tensor="rope_freqs.weight")
+    return asm.finish(rope_freq_factors)
+
+
+__all__ = ["load_gguf", "open_gguf", "read_metadata", "unpermute_qk", "GGMLQuantizationType"]

@@ -1,0 +1,103 @@
+"""Hugging Face checkpoint directories: config.json + model.safetensors, or shards listed in
+model.safetensors.index.json. Tensors are read through safetensors' memory map one at a time and cast on the way.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from model.config import ModelConfig
+from model.loaders.assemble import ModelAssembler
+from model.loaders.errors import CheckpointError
+from model.transformer import Transformer
+
+# transformers' LlamaForCausalLM names -> ours (Meta's llama names).
+_LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
+_LAYER_NAMES = {
+    "input_layernorm.weight": "attention_norm.weight",
+    "self_attn.q_proj.weight": "attention.wq.weight",
+    "self_attn.k_proj.weight": "attention.wk.weight",
+    "self_attn.v_proj.weight": "attention.wv.weight",
+    "self_attn.o_proj.weight": "attention.wo.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "mlp.gate_proj.weight": "feed_forward.w1.weight",
+    "mlp.up_proj.weight": "feed_forward.w3.weight",
+    "mlp.down_proj.weight": "feed_forward.w2.weight",
+}
+_TOP_NAMES = {"model.embed_tokens.weight": "tok_embeddings.weight", "model.norm.weight": "norm.weight", "lm_head.weight": "output.weight"}
+# Buffers some older exports saved; recomputed here from the config.
+_IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
+
+
+def hf_to_ours(name: str) -> str | None:
+    if name in _TOP_NAMES:
+        return _TOP_NAMES[name]
+    m = _LAYER_RE.fullmatch(name)
+    if m and m.group(2) in _LAYER_NAMES:
+        return f"layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+    return None
+
+
+def read_hf_config(directory: Path) -> ModelConfig:
+    cfg_path = directory / "config.json"
+    if not cfg_path.is_file():
+        raise CheckpointError("no config.json: not a Hugging Face model directory", path=str(directory))
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"invalid JSON: {e}", path=str(cfg_path)) from None
+    return ModelConfig.from_hf(cfg, source=str(cfg_path))
+
+
+def _weight_files(directory: Path) -> dict[str, list[str] | None]:
+    """safetensors file -> tensor names it should hold (None: whatever it holds)."""
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise CheckpointError(f"invalid index ({e})", path=str(index)) from None
+        files: dict[str, list[str] | None] = {}
+        for tensor, file in weight_map.items():
+            files.setdefault(file, []).append(tensor)  # type: ignore[union-attr]
+        return files
+    if (directory / "model.safetensors").is_file():
+        return {"model.safetensors": None}
+    found = sorted(p.name for p in directory.iterdir())
+    raise CheckpointError(
+        f"no model.safetensors or model.safetensors.index.json (found: {', '.join(found) or 'nothing'}); "
+        "PyTorch .bin checkpoints are not loaded (convert them to safetensors)",
+        path=str(directory),
+    )
+
+
+def load_hf(directory: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> Transformer:
+    directory = Path(directory)
+    config = read_hf_config(directory)
+    asm = ModelAssembler(config, str(directory), dtype, device, f"load {directory.name}")
+    for file, names in _weight_files(directory).items():
+        path = directory / file
+        if not path.is_file():
+            raise CheckpointError("shard listed in model.safetensors.index.json is missing", path=str(path))
+        try:
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                present = set(f.keys())
+                for name in names if names is not None else sorted(present):
+                    if name not in present:
+                        raise CheckpointError("tensor listed in the index is not in this shard", path=str(path), tensor=name)
+                    ours = hf_to_ours(name)
+                    if ours is None:
+                        if _IGNORED.fullmatch(name):
+                            continue
+                        raise CheckpointError("unknown tensor name for a LLaMA checkpoint", path=str(path), tensor=name)
+                    if ours == "output.weight" and config.tie_embeddings:
+                        continue  # tied: the embedding serves as the head
+                    asm.add(ours, f.get_tensor(name), name, str(path))
+        except SafetensorError as e:
+            raise CheckpointError(f"cannot read safetensors data (truncated or corrupt file?): {e}", path=str(path)) from None
+    return asm.finish()
