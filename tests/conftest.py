@@ -1,0 +1,82 @@
+"""Shared fixtures: tiny random HF LLaMA checkpoints, and the default model (ours and transformers' load of it)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach a hub
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+def tiny_llama_config(**overrides):
+    """A transformers LlamaConfig small enough for CPU tests; overrides take HF names."""
+    from transformers import LlamaConfig
+
+    kw = dict(
+        vocab_size=101,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+    )
+    kw.update(overrides)
+    return LlamaConfig(**kw)
+
+
+def save_tiny_llama(directory: Path, seed: int = 0, max_shard_size: str | None = None, **overrides):
+    """Random-weight LlamaForCausalLM saved as safetensors in `directory`; returns the HF model (float32, eval)."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(tiny_llama_config(**overrides)).eval()
+    with torch.no_grad():  # HF init gives ~N(0, 0.02): too flat to tell a wrong attention from a right one
+        for p in model.parameters():
+            p.normal_(0, 0.3 if p.ndim > 1 else 1.0)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(directory, safe_serialization=True, **kwargs)
+    return model
+
+
+@pytest.fixture(scope="session")
+def default_gguf() -> Path:
+    from model.loaders.checkpoint import default_model_path
+
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def hf_gguf_dir(default_gguf, tmp_path_factory) -> Path:
+    """A directory holding (a link to) the default GGUF, the form transformers' `gguf_file=` loading wants."""
+    d = tmp_path_factory.mktemp("gguf")
+    (d / default_gguf.name).symlink_to(default_gguf)
+    return d
+
+
+@pytest.fixture(scope="session")
+def hf_gguf_model(hf_gguf_dir, default_gguf):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(hf_gguf_dir, gguf_file=default_gguf.name, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def hf_gguf_tokenizer(hf_gguf_dir, default_gguf):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(hf_gguf_dir, gguf_file=default_gguf.name)
+
+
+@pytest.fixture(scope="session")
+def default_model(default_gguf):
+    from model.loaders.checkpoint import load_model
+
+    return load_model(default_gguf, torch.float32, "cpu")
