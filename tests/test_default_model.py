@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import subprocess
 import sys
 
@@ -36,12 +37,17 @@ def test_logits_match_transformers_gguf_load(default_model, hf_gguf_model, hf_gg
 @torch.no_grad()
 def _hf_greedy(model, ids: list[int], n: int) -> list[int]:
     """Greedy decode with transformers' own KV cache (its `generate` is several times slower on this CPU)."""
-    out = model(torch.tensor([ids]), use_cache=True)
+    from transformers import DynamicCache
+
+    # The cache argument is `cache` from transformers 5.x on, `past_key_values` before; DynamicCache fills in place.
+    kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    cache = DynamicCache()
+    logits = model(torch.tensor([ids]), use_cache=True, **{kw: cache}).logits
     tokens = []
     for _ in range(n):
-        nxt = out.logits[:, -1:].argmax(-1)  # (1, 1)
+        nxt = logits[:, -1:].argmax(-1)  # (1, 1)
         tokens.append(int(nxt))
-        out = model(nxt, past_key_values=out.past_key_values, use_cache=True)
+        logits = model(nxt, use_cache=True, **{kw: cache}).logits
     return tokens
 
 
@@ -69,3 +75,25 @@ def test_generate_cli(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "Paris" in r.stdout
     assert "decode" in r.stderr and "tok/s" in r.stderr
+
+
+def test_massive_activation_at_token0_dim507(default_model):
+    """DESIGN.md's fact (Sun et al. 2024, "Massive Activations in LLMs"): on this prompt the residual stream holds
+    ~2.3e4 at token 0, dim 507 after blocks 11-27, 1,000x+ the block's median magnitude; ~700 in blocks 2-8."""
+    ids = default_model.tokenizer.encode("Summer is warm. Winter is cold.\n")
+    outs: list[torch.Tensor] = []
+    hooks = [b.register_forward_hook(lambda m, i, o: outs.append(o[0])) for b in default_model.model.layers]
+    try:
+        with torch.no_grad():
+            default_model.model(torch.tensor([ids]))
+    finally:
+        for h in hooks:
+            h.remove()
+    for layer, h in enumerate(outs):  # h: (T, D) block output
+        mag = h.abs()
+        token, dim = divmod(int(mag.argmax()), mag.shape[1])
+        ratio = float(mag.max() / mag.median())
+        if 11 <= layer <= 27:
+            assert (token, dim) == (0, 507) and 2.0e4 < float(h[0, 507]) < 2.6e4 and ratio > 1000, layer
+        elif 2 <= layer <= 8:
+            assert (token, dim) == (0, 507) and 400 < float(h[0, 507]) < 1000 and ratio < 1000, layer
