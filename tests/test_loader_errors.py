@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import json
-import shutil
 
 import numpy as np
 import pytest
-import torch
 from gguf import GGMLQuantizationType as Q
 from safetensors.torch import load_file, save_file
 

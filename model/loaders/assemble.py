@@ -6,6 +6,8 @@ the model is built on the meta device and its parameters are the handed-over ten
 
 from __future__ import annotations
 
+import re
+
 import torch
 from torch import Tensor
 
@@ -37,6 +39,22 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     if not config.tie_embeddings:
         shapes["output.weight"] = (config.vocab_size, config.dim)
     return shapes
+
+
+class NameMap:
+    """A file format's tensor names -> ours: whole names for the top-level tensors, plus `layer_re` (groups: layer
+    index, per-layer suffix) with a suffix table for the blocks. Unknown names map to None."""
+
+    def __init__(self, top: dict[str, str], layer_re: str, layer: dict[str, str]) -> None:
+        self.top, self.layer_re, self.layer = top, re.compile(layer_re), layer
+
+    def __call__(self, name: str) -> str | None:
+        if name in self.top:
+            return self.top[name]
+        m = self.layer_re.fullmatch(name)
+        if m and m.group(2) in self.layer:
+            return f"layers.{m.group(1)}.{self.layer[m.group(2)]}"
+        return None
 
 
 class ModelAssembler:

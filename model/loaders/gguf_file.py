@@ -6,7 +6,6 @@ Q4_0/Q4_1/Q5_0/Q5_1/Q8_0, the K-quants and the IQ types is the package's numpy r
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Any
 
@@ -16,32 +15,25 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
 from model.config import ModelConfig
-from model.loaders.assemble import ModelAssembler
+from model.loaders.assemble import ModelAssembler, NameMap
 from model.loaders.errors import CheckpointError
 from model.transformer import Transformer
 
-_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
-_LAYER_NAMES = {
-    "attn_norm": "attention_norm.weight",
-    "attn_q": "attention.wq.weight",
-    "attn_k": "attention.wk.weight",
-    "attn_v": "attention.wv.weight",
-    "attn_output": "attention.wo.weight",
-    "ffn_norm": "ffn_norm.weight",
-    "ffn_gate": "feed_forward.w1.weight",
-    "ffn_up": "feed_forward.w3.weight",
-    "ffn_down": "feed_forward.w2.weight",
-}
-_TOP_NAMES = {"token_embd.weight": "tok_embeddings.weight", "output_norm.weight": "norm.weight", "output.weight": "output.weight"}
-
-
-def gguf_to_ours(name: str) -> str | None:
-    if name in _TOP_NAMES:
-        return _TOP_NAMES[name]
-    m = _LAYER_RE.fullmatch(name)
-    if m and m.group(2) in _LAYER_NAMES:
-        return f"layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
-    return None
+gguf_to_ours = NameMap(
+    top={"token_embd.weight": "tok_embeddings.weight", "output_norm.weight": "norm.weight", "output.weight": "output.weight"},
+    layer_re=r"blk\.(\d+)\.(\w+)\.weight",
+    layer={
+        "attn_norm": "attention_norm.weight",
+        "attn_q": "attention.wq.weight",
+        "attn_k": "attention.wk.weight",
+        "attn_v": "attention.wv.weight",
+        "attn_output": "attention.wo.weight",
+        "ffn_norm": "ffn_norm.weight",
+        "ffn_gate": "feed_forward.w1.weight",
+        "ffn_up": "feed_forward.w3.weight",
+        "ffn_down": "feed_forward.w2.weight",
+    },
+)
 
 
 class _CheckedReader(GGUFReader):

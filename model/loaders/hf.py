@@ -12,35 +12,28 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from model.config import ModelConfig
-from model.loaders.assemble import ModelAssembler
+from model.loaders.assemble import ModelAssembler, NameMap
 from model.loaders.errors import CheckpointError
 from model.transformer import Transformer
 
 # transformers' LlamaForCausalLM names -> ours (Meta's llama names).
-_LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
-_LAYER_NAMES = {
-    "input_layernorm.weight": "attention_norm.weight",
-    "self_attn.q_proj.weight": "attention.wq.weight",
-    "self_attn.k_proj.weight": "attention.wk.weight",
-    "self_attn.v_proj.weight": "attention.wv.weight",
-    "self_attn.o_proj.weight": "attention.wo.weight",
-    "post_attention_layernorm.weight": "ffn_norm.weight",
-    "mlp.gate_proj.weight": "feed_forward.w1.weight",
-    "mlp.up_proj.weight": "feed_forward.w3.weight",
-    "mlp.down_proj.weight": "feed_forward.w2.weight",
-}
-_TOP_NAMES = {"model.embed_tokens.weight": "tok_embeddings.weight", "model.norm.weight": "norm.weight", "lm_head.weight": "output.weight"}
+hf_to_ours = NameMap(
+    top={"model.embed_tokens.weight": "tok_embeddings.weight", "model.norm.weight": "norm.weight", "lm_head.weight": "output.weight"},
+    layer_re=r"model\.layers\.(\d+)\.(.+)",
+    layer={
+        "input_layernorm.weight": "attention_norm.weight",
+        "self_attn.q_proj.weight": "attention.wq.weight",
+        "self_attn.k_proj.weight": "attention.wk.weight",
+        "self_attn.v_proj.weight": "attention.wv.weight",
+        "self_attn.o_proj.weight": "attention.wo.weight",
+        "post_attention_layernorm.weight": "ffn_norm.weight",
+        "mlp.gate_proj.weight": "feed_forward.w1.weight",
+        "mlp.up_proj.weight": "feed_forward.w3.weight",
+        "mlp.down_proj.weight": "feed_forward.w2.weight",
+    },
+)
 # Buffers some older exports saved; recomputed here from the config.
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
-
-
-def hf_to_ours(name: str) -> str | None:
-    if name in _TOP_NAMES:
-        return _TOP_NAMES[name]
-    m = _LAYER_RE.fullmatch(name)
-    if m and m.group(2) in _LAYER_NAMES:
-        return f"layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
-    return None
 
 
 def read_hf_config(directory: Path) -> ModelConfig:
