@@ -42,8 +42,9 @@ def generate(
     cache = KVCache.for_model(model, batch_size=1, max_seq_len=total)
     tokens = torch.tensor([prompt_ids], device=device)  # (1, T)
     positions = torch.arange(len(prompt_ids), device=device).unsqueeze(0)  # (1, T)
+    last = torch.tensor([-1], device=device)
     for _ in range(max_new_tokens):
-        logits = model(tokens, positions, cache, last_only=True)[0, -1].float()  # (V,)
+        logits = model(tokens, positions, cache, logits_indices=last)[0, -1].float()  # (V,)
         if temperature > 0:
             probs = torch.softmax(logits / temperature, dim=-1)
             next_id = int(torch.multinomial(probs, 1, generator=generator))

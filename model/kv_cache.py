@@ -1,14 +1,15 @@
-"""KV cache: keys and values of past positions, written by index so decode reads them instead of recomputing.
+"""Contiguous KV cache: one (B, max_seq_len) slab per layer, written by index (gpt-fast's `KVCache`).
 
-This is the contiguous form (one (B, max_seq_len) slab per layer, as in gpt-fast's `KVCache`), used by
-`model.generate`. The paged block pool with prefix reuse that the engine needs replaces it behind the same
-`prepare` / `update` interface.
+Used by `model.generate` (one sequence, or rows decoding in lock-step). The engine uses the paged block pool in
+`paged_kv_cache.py`, whose memory follows the tokens actually held.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
+
+from model.attention import sdpa
 
 
 class KVCache:
@@ -27,24 +28,25 @@ class KVCache:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.max_seq_len = max_seq_len
         self._batch_idx = torch.arange(batch_size, device=device).unsqueeze(1)  # (B, 1)
-        self._seq_len = 0  # S for the current forward call
+        self._positions: Tensor | None = None
+        self._mask: Tensor | None = None
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, batch_size: int, max_seq_len: int) -> "KVCache":
         c = model.config
         return cls(c.n_layers, batch_size, max_seq_len, c.n_kv_heads, c.head_dim, model.dtype, model.device)
 
-    def prepare(self, positions: Tensor) -> int:
-        """Called once per forward with positions (B, T): returns S, the key positions attended over (0..S-1)."""
+    def begin_forward(self, positions: Tensor) -> None:
+        """Once per forward, positions (B, T): keys are cache positions 0..S-1, S = max position + 1."""
         S = int(positions.max()) + 1
         if S > self.max_seq_len:
             raise ValueError(f"position {S - 1} is beyond the cache's max_seq_len {self.max_seq_len}")
-        self._seq_len = S
-        return S
+        self._positions = positions
+        self._mask = (torch.arange(S, device=positions.device) <= positions.unsqueeze(-1)).unsqueeze(1)  # (B, 1, T, S)
 
-    def update(self, layer: int, positions: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Write k, v (B, T, K, E) at positions (B, T); return this layer's keys and values (B, S, K, E)."""
-        B = k.shape[0]
-        self.k[layer, : B][self._batch_idx[:B], positions] = k
-        self.v[layer, : B][self._batch_idx[:B], positions] = v
-        return self.k[layer, :B, : self._seq_len], self.v[layer, :B, : self._seq_len]
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """Write k, v (B, T, K, E) at this forward's positions, attend q (B, T, H, E) over positions 0..S-1."""
+        B, S = k.shape[0], self._mask.shape[-1]
+        self.k[layer, :B][self._batch_idx[:B], self._positions] = k
+        self.v[layer, :B][self._batch_idx[:B], self._positions] = v
+        return sdpa(q, self.k[layer, :B, :S], self.v[layer, :B, :S], self._mask)

@@ -25,8 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from model.attention import AttentionContext, CausalAttention, KVCacheContext
 from model.config import ModelConfig, RopeScaling
-from model.kv_cache import KVCache
 
 
 class RMSNorm(nn.Module):
@@ -102,23 +102,14 @@ class Attention(nn.Module):
         self.wv = nn.Linear(config.dim, config.n_kv_heads * config.head_dim, bias=False)
         self.wo = nn.Linear(config.n_heads * config.head_dim, config.dim, bias=False)
 
-    def forward(
-        self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, positions: Tensor, cache: KVCache | None
-    ) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, ctx: AttentionContext) -> Tensor:
         B, T, _ = x.shape
         q = self.wq(x).view(B, T, self.n_heads, self.head_dim)  # (B, T, H, E)
         k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim)  # (B, T, K, E)
         v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim)  # (B, T, K, E)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        if cache is not None:
-            k, v = cache.update(self.layer_idx, positions, k, v)  # (B, S, K, E) each
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H|K, T|S, E)
-        # Scaled dot-product attention (Vaswani et al. 2017) with 1/sqrt(E); SDPA picks flash / memory-efficient
-        # kernels where it can and shares each KV head across its H/K query heads without copying (enable_gqa).
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=self.n_heads != self.n_kv_heads
-        )  # (B, H, T, E)
-        return self.wo(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))  # (B, T, D)
+        out = ctx.attend(self.layer_idx, q, k, v)  # (B, T, H, E); a cache stores k, v and attends over its keys
+        return self.wo(out.reshape(B, T, self.n_heads * self.head_dim))  # (B, T, D)
 
 
 class FeedForward(nn.Module):
@@ -140,10 +131,9 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
         self.feed_forward = FeedForward(config)
 
-    def forward(
-        self, h: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, positions: Tensor, cache: KVCache | None
-    ) -> Tensor:  # (B, T, D) -> (B, T, D): the residual stream after both residual adds
-        h = h + self.attention(self.attention_norm(h), cos, sin, mask, positions, cache)
+    def forward(self, h: Tensor, cos: Tensor, sin: Tensor, ctx: AttentionContext) -> Tensor:
+        # (B, T, D) -> (B, T, D): the residual stream after both residual adds
+        h = h + self.attention(self.attention_norm(h), cos, sin, ctx)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -176,31 +166,31 @@ class Transformer(nn.Module):
         self,
         tokens: Tensor,
         positions: Tensor | None = None,
-        cache: KVCache | None = None,
-        last_only: bool = False,
+        cache: KVCacheContext | None = None,
+        logits_indices: Tensor | None = None,
     ) -> Tensor:
-        """tokens (B, T) int64; positions (B, T) int64, default 0..T-1 -> logits (B, T, V), or (B, 1, V) if last_only.
+        """tokens (B, T) int64, positions (B, T) int64 (default 0..T-1) -> logits (B, T, V), or (B, M, V) at
+        `logits_indices` (M,) along T (the head over 49k-150k vocab entries is costly; compute only what is used).
 
-        Query at position p attends to keys at positions <= p. Without a cache the keys are this call's tokens;
-        with one, this call's K/V are written at `positions` first and keys are the cache's positions 0..S-1.
+        Query at position p attends to keys at positions <= p. Without a cache the keys are this call's tokens.
+        With one, the cache writes this call's K/V and supplies the keys: `kv_cache.KVCache` (rows of a batch)
+        or `paged_kv_cache.PagedKVCache` (a ragged batch of sequences packed as B=1, T=total tokens).
         """
         B, T = tokens.shape
-        causal_from_zero = positions is None
-        if positions is None:
-            positions = torch.arange(T, device=tokens.device).expand(B, T)
-        mask = None  # None -> SDPA's causal fast path (positions 0..T-1, no cache offset)
         if cache is not None:
-            S = cache.prepare(positions)
-            mask = torch.arange(S, device=tokens.device) <= positions.unsqueeze(-1)  # (B, T, S)
-        elif not causal_from_zero:
-            mask = positions.unsqueeze(1) <= positions.unsqueeze(-1)  # (B, T, T): key pos <= query pos
-        if mask is not None:
-            mask = mask.unsqueeze(1)  # (B, 1, T, S), broadcast over heads
+            if positions is None:
+                raise ValueError("a cached forward needs explicit positions")
+            cache.begin_forward(positions)
+            ctx: AttentionContext = cache
+        else:
+            ctx = CausalAttention(positions)
+            if positions is None:
+                positions = torch.arange(T, device=tokens.device).expand(B, T)
         cos, sin = self.rope(positions)
         h = self.tok_embeddings(tokens)  # (B, T, D)
         for layer in self.layers:
-            h = layer(h, cos, sin, mask, positions, cache)
-        if last_only:
-            h = h[:, -1:]
-        return self.output(self.norm(h))  # (B, T, V)
+            h = layer(h, cos, sin, ctx)
+        if logits_indices is not None:
+            h = h[:, logits_indices]  # (B, M, D)
+        return self.output(self.norm(h))  # (B, T|M, V)
 

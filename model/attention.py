@@ -1,0 +1,50 @@
+"""Attention over this call's keys only (no cache), and the SDPA call every attention path shares.
+
+An attention context turns one layer's q, k, v into attention output. Three implement `attend`:
+`CausalAttention` (here: keys are the call's own tokens), `kv_cache.KVCache` (contiguous per-row cache, for
+`model.generate`) and `paged_kv_cache.PagedKVCache` (the engine's block pool, ragged batches).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch.nn.functional as F
+from torch import Tensor
+
+
+class AttentionContext(Protocol):
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """q (B, T, H, E), k/v (B, T, K, E) of this call's tokens (RoPE applied) -> (B, T, H, E)."""
+        ...
+
+
+class KVCacheContext(AttentionContext, Protocol):
+    def begin_forward(self, positions: Tensor) -> None:
+        """Called once per forward with positions (B, T), before any layer's `attend`."""
+        ...
+
+
+def sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, is_causal: bool = False) -> Tensor:
+    """q (B, T, H, E), k/v (B, S, K, E), mask (B, 1, T, S) bool (True = attend) -> (B, T, H, E).
+
+    Scaled dot-product attention (Vaswani et al. 2017), softmax(q k^T / sqrt(E)) v. SDPA picks flash /
+    memory-efficient kernels where it can and shares each KV head across its H/K query heads without copying
+    (grouped-query attention, `enable_gqa`).
+    """
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+        attn_mask=mask, is_causal=is_causal, enable_gqa=q.shape[2] != k.shape[2],
+    )  # (B, H, T, E)
+    return out.transpose(1, 2)
+
+
+class CausalAttention:
+    """Keys are this call's tokens: the query at position p sees keys at positions <= p."""
+
+    def __init__(self, positions: Tensor | None) -> None:
+        # positions None means 0..T-1 in every row: SDPA's causal fast path, no mask tensor.
+        self.mask = None if positions is None else (positions.unsqueeze(1) <= positions.unsqueeze(-1)).unsqueeze(1)  # (B, 1, T, T)
+
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        return sdpa(q, k, v, self.mask, is_causal=self.mask is None)
