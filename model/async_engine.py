@@ -1,0 +1,162 @@
+"""AsyncEngine: the engine's step loop on its own thread, one async iterator of outputs per request.
+
+The asyncio side never touches engine state: submissions and aborts go through an inbox the engine thread
+drains between steps, and outputs come back with `loop.call_soon_threadsafe` onto each request's queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from model.engine import Engine, RequestOutput
+from model.sampling import SamplingParams
+from model.scheduler import QueueFullError
+
+log = logging.getLogger("llamascope.engine")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread is not running (stopped, or crashed outside a step)."""
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._lock = threading.Lock()  # guards _streams and _num_pending
+        self._num_pending = 0  # submitted sequences not yet seen by the engine thread
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self.step_hooks: list[Callable[[Engine, list[RequestOutput], float], None]] = []  # metrics, tests
+
+    # ---- lifecycle ----------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="llamascope-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    # ---- requests -----------------------------------------------------------------------------------------
+
+    async def generate(
+        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield each step's outputs for this request until every choice has finished.
+
+        Raises ValueError (invalid request) or QueueFullError (waiting queue full) before the first output.
+        Leaving the iterator early (client disconnect, cancellation) aborts the request and frees its blocks.
+        """
+        if not self.is_running:
+            raise EngineDeadError("the engine is not running")
+        request_id = request_id or uuid.uuid4().hex
+        loop = asyncio.get_running_loop()
+        stream: asyncio.Queue = asyncio.Queue()
+        submitted: asyncio.Future = loop.create_future()  # resolved by the engine thread: None or an exception
+        n = params.n
+        with self._lock:
+            waiting = len(self.engine.scheduler.waiting) + self._num_pending
+            if waiting + n > self.engine.config.max_waiting:
+                raise QueueFullError(f"the waiting queue is full ({waiting} of {self.engine.config.max_waiting} sequences)")
+            self._num_pending += n
+            self._streams[request_id] = (loop, stream)
+        self._inbox.put(("add", (request_id, list(prompt_token_ids), params, submitted)))
+        self._wake.set()
+        finished_choices = 0
+        try:
+            await submitted  # re-raises the engine's ValueError / QueueFullError here
+            while finished_choices < n:
+                out: RequestOutput = await stream.get()
+                if out.finished:
+                    finished_choices += 1
+                yield out
+        finally:
+            with self._lock:
+                self._streams.pop(request_id, None)
+            if finished_choices < n:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(("abort", request_id))
+        self._wake.set()
+
+    # ---- engine thread ------------------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        import time
+
+        while not self._stop:
+            self._drain_inbox()
+            if not self.engine.has_unfinished():
+                self._wake.wait(0.5)
+                self._wake.clear()
+                continue
+            start = time.perf_counter()
+            try:
+                outs = self.engine.step()
+            except Exception:  # outside a step's own error handling: fail everything queued, keep the thread
+                log.exception("engine step raised; failing all requests")
+                outs = []
+                for rid in list(self.engine.requests):
+                    for out in self.engine.abort(rid):
+                        out.finish_reason, out.error = "error", "the engine failed"
+                        outs.append(out)
+            elapsed = time.perf_counter() - start
+            self._dispatch(outs)
+            for hook in self.step_hooks:
+                hook(self.engine, outs, elapsed)
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                kind, payload = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                request_id, prompt, params, submitted = payload
+                try:
+                    self.engine.add_request(request_id, prompt, params)
+                    result: BaseException | None = None
+                except (ValueError, QueueFullError) as e:
+                    result = e
+                with self._lock:
+                    self._num_pending -= params.n
+                    entry = self._streams.get(request_id)
+                if entry is not None:
+                    entry[0].call_soon_threadsafe(_resolve, submitted, result)
+                elif result is None:  # the client left before we got to it
+                    self.engine.abort(request_id)
+            elif kind == "abort":
+                self._dispatch(self.engine.abort(payload))
+
+    def _dispatch(self, outs: list[RequestOutput]) -> None:
+        with self._lock:
+            for out in outs:
+                entry = self._streams.get(out.request_id)
+                if entry is not None:
+                    entry[0].call_soon_threadsafe(entry[1].put_nowait, out)
+
+
+def _resolve(fut: asyncio.Future, error: BaseException | None) -> None:
+    if fut.done():
+        return
+    if error is None:
+        fut.set_result(None)
+    else:
+        fut.set_exception(error)

@@ -1,0 +1,160 @@
+"""Paged KV-cache bookkeeping (torch-free): the block pool, per-sequence block tables, prefix caching.
+
+The K/V tensors themselves live in `paged_kv_cache.PagedKVCache`; this decides which block ids hold what.
+Design after vLLM (Kwon et al. 2023, "Efficient Memory Management for LLM Serving with PagedAttention", and
+`vllm/v1/core/kv_cache_manager.py` / `block_pool.py`):
+
+- A full block is identified by a hash chained over every token before it (parent hash + its own tokens), so
+  equal hashes mean equal prefixes. Full blocks are registered under their hash and shared by reference count.
+- A block whose reference count drops to 0 goes to the back of the free queue but keeps its hash: it can be
+  revived by a later request with the same prefix until it reaches the front and is reused (LRU eviction).
+- Sequences free their blocks tail first, so a prefix's later blocks are evicted before its first ones.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+
+from model.sequence import Sequence
+
+
+def block_hash(parent: bytes, tokens: list[int]) -> bytes:
+    """A 128-bit BLAKE2 digest over the parent block's hash and this block's token ids: collisions, which would
+    silently serve one prompt another's K/V, are not a practical concern (unlike Python's 64-bit `hash`)."""
+    h = hashlib.blake2b(parent, digest_size=16)
+    h.update(b"".join(t.to_bytes(4, "little") for t in tokens))
+    return h.digest()
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks < 1:
+            raise ValueError("the KV cache needs at least one block")
+        self.num_blocks = num_blocks
+        self.ref_count = [0] * num_blocks
+        self.hash_of: list[bytes | None] = [None] * num_blocks
+        self.by_hash: dict[bytes, int] = {}
+        # ref_count == 0 blocks, least recently freed first; never-used blocks start here in id order.
+        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+
+    @property
+    def num_free(self) -> int:
+        """Blocks that can be handed out now (cached-but-unreferenced ones included: they are evictable)."""
+        return len(self.free)
+
+    def allocate(self) -> int:
+        block, _ = self.free.popitem(last=False)
+        h = self.hash_of[block]
+        if h is not None:  # evict: this block's cached prefix is gone
+            self.hash_of[block] = None
+            if self.by_hash.get(h) == block:
+                del self.by_hash[h]
+        self.ref_count[block] = 1
+        return block
+
+    def lookup(self, h: bytes) -> int | None:
+        return self.by_hash.get(h)
+
+    def acquire(self, block: int) -> None:
+        """Take one more reference to a cached block (reviving it from the free queue if unreferenced)."""
+        if self.ref_count[block] == 0:
+            del self.free[block]
+        self.ref_count[block] += 1
+
+    def release(self, block: int) -> None:
+        self.ref_count[block] -= 1
+        if self.ref_count[block] == 0:
+            self.free[block] = None  # most recently freed: evicted last
+        assert self.ref_count[block] >= 0, f"block {block} released more often than acquired"
+
+    def register(self, block: int, h: bytes) -> None:
+        """Record that full block `block` holds the prefix hashing to `h` (first writer wins on duplicates)."""
+        if h not in self.by_hash:
+            self.by_hash[h] = block
+            self.hash_of[block] = h
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks)
+        self.enable_prefix_caching = enable_prefix_caching
+        self.num_cached_prompt_tokens = 0  # served from the prefix cache, since start
+        self.num_prompt_tokens = 0  # scheduled for the first time, since start
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks referenced by live sequences (cached-but-free blocks count as free)."""
+        return 1.0 - self.pool.num_free / self.pool.num_blocks
+
+    def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
+        total = seq.num_computed_tokens + num_new_tokens
+        return max(0, -(-total // self.block_size) - len(seq.block_ids))
+
+    def attach_cached_prefix(self, seq: Sequence, use_cache: bool = True) -> int:
+        """At a sequence's (re)admission: take the longest run of its full blocks already in the cache.
+
+        Sets num_computed_tokens and returns it. At least one token is always left to compute (the sampler
+        needs the last position's logits), so a fully cached prompt recomputes its last block.
+        """
+        assert not seq.block_ids and seq.num_computed_tokens == 0
+        hits: list[int] = []
+        if self.enable_prefix_caching and use_cache:
+            self._extend_hashes(seq, seq.num_tokens)
+            for h in seq.block_hashes:
+                block = self.pool.lookup(h)
+                if block is None:
+                    break
+                hits.append(block)
+            if len(hits) * self.block_size >= seq.num_tokens:
+                hits.pop()
+        for block in hits:
+            self.pool.acquire(block)
+        seq.block_ids = hits
+        seq.num_committed_blocks = len(hits)
+        seq.num_computed_tokens = len(hits) * self.block_size
+        if seq.num_cached_tokens < 0:  # first admission: count for the usage report and hit rate
+            seq.num_cached_tokens = min(seq.num_computed_tokens, seq.num_prompt_tokens)
+            self.num_cached_prompt_tokens += seq.num_cached_tokens
+            self.num_prompt_tokens += seq.num_prompt_tokens
+        return seq.num_computed_tokens
+
+    def allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Give `seq` blocks for `num_new_tokens` more tokens; all or nothing. False: not enough free blocks."""
+        need = self.blocks_needed(seq, num_new_tokens)
+        if need > self.pool.num_free:
+            return False
+        seq.block_ids.extend(self.pool.allocate() for _ in range(need))
+        return True
+
+    def commit(self, seq: Sequence) -> None:
+        """After a step computed tokens of `seq`: register its newly full blocks in the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = seq.num_computed_tokens // self.block_size
+        self._extend_hashes(seq, num_full * self.block_size)
+        for i in range(seq.num_committed_blocks, num_full):
+            self.pool.register(seq.block_ids[i], seq.block_hashes[i])
+        seq.num_committed_blocks = max(seq.num_committed_blocks, num_full)
+
+    def free(self, seq: Sequence) -> None:
+        for block in reversed(seq.block_ids):  # tail first: the prefix's head stays cached longest
+            self.pool.release(block)
+        seq.block_ids = []
+        seq.num_computed_tokens = 0
+        seq.num_committed_blocks = 0
+
+    def _extend_hashes(self, seq: Sequence, num_tokens: int) -> None:
+        bs = self.block_size
+        for i in range(len(seq.block_hashes), num_tokens // bs):
+            parent = seq.block_hashes[i - 1] if i else b""
+            seq.block_hashes.append(block_hash(parent, seq.token_ids(i * bs, (i + 1) * bs)))

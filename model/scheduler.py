@@ -1,0 +1,129 @@
+"""Iteration-level scheduling (torch-free): which sequences run this step, and how many tokens each computes.
+
+Continuous batching (Yu et al. 2022, "Orca") with chunked prefill (Agrawal et al. 2024, "Sarathi-Serve"), in
+the shape of vLLM's v1 scheduler: every sequence has `num_tokens` (prompt + output) and `num_computed_tokens`;
+a step lets each catch up by some amount under a token budget. Running sequences go first (decode tokens and
+unfinished prefill chunks, oldest first), then waiting ones are admitted while budget, sequence slots and free
+blocks last. When a running sequence cannot get a block, the newest running sequence is preempted: its blocks
+are freed and it goes back to the front of the queue to be recomputed later (vLLM's recompute preemption).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from model.kv_cache_manager import KVCacheManager
+from model.sequence import Sequence, SequenceStatus
+
+
+class QueueFullError(RuntimeError):
+    """Submission refused: the waiting queue is at its limit (the HTTP layer answers 429 with Retry-After)."""
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 32  # running sequences at once
+    max_num_batched_tokens: int = 512  # tokens in one step (decode + prefill chunks)
+    max_waiting: int = 256  # queued sequences beyond which submission is refused
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def check_capacity(self, num_new: int = 1) -> None:
+        if len(self.waiting) + num_new > self.config.max_waiting:
+            raise QueueFullError(f"the waiting queue is full ({len(self.waiting)} of {self.config.max_waiting} sequences)")
+
+    def add(self, seq: Sequence, front: bool = False) -> None:
+        seq.status = SequenceStatus.WAITING
+        if front:
+            self.waiting.appendleft(seq)
+        else:
+            self.waiting.append(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take a sequence out (finished or aborted) and return its blocks to the pool at once."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.kv.free(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.kv.allocate(seq, n):
+                victim = self.running.pop()  # the newest
+                self._preempt(victim, out)
+                if victim is seq:
+                    break
+            else:
+                out.scheduled.append(ScheduledSeq(seq, n))
+                budget -= n
+                i += 1
+                continue
+            break  # seq itself was preempted: nothing after it is left to schedule
+        if out.preempted:
+            return out  # admitting new work right after running out of blocks would only thrash
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            if seq.num_computed_tokens == 0 and not seq.block_ids:
+                self.kv.attach_cached_prefix(seq, use_cache=not _wants_prompt_logprobs(seq))
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not self.kv.allocate(seq, n):
+                self.kv.free(seq)  # give back the cached prefix it took; retried next step
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append(ScheduledSeq(seq, n))
+            budget -= n
+        return out
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.kv.free(seq)
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.add(seq, front=True)
+        out.preempted.append(seq)
+        out.scheduled = [s for s in out.scheduled if s.seq is not seq]
+
+
+def _wants_prompt_logprobs(seq: Sequence) -> bool:
+    # Prompt logprobs need logits at every prompt position, so those tokens are computed, not taken from cache
+    # (vLLM does the same).
+    return getattr(seq.request.params, "prompt_logprobs", None) is not None and seq.num_cached_tokens < 0

@@ -1,0 +1,82 @@
+"""Requests and sequences as the scheduler and engine see them (torch-free bookkeeping).
+
+A `Request` is what a client submitted: one prompt, sampling parameters, n choices. Each choice is a `Sequence`:
+prompt + generated tokens, how many of them have K/V computed in the cache (`num_computed_tokens`, which catches
+up with `num_tokens` as vLLM's v1 scheduler has it), and the blocks that hold them.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or the context limit
+    ABORT = "abort"  # the client went away or asked to cancel
+    ERROR = "error"  # the step that held it failed
+
+
+@dataclass(eq=False)
+class Sequence:
+    seq_id: int
+    request: "Request"
+    index: int  # choice index within the request
+    prompt_token_ids: list[int]
+    output_token_ids: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of this sequence's full blocks
+    num_committed_blocks: int = 0  # leading blocks already registered in the prefix cache
+    num_cached_tokens: int = -1  # prompt tokens served from the prefix cache at first schedule (-1: not yet)
+    num_preemptions: int = 0
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    # engine-owned per-sequence state (detokenizer, stop matcher, sampling generator, logprobs so far)
+    state: Any = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of prompt + output, without concatenating the whole list."""
+        P = len(self.prompt_token_ids)
+        if end <= P:
+            return self.prompt_token_ids[start:end]
+        if start >= P:
+            return self.output_token_ids[start - P : end - P]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - P]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: Any  # sampling.SamplingParams
+    arrival_time: float = field(default_factory=time.monotonic)
+    seqs: list[Sequence] = field(default_factory=list)
+    # n > 1: choices after the first wait here until the first's prompt is in the cache, then share its blocks
+    pending_siblings: list[Sequence] = field(default_factory=list)
+
+    @property
+    def is_finished(self) -> bool:
+        return not self.pending_siblings and all(s.is_finished for s in self.seqs)

@@ -1,0 +1,43 @@
+"""A tiny random LLaMA with a byte-level tokenizer, for engine tests that need text as well as tokens."""
+
+from __future__ import annotations
+
+import torch
+from tokenizers import Tokenizer as Backend
+from tokenizers import decoders, pre_tokenizers
+from tokenizers.models import BPE
+
+from model.config import ModelConfig
+from model.tokenizer import Tokenizer
+from model.transformer import Transformer
+
+EOS, BOS = 256, 257
+
+
+def byte_tokenizer() -> Tokenizer:
+    """256 byte tokens (GPT-2's byte-to-unicode alphabet, no merges) + <eos> 256 + <bos> 257."""
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    from model.gguf_vocab import _BYTE_CHARS  # byte value -> alphabet character, GPT-2's table
+
+    assert set(_BYTE_CHARS.values()) == set(alphabet)
+    vocab = {_BYTE_CHARS[b]: b for b in range(256)}
+    vocab.update({"<eos>": EOS, "<bos>": BOS})
+    backend = Backend(BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    from tokenizers import AddedToken
+
+    backend.add_tokens([AddedToken("<eos>", special=True), AddedToken("<bos>", special=True)])
+    return Tokenizer(backend, bos_id=BOS, eos_id=EOS, stop_ids={EOS}, add_bos=False)
+
+
+def tiny_model(seed: int = 0, dtype=torch.float32, **overrides) -> Transformer:
+    cfg = dict(vocab_size=258, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=128, max_seq_len=512)
+    cfg.update(overrides)
+    torch.manual_seed(seed)
+    model = Transformer(ModelConfig(**cfg))
+    with torch.no_grad():  # spread-out logits so greedy choices are not near-ties
+        for p in model.parameters():
+            p.normal_(0, 0.3 if p.ndim > 1 else 1.0)
+        model.tie_weights()
+    return model.to(dtype).eval()
