@@ -84,6 +84,7 @@ class PagedKVCache:
         self.slot_mapping = torch.tensor(slots, dtype=torch.long, device=dev)  # (N,)
 
         decode = [s for s in seqs if s.num_new == 1]
+        self.all_decode = len(decode) == len(seqs)  # then row i of the packed batch is decode row i
         self.decode_idx = None
         if decode:
             width = max(len(s.block_ids) for s in decode)
@@ -116,13 +117,17 @@ class PagedKVCache:
         k_pool, v_pool = self.k[layer], self.v[layer]  # (NB, bs, K, E)
         k_pool.view(-1, K, E)[self.slot_mapping] = k[0]
         v_pool.view(-1, K, E)[self.slot_mapping] = v[0]
-        out = torch.empty_like(q)
         if self.decode_idx is not None:
             Bd = self.decode_idx.shape[0]
             kd = k_pool[self.decode_tables].view(Bd, -1, K, E)  # (Bd, S, K, E)
             vd = v_pool[self.decode_tables].view(Bd, -1, K, E)
+            if self.all_decode:  # pure decode step: no scatter in or out of the packed row
+                return sdpa(q[0].unsqueeze(1), kd, vd, self.decode_mask).transpose(0, 1)  # (1, N, H, E)
+            out = torch.empty_like(q)
             qd = q[0, self.decode_idx].unsqueeze(1)  # (Bd, 1, H, E)
             out[0, self.decode_idx] = sdpa(qd, kd, vd, self.decode_mask).squeeze(1)
+        else:
+            out = torch.empty_like(q)
         for p in self.prefills:
             qp = q[:, p.start : p.end]  # (1, n, H, E)
             if p.blocks is None:

@@ -104,3 +104,20 @@ def test_cuda_matches_cpu(tmp_path):
     tokens = _prompts(hf.config.vocab_size)
     with torch.no_grad():
         assert (ours(tokens.cuda()).cpu() - hf(tokens).logits).abs().max().item() <= 1e-3
+
+
+def test_fused_projections_match_unfused(tmp_path):
+    """Loaders fuse q/k/v and gate/up into one matmul each; the separate-weight path computes the same."""
+    hf = save_tiny_llama(tmp_path)
+    fused = load_hf(tmp_path)
+    assert fused.layers[0].attention.wqkv is not None
+    assert fused.layers[0].attention.wk.weight.data_ptr() != fused.layers[0].attention.wq.weight.data_ptr()
+    assert fused.layers[0].attention.wk.weight.untyped_storage().data_ptr() == fused.layers[0].attention.wqkv.untyped_storage().data_ptr()
+    for layer in fused.layers:
+        layer.attention.wqkv = layer.feed_forward.w13 = None  # back to three / two matmuls
+    tokens = _prompts(hf.config.vocab_size)
+    with torch.no_grad():
+        unfused = fused(tokens)
+    refused = load_hf(tmp_path)
+    with torch.no_grad():
+        assert (refused(tokens) - unfused).abs().max().item() <= 1e-5

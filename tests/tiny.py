@@ -40,4 +40,4 @@ def tiny_model(seed: int = 0, dtype=torch.float32, **overrides) -> Transformer:
         for p in model.parameters():
             p.normal_(0, 0.3 if p.ndim > 1 else 1.0)
         model.tie_weights()
-    return model.to(dtype).eval()
+    return model.to(dtype).eval().requires_grad_(False).fuse_projections()

@@ -86,4 +86,4 @@ class ModelAssembler:
         model.tie_weights()
         model.rope.reset(self.device, rope_freq_factors)
         self.progress.close()
-        return model.eval().requires_grad_(False)
+        return model.eval().requires_grad_(False).fuse_projections()
