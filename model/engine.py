@@ -78,9 +78,7 @@ class _SeqState:
     def __init__(self, tokenizer: Tokenizer, params: SamplingParams, index: int, device: torch.device) -> None:
         self.detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=params.skip_special_tokens)
         self.stops = StopStringMatcher(params.stop)
-        self.generator = None
-        if params.seed is not None:  # choice i of a seeded request: seed + i, so n > 1 choices differ
-            self.generator = torch.Generator(device=device).manual_seed(params.seed + index)
+        self.generator = params.make_generator(device, offset=index)  # choice i of a seeded request: seed + i
         self.prompt_logprobs: list[TokenLogprobs | None] | None = [None] if params.prompt_logprobs is not None else None
         self.prompt_logprobs_sent = False
 

@@ -4,8 +4,9 @@ Memory follows the tokens held: a sequence of L tokens owns ceil(L / block_size)
 table (PagedAttention, Kwon et al. 2023). One engine step packs every scheduled sequence's new tokens into one
 row (B = 1, T = N total tokens) so the linear layers run once over all of them; only attention splits by sequence:
 
-- rows with one new token (decode) attend together: their blocks are gathered into a (Bd, S_max) view and
-  masked by context length, one SDPA call per layer;
+- rows with one new token (decode) attend in a few groups of similar context length: each group's blocks are
+  gathered into a (Bg, S_g) view, masked by context length, one SDPA call per group and layer (grouping keeps
+  the padding of short contexts to the longest small: the gather, not the matmuls, is what costs on CPU);
 - rows with several new tokens (prefill chunks) attend one by one: causal SDPA over their own fresh K/V when
   nothing precedes them, else over their gathered blocks with a causal mask offset by the cached prefix.
 """
@@ -28,6 +29,18 @@ class SeqSlice:
     num_new: int
     context_len: int  # tokens in the cache after this step (cached prefix + num_new)
     block_ids: list[int]
+
+
+@dataclass
+class _DecodeGroup:
+    idx: Tensor  # (Bg,) rows of the packed batch
+    tables: Tensor  # (Bg * blocks,) block ids, row-major, padded with block 0
+    mask: Tensor  # (Bg, 1, 1, blocks * block_size): key slot < context length
+    num_rows: int
+
+
+# A decode group closes when the next (shorter) context would pad to the group's longest by more than this.
+GROUP_PAD_RATIO = 0.75
 
 
 @dataclass
@@ -83,16 +96,15 @@ class PagedKVCache:
         self._num_tokens = len(slots)
         self.slot_mapping = torch.tensor(slots, dtype=torch.long, device=dev)  # (N,)
 
-        decode = [s for s in seqs if s.num_new == 1]
-        self.all_decode = len(decode) == len(seqs)  # then row i of the packed batch is decode row i
-        self.decode_idx = None
-        if decode:
-            width = max(len(s.block_ids) for s in decode)
-            tables = [s.block_ids + [0] * (width - len(s.block_ids)) for s in decode]
-            self.decode_idx = torch.tensor([s.start for s in decode], dtype=torch.long, device=dev)  # (Bd,)
-            self.decode_tables = torch.tensor(tables, dtype=torch.long, device=dev)  # (Bd, max_blocks)
-            lens = torch.tensor([s.context_len for s in decode], device=dev)
-            self.decode_mask = (torch.arange(width * bs, device=dev) < lens.unsqueeze(1))[:, None, None, :]  # (Bd, 1, 1, S)
+        decode = sorted((s for s in seqs if s.num_new == 1), key=lambda s: -len(s.block_ids))
+        self.decode_groups: list[_DecodeGroup] = []
+        group: list[SeqSlice] = []
+        for s in decode + [None]:
+            if group and (s is None or len(s.block_ids) < GROUP_PAD_RATIO * len(group[0].block_ids)):
+                self.decode_groups.append(self._decode_group(group))
+                group = []
+            if s is not None:
+                group.append(s)
         self.prefills: list[_Prefill] = []
         for s in seqs:
             if s.num_new == 1:
@@ -107,6 +119,17 @@ class PagedKVCache:
             mask = (torch.arange(s.context_len, device=dev) <= q_pos.unsqueeze(1))[None, None]  # (1, 1, n, ctx)
             self.prefills.append(_Prefill(s.start, s.start + s.num_new, s.context_len, blocks, mask))
 
+    def _decode_group(self, group: list[SeqSlice]) -> _DecodeGroup:
+        dev, width = self.device, len(group[0].block_ids)
+        tables = [b for s in group for b in s.block_ids + [0] * (width - len(s.block_ids))]
+        lens = torch.tensor([s.context_len for s in group], device=dev)
+        return _DecodeGroup(
+            idx=torch.tensor([s.start for s in group], dtype=torch.long, device=dev),
+            tables=torch.tensor(tables, dtype=torch.long, device=dev),
+            mask=(torch.arange(width * self.block_size, device=dev) < lens.unsqueeze(1))[:, None, None, :],
+            num_rows=len(group),
+        )
+
     def begin_forward(self, positions: Tensor) -> None:
         if positions.shape != (1, self._num_tokens):
             raise ValueError(f"paged forward expects positions (1, {self._num_tokens}) as set_step said, got {tuple(positions.shape)}")
@@ -117,23 +140,17 @@ class PagedKVCache:
         k_pool, v_pool = self.k[layer], self.v[layer]  # (NB, bs, K, E)
         k_pool.view(-1, K, E)[self.slot_mapping] = k[0]
         v_pool.view(-1, K, E)[self.slot_mapping] = v[0]
-        if self.decode_idx is not None:
-            Bd = self.decode_idx.shape[0]
-            kd = k_pool[self.decode_tables].view(Bd, -1, K, E)  # (Bd, S, K, E)
-            vd = v_pool[self.decode_tables].view(Bd, -1, K, E)
-            if self.all_decode:  # pure decode step: no scatter in or out of the packed row
-                return sdpa(q[0].unsqueeze(1), kd, vd, self.decode_mask).transpose(0, 1)  # (1, N, H, E)
-            out = torch.empty_like(q)
-            qd = q[0, self.decode_idx].unsqueeze(1)  # (Bd, 1, H, E)
-            out[0, self.decode_idx] = sdpa(qd, kd, vd, self.decode_mask).squeeze(1)
-        else:
-            out = torch.empty_like(q)
+        out = torch.empty_like(q)
+        for g in self.decode_groups:
+            kd = k_pool.index_select(0, g.tables).view(g.num_rows, -1, K, E)  # (Bg, S_g, K, E)
+            vd = v_pool.index_select(0, g.tables).view(g.num_rows, -1, K, E)
+            out[0, g.idx] = sdpa(q[0, g.idx].unsqueeze(1), kd, vd, g.mask).squeeze(1)  # (Bg, H, E)
         for p in self.prefills:
             qp = q[:, p.start : p.end]  # (1, n, H, E)
             if p.blocks is None:
                 out[:, p.start : p.end] = sdpa(qp, k[:, p.start : p.end], v[:, p.start : p.end], is_causal=True)
             else:
-                kp = k_pool[p.blocks].view(1, -1, K, E)[:, : p.context_len]  # (1, ctx, K, E)
-                vp = v_pool[p.blocks].view(1, -1, K, E)[:, : p.context_len]
+                kp = k_pool.index_select(0, p.blocks).view(1, -1, K, E)[:, : p.context_len]  # (1, ctx, K, E)
+                vp = v_pool.index_select(0, p.blocks).view(1, -1, K, E)[:, : p.context_len]
                 out[:, p.start : p.end] = sdpa(qp, kp, vp, p.mask)
         return out

@@ -1,0 +1,90 @@
+"""llamascope's side: the `Engine` driven in-process, one `step()` at a time, as the service's engine thread does.
+
+No AsyncEngine and no HTTP: the thread hop and the event loop are the service's cost, not the engine's, and they
+would blur the comparison with transformers' in-process `generate`. The engine still does everything it does
+when serving (scheduling, paged KV, the batched sampler, incremental detokenization of every token).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from benchmarks.measure import Clock, ConcurrentResult, StreamResult
+from model.engine import Engine, RequestOutput
+from model.sampling import SamplingParams
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    # ignore_eos: every request generates exactly max_tokens, so every side does the same amount of work.
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+def _check(out: RequestOutput) -> None:
+    if out.error:
+        raise RuntimeError(f"request {out.request_id} failed in the engine: {out.error}")
+
+
+def run_single(engine: Engine, prompt: list[int], max_tokens: int, clock: Clock) -> StreamResult:
+    """One request alone; a mark per step that produced its token (a partial prefill chunk produces none)."""
+    tokens: list[int] = []
+    clock.start()
+    engine.add_request("single", prompt, greedy(max_tokens))
+    while engine.has_unfinished():
+        outs = engine.step()
+        for out in outs:
+            _check(out)
+            tokens += out.token_ids
+        if any(out.token_ids for out in outs):
+            clock.mark()
+    return StreamResult.from_token_times(tokens, clock.times())
+
+
+def run_concurrent(engine: Engine, prompts: list[list[int]], max_tokens: int, clock: Clock,
+                   tag: str = "req") -> ConcurrentResult:
+    """All requests added at t = 0, then `step()` until every one has finished; a mark after every step."""
+    n = len(prompts)
+    tokens: list[list[int]] = [[] for _ in range(n)]
+    first_step: list[int | None] = [None] * n
+    last_step: list[int | None] = [None] * n
+    before = engine.stats()
+    peak_kv_usage, num_steps = 0.0, 0
+    clock.start()
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"{tag}-{i}", prompt, greedy(max_tokens))
+    while engine.has_unfinished():
+        outs = engine.step()
+        clock.mark()
+        for out in outs:
+            _check(out)
+            i = int(out.request_id.rsplit("-", 1)[1])
+            tokens[i] += out.token_ids
+            if first_step[i] is None and out.token_ids:
+                first_step[i] = num_steps
+            if out.finished:
+                last_step[i] = num_steps
+        peak_kv_usage = max(peak_kv_usage, engine.stats().kv_usage)
+        num_steps += 1
+    times = clock.times()
+    after = engine.stats()
+    return ConcurrentResult(
+        ttft_s=[times[s] for s in first_step],
+        latency_s=[times[s] for s in last_step],
+        num_output_tokens=sum(len(t) for t in tokens),
+        wall_s=times[-1],
+        token_ids=tokens,
+        notes={
+            "method": "Engine.step() loop in-process, all requests added at t=0",
+            "engine_steps": num_steps,
+            "preemptions": after.num_preemptions - before.num_preemptions,
+            "prefix_cache_hit_tokens": after.prefix_cache_hits - before.prefix_cache_hits,
+            "peak_kv_usage": peak_kv_usage,
+        },
+    )
+
+
+def warm_up(engine: Engine, vocab_size: int) -> None:
+    """A short batched prefill + decode, so one-time costs (thread pools, kernel selection, first allocations)
+    stay out of the timings. Random ids that no timed prompt shares, so the prefix cache gains nothing."""
+    g = torch.Generator().manual_seed(12345)
+    prompts = [torch.randint(0, vocab_size, (n,), generator=g).tolist() for n in (24, 40)]
+    run_concurrent(engine, prompts, 4, Clock(engine.model.device), tag="warmup")

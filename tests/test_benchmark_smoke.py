@@ -1,0 +1,78 @@
+"""The benchmark harness end to end at --quick sizes on the default model: the JSON it writes holds every number
+with a sane value, and ours and transformers did the same work (identical greedy tokens)."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.slow  # loads the default model twice (ours and transformers'): about a minute on 2 cores
+
+ROOT = Path(__file__).resolve().parents[1]
+STREAM_KEYS = {"num_tokens", "ttft_s", "decode_tok_s", "total_s"}
+CONCURRENT_KEYS = {"num_requests", "num_output_tokens", "wall_s", "throughput_tok_s", "ttft_p50_s", "ttft_p99_s",
+                   "latency_p50_s", "latency_p99_s"}
+
+
+def _positive(d: dict, keys: set[str]) -> None:
+    for k in keys:
+        assert isinstance(d[k], (int, float)) and math.isfinite(d[k]) and d[k] > 0, (k, d[k])
+
+
+def test_quick_run_against_transformers(tmp_path):
+    out = tmp_path / "results.json"
+    # As a user runs it, from the repository root, in its own process: its memory figures and thread count
+    # are then its own, not the test session's.
+    threads = torch.get_num_threads()
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.bench_engine", "--quick", "--device", "cpu", "--threads", str(threads),
+         "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600, check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "Single stream" in proc.stdout and "Concurrent" in proc.stdout
+    r = json.loads(out.read_text())
+    ws, wc = r["workload"]["single_stream"], r["workload"]["concurrent"]
+    assert r["quick"] and wc["num_requests"] <= 8 and ws["new_tokens"] <= 32  # --quick's sizes
+
+    assert {"machine", "model", "engine_config", "workload", "single_stream", "concurrent", "memory",
+            "ratios"} <= r.keys()
+    assert r["machine"]["threads"] == threads and r["machine"]["torch_version"]
+    assert r["model"]["dtype"] == "float32" and r["model"]["device"] == "cpu"
+
+    single = r["single_stream"]
+    for side in ("ours", "hf_generate", "hf_forward_loop"):
+        assert STREAM_KEYS <= single[side].keys()
+        _positive(single[side], STREAM_KEYS)
+        assert single[side]["num_tokens"] == ws["new_tokens"]
+        assert single[side]["ttft_s"] <= single[side]["total_s"]
+    # The cheap proof that both sides measure the same work: greedy, EOS ignored, same weights -> same tokens.
+    assert single["tokens_match"] == {"hf_generate": {"equal": True, "first_mismatch": None},
+                                      "hf_forward_loop": {"equal": True, "first_mismatch": None}}
+    assert len(single["ours_tokens"]) == ws["new_tokens"]
+
+    conc = r["concurrent"]
+    for side in ("ours", "hf_sequential", "hf_batched"):
+        _positive(conc[side], CONCURRENT_KEYS)
+        assert conc[side]["num_requests"] == wc["num_requests"]
+        assert conc[side]["num_output_tokens"] == wc["num_requests"] * wc["new_tokens"]
+        assert conc[side]["ttft_p50_s"] <= conc[side]["ttft_p99_s"] <= conc[side]["wall_s"]
+    assert conc["ours"]["prefix_cache_hit_tokens"] == 0  # random prompts: nothing served from the cache
+    assert conc["hf_sequential"]["extrapolated"] is False  # --quick runs every request
+
+    mem = r["memory"]
+    assert mem["kv_bytes_per_token"] == 2 * 30 * 3 * 64 * 4  # K and V, 30 layers, 3 KV heads of 64, float32
+    assert mem["weights_mb"] > 0 and mem["kv_pool_mb"] > 0
+    # Both big allocations are resident while serving (the pool is zero-filled), so the peak holds them.
+    assert mem["ours_serve"]["peak_rss_mb"] >= mem["weights_mb"] + mem["kv_pool_mb"]
+
+    for phase, peers in (("single_stream", ("hf_generate", "hf_forward_loop")),
+                         ("concurrent", ("hf_sequential", "hf_batched"))):
+        for peer in peers:
+            assert all(v is not None and v > 0 for v in r["ratios"][phase][peer].values()), (phase, peer)
