@@ -6,7 +6,6 @@ Synchronous and single-threaded; `async_engine.AsyncEngine` runs it on its own t
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass, field
 
 import torch
