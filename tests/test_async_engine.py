@@ -48,15 +48,15 @@ def test_invalid_and_queue_full_are_raised_before_streaming(engine):
     async def main():
         with pytest.raises(ValueError, match="exceeds the context length"):
             await _collect(engine, [1] * 500, SamplingParams(max_tokens=100))
-        # fill the queue: a burst of 6 single requests against max_waiting=4 refuses some of them at once
+        # a burst of 10 against 2 running slots + 4 waiting places: at least 4 are refused at once
         params = SamplingParams(max_tokens=30, ignore_eos=True)
-        results = await asyncio.gather(*[_collect(engine, [1, 2, 3], params) for _ in range(6)], return_exceptions=True)
+        results = await asyncio.gather(*[_collect(engine, [1, 2, 3], params) for _ in range(10)], return_exceptions=True)
         return results
 
     results = asyncio.run(main())
     refused = [r for r in results if isinstance(r, QueueFullError)]
     served = [r for r in results if isinstance(r, list)]
-    assert refused and served and len(refused) + len(served) == 6
+    assert len(refused) >= 4 and served and len(refused) + len(served) == 10
     assert all(r[-1].finish_reason == "length" for r in served)
 
 
