@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import hf_peer, ours
+from benchmarks import ceilings, hf_peer, ours
 from benchmarks.machine import MB, PeakRSS, machine_info, rss_mb
 from benchmarks.measure import Clock
 from benchmarks.report import compare, print_report
@@ -127,6 +127,10 @@ def run(args: argparse.Namespace) -> dict:
         kv_pool_tokens=engine.cache.num_blocks * config.block_size, kv_bytes_per_token=per_block / config.block_size,
         ours_rss_after_engine_mb=rss_mb(),
     )
+    _progress("llamascope: matmul ceilings")
+    ceil = ceilings.measure(lm.model, args.max_num_batched_tokens, reps=4 if args.quick else 20)
+    ceil["concurrent_workload"] = ceilings.workload_bound(
+        ceil, sum(len(p) for p in workload.prompts), len(workload.prompts) * sizes.max_tokens)
     mem.reset()
     _progress("llamascope: warm-up, single stream, concurrent")
     ours.warm_up(engine, lm.model.config.vocab_size)
@@ -190,6 +194,7 @@ def run(args: argparse.Namespace) -> dict:
         "single_stream": single_out,
         "concurrent": conc_out,
         "memory": memory,
+        "ceilings": ceil,
         "ratios": compare(single_out, conc_out),
     }
 

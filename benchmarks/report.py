@@ -82,6 +82,15 @@ def print_report(r: dict) -> None:
         print(f"  {LABELS[k]:22}{v['throughput_tok_s']:>10.1f}{_ms(v['ttft_p50_s']):>13}{_ms(v['ttft_p99_s']):>13}"
               f"{v['wall_s']:>9.2f}{_x(rat.get('throughput_speedup')) if k != 'ours' else '':>12}  {note}")
 
+    c = r.get("ceilings")
+    if c:
+        cw = c["concurrent_workload"]
+        print(f"\nCeilings (matmuls alone, {c['matmul_gflop_per_token']:.2f} GFLOP/token): batch-1 decode "
+              f"{c['decode_matmul_ms_per_token']:.1f} ms/token = {c['decode_ceiling_tok_s']:.1f} tok/s "
+              f"({c['decode_weight_read_gb_s']:.1f} GB/s of weights); {c['prefill_rows']}-token steps "
+              f"{c['prefill_matmul_gflop_s']:.0f} GFLOP/s = {c['prefill_ceiling_tok_s']:.0f} tok/s; the concurrent "
+              f"workload's {cw['matmul_gflop']:.0f} GFLOP bound it at {cw['ceiling_tok_s']:.1f} output tok/s")
+
     mem = r["memory"]
     serve = mem["ours_serve"]
     print(f"\nMemory (ours): weights {mem['weights_mb']:.0f} MB, KV pool {mem['kv_pool_mb']:.0f} MB "
