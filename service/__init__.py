@@ -1,1 +1,1 @@
-"""HTTP edge (FastAPI): arrives with the service issue. Empty until then so the package layout is stable."""
+"""HTTP edge: FastAPI app (main.py), settings, OpenAI schemas, errors, metrics, routes. `python -m service`."""

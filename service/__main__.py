@@ -1,0 +1,5 @@
+import sys
+
+from service.main import main
+
+sys.exit(main())

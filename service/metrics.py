@@ -1,0 +1,45 @@
+"""Prometheus metrics on an app-owned registry, all under `llamascope_`, units in the names.
+
+Routes record per-request figures; an AsyncEngine step hook records per-step ones (engine thread).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
+_TOKENS = (1, 4, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        p = "llamascope_"
+        self.ttft = Histogram(p + "time_to_first_token_seconds", "request start to first generated token", registry=r, buckets=_LATENCY)
+        self.itl = Histogram(p + "inter_token_latency_seconds", "time between streamed tokens of a choice", registry=r, buckets=_LATENCY)
+        self.e2e = Histogram(p + "e2e_request_latency_seconds", "request start to last token", registry=r, buckets=_LATENCY)
+        self.queue = Histogram(p + "request_queue_time_seconds", "request start to first engine output", registry=r, buckets=_LATENCY)
+        self.prompt_len = Histogram(p + "request_prompt_tokens", "prompt tokens per request", registry=r, buckets=_TOKENS)
+        self.gen_len = Histogram(p + "request_generation_tokens", "generated tokens per request (all choices)", registry=r, buckets=_TOKENS)
+        self.step = Histogram(p + "engine_step_seconds", "one engine step (schedule, forward, sample, update)", registry=r, buckets=_LATENCY)
+        self.requests = Counter(p + "requests", "finished HTTP requests", ["endpoint", "status"], registry=r)
+        self.finished = Counter(p + "request_finish", "finished choices by finish reason", ["finish_reason"], registry=r)
+        self.prompt_tokens = Counter(p + "prompt_tokens", "prompt tokens processed", registry=r)
+        self.generation_tokens = Counter(p + "generation_tokens", "tokens generated", registry=r)
+        self.cached_tokens = Counter(p + "prefix_cache_hit_tokens", "prompt tokens served from the prefix cache", registry=r)
+        self.preemptions = Counter(p + "preemptions", "sequences preempted for KV blocks", registry=r)
+        self.aborts = Counter(p + "aborted_requests", "requests aborted (client gone or cancelled)", registry=r)
+        self.running = Gauge(p + "num_requests_running", "sequences in the running batch", registry=r)
+        self.waiting = Gauge(p + "num_requests_waiting", "sequences waiting to run", registry=r)
+        self.kv_usage = Gauge(p + "kv_cache_usage_ratio", "fraction of KV blocks held by live sequences", registry=r)
+        self._last_preemptions = 0
+
+    def on_step(self, engine, outputs, seconds: float) -> None:
+        """AsyncEngine step hook (engine thread)."""
+        stats = engine.stats()
+        self.step.observe(seconds)
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        self.kv_usage.set(stats.kv_usage)
+        self.preemptions.inc(stats.num_preemptions - self._last_preemptions)
+        self._last_preemptions = stats.num_preemptions

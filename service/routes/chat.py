@@ -1,0 +1,121 @@
+"""POST /v1/chat/completions: messages rendered with the checkpoint's chat template, then the engine."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from service.errors import APIError
+from service.routes.common import DONE, chat_logprob, now, sse, sse_error, usage
+from service.runner import RunStats, finish, run, until_disconnect
+from service.sampling_params import to_sampling_params
+from service.schemas import ChatCompletionRequest, ChatMessage
+from service.state import ServingState, check_model, serving
+
+router = APIRouter()
+
+
+def render_chat(state: ServingState, messages: list[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
+    tok = state.loaded.tokenizer
+    try:
+        text = tok.apply_chat_template([{"role": m.role, "content": m.text()} for m in messages],
+                                       add_generation_prompt=add_generation_prompt)
+    except Exception as e:  # no template, or the template's own raise_exception (e.g. roles out of order)
+        raise APIError(400, f"cannot render the chat template: {e}", param="messages", code="chat_template") from None
+    ids = tok.encode(text, add_bos=False)  # the template writes any BOS itself (transformers: add_special_tokens=False)
+    if not ids:
+        raise APIError(400, "the rendered conversation is empty", param="messages", code="empty_prompt")
+    return ids
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(req: ChatCompletionRequest, request: Request, state: ServingState = Depends(serving)):
+    check_model(state, req.model)
+    prompt = render_chat(state, req.messages, req.add_generation_prompt)
+    max_len = state.loaded.model.config.max_seq_len if state.settings.max_model_len is None else state.settings.max_model_len
+    top = (req.top_logprobs or 0) if req.logprobs else None
+    if req.top_logprobs is not None and not req.logprobs:
+        raise APIError(400, "top_logprobs requires logprobs: true", param="top_logprobs", code="invalid_value")
+    params = to_sampling_params(req, state.settings, req.max_completion_tokens or req.max_tokens, top, None,
+                                default_max_tokens=max(1, max_len - len(prompt)))
+    stats = RunStats("chat")
+    tok = state.loaded.tokenizer
+    created, rid, model = now(), f"chatcmpl-{stats.request_id}", state.model_name
+    try:
+        stream = run(state, [prompt], params, stats)
+        first = await anext(stream)
+    except APIError as e:
+        finish(state, stats, e.status)
+        raise
+
+    async def outputs():
+        yield first
+        async for item in stream:
+            yield item
+
+    def chunk(choices: list[dict], **extra) -> str:
+        return sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+                    "choices": choices, **extra})
+
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+        async def events() -> AsyncIterator[str]:
+            status = 200
+            try:
+                for c in range(params.n):  # the role comes first, as OpenAI sends it
+                    yield chunk([{"index": c, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                  "finish_reason": None}])
+                async for choice, out in outputs():
+                    if out.error:
+                        status = 500
+                        yield sse_error(500, out.error)
+                        continue
+                    lp = {"content": [chat_logprob(tok, l) for l in out.logprobs]} if out.logprobs else None
+                    if not out.text and not out.finished and lp is None:
+                        continue
+                    delta = {"content": out.text} if out.text else {}
+                    yield chunk([{"index": choice, "delta": delta, "logprobs": lp, "finish_reason": out.finish_reason}])
+                if include_usage:
+                    yield chunk([], usage=usage(stats.prompt_tokens, stats.completion_tokens, stats.cached_tokens))
+                yield DONE
+            except Exception:
+                status = 500
+                yield sse_error(500, "generation failed")
+                yield DONE
+            finally:
+                finish(state, stats, status if len(stats.finish_reasons) == params.n or status != 200 else 499)
+
+        return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    async def collect():
+        texts = {c: "" for c in range(params.n)}
+        lps: dict[int, list] = {c: [] for c in range(params.n)}
+        reasons: dict[int, str | None] = {}
+        error = None
+        async for choice, out in outputs():
+            texts[choice] += out.text
+            lps[choice] += [chat_logprob(tok, l) for l in out.logprobs or []]
+            error = error or out.error
+            if out.finished:
+                reasons[choice] = out.finish_reason
+        return texts, lps, reasons, error
+
+    try:
+        texts, lps, reasons, error = await until_disconnect(request, collect())
+    except APIError as e:
+        finish(state, stats, e.status)
+        raise
+    if error:
+        finish(state, stats, 500)
+        raise APIError(500, error, code="generation_failed")
+    finish(state, stats, 200)
+    return JSONResponse({
+        "id": rid, "object": "chat.completion", "created": created, "model": model,
+        "choices": [{"index": c, "message": {"role": "assistant", "content": texts[c]},
+                     "logprobs": {"content": lps[c]} if req.logprobs else None, "finish_reason": reasons.get(c)}
+                    for c in range(params.n)],
+        "usage": usage(stats.prompt_tokens, stats.completion_tokens, stats.cached_tokens),
+    })

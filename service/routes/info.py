@@ -1,0 +1,64 @@
+"""GET /health, GET /v1/models, GET /metrics, POST /tokenize, POST /detokenize."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from service.errors import APIError, error_response
+from service.routes.chat import render_chat
+from service.schemas import DetokenizeRequest, TokenizeRequest
+from service.state import ServingState, check_model, serving
+
+router = APIRouter()
+
+
+@router.get("/health")
+async def health(request: Request):
+    state: ServingState = request.app.state.serving
+    if state.ready:
+        return {"status": "ok", "model": state.model_name}
+    reason = "draining" if state.draining else ("failed" if state.load_error else "loading")
+    return error_response(503, f"not ready: {reason}" + (f" ({state.load_error})" if state.load_error else ""),
+                          code="not_ready", headers={"Retry-After": "5"})
+
+
+@router.get("/v1/models")
+async def models(state: ServingState = Depends(serving)):
+    return {"object": "list", "data": [{
+        "id": state.model_name, "object": "model", "created": 0, "owned_by": "llamascope",
+        "max_model_len": state.engine.engine.max_model_len,
+    }]}
+
+
+@router.get("/metrics")
+async def metrics(request: Request):
+    state: ServingState = request.app.state.serving
+    if state.engine is not None:  # gauges also move between steps (aborts), so refresh them at scrape time
+        s = state.engine.engine.stats()
+        state.metrics.running.set(s.num_running)
+        state.metrics.waiting.set(s.num_waiting)
+        state.metrics.kv_usage.set(s.kv_usage)
+    return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+@router.post("/tokenize")
+async def tokenize(req: TokenizeRequest, state: ServingState = Depends(serving)):
+    check_model(state, req.model)
+    if (req.prompt is None) == (req.messages is None):
+        raise APIError(400, "give exactly one of prompt or messages", param="prompt", code="invalid_value")
+    if req.messages is not None:
+        ids = render_chat(state, req.messages)
+    else:
+        ids = state.loaded.tokenizer.encode(req.prompt, add_bos=None if req.add_special_tokens else False)
+    return {"tokens": ids, "count": len(ids), "max_model_len": state.engine.engine.max_model_len}
+
+
+@router.post("/detokenize")
+async def detokenize(req: DetokenizeRequest, state: ServingState = Depends(serving)):
+    check_model(state, req.model)
+    V = state.loaded.model.config.vocab_size
+    if any(t >= V for t in req.tokens):
+        raise APIError(400, f"token ids must be below the vocabulary size {V}", param="tokens", code="invalid_token")
+    return JSONResponse({"prompt": state.loaded.tokenizer.decode(req.tokens)})

@@ -1,0 +1,164 @@
+"""Run one HTTP request's prompts through the AsyncEngine: submit, merge the streams, watch for disconnects,
+record metrics, and turn engine refusals into OpenAI errors. Shared by /v1/completions and /v1/chat/completions."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from fastapi import Request
+
+from model.async_engine import EngineDeadError
+from model.engine import RequestOutput
+from model.sampling import SamplingParams
+from model.scheduler import QueueFullError
+from service.errors import APIError
+from service.state import ServingState
+
+log = logging.getLogger("llamascope.service")
+
+
+@dataclass
+class RunStats:
+    """Per HTTP request: for usage, metrics and the log line."""
+
+    endpoint: str
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
+    start: float = field(default_factory=time.perf_counter)
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    first_token_at: float | None = None
+    first_output_at: float | None = None
+    last_token_at: dict[int, float] = field(default_factory=dict)
+    finish_reasons: list[str] = field(default_factory=list)
+
+
+async def run(
+    state: ServingState, prompts: list[list[int]], params: SamplingParams, stats: RunStats
+) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Yield (choice index, output) for every prompt x n choice, as outputs arrive; choice index =
+    prompt_index * n + choice (OpenAI's order). Engine refusals raise APIError before anything is yielded."""
+    engine = state.engine
+    stats.prompt_tokens = sum(len(p) for p in prompts)
+    gens = [engine.generate(p, params, f"{stats.request_id}-{i}") for i, p in enumerate(prompts)]
+    firsts: list[RequestOutput | None] = []
+    try:
+        for g in gens:  # prime each stream: submission errors surface here, before any byte is sent
+            firsts.append(await g.__anext__())
+    except StopAsyncIteration:
+        firsts.append(None)
+    except ValueError as e:
+        await _close(gens)
+        raise APIError(400, str(e), code="invalid_request") from None
+    except QueueFullError as e:
+        await _close(gens)
+        raise APIError(429, f"server busy: {e}", code="queue_full", headers={"Retry-After": "1"}) from None
+    except EngineDeadError:
+        await _close(gens)
+        raise APIError(503, "the engine is not running", code="not_ready") from None
+    except BaseException:
+        await _close(gens)
+        raise
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, g, first: RequestOutput | None) -> None:
+        try:
+            if first is not None:
+                await queue.put((i, first))
+            async for out in g:
+                await queue.put((i, out))
+        except BaseException as e:  # forwarded to the consumer; cancellation closes g via its finally
+            await queue.put((i, e))
+            raise
+        finally:
+            await queue.put((i, done))
+
+    tasks = [asyncio.create_task(pump(i, g, f)) for i, (g, f) in enumerate(zip(gens, firsts))]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            i, item = await queue.get()
+            if item is done:
+                remaining -= 1
+                continue
+            if isinstance(item, BaseException):
+                raise item
+            choice = i * params.n + item.index
+            _observe(state, stats, item, choice)
+            yield choice, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _close(gens) -> None:
+    for g in gens:
+        await g.aclose()
+
+
+def _observe(state: ServingState, stats: RunStats, out: RequestOutput, choice: int) -> None:
+    now = time.perf_counter()
+    m = state.metrics
+    if stats.first_output_at is None:
+        stats.first_output_at = now
+        m.queue.observe(now - stats.start)
+    if out.token_ids:
+        key = choice
+        if stats.first_token_at is None:
+            stats.first_token_at = now
+            m.ttft.observe(now - stats.start)
+        if key in stats.last_token_at:
+            m.itl.observe(now - stats.last_token_at[key])
+        stats.last_token_at[key] = now
+        stats.completion_tokens += len(out.token_ids)
+        m.generation_tokens.inc(len(out.token_ids))
+    if out.finished:
+        stats.finish_reasons.append(out.finish_reason)
+        m.finished.labels(out.finish_reason).inc()
+        if out.finish_reason == "abort":
+            m.aborts.inc()
+        if out.index == 0:
+            stats.cached_tokens += out.num_cached_tokens
+
+
+async def until_disconnect(request: Request, coro):
+    """Await `coro` (a non-streamed generation) unless the client leaves first; then cancel it, which aborts
+    the engine request and frees its blocks."""
+    task = asyncio.ensure_future(coro)
+    try:
+        while not task.done():
+            done, _ = await asyncio.wait({task}, timeout=0.25)
+            if not done and await request.is_disconnected():
+                task.cancel()
+                state: ServingState = request.app.state.serving
+                state.metrics.aborts.inc()
+                raise APIError(499, "client disconnected")
+        return task.result()
+    finally:
+        if not task.done():
+            task.cancel()
+
+
+def finish(state: ServingState, stats: RunStats, status: int) -> None:
+    """Request-level metrics and the one structured log line (no prompt text unless log_prompts)."""
+    m = state.metrics
+    now = time.perf_counter()
+    m.requests.labels(stats.endpoint, str(status)).inc()
+    if status == 200:
+        m.e2e.observe(now - stats.start)
+        m.prompt_len.observe(stats.prompt_tokens)
+        m.gen_len.observe(stats.completion_tokens)
+        m.prompt_tokens.inc(stats.prompt_tokens)
+        m.cached_tokens.inc(stats.cached_tokens)
+    ttft = f"{(stats.first_token_at - stats.start) * 1e3:.0f}" if stats.first_token_at else "-"
+    log.info("request id=%s endpoint=%s status=%d prompt_tokens=%d completion_tokens=%d cached_tokens=%d "
+             "ttft_ms=%s latency_ms=%.0f finish=%s", stats.request_id, stats.endpoint, status, stats.prompt_tokens,
+             stats.completion_tokens, stats.cached_tokens, ttft, (now - stats.start) * 1e3,
+             ",".join(stats.finish_reasons) or "-")

@@ -1,0 +1,135 @@
+"""OpenAI request models (and the inspect models later): the only place pydantic lives.
+
+Unknown fields are rejected (`extra="forbid"`): a client that sends something we would ignore learns it at once.
+Floats refuse NaN and infinity. Limits that depend on the deployment (n, logprobs, prompt count) are checked in
+the routes against Settings.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+Float = Annotated[float, Field(allow_inf_nan=False)]
+TokenId = Annotated[int, Field(ge=0, lt=2**31)]
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
+class SamplingFields(BaseModel):
+    """Fields shared by completions and chat: OpenAI's, then vLLM's extensions."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1, le=2**31)
+    temperature: Float = Field(1.0, ge=0.0, le=2.0)
+    top_p: Float = Field(1.0, gt=0.0, le=1.0)
+    n: int = Field(1, ge=1)
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    seed: int | None = Field(None, ge=-(2**63), lt=2**64)
+    presence_penalty: Float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: Float = Field(0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, Float] | None = None
+    user: str | None = Field(None, max_length=256)
+    # vLLM extensions
+    top_k: int = Field(0, ge=-1)
+    min_p: Float = Field(0.0, ge=0.0, le=1.0)
+    repetition_penalty: Float = Field(1.0, gt=0.0, le=10.0)
+    min_tokens: int = Field(0, ge=0)
+    stop_token_ids: list[TokenId] | None = Field(None, max_length=64)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v):
+        stops = [v] if isinstance(v, str) else (v or [])
+        if len(stops) > 16:
+            raise ValueError("at most 16 stop strings")
+        if any(not s or len(s) > 256 for s in stops):
+            raise ValueError("stop strings must be 1-256 characters")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, v):
+        if v is None:
+            return v
+        if len(v) > 1024:
+            raise ValueError("at most 1024 logit_bias entries")
+        for k, b in v.items():
+            if not k.isdigit() or int(k) >= 2**31:
+                raise ValueError(f"logit_bias keys must be token ids, got {k!r}")
+            if not -100.0 <= b <= 100.0:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {b}")
+        return v
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
+    max_tokens: int | None = Field(16, ge=1, le=2**31)
+    logprobs: int | None = Field(None, ge=0)
+    echo: bool = False
+    best_of: int | None = Field(None, ge=1)
+    suffix: str | None = None
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of(cls, v):
+        if v is not None and v > 1:
+            raise ValueError("best_of > 1 is not supported")
+        return v
+
+    @field_validator("suffix")
+    @classmethod
+    def _suffix(cls, v):
+        if v is not None:
+            raise ValueError("suffix is not supported")
+        return v
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+    name: str | None = Field(None, max_length=64)
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(p.text for p in self.content)
+        return self.content or ""
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1, max_length=1024)
+    max_completion_tokens: int | None = Field(None, ge=1, le=2**31)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0)
+    add_generation_prompt: bool = True
+
+
+class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    tokens: list[TokenId] = Field(max_length=1 << 20)

@@ -1,0 +1,86 @@
+"""What the app lifespan owns (house rule 6): settings, metrics, the loaded model and its AsyncEngine."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+
+import torch
+from fastapi import Request
+
+from model.async_engine import AsyncEngine
+from model.engine import Engine, EngineConfig
+from model.loaders.checkpoint import LoadedModel, load_model
+from service.config import Settings
+from service.errors import APIError
+from service.metrics import Metrics
+
+log = logging.getLogger("llamascope.service")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class ServingState:
+    settings: Settings
+    metrics: Metrics = field(default_factory=Metrics)
+    loaded: LoadedModel | None = None
+    engine: AsyncEngine | None = None
+    model_name: str = ""
+    load_error: str | None = None
+    draining: bool = False
+
+    @property
+    def ready(self) -> bool:
+        return self.engine is not None and self.engine.is_running and not self.draining
+
+    def start(self, loaded: LoadedModel | None = None) -> None:
+        """Load (unless given) and start the engine; runs on a background thread so /health answers 503 meanwhile."""
+        s = self.settings
+        try:
+            if s.threads:
+                torch.set_num_threads(s.threads)
+            if loaded is None:
+                device = s.device or ("cuda" if torch.cuda.is_available() else "cpu")
+                dtype = s.dtype if s.dtype != "auto" else ("bfloat16" if device.startswith("cuda") else "float32")
+                loaded = load_model(s.model, DTYPES[dtype], device)
+            config = EngineConfig(
+                block_size=s.block_size, kv_cache_bytes=s.kv_cache_bytes, max_num_seqs=s.max_num_seqs,
+                max_num_batched_tokens=s.max_num_batched_tokens, max_waiting=s.max_waiting,
+                max_model_len=s.max_model_len, enable_prefix_caching=s.enable_prefix_caching, max_logprobs=s.max_logprobs,
+            )
+            engine = AsyncEngine(Engine(loaded.model, loaded.tokenizer, config))
+            engine.step_hooks.append(self.metrics.on_step)
+            engine.start()
+            self.loaded, self.model_name = loaded, s.served_model_name or loaded.name
+            self.engine = engine
+            log.info("serving %s", self.model_name)
+        except Exception as e:  # a load failure keeps /health at 503 with the reason, and is logged once
+            self.load_error = str(e)
+            log.error("model failed to load: %s", e)
+
+    def start_in_background(self, loaded: LoadedModel | None = None) -> threading.Thread:
+        t = threading.Thread(target=self.start, args=(loaded,), name="llamascope-load", daemon=True)
+        t.start()
+        return t
+
+    def stop(self) -> None:
+        if self.engine is not None:
+            self.engine.stop()
+
+
+def serving(request: Request) -> ServingState:
+    """Dependency: the state, or a 503 envelope while the model loads (or after it failed to)."""
+    state: ServingState = request.app.state.serving
+    if not state.ready:
+        reason = f"model failed to load: {state.load_error}" if state.load_error else "the model is loading"
+        if state.draining:
+            reason = "the server is shutting down"
+        raise APIError(503, reason, code="not_ready", headers={"Retry-After": "5"})
+    return state
+
+
+def check_model(state: ServingState, name: str | None) -> None:
+    if name is not None and name != state.model_name:
+        raise APIError(404, f"model {name!r} does not exist; this server serves {state.model_name!r}",
+                       param="model", code="model_not_found")
