@@ -80,6 +80,18 @@ class CompletionRequest(SamplingFields):
     best_of: int | None = Field(None, ge=1)
     suffix: str | None = None
 
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_shape(cls, v):
+        def ids(x):
+            return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+        ok = isinstance(v, str) or (isinstance(v, list) and (
+            all(isinstance(p, str) for p in v) or ids(v) or all(ids(p) for p in v)))
+        if not ok:
+            raise ValueError("must be a string, a list of strings, a list of token ids, or a list of token-id lists")
+        return v
+
     @field_validator("best_of")
     @classmethod
     def _best_of(cls, v):

@@ -80,3 +80,16 @@ def default_model(default_gguf):
     from model.loaders.checkpoint import load_model
 
     return load_model(default_gguf, torch.float32, "cpu")
+
+
+@pytest.fixture(scope="session")
+def server(default_model):
+    """The service on the default model (loaded once per session), live on loopback."""
+    from live_server import LiveServer
+    from service.config import Settings
+    from service.main import create_app
+
+    app = create_app(Settings(max_waiting=512, max_num_seqs=16), loaded=default_model, wait_ready=True)
+    with LiveServer(app) as live:
+        live.app = app
+        yield live
