@@ -81,6 +81,7 @@ async def run(
 
     tasks = [asyncio.create_task(pump(i, g, f)) for i, (g, f) in enumerate(zip(gens, firsts))]
     remaining = len(tasks)
+    finished_before = len(stats.finish_reasons)
     try:
         while remaining:
             i, item = await queue.get()
@@ -93,8 +94,11 @@ async def run(
             _observe(state, stats, item, choice)
             yield choice, item
     finally:
+        # Count first: under anyio (Starlette) a cancelled scope re-raises at every later await in this block.
+        if len(stats.finish_reasons) - finished_before < len(prompts) * params.n:
+            state.metrics.aborts.inc()  # the client left (or the route gave up) before every choice finished
         for t in tasks:
-            t.cancel()
+            t.cancel()  # each pump's generator aborts its engine request as it unwinds
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
@@ -122,8 +126,6 @@ def _observe(state: ServingState, stats: RunStats, out: RequestOutput, choice: i
     if out.finished:
         stats.finish_reasons.append(out.finish_reason)
         m.finished.labels(out.finish_reason).inc()
-        if out.finish_reason == "abort":
-            m.aborts.inc()
         if out.index == 0:
             stats.cached_tokens += out.num_cached_tokens
 
@@ -137,8 +139,6 @@ async def until_disconnect(request: Request, coro):
             done, _ = await asyncio.wait({task}, timeout=0.25)
             if not done and await request.is_disconnected():
                 task.cancel()
-                state: ServingState = request.app.state.serving
-                state.metrics.aborts.inc()
                 raise APIError(499, "client disconnected")
         return task.result()
     finally:

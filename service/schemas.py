@@ -84,7 +84,7 @@ class CompletionRequest(SamplingFields):
     @classmethod
     def _prompt_shape(cls, v):
         def ids(x):
-            return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+            return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**31 for t in x)
 
         ok = isinstance(v, str) or (isinstance(v, list) and (
             all(isinstance(p, str) for p in v) or ids(v) or all(ids(p) for p in v)))

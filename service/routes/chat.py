@@ -87,21 +87,26 @@ async def chat_completions(req: ChatCompletionRequest, request: Request, state: 
                 yield DONE
             finally:
                 finish(state, stats, status if len(stats.finish_reasons) == params.n or status != 200 else 499)
+                await stream.aclose()  # at once, not at GC time: a client that left is aborted now
 
         return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     async def collect():
-        texts = {c: "" for c in range(params.n)}
-        lps: dict[int, list] = {c: [] for c in range(params.n)}
-        reasons: dict[int, str | None] = {}
-        error = None
-        async for choice, out in outputs():
-            texts[choice] += out.text
-            lps[choice] += [chat_logprob(tok, l) for l in out.logprobs or []]
-            error = error or out.error
-            if out.finished:
-                reasons[choice] = out.finish_reason
-        return texts, lps, reasons, error
+        try:
+            texts = {c: "" for c in range(params.n)}
+            lps: dict[int, list] = {c: [] for c in range(params.n)}
+            reasons: dict[int, str | None] = {}
+            error = None
+            async for choice, out in outputs():
+                texts[choice] += out.text
+                lps[choice] += [chat_logprob(tok, l) for l in out.logprobs or []]
+                error = error or out.error
+                if out.finished:
+                    reasons[choice] = out.finish_reason
+            return texts, lps, reasons, error
+        finally:
+            await stream.aclose()
+
 
     try:
         texts, lps, reasons, error = await until_disconnect(request, collect())

@@ -111,26 +111,31 @@ async def completions(req: CompletionRequest, request: Request, state: ServingSt
                 yield DONE
             finally:
                 finish(state, stats, status if len(stats.finish_reasons) == n_choices or status != 200 else 499)
+                await stream.aclose()  # at once, not at GC time: a client that left is aborted now
 
         return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     async def collect():
-        texts = {c: echo_text(c) for c in range(n_choices)}
-        lps: dict[int, LegacyLogprobs | None] = {}
-        reasons: dict[int, str | None] = {}
-        error = None
-        async for choice, out in outputs():
-            if choice not in lps:
-                lps[choice] = echo_logprobs(choice, out)
-            texts[choice] += out.text
-            if lps[choice] is not None:
-                for t, l in zip(out.token_ids, out.logprobs or [None] * len(out.token_ids)):
-                    lps[choice].add(t, l)
-            if out.error:
-                error = out.error
-            if out.finished:
-                reasons[choice] = out.finish_reason
-        return texts, lps, reasons, error
+        try:
+            texts = {c: echo_text(c) for c in range(n_choices)}
+            lps: dict[int, LegacyLogprobs | None] = {}
+            reasons: dict[int, str | None] = {}
+            error = None
+            async for choice, out in outputs():
+                if choice not in lps:
+                    lps[choice] = echo_logprobs(choice, out)
+                texts[choice] += out.text
+                if lps[choice] is not None:
+                    for t, l in zip(out.token_ids, out.logprobs or [None] * len(out.token_ids)):
+                        lps[choice].add(t, l)
+                if out.error:
+                    error = out.error
+                if out.finished:
+                    reasons[choice] = out.finish_reason
+            return texts, lps, reasons, error
+        finally:
+            await stream.aclose()
+
 
     try:
         texts, lps, reasons, error = await until_disconnect(request, collect())
