@@ -1,5 +1,5 @@
-# Two set-up commands (README): `make run` installs and runs the main job; `make test` installs test deps and runs
-# the whole suite. Both create or reuse the virtual environment in $(VENV).
+# Two set-up commands (README): `make serve` installs and starts the server on the default model; `make test`
+# installs test deps and runs the whole suite. Both create or reuse the virtual environment in $(VENV).
 VENV ?= .venv
 PYTHON ?= python3
 PY := $(VENV)/bin/python
@@ -11,7 +11,7 @@ TORCH_SPEC ?= torch==2.13.0
 PROMPT ?= What is the capital of France?
 ARGS ?=
 
-.PHONY: run test install install-test clean
+.PHONY: serve generate test install install-test clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -27,7 +27,10 @@ $(VENV)/.installed-test: $(VENV)/.installed
 install: $(VENV)/.installed
 install-test: $(VENV)/.installed-test
 
-run: install
+serve: install
+	$(PY) -m service $(ARGS)
+
+generate: install
 	$(PY) -m model.generate --chat "$(PROMPT)" $(ARGS)
 
 test: install-test

@@ -91,5 +91,4 @@ def server(default_model):
 
     app = create_app(Settings(max_waiting=512, max_num_seqs=16), loaded=default_model, wait_ready=True)
     with LiveServer(app) as live:
-        live.app = app
         yield live

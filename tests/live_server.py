@@ -18,6 +18,7 @@ def free_port() -> int:
 
 class LiveServer:
     def __init__(self, app, ready_path: str = "/health", timeout: float = 120.0) -> None:
+        self.app = app
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))

@@ -1,0 +1,69 @@
+"""A failure inside generation: that request gets a 500 envelope (an SSE error event when streaming), others go on."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import httpx
+import pytest
+
+from live_server import LiveServer
+from model.loaders.checkpoint import LoadedModel
+from service.config import Settings
+from service.main import create_app
+from tiny import byte_tokenizer, tiny_model
+
+
+@pytest.fixture(scope="module")
+def tiny_server():
+    loaded = LoadedModel(tiny_model(seed=2), byte_tokenizer(), Path("tiny"), "tiny", 0.0)
+    with LiveServer(create_app(Settings(), loaded=loaded, wait_ready=True)) as live:
+        live.model = loaded.model
+        yield live
+
+
+def _fail_next_forwards(monkeypatch, model, count: int = 1):
+    real = type(model).forward
+    left = {"n": count}
+
+    def flaky(self, *a, **kw):
+        if left["n"] > 0:
+            left["n"] -= 1
+            raise RuntimeError("injected fault at /secret/internal/path.py")
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(type(model), "forward", flaky)
+
+
+def test_non_streamed_failure_is_a_500_envelope(tiny_server, monkeypatch):
+    _fail_next_forwards(monkeypatch, tiny_server.model)
+    r = httpx.post(tiny_server.url + "/v1/completions", json={"prompt": "hello", "max_tokens": 4}, timeout=30)
+    assert r.status_code == 500
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["type"] == "server_error"
+    assert "secret" not in r.text and "Traceback" not in r.text
+    ok = httpx.post(tiny_server.url + "/v1/completions", json={"prompt": "hello", "max_tokens": 4}, timeout=30)
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
+    assert httpx.get(tiny_server.url + "/health").status_code == 200
+
+
+def test_streamed_failure_is_an_sse_error_event(tiny_server, monkeypatch):
+    body = {"prompt": "hello", "max_tokens": 300, "ignore_eos": True, "stream": True}
+    with httpx.Client(timeout=30) as c:
+        # let the first step (prefill + first token) succeed, then fail the next forward
+        with c.stream("POST", tiny_server.url + "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            events = []
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    if len(events) == 1:
+                        _fail_next_forwards(monkeypatch, tiny_server.model)
+    assert events[-1] == "[DONE]"
+    errors = [json.loads(e) for e in events[:-1] if "error" in json.loads(e)]
+    assert len(errors) == 1 and errors[0]["error"]["type"] == "server_error" and "secret" not in events[-2]
+    ok = httpx.post(tiny_server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 3}, timeout=30)
+    assert ok.status_code == 200
+    engine = tiny_server.app.state.serving.engine.engine
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks and not engine.requests
