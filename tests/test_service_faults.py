@@ -67,3 +67,19 @@ def test_streamed_failure_is_an_sse_error_event(tiny_server, monkeypatch):
     assert ok.status_code == 200
     engine = tiny_server.app.state.serving.engine.engine
     assert engine.kv.num_free_blocks == engine.kv.num_blocks and not engine.requests
+
+
+def test_not_ready_is_503_with_the_reason(tmp_path):
+    from fastapi.testclient import TestClient
+
+    with TestClient(create_app(Settings(model=str(tmp_path / "missing.gguf")))) as client:
+        import time
+
+        for _ in range(100):
+            h = client.get("/health")
+            if "failed" in h.text:
+                break
+            time.sleep(0.05)
+        assert h.status_code == 503 and "missing.gguf" in h.json()["error"]["message"]
+        r = client.post("/v1/completions", json={"prompt": "hi"})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "not_ready" and r.headers["retry-after"]
