@@ -39,7 +39,7 @@ def create_app(settings: Settings | None = None, loaded: LoadedModel | None = No
         app.include_router(r)
     key = settings.api_key.get_secret_value() if settings.api_key else None
     app.add_middleware(GuardMiddleware, api_key=key, max_body_bytes=settings.max_body_bytes,
-                       metrics_require_key=settings.metrics_require_key)
+                       metrics_require_key=settings.metrics_require_key, requests_counter=state.metrics.requests)
     return app
 
 

@@ -9,11 +9,15 @@ import json
 from service.errors import envelope
 
 OPEN_PATHS = {"/health"}
+# Requests to these are counted in llamascope_requests_total{endpoint,status} here, at the edge, so that refusals
+# before any route code runs (401, 413, validation 400, 404) are counted like everything else.
+COUNTED = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
 
 
 class GuardMiddleware:
-    def __init__(self, app, api_key: str | None, max_body_bytes: int, metrics_require_key: bool) -> None:
+    def __init__(self, app, api_key: str | None, max_body_bytes: int, metrics_require_key: bool, requests_counter=None) -> None:
         self.app = app
+        self.counter = requests_counter
         self.api_key = api_key.encode() if api_key else None
         self.max_body = max_body_bytes
         self.open_paths = OPEN_PATHS | (set() if metrics_require_key else {"/metrics"})
@@ -21,6 +25,15 @@ class GuardMiddleware:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        endpoint = COUNTED.get(scope["path"])
+        if endpoint is not None and self.counter is not None:
+            inner_send = send
+
+            async def send(message):
+                if message["type"] == "http.response.start":
+                    self.counter.labels(endpoint, str(message["status"])).inc()
+                await inner_send(message)
+
         headers = dict(scope.get("headers") or [])
         if self.api_key is not None and scope["path"] not in self.open_paths:
             auth = headers.get(b"authorization", b"")

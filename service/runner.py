@@ -150,8 +150,7 @@ def finish(state: ServingState, stats: RunStats, status: int) -> None:
     """Request-level metrics and the one structured log line (no prompt text unless log_prompts)."""
     m = state.metrics
     now = time.perf_counter()
-    m.requests.labels(stats.endpoint, str(status)).inc()
-    if status == 200:
+    if status == 200:  # requests_total is counted by the edge middleware, for every status
         m.e2e.observe(now - stats.start)
         m.prompt_len.observe(stats.prompt_tokens)
         m.gen_len.observe(stats.completion_tokens)

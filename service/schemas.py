@@ -9,8 +9,19 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
+
+def _utf8(v: str) -> str:
+    # JSON may carry lone UTF-16 surrogates ("\ud800"); no tokenizer can take them, so they are a client error.
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("text must be valid Unicode (no lone surrogates)") from None
+    return v
+
+
+Text = Annotated[str, AfterValidator(_utf8)]
 Float = Annotated[float, Field(allow_inf_nan=False)]
 TokenId = Annotated[int, Field(ge=0, lt=2**31)]
 
@@ -30,7 +41,7 @@ class SamplingFields(BaseModel):
     temperature: Float = Field(1.0, ge=0.0, le=2.0)
     top_p: Float = Field(1.0, gt=0.0, le=1.0)
     n: int = Field(1, ge=1)
-    stop: str | list[str] | None = None
+    stop: Text | list[Text] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     seed: int | None = Field(None, ge=-(2**63), lt=2**64)
@@ -65,7 +76,7 @@ class SamplingFields(BaseModel):
         if len(v) > 1024:
             raise ValueError("at most 1024 logit_bias entries")
         for k, b in v.items():
-            if not k.isdigit() or int(k) >= 2**31:
+            if not (k.isascii() and k.isdigit()) or int(k) >= 2**31:
                 raise ValueError(f"logit_bias keys must be token ids, got {k!r}")
             if not -100.0 <= b <= 100.0:
                 raise ValueError(f"logit_bias values must be in [-100, 100], got {b}")
@@ -73,7 +84,7 @@ class SamplingFields(BaseModel):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
+    prompt: Text | list[Text] | list[TokenId] | list[list[TokenId]]
     max_tokens: int | None = Field(16, ge=1, le=2**31)
     logprobs: int | None = Field(None, ge=0)
     echo: bool = False
@@ -110,13 +121,13 @@ class CompletionRequest(SamplingFields):
 class TextPart(BaseModel):
     model_config = ConfigDict(extra="forbid")
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart] | None = None
+    content: Text | list[TextPart] | None = None
     name: str | None = Field(None, max_length=64)
 
     def text(self) -> str:
@@ -136,7 +147,7 @@ class ChatCompletionRequest(SamplingFields):
 class TokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     model: str | None = None
-    prompt: str | None = None
+    prompt: Text | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
 
