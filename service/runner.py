@@ -146,6 +146,21 @@ async def until_disconnect(request: Request, coro):
             task.cancel()
 
 
+async def collect_all(request: Request, state: ServingState, stats: RunStats, coro):
+    """A non-streamed request: run `coro` (which returns a tuple ending in an error message or None) to its end
+    unless the client leaves, record the outcome, and raise the client's error (500 when generation failed)."""
+    try:
+        result = await until_disconnect(request, coro)
+    except APIError as e:
+        finish(state, stats, e.status)
+        raise
+    if result[-1]:
+        finish(state, stats, 500)
+        raise APIError(500, result[-1], code="generation_failed")
+    finish(state, stats, 200)
+    return result
+
+
 def finish(state: ServingState, stats: RunStats, status: int) -> None:
     """Request-level metrics and the one structured log line (no prompt text unless log_prompts)."""
     m = state.metrics

@@ -9,7 +9,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from service.errors import APIError
 from service.routes.common import DONE, chat_logprob, now, sse, sse_error, usage
-from service.runner import RunStats, finish, run, until_disconnect
+from service.runner import RunStats, collect_all, finish, run
 from service.sampling_params import to_sampling_params
 from service.schemas import ChatCompletionRequest, ChatMessage
 from service.state import ServingState, check_model, serving
@@ -107,16 +107,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request, state: 
         finally:
             await stream.aclose()
 
-
-    try:
-        texts, lps, reasons, error = await until_disconnect(request, collect())
-    except APIError as e:
-        finish(state, stats, e.status)
-        raise
-    if error:
-        finish(state, stats, 500)
-        raise APIError(500, error, code="generation_failed")
-    finish(state, stats, 200)
+    texts, lps, reasons, _ = await collect_all(request, state, stats, collect())
     return JSONResponse({
         "id": rid, "object": "chat.completion", "created": created, "model": model,
         "choices": [{"index": c, "message": {"role": "assistant", "content": texts[c]},

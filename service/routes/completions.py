@@ -9,7 +9,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from service.errors import APIError
 from service.routes.common import DONE, LegacyLogprobs, now, sse, sse_error, usage
-from service.runner import RunStats, finish, run, until_disconnect
+from service.runner import RunStats, collect_all, finish, run
 from service.sampling_params import to_sampling_params
 from service.schemas import CompletionRequest
 from service.state import ServingState, check_model, serving
@@ -136,16 +136,7 @@ async def completions(req: CompletionRequest, request: Request, state: ServingSt
         finally:
             await stream.aclose()
 
-
-    try:
-        texts, lps, reasons, error = await until_disconnect(request, collect())
-    except APIError as e:
-        finish(state, stats, e.status)
-        raise
-    if error:
-        finish(state, stats, 500)
-        raise APIError(500, error, code="generation_failed")
-    finish(state, stats, 200)
+    texts, lps, reasons, _ = await collect_all(request, state, stats, collect())
     return JSONResponse({
         "id": rid, "object": "text_completion", "created": created, "model": model,
         "choices": [{"index": c, "text": texts[c], "logprobs": lps[c].as_dict() if lps.get(c) else None,
