@@ -4,6 +4,7 @@ record metrics, and turn engine refusals into OpenAI errors. Shared by /v1/compl
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 import uuid
@@ -36,6 +37,7 @@ class RunStats:
     first_output_at: float | None = None
     last_token_at: dict[int, float] = field(default_factory=dict)
     finish_reasons: list[str] = field(default_factory=list)
+    prompts: list[list[int]] = field(default_factory=list)
 
 
 async def run(
@@ -44,6 +46,7 @@ async def run(
     """Yield (choice index, output) for every prompt x n choice, as outputs arrive; choice index =
     prompt_index * n + choice (OpenAI's order). Engine refusals raise APIError before anything is yielded."""
     engine = state.engine
+    stats.prompts = prompts
     stats.prompt_tokens = sum(len(p) for p in prompts)
     gens = [engine.generate(p, params, f"{stats.request_id}-{i}") for i, p in enumerate(prompts)]
     firsts: list[RequestOutput | None] = []
@@ -172,7 +175,10 @@ def finish(state: ServingState, stats: RunStats, status: int) -> None:
         m.prompt_tokens.inc(stats.prompt_tokens)
         m.cached_tokens.inc(stats.cached_tokens)
     ttft = f"{(stats.first_token_at - stats.start) * 1e3:.0f}" if stats.first_token_at else "-"
+    prompt = ""
+    if state.settings.log_prompts and stats.prompts:  # opt-in only: prompts are user data
+        prompt = " prompt=" + json.dumps([state.loaded.tokenizer.decode(p) for p in stats.prompts], ensure_ascii=False)
     log.info("request id=%s endpoint=%s status=%d prompt_tokens=%d completion_tokens=%d cached_tokens=%d "
-             "ttft_ms=%s latency_ms=%.0f finish=%s", stats.request_id, stats.endpoint, status, stats.prompt_tokens,
+             "ttft_ms=%s latency_ms=%.0f finish=%s%s", stats.request_id, stats.endpoint, status, stats.prompt_tokens,
              stats.completion_tokens, stats.cached_tokens, ttft, (now - stats.start) * 1e3,
-             ",".join(stats.finish_reasons) or "-")
+             ",".join(stats.finish_reasons) or "-", prompt)

@@ -83,3 +83,20 @@ def test_not_ready_is_503_with_the_reason(tmp_path):
         assert h.status_code == 503 and "missing.gguf" in h.json()["error"]["message"]
         r = client.post("/v1/completions", json={"prompt": "hi"})
         assert r.status_code == 503 and r.json()["error"]["code"] == "not_ready" and r.headers["retry-after"]
+
+
+@pytest.mark.parametrize("log_prompts", [False, True])
+def test_request_log_line_and_prompt_privacy(caplog, log_prompts):
+    from fastapi.testclient import TestClient
+
+    loaded = LoadedModel(tiny_model(seed=3), byte_tokenizer(), Path("tiny"), "tiny", 0.0)
+    with TestClient(create_app(Settings(log_prompts=log_prompts), loaded=loaded, wait_ready=True)) as client:
+        with caplog.at_level("INFO", logger="llamascope.service"):
+            r = client.post("/v1/completions", json={"prompt": "my secret prompt", "max_tokens": 3, "ignore_eos": True})
+    assert r.status_code == 200
+    lines = [rec.getMessage() for rec in caplog.records if rec.getMessage().startswith("request id=")]
+    assert len(lines) == 1
+    line = lines[0]
+    for part in ("endpoint=completions", "status=200", "prompt_tokens=16", "completion_tokens=3", "finish=length", "latency_ms="):
+        assert part in line
+    assert ("my secret prompt" in line) == log_prompts
