@@ -1,5 +1,8 @@
 """Deployment files, checked without a Docker engine: hadolint, the Compose schema, wiring between services,
-promtool, the dashboard's metrics against a live server, and the image's install + entrypoint in a fresh venv."""
+promtool, the dashboard's metrics against a live server, and the image's install + entrypoint in a fresh venv.
+
+tests/data/compose_spec.json is the Compose specification schema as shipped in the docker-compose 1.29.2 wheel
+(Apache-2.0), kept as test data because nothing may be downloaded at test time."""
 
 from __future__ import annotations
 
