@@ -55,6 +55,7 @@ def test_compose_wiring():
     services = COMPOSE["services"]
     gpu, cpu = services["llamascope-gpu"], services["llamascope-cpu"]
     assert gpu["profiles"] == ["gpu"] and cpu["profiles"] == ["cpu"]
+    assert "COMPOSE_PROFILES=gpu" in (ROOT / ".env").read_text().splitlines()  # plain `docker compose up` = GPU
     dev = gpu["deploy"]["resources"]["reservations"]["devices"][0]
     assert dev["driver"] == "nvidia" and "gpu" in dev["capabilities"]
     assert "deploy" not in cpu and cpu["build"]["args"]["DEVICE"] == "cpu" and gpu["build"]["args"]["DEVICE"] == "cuda"
