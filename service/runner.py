@@ -40,6 +40,29 @@ class RunStats:
     prompts: list[list[int]] = field(default_factory=list)
 
 
+async def start(
+    state: ServingState, prompts: list[list[int]], params: SamplingParams, stats: RunStats
+) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Submit and wait for the first output, so that refusals (400 / 429 / 503) raise here, before a response
+    starts. Returns the stream of (choice index, output), first one included; closing it aborts what is left."""
+    stream = run(state, prompts, params, stats)
+    try:
+        first = await anext(stream)
+    except APIError as e:
+        finish(state, stats, e.status)
+        raise
+
+    async def outputs():
+        try:
+            yield first
+            async for item in stream:
+                yield item
+        finally:
+            await stream.aclose()
+
+    return outputs()
+
+
 async def run(
     state: ServingState, prompts: list[list[int]], params: SamplingParams, stats: RunStats
 ) -> AsyncIterator[tuple[int, RequestOutput]]:

@@ -9,7 +9,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from service.errors import APIError
 from service.routes.common import DONE, chat_logprob, now, sse, sse_error, usage
-from service.runner import RunStats, collect_all, finish, run
+from service.runner import RunStats, collect_all, finish, start
 from service.sampling_params import to_sampling_params
 from service.schemas import ChatCompletionRequest, ChatMessage
 from service.state import ServingState, check_model, serving
@@ -43,17 +43,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request, state: 
     stats = RunStats("chat")
     tok = state.loaded.tokenizer
     created, rid, model = now(), f"chatcmpl-{stats.request_id}", state.model_name
-    try:
-        stream = run(state, [prompt], params, stats)
-        first = await anext(stream)
-    except APIError as e:
-        finish(state, stats, e.status)
-        raise
-
-    async def outputs():
-        yield first
-        async for item in stream:
-            yield item
+    outputs = await start(state, [prompt], params, stats)  # refusals raise here, before any response
 
     def chunk(choices: list[dict], **extra) -> str:
         return sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
@@ -68,7 +58,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request, state: 
                 for c in range(params.n):  # the role comes first, as OpenAI sends it
                     yield chunk([{"index": c, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                   "finish_reason": None}])
-                async for choice, out in outputs():
+                async for choice, out in outputs:
                     if out.error:
                         status = 500
                         yield sse_error(500, out.error)
@@ -87,7 +77,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request, state: 
                 yield DONE
             finally:
                 finish(state, stats, status if len(stats.finish_reasons) == params.n or status != 200 else 499)
-                await stream.aclose()  # at once, not at GC time: a client that left is aborted now
+                await outputs.aclose()  # at once, not at GC time: a client that left is aborted now
 
         return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
@@ -97,7 +87,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request, state: 
             lps: dict[int, list] = {c: [] for c in range(params.n)}
             reasons: dict[int, str | None] = {}
             error = None
-            async for choice, out in outputs():
+            async for choice, out in outputs:
                 texts[choice] += out.text
                 lps[choice] += [chat_logprob(tok, l) for l in out.logprobs or []]
                 error = error or out.error
@@ -105,7 +95,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request, state: 
                     reasons[choice] = out.finish_reason
             return texts, lps, reasons, error
         finally:
-            await stream.aclose()
+            await outputs.aclose()
 
     texts, lps, reasons, _ = await collect_all(request, state, stats, collect())
     return JSONResponse({

@@ -9,7 +9,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from service.errors import APIError
 from service.routes.common import DONE, LegacyLogprobs, now, sse, sse_error, usage
-from service.runner import RunStats, collect_all, finish, run
+from service.runner import RunStats, collect_all, finish, start
 from service.sampling_params import to_sampling_params
 from service.schemas import CompletionRequest
 from service.state import ServingState, check_model, serving
@@ -49,12 +49,7 @@ async def completions(req: CompletionRequest, request: Request, state: ServingSt
     tok = state.loaded.tokenizer
     n_choices = len(prompts) * params.n
     created, rid, model = now(), f"cmpl-{stats.request_id}", state.model_name
-    try:
-        stream = run(state, prompts, params, stats)
-        first = await anext(stream)  # raises APIError (400/429/503) before any response starts
-    except APIError as e:
-        finish(state, stats, e.status)
-        raise
+    outputs = await start(state, prompts, params, stats)  # refusals raise here, before any response
 
     def echo_text(choice: int) -> str:
         return tok.decode(prompts[choice // params.n]) if req.echo else ""
@@ -70,11 +65,6 @@ async def completions(req: CompletionRequest, request: Request, state: ServingSt
                 lp.add(t, pl)
         return lp
 
-    async def outputs():
-        yield first
-        async for item in stream:
-            yield item
-
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
@@ -82,7 +72,7 @@ async def completions(req: CompletionRequest, request: Request, state: ServingSt
             status = 200
             started: set[int] = set()
             try:
-                async for choice, out in outputs():
+                async for choice, out in outputs:
                     text, lp = out.text, None
                     if choice not in started:
                         started.add(choice)
@@ -111,7 +101,7 @@ async def completions(req: CompletionRequest, request: Request, state: ServingSt
                 yield DONE
             finally:
                 finish(state, stats, status if len(stats.finish_reasons) == n_choices or status != 200 else 499)
-                await stream.aclose()  # at once, not at GC time: a client that left is aborted now
+                await outputs.aclose()  # at once, not at GC time: a client that left is aborted now
 
         return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
@@ -121,7 +111,7 @@ async def completions(req: CompletionRequest, request: Request, state: ServingSt
             lps: dict[int, LegacyLogprobs | None] = {}
             reasons: dict[int, str | None] = {}
             error = None
-            async for choice, out in outputs():
+            async for choice, out in outputs:
                 if choice not in lps:
                     lps[choice] = echo_logprobs(choice, out)
                 texts[choice] += out.text
@@ -134,7 +124,7 @@ async def completions(req: CompletionRequest, request: Request, state: ServingSt
                     reasons[choice] = out.finish_reason
             return texts, lps, reasons, error
         finally:
-            await stream.aclose()
+            await outputs.aclose()
 
     texts, lps, reasons, _ = await collect_all(request, state, stats, collect())
     return JSONResponse({
