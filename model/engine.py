@@ -78,6 +78,9 @@ class _SeqState:
         self.detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=params.skip_special_tokens)
         self.stops = StopStringMatcher(params.stop)
         self.generator = params.make_generator(device, offset=index)  # choice i of a seeded request: seed + i
+        # ids that end this choice (min_tokens aside): its stop_token_ids, plus the checkpoint's EOS set unless
+        # ignore_eos; fixed for the request's life, so built once rather than per generated token
+        self.stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else tokenizer.stop_ids)
         self.prompt_logprobs: list[TokenLogprobs | None] | None = [None] if params.prompt_logprobs is not None else None
         self.prompt_logprobs_sent = False
 
@@ -97,7 +100,6 @@ class Engine:
         self.sampler = Sampler(model.config.vocab_size, model.device)
         self.requests: dict[str, Request] = {}
         self._next_seq_id = 0
-        self._eos_ids = tokenizer.stop_ids
         log.info("engine: %d KV blocks of %d tokens (%.0f MB), max_model_len %d", num_blocks, config.block_size,
                  self.cache.nbytes / 1e6, self.max_model_len)
 
@@ -231,7 +233,7 @@ class Engine:
         if sample_at:
             rows = [
                 SamplingRow(seq.request.params, seq.prompt_token_ids, seq.output_token_ids, seq.state.generator,
-                            self._stop_ids(seq))
+                            seq.state.stop_ids)
                 for seq, _ in sample_at
             ]
             sampled = self.sampler(logits[[r for _, r in sample_at]], rows)
@@ -239,10 +241,6 @@ class Engine:
                 outs.append(self._append_token(seq, token, lp))
         self._drop_finished_requests()
         return outs
-
-    def _stop_ids(self, seq: Sequence) -> frozenset[int]:
-        p = seq.request.params
-        return frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else self._eos_ids)
 
     def _append_token(self, seq: Sequence, token: int, lp: TokenLogprobs | None) -> RequestOutput:
         p, state = seq.request.params, seq.state
@@ -252,7 +250,7 @@ class Engine:
         out.logprobs = [lp] if lp is not None else None
         n_out = len(seq.output_token_ids)
         may_stop = n_out >= p.min_tokens  # neither stop tokens nor stop strings end it before min_tokens
-        if may_stop and token in self._stop_ids(seq):
+        if may_stop and token in state.stop_ids:
             # The stop token's own text is not part of the completion (OpenAI / vLLM); text held back as a
             # possible stop-string start turned out not to be one.
             self._finish(seq, FinishReason.STOP, stop_reason=token if token in p.stop_token_ids else None)
