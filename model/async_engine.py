@@ -11,8 +11,9 @@ import logging
 import queue
 import threading
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, Protocol
 
 from model.engine import Engine, RequestOutput
 from model.sampling import SamplingParams
@@ -23,6 +24,21 @@ log = logging.getLogger("llamascope.engine")
 
 class EngineDeadError(RuntimeError):
     """The engine thread is not running (stopped, or crashed outside a step)."""
+
+
+class EngineJob(Protocol):
+    """Work that needs the model but is not a generation (an inspection): run on the engine thread one `step()`
+    at a time, between two engine steps, so serving never waits for more than one job step."""
+
+    def step(self) -> bool:
+        """Advance a bounded amount; True when finished."""
+        ...
+
+
+class _QueuedJob:
+    def __init__(self, job: EngineJob, loop: asyncio.AbstractEventLoop, done: asyncio.Future) -> None:
+        self.job, self.loop, self.done = job, loop, done
+        self.cancelled = False  # set by the awaiting side when it leaves (client disconnect)
 
 
 class AsyncEngine:
@@ -36,6 +52,8 @@ class AsyncEngine:
         self._stop = False
         self._thread: threading.Thread | None = None
         self.step_hooks: list[Callable[[Engine, list[RequestOutput], float], None]] = []  # metrics, tests
+        self._jobs: deque[_QueuedJob] = deque()  # engine thread only
+        self._num_jobs = 0  # submitted and not finished (guarded by _lock)
 
     # ---- lifecycle ----------------------------------------------------------------------------------------
 
@@ -92,6 +110,27 @@ class AsyncEngine:
             if finished_choices < n:
                 self.abort(request_id)
 
+    async def run_job(self, job: EngineJob, max_queued: int | None = None) -> None:
+        """Run `job` to completion on the engine thread, interleaved with serving steps; re-raises its exception.
+        QueueFullError when `max_queued` jobs are already waiting or running. Cancelling the caller drops the job
+        at its next step."""
+        if not self.is_running:
+            raise EngineDeadError("the engine is not running")
+        with self._lock:
+            if max_queued is not None and self._num_jobs >= max_queued:
+                raise QueueFullError(f"{self._num_jobs} inspections are already queued (the limit is {max_queued})")
+            self._num_jobs += 1
+        loop = asyncio.get_running_loop()
+        queued = _QueuedJob(job, loop, loop.create_future())
+        self._inbox.put(("job", queued))
+        self._wake.set()
+        try:
+            await queued.done
+        finally:
+            queued.cancelled = True  # a no-op once finished; otherwise the engine thread drops it
+            with self._lock:
+                self._num_jobs -= 1
+
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
         self._wake.set()
@@ -103,9 +142,11 @@ class AsyncEngine:
 
         while not self._stop:
             self._drain_inbox()
+            ran_job = self._advance_job()
             if not self.engine.has_unfinished():
-                self._wake.wait(0.5)
-                self._wake.clear()
+                if not ran_job:
+                    self._wake.wait(0.5)
+                    self._wake.clear()
                 continue
             start = time.perf_counter()
             try:
@@ -121,6 +162,10 @@ class AsyncEngine:
             self._dispatch(outs)
             for hook in self.step_hooks:
                 hook(self.engine, outs, elapsed)
+        self._drain_inbox()
+        for queued in self._jobs:  # stopped with jobs still queued: their callers must not wait forever
+            queued.loop.call_soon_threadsafe(_resolve, queued.done, EngineDeadError("the engine stopped"))
+        self._jobs.clear()
 
     def _drain_inbox(self) -> None:
         while True:
@@ -144,6 +189,24 @@ class AsyncEngine:
                     self.engine.abort(request_id)
             elif kind == "abort":
                 self._dispatch(self.engine.abort(payload))
+            elif kind == "job":
+                self._jobs.append(payload)
+
+    def _advance_job(self) -> bool:
+        """One step of the oldest job; False when there was none to run."""
+        while self._jobs and self._jobs[0].cancelled:
+            self._jobs.popleft()
+        if not self._jobs:
+            return False
+        queued = self._jobs[0]
+        try:
+            finished, error = queued.job.step(), None
+        except Exception as e:  # the job's own failure (bad input found late, out of memory): its caller's error
+            finished, error = True, e
+        if finished:
+            self._jobs.popleft()
+            queued.loop.call_soon_threadsafe(_resolve, queued.done, error)
+        return True
 
     def _dispatch(self, outs: list[RequestOutput]) -> None:
         with self._lock:

@@ -32,6 +32,9 @@ class Settings(BaseSettings):
     max_n: int = Field(16, description="largest `n` accepted")
     max_logprobs: int = Field(20, description="largest `logprobs` / `top_logprobs` accepted")
     max_prompts: int = Field(64, description="largest list of prompts in one completions request")
+    max_inspect_tokens: int = Field(4096, description="longest sequence /inspect accepts (413 beyond)")
+    max_inspect_response_bytes: int = Field(32 << 20, description="estimated /inspect response size beyond which it is a 413 naming a cheaper mode")
+    max_inspect_queued: int = Field(4, description="inspections queued or running at once (429 beyond)")
     log_prompts: bool = Field(False, description="include prompt text in request logs")
     threads: int | None = Field(None, description="torch CPU threads (default: torch's)")
 

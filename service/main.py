@@ -12,7 +12,7 @@ from model.loaders.checkpoint import LoadedModel
 from service import errors
 from service.config import Settings, parse_cli
 from service.middleware import GuardMiddleware
-from service.routes import chat, completions, info
+from service.routes import chat, completions, info, inspect
 from service.state import ServingState
 
 
@@ -35,7 +35,7 @@ def create_app(settings: Settings | None = None, loaded: LoadedModel | None = No
     app = FastAPI(title="llamascope", version="0.1.0", lifespan=lifespan)
     app.state.serving = state
     errors.install(app)
-    for r in (completions.router, chat.router, info.router):
+    for r in (completions.router, chat.router, info.router, inspect.router):
         app.include_router(r)
     key = settings.api_key.get_secret_value() if settings.api_key else None
     app.add_middleware(GuardMiddleware, api_key=key, max_body_bytes=settings.max_body_bytes,

@@ -8,10 +8,10 @@ import json
 
 from service.errors import envelope
 
-OPEN_PATHS = {"/health"}
+OPEN_PATHS = {"/health", "/inspect/ui", "/inspect/ui/inspect.js"}  # the viewer holds no data; it asks for the key
 # Requests to these are counted in llamascope_requests_total{endpoint,status} here, at the edge, so that refusals
 # before any route code runs (401, 413, validation 400, 404) are counted like everything else.
-COUNTED = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
+COUNTED = {"/v1/completions": "completions", "/v1/chat/completions": "chat", "/inspect": "inspect"}
 
 
 class GuardMiddleware:

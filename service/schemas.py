@@ -1,4 +1,4 @@
-"""OpenAI request models (and the inspect models later): the only place pydantic lives.
+"""OpenAI request models and the /inspect request model: the only place pydantic lives.
 
 Unknown fields are rejected (`extra="forbid"`): a client that sends something we would ignore learns it at once.
 Floats refuse NaN and infinity. Limits that depend on the deployment (n, logprobs, prompt count) are checked in
@@ -83,8 +83,17 @@ class SamplingFields(BaseModel):
         return v
 
 
+class InspectSummaryOptions(BaseModel):
+    """The `inspect` extension of /v1/completions: the inspection summary of each prompt beside the completion."""
+
+    model_config = ConfigDict(extra="forbid")
+    massive_threshold: Float = Field(100.0, gt=0.0)
+    massive_ratio: Float = Field(1000.0, gt=0.0)
+
+
 class CompletionRequest(SamplingFields):
     prompt: Text | list[Text] | list[TokenId] | list[list[TokenId]]
+    inspect: bool | InspectSummaryOptions = False  # llamascope extension
     max_tokens: int | None = Field(16, ge=1, le=2**31)
     logprobs: int | None = Field(None, ge=0)
     echo: bool = False
@@ -156,3 +165,48 @@ class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     model: str | None = None
     tokens: list[TokenId] = Field(max_length=1 << 20)
+
+
+LayerIndex = Annotated[int, Field(ge=0, lt=1 << 16)]
+Position = Annotated[int, Field(ge=-(1 << 20), lt=1 << 20)]  # negative: from the end
+
+
+class InspectRequest(BaseModel):
+    """POST /inspect. Definitions and map layouts: model/probes.py; the response: README "Inspection"."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    # exactly one of the three
+    prompt: Text | None = None
+    input_ids: list[TokenId] | None = Field(None, min_length=1, max_length=1 << 20)
+    messages: list[ChatMessage] | None = Field(None, min_length=1, max_length=1024)
+    add_generation_prompt: bool = True
+    # generate first, then inspect prompt + completion
+    max_tokens: int = Field(0, ge=0, le=1 << 20)
+    temperature: Float = Field(0.0, ge=0.0, le=2.0)
+    top_p: Float = Field(1.0, gt=0.0, le=1.0)
+    seed: int | None = Field(None, ge=-(2**63), lt=2**64)
+    # what to report
+    layers: list[LayerIndex] | None = Field(None, min_length=1, max_length=1024)
+    heads: list[LayerIndex] | None = Field(None, min_length=1, max_length=1024)
+    include: list[Literal["massive", "norms", "attention", "logit_lens"]] | None = Field(None, max_length=4)
+    massive_threshold: Float = Field(100.0, gt=0.0)
+    massive_ratio: Float = Field(1000.0, gt=0.0)
+    massive_top_k: int = Field(3, ge=1, le=100)
+    massive_max_entries: int = Field(64, ge=1, le=4096)
+    mode: Literal["auto", "none", "full", "rows", "topk", "pooled"] = "auto"
+    rows: list[Position] | None = Field(None, min_length=1, max_length=4096)
+    attention_top_k: int = Field(8, ge=1, le=1024)
+    pool_size: int = Field(16, ge=1, le=1 << 16)
+    pool_reduce: Literal["mean", "max"] = "mean"
+    format: Literal["base64", "list"] = "base64"
+    lens_top_k: int = Field(5, ge=1, le=100)
+    lens_positions: list[Position] | None = Field(None, min_length=1, max_length=1024)
+
+    @field_validator("layers", "heads", "rows", "lens_positions")
+    @classmethod
+    def _unique(cls, v):
+        if v is not None and len(set(v)) != len(v):
+            raise ValueError("must not repeat an index")
+        return v

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Depends, Request
@@ -9,7 +10,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from service.errors import APIError
 from service.routes.common import DONE, LegacyLogprobs, now, sse, sse_error, usage
-from service.runner import RunStats, collect_all, finish, start
+from service.routes.inspect import check_length, completion_summaries
+from service.runner import RunStats, collect_all, finish, start, until_disconnect
 from service.sampling_params import to_sampling_params
 from service.schemas import CompletionRequest
 from service.state import ServingState, check_model, serving
@@ -49,7 +51,12 @@ async def completions(req: CompletionRequest, request: Request, state: ServingSt
     tok = state.loaded.tokenizer
     n_choices = len(prompts) * params.n
     created, rid, model = now(), f"cmpl-{stats.request_id}", state.model_name
+    if req.inspect:
+        for p in prompts:
+            check_length(state, len(p))
     outputs = await start(state, prompts, params, stats)  # refusals raise here, before any response
+    # the `inspect` extension: probes step on the engine thread between generation steps
+    inspection = asyncio.ensure_future(completion_summaries(state, prompts, req.inspect)) if req.inspect else None
 
     def echo_text(choice: int) -> str:
         return tok.decode(prompts[choice // params.n]) if req.echo else ""
@@ -91,6 +98,9 @@ async def completions(req: CompletionRequest, request: Request, state: ServingSt
                     yield sse({"id": rid, "object": "text_completion", "created": created, "model": model,
                                "choices": [{"index": choice, "text": text, "logprobs": lp.as_dict() if lp else None,
                                             "finish_reason": out.finish_reason}]})
+                if inspection is not None:
+                    yield sse({"id": rid, "object": "text_completion", "created": created, "model": model,
+                               "choices": [], "inspect": await inspection})
                 if include_usage:
                     yield sse({"id": rid, "object": "text_completion", "created": created, "model": model,
                                "choices": [], "usage": usage(stats.prompt_tokens, stats.completion_tokens, stats.cached_tokens)})
@@ -101,6 +111,8 @@ async def completions(req: CompletionRequest, request: Request, state: ServingSt
                 yield DONE
             finally:
                 finish(state, stats, status if len(stats.finish_reasons) == n_choices or status != 200 else 499)
+                if inspection is not None:
+                    inspection.cancel()
                 await outputs.aclose()  # at once, not at GC time: a client that left is aborted now
 
         return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
@@ -126,10 +138,16 @@ async def completions(req: CompletionRequest, request: Request, state: ServingSt
         finally:
             await outputs.aclose()
 
-    texts, lps, reasons, _ = await collect_all(request, state, stats, collect())
+    try:
+        texts, lps, reasons, _ = await collect_all(request, state, stats, collect())
+        extra = {"inspect": await until_disconnect(request, inspection)} if inspection is not None else {}
+    finally:
+        if inspection is not None:
+            inspection.cancel()
     return JSONResponse({
         "id": rid, "object": "text_completion", "created": created, "model": model,
         "choices": [{"index": c, "text": texts[c], "logprobs": lps[c].as_dict() if lps.get(c) else None,
                      "finish_reason": reasons.get(c)} for c in range(n_choices)],
         "usage": usage(stats.prompt_tokens, stats.completion_tokens, stats.cached_tokens),
+        **extra,
     })

@@ -1,0 +1,154 @@
+"""The /inspect response: JSON layout of a `model.probes.ProbeResult`, attention-map encoding, and the byte budget.
+
+Maps travel as little-endian float16 in base64 with their shape (`format: "base64"`, about 2.7 bytes a value) or
+as nested JSON lists (`format: "list"`, about 8 bytes a value). The budget is checked on an estimate made before
+any compute, so a request that would be too large costs nothing but its 413.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+
+import numpy as np
+
+from model.probes import ActivationEntry, AttentionMaps, ProbeOptions, ProbeResult, estimate_map_elements
+from model.tokenizer import IncrementalDetokenizer, Tokenizer
+
+BYTES_PER_VALUE = {"base64": 8 / 3, "list": 8.0}  # float16 in base64 (2 bytes x 4/3); a rounded decimal in JSON
+BYTES_PER_TOKEN = 80  # the token list entry
+BYTES_PER_NORM = 10  # one residual norm per token per layer
+
+
+def estimate_bytes(opts: ProbeOptions, fmt: str, T: int, n_layers: int, n_heads: int) -> int:
+    L = len(opts.selected_layers(n_layers))
+    maps = estimate_map_elements(opts, T, n_layers, n_heads) * BYTES_PER_VALUE[fmt]
+    norms = L * T * BYTES_PER_NORM if "norms" in opts.include else 0
+    return int(maps + norms + T * BYTES_PER_TOKEN + L * 4096)
+
+
+def cheaper_modes(opts: ProbeOptions, fmt: str, T: int, n_layers: int, n_heads: int, budget: int) -> str:
+    """A sentence naming modes that fit the budget for the same layers and heads."""
+    pooled = None
+    for b in (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024):
+        trial = _with(opts, mode="pooled", pool_size=b)
+        if estimate_bytes(trial, fmt, T, n_layers, n_heads) <= budget:
+            pooled = b
+            break
+    hints = []
+    if pooled is not None:
+        hints.append(f"mode 'pooled' with pool_size >= {pooled}")
+    for k in (32, 8, 1):
+        if estimate_bytes(_with(opts, mode="topk", attention_top_k=k), fmt, T, n_layers, n_heads) <= budget:
+            hints.append(f"mode 'topk' with attention_top_k <= {k}")
+            break
+    hints.append("mode 'rows' for chosen query positions")
+    hints.append("fewer layers or heads")
+    return "; use " + ", or ".join(hints)
+
+
+def resolve_auto(opts: ProbeOptions, fmt: str, T: int, n_layers: int, n_heads: int, budget: int) -> ProbeOptions:
+    """mode "auto": full maps when they fit the budget, else the finest pooling that does, else none."""
+    if opts.mode != "auto":
+        return opts
+    if "attention" not in opts.include:
+        return _with(opts, mode="none")
+    candidates = [_with(opts, mode="full")] + [_with(opts, mode="pooled", pool_size=b) for b in (2, 4, 8, 16, 32, 64, 128, 256)]
+    for c in candidates:
+        if estimate_bytes(c, fmt, T, n_layers, n_heads) <= budget:
+            return c
+    return _with(opts, mode="none")
+
+
+def _with(opts: ProbeOptions, **changes) -> ProbeOptions:
+    from dataclasses import replace
+
+    return replace(opts, **changes)
+
+
+def encode_array(a, fmt: str, dtype: str = "float16") -> dict:
+    arr = np.ascontiguousarray(a.numpy() if hasattr(a, "numpy") else a)
+    if fmt == "list":
+        data = np.round(arr.astype(np.float64), 5).tolist() if dtype == "float16" else arr.astype(np.int64).tolist()
+        return {"shape": list(arr.shape), "dtype": dtype, "encoding": "list", "data": data}
+    raw = arr.astype("<f2" if dtype == "float16" else "<i4").tobytes()
+    return {"shape": list(arr.shape), "dtype": dtype, "encoding": "base64", "data": base64.b64encode(raw).decode("ascii")}
+
+
+def encode_maps(maps: AttentionMaps, opts: ProbeOptions, fmt: str) -> dict:
+    out = {"mode": maps.mode, "values": encode_array(maps.values, fmt)}
+    if maps.mode == "topk":
+        out["indices"] = encode_array(maps.indices, fmt, "int32")
+    elif maps.mode == "rows":
+        out["rows"] = maps.rows
+    elif maps.mode == "pooled":
+        out["pool_size"], out["reduce"] = opts.pool_size, opts.pool_reduce
+    return out
+
+
+def token_list(tok: Tokenizer, ids: list[int]) -> list[dict]:
+    """Each token: id, its own text, its vocabulary piece, and its [start, end) span in the decoded sequence
+    (a token that ends inside a UTF-8 character gets an empty span; the token completing it spans the character)."""
+    detok = IncrementalDetokenizer(tok)
+    out, pos = [], 0
+    for i, t in enumerate(ids):
+        delta = detok.feed(t)
+        out.append({"index": i, "id": t, "text": tok.decode([t]), "piece": tok.id_to_token(t), "offset": [pos, pos + len(delta)]})
+        pos += len(delta)
+    return out
+
+
+def _finite(x: float | None) -> float | None:
+    return x if x is None or math.isfinite(x) else None
+
+
+def _entry(e: ActivationEntry, tokens: list[dict]) -> dict:
+    return {"token": e.token, "token_text": tokens[e.token]["text"], "dim": e.dim, "value": e.value,
+            "ratio": _finite(e.ratio), "massive": e.massive}
+
+
+def summary(result: ProbeResult, tokens: list[dict], n_layers: int) -> dict:
+    sinks = result.sink_mass_by_layer
+    return {
+        "first_massive_layer": result.massive_layers[0] if result.massive_layers else None,
+        "last_massive_layer": result.massive_layers[-1] if result.massive_layers else None,
+        "massive_layers": result.massive_layers,
+        "massive_dims": result.massive_dims,
+        "massive_tokens": [{"index": t, "text": tokens[t]["text"]} for t in result.massive_tokens],
+        "sink_mass_by_layer": [sinks.get(i) for i in range(n_layers)] if sinks else None,
+    }
+
+
+def render(result: ProbeResult, opts: ProbeOptions, fmt: str, tok: Tokenizer, n_layers: int) -> dict:
+    tokens = token_list(tok, result.token_ids)
+    layers = []
+    for p in result.layers:
+        layer = {"layer": p.layer, "max_abs": p.max_abs, "median_abs": p.median_abs,
+                 "num_massive": p.num_massive, "massive": [_entry(e, tokens) for e in p.massive],
+                 "top": [_entry(e, tokens) for e in p.top]}
+        if p.residual_norm is not None:
+            layer["residual_norm"] = [round(x, 4) for x in p.residual_norm.tolist()]
+        if p.heads is not None:
+            layer["attention"] = {
+                "heads": [{"head": h.head, "kv_group": h.kv_group, "sink_mass": h.sink_mass,
+                           "massive_mass": h.massive_mass, "entropy": h.entropy} for h in p.heads],
+                "maps": encode_maps(p.maps, opts, fmt) if p.maps is not None else None,
+            }
+        if p.lens is not None:
+            layer["logit_lens"] = [{"position": e.position, "top": [{"id": i, "text": tok.decode([i]), "prob": pr}
+                                                                     for i, pr in zip(e.token_ids, e.probs)]}
+                                   for e in p.lens]
+        layers.append(layer)
+    return {"tokens": tokens, "layers": layers, "summary": summary(result, tokens, n_layers)}
+
+
+def dumps_with_size(body: dict) -> bytes:
+    """Compact JSON with `usage.response_bytes` set to the length of the body that carries it."""
+    body["usage"]["response_bytes"] = 0
+    for _ in range(3):  # the size's own digits change the size; two rounds settle it
+        data = json.dumps(body, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
+        if body["usage"]["response_bytes"] == len(data):
+            break
+        body["usage"]["response_bytes"] = len(data)
+    return data

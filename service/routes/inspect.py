@@ -1,0 +1,196 @@
+"""POST /inspect: attention maps and sinks, massive activations, residual norms and the logit lens of a prompt
+(optionally after generating a completion); GET /inspect/ui: the viewer page.
+
+The probe runs on the engine thread as a job stepped one block at a time between serving steps
+(`AsyncEngine.run_job`), on the same weights and kernels that serve completions.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from importlib import resources
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import HTMLResponse, Response
+
+from model.async_engine import EngineDeadError
+from model.probes import INCLUDES, ProbeOptions, ProbeRun
+from model.sampling import SamplingParams
+from model.scheduler import QueueFullError
+from service import inspect_format as fmt
+from service.errors import APIError
+from service.routes.chat import render_chat
+from service.routes.common import now
+from service.runner import RunStats, start, until_disconnect
+from service.schemas import InspectRequest, InspectSummaryOptions
+from service.state import ServingState, check_model, serving
+
+router = APIRouter()
+log = logging.getLogger("llamascope.service")
+
+
+def _sequence(state: ServingState, req: InspectRequest) -> list[int]:
+    given = [name for name in ("prompt", "input_ids", "messages") if getattr(req, name) is not None]
+    if len(given) != 1:
+        raise APIError(400, "give exactly one of prompt, input_ids or messages" + (f" (got {', '.join(given)})" if given else ""),
+                       param="prompt", code="invalid_value")
+    tok = state.loaded.tokenizer
+    if req.messages is not None:
+        return render_chat(state, req.messages, req.add_generation_prompt)
+    ids = tok.encode(req.prompt) if req.prompt is not None else list(req.input_ids)
+    if not ids:
+        raise APIError(400, "prompt must not be empty", param=given[0], code="empty_prompt")
+    V = state.loaded.model.config.vocab_size
+    if any(t >= V for t in ids):
+        raise APIError(400, f"token ids must be below the vocabulary size {V}", param="input_ids", code="invalid_token")
+    return ids
+
+
+def check_length(state: ServingState, T: int, param: str = "prompt") -> None:
+    limit = state.settings.max_inspect_tokens
+    if T > limit:
+        raise APIError(413, f"inspecting {T} tokens exceeds the limit of {limit} (max_inspect_tokens)",
+                       param=param, code="inspect_too_long")
+
+
+def _options(state: ServingState, req: InspectRequest, T: int) -> ProbeOptions:
+    """Options for a sequence of (at most) T tokens; 400 for out-of-range selectors, 413 over the byte budget."""
+    c = state.loaded.model.config
+    opts = ProbeOptions(
+        layers=req.layers, heads=req.heads, include=frozenset(req.include) if req.include is not None else INCLUDES,
+        massive_threshold=req.massive_threshold, massive_ratio=req.massive_ratio, massive_top_k=req.massive_top_k,
+        massive_max_entries=req.massive_max_entries, mode=req.mode, rows=_absolute(req.rows, T, "rows"),
+        attention_top_k=req.attention_top_k, pool_size=req.pool_size, pool_reduce=req.pool_reduce,
+        lens_top_k=req.lens_top_k, lens_positions=req.lens_positions,
+    )
+    budget = state.settings.max_inspect_response_bytes
+    opts = fmt.resolve_auto(opts, req.format, T, c.n_layers, c.n_heads, budget)
+    try:
+        opts.validate(c.n_layers, c.n_heads, T)
+    except ValueError as e:  # messages start with the field's name
+        param = str(e).split(":")[0].split(" ")[0]
+        raise APIError(400, str(e), param=param if param in InspectRequest.model_fields else None, code="invalid_value") from None
+    size = fmt.estimate_bytes(opts, req.format, T, c.n_layers, c.n_heads)
+    if size > budget:
+        raise APIError(413, f"the response would be about {size / 1e6:.0f} MB ({opts.mode} attention maps of "
+                            f"{len(opts.selected_layers(c.n_layers))} layers x {len(opts.selected_heads(c.n_heads))} heads "
+                            f"over {T} tokens), over the {budget / 1e6:.0f} MB inspect budget"
+                            + fmt.cheaper_modes(opts, req.format, T, c.n_layers, c.n_heads, budget),
+                       param="mode", code="inspect_too_large")
+    return opts
+
+
+def _absolute(positions: list[int] | None, T: int, param: str) -> list[int] | None:
+    if positions is None:
+        return None
+    out = [p + T if p < 0 else p for p in positions]
+    if any(not 0 <= p < T for p in out):
+        raise APIError(400, f"{param} must be in [-{T}, {T}) for this {T}-token sequence", param=param, code="invalid_value")
+    return out
+
+
+async def run_probe(state: ServingState, request: Request | None, ids: list[int], opts: ProbeOptions) -> ProbeRun:
+    """Step a ProbeRun on the engine thread to its end; cancelled if the client of `request` leaves (without a
+    request, the caller's own cancellation is the only stop)."""
+    try:
+        run = ProbeRun(state.loaded.model, ids, opts)
+    except ValueError as e:
+        raise APIError(400, str(e), code="invalid_value") from None
+    t0 = time.perf_counter()
+    try:
+        job = state.engine.run_job(run, state.settings.max_inspect_queued)
+        await (until_disconnect(request, job) if request is not None else job)
+    except QueueFullError as e:
+        raise APIError(429, f"server busy: {e}", code="queue_full", headers={"Retry-After": "1"}) from None
+    except EngineDeadError:
+        raise APIError(503, "the engine is not running", code="not_ready") from None
+    state.metrics.inspect_seconds.observe(time.perf_counter() - t0)
+    state.metrics.inspect_tokens.inc(len(ids))
+    return run
+
+
+async def _generate(state: ServingState, request: Request, ids: list[int], req: InspectRequest) -> dict:
+    """The completion to inspect with the prompt: its tokens, text and finish reason."""
+    params = SamplingParams(max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p, seed=req.seed)
+    stats = RunStats("inspect")
+    outputs = await start(state, [ids], params, stats)
+
+    async def collect():
+        tokens, text, reason, error = [], "", None, None
+        try:
+            async for _, out in outputs:
+                tokens += out.token_ids
+                text += out.text
+                reason, error = out.finish_reason or reason, out.error or error
+        finally:
+            await outputs.aclose()
+        return {"token_ids": tokens, "text": text, "finish_reason": reason, "error": error}
+
+    result = await until_disconnect(request, collect())
+    if result.pop("error"):
+        raise APIError(500, "generation failed", code="generation_failed")
+    return result
+
+
+@router.post("/inspect")
+async def inspect(req: InspectRequest, request: Request, state: ServingState = Depends(serving)):
+    check_model(state, req.model)
+    c = state.loaded.model.config
+    started = time.perf_counter()
+    ids = _sequence(state, req)
+    max_len = min(state.settings.max_model_len or c.max_seq_len, c.max_seq_len)
+    if len(ids) + req.max_tokens > max_len:
+        raise APIError(400, f"prompt ({len(ids)} tokens) + max_tokens ({req.max_tokens}) exceeds the context of {max_len}",
+                       param="max_tokens", code="context_length_exceeded")
+    check_length(state, len(ids) + req.max_tokens, "max_tokens" if req.max_tokens else "prompt")
+    opts = _options(state, req, len(ids) + req.max_tokens)
+    completion = None
+    if req.max_tokens:
+        completion = await _generate(state, request, ids, req)
+        opts.rows = _absolute(req.rows, len(ids) + len(completion["token_ids"]), "rows")
+    sequence = ids + (completion["token_ids"] if completion else [])
+    run = await run_probe(state, request, sequence, opts)
+    result = run.result()
+    body = {"id": f"insp-{uuid.uuid4().hex[:24]}", "object": "inspection", "created": now(), "model": state.model_name,
+            "mode": opts.mode, "format": req.format,
+            "config": {"n_layers": c.n_layers, "n_heads": c.n_heads, "n_kv_heads": c.n_kv_heads, "head_dim": c.head_dim,
+                       "dim": c.dim, "vocab_size": c.vocab_size},
+            "layers_selected": opts.selected_layers(c.n_layers), "heads_selected": result.heads,
+            "kv_groups": result.kv_groups, "num_prompt_tokens": len(ids), "completion": completion}
+    body.update(await run_in_threadpool(fmt.render, result, opts, req.format, state.loaded.tokenizer, c.n_layers))
+    body["usage"] = {"prompt_tokens": len(ids), "completion_tokens": len(sequence) - len(ids), "total_tokens": len(sequence),
+                     "compute_ms": round(result.compute_ms, 1), "response_bytes": 0}
+    data = await run_in_threadpool(fmt.dumps_with_size, body)
+    log.info("inspect tokens=%d mode=%s layers=%d compute_ms=%.0f latency_ms=%.0f bytes=%d", len(sequence), opts.mode,
+             len(result.layers), result.compute_ms, (time.perf_counter() - started) * 1e3, len(data))
+    return Response(data, media_type="application/json")
+
+
+async def completion_summaries(state: ServingState, prompts: list[list[int]], options: bool | InspectSummaryOptions) -> list[dict]:
+    """The `inspect` extension of /v1/completions: each prompt's inspection summary (no maps). Runs beside the
+    generation as a task the route cancels if the client leaves."""
+    o = options if isinstance(options, InspectSummaryOptions) else InspectSummaryOptions()
+    out = []
+    for i, ids in enumerate(prompts):
+        # the summary covers every block whatever `layers` says; one layer keeps the per-layer part small
+        opts = ProbeOptions(include=frozenset({"massive", "attention"}), massive_threshold=o.massive_threshold,
+                            massive_ratio=o.massive_ratio, layers=[0])
+        result = (await run_probe(state, None, ids, opts)).result()
+        tokens = fmt.token_list(state.loaded.tokenizer, ids)
+        out.append({"prompt_index": i, "summary": fmt.summary(result, tokens, state.loaded.model.config.n_layers),
+                    "compute_ms": round(result.compute_ms, 1)})
+    return out
+
+
+@router.get("/inspect/ui", response_class=HTMLResponse, include_in_schema=False)
+async def viewer():
+    return HTMLResponse(resources.files("service").joinpath("static/inspect.html").read_text(encoding="utf-8"))
+
+
+@router.get("/inspect/ui/inspect.js", include_in_schema=False)
+async def viewer_script():
+    return Response(resources.files("service").joinpath("static/inspect.js").read_text(encoding="utf-8"),
+                    media_type="text/javascript")

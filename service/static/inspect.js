@@ -1,0 +1,232 @@
+// The inspect viewer: POST /inspect, then draw. Plain JS, no build step, no dependencies.
+"use strict";
+
+const $ = (id) => document.getElementById(id);
+let current = null; // the last /inspect response
+
+// IEEE 754 half -> float (maps arrive as little-endian float16 in base64).
+function halfToFloat(h) {
+  const s = h & 0x8000 ? -1 : 1, e = (h >> 10) & 0x1f, f = h & 0x3ff;
+  if (e === 0) return s * Math.pow(2, -14) * (f / 1024);
+  if (e === 31) return f ? NaN : s * Infinity;
+  return s * Math.pow(2, e - 15) * (1 + f / 1024);
+}
+
+function decodeArray(arr) {
+  if (arr.encoding === "list") return Float32Array.from(arr.data.flat(Infinity));
+  const bytes = Uint8Array.from(atob(arr.data), (c) => c.charCodeAt(0));
+  const view = new DataView(bytes.buffer);
+  if (arr.dtype === "int32") return Int32Array.from({ length: bytes.length / 4 }, (_, i) => view.getInt32(4 * i, true));
+  return Float32Array.from({ length: bytes.length / 2 }, (_, i) => halfToFloat(view.getUint16(2 * i, true)));
+}
+
+function setStatus(text, isError) {
+  $("status").textContent = text;
+  $("status").className = isError ? "error" : "";
+}
+
+async function runInspect() {
+  const key = $("api-key").value.trim();
+  if (key) sessionStorage.setItem("llamascope-key", key);
+  const headers = { "Content-Type": "application/json" };
+  if (key) headers.Authorization = "Bearer " + key;
+  const body = { prompt: $("prompt").value, max_tokens: Number($("max-tokens").value) || 0, mode: "auto" };
+  setStatus("inspecting…");
+  $("run").disabled = true;
+  try {
+    const res = await fetch("/inspect", { method: "POST", headers, body: JSON.stringify(body) });
+    const data = await res.json();
+    if (!res.ok) throw new Error((data.error && data.error.message) || res.statusText);
+    current = data;
+    render();
+    const u = data.usage;
+    setStatus(`${u.total_tokens} tokens · ${data.config.n_layers} layers · maps ${data.mode} · ` +
+              `${u.compute_ms.toFixed(0)} ms compute · ${(u.response_bytes / 1024).toFixed(0)} KiB`);
+  } catch (err) {
+    setStatus(String(err.message || err), true);
+  } finally {
+    $("run").disabled = false;
+  }
+}
+
+function render() {
+  const d = current;
+  $("model").textContent = `${d.model} · ${d.config.n_layers} layers · ${d.config.n_heads} heads / ${d.config.n_kv_heads} KV heads`;
+  fillSelect($("layer"), d.layers.map((l) => [l.layer, `block ${l.layer}`]), d.layers.length - 1);
+  fillSelect($("head"), d.heads_selected.map((h, i) => [i, `head ${h} (KV ${d.kv_groups[i]})`]), 0);
+  drawHeatmap();
+  drawMagnitudes();
+  drawSinks();
+  fillMassiveTable();
+}
+
+function fillSelect(sel, options, selectedIndex) {
+  const keep = sel.value;
+  sel.innerHTML = "";
+  for (const [value, text] of options) sel.add(new Option(text, value));
+  const still = options.findIndex(([v]) => String(v) === keep);
+  sel.selectedIndex = still >= 0 ? still : Math.max(0, selectedIndex);
+}
+
+// ---- attention heatmap --------------------------------------------------------------------------------------
+
+function currentMap() {
+  const layer = current.layers.find((l) => String(l.layer) === $("layer").value);
+  if (!layer || !layer.attention || !layer.attention.maps) return null;
+  const maps = layer.attention.maps;
+  const values = decodeArray(maps.values);
+  const [H, R, C] = maps.values.shape;
+  const h = Number($("head").value);
+  return { layer, maps, R, C, data: values.subarray(h * R * C, (h + 1) * R * C), head: layer.attention.heads[h] };
+}
+
+function drawHeatmap() {
+  const canvas = $("heatmap"), ctx = canvas.getContext("2d");
+  const m = currentMap();
+  ctx.clearRect(0, 0, canvas.width, canvas.height);
+  if (!m) { $("map-info").textContent = "no map for this layer"; return; }
+  const labelSpace = m.R <= 48 ? 70 : 0;
+  const cell = Math.max(1, Math.floor((canvas.width - labelSpace) / Math.max(m.R, m.C)));
+  const size = cell * Math.max(m.R, m.C);
+  canvas.height = size + labelSpace;
+  ctx.fillStyle = "#fff";
+  ctx.fillRect(0, 0, canvas.width, canvas.height);
+  let max = 0;
+  for (const v of m.data) if (v > max) max = v;
+  for (let r = 0; r < m.R; r++) {
+    for (let c = 0; c < m.C; c++) {
+      const v = m.data[r * m.C + c] / (max || 1);
+      // white -> deep orange, square-root scale so small weights stay visible
+      const t = Math.sqrt(Math.max(0, v));
+      ctx.fillStyle = `rgb(${255 - 61 * t | 0},${255 - 190 * t | 0},${255 - 243 * t | 0})`;
+      ctx.fillRect(labelSpace + c * cell, r * cell, cell, cell);
+    }
+  }
+  if (labelSpace) { // token labels: queries down the left, keys along the bottom
+    ctx.fillStyle = "#1d2330";
+    ctx.font = `${Math.min(12, cell - 1)}px ui-monospace, monospace`;
+    ctx.textBaseline = "middle";
+    for (let i = 0; i < m.R; i++) ctx.fillText(shortToken(i), 2, i * cell + cell / 2, labelSpace - 4);
+    ctx.save();
+    for (let j = 0; j < m.C; j++) {
+      ctx.setTransform(1, 0, 0, 1, labelSpace + j * cell + cell / 2, size + 4);
+      ctx.rotate(Math.PI / 2);
+      ctx.fillText(shortToken(j), 0, 0, labelSpace - 6);
+    }
+    ctx.restore();
+  }
+  canvas.dataset.drawn = "1";
+  canvas._geom = { labelSpace, cell, m };
+  const hs = m.head;
+  $("map-info").textContent = `${m.maps.mode}${m.maps.pool_size ? " (tiles of " + m.maps.pool_size + ")" : ""} · sink ` +
+    `${fmt(hs.sink_mass)} · entropy ${fmt(hs.entropy)} nats · max ${max.toFixed(3)}`;
+}
+
+function shortToken(i) {
+  const t = current.tokens[i];
+  return t ? JSON.stringify(t.text).slice(1, -1).slice(0, 9) : String(i);
+}
+
+function fmt(x) { return x === null || x === undefined ? "–" : Number(x).toFixed(3); }
+
+function onHover(ev) {
+  const canvas = $("heatmap"), tip = $("tooltip"), g = canvas._geom;
+  if (!g) return;
+  const rect = canvas.getBoundingClientRect();
+  const x = (ev.clientX - rect.left) * (canvas.width / rect.width), y = (ev.clientY - rect.top) * (canvas.height / rect.height);
+  const c = Math.floor((x - g.labelSpace) / g.cell), r = Math.floor(y / g.cell);
+  if (c < 0 || r < 0 || r >= g.m.R || c >= g.m.C) { tip.style.display = "none"; return; }
+  const v = g.m.data[r * g.m.C + c];
+  const pooled = g.m.maps.mode === "pooled";
+  const b = g.m.maps.pool_size || 1;
+  tip.textContent = pooled
+    ? `queries ${r * b}-${r * b + b - 1} → keys ${c * b}-${c * b + b - 1}\n${g.m.maps.reduce} ${v.toFixed(4)}`
+    : `query ${r} ${JSON.stringify(current.tokens[r].text)}\n→ key ${c} ${JSON.stringify(current.tokens[c].text)}\nweight ${v.toFixed(4)}`;
+  tip.style.left = `${ev.clientX - rect.left + 14}px`;
+  tip.style.top = `${ev.clientY - rect.top + 14}px`;
+  tip.style.display = "block";
+}
+
+// ---- layer-wise plots ---------------------------------------------------------------------------------------
+
+function drawMagnitudes() {
+  // Sun et al. 2024, Fig. 1 style: the three largest |h| and the median per block, log scale.
+  const canvas = $("magnitudes"), ctx = canvas.getContext("2d");
+  const layers = current.layers;
+  const series = [0, 1, 2].map((k) => layers.map((l) => (l.top[k] ? Math.abs(l.top[k].value) : null)));
+  series.push(layers.map((l) => l.median_abs));
+  const all = series.flat().filter((v) => v > 0);
+  const lo = Math.floor(Math.log10(Math.min(...all))), hi = Math.ceil(Math.log10(Math.max(...all)));
+  const pad = { l: 46, r: 10, t: 8, b: 24 }, W = canvas.width - pad.l - pad.r, H = canvas.height - pad.t - pad.b;
+  const X = (i) => pad.l + (layers.length === 1 ? W / 2 : (i * W) / (layers.length - 1));
+  const Y = (v) => pad.t + H - ((Math.log10(v) - lo) / Math.max(1, hi - lo)) * H;
+  axes(ctx, canvas, pad, lo, hi, Y, layers, X);
+  ["#c2410c", "#2563eb", "#059669", "#6b7280"].forEach((color, s) => {
+    ctx.strokeStyle = color; ctx.fillStyle = color; ctx.lineWidth = 1.5; ctx.beginPath();
+    let started = false;
+    series[s].forEach((v, i) => {
+      if (!(v > 0)) return;
+      if (started) ctx.lineTo(X(i), Y(v)); else { ctx.moveTo(X(i), Y(v)); started = true; }
+    });
+    ctx.stroke();
+    series[s].forEach((v, i) => { if (v > 0) { ctx.beginPath(); ctx.arc(X(i), Y(v), 2.2, 0, 7); ctx.fill(); } });
+  });
+}
+
+function axes(ctx, canvas, pad, lo, hi, Y, layers, X) {
+  ctx.clearRect(0, 0, canvas.width, canvas.height);
+  ctx.font = "11px system-ui, sans-serif"; ctx.fillStyle = "#6b7280"; ctx.strokeStyle = "#e5e7eb"; ctx.lineWidth = 1;
+  ctx.textBaseline = "middle"; ctx.textAlign = "right";
+  for (let e = lo; e <= hi; e++) {
+    ctx.beginPath(); ctx.moveTo(pad.l, Y(10 ** e)); ctx.lineTo(canvas.width - pad.r, Y(10 ** e)); ctx.stroke();
+    ctx.fillText(`1e${e}`, pad.l - 6, Y(10 ** e));
+  }
+  ctx.textAlign = "center"; ctx.textBaseline = "top";
+  const every = Math.ceil(layers.length / 15);
+  layers.forEach((l, i) => { if (i % every === 0) ctx.fillText(String(l.layer), X(i), canvas.height - pad.b + 6); });
+  ctx.textAlign = "left";
+}
+
+function drawSinks() {
+  const canvas = $("sinks"), ctx = canvas.getContext("2d");
+  const sinks = current.summary.sink_mass_by_layer || [];
+  ctx.clearRect(0, 0, canvas.width, canvas.height);
+  const pad = { l: 46, r: 10, t: 8, b: 22 }, W = canvas.width - pad.l - pad.r, H = canvas.height - pad.t - pad.b;
+  ctx.font = "11px system-ui, sans-serif"; ctx.fillStyle = "#6b7280"; ctx.textAlign = "right"; ctx.textBaseline = "middle";
+  for (const v of [0, 0.5, 1]) ctx.fillText(v.toFixed(1), pad.l - 6, pad.t + H - v * H);
+  const bw = W / Math.max(1, sinks.length);
+  ctx.textAlign = "center"; ctx.textBaseline = "top";
+  sinks.forEach((v, i) => {
+    if (v === null) return;
+    ctx.fillStyle = "#2563eb";
+    ctx.fillRect(pad.l + i * bw + 1, pad.t + H - v * H, Math.max(1, bw - 2), v * H);
+    if (i % Math.ceil(sinks.length / 15) === 0) { ctx.fillStyle = "#6b7280"; ctx.fillText(String(i), pad.l + i * bw + bw / 2, pad.t + H + 4); }
+  });
+}
+
+function fillMassiveTable() {
+  const tbody = $("massive").tBodies[0];
+  tbody.innerHTML = "";
+  let n = 0;
+  for (const l of current.layers) {
+    for (const e of l.massive) {
+      const tr = tbody.insertRow();
+      const cells = [l.layer, e.token, JSON.stringify(e.token_text), e.dim, e.value.toFixed(1), e.ratio === null ? "–" : e.ratio.toFixed(0)];
+      cells.forEach((text, i) => { const td = tr.insertCell(); td.textContent = String(text); if (i === 2) td.className = "tok"; });
+      tr.dataset.dim = String(e.dim);
+      n++;
+    }
+  }
+  if (!n) {
+    const td = tbody.insertRow().insertCell();
+    td.colSpan = 6; td.className = "tok"; td.textContent = "none at these thresholds";
+  }
+  $("massive-rule").textContent = `(|x| > 100 and ≥ 1000× the layer median; ${n} found)`;
+}
+
+$("run").addEventListener("click", runInspect);
+$("layer").addEventListener("change", drawHeatmap);
+$("head").addEventListener("change", drawHeatmap);
+$("heatmap").addEventListener("mousemove", onHover);
+$("heatmap").addEventListener("mouseleave", () => { $("tooltip").style.display = "none"; });
+$("api-key").value = sessionStorage.getItem("llamascope-key") || "";
