@@ -137,6 +137,9 @@ def test_wheel_installs_and_serves_like_the_image(tmp_path):
         r = httpx.post(url + "/v1/completions", json={"prompt": "The capital of France is", "max_tokens": 5, "temperature": 0},
                        timeout=60)
         assert r.status_code == 200 and "Paris" in r.json()["choices"][0]["text"]
+        # the viewer's files are package data: they must be in the wheel
+        assert "<canvas" in httpx.get(url + "/inspect/ui", timeout=10).text
+        assert "halfToFloat" in httpx.get(url + "/inspect/ui/inspect.js", timeout=10).text
     finally:
         proc.terminate()
         proc.wait(30)
