@@ -143,9 +143,23 @@ def render(result: ProbeResult, opts: ProbeOptions, fmt: str, tok: Tokenizer, n_
     return {"tokens": tokens, "layers": layers, "summary": summary(result, tokens, n_layers)}
 
 
+def _nan_to_none(x):
+    if isinstance(x, float):
+        return _finite(x)
+    if isinstance(x, dict):
+        return {k: _nan_to_none(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_nan_to_none(v) for v in x]
+    return x
+
+
 def dumps_with_size(body: dict) -> bytes:
     """Compact JSON with `usage.response_bytes` set to the length of the body that carries it."""
     body["usage"]["response_bytes"] = 0
+    try:
+        json.dumps(body, allow_nan=False)
+    except ValueError:  # a model that overflows (float16 inf, NaN) still gets a valid JSON answer: null there
+        body = _nan_to_none(body)
     for _ in range(3):  # the size's own digits change the size; two rounds settle it
         data = json.dumps(body, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
         if body["usage"]["response_bytes"] == len(data):

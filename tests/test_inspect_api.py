@@ -214,3 +214,14 @@ def test_queue_limit_is_a_429(tiny, monkeypatch):
     monkeypatch.setattr(state.settings, "max_inspect_queued", 0)
     r = httpx.post(tiny.url + "/inspect", json={"prompt": "x"}, timeout=60)
     assert r.status_code == 429 and r.json()["error"]["code"] == "queue_full"
+
+
+def test_non_finite_activations_become_null():
+    from service.inspect_format import dumps_with_size
+
+    data = dumps_with_size({"layers": [{"max_abs": float("inf"), "residual_norm": [1.0, float("nan")]}], "usage": {}})
+    import json
+
+    body = json.loads(data)
+    assert body["layers"][0] == {"max_abs": None, "residual_norm": [1.0, None]}
+    assert body["usage"]["response_bytes"] == len(data)
