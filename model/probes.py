@@ -8,8 +8,8 @@ Definitions (each is what the request's thresholds and options refer to):
                         median |x| of that block's whole hidden state (all tokens x all dims), as the paper's
                         `locuslab/massive-activations` code measures it (torch.median of the magnitudes). Signs kept.
     Attention sink      Xiao, Tian, Chen, Han, Lewis, "Efficient Streaming Language Models with Attention Sinks"
-                        (ICLR 2024): attention mass the queries put on the first token. Query 0 is excluded (it can
-                        only attend to itself); so are they from every per-head mean here (entropy, mass received).
+                        (ICLR 2024): attention mass the queries put on the first token. Query 0 is left out of it
+                        and of every per-head mean here (entropy, mass received): it can only attend to itself.
     Logit lens          nostalgebraist, "interpreting GPT: the logit lens" (2020): output(final_norm(h_l)) for the
                         block outputs h_l, read as a next-token distribution.
 
