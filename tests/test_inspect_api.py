@@ -133,7 +133,19 @@ def test_topk_rows_and_pooled_in_the_response(tiny):
     assert (maps["pool_size"], maps["reduce"]) == (8, "mean") and decode(maps["values"]).shape == (4, 7, 7)
 
 
-def test_generate_then_inspect_and_chat_messages(tiny):
+def test_chat_messages_are_rendered_with_the_template(server):
+    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    r = httpx.post(server.url + "/inspect", json={"messages": msgs, "max_tokens": 8, "include": ["massive"]}, timeout=120)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    tok = server.app.state.serving.loaded.tokenizer
+    prompt = tok.encode(tok.apply_chat_template(msgs), add_bos=False)
+    assert [t["id"] for t in body["tokens"][: len(prompt)]] == prompt and body["num_prompt_tokens"] == len(prompt)
+    assert "Paris" in body["completion"]["text"]
+    assert body["mode"] == "none" and "attention" not in body["layers"][0]
+
+
+def test_generate_then_inspect(tiny):
     r = httpx.post(tiny.url + "/inspect", json={"prompt": "abc", "max_tokens": 5, "lens_positions": [0, -1]}, timeout=60)
     assert r.status_code == 200, r.text
     body = r.json()
