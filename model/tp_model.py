@@ -143,19 +143,21 @@ def launch(
     rendezvous, the load, and each collective inside a step."""
     if tp_size < 2:
         raise ValueError("tensor parallelism needs at least 2 ranks")
-    path = Path(path) if path is not None else default_model_path()
+    path = Path(path).resolve() if path is not None else default_model_path()
     device = torch.device(device)
     if device.type == "cuda" and torch.cuda.device_count() < tp_size:
         raise ValueError(f"tensor-parallel size {tp_size} needs {tp_size} GPUs; {torch.cuda.device_count()} visible")
     threads = threads or max(1, (os.cpu_count() or 1) // tp_size)
     init = f"tcp://127.0.0.1:{_free_port()}"
     dtype_name = next(k for k, v in DTYPES.items() if v == dtype)
+    root = str(Path(__file__).resolve().parents[1])  # so `-m model.tp_worker` resolves from a source checkout too
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
     workers = [
         subprocess.Popen([sys.executable, "-m", "model.tp_worker", "--init-method", init, "--rank", str(r),
                           "--world-size", str(tp_size), "--model", str(path), "--dtype", dtype_name,
                           "--device", device.type, "--threads", str(threads),
                           "--timeout-s", str(timeout.total_seconds())],
-                         cwd=Path(__file__).resolve().parents[1])
+                         env=env)
         for r in range(1, tp_size)
     ]
     try:
