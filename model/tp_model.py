@@ -84,6 +84,9 @@ class TPModel:
         """As `Transformer.forward`; the cache, if any, must be a `PagedKVCache` (each worker mirrors it)."""
         if self.closed:
             raise RuntimeError("the tensor-parallel workers have been stopped")
+        for rank, p in enumerate(self.workers, 1):  # a lost rank fails this step at once rather than in a collective
+            if p.poll() is not None:
+                raise RuntimeError(f"tensor-parallel rank {rank} exited (code {p.returncode})")
         spec = None
         if cache is not None:
             if not isinstance(cache, PagedKVCache):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from dataclasses import dataclass, field
 
@@ -45,6 +46,8 @@ class ServingState:
                 device = s.device or ("cuda" if torch.cuda.is_available() else "cpu")
                 dtype = s.dtype if s.dtype != "auto" else ("bfloat16" if device.startswith("cuda") else "float32")
                 if s.tensor_parallel_size > 1:  # this process is rank 0: it schedules, the workers follow
+                    if not s.threads and not device.startswith("cuda"):  # N processes share the cores
+                        torch.set_num_threads(max(1, (os.cpu_count() or 1) // s.tensor_parallel_size))
                     loaded = launch(s.model, s.tensor_parallel_size, DTYPES[dtype], device, threads=s.threads)
                 else:
                     loaded = load_model(s.model, DTYPES[dtype], device)

@@ -168,3 +168,16 @@ def test_inspection_gathers_heads_from_their_ranks(pair, mode):
         assert la.max_abs == pytest.approx(lb.max_abs, rel=1e-5)
         assert [e.token_ids for e in la.lens] == [e.token_ids for e in lb.lens]
     assert a.sink_mass_by_layer == pytest.approx(b.sink_mass_by_layer, abs=1e-5)
+
+
+def test_lost_worker_fails_requests_not_the_server(pair):
+    """Runs last for each group: a killed worker fails the next step's requests with an error (no hang), and
+    closing the group still returns."""
+    _, two = pair
+    engine = Engine(two.model, two.tokenizer, EngineConfig(num_blocks=16, block_size=4))
+    two.model.workers[0].kill()
+    two.model.workers[0].wait()
+    engine.add_request("r", [1, 2, 3], SamplingParams(max_tokens=4, temperature=0))
+    (out,) = engine.step()
+    assert out.finish_reason == "error" and out.error and not engine.has_unfinished()
+    two.model.close(timeout=5)

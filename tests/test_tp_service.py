@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import httpx
 import pytest
+import torch
 
 from live_server import LiveServer
 from service.config import Settings, parse_cli
@@ -16,9 +17,13 @@ from test_tensor_parallel import save_tiny_checkpoint
 def servers(tmp_path_factory):
     path = save_tiny_checkpoint(tmp_path_factory.mktemp("tpsvc") / "tiny", num_key_value_heads=2)
     common = dict(model=str(path), kv_cache_bytes=1 << 20, max_num_seqs=4)
-    with LiveServer(create_app(Settings(**common), wait_ready=True)) as one, \
-            LiveServer(create_app(Settings(**common, tensor_parallel_size=2), wait_ready=True)) as two:
-        yield one, two
+    threads = torch.get_num_threads()  # a TP service on CPU splits the cores among its ranks: restored after
+    try:
+        with LiveServer(create_app(Settings(**common), wait_ready=True)) as one, \
+                LiveServer(create_app(Settings(**common, tensor_parallel_size=2), wait_ready=True)) as two:
+            yield one, two
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _post(server, path: str, body: dict) -> dict:
