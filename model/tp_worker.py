@@ -78,8 +78,7 @@ class Channel:
     """Rank 0 -> all messages, tensors and gathers. `broadcast_object_list` pickles; fine for the step's few
     hundred ints on gloo, and on NCCL it stages through this rank's GPU."""
 
-    def __init__(self, device: torch.device) -> None:
-        self.device = device if device.type == "cuda" else None
+    def __init__(self) -> None:
         self.msg_group = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)  # the idle wait: CPU, long timeout
 
     def send(self, msg) -> None:
@@ -143,7 +142,7 @@ def init_group(init_method: str, tp: TPRank, device: torch.device, timeout: time
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(backend, init_method=init_method, rank=tp.rank, world_size=tp.world_size, timeout=timeout)
-    return Channel(device)
+    return Channel()
 
 
 def _exit_with_parent() -> None:
