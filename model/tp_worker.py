@@ -75,8 +75,9 @@ Stats = tuple[Tensor, Tensor, AttentionMaps | None]
 
 
 class Channel:
-    """Rank 0 -> all messages, tensors and gathers. `broadcast_object_list` pickles; fine for the step's few
-    hundred ints on gloo, and on NCCL it stages through this rank's GPU."""
+    """Rank 0 -> all: messages (pickled by `broadcast_object_list`: fine for a step's few hundred ints) through a
+    gloo group on the CPU whatever the device; tensors and probe gathers through the default group (NCCL on CUDA,
+    where `gather_object` stages through the current GPU)."""
 
     def __init__(self) -> None:
         self.msg_group = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)  # the idle wait: CPU, long timeout
