@@ -181,3 +181,12 @@ def test_lost_worker_fails_requests_not_the_server(pair):
     (out,) = engine.step()
     assert out.finish_reason == "error" and out.error and not engine.has_unfinished()
     two.model.close(timeout=5)
+
+
+def test_worker_imports_no_http_stack():
+    import subprocess
+    import sys
+
+    code = "import sys, model.tp_worker; print(sorted(m for m in ('fastapi', 'uvicorn', 'pydantic') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
