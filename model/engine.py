@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from model.kv_cache_manager import KVCacheManager
-from model.paged_kv_cache import PagedKVCache, SeqSlice
+from model.paged_kv_cache import PagedKVCache, SeqSlice, kv_config
 from model.sampling import Sampler, SamplingParams, SamplingRow, TokenLogprobs, prompt_logprobs
 from model.scheduler import QueueFullError, Scheduler, SchedulerConfig
 from model.sequence import FinishReason, Request, Sequence, SequenceStatus
@@ -90,7 +90,7 @@ class Engine:
         self.model, self.tokenizer = model, tokenizer
         self.config = config = config or EngineConfig()
         self.max_model_len = min(config.max_model_len or model.config.max_seq_len, model.config.max_seq_len)
-        per_block = PagedKVCache.bytes_per_block(model.config, config.block_size, model.dtype)
+        per_block = PagedKVCache.bytes_per_block(kv_config(model), config.block_size, model.dtype)  # per rank under TP
         num_blocks = config.num_blocks or max(1, config.kv_cache_bytes // per_block)
         self.cache = PagedKVCache.for_model(model, num_blocks, config.block_size)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)

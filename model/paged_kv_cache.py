@@ -52,6 +52,11 @@ class _Prefill:
     mask: Tensor | None  # (1, 1, n, context_len)
 
 
+def kv_config(model):
+    """The config whose KV heads a model's cache holds: its own, or a tensor-parallel rank's share of them."""
+    return getattr(model, "kv_config", model.config)
+
+
 class PagedKVCache:
     def __init__(
         self,
@@ -73,7 +78,7 @@ class PagedKVCache:
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, num_blocks: int, block_size: int) -> "PagedKVCache":
-        c = model.config
+        c = kv_config(model)
         return cls(c.n_layers, num_blocks, block_size, c.n_kv_heads, c.head_dim, model.dtype, model.device)
 
     @staticmethod
@@ -88,6 +93,7 @@ class PagedKVCache:
 
     def set_step(self, seqs: list[SeqSlice]) -> None:
         """Build this step's attention metadata once; every layer's `attend` reuses it."""
+        self.step_seqs = seqs  # what tensor-parallel ranks rebuild the same metadata from (model/tp_worker.py)
         bs, dev = self.block_size, self.device
         slots: list[int] = []
         for s in seqs:

@@ -37,6 +37,7 @@ class Settings(BaseSettings):
     max_inspect_queued: int = Field(4, description="inspections queued or running at once (429 beyond)")
     log_prompts: bool = Field(False, description="include prompt text in request logs")
     threads: int | None = Field(None, description="torch CPU threads (default: torch's)")
+    tensor_parallel_size: int = Field(1, ge=1, description="processes the model is split across (one GPU each on CUDA; README \"Tensor parallelism\")")
 
 
 @lru_cache

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from dataclasses import dataclass, field
 
@@ -12,6 +13,7 @@ from fastapi import Request
 from model.async_engine import AsyncEngine
 from model.engine import Engine, EngineConfig
 from model.loaders.checkpoint import LoadedModel, load_model
+from model.tp_model import TPModel, launch
 from service.config import Settings
 from service.errors import APIError
 from service.metrics import Metrics
@@ -43,7 +45,12 @@ class ServingState:
             if loaded is None:
                 device = s.device or ("cuda" if torch.cuda.is_available() else "cpu")
                 dtype = s.dtype if s.dtype != "auto" else ("bfloat16" if device.startswith("cuda") else "float32")
-                loaded = load_model(s.model, DTYPES[dtype], device)
+                if s.tensor_parallel_size > 1:  # this process is rank 0: it schedules, the workers follow
+                    if not s.threads and not device.startswith("cuda"):  # N processes share the cores
+                        torch.set_num_threads(max(1, (os.cpu_count() or 1) // s.tensor_parallel_size))
+                    loaded = launch(s.model, s.tensor_parallel_size, DTYPES[dtype], device, threads=s.threads)
+                else:
+                    loaded = load_model(s.model, DTYPES[dtype], device)
             config = EngineConfig(
                 block_size=s.block_size, kv_cache_bytes=s.kv_cache_bytes, max_num_seqs=s.max_num_seqs,
                 max_num_batched_tokens=s.max_num_batched_tokens, max_waiting=s.max_waiting,
@@ -56,6 +63,8 @@ class ServingState:
             self.engine = engine
             log.info("serving %s", self.model_name)
         except Exception as e:  # a load failure keeps /health at 503 with the reason, and is logged once
+            if loaded is not None and isinstance(loaded.model, TPModel) and self.engine is None:
+                loaded.model.close()
             self.load_error = str(e)
             log.error("model failed to load: %s", e)
 
@@ -67,6 +76,11 @@ class ServingState:
     def stop(self) -> None:
         if self.engine is not None:
             self.engine.stop()
+        if self.loaded is not None and isinstance(self.loaded.model, TPModel):
+            if self.engine is not None and self.engine.is_running:  # a step may be in flight: leave the workers
+                log.warning("engine thread still running; tensor-parallel workers exit with this process")
+            else:
+                self.loaded.model.close()
 
 
 def serving(request: Request) -> ServingState:

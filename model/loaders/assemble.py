@@ -14,6 +14,7 @@ from torch import Tensor
 from model.config import ModelConfig
 from model.loaders.errors import CheckpointError
 from model.loaders.progress import LoadProgress
+from model.tensor_parallel import ShardPlan
 from model.transformer import Transformer
 
 _LAYER_SHAPES = {
@@ -58,7 +59,11 @@ class NameMap:
 
 
 class ModelAssembler:
-    def __init__(self, config: ModelConfig, path: str, dtype: torch.dtype, device: torch.device | str, desc: str) -> None:
+    def __init__(self, config: ModelConfig, path: str, dtype: torch.dtype, device: torch.device | str, desc: str,
+                 plan: ShardPlan | None = None) -> None:
+        """`plan`: a tensor-parallel rank's shard; tensors are then handed over already sliced, in its shapes."""
+        self.plan = plan
+        config = plan.local_config if plan is not None else config
         self.config, self.path, self.dtype, self.device = config, path, dtype, torch.device(device)
         self.expected = expected_shapes(config)
         self.tensors: dict[str, Tensor] = {}
@@ -86,4 +91,6 @@ class ModelAssembler:
         model.tie_weights()
         model.rope.reset(self.device, rope_freq_factors)
         self.progress.close()
+        if self.plan is not None:
+            model.tp_plan = self.plan  # the whole model's config and this rank's slices (model/tensor_parallel.py)
         return model.eval().requires_grad_(False).fuse_projections()

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from model.loaders.errors import CheckpointError
+from model.tensor_parallel import TPRank
 from model.tokenizer import Tokenizer
 from model.transformer import Transformer
 
@@ -56,16 +57,18 @@ class LoadedModel:
 
 
 def load_model(
-    path: str | Path | None = None, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+    path: str | Path | None = None, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+    tp: TPRank | None = None,
 ) -> LoadedModel:
-    """A GGUF file or HF directory (None: the default model) -> model on `device` in `dtype`, plus its tokenizer."""
+    """A GGUF file or HF directory (None: the default model) -> model on `device` in `dtype`, plus its tokenizer.
+    `tp`: only that tensor-parallel rank's shard of the weights (model/tensor_parallel.py)."""
     from model.loaders.gguf_file import load_gguf, open_gguf, read_metadata
     from model.loaders.hf import load_hf
 
     start = time.perf_counter()
     path = Path(path) if path is not None else default_model_path()
     if path.is_dir():
-        model = load_hf(path, dtype, device)
+        model = load_hf(path, dtype, device, tp=tp)
         try:
             tokenizer = Tokenizer.from_hf_dir(path)
         except FileNotFoundError as e:
@@ -78,7 +81,7 @@ def load_model(
             tokenizer = Tokenizer.from_gguf_metadata(meta)
         except (KeyError, ValueError) as e:
             raise CheckpointError(f"cannot rebuild the embedded tokenizer: {e}", path=str(path)) from None
-        model = load_gguf(path, dtype, device, reader=reader, meta=meta)
+        model = load_gguf(path, dtype, device, reader=reader, meta=meta, tp=tp)
         name = path.name.removesuffix(".gguf")
     else:
         raise CheckpointError("no such file or directory", path=str(path))

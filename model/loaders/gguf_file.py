@@ -17,6 +17,7 @@ from gguf.quants import dequantize
 from model.config import ModelConfig
 from model.loaders.assemble import ModelAssembler, NameMap
 from model.loaders.errors import CheckpointError
+from model.tensor_parallel import ShardPlan, TPRank
 from model.transformer import Transformer
 
 gguf_to_ours = NameMap(
@@ -89,10 +90,12 @@ def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _dequantize(reader_tensor: Any, path: str) -> np.ndarray:
+def _dequantize(reader_tensor: Any, path: str, rows: slice = slice(None)) -> np.ndarray:
+    """`rows`: only those rows (the outermost dim: ggml blocks run along the innermost one, so whole rows of a
+    quantized tensor are read and dequantized without the rest)."""
     qtype = reader_tensor.tensor_type
     try:
-        data = dequantize(reader_tensor.data, qtype)
+        data = dequantize(reader_tensor.data[rows], qtype)
     except NotImplementedError:
         raise CheckpointError(
             f"unsupported GGUF tensor type {qtype.name}; supported: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, "
@@ -101,6 +104,7 @@ def _dequantize(reader_tensor: Any, path: str) -> np.ndarray:
             tensor=reader_tensor.name,
         ) from None
     shape = tuple(int(d) for d in reversed(reader_tensor.shape.tolist()))  # ggml lists ne0 (innermost) first
+    shape = (len(range(*rows.indices(shape[0]))), *shape[1:])
     try:
         return np.asarray(data, dtype=np.float32).reshape(shape)
     except ValueError:
@@ -113,14 +117,19 @@ def load_gguf(
     device: torch.device | str = "cpu",
     reader: GGUFReader | None = None,
     meta: dict[str, Any] | None = None,
+    tp: TPRank | None = None,
 ) -> Transformer:
-    """`reader`/`meta`: an already opened file and its metadata, so the caller's tokenizer shares one read."""
+    """`reader`/`meta`: an already opened file and its metadata, so the caller's tokenizer shares one read.
+    `tp`: load only that tensor-parallel rank's slices. Row slices (wq/wk/wv/w1/w3) are cut from the quantized data
+    before dequantizing; column slices (wo/w2) cut across ggml blocks, so those tensors are dequantized whole, one
+    at a time, and sliced at once (a transient float32 copy of one tensor, never of the model)."""
     path = str(path)
     reader = reader or open_gguf(path)
     meta = meta if meta is not None else read_metadata(reader)
     names = {t.name for t in reader.tensors}
     config = ModelConfig.from_gguf(meta, source=path).replace(tie_embeddings="output.weight" not in names)
-    asm = ModelAssembler(config, path, dtype, device, f"load {Path(path).name}")
+    plan = ShardPlan(config, tp) if tp is not None else None
+    asm = ModelAssembler(config, path, dtype, device, f"load {Path(path).name}", plan)
     rope_freq_factors = None
     for t in reader.tensors:
         if t.name == "rope_freqs.weight":
@@ -130,11 +139,16 @@ def load_gguf(
         ours = gguf_to_ours(t.name)
         if ours is None:
             raise CheckpointError("unknown tensor name for a llama GGUF", path=path, tensor=t.name)
-        w = _dequantize(t, path)
+        cut = plan.slice_of(ours) if plan is not None else None
+        w = _dequantize(t, path, slice(cut[1], cut[2]) if cut and cut[0] == 0 else slice(None))
+        # llama.cpp's q/k permutation moves rows within a head only, so un-permuting a slice of whole heads with
+        # the slice's head count is the same as un-permuting the whole tensor and then slicing it
         if t.name.endswith("attn_q.weight"):
-            w = unpermute_qk(w, config.n_heads)
+            w = unpermute_qk(w, asm.config.n_heads)  # asm.config: this rank's head counts when sharded
         elif t.name.endswith("attn_k.weight"):
-            w = unpermute_qk(w, config.n_kv_heads)
+            w = unpermute_qk(w, asm.config.n_kv_heads)
+        if cut and cut[0] == 1:
+            w = np.ascontiguousarray(w[:, cut[1] : cut[2]])  # a copy: the whole dequantized tensor is freed
         if not w.flags.writeable or not w.flags.c_contiguous:  # F32 data is a read-only view of the memory map
             w = np.ascontiguousarray(w).copy()
         asm.add(ours, torch.from_numpy(w), t.name)

@@ -14,6 +14,7 @@ from safetensors import SafetensorError, safe_open
 from model.config import ModelConfig
 from model.loaders.assemble import ModelAssembler, NameMap
 from model.loaders.errors import CheckpointError
+from model.tensor_parallel import ShardPlan, TPRank
 from model.transformer import Transformer
 
 # transformers' LlamaForCausalLM names -> ours (Meta's llama names).
@@ -69,10 +70,23 @@ def _weight_files(directory: Path) -> dict[str, list[str] | None]:
     )
 
 
-def load_hf(directory: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> Transformer:
+def _read(f, name: str, ours: str, plan: ShardPlan | None) -> torch.Tensor:
+    s = plan.slice_of(ours) if plan is not None else None
+    if s is None:
+        return f.get_tensor(name)
+    dim, start, stop = s
+    view = f.get_slice(name)
+    return view[start:stop] if dim == 0 else view[:, start:stop]
+
+
+def load_hf(
+    directory: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", tp: TPRank | None = None
+) -> Transformer:
+    """`tp`: load only that tensor-parallel rank's slices (read through the memory map, never the whole tensor)."""
     directory = Path(directory)
     config = read_hf_config(directory)
-    asm = ModelAssembler(config, str(directory), dtype, device, f"load {directory.name}")
+    plan = ShardPlan(config, tp) if tp is not None else None
+    asm = ModelAssembler(config, str(directory), dtype, device, f"load {directory.name}", plan)
     for file, names in _weight_files(directory).items():
         path = directory / file
         if not path.is_file():
@@ -90,7 +104,7 @@ def load_hf(directory: str | Path, dtype: torch.dtype = torch.float32, device: t
                         raise CheckpointError("unknown tensor name for a LLaMA checkpoint", path=str(path), tensor=name)
                     if ours == "output.weight" and config.tie_embeddings:
                         continue  # tied: the embedding serves as the head
-                    asm.add(ours, f.get_tensor(name), name, str(path))
+                    asm.add(ours, _read(f, name, ours, plan), name, str(path))
         except SafetensorError as e:
             raise CheckpointError(f"cannot read safetensors data (truncated or corrupt file?): {e}", path=str(path)) from None
     return asm.finish()

@@ -1,0 +1,140 @@
+"""Tensor parallelism, the math: which slice of each weight a rank holds, and the all-reduce after each block half.
+
+Megatron-LM (Shoeybi et al. 2019, "Megatron-LM: Training Multi-Billion Parameter Language Models Using Model
+Parallelism", section 3): in each block, the first matmul is split by output columns and the second by input rows,
+so a rank computes its slice end to end and one all-reduce per half-block sums the partial outputs.
+
+    attention   wq, wk, wv column-parallel by whole heads: rank r of N owns query heads [r H/N, (r+1) H/N) and the
+                KV heads those read; attention runs on local heads only; wo row-parallel (its input columns are
+                the local heads' E-wide slices) -> partial (B, T, D), all-reduced (summed).
+    SwiGLU      w1, w3 column-parallel over the inner width F (rank r: [r F/N, (r+1) F/N)), silu(gate) * up is
+                elementwise so it stays local; w2 row-parallel over the same F slice -> partial (B, T, D), summed.
+    the rest    tok_embeddings, the norms and the output head are replicated (see README "Tensor parallelism":
+                vocabulary-sharding them would save V x D per rank at the price of an all-gather of logits).
+
+KV heads: when N divides K each rank owns K/N of them. When it does not but K divides N (K = 1 (MQA) or few KV
+heads on many ranks), N/K consecutive ranks hold a copy of the same single KV head, as vLLM does
+(`QKVParallelLinear` with `num_kv_head_replicas`): every local query head then reads a local KV head, the
+per-rank GQA grouping stays uniform (Hl / Kl query heads per KV head, what SDPA's `enable_gqa` needs), and the
+only cost is the replicated head's weights and KV-cache slots. Other combinations (e.g. K = 3, N = 2) would give a
+rank query heads of two KV groups in unequal numbers; they are refused with the allowed sizes named.
+
+Notation as in transformer.py; N ranks (world size), r this rank, Hl/Kl/Fl the per-rank head counts and width.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from model.config import ModelConfig
+from model.loaders.errors import CheckpointError
+
+
+@dataclass(frozen=True)
+class TPRank:
+    """Which rank of how many this process is."""
+
+    rank: int
+    world_size: int
+
+
+def allowed_sizes(config: ModelConfig) -> list[int]:
+    """Tensor-parallel sizes this architecture can be split into (up to n_heads)."""
+    H, K = config.n_heads, config.n_kv_heads
+    return [n for n in range(1, H + 1) if H % n == 0 and (K % n == 0 or n % K == 0)]
+
+
+class ShardPlan:
+    """The slices rank `tp.rank` of `tp.world_size` holds of a model with `config` (the whole model's)."""
+
+    def __init__(self, config: ModelConfig, tp: TPRank) -> None:
+        N, r = tp.world_size, tp.rank
+        H, K, F = config.n_heads, config.n_kv_heads, config.hidden_dim
+        if not 0 <= r < N:
+            raise ValueError(f"rank {r} is out of range for tensor-parallel size {N}")
+        if N not in allowed_sizes(config):
+            raise CheckpointError(
+                f"tensor-parallel size {N} does not fit {H} query heads and {K} KV heads: it must divide n_heads "
+                f"and either divide n_kv_heads or be a multiple of it; this model allows {allowed_sizes(config)}")
+        if F < N:
+            raise CheckpointError(f"tensor-parallel size {N} exceeds the SwiGLU width {F}")
+        self.config, self.tp = config, tp
+        Hl = H // N
+        self.q_heads = (r * Hl, (r + 1) * Hl)
+        if K % N == 0:
+            self.kv_heads = (r * K // N, (r + 1) * K // N)
+        else:  # K divides N: one replicated KV head, the one all of this rank's query heads read
+            first = r * Hl // config.n_rep
+            self.kv_heads = (first, first + 1)
+        self.ffn = (r * F // N, (r + 1) * F // N)  # uneven F splits are fine: w1/w3 rows and w2 columns agree
+        self.local_config = config.replace(
+            n_heads=Hl, n_kv_heads=self.kv_heads[1] - self.kv_heads[0], hidden_dim=self.ffn[1] - self.ffn[0],
+            head_dim=config.head_dim)
+
+    @property
+    def kv_replicas(self) -> int:
+        """How many ranks hold each KV head (1 when N divides K)."""
+        return max(1, self.tp.world_size // self.config.n_kv_heads)
+
+    def slice_of(self, name: str) -> tuple[int, int, int] | None:
+        """Our parameter name -> (dim, start, stop) of the full tensor this rank holds; None: replicated."""
+        E = self.config.head_dim
+        suffix = name.split(".", 2)[-1] if name.startswith("layers.") else name
+        (q0, q1), (k0, k1), (f0, f1) = self.q_heads, self.kv_heads, self.ffn
+        return {
+            "attention.wq.weight": (0, q0 * E, q1 * E),
+            "attention.wk.weight": (0, k0 * E, k1 * E),
+            "attention.wv.weight": (0, k0 * E, k1 * E),
+            "attention.wo.weight": (1, q0 * E, q1 * E),
+            "feed_forward.w1.weight": (0, f0, f1),
+            "feed_forward.w3.weight": (0, f0, f1),
+            "feed_forward.w2.weight": (1, f0, f1),
+        }.get(suffix)
+
+    def take(self, name: str, full: Tensor) -> Tensor:
+        """This rank's slice of a full tensor (a view; the loaders copy it on the cast)."""
+        s = self.slice_of(name)
+        return full if s is None else full.narrow(s[0], s[1], s[2] - s[1])
+
+    def local_heads(self, heads: list[int] | None) -> list[int] | None:
+        """Global query-head ids (None: all) -> this rank's local indices of those it owns."""
+        if heads is None:
+            return None
+        q0, q1 = self.q_heads
+        return [h - q0 for h in heads if q0 <= h < q1]
+
+
+def _sum_over_ranks(module: nn.Module, args, out: Tensor) -> Tensor:
+    dist.all_reduce(out)  # (B, T, D) partial sums of the row-parallel matmul -> the full output, on every rank
+    return out
+
+
+def install_all_reduce(model: nn.Module) -> list:
+    """Make `wo` and `w2` of every block row-parallel: their output is all-reduced. A forward hook rather than a
+    module swap, so the module names (and any later replacement of the linear's kernel) stay as they are."""
+    handles = []
+    for layer in model.layers:
+        handles.append(layer.attention.wo.register_forward_hook(_sum_over_ranks))
+        handles.append(layer.feed_forward.w2.register_forward_hook(_sum_over_ranks))
+    return handles
+
+
+def parameter_bytes(model: nn.Module) -> int:
+    """Bytes of distinct parameter storage (tied and fused views counted once)."""
+    seen, total = set(), 0
+    for p in model.parameters():
+        key = (p.untyped_storage().data_ptr(), p.untyped_storage().nbytes())
+        if key not in seen:
+            seen.add(key)
+            total += p.untyped_storage().nbytes()
+    return total
+
+
+def cuda_device(device: str | torch.device, rank: int) -> torch.device:
+    """Rank r's device: cuda:r on CUDA (one GPU per rank), the CPU otherwise."""
+    device = torch.device(device)
+    return torch.device("cuda", rank) if device.type == "cuda" else device

@@ -1,0 +1,191 @@
+"""Tensor parallelism, rank 0's side: `launch` starts the workers and loads rank 0's shard; `TPModel` is what the
+engine, the probes and the service then use as "the model".
+
+`TPModel` answers like a `Transformer`: `config` is the whole model's (vocabulary, heads, layers as clients see
+them), `kv_config` this rank's (the KV heads its paged cache holds, what the engine sizes its block pool with), and
+calling it broadcasts the step (model/tp_worker.py) before running rank 0's own shard. `layers[i]` called with a
+`ProbeAttention` runs block i on every rank and gathers the per-head probe statistics, so `probes.ProbeRun` works
+on it unchanged.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import subprocess
+import sys
+import time
+import weakref
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from model.loaders.checkpoint import LoadedModel, default_model_path, load_model
+from model.loaders.errors import CheckpointError
+from model.paged_kv_cache import PagedKVCache
+from model.probes import ProbeAttention
+from model.tensor_parallel import ShardPlan, TPRank, cuda_device, install_all_reduce, parameter_bytes
+from model.tp_worker import DTYPES, STOP, CacheSpec, Channel, ProbeLayerMsg, StepMsg, init_group, merge_stats, probe_layer, run_step
+from model.transformer import Transformer
+
+log = logging.getLogger("llamascope.tp")
+
+
+class _ProbeLayer:
+    """Block i of a TPModel as `ProbeRun` calls it: (h, cos, sin, ProbeAttention) -> h, on all ranks at once."""
+
+    def __init__(self, tp: "TPModel", index: int) -> None:
+        self.tp, self.index = tp, index
+
+    def __call__(self, h: Tensor, cos: Tensor, sin: Tensor, ctx: ProbeAttention) -> Tensor:
+        i, tp = self.index, self.tp
+        msg = ProbeLayerMsg(i, ctx.opts, i in ctx.stat_layers, i in ctx.map_layers, tuple(h.shape))
+        tp.channel.send(msg)
+        tp.channel.broadcast(h.contiguous())
+        out, stats = probe_layer(tp.shard, tp.plan, msg, h)
+        parts = tp.channel.gather(stats)
+        if msg.stats:
+            ctx.stats[i] = merge_stats(parts)
+        return out
+
+
+class TPModel:
+    def __init__(self, shard: Transformer, channel: Channel, workers: list[subprocess.Popen]) -> None:
+        self.shard, self.channel, self.workers = shard, channel, workers
+        self.plan: ShardPlan = shard.tp_plan
+        self.config = self.plan.config
+        self.kv_config = shard.config
+        self.tok_embeddings, self.rope, self.norm, self.output = shard.tok_embeddings, shard.rope, shard.norm, shard.output
+        self.layers = [_ProbeLayer(self, i) for i in range(self.config.n_layers)]
+        self._cache = lambda: None  # weak reference to the cache the workers mirror
+        self._generation = 0
+        self.closed = False
+
+    @property
+    def device(self) -> torch.device:
+        return self.shard.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.shard.dtype
+
+    @property
+    def world_size(self) -> int:
+        return self.plan.tp.world_size
+
+    def __call__(
+        self, tokens: Tensor, positions: Tensor | None = None, cache: PagedKVCache | None = None,
+        logits_indices: Tensor | None = None,
+    ) -> Tensor:
+        """As `Transformer.forward`; the cache, if any, must be a `PagedKVCache` (each worker mirrors it)."""
+        if self.closed:
+            raise RuntimeError("the tensor-parallel workers have been stopped")
+        for rank, p in enumerate(self.workers, 1):  # a lost rank fails this step at once rather than in a collective
+            if p.poll() is not None:
+                raise RuntimeError(f"tensor-parallel rank {rank} exited (code {p.returncode})")
+        spec = None
+        if cache is not None:
+            if not isinstance(cache, PagedKVCache):
+                raise TypeError(f"tensor parallelism serves from a PagedKVCache, not {type(cache).__name__}")
+            if self._cache() is not cache:  # a new engine: the workers build a pool of the same blocks
+                self._generation += 1
+                self._cache = weakref.ref(cache)
+                spec = CacheSpec(self._generation, cache.num_blocks, cache.block_size)
+        msg = StepMsg(tokens.tolist(), positions.tolist() if positions is not None else None,
+                      cache.step_seqs if cache is not None else None, spec)
+        self.channel.send(msg)
+        if cache is None:
+            return run_step(self.shard, msg, None, logits_indices)
+        return self.shard(tokens, positions, cache, logits_indices=logits_indices)
+
+    def memory(self) -> dict[str, int]:
+        """Parameter bytes on this rank (the workers' are equal but for an untied output head, which they hold too)."""
+        return {"rank0_parameter_bytes": parameter_bytes(self.shard)}
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Stop the workers and leave the process group (idempotent)."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self.channel.send(STOP)
+        except Exception as e:  # a worker already gone: the others are stopped below
+            log.warning("tensor parallel: sending stop failed: %s", e)
+        _reap(self.workers, timeout)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _reap(workers: list[subprocess.Popen], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    for p in workers:
+        try:
+            p.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(
+    path: str | Path | None, tp_size: int, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+    threads: int | None = None, timeout: timedelta = timedelta(minutes=10),
+) -> LoadedModel:
+    """Start ranks 1..tp_size-1 as `python -m model.tp_worker` processes, join them as rank 0 (gloo on CPU, NCCL on
+    CUDA, one GPU per rank), and load rank 0's shard. Every rank reads only its own slices of the checkpoint.
+    `threads`: torch threads per worker on CPU (default: the cores split among the ranks). `timeout`: for the
+    rendezvous, the load, and each collective inside a step."""
+    if tp_size < 2:
+        raise ValueError("tensor parallelism needs at least 2 ranks")
+    path = Path(path).resolve() if path is not None else default_model_path()
+    device = torch.device(device)
+    if device.type == "cuda" and torch.cuda.device_count() < tp_size:
+        raise ValueError(f"tensor-parallel size {tp_size} needs {tp_size} GPUs; {torch.cuda.device_count()} visible")
+    threads = threads or max(1, (os.cpu_count() or 1) // tp_size)
+    init = f"tcp://127.0.0.1:{_free_port()}"
+    dtype_name = next(k for k, v in DTYPES.items() if v == dtype)
+    root = str(Path(__file__).resolve().parents[1])  # so `-m model.tp_worker` resolves from a source checkout too
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    workers = [
+        subprocess.Popen([sys.executable, "-m", "model.tp_worker", "--init-method", init, "--rank", str(r),
+                          "--world-size", str(tp_size), "--model", str(path), "--dtype", dtype_name,
+                          "--device", device.type, "--threads", str(threads),
+                          "--timeout-s", str(timeout.total_seconds())],
+                         env=env)
+        for r in range(1, tp_size)
+    ]
+    try:
+        start = time.perf_counter()
+        channel = init_group(init, TPRank(0, tp_size), cuda_device(device, 0), timeout)
+        error = None
+        try:
+            loaded = load_model(path, dtype, cuda_device(device, 0), tp=TPRank(0, tp_size))
+            install_all_reduce(loaded.model)
+        except Exception as e:
+            error = e
+        reports = channel.gather(None)  # every worker says whether its shard loaded
+        failed = [r for r in reports if r is not None]
+        if error is not None or failed:
+            if error is None:
+                channel.send(STOP)
+            raise error or CheckpointError("tensor-parallel worker failed to load: " + "; ".join(failed), path=str(path))
+    except BaseException:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        for p in workers:
+            p.kill()
+        _reap(workers, 10)
+        raise
+    model = TPModel(loaded.model, channel, workers)
+    log.info("tensor parallel: %d ranks (%s), %d parameter MB on rank 0, loaded in %.1fs", tp_size,
+             dist.get_backend(), parameter_bytes(loaded.model) // 2**20, time.perf_counter() - start)
+    return LoadedModel(model, loaded.tokenizer, loaded.path, loaded.name, time.perf_counter() - start)
