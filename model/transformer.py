@@ -27,6 +27,7 @@ from torch import Tensor, nn
 
 from model.attention import AttentionContext, CausalAttention, KVCacheContext
 from model.config import ModelConfig, RopeScaling
+from model.quantize import apply_linear
 
 
 class RMSNorm(nn.Module):
@@ -101,7 +102,9 @@ class Attention(nn.Module):
         self.wk = nn.Linear(config.dim, config.n_kv_heads * config.head_dim, bias=False)
         self.wv = nn.Linear(config.dim, config.n_kv_heads * config.head_dim, bias=False)
         self.wo = nn.Linear(config.n_heads * config.head_dim, config.dim, bias=False)
-        self.wqkv: Tensor | None = None  # ((H + 2K) * E, D) once fused; wq/wk/wv are then views into it
+        # ((H + 2K) * E, D) once fused; wq/wk/wv are then views into it. Under weight-only quantization
+        # (model/quantize.py) a callable QuantLinear module instead, and wq/wk/wv are None.
+        self.wqkv: Tensor | nn.Module | None = None
 
     def fuse(self) -> None:
         """One matmul for q, k and v instead of three (fewer, larger GEMMs: less per-call overhead in decode).
@@ -112,7 +115,7 @@ class Attention(nn.Module):
         B, T, _ = x.shape
         H, K, E = self.n_heads, self.n_kv_heads, self.head_dim
         if self.wqkv is not None:
-            qkv = F.linear(x, self.wqkv).view(B, T, H + 2 * K, E)  # (B, T, H + 2K, E)
+            qkv = apply_linear(x, self.wqkv).view(B, T, H + 2 * K, E)  # (B, T, H + 2K, E)
             qk = apply_rotary(qkv[:, :, : H + K], cos, sin)  # rotate q and k heads in one pass
             q, k, v = qk[:, :, :H], qk[:, :, H:], qkv[:, :, H + K :]
         else:
@@ -130,14 +133,14 @@ class FeedForward(nn.Module):
         self.w1 = nn.Linear(config.dim, config.hidden_dim, bias=False)  # gate
         self.w3 = nn.Linear(config.dim, config.hidden_dim, bias=False)  # up
         self.w2 = nn.Linear(config.hidden_dim, config.dim, bias=False)  # down
-        self.w13: Tensor | None = None  # (2F, D) once fused; w1/w3 are then views into it
+        self.w13: Tensor | nn.Module | None = None  # (2F, D) once fused (w1/w3 then views into it), or a QuantLinear
 
     def fuse(self) -> None:
         self.w13 = _fuse_linears(self.w1, self.w3)
 
     def forward(self, x: Tensor) -> Tensor:  # (B, T, D) -> (B, T, D), via (B, T, F)
         if self.w13 is not None:
-            gate, up = F.linear(x, self.w13).chunk(2, dim=-1)  # (B, T, F) each
+            gate, up = apply_linear(x, self.w13).chunk(2, dim=-1)  # (B, T, F) each
             return self.w2(F.silu(gate) * up)
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
@@ -178,6 +181,7 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(Block(config, i) for i in range(config.n_layers))
         self.norm = RMSNorm(config.dim, config.norm_eps)
         self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
+        self.quantization = "none"  # model/quantize.py's quantize_model sets "int8" / "int4"
         self.tie_weights()
 
     def fuse_projections(self) -> "Transformer":
@@ -188,7 +192,7 @@ class Transformer(nn.Module):
         return self
 
     def tie_weights(self) -> None:
-        if self.config.tie_embeddings:
+        if self.config.tie_embeddings and isinstance(self.output, nn.Linear):
             self.output.weight = self.tok_embeddings.weight
 
     @property
