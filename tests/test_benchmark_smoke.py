@@ -76,3 +76,22 @@ def test_quick_run_against_transformers(tmp_path):
                          ("concurrent", ("hf_sequential", "hf_batched"))):
         for peer in peers:
             assert all(v is not None and v > 0 for v in r["ratios"][phase][peer].values()), (phase, peer)
+
+
+def test_quick_decode_benchmark_per_setting(tmp_path):
+    """`bench_decode` (per dtype / quantization, against the bandwidth ceiling) at --quick sizes, ours only."""
+    out = tmp_path / "decode.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.bench_decode", "--quick", "--settings", "float32", "int8", "int4",
+         "--skip-hf", "--skip-llama-cpp", "--threads", str(torch.get_num_threads()), "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600, check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    r = json.loads(out.read_text())
+    assert r["read_bandwidth_gb_s"] > 0 and set(r["sides"]) == {"float32", "int8", "int4"}
+    keys = {"decode_tok_s", "weight_bytes_per_token", "bandwidth_ceiling_tok_s", "pct_of_bandwidth_ceiling",
+            "matmul_only_ms", "decode_step_ms", "step_over_matmul"}
+    for side in r["sides"].values():
+        _positive(side, keys)
+    b = {k: v["weight_bytes_per_token"] for k, v in r["sides"].items()}
+    assert b["float32"] > 3.5 * b["int8"] and b["int8"] > b["int4"]  # int4 blocks, int8 head: between 4x and 8x

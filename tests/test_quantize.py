@@ -160,3 +160,17 @@ def test_quantization_refuses_a_non_cpu_model_and_unknown_modes():
     model.tok_embeddings.to("meta")
     with pytest.raises(ValueError, match="CPU kernels"):
         quantize_model(model, "int8")
+
+
+def test_perplexity_of_a_quantized_model_and_its_kernel_path():
+    from benchmarks.perplexity import kernels_for_every_row, perplexity
+
+    ids = list(range(40, 90))
+    nll, ppl = perplexity(tiny_model(), ids)
+    assert abs(ppl - np.exp(nll)) < 1e-6 * ppl
+    model = quantize_model(tiny_model(), "int8")
+    prefill = perplexity(model, ids)[0]
+    with kernels_for_every_row(model):
+        assert all(m.max_kernel_rows > 1000 for m in model.modules() if isinstance(m, QuantLinear))
+        kernel = perplexity(model, ids)[0]
+    assert model.output.max_kernel_rows == 16 and abs(kernel - prefill) < 0.02 * prefill
