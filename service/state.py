@@ -43,7 +43,7 @@ class ServingState:
             if loaded is None:
                 device = s.device or ("cuda" if torch.cuda.is_available() else "cpu")
                 dtype = s.dtype if s.dtype != "auto" else ("bfloat16" if device.startswith("cuda") else "float32")
-                loaded = load_model(s.model, DTYPES[dtype], device)
+                loaded = load_model(s.model, DTYPES[dtype], device, quantization=s.quantization)
             config = EngineConfig(
                 block_size=s.block_size, kv_cache_bytes=s.kv_cache_bytes, max_num_seqs=s.max_num_seqs,
                 max_num_batched_tokens=s.max_num_batched_tokens, max_waiting=s.max_waiting,
