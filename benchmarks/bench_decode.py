@@ -34,15 +34,9 @@ import torch
 from benchmarks import ceilings, hf_peer, ours
 from benchmarks.machine import machine_info
 from benchmarks.measure import Clock, StreamResult
-from benchmarks.workload import WorkloadSizes, make_workload
+from benchmarks.workload import SETTINGS, WorkloadSizes, make_workload
 
 RESULTS = Path(__file__).resolve().parent / "results" / "cpu-decode.json"
-SETTINGS = {  # name -> (dtype of embeddings / activations / KV, weight quantization)
-    "float32": (torch.float32, "none"),
-    "bfloat16": (torch.bfloat16, "none"),
-    "int8": (torch.float32, "int8"),
-    "int4": (torch.float32, "int4"),
-}
 
 
 def _progress(msg: str) -> None:

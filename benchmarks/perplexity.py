@@ -23,18 +23,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from benchmarks.workload import SETTINGS
 from model.loaders.checkpoint import load_model
 from model.quantize import QuantLinear
 
 TEXT = Path(__file__).resolve().parent / "data" / "public_domain.txt"
 RESULTS = Path(__file__).resolve().parent / "results" / "perplexity.json"
-# setting -> (activation/embedding dtype, weight quantization)
-SETTINGS = {
-    "float32": (torch.float32, "none"),
-    "bfloat16": (torch.bfloat16, "none"),
-    "int8": (torch.float32, "int8"),
-    "int4": (torch.float32, "int4"),
-}
 
 
 @contextmanager

@@ -14,8 +14,10 @@ Formats (the layouts of PyTorch's own packed CPU kernels):
           trip (the only rounding: d and m from float16 to the kernel's bfloat16).
 
 Per-phase compute: the packed kernels are bandwidth kernels. With many rows (prefill) float32 GEMM is several
-times faster on AVX2 than either kernel, so above `max_kernel_rows` rows a layer dequantizes its weight to the
-activation dtype and runs `F.linear` (a transient copy of one matrix; its cost is amortized over the rows).
+times faster on AVX2 than either kernel, so above `max_kernel_rows` rows a layer dequantizes its weight to
+float32 and runs `F.linear` in float32, whatever the activation dtype (a transient copy of one matrix, amortized
+over the rows; bfloat16 GEMM with many rows is the slowest option on AVX2). So `--dtype bfloat16 --quantization
+int8` decodes with bfloat16 activations (no casts around the kernels, half the KV bytes) and prefills in float32.
 """
 
 from __future__ import annotations
@@ -46,8 +48,8 @@ class QuantLinear(nn.Module):
         x2 = x.reshape(-1, self.in_features)  # (M, in)
         if x2.shape[0] <= self.max_kernel_rows:
             y = self._kernel(x2.to(KERNEL_DTYPE)).to(x.dtype)  # (M, out)
-        else:
-            y = F.linear(x2, self.dequantize(x.dtype))
+        else:  # float32 compute whatever the activation dtype: bfloat16 GEMM is several times slower on AVX2
+            y = F.linear(x2.float(), self.dequantize(torch.float32)).to(x.dtype)
         return y.view(*x.shape[:-1], self.out_features)
 
     def _kernel(self, x: Tensor) -> Tensor:  # (M, in) bfloat16 -> (M, out) bfloat16
