@@ -172,6 +172,9 @@ def run(args: argparse.Namespace) -> dict:
         "command": " ".join(["python -m benchmarks.bench_decode", *args.argv]),
         "machine": machine_info("cpu", args.threads),
         "load_avg_before": load_before,
+        # OMP_WAIT_POLICY=PASSIVE: on a shared, oversubscribed machine spinning OpenMP barriers make a 2-thread
+        # step take seconds; every torch side in this process runs under the same policy.
+        "env": {k: os.environ.get(k) for k in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS", "GOMP_SPINCOUNT")},
         "load_avg_after": _load_avg(),
         "model": str(path),
         "workload": {"prompt_tokens": len(prompt), "new_tokens": args.new_tokens, "rounds": args.rounds,
