@@ -44,6 +44,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--model", default=None, help="GGUF file or HF directory (default: SmolLM2-135M-Instruct Q4_1)")
     p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda if available, else cpu")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: bfloat16 on cuda, float32 on cpu")
+    p.add_argument("--quantization", choices=["none", "int8", "int4"], default="none",
+                   help="ours: weight-only int8/int4 linear layers (CPU); the peer stays in --dtype")
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads, both sides (default: all cores)")
     p.add_argument("--out", type=Path, default=None, help="JSON results (default: benchmarks/results/<device>-<dtype>.json)")
     p.add_argument("--quick", action="store_true", help="tiny sizes, for a smoke test (4 requests, 8 new tokens)")
@@ -103,6 +105,7 @@ def run(args: argparse.Namespace) -> dict:
     from model.engine import Engine, EngineConfig
     from model.loaders.checkpoint import load_model
     from model.paged_kv_cache import PagedKVCache
+    from model.quantize import QuantLinear
 
     torch.set_num_threads(args.threads)
     dtype, device = DTYPES[args.dtype], torch.device(args.device)
@@ -113,15 +116,17 @@ def run(args: argparse.Namespace) -> dict:
     # ---- ours -------------------------------------------------------------------------------------------------
     _progress(f"llamascope: loading {args.model or 'the default model'} ({args.dtype}, {device})")
     mem.reset()
-    lm = load_model(args.model, dtype, device)
+    lm = load_model(args.model, dtype, device, quantization=args.quantization)
     memory["ours_load"] = mem.read()
     config = EngineConfig(kv_cache_bytes=args.kv_cache_mb * MB, max_num_seqs=args.max_num_seqs,
                           max_num_batched_tokens=args.max_num_batched_tokens)
     engine = Engine(lm.model, lm.tokenizer, config)
     workload = make_workload(lm.tokenizer, lm.model.config.vocab_size, sizes)
     per_block = PagedKVCache.bytes_per_block(lm.model.config, config.block_size, lm.model.dtype)
-    weights = sum(p.nbytes for p in lm.model.parameters())  # tied embeddings counted once
-    buffers = sum(b.nbytes for b in lm.model.buffers())
+    # Tied embeddings counted once; quantized layers hold their weights as buffers, counted as weights here.
+    quantized = {id(b) for m in lm.model.modules() if isinstance(m, QuantLinear) for b in m.buffers()}
+    weights = sum(p.nbytes for p in lm.model.parameters()) + sum(b.nbytes for b in lm.model.buffers() if id(b) in quantized)
+    buffers = sum(b.nbytes for b in lm.model.buffers() if id(b) not in quantized)
     memory.update(
         weights_mb=weights / MB, buffers_mb=buffers / MB, kv_pool_mb=engine.cache.nbytes / MB,
         kv_pool_tokens=engine.cache.num_blocks * config.block_size, kv_bytes_per_token=per_block / config.block_size,
@@ -142,7 +147,8 @@ def run(args: argparse.Namespace) -> dict:
     # is of the peak allocated there): interpreter and torch on CPU, activations, sampler and bookkeeping.
     held = serve["cuda_peak_allocated_mb"] if device.type == "cuda" else serve["peak_rss_mb"]
     memory["ours_serve_overhead_mb"] = held - memory["weights_mb"] - memory["kv_pool_mb"]
-    model_info = {"name": lm.name, "path": str(lm.path), "dtype": args.dtype, "device": str(device),
+    model_info = {"name": lm.name, "path": str(lm.path), "dtype": args.dtype, "quantization": args.quantization,
+                  "device": str(device),
                   "num_parameters": lm.model.config.num_parameters(), "load_s": lm.load_seconds}
     model_path = lm.path
     del engine, lm  # the peer's memory is measured without ours resident
@@ -203,7 +209,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     results = run(args)
-    out = args.out or RESULTS_DIR / f"{args.device}-{args.dtype}{'-quick' if args.quick else ''}.json"
+    quant = f"-{args.quantization}" if args.quantization != "none" else ""
+    out = args.out or RESULTS_DIR / f"{args.device}-{args.dtype}{quant}{'-quick' if args.quick else ''}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2) + "\n")
     print_report(results)

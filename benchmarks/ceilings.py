@@ -2,60 +2,83 @@
 
 Decode of one token must multiply by every weight once, so the time of those matmuls at batch 1 bounds
 single-stream decode; their throughput at the step's token budget bounds prefill and, with the workload's total
-FLOPs, the concurrent run. Measured with the same `F.linear` calls and weight layouts the model uses.
+FLOPs, the concurrent run. Measured with the same calls and weight layouts the model uses (`F.linear` over float weights, the packed kernels of
+a weight-only quantized model). `read_bandwidth` measures the machine's own limit: a large-tensor read.
 """
 
 from __future__ import annotations
 
 import time
 
-import torch
-import torch.nn.functional as F
+import statistics
 
+import torch
+
+from model.quantize import apply_linear, decode_bytes, linear_weights
 from model.transformer import Transformer
 
 
-def _weights(model: Transformer) -> list[torch.Tensor]:
-    ws: list[torch.Tensor] = []
-    for layer in model.layers:
-        att, ffn = layer.attention, layer.feed_forward
-        ws += [att.wqkv] if att.wqkv is not None else [att.wq.weight, att.wk.weight, att.wv.weight]
-        ws += [att.wo.weight]
-        ws += [ffn.w13] if ffn.w13 is not None else [ffn.w1.weight, ffn.w3.weight]
-        ws += [ffn.w2.weight]
-    return ws + [model.output.weight]
+def _in_features(w) -> int:
+    return w.shape[1] if isinstance(w, torch.Tensor) else w.in_features
 
 
-def _time_matmuls(ws: list[torch.Tensor], rows: int, reps: int, device: torch.device) -> float:
-    """Seconds for one pass of `rows` tokens through every weight matrix."""
-    xs = {w.shape[1]: torch.randn(1, rows, w.shape[1], dtype=w.dtype, device=device) for w in ws}
-    for w in ws:  # warm-up
-        F.linear(xs[w.shape[1]], w)
+def _out_features(w) -> int:
+    return w.shape[0] if isinstance(w, torch.Tensor) else w.out_features
+
+
+def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(reps):
-        for w in ws:
-            F.linear(xs[w.shape[1]], w)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+
+
+def time_matmuls(model: Transformer, rows: int, reps: int) -> float:
+    """Seconds for one pass of `rows` tokens through every weight matrix, as the model multiplies by it."""
+    ws, device = linear_weights(model), model.device
+    xs = {k: torch.randn(1, rows, k, dtype=model.dtype, device=device) for k in {_in_features(w) for w in ws}}
+    with torch.inference_mode():
+        for w in ws:  # warm-up
+            apply_linear(xs[_in_features(w)], w)
+        _sync(device)
+        start = time.perf_counter()
+        for _ in range(reps):
+            for w in ws:
+                apply_linear(xs[_in_features(w)], w)
+        _sync(device)
     return (time.perf_counter() - start) / reps
 
 
-@torch.inference_mode()
+def weight_bytes_per_token(model: Transformer) -> int:
+    """Bytes of weights one decode token must read: every matrix once (quantized: what its kernel reads)."""
+    return sum(decode_bytes(w) for w in linear_weights(model))
+
+
+def read_bandwidth(device: torch.device | str = "cpu", mb: int = 512, reps: int = 5) -> float:
+    """The machine's read bandwidth in GB/s, median of `reps` sums over a float32 tensor far larger than any cache."""
+    device = torch.device(device)
+    buf = torch.ones(mb * 2**20 // 4, device=device)
+    buf.sum()
+    times = []
+    for _ in range(reps):
+        _sync(device)
+        t0 = time.perf_counter()
+        buf.sum()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return buf.nbytes / statistics.median(times) / 1e9
+
+
 def measure(model: Transformer, prefill_rows: int, reps: int) -> dict:
-    device = model.device
-    ws = _weights(model)
-    flops_per_token = 2 * sum(w.numel() for w in ws)
-    decode_s = _time_matmuls(ws, 1, reps, device)
-    prefill_s = _time_matmuls(ws, prefill_rows, max(1, reps // 8), device)
+    ws = linear_weights(model)
+    flops_per_token = 2 * sum(_in_features(w) * _out_features(w) for w in ws)
+    decode_s = time_matmuls(model, 1, reps)
+    prefill_s = time_matmuls(model, prefill_rows, max(1, reps // 8))
     return {
-        "method": "F.linear over the model's own weight matrices (fused as loaded), random activations",
-        "weight_bytes_per_token": sum(w.nbytes for w in ws),
+        "method": "the model's own weight matrices (fused as loaded, quantized if it is), random activations",
+        "weight_bytes_per_token": weight_bytes_per_token(model),
         "matmul_gflop_per_token": flops_per_token / 1e9,
         "decode_matmul_ms_per_token": decode_s * 1e3,
         "decode_ceiling_tok_s": 1 / decode_s,
-        "decode_weight_read_gb_s": sum(w.nbytes for w in ws) / decode_s / 1e9,
+        "decode_weight_read_gb_s": weight_bytes_per_token(model) / decode_s / 1e9,
         "prefill_rows": prefill_rows,
         "prefill_matmul_gflop_s": flops_per_token * prefill_rows / prefill_s / 1e9,
         "prefill_ceiling_tok_s": prefill_rows / prefill_s,

@@ -13,6 +13,16 @@ from dataclasses import dataclass
 
 import torch
 
+# Decode settings the per-setting benchmarks (bench_decode, perplexity) compare: name -> (dtype of embeddings,
+# activations and KV cache; weight quantization). "int8-bf16": int8 weights with bfloat16 activations in decode.
+SETTINGS: dict[str, tuple[torch.dtype, str]] = {
+    "float32": (torch.float32, "none"),
+    "bfloat16": (torch.bfloat16, "none"),
+    "int8": (torch.float32, "int8"),
+    "int8-bf16": (torch.bfloat16, "int8"),
+    "int4": (torch.float32, "int4"),
+}
+
 PARAGRAPH = (
     "The lighthouse stood at the end of a long stone pier, and every evening the keeper climbed its spiral stairs "
     "to light the lamp. Ships passing in the dark relied on its steady beam to find the harbour entrance, and the "

@@ -18,6 +18,7 @@ from model.engine import Engine, EngineConfig
 from model.kv_cache import KVCache
 from model.loaders.checkpoint import load_model
 from model.loaders.errors import CheckpointError
+from model.quantize import QUANTIZATIONS
 from model.sampling import SamplingParams
 from model.transformer import Transformer
 
@@ -73,12 +74,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--quantization", choices=QUANTIZATIONS, default="none", help="weight-only int8 / int4 (CPU)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
 
     try:
-        loaded = load_model(args.model, DTYPES[args.dtype], args.device)
-    except CheckpointError as e:
+        loaded = load_model(args.model, DTYPES[args.dtype], args.device, quantization=args.quantization)
+    except (CheckpointError, ValueError) as e:  # ValueError: quantization asked for off the CPU
         print(f"error: {e}", file=sys.stderr)
         return 2
     tok = loaded.tokenizer

@@ -75,6 +75,7 @@ class PagedKVCache:
         self.num_blocks, self.block_size = num_blocks, block_size
         self.device = torch.device(device)
         self._num_tokens = 0
+        self._decode_only = False
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, num_blocks: int, block_size: int) -> "PagedKVCache":
@@ -124,6 +125,12 @@ class PagedKVCache:
             q_pos = torch.arange(prefix, s.context_len, device=dev)
             mask = (torch.arange(s.context_len, device=dev) <= q_pos.unsqueeze(1))[None, None]  # (1, 1, n, ctx)
             self.prefills.append(_Prefill(s.start, s.start + s.num_new, s.context_len, blocks, mask))
+        # A pure decode step whose rows form one group in packed order (single stream; similar-length batches):
+        # attend() then works on views, without gathering q by row index or scattering into a fresh output.
+        self._decode_only = (
+            not self.prefills and len(self.decode_groups) == 1
+            and [s.start for s in decode] == list(range(len(decode)))
+        )
 
     def _decode_group(self, group: list[SeqSlice]) -> _DecodeGroup:
         dev, width = self.device, len(group[0].block_ids)
@@ -146,6 +153,11 @@ class PagedKVCache:
         k_pool, v_pool = self.k[layer], self.v[layer]  # (NB, bs, K, E)
         k_pool.view(-1, K, E)[self.slot_mapping] = k[0]
         v_pool.view(-1, K, E)[self.slot_mapping] = v[0]
+        if self._decode_only:
+            g = self.decode_groups[0]
+            kd = k_pool.index_select(0, g.tables).view(g.num_rows, -1, K, E)  # (N, S, K, E)
+            vd = v_pool.index_select(0, g.tables).view(g.num_rows, -1, K, E)
+            return sdpa(q.transpose(0, 1), kd, vd, g.mask).transpose(0, 1)  # (N, 1, H, E) -> (1, N, H, E)
         out = torch.empty_like(q)
         for g in self.decode_groups:
             kd = k_pool.index_select(0, g.tables).view(g.num_rows, -1, K, E)  # (Bg, S_g, K, E)

@@ -27,6 +27,7 @@ from torch import Tensor, nn
 
 from model.attention import AttentionContext, CausalAttention, KVCacheContext
 from model.config import ModelConfig, RopeScaling
+from model.quantize import apply_linear
 
 
 class RMSNorm(nn.Module):
@@ -92,6 +93,22 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
+def rotary_tables(cos: Tensor, sin: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """cos/sin (B, T, E) -> cos (B, T, 1, E) and a signed sin (B, T, 1, E) in `dtype`, once per forward, for
+    `apply_rotary_tables`: rotate_half(x) * sin == swap_halves(x) * cat(-sin_lo, sin_hi)."""
+    half = sin.shape[-1] // 2
+    signed = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+    return cos.to(dtype).unsqueeze(2), signed.to(dtype).unsqueeze(2)
+
+
+def apply_rotary_tables(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
+    """`apply_rotary` over `rotary_tables`' output: four ops per call instead of eight (decode runs 30 of these
+    per token on the default model, where per-op overhead is a visible share of the step)."""
+    B, T, n, E = x.shape
+    swapped = x.view(B, T, n, 2, E // 2).flip(3).view(B, T, n, E)  # (x2, x1)
+    return x * cos + swapped * signed_sin
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
@@ -101,7 +118,9 @@ class Attention(nn.Module):
         self.wk = nn.Linear(config.dim, config.n_kv_heads * config.head_dim, bias=False)
         self.wv = nn.Linear(config.dim, config.n_kv_heads * config.head_dim, bias=False)
         self.wo = nn.Linear(config.n_heads * config.head_dim, config.dim, bias=False)
-        self.wqkv: Tensor | None = None  # ((H + 2K) * E, D) once fused; wq/wk/wv are then views into it
+        # ((H + 2K) * E, D) once fused; wq/wk/wv are then views into it. Under weight-only quantization
+        # (model/quantize.py) a callable QuantLinear module instead, and wq/wk/wv are None.
+        self.wqkv: Tensor | nn.Module | None = None
 
     def fuse(self) -> None:
         """One matmul for q, k and v instead of three (fewer, larger GEMMs: less per-call overhead in decode).
@@ -109,17 +128,20 @@ class Attention(nn.Module):
         self.wqkv = _fuse_linears(self.wq, self.wk, self.wv)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, ctx: AttentionContext) -> Tensor:
+        """cos/sin: `RotaryEmbedding`'s (B, T, E) tables, or `rotary_tables`' (B, T, 1, E) prepared ones."""
         B, T, _ = x.shape
         H, K, E = self.n_heads, self.n_kv_heads, self.head_dim
+        if cos.dim() == 3:
+            cos, sin = rotary_tables(cos, sin, x.dtype)
         if self.wqkv is not None:
-            qkv = F.linear(x, self.wqkv).view(B, T, H + 2 * K, E)  # (B, T, H + 2K, E)
-            qk = apply_rotary(qkv[:, :, : H + K], cos, sin)  # rotate q and k heads in one pass
+            qkv = apply_linear(x, self.wqkv).view(B, T, H + 2 * K, E)  # (B, T, H + 2K, E)
+            qk = apply_rotary_tables(qkv[:, :, : H + K], cos, sin)  # rotate q and k heads in one pass
             q, k, v = qk[:, :, :H], qk[:, :, H:], qkv[:, :, H + K :]
         else:
             q = self.wq(x).view(B, T, H, E)  # (B, T, H, E)
             k = self.wk(x).view(B, T, K, E)  # (B, T, K, E)
             v = self.wv(x).view(B, T, K, E)  # (B, T, K, E)
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            q, k = apply_rotary_tables(q, cos, sin), apply_rotary_tables(k, cos, sin)
         out = ctx.attend(self.layer_idx, q, k, v)  # (B, T, H, E); a cache stores k, v and attends over its keys
         return self.wo(out.reshape(B, T, self.n_heads * self.head_dim))  # (B, T, D)
 
@@ -130,14 +152,14 @@ class FeedForward(nn.Module):
         self.w1 = nn.Linear(config.dim, config.hidden_dim, bias=False)  # gate
         self.w3 = nn.Linear(config.dim, config.hidden_dim, bias=False)  # up
         self.w2 = nn.Linear(config.hidden_dim, config.dim, bias=False)  # down
-        self.w13: Tensor | None = None  # (2F, D) once fused; w1/w3 are then views into it
+        self.w13: Tensor | nn.Module | None = None  # (2F, D) once fused (w1/w3 then views into it), or a QuantLinear
 
     def fuse(self) -> None:
         self.w13 = _fuse_linears(self.w1, self.w3)
 
     def forward(self, x: Tensor) -> Tensor:  # (B, T, D) -> (B, T, D), via (B, T, F)
         if self.w13 is not None:
-            gate, up = F.linear(x, self.w13).chunk(2, dim=-1)  # (B, T, F) each
+            gate, up = apply_linear(x, self.w13).chunk(2, dim=-1)  # (B, T, F) each
             return self.w2(F.silu(gate) * up)
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
@@ -178,6 +200,7 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(Block(config, i) for i in range(config.n_layers))
         self.norm = RMSNorm(config.dim, config.norm_eps)
         self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
+        self.quantization = "none"  # model/quantize.py's quantize_model sets "int8" / "int4"
         self.tie_weights()
 
     def fuse_projections(self) -> "Transformer":
@@ -188,7 +211,7 @@ class Transformer(nn.Module):
         return self
 
     def tie_weights(self) -> None:
-        if self.config.tie_embeddings:
+        if self.config.tie_embeddings and isinstance(self.output, nn.Linear):
             self.output.weight = self.tok_embeddings.weight
 
     @property
@@ -223,8 +246,8 @@ class Transformer(nn.Module):
             ctx = CausalAttention(positions)
             if positions is None:
                 positions = torch.arange(T, device=tokens.device).expand(B, T)
-        cos, sin = self.rope(positions)
         h = self.tok_embeddings(tokens)  # (B, T, D)
+        cos, sin = rotary_tables(*self.rope(positions), h.dtype)  # (B, T, 1, E) each, shared by every layer
         for layer in self.layers:
             h = layer(h, cos, sin, ctx)
         if logits_indices is not None:

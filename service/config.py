@@ -19,6 +19,8 @@ class Settings(BaseSettings):
     port: int = Field(8000, description="port to listen on")
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = Field("auto", description="auto: bfloat16 on CUDA, float32 on CPU")
     device: str | None = Field(None, description="torch device (default: cuda if available, else cpu)")
+    quantization: Literal["none", "int8", "int4"] = Field(
+        "none", description="weight-only quantized linear layers on CPU (int4: a Q4_0/Q4_1 GGUF keeps its own blocks)")
     kv_cache_bytes: int = Field(1 << 30, description="KV block pool budget in bytes")
     block_size: int = Field(16, description="tokens per KV block")
     max_num_seqs: int = Field(32, description="sequences decoded together")

@@ -46,11 +46,13 @@ class ServingState:
                 device = s.device or ("cuda" if torch.cuda.is_available() else "cpu")
                 dtype = s.dtype if s.dtype != "auto" else ("bfloat16" if device.startswith("cuda") else "float32")
                 if s.tensor_parallel_size > 1:  # this process is rank 0: it schedules, the workers follow
+                    if s.quantization != "none":
+                        raise ValueError("--quantization and --tensor-parallel-size > 1 cannot be combined yet")
                     if not s.threads and not device.startswith("cuda"):  # N processes share the cores
                         torch.set_num_threads(max(1, (os.cpu_count() or 1) // s.tensor_parallel_size))
                     loaded = launch(s.model, s.tensor_parallel_size, DTYPES[dtype], device, threads=s.threads)
                 else:
-                    loaded = load_model(s.model, DTYPES[dtype], device)
+                    loaded = load_model(s.model, DTYPES[dtype], device, quantization=s.quantization)
             config = EngineConfig(
                 block_size=s.block_size, kv_cache_bytes=s.kv_cache_bytes, max_num_seqs=s.max_num_seqs,
                 max_num_batched_tokens=s.max_num_batched_tokens, max_waiting=s.max_waiting,

@@ -76,3 +76,38 @@ def test_quick_run_against_transformers(tmp_path):
                          ("concurrent", ("hf_sequential", "hf_batched"))):
         for peer in peers:
             assert all(v is not None and v > 0 for v in r["ratios"][phase][peer].values()), (phase, peer)
+
+
+def test_quick_decode_benchmark_per_setting(tmp_path):
+    """`bench_decode` (per dtype / quantization, against the bandwidth ceiling) at --quick sizes, ours only."""
+    out = tmp_path / "decode.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.bench_decode", "--quick", "--settings", "float32", "int8", "int4",
+         "--skip-hf", "--skip-llama-cpp", "--threads", str(torch.get_num_threads()), "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600, check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    r = json.loads(out.read_text())
+    assert r["read_bandwidth_gb_s"] > 0 and set(r["sides"]) == {"float32", "int8", "int4"}
+    keys = {"decode_tok_s", "weight_bytes_per_token", "bandwidth_ceiling_tok_s", "pct_of_bandwidth_ceiling",
+            "matmul_only_ms", "decode_step_ms", "step_over_matmul"}
+    for side in r["sides"].values():
+        _positive(side, keys)
+    b = {k: v["weight_bytes_per_token"] for k, v in r["sides"].items()}
+    assert b["float32"] > 3.5 * b["int8"] and b["int8"] > b["int4"]  # int4 blocks, int8 head: between 4x and 8x
+
+
+def test_gpu_script_dry_run_on_cpu(tmp_path):
+    """The prepared GPU script (`benchmarks/gpu.py`) on tiny stand-ins of both shapes, CPU: every path but the
+    CUDA graph capture itself (the static decoder runs its step eagerly), so the script cannot rot unseen."""
+    out = tmp_path / "gpu.json"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu", "--dry-run", "--device", "cpu", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    r = json.loads(out.read_text())
+    assert len(r["models"]) == 2 and r["measured_copy_bandwidth_gb_s"] > 0
+    for m in r["models"].values():
+        assert m["graph_tokens_equal_engine_single"]  # static decoder == engine, greedy
+        assert m["last_logits_max_abs_diff_vs_hf"] <= 1e-4 * max(1.0, m["last_logits_max_abs_hf"])  # same weights
+        _positive(m, {"engine_single_tok_s", "graph_single_tok_s", "hf_single_tok_s", "ceiling_tok_s_hbm_spec"})
+        assert set(m["engine_concurrent_tok_s"]) == set(m["graph_tok_s"]) == {"1", "2"}

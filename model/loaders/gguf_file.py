@@ -17,6 +17,7 @@ from gguf.quants import dequantize
 from model.config import ModelConfig
 from model.loaders.assemble import ModelAssembler, NameMap
 from model.loaders.errors import CheckpointError
+from model.quantize import Int4Linear, Quantization, QuantLinear, gguf_q4_groups, quantize_model
 from model.tensor_parallel import ShardPlan, TPRank
 from model.transformer import Transformer
 
@@ -117,12 +118,15 @@ def load_gguf(
     device: torch.device | str = "cpu",
     reader: GGUFReader | None = None,
     meta: dict[str, Any] | None = None,
+    quantization: Quantization = "none",
     tp: TPRank | None = None,
 ) -> Transformer:
     """`reader`/`meta`: an already opened file and its metadata, so the caller's tokenizer shares one read.
-    `tp`: load only that tensor-parallel rank's slices. Row slices (wq/wk/wv/w1/w3) are cut from the quantized data
-    before dequantizing; column slices (wo/w2) cut across ggml blocks, so those tensors are dequantized whole, one
-    at a time, and sliced at once (a transient float32 copy of one tensor, never of the model)."""
+    `quantization`: weight-only int8/int4 (model/quantize.py); with int4, Q4_0/Q4_1 matrices keep their own blocks.
+    `tp`: load only that tensor-parallel rank's slices (not with quantization). Row slices (wq/wk/wv/w1/w3) are cut
+    from the quantized data before dequantizing; column slices (wo/w2) cut across ggml blocks, so those tensors are
+    dequantized whole, one at a time, and sliced at once (a transient float32 copy of one tensor, never of the
+    model)."""
     path = str(path)
     reader = reader or open_gguf(path)
     meta = meta if meta is not None else read_metadata(reader)
@@ -131,6 +135,7 @@ def load_gguf(
     plan = ShardPlan(config, tp) if tp is not None else None
     asm = ModelAssembler(config, path, dtype, device, f"load {Path(path).name}", plan)
     rope_freq_factors = None
+    prequantized: dict[str, QuantLinear] = {}
     for t in reader.tensors:
         if t.name == "rope_freqs.weight":
             # Llama 3.1 scaling as per-frequency divisors of inv_freq (llama.cpp `generate_extra_tensors`).
@@ -143,18 +148,29 @@ def load_gguf(
         w = _dequantize(t, path, slice(cut[1], cut[2]) if cut and cut[0] == 0 else slice(None))
         # llama.cpp's q/k permutation moves rows within a head only, so un-permuting a slice of whole heads with
         # the slice's head count is the same as un-permuting the whole tensor and then slicing it
-        if t.name.endswith("attn_q.weight"):
-            w = unpermute_qk(w, asm.config.n_heads)  # asm.config: this rank's head counts when sharded
-        elif t.name.endswith("attn_k.weight"):
-            w = unpermute_qk(w, asm.config.n_kv_heads)
+        # (asm.config: this rank's head counts when sharded)
+        n_head = (asm.config.n_heads if t.name.endswith("attn_q.weight")
+                  else asm.config.n_kv_heads if t.name.endswith("attn_k.weight") else None)
+        if n_head is not None:
+            w = unpermute_qk(w, n_head)
         if cut and cut[0] == 1:
             w = np.ascontiguousarray(w[:, cut[1] : cut[2]])  # a copy: the whole dequantized tensor is freed
+        if quantization == "int4" and t.tensor_type.name in ("Q4_0", "Q4_1") and ours.startswith("layers."):
+            prequantized[ours.removesuffix(".weight")] = _int4_from_blocks(t, w.shape, n_head)
         if not w.flags.writeable or not w.flags.c_contiguous:  # F32 data is a read-only view of the memory map
             w = np.ascontiguousarray(w).copy()
         asm.add(ours, torch.from_numpy(w), t.name)
     if rope_freq_factors is not None and rope_freq_factors.shape != (config.head_dim // 2,):
         raise CheckpointError(f"expected shape [{config.head_dim // 2}], found {list(rope_freq_factors.shape)}", path=path, tensor="rope_freqs.weight")
-    return asm.finish(rope_freq_factors)
+    return quantize_model(asm.finish(rope_freq_factors), quantization, prequantized)
+
+
+def _int4_from_blocks(t: Any, shape: tuple[int, int], n_head: int | None) -> Int4Linear:
+    """A Q4_0/Q4_1 tensor's own 4-bit groups as an int4 layer (rows un-permuted like the float weight)."""
+    q, scales, zeros = gguf_q4_groups(t.data, t.tensor_type.name, shape)
+    if n_head is not None:
+        q, scales, zeros = (unpermute_qk(a, n_head) for a in (q, scales, zeros))
+    return Int4Linear(*(torch.from_numpy(np.ascontiguousarray(a)) for a in (q, scales, zeros)))
 
 
 __all__ = ["load_gguf", "open_gguf", "read_metadata", "unpermute_qk", "GGMLQuantizationType"]
