@@ -34,6 +34,8 @@ class Settings(BaseSettings):
     max_prompts: int = Field(64, description="largest list of prompts in one completions request")
     log_prompts: bool = Field(False, description="include prompt text in request logs")
     threads: int | None = Field(None, description="torch CPU threads (default: torch's)")
+    shutdown_grace_seconds: float = Field(30.0, ge=0, description="on SIGTERM: 503 to new requests, in-flight ones get this "
+                                          "long (less 1 s) to finish before they are ended with an error, then exit 0")
 
 
 @lru_cache

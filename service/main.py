@@ -44,10 +44,8 @@ def create_app(settings: Settings | None = None, loaded: LoadedModel | None = No
 
 
 def main(argv: list[str] | None = None) -> int:
-    import uvicorn
+    from service.shutdown import serve
 
     settings = parse_cli(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s", stream=sys.stderr)
-    uvicorn.run(create_app(settings), host=settings.host, port=int(settings.port), log_level="info",
-                timeout_graceful_shutdown=30)
-    return 0
+    return serve(create_app(settings), settings)
