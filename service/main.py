@@ -9,7 +9,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from model.loaders.checkpoint import LoadedModel
-from service import errors
+from service import errors, openapi
 from service.config import Settings, parse_cli
 from service.middleware import GuardMiddleware
 from service.routes import chat, completions, info
@@ -35,6 +35,7 @@ def create_app(settings: Settings | None = None, loaded: LoadedModel | None = No
     app = FastAPI(title="llamascope", version="0.1.0", lifespan=lifespan)
     app.state.serving = state
     errors.install(app)
+    openapi.install(app, state)
     for r in (completions.router, chat.router, info.router):
         app.include_router(r)
     key = settings.api_key.get_secret_value() if settings.api_key else None
