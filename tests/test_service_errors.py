@@ -372,3 +372,27 @@ def test_openapi_declares_errors_as_the_envelope(tiny):
     assert props["n"]["maximum"] == 4  # the deployment's --max-n
     ids = [b for b in props["prompt"]["anyOf"] if b.get("items", {}).get("type") == "integer"][0]
     assert ids["items"]["maximum"] == 257  # the tiny model's vocabulary, 258 tokens
+
+
+def test_the_key_never_reaches_logs_errors_or_settings(caplog):
+    """Every record any logger writes while keyed requests (right, wrong, near-miss, in odd places) go through,
+    every response, and the settings' own text: none holds the key."""
+    secret = "s3cr3t-key-0123456789"
+    with caplog.at_level("DEBUG"):
+        with tiny_server(api_key=secret) as live, httpx.Client(base_url=live.url, timeout=30) as c:
+            responses = [
+                c.post(CMPL, json={"prompt": "hi", "max_tokens": 2}, headers={"Authorization": f"Bearer {secret}"}),
+                c.post(CMPL, json={"prompt": "hi"}, headers={"Authorization": f"Bearer {secret}x"}),
+                c.post(CMPL, json={"prompt": "hi"}, headers={"Authorization": f"Basic {secret}"}),
+                c.post(CMPL, json={"prompt": secret, "max_tokens": 0}, headers={"Authorization": f"Bearer {secret}"}),
+                c.get("/v1/models", headers={"Authorization": secret}),
+                c.get("/nope", headers={"Authorization": f"Bearer {secret}"}),
+                c.get("/openapi.json"),
+            ]
+    assert [r.status_code for r in responses] == [200, 401, 401, 400, 401, 404, 401]
+    for r in responses:
+        assert secret not in r.text and secret not in str(r.headers)
+    server_side = [rec for rec in caplog.records if not rec.name.startswith(("httpx", "httpcore"))]  # not the client's
+    assert server_side and not [rec for rec in server_side if secret in rec.getMessage()]
+    s = Settings(api_key=secret)
+    assert secret not in repr(s) and secret not in str(s) and secret not in s.model_dump_json()
