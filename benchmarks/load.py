@@ -55,6 +55,7 @@ class LoadConfig:
     abort_share: float = 0.08  # non-streamed requests the client gives up on after a random wait
     burst_every: int = 100  # every so many requests, a burst fired at once, outside the concurrency limit
     burst_size: int = 96
+    retry_after_cap: float = 1.0  # after a 429, a client slot waits Retry-After, at most this long (bursts never wait)
     timeout: float = 300.0  # a request unanswered this long counts as hung
     seed: int = 0
 
@@ -70,6 +71,7 @@ class Outcome:
     ttft: float | None = None
     itl: list[float] = field(default_factory=list)
     error: str | None = None
+    retry_after: float | None = None
 
 
 @dataclass
@@ -189,6 +191,8 @@ async def send(client: httpx.AsyncClient, path: str, body: dict, behaviour: str,
                 out.kind = "aborted"
                 return out
             out.status = r.status_code
+            if r.status_code == 429:
+                out.retry_after = float(r.headers.get("retry-after", 0))
             if r.status_code == 200:
                 usage = r.json()["usage"]
                 out.prompt_tokens, out.completion_tokens = usage["prompt_tokens"], usage["completion_tokens"]
@@ -211,6 +215,8 @@ def prompt_bound(body: dict) -> int:
 async def _stream(client, path, body, out: Outcome, start: float, leave_after: int | None) -> None:
     async with client.stream("POST", path, json=body) as r:
         out.status = r.status_code
+        if r.status_code == 429:
+            out.retry_after = float(r.headers.get("retry-after", 0))
         if r.status_code != 200:
             out.error = (await r.aread()).decode()[:300]
             return
@@ -347,7 +353,10 @@ def run_load(url: str, cfg: LoadConfig, api_key: str | None = None) -> LoadRepor
 
             async def one(path, body, behaviour):
                 async with sem:
-                    return await send(client, path, body, behaviour, random.Random(rng.random()), cfg.timeout)
+                    out = await send(client, path, body, behaviour, random.Random(rng.random()), cfg.timeout)
+                    if out.status == 429:  # a polite client waits as told before its next request
+                        await asyncio.sleep(min(cfg.retry_after_cap, out.retry_after or 0.0))
+                    return out
 
             tasks = []
             for item in plan:
