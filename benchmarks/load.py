@@ -411,7 +411,7 @@ def _vocab_size(url: str, headers: dict) -> int:
 class ServedProcess:
     """`python -m service ARGS` on a free loopback port; stopped with SIGTERM, its exit code kept."""
 
-    def __init__(self, args: list[str], log_path: Path) -> None:
+    def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None) -> None:
         import socket
 
         with socket.socket() as s:
@@ -419,8 +419,10 @@ class ServedProcess:
             self.port = s.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = open(log_path, "w")
+        self.log_path = log_path
         self.proc = subprocess.Popen([sys.executable, "-m", "service", "--port", str(self.port), *args],
-                                     stdout=self.log, stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parents[1])
+                                     stdout=self.log, stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parents[1],
+                                     env={**os.environ, **(env or {})})
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -450,7 +452,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.load", description=__doc__.split("\n\n")[0])
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument("--url", help="a running server")
-    where.add_argument("--serve", metavar="ARGS", help="serve `python -m service ARGS` for the run")
+    where.add_argument("--serve", metavar="ARGS", help="serve `python -m service ARGS` for the run (\"\": the default model)")
     where.add_argument("--tiny", action="store_true", help="serve a tiny random model (benchmarks/tiny_checkpoint.py)")
     p.add_argument("--api-key", default=os.environ.get("LLAMASCOPE_API_KEY"))
     p.add_argument("--requests", type=int, default=d.num_requests)
@@ -471,7 +473,7 @@ def main(argv: list[str] | None = None) -> int:
                      burst_size=a.burst_size, timeout=a.timeout, seed=a.seed)
     served = None
     with tempfile.TemporaryDirectory() as tmp:
-        if a.tiny or a.serve:
+        if a.tiny or a.serve is not None:
             if a.tiny:
                 from benchmarks.tiny_checkpoint import write_tiny_checkpoint
 

@@ -6,10 +6,6 @@ The drain itself (503 to new work while in-flight work finishes) is also checked
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -17,14 +13,14 @@ from pathlib import Path
 import httpx
 import pytest
 
+from benchmarks.load import ServedProcess
 from benchmarks.tiny_checkpoint import write_tiny_checkpoint
-from live_server import LiveServer, free_port
+from live_server import LiveServer
 from model.loaders.checkpoint import LoadedModel
 from service.config import Settings
 from service.main import create_app
 from tiny import byte_tokenizer, tiny_model
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -32,38 +28,18 @@ def checkpoint(tmp_path_factory) -> Path:
     return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "tiny-llama", seed=1, max_seq_len=8192)
 
 
-class Served:
-    """`python -m service` in its own process, on a free loopback port."""
+class Served(ServedProcess):
+    """`python -m service` in its own process on a free loopback port, timed from SIGTERM to its exit."""
 
-    def __init__(self, model: Path, grace: float) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        env = {**os.environ, "LLAMASCOPE_THREADS": "1"}
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "service", "--model", str(model), "--port", str(self.port),
-             "--shutdown-grace-seconds", str(grace), "--kv-cache-bytes", str(64 << 20)],
-            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, self.proc.stdout.read()
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        self.proc.kill()
-        raise RuntimeError("server did not become ready")
+    def __init__(self, model: Path, grace: float, log_path: Path) -> None:
+        super().__init__(["--model", str(model), "--shutdown-grace-seconds", str(grace), "--kv-cache-bytes",
+                          str(64 << 20)], log_path, env={"LLAMASCOPE_THREADS": "1"})
+        self.grace = grace
 
-    def terminate_and_wait(self, within: float) -> tuple[int, float, str]:
+    def terminate_and_wait(self) -> tuple[int, float, str]:
         t0 = time.monotonic()
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            out, _ = self.proc.communicate(timeout=within + 30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            out, _ = self.proc.communicate()
-        return self.proc.returncode, time.monotonic() - t0, out
+        rc = self.stop(self.grace)
+        return rc, time.monotonic() - t0, self.log_path.read_text()
 
 
 def stream_events(url: str, body: dict, events: list, started: threading.Event) -> None:
@@ -75,6 +51,16 @@ def stream_events(url: str, body: dict, events: list, started: threading.Event) 
                 if len(events) >= 4:
                     started.set()
     started.set()
+
+
+def start_stream(url: str, body: dict) -> tuple[threading.Thread, list]:
+    """A streamed completion on its own thread; returns once a few events have arrived."""
+    events: list = []
+    started = threading.Event()
+    t = threading.Thread(target=stream_events, args=(url, body, events, started))
+    t.start()
+    assert started.wait(60)
+    return t, events
 
 
 def refused_or_503(url: str) -> str:
@@ -94,18 +80,14 @@ def parse(events: list) -> tuple[list[dict], list[str]]:
     return chunks, [ch["finish_reason"] for c in chunks for ch in c.get("choices", []) if ch["finish_reason"]]
 
 
-def test_sigterm_lets_a_stream_finish_and_exits_0(checkpoint):
+def test_sigterm_lets_a_stream_finish_and_exits_0(checkpoint, tmp_path):
     grace = 20.0
-    served = Served(checkpoint, grace)
+    served = Served(checkpoint, grace, tmp_path / "server.log")
     body = {"prompt": "Once upon a time", "max_tokens": 200, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}
-    events: list = []
-    started = threading.Event()
-    t = threading.Thread(target=stream_events, args=(served.url, body, events, started))
-    t.start()
-    assert started.wait(60)
+    t, events = start_stream(served.url, body)
     result = {}
-    killer = threading.Thread(target=lambda: result.update(zip(("rc", "took", "out"), served.terminate_and_wait(grace))))
+    killer = threading.Thread(target=lambda: result.update(zip(("rc", "took", "out"), served.terminate_and_wait())))
     killer.start()
     time.sleep(0.05)
     assert refused_or_503(served.url) in ("503", "refused")
@@ -120,16 +102,12 @@ def test_sigterm_lets_a_stream_finish_and_exits_0(checkpoint):
     assert "Traceback" not in result["out"]
 
 
-def test_sigterm_ends_a_long_stream_cleanly_at_the_grace_deadline(checkpoint):
+def test_sigterm_ends_a_long_stream_cleanly_at_the_grace_deadline(checkpoint, tmp_path):
     grace = 3.0
-    served = Served(checkpoint, grace)
-    body = {"prompt": "Once upon a time", "max_tokens": 8000, "ignore_eos": True, "stream": True}
-    events: list = []
-    started = threading.Event()
-    t = threading.Thread(target=stream_events, args=(served.url, body, events, started))
-    t.start()
-    assert started.wait(60)
-    rc, took, out = served.terminate_and_wait(grace)
+    served = Served(checkpoint, grace, tmp_path / "server.log")
+    t, events = start_stream(served.url, {"prompt": "Once upon a time", "max_tokens": 8000, "ignore_eos": True,
+                                          "stream": True})
+    rc, took, out = served.terminate_and_wait()
     t.join(30)
     assert rc == 0, out[-3000:]
     assert took < grace + 1.0, took  # uvicorn's own deadline is the grace period; allow for process teardown
@@ -146,12 +124,7 @@ def test_draining_refuses_new_work_and_finishes_what_is_in_flight():
     app = create_app(Settings(), loaded=loaded, wait_ready=True)
     with LiveServer(app) as live, httpx.Client(base_url=live.url, timeout=60) as c:
         state = app.state.serving
-        body = {"prompt": "abc", "max_tokens": 300, "ignore_eos": True, "stream": True}
-        events: list = []
-        started = threading.Event()
-        t = threading.Thread(target=stream_events, args=(live.url, body, events, started))
-        t.start()
-        assert started.wait(60)
+        t, events = start_stream(live.url, {"prompt": "abc", "max_tokens": 300, "ignore_eos": True, "stream": True})
         state.begin_drain(60.0)
         for method, path, payload in (("POST", "/v1/completions", {"prompt": "a"}),
                                       ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}]}),
