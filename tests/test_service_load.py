@@ -31,12 +31,13 @@ def test_stream_disconnect_aborts_and_frees_blocks(server):
     body = {"prompt": "Tell me a very long story.", "max_tokens": 400, "ignore_eos": True, "stream": True}
     with httpx.Client(timeout=60) as c, c.stream("POST", server.url + "/v1/completions", json=body) as r:
         assert r.status_code == 200
-        lines = 0
+        lines, during = 0, None
         for line in r.iter_lines():
             lines += line.startswith("data: ")
             if lines >= 3:
+                # scrape before leaving the loop: dropping the line iterator may already close the connection
+                during = scrape(server.url)
                 break
-        during = scrape(server.url)
         assert during["llamascope_kv_cache_usage_ratio"] > 0  # the request holds blocks while it streams
     after = wait_idle(server.url)  # the connection is closed here
     deadline = time.monotonic() + 10
