@@ -135,6 +135,12 @@ class AsyncEngine:
         self._inbox.put(("abort", request_id))
         self._wake.set()
 
+    def abort_all(self, error: str) -> None:
+        """End every request in the engine now (graceful shutdown's deadline): each open choice finishes with
+        finish_reason "abort" and `error`, so its stream ends cleanly instead of being cut."""
+        self._inbox.put(("abort_all", error))
+        self._wake.set()
+
     # ---- engine thread ------------------------------------------------------------------------------------
 
     def _loop(self) -> None:
@@ -189,6 +195,11 @@ class AsyncEngine:
                     self.engine.abort(request_id)
             elif kind == "abort":
                 self._dispatch(self.engine.abort(payload))
+            elif kind == "abort_all":
+                outs = [out for rid in list(self.engine.requests) for out in self.engine.abort(rid)]
+                for out in outs:
+                    out.error = payload
+                self._dispatch(outs)
             elif kind == "job":
                 self._jobs.append(payload)
 

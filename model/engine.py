@@ -6,6 +6,7 @@ Synchronous and single-threaded; `async_engine.AsyncEngine` runs it on its own t
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -13,7 +14,7 @@ import torch
 from model.kv_cache_manager import KVCacheManager
 from model.paged_kv_cache import PagedKVCache, SeqSlice, kv_config
 from model.sampling import Sampler, SamplingParams, SamplingRow, TokenLogprobs, prompt_logprobs
-from model.scheduler import QueueFullError, Scheduler, SchedulerConfig
+from model.scheduler import QueueFullError, ScheduledSeq, Scheduler, SchedulerConfig
 from model.sequence import FinishReason, Request, Sequence, SequenceStatus
 from model.stop_strings import StopStringMatcher
 from model.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -100,6 +101,9 @@ class Engine:
         self.sampler = Sampler(model.config.vocab_size, model.device)
         self.requests: dict[str, Request] = {}
         self._next_seq_id = 0
+        # Test hook (fault injection): called with each step's scheduled sequences before the forward; whatever
+        # it raises fails that step's requests exactly as a failing forward would.
+        self.step_fault_hook: Callable[[list[ScheduledSeq]], None] | None = None
         log.info("engine: %d KV blocks of %d tokens (%.0f MB), max_model_len %d", num_blocks, config.block_size,
                  self.cache.nbytes / 1e6, self.max_model_len)
 
@@ -177,6 +181,8 @@ class Engine:
                 raise RuntimeError("scheduler made no progress with an idle batch (KV pool too small?)")
             return []
         try:
+            if self.step_fault_hook is not None:
+                self.step_fault_hook(sched.scheduled)
             return self._run(sched.scheduled)
         except Exception as e:  # a failing step fails its own requests; the engine keeps serving the rest
             log.exception("engine step failed")

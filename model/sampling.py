@@ -233,7 +233,8 @@ def _apply_top_k_top_p(x: Tensor, bp: _BatchParams) -> Tensor:
     # head kept is the smallest whose mass reaches p. Rows at p = 1 are left alone, since a float32 cumsum can reach
     # 1.0 before the tail and would cut tokens of tiny but nonzero probability.
     mass_before = torch.nn.functional.pad(probs.cumsum(dim=-1)[:, :-1], (1, 0))  # (B, V)
-    n_keep = (mass_before < bp.top_p.unsqueeze(1)).sum(dim=-1, keepdim=True)  # (B, 1), >= 1 as p > 0
+    # (B, 1), >= 1: a p > 0 too small for float32 (1e-300) rounds to 0 here, and keeps the top token like any tiny p
+    n_keep = (mass_before < bp.top_p.unsqueeze(1)).sum(dim=-1, keepdim=True).clamp_(min=1)
     # The max: with p just below 1, the float32 mass of the top-k can stay under p and n_keep run into the -inf tail.
     top_p_thresh = torch.maximum(xs.gather(1, n_keep - 1), thresh)  # (B, 1)
     thresh = torch.where((bp.top_p < 1.0).unsqueeze(1), top_p_thresh, thresh)  # (B, 1)

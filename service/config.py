@@ -40,6 +40,8 @@ class Settings(BaseSettings):
     log_prompts: bool = Field(False, description="include prompt text in request logs")
     threads: int | None = Field(None, description="torch CPU threads (default: torch's)")
     tensor_parallel_size: int = Field(1, ge=1, description="processes the model is split across (one GPU each on CUDA; README \"Tensor parallelism\")")
+    shutdown_grace_seconds: float = Field(30.0, ge=0, description="on SIGTERM: 503 to new requests, in-flight ones get this "
+                                          "long (less 1 s) to finish before they are ended with an error, then exit 0")
 
 
 @lru_cache

@@ -9,7 +9,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from model.loaders.checkpoint import LoadedModel
-from service import errors
+from service import errors, openapi
 from service.config import Settings, parse_cli
 from service.middleware import GuardMiddleware
 from service.routes import chat, completions, info, inspect
@@ -35,6 +35,7 @@ def create_app(settings: Settings | None = None, loaded: LoadedModel | None = No
     app = FastAPI(title="llamascope", version="0.1.0", lifespan=lifespan)
     app.state.serving = state
     errors.install(app)
+    openapi.install(app, state)
     for r in (completions.router, chat.router, info.router, inspect.router):
         app.include_router(r)
     key = settings.api_key.get_secret_value() if settings.api_key else None
@@ -44,10 +45,8 @@ def create_app(settings: Settings | None = None, loaded: LoadedModel | None = No
 
 
 def main(argv: list[str] | None = None) -> int:
-    import uvicorn
+    from service.shutdown import serve
 
     settings = parse_cli(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s", stream=sys.stderr)
-    uvicorn.run(create_app(settings), host=settings.host, port=int(settings.port), log_level="info",
-                timeout_graceful_shutdown=30)
-    return 0
+    return serve(create_app(settings), settings)

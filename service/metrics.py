@@ -5,7 +5,7 @@ Routes record per-request figures; an AsyncEngine step hook records per-step one
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
 _TOKENS = (1, 4, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
@@ -34,7 +34,10 @@ class Metrics:
         self.running = Gauge(p + "num_requests_running", "sequences in the running batch", registry=r)
         self.waiting = Gauge(p + "num_requests_waiting", "sequences waiting to run", registry=r)
         self.kv_usage = Gauge(p + "kv_cache_usage_ratio", "fraction of KV blocks held by live sequences", registry=r)
+        self.kv_blocks = Gauge(p + "kv_cache_blocks_in_use", "KV blocks held by live sequences", registry=r)
         self._last_preemptions = 0
+        # llamascope_process_resident_memory_bytes and friends (Linux /proc): the load harness reads RSS growth here
+        ProcessCollector(namespace="llamascope", registry=r)
 
     def on_step(self, engine, outputs, seconds: float) -> None:
         """AsyncEngine step hook (engine thread)."""
@@ -43,5 +46,6 @@ class Metrics:
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting)
         self.kv_usage.set(stats.kv_usage)
+        self.kv_blocks.set(stats.num_blocks - stats.num_free_blocks)
         self.preemptions.inc(stats.num_preemptions - self._last_preemptions)
         self._last_preemptions = stats.num_preemptions

@@ -181,8 +181,9 @@ async def collect_all(request: Request, state: ServingState, stats: RunStats, co
         finish(state, stats, e.status)
         raise
     if result[-1]:
-        finish(state, stats, 500)
-        raise APIError(500, result[-1], code="generation_failed")
+        status = 503 if state.draining else 500  # ended by the shutdown deadline, not by a fault
+        finish(state, stats, status)
+        raise APIError(status, result[-1], code="generation_failed")
     finish(state, stats, 200)
     return result
 

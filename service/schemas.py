@@ -1,6 +1,7 @@
 """OpenAI request models and the /inspect request model: the only place pydantic lives.
 
 Unknown fields are rejected (`extra="forbid"`): a client that sends something we would ignore learns it at once.
+Types are strict (no "5" for 5, no 1 for true): what the OpenAPI document says is what is accepted.
 Floats refuse NaN and infinity. Limits that depend on the deployment (n, logprobs, prompt count) are checked in
 the routes against Settings.
 """
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, field_validator
 
 
 def _utf8(v: str) -> str:
@@ -21,50 +22,67 @@ def _utf8(v: str) -> str:
     return v
 
 
+def _json_int(v):
+    # Strict about type (no "5", no true), but an integer-valued number such as 26.0 is an integer in JSON Schema
+    # (and so in the OpenAPI document), so it is taken as one; 26.5 is not.
+    return int(v) if type(v) is float and v.is_integer() else v
+
+
+def Int(**bounds):
+    """A strict integer with bounds (`ge`, `lt`, ...). The bounds sit inside, before the validator, so they reach
+    the JSON schema as minimum / maximum."""
+    return Annotated[int, Field(**bounds), BeforeValidator(_json_int)]
+
+
 Text = Annotated[str, AfterValidator(_utf8)]
 Float = Annotated[float, Field(allow_inf_nan=False)]
-TokenId = Annotated[int, Field(ge=0, lt=2**31)]
+# `x-token-id`: service/openapi.py narrows the bound to the served model's vocabulary in the OpenAPI document
+TokenId = Annotated[Int(ge=0, lt=2**31), Field(json_schema_extra={"x-token-id": True})]
+NonEmptyText = Annotated[Text, Field(min_length=1)]
+StopText = Annotated[Text, Field(min_length=1, max_length=256)]
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False
 
 
 class SamplingFields(BaseModel):
     """Fields shared by completions and chat: OpenAI's, then vLLM's extensions."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str | None = None
-    max_tokens: int | None = Field(None, ge=1, le=2**31)
+    max_tokens: Int(ge=1, le=2**31) | None = None
     temperature: Float = Field(1.0, ge=0.0, le=2.0)
     top_p: Float = Field(1.0, gt=0.0, le=1.0)
-    n: int = Field(1, ge=1)
-    stop: Text | list[Text] | None = None
+    n: Int(ge=1) = 1
+    stop: StopText | Annotated[list[StopText], Field(max_length=16)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    seed: int | None = Field(None, ge=-(2**63), lt=2**64)
+    seed: Int(ge=-(2**63), lt=2**64) | None = None
     presence_penalty: Float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: Float = Field(0.0, ge=-2.0, le=2.0)
-    logit_bias: dict[str, Float] | None = None
+    logit_bias: Annotated[dict[str, Float] | None, WithJsonSchema({"anyOf": [{
+        "type": "object", "maxProperties": 1024, "propertyNames": {"pattern": "^[0-9]{1,10}$"},
+        "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}}, {"type": "null"}]})] = None
     user: str | None = Field(None, max_length=256)
     # vLLM extensions
-    top_k: int = Field(0, ge=-1)
+    top_k: Int(ge=-1) = 0
     min_p: Float = Field(0.0, ge=0.0, le=1.0)
     repetition_penalty: Float = Field(1.0, gt=0.0, le=10.0)
-    min_tokens: int = Field(0, ge=0)
+    min_tokens: Int(ge=0) = 0
     stop_token_ids: list[TokenId] | None = Field(None, max_length=64)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
 
-    @field_validator("stop")
+    @field_validator("stop", mode="before")  # before the type's own checks, so the message says what is wrong
     @classmethod
     def _stop(cls, v):
-        stops = [v] if isinstance(v, str) else (v or [])
+        stops = [v] if isinstance(v, str) else (v if isinstance(v, list) else [])
         if len(stops) > 16:
             raise ValueError("at most 16 stop strings")
-        if any(not s or len(s) > 256 for s in stops):
+        if any(isinstance(s, str) and (not s or len(s) > 256) for s in stops):
             raise ValueError("stop strings must be 1-256 characters")
         return v
 
@@ -86,30 +104,36 @@ class SamplingFields(BaseModel):
 class InspectSummaryOptions(BaseModel):
     """The `inspect` extension of /v1/completions: the inspection summary of each prompt beside the completion."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     massive_threshold: Float = Field(100.0, gt=0.0)
     massive_ratio: Float = Field(1000.0, gt=0.0)
 
 
 class CompletionRequest(SamplingFields):
-    prompt: Text | list[Text] | list[TokenId] | list[list[TokenId]]
+    prompt: (NonEmptyText | Annotated[list[NonEmptyText], Field(min_length=1)] | Annotated[list[TokenId], Field(min_length=1)]
+             | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)])
+    max_tokens: Int(ge=1, le=2**31) | None = 16
+    logprobs: Int(ge=0) | None = None
     inspect: bool | InspectSummaryOptions = False  # llamascope extension
-    max_tokens: int | None = Field(16, ge=1, le=2**31)
-    logprobs: int | None = Field(None, ge=0)
     echo: bool = False
-    best_of: int | None = Field(None, ge=1)
-    suffix: str | None = None
+    # accepted only as what they mean by default; the schema says so (the validators below explain a refusal)
+    best_of: Annotated[Int(ge=1) | None, WithJsonSchema({"anyOf": [{"type": "integer", "minimum": 1, "maximum": 1},
+                                                                   {"type": "null"}]})] = None
+    suffix: Annotated[str | None, WithJsonSchema({"type": "null"})] = None
 
     @field_validator("prompt", mode="before")
     @classmethod
     def _prompt_shape(cls, v):
         def ids(x):
-            return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**31 for t in x)
+            return isinstance(x, list) and all(
+                (type(t) is int or (type(t) is float and t.is_integer())) and 0 <= t < 2**31 for t in x)
 
         ok = isinstance(v, str) or (isinstance(v, list) and (
             all(isinstance(p, str) for p in v) or ids(v) or all(ids(p) for p in v)))
         if not ok:
             raise ValueError("must be a string, a list of strings, a list of token ids, or a list of token-id lists")
+        if not v or (isinstance(v, list) and any(not p for p in v if isinstance(p, (str, list)))):
+            raise ValueError("prompt must not be empty")
         return v
 
     @field_validator("best_of")
@@ -128,13 +152,13 @@ class CompletionRequest(SamplingFields):
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     type: Literal["text"]
     text: Text
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     role: Literal["system", "developer", "user", "assistant"]
     content: Text | list[TextPart] | None = None
     name: str | None = Field(None, max_length=64)
@@ -146,15 +170,22 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(SamplingFields):
+    # top_logprobs needs logprobs: true (OpenAI); checked in the route, said here for the OpenAPI document
+    model_config = ConfigDict(json_schema_extra={
+        "if": {"required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer"}}},
+        "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}})
     messages: list[ChatMessage] = Field(min_length=1, max_length=1024)
-    max_completion_tokens: int | None = Field(None, ge=1, le=2**31)
+    max_completion_tokens: Int(ge=1, le=2**31) | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0)
+    top_logprobs: Int(ge=0) | None = None
     add_generation_prompt: bool = True
 
 
 class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # exactly one of prompt / messages (checked in the route; said here for the OpenAPI document)
+    model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra={
+        "oneOf": [{"required": ["prompt"], "properties": {"prompt": {"type": "string"}, "messages": {"type": "null"}}},
+                  {"required": ["messages"], "properties": {"messages": {"type": "array"}, "prompt": {"type": "null"}}}]})
     model: str | None = None
     prompt: Text | None = None
     messages: list[ChatMessage] | None = None
@@ -162,46 +193,46 @@ class TokenizeRequest(BaseModel):
 
 
 class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     model: str | None = None
     tokens: list[TokenId] = Field(max_length=1 << 20)
 
 
-LayerIndex = Annotated[int, Field(ge=0, lt=1 << 16)]
-Position = Annotated[int, Field(ge=-(1 << 20), lt=1 << 20)]  # negative: from the end
+LayerIndex = Int(ge=0, lt=1 << 16)
+Position = Int(ge=-(1 << 20), lt=1 << 20)  # negative: from the end
 
 
 class InspectRequest(BaseModel):
     """POST /inspect. Definitions and map layouts: model/probes.py; the response: README "Inspection"."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str | None = None
     # exactly one of the three
-    prompt: Text | None = None
+    prompt: NonEmptyText | None = None
     input_ids: list[TokenId] | None = Field(None, min_length=1, max_length=1 << 20)
     messages: list[ChatMessage] | None = Field(None, min_length=1, max_length=1024)
     add_generation_prompt: bool = True
     # generate first, then inspect prompt + completion
-    max_tokens: int = Field(0, ge=0, le=1 << 20)
+    max_tokens: Int(ge=0, le=1 << 20) = 0
     temperature: Float = Field(0.0, ge=0.0, le=2.0)
     top_p: Float = Field(1.0, gt=0.0, le=1.0)
-    seed: int | None = Field(None, ge=-(2**63), lt=2**64)
+    seed: Int(ge=-(2**63), lt=2**64) | None = None
     # what to report
     layers: list[LayerIndex] | None = Field(None, min_length=1, max_length=1024)
     heads: list[LayerIndex] | None = Field(None, min_length=1, max_length=1024)
     include: list[Literal["massive", "norms", "attention", "logit_lens"]] | None = Field(None, max_length=4)
     massive_threshold: Float = Field(100.0, gt=0.0)
     massive_ratio: Float = Field(1000.0, gt=0.0)
-    massive_top_k: int = Field(3, ge=1, le=100)
-    massive_max_entries: int = Field(64, ge=1, le=4096)
+    massive_top_k: Int(ge=1, le=100) = 3
+    massive_max_entries: Int(ge=1, le=4096) = 64
     mode: Literal["auto", "none", "full", "rows", "topk", "pooled"] = "auto"
     rows: list[Position] | None = Field(None, min_length=1, max_length=4096)
-    attention_top_k: int = Field(8, ge=1, le=1024)
-    pool_size: int = Field(16, ge=1, le=1 << 16)
+    attention_top_k: Int(ge=1, le=1024) = 8
+    pool_size: Int(ge=1, le=1 << 16) = 16
     pool_reduce: Literal["mean", "max"] = "mean"
     format: Literal["base64", "list"] = "base64"
-    lens_top_k: int = Field(5, ge=1, le=100)
+    lens_top_k: Int(ge=1, le=100) = 5
     lens_positions: list[Position] | None = Field(None, min_length=1, max_length=1024)
 
     @field_validator("layers", "heads", "rows", "lens_positions")

@@ -75,6 +75,22 @@ class ServingState:
         t.start()
         return t
 
+    def begin_drain(self, grace_seconds: float) -> None:
+        """SIGTERM: refuse new work (503, /health included) from now on; whatever still generates 1 s before the
+        grace period is over is ended then, so its response closes cleanly before the server's own deadline."""
+        if self.draining:
+            return
+        self.draining = True
+        log.info("shutting down: refusing new requests, %.0f s for those in flight", grace_seconds)
+        timer = threading.Timer(max(0.0, grace_seconds - 1.0), self._end_in_flight)
+        timer.daemon = True
+        timer.start()
+
+    def _end_in_flight(self) -> None:
+        if self.engine is not None and self.engine.is_running and self.engine.engine.has_unfinished():
+            log.warning("shutdown grace period over: ending the requests still in flight")
+            self.engine.abort_all("the server is shutting down")
+
     def stop(self) -> None:
         if self.engine is not None:
             self.engine.stop()

@@ -137,6 +137,15 @@ CASES = [
      ["stream_options"], None),
     ("user_too_long", "POST", CMPL, {"prompt": "a", "user": "u" * 300}, 400, ["user"], "user"),
     ("unknown_model", "POST", CMPL, {"prompt": "a", "model": "gpt-17"}, 404, ["gpt-17"], "model"),
+    # strict types: what the OpenAPI document says, no coercion from strings or booleans
+    ("max_tokens_numeric_string", "POST", CMPL, {"prompt": "a", "max_tokens": "5"}, 400, ["max_tokens"], "max_tokens"),
+    ("n_true", "POST", CMPL, {"prompt": "a", "n": True}, 400, ["n"], "n"),
+    ("temperature_string", "POST", CMPL, {"prompt": "a", "temperature": "0.5"}, 400, ["temperature"], "temperature"),
+    ("stream_string", "POST", CMPL, {"prompt": "a", "stream": "true"}, 400, ["stream"], "stream"),
+    ("ignore_eos_one", "POST", CMPL, {"prompt": "a", "ignore_eos": 1}, 400, ["ignore_eos"], "ignore_eos"),
+    ("token_id_fraction", "POST", CMPL, {"prompt": [1, 2.5]}, 400, ["prompt"], "prompt"),
+    ("stop_string_too_long", "POST", CMPL, {"prompt": "a", "stop": "x" * 300}, 400, ["256"], "stop"),
+    ("empty_string_in_prompt_list", "POST", CMPL, {"prompt": ["a", ""]}, 400, ["empty"], "prompt"),
     # routes and methods
     ("unknown_route", "POST", "/v1/nope", {"prompt": "a"}, 404, ["/v1/nope"], None),
     ("unknown_route_get", "GET", "/v2/models", None, 404, ["/v2/models"], None),
@@ -328,3 +337,62 @@ def test_queue_full_is_429_with_retry_after():
             assert c.post(CMPL, json={**body, "max_tokens": 2}).status_code == 200  # the queue drained
             text = c.get("/metrics").text
         assert f'llamascope_requests_total{{endpoint="completions",status="429"}} {float(len(busy))}' in text
+
+
+def test_integer_valued_numbers_are_integers(tiny):
+    """JSON Schema (and so the OpenAPI document) counts 3.0 as an integer: accepted, and the same as 3."""
+    a = tiny.client.post(CMPL, json={"prompt": [1, 2, 3], "max_tokens": 3, "temperature": 0, "ignore_eos": True})
+    b = tiny.client.post(CMPL, json={"prompt": [1.0, 2.0, 3.0], "max_tokens": 3.0, "temperature": 0, "ignore_eos": True})
+    assert a.status_code == b.status_code == 200, (a.text, b.text)
+    assert a.json()["choices"][0]["text"] == b.json()["choices"][0]["text"]
+
+
+def test_top_p_below_float32_keeps_the_top_token(tiny):
+    """top_p = 1e-300 is > 0, so valid, but rounds to 0 in float32: it must act like any tiny p (greedy), not crash
+    the step (schemathesis found this one)."""
+    body = {"prompt": "hello", "max_tokens": 6, "ignore_eos": True, "seed": 3}
+    greedy = tiny.client.post(CMPL, json={**body, "temperature": 0})
+    tiny_p = tiny.client.post(CMPL, json={**body, "top_p": 1e-300})
+    assert greedy.status_code == tiny_p.status_code == 200, tiny_p.text
+    assert tiny_p.json()["choices"][0]["text"] == greedy.json()["choices"][0]["text"]
+
+
+def test_openapi_declares_errors_as_the_envelope(tiny):
+    doc = tiny.client.get("/openapi.json").json()
+    assert doc["components"]["schemas"]["ErrorResponse"]["properties"]["error"]["required"] == ["message", "type", "param", "code"]
+    for path, ops in doc["paths"].items():
+        for method, op in ops.items():
+            assert "422" not in op["responses"], (path, method)
+            assert "500" in op["responses"], (path, method)
+    post = doc["paths"]["/v1/completions"]["post"]["responses"]
+    assert {"400", "404", "413", "429", "500", "503"} <= set(post)
+    assert "text/event-stream" in post["200"]["content"]
+    assert "text/plain" in doc["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
+    props = doc["components"]["schemas"]["CompletionRequest"]["properties"]
+    assert props["n"]["maximum"] == 4  # the deployment's --max-n
+    ids = [b for b in props["prompt"]["anyOf"] if b.get("items", {}).get("type") == "integer"][0]
+    assert ids["items"]["maximum"] == 257  # the tiny model's vocabulary, 258 tokens
+
+
+def test_the_key_never_reaches_logs_errors_or_settings(caplog):
+    """Every record any logger writes while keyed requests (right, wrong, near-miss, in odd places) go through,
+    every response, and the settings' own text: none holds the key."""
+    secret = "s3cr3t-key-0123456789"
+    with caplog.at_level("DEBUG"):
+        with tiny_server(api_key=secret) as live, httpx.Client(base_url=live.url, timeout=30) as c:
+            responses = [
+                c.post(CMPL, json={"prompt": "hi", "max_tokens": 2}, headers={"Authorization": f"Bearer {secret}"}),
+                c.post(CMPL, json={"prompt": "hi"}, headers={"Authorization": f"Bearer {secret}x"}),
+                c.post(CMPL, json={"prompt": "hi"}, headers={"Authorization": f"Basic {secret}"}),
+                c.post(CMPL, json={"prompt": secret, "max_tokens": 0}, headers={"Authorization": f"Bearer {secret}"}),
+                c.get("/v1/models", headers={"Authorization": secret}),
+                c.get("/nope", headers={"Authorization": f"Bearer {secret}"}),
+                c.get("/openapi.json"),
+            ]
+    assert [r.status_code for r in responses] == [200, 401, 401, 400, 401, 404, 401]
+    for r in responses:
+        assert secret not in r.text and secret not in str(r.headers)
+    server_side = [rec for rec in caplog.records if not rec.name.startswith(("httpx", "httpcore"))]  # not the client's
+    assert server_side and not [rec for rec in server_side if secret in rec.getMessage()]
+    s = Settings(api_key=secret)
+    assert secret not in repr(s) and secret not in str(s) and secret not in s.model_dump_json()

@@ -3,32 +3,16 @@
 from __future__ import annotations
 
 import torch
-from tokenizers import Tokenizer as Backend
-from tokenizers import decoders, pre_tokenizers
-from tokenizers.models import BPE
 
+from benchmarks.tiny_checkpoint import BOS, EOS, byte_backend
 from model.config import ModelConfig
 from model.tokenizer import Tokenizer
 from model.transformer import Transformer
 
-EOS, BOS = 256, 257
-
 
 def byte_tokenizer() -> Tokenizer:
     """256 byte tokens (GPT-2's byte-to-unicode alphabet, no merges) + <eos> 256 + <bos> 257."""
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    from model.gguf_vocab import _BYTE_CHARS  # byte value -> alphabet character, GPT-2's table
-
-    assert set(_BYTE_CHARS.values()) == set(alphabet)
-    vocab = {_BYTE_CHARS[b]: b for b in range(256)}
-    vocab.update({"<eos>": EOS, "<bos>": BOS})
-    backend = Backend(BPE(vocab=vocab, merges=[]))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    backend.decoder = decoders.ByteLevel()
-    from tokenizers import AddedToken
-
-    backend.add_tokens([AddedToken("<eos>", special=True), AddedToken("<bos>", special=True)])
-    return Tokenizer(backend, bos_id=BOS, eos_id=EOS, stop_ids={EOS}, add_bos=False)
+    return Tokenizer(byte_backend(), bos_id=BOS, eos_id=EOS, stop_ids={EOS}, add_bos=False)
 
 
 def tiny_model(seed: int = 0, dtype=torch.float32, **overrides) -> Transformer:

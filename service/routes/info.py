@@ -40,6 +40,7 @@ async def metrics(request: Request):
         state.metrics.running.set(s.num_running)
         state.metrics.waiting.set(s.num_waiting)
         state.metrics.kv_usage.set(s.kv_usage)
+        state.metrics.kv_blocks.set(s.num_blocks - s.num_free_blocks)
     return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 

@@ -1,0 +1,39 @@
+"""Graceful shutdown: on SIGTERM (or Ctrl-C) the server refuses new work with 503 at once, lets in-flight requests
+finish for up to `shutdown_grace_seconds`, ends any still running just before that deadline with a clean error
+(an SSE error event and `[DONE]`, or a 503 envelope), and exits 0.
+
+uvicorn does the socket side: it stops listening, waits for open connections up to `timeout_graceful_shutdown`,
+then runs the lifespan shutdown (which stops the engine). It also re-raises the signal it caught once it is done,
+which under the default SIGTERM handler would kill the process with status -15; a no-op handler installed
+beforehand makes that re-raise harmless, so a drained server exits 0.
+"""
+
+from __future__ import annotations
+
+import signal
+
+import uvicorn
+from fastapi import FastAPI
+
+from service.config import Settings
+from service.state import ServingState
+
+
+class GracefulServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, state: ServingState) -> None:
+        super().__init__(config)
+        self.state = state
+
+    def handle_exit(self, sig, frame) -> None:
+        self.state.begin_drain(self.state.settings.shutdown_grace_seconds)
+        super().handle_exit(sig, frame)
+
+
+def serve(app: FastAPI, settings: Settings) -> int:
+    config = uvicorn.Config(app, host=settings.host, port=int(settings.port), log_level="info",
+                            timeout_graceful_shutdown=settings.shutdown_grace_seconds)
+    server = GracefulServer(config, app.state.serving)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)  # what uvicorn restores and re-raises into after its own handling
+    server.run()
+    return 0

@@ -1,0 +1,41 @@
+"""The load harness (benchmarks/load.py) in CI: 300 mixed requests at concurrency 32 against a live server on a tiny
+random model, bursts above the queue limit included. Zero 5xx, zero hung requests, zero KV blocks left in use, no
+running or waiting sequences, and every counter in /metrics consistent with the client's own counts."""
+
+from __future__ import annotations
+
+import torch
+
+from benchmarks.load import LoadConfig, run_load
+from benchmarks.tiny_checkpoint import write_tiny_checkpoint
+from live_server import LiveServer
+from model.loaders.checkpoint import load_model
+from service.config import Settings
+from service.main import create_app
+
+
+def test_short_load_run_keeps_every_promise(tmp_path):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the server shares the process (and the cores) with 32 clients
+    try:
+        loaded = load_model(write_tiny_checkpoint(tmp_path / "tiny-llama", seed=6))  # with a chat template
+        app = create_app(Settings(max_waiting=64, max_num_seqs=16, kv_cache_bytes=64 << 20), loaded=loaded,
+                         wait_ready=True)
+        with LiveServer(app) as live:
+            report = run_load(live.url, LoadConfig(num_requests=300, concurrency=32, seed=1))
+            engine = app.state.serving.engine.engine
+            print(report.summary())
+            assert report.requests == 300
+            assert report.ok, report.summary()
+            assert report.server_5xx == 0 and report.hung == 0 and not report.inconsistencies
+            assert report.kv_blocks_in_use == 0 and report.running == 0 and report.waiting == 0
+            assert set(report.status_counts) <= {"200", "429", "disconnected", "aborted"}, report.status_counts
+            assert report.status_counts.get("429", 0) > 0  # the bursts went past the queue limit
+            assert report.status_counts["200"] >= 150
+            assert report.ttft_ms["n"] > 0 and report.itl_ms["n"] > 0
+            assert report.rss_growth_mb is not None
+            # the engine itself agrees with its gauges
+            assert engine.kv.num_free_blocks == engine.kv.num_blocks and not engine.requests
+            assert not engine.scheduler.running and not engine.scheduler.waiting
+    finally:
+        torch.set_num_threads(threads)
