@@ -35,9 +35,11 @@ ERROR_SCHEMA = {
 SSE_EVENT = {"type": "object", "required": ["data"],
              "properties": {"data": {"type": "string"}, "event": {"type": "string"}, "id": {"type": "string"}}}
 _ERRORS = {400: "invalid request", 401: "missing or invalid API key", 404: "unknown model or route",
-           413: "request body too large", 429: "queue full (see Retry-After)", 500: "generation failed",
+           413: "request body too large (or, for /inspect, the sequence or the estimated response)",
+           429: "queue full (see Retry-After)", 500: "generation failed",
            503: "loading, or shutting down (see Retry-After)"}
 _STREAMING = {"/v1/completions", "/v1/chat/completions"}
+_QUEUED = _STREAMING | {"/inspect"}  # routes that can answer 429
 
 
 def install(app: FastAPI, state: ServingState) -> None:
@@ -70,8 +72,9 @@ def _describe(schema: dict[str, Any], state: ServingState) -> None:
             codes = {500} | ({400, 404, 413} if method == "post" else set())
             if path != "/metrics":
                 codes.add(503)
-            if path in _STREAMING:
+            if path in _QUEUED:
                 codes.add(429)
+            if path in _STREAMING:
                 responses["200"].setdefault("content", {})["text/event-stream"] = {"itemSchema": SSE_EVENT}
             if s.api_key is not None:
                 op["security"] = [] if path in open_paths else [{"bearer": []}]
@@ -108,6 +111,13 @@ def _bound(schemas: dict[str, Any], state: ServingState) -> None:
             for branch in props.get(field, {}).get("anyOf", []):
                 if branch.get("type") == "integer":
                     branch["maximum"] = s.max_logprobs
+    c = state.loaded.model.config
+    inspect = schemas.get("InspectRequest", {}).get("properties", {})
+    for field, n in (("layers", c.n_layers), ("heads", c.n_heads)):  # indices into this model
+        for branch in inspect.get(field, {}).get("anyOf", []):
+            if branch.get("type") == "array":
+                branch["items"].pop("exclusiveMaximum", None)
+                branch["items"]["maximum"] = n - 1
     for branch in schemas.get("CompletionRequest", {}).get("properties", {}).get("prompt", {}).get("anyOf", []):
         items = branch.get("items", {})
         if branch.get("type") == "array" and (items.get("type") == "string" or items.get("type") == "array"):
