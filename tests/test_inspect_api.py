@@ -170,7 +170,7 @@ def test_auto_mode_falls_back_to_pooling(tiny):
     ({"prompt": "x", "heads": [4]}, 400, "heads", "out of range"),
     ({"prompt": "x", "input_ids": [1]}, 400, "prompt", "exactly one"),
     ({}, 400, "prompt", "exactly one"),
-    ({"prompt": ""}, 400, "prompt", "empty"),
+    ({"prompt": ""}, 400, "prompt", "at least 1"),
     ({"input_ids": [258]}, 400, "input_ids", "vocabulary"),
     ({"prompt": "xy", "mode": "rows"}, 400, "rows", "rows"),
     ({"prompt": "xy", "mode": "rows", "rows": [2]}, 400, "rows", "[-2, 2)"),
