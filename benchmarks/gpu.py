@@ -326,14 +326,34 @@ def main(argv: list[str] | None = None) -> dict:
     elif args.device == "cpu":
         p.error("this script is for a CUDA machine; on CPU run it with --dry-run (or use benchmarks.bench_decode)")
     results = run(args)
+    results["tensor_parallel"] = tensor_parallel_line(args)
     results["command"] = " ".join(["python -m benchmarks.gpu", *(sys.argv[1:] if argv is None else argv)])
     results["created"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     out = args.out or RESULTS.with_name("gpu-dry-run.json" if args.dry_run else "gpu.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2, default=float) + "\n")
     print_report(results)
+    tp = results["tensor_parallel"]
+    if "skipped" in tp:
+        print(f"\ntensor parallelism: skipped, {tp['skipped']}")
+    else:
+        tpn = tp[f"tp{tp['tp']}"]
+        same = "equal" if tp["greedy_tokens_equal"] else "DIFFER"
+        print(f"\ntensor parallelism (benchmarks.tp_gpu): TP=1 {tp['tp1']['decode_tok_s']:.1f} tok/s, TP={tp['tp']} "
+              f"{tpn['decode_tok_s']:.1f} tok/s ({tp['speedup']:.2f}x), greedy tokens {same}")
     print(f"\nresults: {out}")
     return results
+
+
+def tensor_parallel_line(args: argparse.Namespace) -> dict:
+    """TP=1 vs TP=N (benchmarks/tp_gpu.py) with N the largest power of two up to 8 GPUs, where there are two or more."""
+    n = torch.cuda.device_count() if args.device.startswith("cuda") else 0
+    if args.dry_run or n < 2:
+        return {"skipped": f"needs 2+ GPUs ({n} here)" if not args.dry_run else "dry run"}
+    from benchmarks import tp_gpu
+
+    size = 1 << (min(n, 8).bit_length() - 1)
+    return tp_gpu.main(["--tp", str(size)])
 
 
 if __name__ == "__main__":
