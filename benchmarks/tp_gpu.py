@@ -34,12 +34,11 @@ TINYLLAMA = dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num
 
 
 def write_random_checkpoint(directory: Path, shape: dict, dtype: torch.dtype, seed: int = 0) -> Path:
-    """An HF LLaMA directory with N(0, 0.02) weights (norm gains 1) and a byte-level tokenizer (ids 0-255 bytes)."""
+    """An HF LLaMA directory with N(0, 0.02) weights (norm gains 1: sane activations at 1B scale, unlike
+    tiny_checkpoint's spread-out toy weights) and tiny_checkpoint's byte-level tokenizer."""
     from safetensors.torch import save_file
-    from tokenizers import Tokenizer, decoders, pre_tokenizers
-    from tokenizers.models import BPE
 
-    from model.gguf_vocab import _BYTE_CHARS
+    from benchmarks.tiny_checkpoint import byte_backend
 
     directory.mkdir(parents=True, exist_ok=True)
     V, D, F, L = shape["vocab_size"], shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"]
@@ -62,10 +61,7 @@ def write_random_checkpoint(directory: Path, shape: dict, dtype: torch.dtype, se
     (directory / "config.json").write_text(json.dumps({
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", **shape, "max_position_embeddings": 4096,
         "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False}))
-    backend = Tokenizer(BPE(vocab={_BYTE_CHARS[b]: b for b in range(256)}, merges=[]))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    backend.decoder = decoders.ByteLevel()
-    backend.save(str(directory / "tokenizer.json"))
+    byte_backend().save(str(directory / "tokenizer.json"))  # the byte-level tokenizer the tests serve with
     return directory
 
 
