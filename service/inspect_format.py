@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import json
 import math
+from dataclasses import replace
 
 import numpy as np
 
@@ -28,21 +29,23 @@ def estimate_bytes(opts: ProbeOptions, fmt: str, T: int, n_layers: int, n_heads:
     return int(maps + norms + T * BYTES_PER_TOKEN + L * 4096)
 
 
+POOL_SIZES = (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+
+
+def _first_fitting(candidates, fmt: str, T: int, n_layers: int, n_heads: int, budget: int) -> ProbeOptions | None:
+    """The first of `candidates` (ProbeOptions, cheapest last) whose estimated response fits the budget."""
+    return next((c for c in candidates if estimate_bytes(c, fmt, T, n_layers, n_heads) <= budget), None)
+
+
 def cheaper_modes(opts: ProbeOptions, fmt: str, T: int, n_layers: int, n_heads: int, budget: int) -> str:
     """A sentence naming modes that fit the budget for the same layers and heads."""
-    pooled = None
-    for b in (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024):
-        trial = _with(opts, mode="pooled", pool_size=b)
-        if estimate_bytes(trial, fmt, T, n_layers, n_heads) <= budget:
-            pooled = b
-            break
     hints = []
+    pooled = _first_fitting((replace(opts, mode="pooled", pool_size=b) for b in POOL_SIZES), fmt, T, n_layers, n_heads, budget)
     if pooled is not None:
-        hints.append(f"mode 'pooled' with pool_size >= {pooled}")
-    for k in (32, 8, 1):
-        if estimate_bytes(_with(opts, mode="topk", attention_top_k=k), fmt, T, n_layers, n_heads) <= budget:
-            hints.append(f"mode 'topk' with attention_top_k <= {k}")
-            break
+        hints.append(f"mode 'pooled' with pool_size >= {pooled.pool_size}")
+    topk = _first_fitting((replace(opts, mode="topk", attention_top_k=k) for k in (32, 8, 1)), fmt, T, n_layers, n_heads, budget)
+    if topk is not None:
+        hints.append(f"mode 'topk' with attention_top_k <= {topk.attention_top_k}")
     hints.append("mode 'rows' for chosen query positions")
     hints.append("fewer layers or heads")
     return "; use " + ", or ".join(hints)
@@ -53,18 +56,9 @@ def resolve_auto(opts: ProbeOptions, fmt: str, T: int, n_layers: int, n_heads: i
     if opts.mode != "auto":
         return opts
     if "attention" not in opts.include:
-        return _with(opts, mode="none")
-    candidates = [_with(opts, mode="full")] + [_with(opts, mode="pooled", pool_size=b) for b in (2, 4, 8, 16, 32, 64, 128, 256)]
-    for c in candidates:
-        if estimate_bytes(c, fmt, T, n_layers, n_heads) <= budget:
-            return c
-    return _with(opts, mode="none")
-
-
-def _with(opts: ProbeOptions, **changes) -> ProbeOptions:
-    from dataclasses import replace
-
-    return replace(opts, **changes)
+        return replace(opts, mode="none")
+    candidates = [replace(opts, mode="full")] + [replace(opts, mode="pooled", pool_size=b) for b in POOL_SIZES[:8]]
+    return _first_fitting(candidates, fmt, T, n_layers, n_heads, budget) or replace(opts, mode="none")
 
 
 def encode_array(a, fmt: str, dtype: str = "float16") -> dict:
