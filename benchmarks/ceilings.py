@@ -2,8 +2,10 @@
 
 Decode of one token must multiply by every weight once, so the time of those matmuls at batch 1 bounds
 single-stream decode; their throughput at the step's token budget bounds prefill and, with the workload's total
-FLOPs, the concurrent run. Measured with the same calls and weight layouts the model uses (`F.linear` over float weights, the packed kernels of
-a weight-only quantized model). `read_bandwidth` measures the machine's own limit: a large-tensor read.
+FLOPs, the concurrent run. Measured with the same kernels and weight layouts the model uses (`F.linear` over
+float weights; a quantized layer's native kernel called directly, as the native decode step calls it from C++, or
+its module where the native kernels are off). `read_bandwidth` measures the machine's own limit: a large-tensor
+read.
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ import statistics
 
 import torch
 
-from model.quantize import apply_linear, decode_bytes, linear_weights
+from model import kernels
+from model.quantize import MAX_KERNEL_ROWS, QuantLinear, apply_linear, decode_bytes, linear_weights
 from model.transformer import Transformer
 
 
@@ -31,18 +34,28 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
+def _matmul(w, native):
+    """x -> x W^T as a decode step runs it: the native kernel called directly where the step's native path calls
+    it from C++ (no module call around it), else the model's own layer."""
+    if native is not None and isinstance(w, QuantLinear) and w.native_buffers() is not None:
+        return lambda x: w._native(native, x.view(-1, w.in_features).float())
+    return lambda x: apply_linear(x, w)
+
+
 def time_matmuls(model: Transformer, rows: int, reps: int) -> float:
     """Seconds for one pass of `rows` tokens through every weight matrix, as the model multiplies by it."""
     ws, device = linear_weights(model), model.device
     xs = {k: torch.randn(1, rows, k, dtype=model.dtype, device=device) for k in {_in_features(w) for w in ws}}
+    native = kernels.native() if device.type == "cpu" and rows <= MAX_KERNEL_ROWS else None
+    calls = [(_matmul(w, native), xs[_in_features(w)]) for w in ws]
     with torch.inference_mode():
-        for w in ws:  # warm-up
-            apply_linear(xs[_in_features(w)], w)
+        for f, x in calls:  # warm-up
+            f(x)
         _sync(device)
         start = time.perf_counter()
         for _ in range(reps):
-            for w in ws:
-                apply_linear(xs[_in_features(w)], w)
+            for f, x in calls:
+                f(x)
         _sync(device)
     return (time.perf_counter() - start) / reps
 

@@ -9,6 +9,9 @@ row (B = 1, T = N total tokens) so the linear layers run once over all of them; 
   the padding of short contexts to the longest small: the gather, not the matmuls, is what costs on CPU);
 - rows with several new tokens (prefill chunks) attend one by one: causal SDPA over their own fresh K/V when
   nothing precedes them, else over their gathered blocks with a causal mask offset by the cached prefix.
+
+With the native CPU kernels (model/kernels) the cache write is one call and every decode row attends in one
+call straight over its block table (no gather, no padding, no mask); prefill chunks still go through SDPA.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from model import kernels
 from model.attention import sdpa
 
 
@@ -76,6 +80,7 @@ class PagedKVCache:
         self.device = torch.device(device)
         self._num_tokens = 0
         self._decode_only = False
+        self.pure_decode = False
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, num_blocks: int, block_size: int) -> "PagedKVCache":
@@ -103,7 +108,15 @@ class PagedKVCache:
         self._num_tokens = len(slots)
         self.slot_mapping = torch.tensor(slots, dtype=torch.long, device=dev)  # (N,)
 
-        decode = sorted((s for s in seqs if s.num_new == 1), key=lambda s: -len(s.block_ids))
+        decode = [s for s in seqs if s.num_new == 1]
+        # Every decode row for the native kernel, in packed order: rows (R,), tables (R, W) padded with block 0
+        # (never read: the kernel stops at the context length), context lengths (R,).
+        width = max((len(s.block_ids) for s in decode), default=0)
+        self.decode_rows = torch.tensor([s.start for s in decode], dtype=torch.long, device=dev)
+        self.decode_tables = torch.tensor([s.block_ids + [0] * (width - len(s.block_ids)) for s in decode],
+                                          dtype=torch.long, device=dev).view(len(decode), width)
+        self.decode_lens = torch.tensor([s.context_len for s in decode], dtype=torch.long, device=dev)
+        decode.sort(key=lambda s: -len(s.block_ids))
         self.decode_groups: list[_DecodeGroup] = []
         group: list[SeqSlice] = []
         for s in decode + [None]:
@@ -125,6 +138,7 @@ class PagedKVCache:
             q_pos = torch.arange(prefix, s.context_len, device=dev)
             mask = (torch.arange(s.context_len, device=dev) <= q_pos.unsqueeze(1))[None, None]  # (1, 1, n, ctx)
             self.prefills.append(_Prefill(s.start, s.start + s.num_new, s.context_len, blocks, mask))
+        self.pure_decode = not self.prefills  # every sequence adds one token: Transformer's native decode path
         # A pure decode step whose rows form one group in packed order (single stream; similar-length batches):
         # attend() then works on views, without gathering q by row index or scattering into a fresh output.
         self._decode_only = (
@@ -151,6 +165,14 @@ class PagedKVCache:
         """q (1, N, H, E), k/v (1, N, K, E) -> (1, N, H, E); writes k/v into their slots first."""
         K, E = k.shape[2], k.shape[3]
         k_pool, v_pool = self.k[layer], self.v[layer]  # (NB, bs, K, E)
+        native = kernels.usable(q)
+        if native is not None and q.dtype == k_pool.dtype:
+            native.paged_write(k[0], v[0], k_pool, v_pool, self.slot_mapping)
+            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # (1, N, H, E)
+            if len(self.decode_rows):
+                native.paged_decode_attention(q[0], k_pool, v_pool, self.decode_rows, self.decode_tables, self.decode_lens, out[0])
+            self._attend_prefills(q, k, v, k_pool, v_pool, out)
+            return out
         k_pool.view(-1, K, E)[self.slot_mapping] = k[0]
         v_pool.view(-1, K, E)[self.slot_mapping] = v[0]
         if self._decode_only:
@@ -163,6 +185,11 @@ class PagedKVCache:
             kd = k_pool.index_select(0, g.tables).view(g.num_rows, -1, K, E)  # (Bg, S_g, K, E)
             vd = v_pool.index_select(0, g.tables).view(g.num_rows, -1, K, E)
             out[0, g.idx] = sdpa(q[0, g.idx].unsqueeze(1), kd, vd, g.mask).squeeze(1)  # (Bg, H, E)
+        self._attend_prefills(q, k, v, k_pool, v_pool, out)
+        return out
+
+    def _attend_prefills(self, q: Tensor, k: Tensor, v: Tensor, k_pool: Tensor, v_pool: Tensor, out: Tensor) -> None:
+        K, E = k.shape[2], k.shape[3]
         for p in self.prefills:
             qp = q[:, p.start : p.end]  # (1, n, H, E)
             if p.blocks is None:
@@ -171,4 +198,3 @@ class PagedKVCache:
                 kp = k_pool.index_select(0, p.blocks).view(1, -1, K, E)[:, : p.context_len]  # (1, ctx, K, E)
                 vp = v_pool.index_select(0, p.blocks).view(1, -1, K, E)[:, : p.context_len]
                 out[:, p.start : p.end] = sdpa(qp, kp, vp, p.mask)
-        return out

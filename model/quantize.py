@@ -4,14 +4,18 @@ Batch-1 decode reads every weight once per token, so its speed is weight bytes /
 weight (int8) or half a byte (int4) instead of 4 (float32) moves that ceiling 4x / 8x. Activations stay in the
 model's dtype; only the matmul kernels see quantized weights.
 
-Formats (the layouts of PyTorch's own packed CPU kernels):
-    int8  per output channel, symmetric:  w[n, k] = q[n, k] * s[n],                  q int8 in [-127, 127]
-          `torch.ops.aten._weight_int8pack_mm(x, q, s)`   (fast with bfloat16 activations only, on AVX2)
-    int4  groups of G = 32 along k:       w[n, k] = (q[n, k] - 8) * s[n, g] + z[n, g],  q in [0, 15], g = k // G
-          `_convert_weight_to_int4pack_for_cpu` + `_weight_int4pack_mm_for_cpu`   (bfloat16 activations)
-          GGUF Q4_0 (w = d (q - 8)) and Q4_1 (w = d q + m) blocks are groups of 32 with this very form:
-          s = d, z = 0 (Q4_0) or z = m + 8 d (Q4_1); `Int4Linear.from_gguf_blocks` maps them without a float round
-          trip (the only rounding: d and m from float16 to the kernel's bfloat16).
+Formats:
+    int8  per output channel, symmetric:  w[n, k] = q[n, k] * s[n],            q int8 in [-127, 127], s bfloat16
+    int4  groups of G = 32 along k:       w[n, k] = q[n, k] * d[n, g] + m[n, g],   q in [0, 15], g = k // G,
+          two weights per byte (k even in the low nibble), d and m float16: GGUF's Q4_1 block form, and Q4_0's
+          (w = d (q - 8)) with m = -8 d, so `Int4Linear.from_gguf_blocks` maps a file's blocks without rounding.
+
+Kernels for few rows (decode), by what the machine has:
+    native  model/kernels (C++, AVX2): `int8_linear` / `int4_linear` read the formats above directly, with the
+            dequantization fused into integer dot products against int8-rounded activations (llama.cpp's scheme)
+    torch   PyTorch's own packed CPU kernels where the native ones are off or could not be built:
+            `torch.ops.aten._weight_int8pack_mm` and `_weight_int4pack_mm_for_cpu` (groups of 32, scale and zero
+            z = m + 8 d in bfloat16; its packing is built on first use), both fast only with bfloat16 activations
 
 Per-phase compute: the packed kernels are bandwidth kernels. With many rows (prefill) float32 GEMM is several
 times faster on AVX2 than either kernel, so above `max_kernel_rows` rows a layer dequantizes its weight to
@@ -29,10 +33,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from model import kernels
+
 Quantization = Literal["none", "int8", "int4"]
 QUANTIZATIONS: tuple[str, ...] = ("none", "int8", "int4")
 GROUP_SIZE = 32  # int4 group along the input dim; GGUF Q4_0/Q4_1 blocks hold 32 weights
-KERNEL_DTYPE = torch.bfloat16  # activations, scales and zeros as the packed CPU kernels take them fastest
+KERNEL_DTYPE = torch.bfloat16  # activations, scales and zeros as PyTorch's packed CPU kernels take them fastest
 MAX_KERNEL_ROWS = 16  # rows at or below which the packed kernel runs; above, dequantize + float GEMM
 
 
@@ -46,13 +52,28 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:  # (..., in) -> (..., out)
         x2 = x.reshape(-1, self.in_features)  # (M, in)
+        native = kernels.native() if x.device.type == "cpu" and self.in_features % GROUP_SIZE == 0 else None
         if x2.shape[0] <= self.max_kernel_rows:
-            y = self._kernel(x2.to(KERNEL_DTYPE)).to(x.dtype)  # (M, out)
-        else:  # float32 compute whatever the activation dtype: bfloat16 GEMM is several times slower on AVX2
-            y = F.linear(x2.float(), self.dequantize(torch.float32)).to(x.dtype)
-        return y.view(*x.shape[:-1], self.out_features)
+            if native is not None:
+                y = self._native(native, x2.float().contiguous())  # (M, out)
+            else:
+                y = self._kernel(x2.to(KERNEL_DTYPE))
+        else:
+            # Float32 compute whatever the activation dtype (bfloat16 GEMM is several times slower on AVX2). Under
+            # the native kernels the activations are first rounded as the kernel rounds them, so a row gets the
+            # same result whether its step ran few rows (kernel) or many (this path): batched == one at a time.
+            xf = round_activations(x2.float()) if native is not None else x2.float()
+            y = F.linear(xf, self.dequantize(torch.float32))
+        return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
 
-    def _kernel(self, x: Tensor) -> Tensor:  # (M, in) bfloat16 -> (M, out) bfloat16
+    def _native(self, native, x: Tensor) -> Tensor:  # (M, in) float32 -> (M, out) float32, model/kernels
+        raise NotImplementedError
+
+    def native_buffers(self) -> list[Tensor] | None:
+        """The two buffers the native kernel reads (model/kernels/csrc/decode_layers.cpp's `linear`), or None."""
+        return None
+
+    def _kernel(self, x: Tensor) -> Tensor:  # (M, in) bfloat16 -> (M, out) bfloat16, PyTorch's packed kernels
         raise NotImplementedError
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:  # -> (out, in)
@@ -87,6 +108,12 @@ class Int8Linear(QuantLinear):
         """Stack layers with the same input along the output dim (fused q/k/v, gate/up)."""
         return cls(torch.cat([m.weight for m in layers]), torch.cat([m.scales for m in layers]))
 
+    def _native(self, native, x: Tensor) -> Tensor:
+        return native.int8_linear(x, self.weight, self.scales)
+
+    def native_buffers(self) -> list[Tensor] | None:
+        return [self.weight, self.scales] if self.in_features % GROUP_SIZE == 0 else None
+
     def _kernel(self, x: Tensor) -> Tensor:
         return torch.ops.aten._weight_int8pack_mm(x, self.weight, self.scales)
 
@@ -99,69 +126,93 @@ class Int8Linear(QuantLinear):
 
 
 class Int4Linear(QuantLinear):
-    def __init__(self, q: Tensor, scales: Tensor, zeros: Tensor) -> None:
-        """q (N, K) integers in [0, 15]; scales, zeros (N, K / 32): w = (q - 8) * scale + zero per group."""
+    def __init__(self, q: Tensor, d: Tensor, m: Tensor) -> None:
+        """q (N, K) integers in [0, 15]; d, m (N, K / 32): w = q * d + m per group of 32 along K."""
         N, K = q.shape
         if K % GROUP_SIZE or N % 16:
             raise ValueError(f"int4 needs in_features % {GROUP_SIZE} == 0 and out_features % 16 == 0, got ({N}, {K})")
         super().__init__(K, N)
         q = q.to(torch.uint8)
-        # The kernel's packing depends on the CPU's vector width (AVX2 vs AVX-512), so it is built here, on the
-        # machine that runs it, and a plain copy (two nibbles per byte, k even in the low one) serves dequantize().
-        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1))
         self.register_buffer("nibbles", (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous())  # (N, K/2) uint8
-        sz = torch.stack([scales, zeros], dim=-1).to(KERNEL_DTYPE)  # (N, K/G, 2)
-        self.register_buffer("scales_and_zeros", sz.transpose(0, 1).contiguous())  # (K/G, N, 2) as the kernel wants
+        self.register_buffer("dm", torch.stack([d, m], dim=-1).to(torch.float16).contiguous())  # (N, K/G, 2)
+        # PyTorch's packed kernel wants its own packing (it depends on the CPU's vector width) and bfloat16
+        # scales and zeros: built on first use, only where the native kernels do not run.
+        self._torch_pack: tuple[Tensor, Tensor] | None = None
 
     @classmethod
     def from_float(cls, w: Tensor) -> "Int4Linear":
-        """Asymmetric min/max rounding per group of 32 (gpt-fast's `group_quantize_tensor`, 4 bits)."""
+        """Asymmetric min/max rounding per group of 32 (gpt-fast's `group_quantize_tensor`, 4 bits; GGUF's Q4_1)."""
         w = w.detach().float()
         N, K = w.shape
         g = w.reshape(N, K // GROUP_SIZE, GROUP_SIZE)
         lo, hi = g.amin(-1), g.amax(-1)  # (N, K/G)
-        scales = ((hi - lo) / 15).clamp(min=1e-6).to(KERNEL_DTYPE).float()
-        zeros = (lo + 8 * scales).to(KERNEL_DTYPE).float()
-        q = torch.round((g - (zeros - 8 * scales)[..., None]) / scales[..., None]).clamp(0, 15)
-        return cls(q.reshape(N, K), scales, zeros)
+        d = ((hi - lo) / 15).clamp(min=1e-6).half().float()  # rounded as the layer keeps them
+        m = lo.half().float()
+        q = torch.round((g - m[..., None]) / d[..., None]).clamp(0, 15)
+        return cls(q.reshape(N, K), d, m)
 
     @classmethod
     def from_gguf_blocks(cls, raw: np.ndarray, qtype: str, shape: tuple[int, int]) -> "Int4Linear":
-        """GGUF Q4_0 / Q4_1 blocks of a (N, K) weight -> the same weights as int4 groups, no float round trip.
+        """GGUF Q4_0 / Q4_1 blocks of a (N, K) weight -> the same weights as int4 groups, no rounding at all.
 
         ggml `block_q4_0` = {f16 d; u8 qs[16]}, `block_q4_1` = {f16 d; f16 m; u8 qs[16]} (ggml-common.h); weight j of
         a block is qs[j] & 0xF for j < 16 and qs[j - 16] >> 4 for j >= 16.
         """
-        q, scales, zeros = gguf_q4_groups(raw, qtype, shape)
-        return cls(torch.from_numpy(q), torch.from_numpy(scales), torch.from_numpy(zeros))
+        q, d, m = gguf_q4_groups(raw, qtype, shape)
+        return cls(torch.from_numpy(q), torch.from_numpy(d), torch.from_numpy(m))
 
     @classmethod
     def cat(cls, layers: list["Int4Linear"]) -> "Int4Linear":
-        qs, ss, zs = zip(*(m.unpacked() for m in layers))
-        return cls(torch.cat(qs), torch.cat(ss), torch.cat(zs))
+        qs, ds, ms = zip(*(m.unpacked() for m in layers))
+        return cls(torch.cat(qs), torch.cat(ds), torch.cat(ms))
 
     def unpacked(self) -> tuple[Tensor, Tensor, Tensor]:
-        """-> q (N, K) uint8, scales (N, K/G) float32, zeros (N, K/G) float32."""
+        """-> q (N, K) uint8, d (N, K/G) float32, m (N, K/G) float32."""
         q = torch.stack([self.nibbles & 15, self.nibbles >> 4], dim=-1).reshape(self.out_features, self.in_features)
-        sz = self.scales_and_zeros.transpose(0, 1).float()  # (N, K/G, 2)
-        return q, sz[..., 0], sz[..., 1]
+        dm = self.dm.float()
+        return q, dm[..., 0], dm[..., 1]
+
+    def _native(self, native, x: Tensor) -> Tensor:
+        return native.int4_linear(x, self.nibbles, self.dm)
+
+    def native_buffers(self) -> list[Tensor] | None:
+        return [self.nibbles, self.dm]
 
     def _kernel(self, x: Tensor) -> Tensor:
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP_SIZE, self.scales_and_zeros)
+        if self._torch_pack is None:
+            q, d, m = self.unpacked()
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+            sz = torch.stack([d, m + 8 * d], dim=-1).to(KERNEL_DTYPE)  # (N, K/G, 2): w = (q - 8) * s + z
+            self._torch_pack = packed, sz.transpose(0, 1).contiguous()  # (K/G, N, 2) as the kernel wants
+        packed, scales_and_zeros = self._torch_pack
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, GROUP_SIZE, scales_and_zeros)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
-        q, scales, zeros = self.unpacked()
+        q, d, m = self.unpacked()
         N, K = q.shape
-        g = (q.reshape(N, K // GROUP_SIZE, GROUP_SIZE).float() - 8) * scales[..., None] + zeros[..., None]
+        g = q.reshape(N, K // GROUP_SIZE, GROUP_SIZE).float() * d[..., None] + m[..., None]
         return g.reshape(N, K).to(dtype)
 
     @property
     def decode_bytes(self) -> int:
-        return self.packed.nbytes + self.scales_and_zeros.nbytes
+        if self._torch_pack is not None:
+            return sum(t.nbytes for t in self._torch_pack)
+        return self.nibbles.nbytes + self.dm.nbytes
+
+
+def round_activations(x: Tensor) -> Tensor:
+    """x (M, K) float32 -> x rounded as the native kernels round it before their integer dot products: int8 in
+    blocks of 32 along K, d = max|x| / 127 per block (ggml's `quantize_row_q8_0`; ties to even)."""
+    M, K = x.shape
+    b = x.reshape(M, K // GROUP_SIZE, GROUP_SIZE)
+    d = b.abs().amax(-1, keepdim=True) / 127  # (M, K/G, 1)
+    inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    return (torch.round(b * inv) * d).reshape(M, K)
 
 
 def gguf_q4_groups(raw: np.ndarray, qtype: str, shape: tuple[int, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Raw Q4_0 / Q4_1 bytes of a (N, K) tensor -> q (N, K) uint8 in [0, 15], scales and zeros (N, K/32) float32."""
+    """Raw Q4_0 / Q4_1 bytes of a (N, K) tensor -> q (N, K) uint8 in [0, 15], d and m (N, K/32) float32 with
+    w = q * d + m (Q4_1's own d and m; Q4_0's w = d (q - 8) is m = -8 d, exact in float16 too)."""
     N, K = shape
     header = {"Q4_0": 2, "Q4_1": 4}[qtype]  # bytes of f16 d (and f16 m) before the 16 bytes of nibbles
     blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(N, K // GROUP_SIZE, header + 16)
@@ -169,13 +220,10 @@ def gguf_q4_groups(raw: np.ndarray, qtype: str, shape: tuple[int, int]) -> tuple
     qs = blocks[..., header:]  # (N, K/G, 16)
     q = np.concatenate([qs & 15, qs >> 4], axis=-1).reshape(N, K)  # block j<16: low nibbles; j>=16: high nibbles
     if qtype == "Q4_0":
-        zeros = np.zeros_like(d)
+        m = -8 * d
     else:
         m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-        zeros = m + 8 * d
-    return q, d, zeros
-
-
+    return q, d, m
 _QUANT_CLASSES: dict[str, type[QuantLinear]] = {"int8": Int8Linear, "int4": Int4Linear}
 
 
@@ -197,7 +245,7 @@ def quantize_model(model: nn.Module, mode: Quantization, prequantized: dict[str,
     if mode not in _QUANT_CLASSES:
         raise ValueError(f"unknown quantization {mode!r}; choose one of {', '.join(QUANTIZATIONS)}")
     if model.device.type != "cpu":
-        raise ValueError(f"quantization {mode!r} uses PyTorch's packed CPU kernels; the model is on {model.device}")
+        raise ValueError(f"quantization {mode!r} runs CPU kernels; the model is on {model.device}")
     cls, pre = _QUANT_CLASSES[mode], prequantized or {}
     for i, layer in enumerate(model.layers):
         att, ffn = layer.attention, layer.feed_forward
@@ -209,6 +257,7 @@ def quantize_model(model: nn.Module, mode: Quantization, prequantized: dict[str,
         ffn.w2 = _quantized(p + "feed_forward.w2", ffn.w2.weight, cls, pre)
     model.output = Int8Linear.from_float(model.output.weight)
     model.quantization = mode
+    model.native_decode = None
     return model
 
 

@@ -25,9 +25,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from model import kernels
 from model.attention import AttentionContext, CausalAttention, KVCacheContext
 from model.config import ModelConfig, RopeScaling
-from model.quantize import apply_linear
+from model.paged_kv_cache import PagedKVCache, kv_config
+from model.quantize import QuantLinear, apply_linear
 
 
 class RMSNorm(nn.Module):
@@ -37,6 +39,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:  # (..., D) -> (..., D)
+        native = kernels.usable(x, self.weight)
+        if native is not None and x.dtype == self.weight.dtype:
+            return native.rms_norm(x.contiguous(), self.weight, self.eps)  # the same math in one pass per row
         # Statistics in float32 whatever the activation dtype, cast back before the gain (as Meta and HF do).
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -135,8 +140,13 @@ class Attention(nn.Module):
             cos, sin = rotary_tables(cos, sin, x.dtype)
         if self.wqkv is not None:
             qkv = apply_linear(x, self.wqkv).view(B, T, H + 2 * K, E)  # (B, T, H + 2K, E)
-            qk = apply_rotary_tables(qkv[:, :, : H + K], cos, sin)  # rotate q and k heads in one pass
-            q, k, v = qk[:, :, :H], qk[:, :, H:], qkv[:, :, H + K :]
+            native = kernels.usable(qkv, cos)
+            if native is not None and cos.dtype == qkv.dtype and qkv.is_contiguous() and cos.is_contiguous() and sin.is_contiguous():
+                native.rope_(qkv, cos, sin, H + K)  # q and k heads rotated in place, one pass
+                qk = qkv
+            else:
+                qk = apply_rotary_tables(qkv[:, :, : H + K], cos, sin)  # rotate q and k heads in one pass
+            q, k, v = qk[:, :, :H], qk[:, :, H : H + K], qkv[:, :, H + K :]
         else:
             q = self.wq(x).view(B, T, H, E)  # (B, T, H, E)
             k = self.wk(x).view(B, T, K, E)  # (B, T, K, E)
@@ -159,7 +169,11 @@ class FeedForward(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:  # (B, T, D) -> (B, T, D), via (B, T, F)
         if self.w13 is not None:
-            gate, up = apply_linear(x, self.w13).chunk(2, dim=-1)  # (B, T, F) each
+            gate_up = apply_linear(x, self.w13)  # (B, T, 2F)
+            native = kernels.usable(gate_up)
+            if native is not None:
+                return self.w2(native.silu_mul(gate_up))  # (B, T, F) in one pass
+            gate, up = gate_up.chunk(2, dim=-1)  # (B, T, F) each
             return self.w2(F.silu(gate) * up)
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
@@ -201,6 +215,7 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(config.dim, config.norm_eps)
         self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
         self.quantization = "none"  # model/quantize.py's quantize_model sets "int8" / "int4"
+        self.native_decode: tuple[list[list[Tensor]], list[nn.Module]] | None = None  # see `_native_decode_layers`
         self.tie_weights()
 
     def fuse_projections(self) -> "Transformer":
@@ -208,6 +223,7 @@ class Transformer(nn.Module):
         for layer in self.layers:
             layer.attention.fuse()
             layer.feed_forward.fuse()
+        self.native_decode = None
         return self
 
     def tie_weights(self) -> None:
@@ -248,9 +264,71 @@ class Transformer(nn.Module):
                 positions = torch.arange(T, device=tokens.device).expand(B, T)
         h = self.tok_embeddings(tokens)  # (B, T, D)
         cos, sin = rotary_tables(*self.rope(positions), h.dtype)  # (B, T, 1, E) each, shared by every layer
-        for layer in self.layers:
-            h = layer(h, cos, sin, ctx)
+        native = self._native_decode_step(h, cache)
+        if native is not None:  # the same ops as the blocks below, composed in C++ (model/kernels/csrc/decode_layers.cpp)
+            c, E = self.config, self.config.head_dim
+            h = native.decode_layers(
+                h[0], self.native_decode[0], c.norm_eps, cos.view(-1, E), sin.view(-1, E), cache.k, cache.v,
+                cache.slot_mapping, cache.decode_rows, cache.decode_tables, cache.decode_lens,
+                c.n_heads, kv_config(self).n_kv_heads, E,
+            )[None]  # (1, N, D)
+        else:
+            for layer in self.layers:
+                h = layer(h, cos, sin, ctx)
         if logits_indices is not None:
             h = h[:, logits_indices]  # (B, M, D)
         return self.output(self.norm(h))  # (B, T|M, V)
+
+    def _native_decode_step(self, h: Tensor, cache: KVCacheContext | None):
+        """The native kernels' module when this forward can run every block in one native call: a paged step in
+        which each sequence adds one token, CPU, float32/bfloat16, fused projections, quantized layers within their
+        kernels' row limit, and no hooks on any block (tensor-parallel all-reduces and probes are hooks)."""
+        if not isinstance(cache, PagedKVCache) or not cache.pure_decode or cache.k.dtype != h.dtype:
+            return None
+        native = kernels.usable(h)
+        if native is None:
+            return None
+        if self.native_decode is None:
+            self.native_decode = _native_decode_layers(self)
+        layers, modules = self.native_decode
+        if not layers or h.shape[1] > min((m.max_kernel_rows for m in modules if isinstance(m, QuantLinear)), default=h.shape[1]):
+            return None
+        if nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks:
+            return None
+        if any(m._forward_hooks or m._forward_pre_hooks for m in modules):
+            return None
+        return native
+
+
+def _native_decode_layers(model: Transformer) -> tuple[list[list[Tensor]], list[nn.Module]]:
+    """Per block [attention_norm, ffn_norm, then (a, b) for wqkv, wo, w13, w2] as `decode_layers` takes them, and
+    every module whose hooks would be skipped; no layers where a block is not in that form."""
+    none = torch.empty(0)
+    layers: list[list[Tensor]] = []
+    modules: list[nn.Module] = []
+    for layer in model.layers:
+        att, ffn = layer.attention, layer.feed_forward
+        if att.wqkv is None or ffn.w13 is None or layer.attention_norm.weight.dtype != model.dtype:
+            return [], []
+        entry = [layer.attention_norm.weight.detach(), layer.ffn_norm.weight.detach()]
+        for w in (att.wqkv, att.wo, ffn.w13, ffn.w2):
+            spec = native_linear_spec(w)
+            if spec is None:
+                return [], []
+            entry += spec
+        layers.append(entry)
+        modules += list(layer.modules())
+    modules += [m for m in (model.output, model.norm) if isinstance(m, nn.Module)]
+    return layers, modules
+
+
+def native_linear_spec(w: Tensor | nn.Module) -> list[Tensor] | None:
+    """A weight as the native `decode_layers` takes it: [float weight, empty] or a quantized layer's two buffers."""
+    if isinstance(w, nn.Linear):
+        w = w.weight
+    if isinstance(w, Tensor):
+        return [w.detach(), torch.empty(0)]
+    if isinstance(w, QuantLinear):
+        return w.native_buffers()
+    return None
 

@@ -15,7 +15,8 @@ from gguf_writer import write_tiny_gguf
 from model.engine import Engine, EngineConfig
 from model.loaders.gguf_file import load_gguf
 from model.loaders.hf import load_hf
-from model.quantize import Int4Linear, Int8Linear, QuantLinear, gguf_q4_groups, linear_weights, quantize_model
+from model import kernels
+from model.quantize import Int4Linear, Int8Linear, QuantLinear, gguf_q4_groups, linear_weights, quantize_model, round_activations
 from model.sampling import SamplingParams
 from test_parity_hf import _prompts
 from tiny import byte_tokenizer, tiny_model
@@ -25,17 +26,33 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
 
 
+@pytest.fixture(params=["native", "torch"])
+def backend(request):
+    """Both kernel back ends: model/kernels' C++ and PyTorch's packed kernels (where the native ones are off)."""
+    if request.param == "native":
+        if kernels.native() is None:
+            pytest.skip(f"native kernels: {kernels.status()}")
+        yield "native"
+    else:
+        with kernels.disabled():
+            yield "torch"
+
+
 @pytest.mark.parametrize("cls", [Int8Linear, Int4Linear])
-@pytest.mark.parametrize("rows", [1, 3, 40])  # 1 and 3: the packed kernel; 40: dequantize + float GEMM
-def test_layer_matches_float_math_on_its_own_weights(cls, rows):
+@pytest.mark.parametrize("rows", [1, 3, 40])  # 1 and 3: the few-row kernel; 40: dequantize + float GEMM
+def test_layer_matches_float_math_on_its_own_weights(cls, rows, backend):
     torch.manual_seed(0)
     w = torch.randn(96, 128)
     layer = cls.from_float(w)
     x = torch.randn(2, rows, 128)
     y = layer(x)
     assert y.shape == (2, rows, 96) and y.dtype == torch.float32
-    # Against its own dequantized weight: only the kernel's bfloat16 activations / accumulation differ.
-    assert _rel(y, F.linear(x, layer.dequantize())) < (1e-2 if rows * 2 <= layer.max_kernel_rows else 1e-6)
+    if backend == "native":
+        # Either path computes exactly: activations rounded to int8 per block of 32, times the dequantized weight.
+        want = F.linear(round_activations(x.reshape(-1, 128)), layer.dequantize()).view(2, rows, 96)
+        assert _rel(y, want) < 1e-5
+    else:  # the packed kernel's bfloat16 activations / accumulation; the prefill path is float math
+        assert _rel(y, F.linear(x, layer.dequantize())) < (1e-2 if rows * 2 <= layer.max_kernel_rows else 1e-6)
     # Against the float weight it came from: the quantization error itself.
     assert _rel(y, F.linear(x, w)) < (0.02 if cls is Int8Linear else 0.12)
 
@@ -63,8 +80,8 @@ def test_gguf_q4_blocks_map_to_int4_groups(qtype):
     w = rng.standard_normal((48, 96)).astype(np.float32)
     raw = quantize(w, qtype)
     want = dequantize(raw, qtype).reshape(w.shape)
-    q, scales, zeros = gguf_q4_groups(raw, qtype.name, w.shape)
-    exact = (q.reshape(48, 3, 32).astype(np.float32) - 8) * scales[..., None] + zeros[..., None]
+    q, d, m = gguf_q4_groups(raw, qtype.name, w.shape)
+    exact = q.reshape(48, 3, 32).astype(np.float32) * d[..., None] + m[..., None]
     np.testing.assert_allclose(exact.reshape(w.shape), want, rtol=1e-6, atol=1e-6)  # the mapping is exact
     layer = Int4Linear.from_gguf_blocks(raw, qtype.name, w.shape)
     x = torch.randn(1, 96)
@@ -101,40 +118,50 @@ def _rms_rel(a: torch.Tensor, b: torch.Tensor) -> float:
 # these bounds catch a broken scheme, not a quality regression: `python -m benchmarks.perplexity` measures that
 # on the real model.
 @pytest.mark.parametrize("mode,tol", [("int8", 0.1), ("int4", 0.7)])
-def test_quantized_logits_close_to_float32(tmp_path, mode, tol):
+def test_quantized_logits_close_to_float32(tmp_path, mode, tol, backend):
     hf = save_tiny_llama(tmp_path)
     model = quantize_model(load_hf(tmp_path), mode)
     tokens = _prompts(hf.config.vocab_size)  # (3, 19): 57 rows, the dequantize + float GEMM path
     with torch.no_grad():
         ref = load_hf(tmp_path)(tokens)
         same_math = _with_weights_of(load_hf(tmp_path), model)(tokens)
-        got = model(tokens)
-        assert _rel(got, same_math) < 1e-5  # the prefill path is float math on the dequantized weights
-        assert _rms_rel(got, ref) < tol
-        for m in model.modules():  # and the packed kernels over the same rows: bfloat16 activations
+        prefill = model(tokens)
+        # The prefill path is float math on the dequantized weights (native: over int8-rounded activations,
+        # which move random-weight logits by about 3.5% RMS; the real model's perplexity: benchmarks/perplexity.py).
+        assert (_rms_rel(prefill, same_math) < 0.06) if backend == "native" else (_rel(prefill, same_math) < 1e-5)
+        assert _rms_rel(prefill, ref) < tol
+        for m in model.modules():  # and the few-row kernels over the same rows
             if isinstance(m, QuantLinear):
                 m.max_kernel_rows = 1 << 30
         got = model(tokens)
-        assert _rms_rel(got, same_math) < 0.02
+        if backend == "native":
+            # The kernel computes what the prefill path computes (each layer to 1e-6, test_native_kernels.py), so a
+            # row's result does not depend on how many rows shared its step; through the layers only the rare
+            # activation whose float rounding lands on the other side of an int8 step differs.
+            assert _rms_rel(got, prefill) < 5e-3
+        else:  # bfloat16 activations in the packed kernels
+            assert _rms_rel(got, same_math) < 0.02
         assert _rms_rel(got, ref) < tol
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1])
-def test_q4_gguf_loads_as_int4_without_requantizing(tmp_path, qtype):
+def test_q4_gguf_loads_as_int4_without_requantizing(tmp_path, qtype, backend):
     hf = save_tiny_llama(tmp_path / "hf", num_key_value_heads=2)
     write_tiny_gguf(tmp_path / "m.gguf", hf, qtype_for=lambda n, w: qtype)
     ref, model = load_gguf(tmp_path / "m.gguf"), load_gguf(tmp_path / "m.gguf", quantization="int4")
     att, fref = model.layers[1].attention, ref.layers[1].attention
-    # Weights (Q/K un-permuted) equal the file's dequantized values up to bfloat16 scales: about 2^-8 relative.
-    assert _rel(att.wqkv.dequantize(), fref.wqkv) < 4e-3
-    assert _rel(model.layers[0].feed_forward.w2.dequantize(), ref.layers[0].feed_forward.w2.weight) < 4e-3
+    # Weights (Q/K un-permuted) equal the file's dequantized values exactly: the blocks' own float16 d and m.
+    assert _rel(att.wqkv.dequantize(), fref.wqkv) < 1e-6
+    assert _rel(model.layers[0].feed_forward.w2.dequantize(), ref.layers[0].feed_forward.w2.weight) < 1e-6
     tokens = _prompts(hf.config.vocab_size)
     with torch.no_grad():
-        assert _rel(model(tokens), ref(tokens)) < 0.03  # the head's int8 rounding and bfloat16 dominate
+        # What differs: the head's int8 rounding, and the activations' rounding (bfloat16 in PyTorch's kernels;
+        # int8 per block of 32 in the native ones, llama.cpp's scheme, which moves random-weight logits more)
+        assert _rel(model(tokens), ref(tokens)) < (0.1 if backend == "native" else 0.03)
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
-def test_engine_decodes_a_quantized_model_like_one_at_a_time(mode):
+def test_engine_decodes_a_quantized_model_like_one_at_a_time(mode, backend):
     """Paged-cache batched decode over quantized layers gives each prompt the tokens it gets alone."""
     model = quantize_model(tiny_model(), mode)
     prompts = [[5, 9, 2, 7, 1] * k for k in (1, 3, 7)]

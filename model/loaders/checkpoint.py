@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 
+from model import kernels
+
 from model.loaders.errors import CheckpointError
 from model.quantize import Quantization, quantize_model
 from model.tensor_parallel import TPRank
@@ -94,7 +96,9 @@ def load_model(
     else:
         raise CheckpointError("no such file or directory", path=str(path))
     _return_freed_memory()
+    # Load (or, the first time on this machine, build) the native CPU kernels now rather than in the first request.
+    cpu_kernels = kernels.status() if torch.device(device).type == "cpu" else "not used on " + str(device)
     seconds = time.perf_counter() - start
-    log.info("loaded %s (%d parameters, %s, quantization %s, %s) in %.1fs", name, model.config.num_parameters(), dtype,
-             quantization, device, seconds)
+    log.info("loaded %s (%d parameters, %s, quantization %s, %s, CPU kernels: %s) in %.1fs", name,
+             model.config.num_parameters(), dtype, quantization, device, cpu_kernels, seconds)
     return LoadedModel(model, tokenizer, path, name, seconds)

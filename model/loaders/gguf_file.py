@@ -167,10 +167,10 @@ def load_gguf(
 
 def _int4_from_blocks(t: Any, shape: tuple[int, int], n_head: int | None) -> Int4Linear:
     """A Q4_0/Q4_1 tensor's own 4-bit groups as an int4 layer (rows un-permuted like the float weight)."""
-    q, scales, zeros = gguf_q4_groups(t.data, t.tensor_type.name, shape)
+    q, d, m = gguf_q4_groups(t.data, t.tensor_type.name, shape)
     if n_head is not None:
-        q, scales, zeros = (unpermute_qk(a, n_head) for a in (q, scales, zeros))
-    return Int4Linear(*(torch.from_numpy(np.ascontiguousarray(a)) for a in (q, scales, zeros)))
+        q, d, m = (unpermute_qk(a, n_head) for a in (q, d, m))
+    return Int4Linear(*(torch.from_numpy(np.ascontiguousarray(a)) for a in (q, d, m)))
 
 
 __all__ = ["load_gguf", "open_gguf", "read_metadata", "unpermute_qk", "GGMLQuantizationType"]

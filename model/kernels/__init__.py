@@ -1,0 +1,155 @@
+"""Native CPU kernels for the decode step: C++ (AVX2 where the CPU has it), built with PyTorch's cpp_extension.
+
+Eager PyTorch spends most of a small model's decode step outside the matmuls: about 200 aten calls per block
+(RMSNorm alone is 8, RoPE 4, the paged cache write, gather and SDPA plumbing dozens), each a few microseconds of
+dispatch and a temporary. These kernels do each of those in one call, on the same tensors the modules hold
+(`csrc/`):
+
+    rms_norm, silu_mul, rope_             elementwise.cpp      one pass per row instead of 4-8 ops
+    paged_decode_attention, paged_write   paged_attention.cpp  decode rows attend over the block pool in place
+    int4_linear, int8_linear              quant_linear.cpp     dequantize fused into the dot product (llama.cpp's
+                                                                int8-activation scheme)
+
+`native()` returns the loaded module, or None where the kernels are off (`LLAMASCOPE_NATIVE_KERNELS=0`,
+`disabled()`) or could not be built; every caller then keeps its plain PyTorch path, which is also the reference
+the tests compare the kernels against. `decode_layers` (decode_layers.cpp) composes the ops into every block of a
+pure decode step in one call.
+
+The extension compiles once per machine (about a minute on 2 cores; ninja and a C++ compiler) into
+`LLAMASCOPE_KERNELS_DIR` (default ~/.cache/llamascope/kernels), under a name that hashes its sources, flags and
+torch version. `make install` and the Docker image build it at install time (`python -m model.kernels`), so a
+server start only imports the .so; where it is missing a first use builds it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.util
+import logging
+import os
+import threading
+from pathlib import Path
+from types import ModuleType
+from typing import Iterator
+
+import torch
+
+log = logging.getLogger(__name__)
+
+ENV_VAR = "LLAMASCOPE_NATIVE_KERNELS"  # "0" turns them off (the PyTorch paths run instead)
+NAME = "llamascope_kernels"
+CSRC = Path(__file__).resolve().parent / "csrc"
+SOURCES = ("bindings.cpp", "elementwise.cpp", "paged_attention.cpp", "quant_linear.cpp", "decode_layers.cpp")
+
+_lock = threading.Lock()
+_enabled = os.environ.get(ENV_VAR, "1").strip().lower() not in ("0", "false", "off", "no")
+_module: ModuleType | None = None
+_error: str | None = None
+_tried = False
+
+
+def cpu_has_avx2() -> bool:
+    """AVX2, FMA and F16C: what the vector paths use (PyTorch's own dispatch reads the same CPU flags)."""
+    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+
+
+def compile_flags(avx2: bool) -> list[str]:
+    # -fopenmp at compile time only: at::parallel_for's OpenMP regions then run on the OpenMP runtime PyTorch
+    # already loaded (linking a second libgomp would start a second thread pool beside torch's).
+    flags = ["-O3", "-fopenmp", "-ffp-contract=off"]
+    return flags + (["-mavx2", "-mfma", "-mf16c"] if avx2 else [])
+
+
+def build_dir() -> Path:
+    return Path(os.environ.get("LLAMASCOPE_KERNELS_DIR") or Path.home() / ".cache" / "llamascope" / "kernels")
+
+
+def module_name() -> str:
+    """Names the build by what it is built from (sources, flags, torch version): a stale .so is never loaded."""
+    avx2 = cpu_has_avx2()
+    h = hashlib.sha256(" ".join(compile_flags(avx2) + [torch.__version__]).encode())
+    for src in sorted(CSRC.iterdir()):
+        h.update(src.name.encode() + src.read_bytes())
+    return f"{NAME}_{'avx2' if avx2 else 'generic'}_{h.hexdigest()[:12]}"
+
+
+def build(verbose: bool = False) -> ModuleType:
+    """Compile the extension into `build_dir()` (ninja and a C++ compiler needed) and import it."""
+    from torch.utils import cpp_extension
+
+    name, directory = module_name(), build_dir() / module_name()
+    directory.mkdir(parents=True, exist_ok=True)
+    return cpp_extension.load(
+        name=name,
+        sources=[str(CSRC / s) for s in SOURCES],
+        extra_cflags=compile_flags(cpu_has_avx2()),
+        build_directory=str(directory),
+        verbose=verbose,
+    )
+
+
+def load() -> ModuleType:
+    """Import the built extension if this exact build exists (no compiler or ninja needed), else build it."""
+    name = module_name()
+    path = build_dir() / name / f"{name}.so"
+    if path.is_file():
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    return build()
+
+
+def native() -> ModuleType | None:
+    """The kernels module, loaded (or built) on first use; None when off or unavailable (then use PyTorch ops)."""
+    global _module, _error, _tried
+    if not _enabled:
+        return None
+    if not _tried:
+        with _lock:
+            if not _tried:
+                try:
+                    _module = load()
+                except Exception as e:  # no compiler or ninja: serve on the PyTorch paths, and say why once
+                    lines = str(e).strip().splitlines()
+                    _error = f"{type(e).__name__}: {lines[-1] if lines else ''}"
+                    log.warning("native CPU kernels unavailable, using PyTorch ops: %s", _error)
+                _tried = True
+    return _module
+
+
+def status() -> str:
+    """What decode runs on, for logs and benchmark reports: 'native (avx2)', 'off', or 'unavailable: why'."""
+    if not _enabled:
+        return "off"
+    m = native()
+    if m is None:
+        return f"unavailable: {_error}"
+    return "native (avx2)" if m.avx2 else "native (generic)"
+
+
+def set_enabled(enabled: bool) -> None:
+    global _enabled
+    _enabled = enabled
+
+
+@contextlib.contextmanager
+def disabled() -> Iterator[None]:
+    """Run the PyTorch reference paths inside this block (tests compare the two)."""
+    global _enabled
+    before, _enabled = _enabled, False
+    try:
+        yield
+    finally:
+        _enabled = before
+
+
+def usable(x: torch.Tensor, *params: torch.Tensor) -> ModuleType | None:
+    """`native()` when `x` is a CPU tensor of a dtype the kernels take (float32, bfloat16) and nothing needs
+    autograd (the kernels have no backward), else None."""
+    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params)):
+        return None
+    return native()

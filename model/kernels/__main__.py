@@ -1,0 +1,30 @@
+"""Build the native kernels now (install time) and check them against PyTorch once:  python -m model.kernels"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+
+from model import kernels
+
+
+def main() -> int:
+    t0 = time.perf_counter()
+    try:
+        m = kernels.build(verbose="-v" in sys.argv)
+    except Exception as e:
+        print(f"native kernels: build failed ({type(e).__name__}: {e}); the server will use PyTorch ops", file=sys.stderr)
+        return 0 if "--allow-failure" in sys.argv else 1
+    x, w = torch.randn(3, 64), torch.rand(64) + 0.5
+    ref = w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
+    err = (m.rms_norm(x, w, 1e-5) - ref).abs().max().item()
+    ok = err < 1e-5
+    print(f"native kernels: built in {time.perf_counter() - t0:.1f} s, avx2={m.avx2}, rms_norm max |diff| {err:.1e}"
+          f" {'ok' if ok else 'WRONG'}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,61 @@
+// Every block of a pure decode step (each sequence adds one token) in one call: the composition of
+// model/transformer.py's `Block.forward` over the native ops, with no Python between them.
+//
+// The Python modules run the very same ops (rms_norm, the linear layers, rope_, paged_write,
+// paged_decode_attention, silu_mul) one module call at a time; at the default model's size that per-call cost
+// (about 20 calls and 10 microseconds each per block) is a third of a quantized decode step, so the engine's
+// decode steps come here instead. Prefill and mixed steps, inspection and tensor-parallel ranks keep the modules.
+#include <vector>
+
+#include "simd.h"
+
+namespace ls {
+
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps);
+torch::Tensor silu_mul(const torch::Tensor& gu);
+void rope_(torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& ssin, int64_t n_rot);
+void paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tensor& v_pool,
+                            const torch::Tensor& rows, const torch::Tensor& tables, const torch::Tensor& lens,
+                            torch::Tensor& out);
+void paged_write(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& k_pool, torch::Tensor& v_pool,
+                 const torch::Tensor& slots);
+torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& nibbles, const torch::Tensor& dm);
+torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scales);
+
+// y = x W^T for W as model/quantize.py's `apply_linear` sees it: a float weight (N, K) (b undefined), int4
+// (a = nibbles uint8, b = dm float16) or int8 (a = weight int8, b = scales), the quantized ones through the
+// few-row kernels on float32 activations, as `QuantLinear.forward` does below its `max_kernel_rows`.
+static torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& a, const torch::Tensor& b) {
+  if (a.scalar_type() == at::kByte) return int4_linear(x.to(at::kFloat).contiguous(), a, b).to(x.scalar_type());
+  if (a.scalar_type() == at::kChar) return int8_linear(x.to(at::kFloat).contiguous(), a, b).to(x.scalar_type());
+  return at::linear(x, a);
+}
+
+// h (N, D) the residual stream of N decode rows; layers: per block [attention_norm, ffn_norm, wqkv a, b, wo a, b,
+// w13 a, b, w2 a, b]; cos, ssin (N, E) `rotary_tables`; k_pools, v_pools (L, NB, bs, K, E); the step's slots
+// (N,) and decode metadata as `PagedKVCache.set_step` builds them (rows = 0..N-1).  -> h after every block (N, D)
+torch::Tensor decode_layers(torch::Tensor h, const std::vector<std::vector<torch::Tensor>>& layers, double eps,
+                            const torch::Tensor& cos, const torch::Tensor& ssin, torch::Tensor& k_pools,
+                            torch::Tensor& v_pools, const torch::Tensor& slots, const torch::Tensor& rows,
+                            const torch::Tensor& tables, const torch::Tensor& lens, int64_t H, int64_t K, int64_t E) {
+  TORCH_CHECK(h.dim() == 2 && k_pools.size(0) == static_cast<int64_t>(layers.size()), "decode_layers: shapes");
+  const int64_t N = h.size(0);
+  for (size_t l = 0; l < layers.size(); ++l) {
+    const auto& w = layers[l];
+    TORCH_CHECK(w.size() == 10, "decode_layers: 10 tensors per block");
+    torch::Tensor k_pool = k_pools[l], v_pool = v_pools[l];
+    // attention: h + wo(attend(rope(wqkv(norm(h)))))
+    auto qkv = linear(rms_norm(h, w[0], eps), w[2], w[3]).view({N, H + 2 * K, E});  // (N, H + 2K, E)
+    rope_(qkv, cos, ssin, H + K);
+    auto q = qkv.narrow(1, 0, H), k = qkv.narrow(1, H, K), v = qkv.narrow(1, H + K, K);
+    paged_write(k, v, k_pool, v_pool, slots);
+    auto att = torch::empty({N, H, E}, h.options());
+    paged_decode_attention(q, k_pool, v_pool, rows, tables, lens, att);
+    h = h + linear(att.view({N, H * E}), w[4], w[5]);
+    // feed-forward: h + w2(silu(w1 x) * w3 x), x = norm(h)
+    h = h + linear(silu_mul(linear(rms_norm(h, w[1], eps), w[6], w[7])), w[8], w[9]);
+  }
+  return h;
+}
+
+}  // namespace ls

@@ -1,0 +1,145 @@
+// Fused elementwise ops of a LLaMA block: RMSNorm, SiLU-gated product, in-place RoPE.
+// Each replaces a chain of 4-8 eager torch ops (and their temporaries) with one pass over the row, rounding the
+// intermediates to the activation dtype where the torch chain does, so float32 agrees with it to rounding order
+// and bfloat16 to one ulp.
+#include "simd.h"
+
+namespace ls {
+
+// RMSNorm (Zhang & Sennrich 2019) as model/transformer.py's RMSNorm: statistics in float32, the normalized row
+// cast to the activation dtype, then the gain in that dtype.   x (M, D), w (D,) -> (M, D)
+template <typename T>
+static void rms_norm_impl(const T* x, const T* w, T* out, int64_t M, int64_t D, float eps) {
+  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      const T* xr = x + m * D;
+      T* orow = out + m * D;
+      int64_t i = 0;
+      float ss = 0.f;
+#if LS_AVX2
+      __m256 acc = _mm256_setzero_ps();
+      for (; i + 8 <= D; i += 8) {
+        __m256 v = load8(xr + i);
+        acc = _mm256_fmadd_ps(v, v, acc);
+      }
+      ss = hsum(acc);
+#endif
+      for (; i < D; ++i) ss += to_f(xr[i]) * to_f(xr[i]);
+      const float r = 1.f / std::sqrt(ss / static_cast<float>(D) + eps);
+      i = 0;
+#if LS_AVX2
+      const __m256 rv = _mm256_set1_ps(r);
+      for (; i + 8 <= D; i += 8) {
+        __m256 n = round_to8<T>(_mm256_mul_ps(load8(xr + i), rv));
+        store8(orow + i, _mm256_mul_ps(load8(w + i), n));
+      }
+#endif
+      for (; i < D; ++i) orow[i] = from_f<T>(to_f(w[i]) * round_to<T>(to_f(xr[i]) * r));
+    }
+  });
+}
+
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps) {
+  TORCH_CHECK(x.is_contiguous() && w.is_contiguous() && x.scalar_type() == w.scalar_type(), "rms_norm: contiguous x, w of one dtype");
+  const int64_t D = x.size(-1), M = x.numel() / D;
+  TORCH_CHECK(w.numel() == D, "rms_norm: weight size");
+  auto out = torch::empty_like(x);
+  if (x.scalar_type() == at::kFloat)
+    rms_norm_impl<float>(x.data_ptr<float>(), w.data_ptr<float>(), out.data_ptr<float>(), M, D, static_cast<float>(eps));
+  else if (x.scalar_type() == at::kBFloat16)
+    rms_norm_impl<bf16>(x.data_ptr<bf16>(), w.data_ptr<bf16>(), out.data_ptr<bf16>(), M, D, static_cast<float>(eps));
+  else
+    TORCH_CHECK(false, "rms_norm: float32 or bfloat16");
+  return out;
+}
+
+// SwiGLU's gate (Shazeer 2020): silu(g) * u over the fused gate/up projection's output.   gu (M, 2F) -> (M, F)
+template <typename T>
+static void silu_mul_impl(const T* gu, T* out, int64_t M, int64_t F) {
+  at::parallel_for(0, M * F, 2048, [&](int64_t begin, int64_t end) {
+    int64_t idx = begin;
+    while (idx < end) {
+      const int64_t m = idx / F, f0 = idx % F, f1 = std::min(F, f0 + (end - idx));
+      const T* g = gu + m * 2 * F;
+      const T* u = g + F;
+      T* o = out + m * F;
+      int64_t f = f0;
+#if LS_AVX2
+      const __m256 one = _mm256_set1_ps(1.f);
+      for (; f + 8 <= f1; f += 8) {
+        __m256 gv = load8(g + f);
+        __m256 s = round_to8<T>(_mm256_div_ps(gv, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv)))));
+        store8(o + f, _mm256_mul_ps(s, load8(u + f)));
+      }
+#endif
+      for (; f < f1; ++f) {
+        const float gv = to_f(g[f]);
+        o[f] = from_f<T>(round_to<T>(gv / (1.f + std::exp(-gv))) * to_f(u[f]));
+      }
+      idx += f1 - f0;
+    }
+  });
+}
+
+torch::Tensor silu_mul(const torch::Tensor& gu) {
+  TORCH_CHECK(gu.is_contiguous() && gu.size(-1) % 2 == 0, "silu_mul: contiguous (..., 2F)");
+  const int64_t F = gu.size(-1) / 2, M = gu.numel() / (2 * F);
+  auto sizes = gu.sizes().vec();
+  sizes.back() = F;
+  auto out = torch::empty(sizes, gu.options());
+  if (gu.scalar_type() == at::kFloat)
+    silu_mul_impl<float>(gu.data_ptr<float>(), out.data_ptr<float>(), M, F);
+  else if (gu.scalar_type() == at::kBFloat16)
+    silu_mul_impl<bf16>(gu.data_ptr<bf16>(), out.data_ptr<bf16>(), M, F);
+  else
+    TORCH_CHECK(false, "silu_mul: float32 or bfloat16");
+  return out;
+}
+
+// RoPE (Su et al. 2021) in the rotate-half layout, in place on the first `n_rot` heads of each token:
+// x' = x * cos + swap_halves(x) * signed_sin, with model/transformer.py's `rotary_tables` (signed_sin =
+// cat(-sin_lo, sin_hi)).   x (N, n_heads, E) rows of the fused q/k/v output; cos, signed_sin (N, E)
+template <typename T>
+static void rope_impl(T* x, const T* cos, const T* ssin, int64_t N, int64_t n_heads, int64_t n_rot, int64_t E) {
+  const int64_t half = E / 2;
+  at::parallel_for(0, N * n_rot, 64, [&](int64_t begin, int64_t end) {
+    float buf[1024];
+    for (int64_t idx = begin; idx < end; ++idx) {
+      const int64_t n = idx / n_rot, h = idx % n_rot;
+      T* xr = x + (n * n_heads + h) * E;
+      const T* c = cos + n * E;
+      const T* s = ssin + n * E;
+      for (int64_t i = 0; i < E; ++i) buf[i] = to_f(xr[i]);
+      int64_t i = 0;
+#if LS_AVX2
+      if (half % 8 == 0) {
+        for (; i < E; i += 8) {
+          const int64_t j = i < half ? i + half : i - half;
+          __m256 a = round_to8<T>(_mm256_mul_ps(_mm256_loadu_ps(buf + i), load8(c + i)));
+          __m256 b = round_to8<T>(_mm256_mul_ps(_mm256_loadu_ps(buf + j), load8(s + i)));
+          store8(xr + i, _mm256_add_ps(a, b));
+        }
+      }
+#endif
+      for (; i < E; ++i) {
+        const int64_t j = i < half ? i + half : i - half;
+        xr[i] = from_f<T>(round_to<T>(buf[i] * to_f(c[i])) + round_to<T>(buf[j] * to_f(s[i])));
+      }
+    }
+  });
+}
+
+void rope_(torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& ssin, int64_t n_rot) {
+  TORCH_CHECK(x.is_contiguous() && cos.is_contiguous() && ssin.is_contiguous(), "rope_: contiguous tensors");
+  TORCH_CHECK(x.scalar_type() == cos.scalar_type() && x.scalar_type() == ssin.scalar_type(), "rope_: one dtype");
+  const int64_t E = x.size(-1), n_heads = x.size(-2), N = x.numel() / (n_heads * E);
+  TORCH_CHECK(E % 2 == 0 && E <= 1024 && n_rot <= n_heads && cos.numel() == N * E && ssin.numel() == N * E, "rope_: shapes");
+  if (x.scalar_type() == at::kFloat)
+    rope_impl<float>(x.data_ptr<float>(), cos.data_ptr<float>(), ssin.data_ptr<float>(), N, n_heads, n_rot, E);
+  else if (x.scalar_type() == at::kBFloat16)
+    rope_impl<bf16>(x.data_ptr<bf16>(), cos.data_ptr<bf16>(), ssin.data_ptr<bf16>(), N, n_heads, n_rot, E);
+  else
+    TORCH_CHECK(false, "rope_: float32 or bfloat16");
+}
+
+}  // namespace ls

@@ -1,0 +1,194 @@
+// Attention of decode rows (one new token each) straight over the paged KV pool (PagedAttention, Kwon et al.
+// 2023): each (sequence, KV head) walks its block table, so no per-step gather of whole sequences, no padding
+// to the longest context and no mask. Softmax(q k^T / sqrt(E)) v (Vaswani et al. 2017) with grouped-query
+// heads (Ainslie et al. 2023): query head h reads KV head h / (H / K), as SDPA's enable_gqa does.
+#include <vector>
+
+#include "simd.h"
+
+namespace ls {
+
+template <typename T>
+static inline float dot(const float* q, const T* k, int64_t E) {
+  int64_t i = 0;
+  float s = 0.f;
+#if LS_AVX2
+  __m256 acc = _mm256_setzero_ps();
+  for (; i + 8 <= E; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), load8(k + i), acc);
+  s = hsum(acc);
+#endif
+  for (; i < E; ++i) s += q[i] * to_f(k[i]);
+  return s;
+}
+
+template <typename T>
+static inline void axpy(float a, const T* v, float* acc, int64_t E) {  // acc += a * v
+  int64_t i = 0;
+#if LS_AVX2
+  const __m256 av = _mm256_set1_ps(a);
+  for (; i + 8 <= E; i += 8) _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(av, load8(v + i), _mm256_loadu_ps(acc + i)));
+#endif
+  for (; i < E; ++i) acc[i] += a * to_f(v[i]);
+}
+
+#if LS_AVX2
+// 8 vectors -> one vector of their 8 horizontal sums (lane j = sum of a[j])
+static inline __m256 hsum8x8(const __m256* a) {
+  const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);  // (a0 a1 a2 a3 | same, upper halves)
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+#endif
+
+#if LS_AVX2
+// acc (NV * 8) = sum_s p[s] v(s), the accumulator held in registers across positions (E = 64 and 128)
+template <typename T, int NV, typename At>
+static inline void pv_in_registers(const float* p, int64_t len, const At& at, float* out) {
+  __m256 acc[NV];
+  for (int i = 0; i < NV; ++i) acc[i] = _mm256_setzero_ps();
+  for (int64_t s = 0; s < len; ++s) {
+    const __m256 ps = _mm256_set1_ps(p[s]);
+    const T* v = at.v(s);
+    for (int i = 0; i < NV; ++i) acc[i] = _mm256_fmadd_ps(ps, load8(v + 8 * i), acc[i]);
+  }
+  for (int i = 0; i < NV; ++i) _mm256_storeu_ps(out + 8 * i, acc[i]);
+}
+#endif
+
+// One query head of one decode row over its context: scores (len) in `sc`, output (E) in `o`.
+// k_at(s) / v_at(s): the pool row of position s for this head's KV head.
+template <typename T, typename At>
+static void attend_head(const float* q, int64_t len, int64_t E, At at, float* sc, T* o, std::vector<float>& acc) {
+  int64_t s = 0;
+  float mx = -INFINITY;
+#if LS_AVX2
+  if (E % 8 == 0) {
+    __m256 mv = _mm256_set1_ps(-INFINITY);
+    for (; s + 8 <= len; s += 8) {  // eight positions' dot products at a time, reduced together
+      __m256 d[8];
+      for (int j = 0; j < 8; ++j) {
+        const T* k = at.k(s + j);
+        __m256 a = _mm256_mul_ps(_mm256_loadu_ps(q), load8(k));
+        for (int64_t i = 8; i < E; i += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), load8(k + i), a);
+        d[j] = a;
+      }
+      const __m256 v = hsum8x8(d);
+      _mm256_storeu_ps(sc + s, v);
+      mv = _mm256_max_ps(mv, v);
+    }
+    mx = hmax(mv);
+  }
+#endif
+  for (; s < len; ++s) {
+    sc[s] = dot(q, at.k(s), E);
+    mx = std::max(mx, sc[s]);
+  }
+  float sum = 0.f;
+  s = 0;
+#if LS_AVX2
+  const __m256 mv = _mm256_set1_ps(mx);
+  __m256 sv = _mm256_setzero_ps();
+  for (; s + 8 <= len; s += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sc + s), mv));
+    _mm256_storeu_ps(sc + s, e);
+    sv = _mm256_add_ps(sv, e);
+  }
+  sum = hsum(sv);
+#endif
+  for (; s < len; ++s) {
+    sc[s] = std::exp(sc[s] - mx);
+    sum += sc[s];
+  }
+  std::fill(acc.begin(), acc.begin() + E, 0.f);
+#if LS_AVX2
+  if (E == 64)
+    pv_in_registers<T, 8>(sc, len, at, acc.data());
+  else if (E == 128)
+    pv_in_registers<T, 16>(sc, len, at, acc.data());
+  else
+#endif
+    for (s = 0; s < len; ++s) axpy(sc[s], at.v(s), acc.data(), E);
+  const float inv = 1.f / sum;
+  for (int64_t i = 0; i < E; ++i) o[i] = from_f<T>(acc[i] * inv);
+}
+
+template <typename T>
+struct PoolRows {  // position s of one sequence, one KV head -> its K and V rows in the pool
+  const T* kp;
+  const T* vp;
+  const int64_t* table;
+  int64_t bs, stride, head;  // stride = K * E
+  const T* k(int64_t s) const { return kp + (table[s / bs] * bs + s % bs) * stride + head; }
+  const T* v(int64_t s) const { return vp + (table[s / bs] * bs + s % bs) * stride + head; }
+};
+
+// q (N, H, E) packed rows (token stride q_stride); k_pool, v_pool (NB, bs, K, E); rows (R,) which packed rows are
+// decode rows; tables (R, W) their block ids; lens (R,) their context lengths; out (N, H, E): rows `rows` are
+// written. One task per (row, query head): the 2-16 tasks of a small batch spread over every thread.
+template <typename T>
+static void decode_impl(const T* q, int64_t q_stride, const T* kp, const T* vp, const int64_t* rows, const int64_t* tables,
+                        const int64_t* lens, T* out, int64_t R, int64_t W, int64_t H, int64_t K, int64_t E,
+                        int64_t bs) {
+  const int64_t G = H / K;
+  const float scale = 1.f / std::sqrt(static_cast<float>(E));
+  at::parallel_for(0, R * H, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(E), acc(E), scores;
+    for (int64_t idx = begin; idx < end; ++idx) {
+      const int64_t r = idx / H, h = idx % H, row = rows[r], len = lens[r];
+      for (int64_t i = 0; i < E; ++i) qf[i] = to_f(q[row * q_stride + h * E + i]) * scale;
+      scores.resize(len);
+      const PoolRows<T> at{kp, vp, tables + r * W, bs, K * E, (h / G) * E};
+      attend_head<T>(qf.data(), len, E, at, scores.data(), out + (row * H + h) * E, acc);
+    }
+  });
+}
+
+void paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tensor& v_pool,
+                            const torch::Tensor& rows, const torch::Tensor& tables, const torch::Tensor& lens,
+                            torch::Tensor& out) {
+  TORCH_CHECK(q.stride(-1) == 1 && q.stride(-2) == q.size(-1) && k_pool.is_contiguous() && v_pool.is_contiguous() && out.is_contiguous(), "paged_decode_attention: contiguous");
+  TORCH_CHECK(rows.scalar_type() == at::kLong && tables.scalar_type() == at::kLong && lens.scalar_type() == at::kLong, "paged_decode_attention: int64 metadata");
+  TORCH_CHECK(tables.is_contiguous() && tables.dim() == 2 && rows.numel() == tables.size(0) && lens.numel() == tables.size(0), "paged_decode_attention: metadata shapes");
+  const int64_t E = q.size(-1), H = q.size(-2), bs = k_pool.size(1), K = k_pool.size(2);
+  TORCH_CHECK(k_pool.size(3) == E && H % K == 0 && q.scalar_type() == k_pool.scalar_type() && out.sizes() == q.sizes(), "paged_decode_attention: shapes");
+  const int64_t q_stride = q.stride(-3);  // q may be a view into the fused q/k/v output
+  const int64_t R = tables.size(0), W = tables.size(1);
+  if (q.scalar_type() == at::kFloat)
+    decode_impl<float>(q.data_ptr<float>(), q_stride, k_pool.data_ptr<float>(), v_pool.data_ptr<float>(), rows.data_ptr<int64_t>(),
+                       tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<float>(), R, W, H, K, E, bs);
+  else if (q.scalar_type() == at::kBFloat16)
+    decode_impl<bf16>(q.data_ptr<bf16>(), q_stride, k_pool.data_ptr<bf16>(), v_pool.data_ptr<bf16>(), rows.data_ptr<int64_t>(),
+                      tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<bf16>(), R, W, H, K, E, bs);
+  else
+    TORCH_CHECK(false, "paged_decode_attention: float32 or bfloat16");
+}
+
+// Write this step's K and V into their pool slots.   k, v (N, K, E) (views into the fused q/k/v output);
+// pools (NB, bs, K, E), slot = block * bs + offset; slots (N,)
+void paged_write(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& k_pool, torch::Tensor& v_pool,
+                 const torch::Tensor& slots) {
+  const int64_t N = slots.numel(), KE = k_pool.size(2) * k_pool.size(3);
+  TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous() && slots.scalar_type() == at::kLong && slots.is_contiguous(), "paged_write: pools and slots");
+  TORCH_CHECK(k.scalar_type() == k_pool.scalar_type() && v.scalar_type() == k_pool.scalar_type(), "paged_write: dtype");
+  TORCH_CHECK(k.numel() == N * KE && v.numel() == N * KE, "paged_write: shapes");
+  const int64_t n_slots = k_pool.size(0) * k_pool.size(1);
+  const int64_t* s = slots.data_ptr<int64_t>();
+  for (int64_t n = 0; n < N; ++n) TORCH_CHECK(s[n] >= 0 && s[n] < n_slots, "paged_write: slot out of range");
+  // k and v are strided views into the fused q/k/v output: copy each token's (K, E) rows, which are contiguous.
+  auto kc = k.reshape({N, KE}), vc = v.reshape({N, KE});
+  TORCH_CHECK(kc.stride(1) == 1 && vc.stride(1) == 1, "paged_write: token rows must be contiguous");
+  const int64_t ks = kc.stride(0), vs = vc.stride(0);
+  const size_t bytes = KE * k.element_size();
+  char* kp = static_cast<char*>(k_pool.data_ptr());
+  char* vp = static_cast<char*>(v_pool.data_ptr());
+  const char* kd = static_cast<const char*>(kc.data_ptr());
+  const char* vd = static_cast<const char*>(vc.data_ptr());
+  const size_t el = k.element_size();
+  for (int64_t n = 0; n < N; ++n) {
+    std::memcpy(kp + s[n] * bytes, kd + n * ks * el, bytes);
+    std::memcpy(vp + s[n] * bytes, vd + n * vs * el, bytes);
+  }
+}
+
+}  // namespace ls

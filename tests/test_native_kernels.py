@@ -1,0 +1,227 @@
+"""model/kernels: each native op against the PyTorch math it replaces, the whole native decode step against the
+module-by-module path, and the fall-back when the kernels are off or cannot be built."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from model import kernels
+from model.attention import sdpa
+from model.engine import Engine, EngineConfig
+from model.paged_kv_cache import PagedKVCache, SeqSlice
+from model.quantize import Int4Linear, Int8Linear, quantize_model, round_activations
+from model.sampling import SamplingParams
+from model.transformer import RMSNorm, apply_rotary_tables, rotary_tables
+from tiny import byte_tokenizer, tiny_model
+
+native = kernels.native()
+pytestmark = pytest.mark.skipif(native is None, reason=f"native kernels: {kernels.status()}")
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, f32_tol: float = 1e-5) -> None:
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=f32_tol, atol=f32_tol)
+    else:  # rounding order differs from the torch chain by at most about one bfloat16 ulp
+        torch.testing.assert_close(got.float(), want.float(), rtol=1.6e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("D", [64, 576, 67])  # 67: the scalar tail
+def test_rms_norm(dtype, D):
+    torch.manual_seed(0)
+    norm = RMSNorm(D, 1e-5).to(dtype).requires_grad_(False)
+    norm.weight.normal_(1, 0.3)
+    x = (torch.randn(5, 3, D) * 4).to(dtype)
+    with kernels.disabled():
+        want = norm(x)
+    got = native.rms_norm(x, norm.weight, 1e-5)
+    assert got.dtype == dtype
+    _close(got, want, dtype)
+    _close(norm(x), want, dtype)  # and the module takes the native path itself
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("F_", [128, 1536, 13])
+def test_silu_mul(dtype, F_):
+    gu = (torch.randn(4, 2 * F_) * 5).to(dtype)
+    gate, up = gu.chunk(2, dim=-1)
+    _close(native.silu_mul(gu), F.silu(gate) * up, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("E", [64, 128, 12])  # 12: halves of 6, the scalar path
+def test_rope_in_place(dtype, E):
+    torch.manual_seed(1)
+    B, T, H, K = 1, 7, 4, 2
+    angles = torch.randn(B, T, E // 2) * 10
+    emb = torch.cat((angles, angles), dim=-1)
+    cos, sin = rotary_tables(emb.cos(), emb.sin(), dtype)  # (B, T, 1, E)
+    qkv = torch.randn(B, T, H + 2 * K, E).to(dtype)
+    want = torch.cat([apply_rotary_tables(qkv[:, :, : H + K], cos, sin), qkv[:, :, H + K :]], dim=2)
+    got = qkv.clone()
+    native.rope_(got, cos, sin, H + K)
+    _close(got, want, dtype)
+
+
+def _pool_and_tables(lens: list[int], bs: int, K: int, E: int, dtype, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    n_blocks = sum(-(-n // bs) for n in lens) + 3
+    k_pool = torch.randn(n_blocks, bs, K, E, generator=g).to(dtype)
+    v_pool = torch.randn(n_blocks, bs, K, E, generator=g).to(dtype)
+    ids = list(range(n_blocks))
+    random.Random(seed).shuffle(ids)  # scattered blocks
+    tables, at = [], 0
+    for n in lens:
+        tables.append(ids[at : at + -(-n // bs)])
+        at += -(-n // bs)
+    return k_pool, v_pool, tables
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("H,K,E", [(6, 2, 64), (4, 1, 128), (3, 3, 64), (4, 2, 24)])  # GQA, MQA, MHA, odd E
+def test_paged_decode_attention_equals_sdpa_over_the_gathered_context(dtype, H, K, E):
+    bs, lens = 4, [1, 7, 16, 33, 100]
+    k_pool, v_pool, tables = _pool_and_tables(lens, bs, K, E, dtype)
+    N = len(lens) + 2  # two packed rows that are not decode rows: left as they were
+    q = torch.randn(N, H, E).to(dtype)
+    rows = [5, 0, 3, 1, 6]
+    width = max(map(len, tables))
+    out = torch.full((N, H, E), 7.0, dtype=dtype)
+    native.paged_decode_attention(
+        q, k_pool, v_pool, torch.tensor(rows), torch.tensor([t + [0] * (width - len(t)) for t in tables]),
+        torch.tensor(lens), out,
+    )
+    for r, n, table in zip(rows, lens, tables):
+        kd = k_pool[table].reshape(1, -1, K, E)[:, :n]  # (1, n, K, E)
+        vd = v_pool[table].reshape(1, -1, K, E)[:, :n]
+        want = sdpa(q[r][None, None], kd, vd)[0, 0]  # (H, E)
+        _close(out[r], want, dtype)
+    assert (out[[2, 4]] == 7).all()
+
+
+def test_paged_write_and_its_bounds():
+    k_pool, v_pool = torch.zeros(4, 2, 2, 8), torch.zeros(4, 2, 2, 8)
+    qkv = torch.randn(3, 6, 8)  # (N, H + 2K, E) with H = 2: k and v are strided views, as in the model
+    k, v = qkv[:, 2:4], qkv[:, 4:6]
+    slots = torch.tensor([5, 0, 7])
+    native.paged_write(k, v, k_pool, v_pool, slots)
+    assert torch.equal(k_pool.view(-1, 2, 8)[slots], k) and torch.equal(v_pool.view(-1, 2, 8)[slots], v)
+    assert k_pool.view(-1, 2, 8)[[1, 2, 3, 4, 6]].abs().sum() == 0
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        native.paged_write(k, v, k_pool, v_pool, torch.tensor([0, 1, 8]))
+
+
+@pytest.mark.parametrize("cls", [Int8Linear, Int4Linear])
+@pytest.mark.parametrize("M", [1, 5, 16])
+def test_quantized_kernels_compute_rounded_activations_times_the_dequantized_weight(cls, M):
+    torch.manual_seed(2)
+    layer = cls.from_float(torch.randn(160, 576) * 0.05)
+    x = torch.randn(M, 576) * 3
+    x[0, 5] = 400.0  # a massive activation: its block's other entries round to few levels, exactly as the reference
+    got = layer._native(native, x)
+    want = F.linear(round_activations(x), layer.dequantize())
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+def test_int4_q4_0_offsets_and_rounding_ties():
+    """Q4_0's m = -8 d, and activations exactly halfway between two int8 steps (ties round to even)."""
+    q = torch.randint(0, 16, (16, 64))
+    d = torch.rand(16, 2) * 0.1 + 0.01
+    layer = Int4Linear(q, d, -8 * d)
+    x = torch.zeros(1, 64)
+    x[0, 0], x[0, 1], x[0, 2] = 127.0, 0.5, 2.5  # d_x = 1: 0.5 and 2.5 are ties
+    got = layer._native(native, x)
+    want = F.linear(round_activations(x), layer.dequantize())
+    assert round_activations(x)[0, 1] == 0 and round_activations(x)[0, 2] == 2
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+
+
+# ---- the native decode step ----------------------------------------------------------------------------------
+
+
+def _generate(model, prompts: list[list[int]], n: int = 10) -> list[list[int]]:
+    engine = Engine(model, byte_tokenizer(), EngineConfig(num_blocks=64, block_size=4, max_num_batched_tokens=64))
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+    out: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
+    while engine.has_unfinished():
+        for o in engine.step():
+            out[o.request_id] += o.token_ids
+    return [out[str(i)] for i in range(len(prompts))]
+
+
+def _decode_step_logits(model, use_native: bool) -> torch.Tensor:
+    """Two sequences' prefill (module path), then one pure decode step; its logits."""
+    cache = PagedKVCache.for_model(model, num_blocks=16, block_size=4)
+    a, b = [3, 9, 1, 4, 1, 5, 9], [2, 6, 5, 3, 5]
+    with torch.no_grad():
+        cache.set_step([SeqSlice(0, 7, 7, [3, 0]), SeqSlice(7, 5, 5, [5, 1])])
+        model(torch.tensor([a + b]), torch.tensor([list(range(7)) + list(range(5))]), cache)
+        cache.set_step([SeqSlice(0, 1, 8, [3, 0]), SeqSlice(1, 1, 6, [5, 1])])
+        assert cache.pure_decode and (model._native_decode_step(torch.zeros(1, 2, 1, dtype=model.dtype), cache) is not None) == use_native
+        return model(torch.tensor([[8, 7]]), torch.tensor([[7, 5]]), cache)
+
+
+@pytest.mark.parametrize("mode", ["none", "int8", "int4"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_native_decode_step_equals_the_module_path(mode, dtype):
+    """`decode_layers` composes the very ops the modules call: the same logits, the same greedy tokens."""
+    model = quantize_model(tiny_model(dtype=dtype), mode)
+    fast = _decode_step_logits(model, use_native=True)
+    with torch.no_grad():
+        # the same ops one module call at a time: a forward hook turns the one-call path off
+        handle = model.layers[0].register_forward_hook(lambda *a: None)
+        slow = _decode_step_logits(model, use_native=False)
+        handle.remove()
+    assert torch.equal(fast, slow)
+    prompts = [[5, 9, 2, 7, 1] * k for k in (1, 3, 7)]
+    together = _generate(model, prompts)
+    assert together == [_generate(model, [p])[0] for p in prompts]  # batched == one at a time
+
+
+def test_native_and_pytorch_paths_agree_on_greedy_tokens():
+    model = tiny_model()
+    prompts = [[5, 9, 2, 7, 1] * k for k in (1, 3, 7)]
+    fast = _generate(model, prompts, n=16)
+    with kernels.disabled():
+        assert _generate(model, prompts, n=16) == fast
+
+
+def test_hooks_see_every_block_of_a_decode_step():
+    """A forward hook (a probe, a tensor-parallel all-reduce) is never skipped by the one-call path."""
+    model = tiny_model()
+    calls: list[int] = []
+    handle = model.layers[1].feed_forward.w2.register_forward_hook(lambda m, i, o: calls.append(i[0].shape[1]))
+    _generate(model, [[1, 2, 3]], n=4)
+    handle.remove()
+    assert calls == [3, 1, 1, 1]  # the prefill, then three decode steps (the fourth token needs no forward)
+
+
+# ---- off, or unavailable -------------------------------------------------------------------------------------
+
+
+def test_off_and_unavailable_fall_back_to_pytorch(monkeypatch):
+    with kernels.disabled():
+        assert kernels.native() is None and kernels.status() == "off"
+    monkeypatch.setattr(kernels, "_tried", False)
+    monkeypatch.setattr(kernels, "_module", None)
+    monkeypatch.setattr(kernels, "load", lambda: (_ for _ in ()).throw(OSError("no C++ compiler")))
+    assert kernels.native() is None
+    assert kernels.status() == "unavailable: OSError: no C++ compiler"
+    model = tiny_model()
+    assert _generate(model, [[1, 2, 3]], n=3)  # serves on the PyTorch ops
+
+
+def test_env_var_turns_the_kernels_off(tmp_path):
+    import subprocess
+    import sys
+
+    code = "from model import kernels; print(kernels.status())"
+    env = {**__import__("os").environ, "LLAMASCOPE_NATIVE_KERNELS": "0"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "off"
