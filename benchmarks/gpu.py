@@ -37,6 +37,7 @@ from benchmarks.ceilings import weight_bytes_per_token
 from benchmarks.machine import machine_info
 from benchmarks.measure import Clock
 from model.attention import sdpa
+from model.kernels import triton_attention
 from model.config import KNOWN_SHAPES, ModelConfig
 from model.transformer import Transformer
 
@@ -265,7 +266,10 @@ def run(args: argparse.Namespace) -> dict:
                  "measured_copy_bandwidth_gb_s": args.bandwidth_gb_s, "hbm_spec_tb_s": H200_HBM_TB_S,
                  "workload": {"prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
                               "concurrency": args.concurrency, "decoding": "greedy, EOS ignored, random prompt ids"},
-                 "models": {}}
+                 "models": {},
+                 # how the engine's decode rows attend over the paged pool (model/kernels/triton_attention.py)
+                 "engine_decode_attention": ("triton paged kernel" if triton_attention.available(torch.empty(0, device=device), 16)
+                                             else "gather + SDPA")}
     shapes = {"smollm2-135m": None, "llama-2-7b": KNOWN_SHAPES["llama-2-7b"]}
     if args.dry_run:  # tiny stand-ins with each shape's structure (GQA + tied head; MHA + untied head)
         tiny = dict(dim=64, n_layers=2, vocab_size=300, n_heads=4, head_dim=16, rope_dim=16)
@@ -293,7 +297,8 @@ def run(args: argparse.Namespace) -> dict:
 
 def print_report(r: dict) -> None:
     print(f"\n{r['machine'].get('gpu_name') or r['machine'].get('cpu_model')}, {r['dtype']}; copy bandwidth "
-          f"{r['measured_copy_bandwidth_gb_s']:.0f} GB/s measured, {r['hbm_spec_tb_s']} TB/s HBM spec")
+          f"{r['measured_copy_bandwidth_gb_s']:.0f} GB/s measured, {r['hbm_spec_tb_s']} TB/s HBM spec; engine decode "
+          f"attention: {r.get('engine_decode_attention')}")
     for name, m in r["models"].items():
         print(f"\n{name}: {m['weight_bytes_per_token'] / 1e9:.2f} GB of weights per token; ceiling "
               f"{m['ceiling_tok_s_hbm_spec']:.0f} tok/s (spec), {m['ceiling_tok_s_measured_bw']:.0f} (measured)")

@@ -11,7 +11,8 @@ row (B = 1, T = N total tokens) so the linear layers run once over all of them; 
   nothing precedes them, else over their gathered blocks with a causal mask offset by the cached prefix.
 
 With the native CPU kernels (model/kernels) the cache write is one call and every decode row attends in one
-call straight over its block table (no gather, no padding, no mask); prefill chunks still go through SDPA.
+call straight over its block table (no gather, no padding, no mask); on CUDA, with Triton, decode rows attend
+the same way (model/kernels/triton_attention.py). Prefill chunks go through SDPA on every path.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from torch import Tensor
 
 from model import kernels
 from model.attention import sdpa
+from model.kernels import triton_attention
 
 
 @dataclass
@@ -175,6 +177,11 @@ class PagedKVCache:
             return out
         k_pool.view(-1, K, E)[self.slot_mapping] = k[0]
         v_pool.view(-1, K, E)[self.slot_mapping] = v[0]
+        if len(self.decode_rows) and triton_attention.available(q, self.block_size):  # CUDA: no gather either
+            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # (1, N, H, E)
+            triton_attention.paged_decode_attention(q[0], k_pool, v_pool, self.decode_rows, self.decode_tables, self.decode_lens, out[0])
+            self._attend_prefills(q, k, v, k_pool, v_pool, out)
+            return out
         if self._decode_only:
             g = self.decode_groups[0]
             kd = k_pool.index_select(0, g.tables).view(g.num_rows, -1, K, E)  # (N, S, K, E)
