@@ -81,7 +81,8 @@ class PagedKVCache:
         self.num_blocks, self.block_size = num_blocks, block_size
         self.device = torch.device(device)
         self._num_tokens = 0
-        self._decode_only = False
+        self._decode: list[SeqSlice] = []
+        self._gather: tuple[list[_DecodeGroup], bool] | None = None
         self.pure_decode = False
 
     @classmethod
@@ -118,15 +119,7 @@ class PagedKVCache:
         self.decode_tables = torch.tensor([s.block_ids + [0] * (width - len(s.block_ids)) for s in decode],
                                           dtype=torch.long, device=dev).view(len(decode), width)
         self.decode_lens = torch.tensor([s.context_len for s in decode], dtype=torch.long, device=dev)
-        decode.sort(key=lambda s: -len(s.block_ids))
-        self.decode_groups: list[_DecodeGroup] = []
-        group: list[SeqSlice] = []
-        for s in decode + [None]:
-            if group and (s is None or len(s.block_ids) < GROUP_PAD_RATIO * len(group[0].block_ids)):
-                self.decode_groups.append(self._decode_group(group))
-                group = []
-            if s is not None:
-                group.append(s)
+        self._decode, self._gather = decode, None  # the gather path's groups: built on first use (`_gather_plan`)
         self.prefills: list[_Prefill] = []
         for s in seqs:
             if s.num_new == 1:
@@ -141,12 +134,24 @@ class PagedKVCache:
             mask = (torch.arange(s.context_len, device=dev) <= q_pos.unsqueeze(1))[None, None]  # (1, 1, n, ctx)
             self.prefills.append(_Prefill(s.start, s.start + s.num_new, s.context_len, blocks, mask))
         self.pure_decode = not self.prefills  # every sequence adds one token: Transformer's native decode path
-        # A pure decode step whose rows form one group in packed order (single stream; similar-length batches):
-        # attend() then works on views, without gathering q by row index or scattering into a fresh output.
-        self._decode_only = (
-            not self.prefills and len(self.decode_groups) == 1
-            and [s.start for s in decode] == list(range(len(decode)))
-        )
+
+    def _gather_plan(self) -> tuple[list[_DecodeGroup], bool]:
+        """Decode groups of similar context length for the gather + SDPA path, and whether the step is one group
+        in packed order (single stream; similar-length batches): attend() then works on views, without gathering
+        q by row index or scattering into a fresh output."""
+        if self._gather is None:
+            decode = sorted(self._decode, key=lambda s: -len(s.block_ids))
+            groups: list[_DecodeGroup] = []
+            group: list[SeqSlice] = []
+            for s in decode + [None]:
+                if group and (s is None or len(s.block_ids) < GROUP_PAD_RATIO * len(group[0].block_ids)):
+                    groups.append(self._decode_group(group))
+                    group = []
+                if s is not None:
+                    group.append(s)
+            decode_only = not self.prefills and len(groups) == 1 and [s.start for s in decode] == list(range(len(decode)))
+            self._gather = groups, decode_only
+        return self._gather
 
     def _decode_group(self, group: list[SeqSlice]) -> _DecodeGroup:
         dev, width = self.device, len(group[0].block_ids)
@@ -182,13 +187,14 @@ class PagedKVCache:
             triton_attention.paged_decode_attention(q[0], k_pool, v_pool, self.decode_rows, self.decode_tables, self.decode_lens, out[0])
             self._attend_prefills(q, k, v, k_pool, v_pool, out)
             return out
-        if self._decode_only:
-            g = self.decode_groups[0]
+        groups, decode_only = self._gather_plan()
+        if decode_only:
+            g = groups[0]
             kd = k_pool.index_select(0, g.tables).view(g.num_rows, -1, K, E)  # (N, S, K, E)
             vd = v_pool.index_select(0, g.tables).view(g.num_rows, -1, K, E)
             return sdpa(q.transpose(0, 1), kd, vd, g.mask).transpose(0, 1)  # (N, 1, H, E) -> (1, N, H, E)
         out = torch.empty_like(q)
-        for g in self.decode_groups:
+        for g in groups:
             kd = k_pool.index_select(0, g.tables).view(g.num_rows, -1, K, E)  # (Bg, S_g, K, E)
             vd = v_pool.index_select(0, g.tables).view(g.num_rows, -1, K, E)
             out[0, g.idx] = sdpa(q[0, g.idx].unsqueeze(1), kd, vd, g.mask).squeeze(1)  # (Bg, H, E)

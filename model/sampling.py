@@ -195,6 +195,14 @@ class _BatchParams:
                                  "with SamplingParams.make_generator(device)")
 
 
+def _plain_greedy(row: SamplingRow) -> bool:
+    """A greedy row that no processing step would change and that wants no logprobs."""
+    p = row.params
+    return (p.greedy and p.logprobs is None and not p.logit_bias and p.repetition_penalty == 1.0
+            and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
+            and not (row.stop_ids and len(row.output_token_ids) < p.min_tokens))
+
+
 def _pad_ids(seqs: list[Sequence[int]], pad: int, device: torch.device) -> Tensor:
     """Ragged id lists -> (B, L) long, padded with `pad` (the vocabulary size: a bin that is dropped)."""
     lengths = torch.tensor([len(s) for s in seqs], dtype=torch.long)  # (B,)
@@ -276,6 +284,12 @@ class Sampler:
     def __call__(self, logits: Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
         """logits (B, V) of any float dtype, one row per sequence -> next token and optional logprobs per row."""
         self._check(logits, rows)
+        if all(_plain_greedy(r) for r in rows):  # nothing to process: argmax of the raw logits, no copy
+            tokens = logits.argmax(dim=-1)  # (B,)
+            no_choice = ~torch.isfinite(logits.amax(dim=-1))  # (B,) NaN or all -inf: as below
+            if bool(no_choice.any()):
+                tokens = torch.where(no_choice, logits.float().nan_to_num(nan=_NEG_INF).argmax(dim=-1), tokens)
+            return SamplerOutput(token_ids=tokens.tolist(), logprobs=[None] * len(rows))
         bp = _BatchParams(rows, self.vocab_size, logits.device)
         want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
         raw_lp = torch.log_softmax(logits[want].float(), dim=-1) if want else None  # (B_lp, V), before anything

@@ -20,6 +20,7 @@ Weight names follow Meta's llama `model.py` (wq wk wv wo w1 w2 w3 attention_norm
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -215,7 +216,7 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(config.dim, config.norm_eps)
         self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
         self.quantization = "none"  # model/quantize.py's quantize_model sets "int8" / "int4"
-        self.native_decode: tuple[list[list[Tensor]], list[nn.Module]] | None = None  # see `_native_decode_layers`
+        self.native_decode: NativeDecode | None = None  # see `_native_decode_layers`
         self.tie_weights()
 
     def fuse_projections(self) -> "Transformer":
@@ -268,7 +269,7 @@ class Transformer(nn.Module):
         if native is not None:  # the same ops as the blocks below, composed in C++ (model/kernels/csrc/decode_layers.cpp)
             c, E = self.config, self.config.head_dim
             h = native.decode_layers(
-                h[0], self.native_decode[0], c.norm_eps, cos.view(-1, E), sin.view(-1, E), cache.k, cache.v,
+                h[0], self.native_decode.layers, c.norm_eps, cos.view(-1, E), sin.view(-1, E), cache.k, cache.v,
                 cache.slot_mapping, cache.decode_rows, cache.decode_tables, cache.decode_lens,
                 c.n_heads, kv_config(self).n_kv_heads, E,
             )[None]  # (1, N, D)
@@ -290,36 +291,40 @@ class Transformer(nn.Module):
             return None
         if self.native_decode is None:
             self.native_decode = _native_decode_layers(self)
-        layers, modules = self.native_decode
-        if not layers or h.shape[1] > min((m.max_kernel_rows for m in modules if isinstance(m, QuantLinear)), default=h.shape[1]):
+        nd = self.native_decode
+        if not nd.layers or h.shape[1] > min((m.max_kernel_rows for m in nd.quantized), default=h.shape[1]):
             return None
-        if nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks:
-            return None
-        if any(m._forward_hooks or m._forward_pre_hooks for m in modules):
+        if nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks or any(nd.hooks):
             return None
         return native
 
 
-def _native_decode_layers(model: Transformer) -> tuple[list[list[Tensor]], list[nn.Module]]:
-    """Per block [attention_norm, ffn_norm, then (a, b) for wqkv, wo, w13, w2] as `decode_layers` takes them, and
-    every module whose hooks would be skipped; no layers where a block is not in that form."""
-    none = torch.empty(0)
-    layers: list[list[Tensor]] = []
-    modules: list[nn.Module] = []
+@dataclass
+class NativeDecode:
+    layers: list[list[Tensor]]  # per block: [attention_norm, ffn_norm, then (a, b) for wqkv, wo, w13, w2]
+    quantized: list[nn.Module]  # the quantized layers, whose `max_kernel_rows` bounds the step's rows
+    hooks: list[dict]  # every block module's forward (pre-)hook dicts: hooks are never skipped
+
+
+def _native_decode_layers(model: Transformer) -> NativeDecode:
+    """The blocks' tensors as `decode_layers` takes them; no layers where a block is not in that form."""
+    nd = NativeDecode([], [], [])
     for layer in model.layers:
         att, ffn = layer.attention, layer.feed_forward
         if att.wqkv is None or ffn.w13 is None or layer.attention_norm.weight.dtype != model.dtype:
-            return [], []
+            return NativeDecode([], [], [])
         entry = [layer.attention_norm.weight.detach(), layer.ffn_norm.weight.detach()]
         for w in (att.wqkv, att.wo, ffn.w13, ffn.w2):
             spec = native_linear_spec(w)
             if spec is None:
-                return [], []
+                return NativeDecode([], [], [])
             entry += spec
-        layers.append(entry)
-        modules += list(layer.modules())
-    modules += [m for m in (model.output, model.norm) if isinstance(m, nn.Module)]
-    return layers, modules
+        nd.layers.append(entry)
+        for m in layer.modules():
+            nd.hooks += [m._forward_hooks, m._forward_pre_hooks]  # dicts that register_forward_hook fills in place
+            if isinstance(m, QuantLinear):
+                nd.quantized.append(m)
+    return nd
 
 
 def native_linear_spec(w: Tensor | nn.Module) -> list[Tensor] | None:
