@@ -5,7 +5,8 @@
 
 Prints, for the default model (SmolLM2-135M-Instruct Q4_1 GGUF, bfloat16) and a Llama-2-7B-shaped model with
 random bfloat16 weights (no checkpoint needed; HF transformers gets the very same tensors):
-- single-stream decode tok/s: the engine as it serves (eager, paged KV), and a static decoder over the same
+- single-stream decode tok/s: the engine as it serves (paged KV, decode steps as CUDA graphs per batch-size
+  bucket with the Triton paged-attention kernel), and a static decoder over the same
   `Transformer` modules with a static KV slab and the whole step (forward + greedy argmax + cache write) captured
   in one CUDA graph per batch size, so decode makes no host round trip; HF `generate` as the peer;
 - percent of the HBM ceiling: weight bytes per token / 4.8 TB/s (H200 spec) and / the copy bandwidth measured
@@ -170,11 +171,11 @@ def hf_twin(config: ModelConfig, dtype: torch.dtype, device: torch.device, seed:
     return hf, asm.finish()
 
 
-def _engine(model: Transformer, tokenizer, device: torch.device, max_seqs: int, kv_bytes: int):
+def _engine(model: Transformer, tokenizer, device: torch.device, max_seqs: int, kv_bytes: int, graphs: bool):
     from model.engine import Engine, EngineConfig
 
     return Engine(model, tokenizer, EngineConfig(kv_cache_bytes=kv_bytes, max_num_seqs=max_seqs,
-                                                 max_num_batched_tokens=4096))
+                                                 max_num_batched_tokens=4096, decode_graphs="auto" if graphs else "off"))
 
 
 def bench_model(name: str, model: Transformer, tokenizer, hf, args: argparse.Namespace, device: torch.device) -> dict:
@@ -185,9 +186,10 @@ def bench_model(name: str, model: Transformer, tokenizer, hf, args: argparse.Nam
     r: dict = {"weight_bytes_per_token": wbytes, "parameters": model.config.num_parameters()}
     max_len = args.prompt_len + args.new_tokens + 8
     use_graph = device.type == "cuda" and not args.no_graphs
-    # ---- engine, eager ----------------------------------------------------------------------------------------
+    # ---- engine, as it serves: on CUDA its decode steps replay CUDA graphs per batch-size bucket ---------------
     kv_bytes = min(args.kv_gb << 30, max(64 << 20, 2 * max(args.concurrency) * max_len * _kv_bytes_per_token(model)))
-    engine = _engine(model, tokenizer, device, max(args.concurrency), kv_bytes)
+    engine = _engine(model, tokenizer, device, max(args.concurrency), kv_bytes, not args.no_graphs)
+    r["engine_decode_graphs"] = engine.decode_graphs is not None
     ours.warm_up(engine, vocab)
     clock = Clock(device)
     single = ours.run_single(engine, prompts[0].tolist(), args.new_tokens, clock)
@@ -196,6 +198,9 @@ def bench_model(name: str, model: Transformer, tokenizer, hf, args: argparse.Nam
     for b in args.concurrency:
         res = ours.run_concurrent(engine, prompts[:b].tolist(), args.new_tokens, clock, tag=f"c{b}")
         r["engine_concurrent_tok_s"][b] = res.summary()["throughput_tok_s"]
+    if engine.decode_graphs is not None:
+        r["engine_graph_buckets"] = sorted(engine.decode_graphs.graphs)
+        r["engine_graph_buckets_failed"] = sorted(engine.decode_graphs.failed)
     del engine
     # ---- static decode, one CUDA graph per batch size ---------------------------------------------------------
     r["graph_tok_s"] = {}

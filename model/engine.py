@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from model.decode_graphs import DecodeGraphMode, DecodeGraphs
 from model.kv_cache_manager import KVCacheManager
 from model.paged_kv_cache import PagedKVCache, SeqSlice, kv_config
 from model.sampling import Sampler, SamplingParams, SamplingRow, TokenLogprobs, prompt_logprobs
@@ -36,6 +37,9 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's context length
     enable_prefix_caching: bool = True
     max_logprobs: int = 20
+    # Pure decode steps as CUDA graphs per batch-size bucket (model/decode_graphs.py): "auto" on CUDA with Triton,
+    # "off" (--enforce-eager), "eager" (the same static-buffer step without capture: for tests on CPU).
+    decode_graphs: DecodeGraphMode = "auto"
 
 
 @dataclass
@@ -93,8 +97,14 @@ class Engine:
         self.max_model_len = min(config.max_model_len or model.config.max_seq_len, model.config.max_seq_len)
         per_block = PagedKVCache.bytes_per_block(kv_config(model), config.block_size, model.dtype)  # per rank under TP
         num_blocks = config.num_blocks or max(1, config.kv_cache_bytes // per_block)
-        self.cache = PagedKVCache.for_model(model, num_blocks, config.block_size)
+        graphs = DecodeGraphs.enabled(config.decode_graphs, model, config.block_size)
+        # with decode graphs, one block more than the manager hands out: the padding rows' scratch block
+        self.cache = PagedKVCache.for_model(model, num_blocks + graphs, config.block_size)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.decode_graphs = DecodeGraphs(
+            model, self.cache, scratch_block=num_blocks, max_num_seqs=config.max_num_seqs,
+            max_blocks_per_seq=-(-self.max_model_len // config.block_size), capture=config.decode_graphs == "auto",
+        ) if graphs else None
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.max_waiting), self.kv
         )
@@ -222,13 +232,16 @@ class Engine:
                 sample_at.append((seq, len(logits_rows)))
                 logits_rows.append(offset + n - 1)
         dev = self.model.device
-        self.cache.set_step(slices)
-        logits = self.model(
-            torch.tensor([tokens], device=dev),
-            torch.tensor([positions], device=dev),
-            self.cache,
-            logits_indices=torch.tensor(logits_rows, dtype=torch.long, device=dev),
-        )[0].float()  # (M, V)
+        if self.decode_graphs is not None and not prompt_lp_at and self.decode_graphs.accepts(slices):
+            logits = self.decode_graphs.run(slices, tokens, positions).float()  # (M, V), one row per sequence
+        else:
+            self.cache.set_step(slices)
+            logits = self.model(
+                torch.tensor([tokens], device=dev),
+                torch.tensor([positions], device=dev),
+                self.cache,
+                logits_indices=torch.tensor(logits_rows, dtype=torch.long, device=dev),
+            )[0].float()  # (M, V)
         for s in scheduled:
             s.seq.num_computed_tokens += s.num_new_tokens
             self.kv.commit(s.seq)

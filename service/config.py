@@ -28,6 +28,7 @@ class Settings(BaseSettings):
     max_waiting: int = Field(256, description="queued sequences beyond which requests get 429")
     max_model_len: int | None = Field(None, description="context limit (default: the model's)")
     enable_prefix_caching: bool = Field(True, description="share KV blocks of equal prompt prefixes")
+    enforce_eager: bool = Field(False, description="never capture decode steps as CUDA graphs (on CUDA they are by default)")
     api_key: SecretStr | None = Field(None, description="require `Authorization: Bearer <key>` on every endpoint but /health")
     metrics_require_key: bool = Field(False, description="also require the API key on /metrics")
     max_body_bytes: int = Field(1 << 20, description="largest request body accepted (413 beyond)")

@@ -1,0 +1,56 @@
+"""The engine's static-buffer decode step (model/decode_graphs.py) without the CUDA capture: on CPU, "eager" mode
+runs exactly what a graph would replay (static buffers, bucket padding, the scratch block, attention reading block
+tables on the device) and must give the tokens the ordinary step gives."""
+
+from __future__ import annotations
+
+import pytest
+
+from model import kernels
+from model.engine import Engine, EngineConfig
+from model.sampling import SamplingParams
+from test_engine import _prompts, assert_pool_clean, greedy, run
+from tiny import byte_tokenizer, tiny_model
+
+pytestmark = pytest.mark.skipif(kernels.native() is None, reason=f"native kernels: {kernels.status()}")
+
+
+def _engine(mode: str, **kw) -> Engine:
+    cfg = dict(num_blocks=48, block_size=4, max_num_seqs=6, max_num_batched_tokens=40, decode_graphs=mode)
+    cfg.update(kw)
+    return Engine(tiny_model(), byte_tokenizer(), EngineConfig(**cfg))
+
+
+def test_static_decode_step_gives_the_ordinary_steps_tokens():
+    prompts = _prompts(7, seed=3, hi=25)
+    requests = {str(i): (p, greedy(12 + i)) for i, p in enumerate(prompts)}
+    arrive = {str(i): 2 * i for i in range(len(prompts))}  # batch sizes 1..6 come and go: every bucket, padded
+    eager = _engine("eager")
+    assert eager.decode_graphs is not None and eager.decode_graphs.buckets == [1, 2, 4, 8]
+    # the scratch block the padding rows write to is outside what the KV manager hands out
+    assert eager.cache.num_blocks == eager.kv.num_blocks + 1 == 49
+    calls = []
+    original = eager.decode_graphs.run
+    eager.decode_graphs.run = lambda *a: calls.append(len(a[0])) or original(*a)
+    got = run(eager, requests, arrive)
+    want = run(_engine("off"), requests, arrive)
+    assert {r: c[0]["tokens"] for r, c in got.items()} == {r: c[0]["tokens"] for r, c in want.items()}
+    assert len(calls) > 20 and set(calls) >= {1, 3, 5}  # it did run, at sizes that pad (3 -> 4, 5 -> 8)
+    assert_pool_clean(eager)
+
+
+def test_sampled_and_logprob_requests_take_the_static_step_too():
+    prompts = _prompts(3, seed=5)
+    params = SamplingParams(max_tokens=10, temperature=0.8, seed=7, logprobs=2)
+    requests = {str(i): (p, params) for i, p in enumerate(prompts)}
+    got, want = run(_engine("eager"), requests), run(_engine("off"), requests)
+    for r in requests:
+        assert got[r][0]["tokens"] == want[r][0]["tokens"]
+        assert [lp.logprob for lp in got[r][0]["logprobs"]] == pytest.approx([lp.logprob for lp in want[r][0]["logprobs"]], abs=1e-4)
+
+
+def test_auto_captures_only_on_cuda():
+    assert _engine("auto").decode_graphs is None  # CPU: the one-call native step serves decode instead
+    assert _engine("off").decode_graphs is None
+    off = _engine("off")
+    assert off.cache.num_blocks == off.kv.num_blocks
