@@ -286,7 +286,8 @@ class Sampler:
         self._check(logits, rows)
         if all(_plain_greedy(r) for r in rows):  # nothing to process: argmax of the raw logits, no copy
             tokens = logits.argmax(dim=-1)  # (B,)
-            no_choice = ~torch.isfinite(logits.amax(dim=-1))  # (B,) NaN or all -inf: as below
+            # argmax prefers NaN, and picks an -inf only when all are: its own value tells (as below, one read)
+            no_choice = ~torch.isfinite(logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1))  # (B,)
             if bool(no_choice.any()):
                 tokens = torch.where(no_choice, logits.float().nan_to_num(nan=_NEG_INF).argmax(dim=-1), tokens)
             return SamplerOutput(token_ids=tokens.tolist(), logprobs=[None] * len(rows))

@@ -263,6 +263,9 @@ def test_nothing_left_to_sample_falls_back_to_raw_argmax():
     nan_row = torch.full((1, V), float("nan"))
     nan_row[0, 9] = 1.0
     assert Sampler(V)(nan_row, [make_row(SamplingParams())]).token_ids == [9]
+    # greedy rows with nothing to process take the no-copy path: the same answers
+    assert Sampler(V)(nan_row, [make_row(SamplingParams(temperature=0.0))]).token_ids == [9]
+    assert Sampler(V)(logits, [make_row(SamplingParams(temperature=0.0))] * 3).token_ids == logits.argmax(-1).tolist()
 
 
 def check_logprobs(got, lp_row, tok: int, k: int) -> None:

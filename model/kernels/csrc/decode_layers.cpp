@@ -40,6 +40,7 @@ torch::Tensor decode_layers(torch::Tensor h, const std::vector<std::vector<torch
                             const torch::Tensor& tables, const torch::Tensor& lens, int64_t H, int64_t K, int64_t E) {
   TORCH_CHECK(h.dim() == 2 && k_pools.size(0) == static_cast<int64_t>(layers.size()), "decode_layers: shapes");
   const int64_t N = h.size(0);
+  h = h.clone();  // the residual stream is updated in place from here on; the caller's tensor stays as it was
   for (size_t l = 0; l < layers.size(); ++l) {
     const auto& w = layers[l];
     TORCH_CHECK(w.size() == 10, "decode_layers: 10 tensors per block");
@@ -51,9 +52,9 @@ torch::Tensor decode_layers(torch::Tensor h, const std::vector<std::vector<torch
     paged_write(k, v, k_pool, v_pool, slots);
     auto att = torch::empty({N, H, E}, h.options());
     paged_decode_attention(q, k_pool, v_pool, rows, tables, lens, att);
-    h = h + linear(att.view({N, H * E}), w[4], w[5]);
+    h.add_(linear(att.view({N, H * E}), w[4], w[5]));
     // feed-forward: h + w2(silu(w1 x) * w3 x), x = norm(h)
-    h = h + linear(silu_mul(linear(rms_norm(h, w[1], eps), w[6], w[7])), w[8], w[9]);
+    h.add_(linear(silu_mul(linear(rms_norm(h, w[1], eps), w[6], w[7])), w[8], w[9]));
   }
   return h;
 }
