@@ -207,8 +207,9 @@ def test_perplexity_of_a_quantized_model_and_its_kernel_path():
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_default_model_quantized_answers_the_chat_prompt(mode, capsys):
     """int8 answers "The capital of France is Paris." as float32 does. The first token is a near-tie in float32
-    ("The" 0.152, "L" 0.140), and int4 (its blocks are the file's own, but the head's int8 kernel rounds activations
-    and logits to bfloat16) picks "L" ("L'Étoile, ..."): either of the two is a faithful greedy choice."""
+    ("The" 0.152, "L" 0.140): int4 (its blocks are the file's own) answers "The capital of France is Paris." with the
+    native kernels and "L'Étoile, ..." with PyTorch's packed kernels (bfloat16 activations and logits in the head):
+    either of the two is a faithful greedy choice."""
     from model.generate import main
 
     assert main(["--chat", "What is the capital of France?", "--max-tokens", "8", "--quantization", mode, "--device", "cpu"]) == 0
