@@ -11,12 +11,10 @@ import torch.nn.functional as F
 
 from model import kernels
 from model.attention import sdpa
-from model.engine import Engine, EngineConfig
 from model.paged_kv_cache import PagedKVCache, SeqSlice
 from model.quantize import Int4Linear, Int8Linear, quantize_model, round_activations
-from model.sampling import SamplingParams
 from model.transformer import RMSNorm, apply_rotary_tables, rotary_tables
-from tiny import byte_tokenizer, tiny_model
+from tiny import greedy_tokens, tiny_model
 
 native = kernels.native()
 pytestmark = pytest.mark.skipif(native is None, reason=f"native kernels: {kernels.status()}")
@@ -144,17 +142,6 @@ def test_int4_q4_0_offsets_and_rounding_ties():
 # ---- the native decode step ----------------------------------------------------------------------------------
 
 
-def _generate(model, prompts: list[list[int]], n: int = 10) -> list[list[int]]:
-    engine = Engine(model, byte_tokenizer(), EngineConfig(num_blocks=64, block_size=4, max_num_batched_tokens=64))
-    for i, p in enumerate(prompts):
-        engine.add_request(str(i), p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
-    out: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
-    while engine.has_unfinished():
-        for o in engine.step():
-            out[o.request_id] += o.token_ids
-    return [out[str(i)] for i in range(len(prompts))]
-
-
 def _decode_step_logits(model, use_native: bool) -> torch.Tensor:
     """Two sequences' prefill (module path), then one pure decode step; its logits."""
     cache = PagedKVCache.for_model(model, num_blocks=16, block_size=4)
@@ -180,16 +167,16 @@ def test_native_decode_step_equals_the_module_path(mode, dtype):
         handle.remove()
     assert torch.equal(fast, slow)
     prompts = [[5, 9, 2, 7, 1] * k for k in (1, 3, 7)]
-    together = _generate(model, prompts)
-    assert together == [_generate(model, [p])[0] for p in prompts]  # batched == one at a time
+    together = greedy_tokens(model, prompts)
+    assert together == [greedy_tokens(model, [p])[0] for p in prompts]  # batched == one at a time
 
 
 def test_native_and_pytorch_paths_agree_on_greedy_tokens():
     model = tiny_model()
     prompts = [[5, 9, 2, 7, 1] * k for k in (1, 3, 7)]
-    fast = _generate(model, prompts, n=16)
+    fast = greedy_tokens(model, prompts, n=16)
     with kernels.disabled():
-        assert _generate(model, prompts, n=16) == fast
+        assert greedy_tokens(model, prompts, n=16) == fast
 
 
 def test_hooks_see_every_block_of_a_decode_step():
@@ -197,7 +184,7 @@ def test_hooks_see_every_block_of_a_decode_step():
     model = tiny_model()
     calls: list[int] = []
     handle = model.layers[1].feed_forward.w2.register_forward_hook(lambda m, i, o: calls.append(i[0].shape[1]))
-    _generate(model, [[1, 2, 3]], n=4)
+    greedy_tokens(model, [[1, 2, 3]], n=4)
     handle.remove()
     assert calls == [3, 1, 1, 1]  # the prefill, then three decode steps (the fourth token needs no forward)
 
@@ -214,7 +201,7 @@ def test_off_and_unavailable_fall_back_to_pytorch(monkeypatch):
     assert kernels.native() is None
     assert kernels.status() == "unavailable: OSError: no C++ compiler"
     model = tiny_model()
-    assert _generate(model, [[1, 2, 3]], n=3)  # serves on the PyTorch ops
+    assert greedy_tokens(model, [[1, 2, 3]], n=3)  # serves on the PyTorch ops
 
 
 def test_env_var_turns_the_kernels_off(tmp_path):

@@ -12,14 +12,12 @@ from gguf.quants import dequantize, quantize
 
 from conftest import save_tiny_llama
 from gguf_writer import write_tiny_gguf
-from model.engine import Engine, EngineConfig
 from model.loaders.gguf_file import load_gguf
 from model.loaders.hf import load_hf
 from model import kernels
 from model.quantize import Int4Linear, Int8Linear, QuantLinear, gguf_q4_groups, linear_weights, quantize_model, round_activations
-from model.sampling import SamplingParams
 from test_parity_hf import _prompts
-from tiny import byte_tokenizer, tiny_model
+from tiny import greedy_tokens, tiny_model
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -166,18 +164,8 @@ def test_engine_decodes_a_quantized_model_like_one_at_a_time(mode, backend):
     model = quantize_model(tiny_model(), mode)
     prompts = [[5, 9, 2, 7, 1] * k for k in (1, 3, 7)]
 
-    def run(batch: list[list[int]]) -> list[list[int]]:
-        engine = Engine(model, byte_tokenizer(), EngineConfig(num_blocks=64, max_num_batched_tokens=64))
-        for i, p in enumerate(batch):
-            engine.add_request(str(i), p, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
-        out: dict[str, list[int]] = {str(i): [] for i in range(len(batch))}
-        while engine.has_unfinished():
-            for o in engine.step():
-                out[o.request_id] += o.token_ids
-        return [out[str(i)] for i in range(len(batch))]
-
-    together = run(prompts)
-    assert together == [run([p])[0] for p in prompts]
+    together = greedy_tokens(model, prompts, 12, block_size=16)
+    assert together == [greedy_tokens(model, [p], 12, block_size=16)[0] for p in prompts]
 
 
 def test_quantization_refuses_a_non_cpu_model_and_unknown_modes():

@@ -25,3 +25,18 @@ def tiny_model(seed: int = 0, dtype=torch.float32, **overrides) -> Transformer:
             p.normal_(0, 0.3 if p.ndim > 1 else 1.0)
         model.tie_weights()
     return model.to(dtype).eval().requires_grad_(False).fuse_projections()
+
+
+def greedy_tokens(model: Transformer, prompts: list[list[int]], n: int = 10, **config) -> list[list[int]]:
+    """Each prompt's first `n` greedy tokens (EOS ignored), all prompts submitted to one engine at once."""
+    from model.engine import Engine, EngineConfig
+    from model.sampling import SamplingParams
+
+    engine = Engine(model, byte_tokenizer(), EngineConfig(**{"num_blocks": 64, "block_size": 4, "max_num_batched_tokens": 64, **config}))
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+    out: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
+    while engine.has_unfinished():
+        for o in engine.step():
+            out[o.request_id] += o.token_ids
+    return [out[str(i)] for i in range(len(prompts))]

@@ -14,10 +14,8 @@ import torch  # noqa: E402
 
 from model import kernels  # noqa: E402
 from model.attention import sdpa  # noqa: E402
-from model.engine import Engine, EngineConfig  # noqa: E402
 from model.kernels import triton_attention  # noqa: E402
-from model.sampling import SamplingParams  # noqa: E402
-from tiny import byte_tokenizer, tiny_model  # noqa: E402
+from tiny import greedy_tokens, tiny_model  # noqa: E402
 
 
 def kernel_vs_sdpa(dtype: torch.dtype, H: int, K: int, E: int, bs: int) -> float:
@@ -50,17 +48,6 @@ def kernel_vs_sdpa(dtype: torch.dtype, H: int, K: int, E: int, bs: int) -> float
     return err
 
 
-def generate(model, prompts: list[list[int]], n: int = 8) -> list[list[int]]:
-    engine = Engine(model, byte_tokenizer(), EngineConfig(num_blocks=64, block_size=4, max_num_batched_tokens=64))
-    for i, p in enumerate(prompts):
-        engine.add_request(str(i), p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
-    out: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
-    while engine.has_unfinished():
-        for o in engine.step():
-            out[o.request_id] += o.token_ids
-    return [out[str(i)] for i in range(len(prompts))]
-
-
 def main() -> None:
     for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
         for H, K, E, bs in ((6, 2, 64, 4), (4, 1, 128, 16), (3, 3, 64, 8), (4, 2, 24, 4)):
@@ -72,11 +59,11 @@ def main() -> None:
     model, prompts = tiny_model(), [[5, 9, 2, 7, 1] * k for k in (1, 3, 7)]
     with kernels.disabled():
         assert triton_attention.available(torch.zeros(1), 4)
-        on_triton = generate(model, prompts)
-        assert on_triton == [generate(model, [p])[0] for p in prompts]
+        on_triton = greedy_tokens(model, prompts)
+        assert on_triton == [greedy_tokens(model, [p])[0] for p in prompts]
         os.environ["TRITON_INTERPRET"] = "0"  # available() -> False: the gather + SDPA path
         assert not triton_attention.available(torch.zeros(1), 4)
-        assert generate(model, prompts) == on_triton
+        assert greedy_tokens(model, prompts) == on_triton
     print("engine tokens: Triton path == gather path, batched == alone")
 
 

@@ -5,24 +5,11 @@
 // paged_decode_attention, silu_mul) one module call at a time; at the default model's size that per-call cost
 // (about 20 calls and 10 microseconds each per block) is a third of a quantized decode step, so the engine's
 // decode steps come here instead. Prefill and mixed steps, inspection and tensor-parallel ranks keep the modules.
-#include <vector>
-
-#include "simd.h"
+#include "ops.h"
 
 namespace ls {
 
-torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps);
-torch::Tensor silu_mul(const torch::Tensor& gu);
-void rope_(torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& ssin, int64_t n_rot);
-void paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tensor& v_pool,
-                            const torch::Tensor& rows, const torch::Tensor& tables, const torch::Tensor& lens,
-                            torch::Tensor& out);
-void paged_write(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& k_pool, torch::Tensor& v_pool,
-                 const torch::Tensor& slots);
-torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& nibbles, const torch::Tensor& dm);
-torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scales);
-
-// y = x W^T for W as model/quantize.py's `apply_linear` sees it: a float weight (N, K) (b undefined), int4
+// y = x W^T for W as model/quantize.py's `apply_linear` sees it: a float weight (N, K) (b empty), int4
 // (a = nibbles uint8, b = dm float16) or int8 (a = weight int8, b = scales), the quantized ones through the
 // few-row kernels on float32 activations, as `QuantLinear.forward` does below its `max_kernel_rows`.
 static torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& a, const torch::Tensor& b) {

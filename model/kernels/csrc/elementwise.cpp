@@ -2,7 +2,7 @@
 // Each replaces a chain of 4-8 eager torch ops (and their temporaries) with one pass over the row, rounding the
 // intermediates to the activation dtype where the torch chain does, so float32 agrees with it to rounding order
 // and bfloat16 to one ulp.
-#include "simd.h"
+#include "ops.h"
 
 namespace ls {
 

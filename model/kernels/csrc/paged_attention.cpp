@@ -4,7 +4,7 @@
 // heads (Ainslie et al. 2023): query head h reads KV head h / (H / K), as SDPA's enable_gqa does.
 #include <vector>
 
-#include "simd.h"
+#include "ops.h"
 
 namespace ls {
 

@@ -11,7 +11,7 @@
 //   int8  w (N, K) int8, scales (N,) bfloat16: w[n, k] = q[n, k] * s[n]   (symmetric, per output channel)
 #include <vector>
 
-#include "simd.h"
+#include "ops.h"
 
 namespace ls {
 
