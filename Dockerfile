@@ -29,7 +29,8 @@ RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /
 ENV LLAMASCOPE_KERNELS_DIR=/opt/llamascope/kernels
 WORKDIR /src
 COPY model ./model
-RUN python -m model.kernels
+# --allow-failure: an image whose kernels did not build still serves, on PyTorch ops (its model-load log says so)
+RUN mkdir -p /opt/llamascope/kernels && python -m model.kernels --allow-failure
 
 # ---- final -----------------------------------------------------------------------------------------------
 # hadolint ignore=DL3006

@@ -13,9 +13,13 @@ namespace ls {
 // (a = nibbles uint8, b = dm float16) or int8 (a = weight int8, b = scales), the quantized ones through the
 // few-row kernels on float32 activations, as `QuantLinear.forward` does below its `max_kernel_rows`.
 static torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& a, const torch::Tensor& b) {
-  if (a.scalar_type() == at::kByte) return int4_linear(x.to(at::kFloat).contiguous(), a, b).to(x.scalar_type());
-  if (a.scalar_type() == at::kChar) return int8_linear(x.to(at::kFloat).contiguous(), a, b).to(x.scalar_type());
-  return at::linear(x, a);
+  const bool quantized = a.scalar_type() == at::kByte || a.scalar_type() == at::kChar;
+  if (!quantized) return at::linear(x, a);
+  // float32 activations for the kernels; no conversion calls at all when they already are (the float32 model)
+  const bool as_is = x.scalar_type() == at::kFloat && x.is_contiguous();
+  const torch::Tensor xf = as_is ? x : x.to(at::kFloat).contiguous();
+  torch::Tensor y = a.scalar_type() == at::kByte ? int4_linear(xf, a, b) : int8_linear(xf, a, b);
+  return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
 }
 
 // h (N, D) the residual stream of N decode rows; layers: per block [attention_norm, ffn_norm, wqkv a, b, wo a, b,
