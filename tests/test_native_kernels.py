@@ -212,3 +212,23 @@ def test_env_var_turns_the_kernels_off(tmp_path):
     env = {**__import__("os").environ, "LLAMASCOPE_NATIVE_KERNELS": "0"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "off"
+
+
+def test_a_stale_build_lock_is_cleared(tmp_path, monkeypatch):
+    """A build killed mid-way leaves cpp_extension's lock file, which later builds would wait on forever."""
+    import os
+    import time
+
+    from torch.utils import cpp_extension
+
+    monkeypatch.setenv("LLAMASCOPE_KERNELS_DIR", str(tmp_path))
+    lock = tmp_path / kernels.module_name() / "lock"
+    lock.parent.mkdir(parents=True)
+    lock.touch()
+    os.utime(lock, (time.time() - 3600, time.time() - 3600))
+    seen = []
+    monkeypatch.setattr(cpp_extension, "load", lambda **kw: seen.append((kw["name"], lock.exists())) or "built")
+    assert kernels.build() == "built" and seen == [(kernels.module_name(), False)]
+    lock.touch()  # a fresh lock is another build in progress: left alone
+    kernels.build()
+    assert seen[-1] == (kernels.module_name(), True)

@@ -29,6 +29,7 @@ import importlib.util
 import logging
 import os
 import threading
+import time
 from pathlib import Path
 from types import ModuleType
 from typing import Iterator
@@ -42,6 +43,7 @@ NAME = "llamascope_kernels"
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = ("bindings.cpp", "elementwise.cpp", "paged_attention.cpp", "quant_linear.cpp", "decode_layers.cpp")
 
+STALE_LOCK_SECONDS = 600
 _lock = threading.Lock()
 _enabled = os.environ.get(ENV_VAR, "1").strip().lower() not in ("0", "false", "off", "no")
 _module: ModuleType | None = None
@@ -80,6 +82,12 @@ def build(verbose: bool = False) -> ModuleType:
 
     name, directory = module_name(), build_dir() / module_name()
     directory.mkdir(parents=True, exist_ok=True)
+    # cpp_extension serializes builds with a lock file and waits on it forever: one left by a killed build
+    # (no build takes 10 minutes) would hang every later start.
+    lock = directory / "lock"
+    if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_SECONDS:
+        log.warning("removing a stale kernel build lock %s", lock)
+        lock.unlink(missing_ok=True)
     return cpp_extension.load(
         name=name,
         sources=[str(CSRC / s) for s in SOURCES],
