@@ -174,8 +174,10 @@ def hf_twin(config: ModelConfig, dtype: torch.dtype, device: torch.device, seed:
 def _engine(model: Transformer, tokenizer, device: torch.device, max_seqs: int, kv_bytes: int, graphs: bool):
     from model.engine import Engine, EngineConfig
 
+    # on CPU (--dry-run) "eager": the static-buffer decode step without capture, so the dry run covers that path too
+    mode = ("auto" if device.type == "cuda" else "eager") if graphs else "off"
     return Engine(model, tokenizer, EngineConfig(kv_cache_bytes=kv_bytes, max_num_seqs=max_seqs,
-                                                 max_num_batched_tokens=4096, decode_graphs="auto" if graphs else "off"))
+                                                 max_num_batched_tokens=4096, decode_graphs=mode))
 
 
 def bench_model(name: str, model: Transformer, tokenizer, hf, args: argparse.Namespace, device: torch.device) -> dict:
@@ -201,6 +203,13 @@ def bench_model(name: str, model: Transformer, tokenizer, hf, args: argparse.Nam
     if engine.decode_graphs is not None:
         r["engine_graph_buckets"] = sorted(engine.decode_graphs.graphs)
         r["engine_graph_buckets_failed"] = sorted(engine.decode_graphs.failed)
+        # the same request without graphs (and without the Triton kernel's replay): the tokens should agree
+        eager = _engine(model, tokenizer, device, 1, 64 << 20, graphs=False)
+        ours.warm_up(eager, vocab)
+        eager_single = ours.run_single(eager, prompts[0].tolist(), args.new_tokens, clock)
+        r["engine_eager_single_tok_s"] = eager_single.decode_tok_s
+        r["engine_graph_tokens_equal_eager"] = eager_single.token_ids == single.token_ids
+        del eager
     del engine
     # ---- static decode, one CUDA graph per batch size ---------------------------------------------------------
     r["graph_tok_s"] = {}
