@@ -25,7 +25,7 @@ from torch import Tensor
 
 from model import kernels
 from model.kernels import triton_attention
-from model.paged_kv_cache import PagedKVCache, SeqSlice
+from model.paged_kv_cache import PagedKVCache, SeqSlice, decode_attention_kernel, write_kv
 
 log = logging.getLogger("llamascope.engine")
 
@@ -44,15 +44,11 @@ class _StaticDecodeContext:
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """q (1, B, H, E), k/v (1, B, K, E) -> (1, B, H, E), writing k/v into their slots first."""
-        K, E = k.shape[2], k.shape[3]
         k_pool, v_pool = self.cache.k[layer], self.cache.v[layer]  # (NB, bs, K, E)
-        k_pool.view(-1, K, E)[self.slots] = k[0]
-        v_pool.view(-1, K, E)[self.slots] = v[0]
+        write_kv(k_pool, v_pool, self.slots, k[0], v[0])
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        if q.is_cuda:
-            triton_attention.paged_decode_attention(q[0], k_pool, v_pool, self.rows, self.tables, self.lens, out[0])
-        else:
-            kernels.native().paged_decode_attention(q[0], k_pool, v_pool, self.rows, self.tables, self.lens, out[0])
+        attend_decode = decode_attention_kernel(q, k_pool, self.cache.block_size)  # `enabled` made sure there is one
+        attend_decode(q[0], k_pool, v_pool, self.rows, self.tables, self.lens, out[0])
         return out
 
 

@@ -58,6 +58,29 @@ class _Prefill:
     mask: Tensor | None  # (1, 1, n, context_len)
 
 
+def decode_attention_kernel(q: Tensor, k_pool: Tensor, block_size: int):
+    """The kernel that attends decode rows over their block tables in place, for q's device and dtype: the native
+    CPU one, or Triton's on CUDA; None where neither applies (the gather + SDPA path then runs). Both take
+    (q (N, H, E), k_pool, v_pool, rows (R,), tables (R, W), lens (R,), out (N, H, E))."""
+    native = kernels.usable(q)
+    if native is not None and q.dtype == k_pool.dtype:
+        return native.paged_decode_attention
+    if triton_attention.available(q, block_size):
+        return triton_attention.paged_decode_attention
+    return None
+
+
+def write_kv(k_pool: Tensor, v_pool: Tensor, slots: Tensor, k: Tensor, v: Tensor) -> None:
+    """Write one step's k, v (N, K, E) into their pool slots (N,) (block * block_size + offset)."""
+    native = kernels.usable(k)
+    if native is not None and k.dtype == k_pool.dtype:
+        native.paged_write(k, v, k_pool, v_pool, slots)
+    else:
+        K, E = k.shape[-2], k.shape[-1]
+        k_pool.view(-1, K, E)[slots] = k
+        v_pool.view(-1, K, E)[slots] = v
+
+
 def kv_config(model):
     """The config whose KV heads a model's cache holds: its own, or a tensor-parallel rank's share of them."""
     return getattr(model, "kv_config", model.config)
@@ -172,19 +195,12 @@ class PagedKVCache:
         """q (1, N, H, E), k/v (1, N, K, E) -> (1, N, H, E); writes k/v into their slots first."""
         K, E = k.shape[2], k.shape[3]
         k_pool, v_pool = self.k[layer], self.v[layer]  # (NB, bs, K, E)
-        native = kernels.usable(q)
-        if native is not None and q.dtype == k_pool.dtype:
-            native.paged_write(k[0], v[0], k_pool, v_pool, self.slot_mapping)
+        write_kv(k_pool, v_pool, self.slot_mapping, k[0], v[0])
+        attend_decode = decode_attention_kernel(q, k_pool, self.block_size)
+        if attend_decode is not None:  # every decode row straight over its block table: no gather
             out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # (1, N, H, E)
             if len(self.decode_rows):
-                native.paged_decode_attention(q[0], k_pool, v_pool, self.decode_rows, self.decode_tables, self.decode_lens, out[0])
-            self._attend_prefills(q, k, v, k_pool, v_pool, out)
-            return out
-        k_pool.view(-1, K, E)[self.slot_mapping] = k[0]
-        v_pool.view(-1, K, E)[self.slot_mapping] = v[0]
-        if len(self.decode_rows) and triton_attention.available(q, self.block_size):  # CUDA: no gather either
-            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # (1, N, H, E)
-            triton_attention.paged_decode_attention(q[0], k_pool, v_pool, self.decode_rows, self.decode_tables, self.decode_lens, out[0])
+                attend_decode(q[0], k_pool, v_pool, self.decode_rows, self.decode_tables, self.decode_lens, out[0])
             self._attend_prefills(q, k, v, k_pool, v_pool, out)
             return out
         groups, decode_only = self._gather_plan()
