@@ -17,11 +17,12 @@ Kernels for few rows (decode), by what the machine has:
             `torch.ops.aten._weight_int8pack_mm` and `_weight_int4pack_mm_for_cpu` (groups of 32, scale and zero
             z = m + 8 d in bfloat16; its packing is built on first use), both fast only with bfloat16 activations
 
-Per-phase compute: the packed kernels are bandwidth kernels. With many rows (prefill) float32 GEMM is several
-times faster on AVX2 than either kernel, so above `max_kernel_rows` rows a layer dequantizes its weight to
-float32 and runs `F.linear` in float32, whatever the activation dtype (a transient copy of one matrix, amortized
-over the rows; bfloat16 GEMM with many rows is the slowest option on AVX2). So `--dtype bfloat16 --quantization
-int8` decodes with bfloat16 activations (no casts around the kernels, half the KV bytes) and prefills in float32.
+Per-phase compute: the few-row kernels are bandwidth kernels. With many rows (prefill) float32 GEMM is several
+times faster on AVX2 than either kind, so above `max_kernel_rows` rows a layer dequantizes its weight to float32
+and runs `F.linear` in float32, whatever the activation dtype (a transient copy of one matrix, amortized over the
+rows; bfloat16 GEMM with many rows is the slowest option on AVX2), over activations rounded as the native kernel
+rounds them when that is the decode kernel. So `--dtype bfloat16 --quantization int8` decodes with bfloat16
+activations and KV cache (half the KV bytes) and prefills in float32.
 """
 
 from __future__ import annotations
