@@ -17,7 +17,7 @@ import statistics
 import torch
 
 from model import kernels
-from model.quantize import MAX_KERNEL_ROWS, QuantLinear, apply_linear, decode_bytes, linear_weights
+from model.quantize import QuantLinear, apply_linear, decode_bytes, linear_weights
 from model.transformer import Transformer
 
 
@@ -34,10 +34,10 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def _matmul(w, native):
+def _matmul(w, native, rows: int):
     """x -> x W^T as a decode step runs it: the native kernel called directly where the step's native path calls
     it from C++ (no module call around it), else the model's own layer."""
-    if native is not None and isinstance(w, QuantLinear) and w.native_buffers() is not None:
+    if native is not None and isinstance(w, QuantLinear) and w.native_buffers() is not None and rows <= w.kernel_row_limit(True):
         return lambda x: w._native(native, x.view(-1, w.in_features).float())
     return lambda x: apply_linear(x, w)
 
@@ -46,8 +46,8 @@ def time_matmuls(model: Transformer, rows: int, reps: int) -> float:
     """Seconds for one pass of `rows` tokens through every weight matrix, as the model multiplies by it."""
     ws, device = linear_weights(model), model.device
     xs = {k: torch.randn(1, rows, k, dtype=model.dtype, device=device) for k in {_in_features(w) for w in ws}}
-    native = kernels.native() if device.type == "cpu" and rows <= MAX_KERNEL_ROWS else None
-    calls = [(_matmul(w, native), xs[_in_features(w)]) for w in ws]
+    native = kernels.native() if device.type == "cpu" else None
+    calls = [(_matmul(w, native, rows), xs[_in_features(w)]) for w in ws]
     with torch.inference_mode():
         for f, x in calls:  # warm-up
             f(x)

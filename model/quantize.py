@@ -18,7 +18,8 @@ Kernels for few rows (decode), by what the machine has:
             z = m + 8 d in bfloat16; its packing is built on first use), both fast only with bfloat16 activations
 
 Per-phase compute: the few-row kernels are bandwidth kernels. With many rows (prefill) float32 GEMM is several
-times faster on AVX2 than either kind, so above `max_kernel_rows` rows a layer dequantizes its weight to float32
+times faster on AVX2 than either kind, so above `kernel_row_limit` rows (16 for PyTorch's kernels, 80 for the
+native ones) a layer dequantizes its weight to float32
 and runs `F.linear` in float32, whatever the activation dtype (a transient copy of one matrix, amortized over the
 rows; bfloat16 GEMM with many rows is the slowest option on AVX2), over activations rounded as the native kernel
 rounds them when that is the decode kernel. So `--dtype bfloat16 --quantization int8` decodes with bfloat16
@@ -40,7 +41,12 @@ Quantization = Literal["none", "int8", "int4"]
 QUANTIZATIONS: tuple[str, ...] = ("none", "int8", "int4")
 GROUP_SIZE = 32  # int4 group along the input dim; GGUF Q4_0/Q4_1 blocks hold 32 weights
 KERNEL_DTYPE = torch.bfloat16  # activations, scales and zeros as PyTorch's packed CPU kernels take them fastest
-MAX_KERNEL_ROWS = 16  # rows at or below which the packed kernel runs; above, dequantize + float GEMM
+MAX_KERNEL_ROWS = 16  # rows at or below which PyTorch's packed kernel runs; above, dequantize + float GEMM
+# The native kernels' cost grows with the rows (about 4 ms a row for a whole int4 forward on 2 threads here), the
+# many-row path's is mostly fixed (about 160 ms: the native dequantization of every matrix, then float32 GEMM):
+# `python -m benchmarks.kernel_rows` gave int4 38 vs 168 ms at 8 rows, 261 vs 288 at 64, 521 vs 417 at 128, so the
+# kernels serve up to 80 rows (prompts up to 80 tokens, batches of up to 80 decode rows).
+MAX_NATIVE_KERNEL_ROWS = 80
 
 
 class QuantLinear(nn.Module):
@@ -49,12 +55,12 @@ class QuantLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
-        self.max_kernel_rows = MAX_KERNEL_ROWS
+        self.max_kernel_rows: int | None = None  # None: the kernel kind's own limit (`kernel_row_limit`)
 
     def forward(self, x: Tensor) -> Tensor:  # (..., in) -> (..., out)
         x2 = x.reshape(-1, self.in_features)  # (M, in)
         native = kernels.native() if x.device.type == "cpu" and self.in_features % GROUP_SIZE == 0 else None
-        if x2.shape[0] <= self.max_kernel_rows:
+        if x2.shape[0] <= self.kernel_row_limit(native is not None):
             if native is not None:
                 y = self._native(native, x2.float().contiguous())  # (M, out)
             else:
@@ -66,6 +72,12 @@ class QuantLinear(nn.Module):
             xf = round_activations(x2.float()) if native is not None else x2.float()
             y = F.linear(xf, self.dequantize(torch.float32))
         return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+
+    def kernel_row_limit(self, native: bool) -> int:
+        """Rows up to which the few-row kernel runs (above: dequantize + float GEMM)."""
+        if self.max_kernel_rows is not None:
+            return self.max_kernel_rows
+        return MAX_NATIVE_KERNEL_ROWS if native else MAX_KERNEL_ROWS
 
     def _native(self, native, x: Tensor) -> Tensor:  # (M, in) float32 -> (M, out) float32, model/kernels
         raise NotImplementedError
@@ -119,6 +131,9 @@ class Int8Linear(QuantLinear):
         return torch.ops.aten._weight_int8pack_mm(x, self.weight, self.scales)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
+        native = kernels.native() if dtype == torch.float32 and self.weight.device.type == "cpu" else None
+        if native is not None:  # the same values in one pass (the many-row path calls this every forward)
+            return native.int8_dequantize(self.weight, self.scales)
         return (self.weight.to(dtype) * self.scales.to(dtype)[:, None]).to(dtype)
 
     @property
@@ -189,6 +204,9 @@ class Int4Linear(QuantLinear):
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, GROUP_SIZE, scales_and_zeros)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
+        native = kernels.native() if dtype == torch.float32 and self.nibbles.device.type == "cpu" else None
+        if native is not None:  # the same values in one pass (the many-row path calls this every forward)
+            return native.int4_dequantize(self.nibbles, self.dm)
         q, d, m = self.unpacked()
         N, K = q.shape
         g = q.reshape(N, K // GROUP_SIZE, GROUP_SIZE).float() * d[..., None] + m[..., None]

@@ -292,7 +292,7 @@ class Transformer(nn.Module):
         if self.native_decode is None:
             self.native_decode = _native_decode_layers(self)
         nd = self.native_decode
-        if not nd.layers or h.shape[1] > min((m.max_kernel_rows for m in nd.quantized), default=h.shape[1]):
+        if not nd.layers or h.shape[1] > min((m.kernel_row_limit(True) for m in nd.quantized), default=h.shape[1]):
             return None
         if nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks or any(nd.hooks):
             return None
@@ -302,7 +302,7 @@ class Transformer(nn.Module):
 @dataclass
 class NativeDecode:
     layers: list[list[Tensor]]  # per block: [attention_norm, ffn_norm, then (a, b) for wqkv, wo, w13, w2]
-    quantized: list[nn.Module]  # the quantized layers, whose `max_kernel_rows` bounds the step's rows
+    quantized: list[nn.Module]  # the quantized layers, whose `kernel_row_limit` bounds the step's rows
     hooks: list[dict]  # every block module's forward (pre-)hook dicts: hooks are never skipped
 
 

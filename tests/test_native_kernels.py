@@ -126,6 +126,14 @@ def test_quantized_kernels_compute_rounded_activations_times_the_dequantized_wei
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
 
 
+@pytest.mark.parametrize("cls", [Int8Linear, Int4Linear])
+def test_native_dequantize_is_bitwise_the_pytorch_one(cls):
+    layer = cls.from_float(torch.randn(48, 96))
+    with kernels.disabled():
+        want = layer.dequantize()
+    assert torch.equal(layer.dequantize(), want)
+
+
 def test_int4_q4_0_offsets_and_rounding_ties():
     """Q4_0's m = -8 d, and activations exactly halfway between two int8 steps (ties round to even)."""
     q = torch.randint(0, 16, (16, 64))

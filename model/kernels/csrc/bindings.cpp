@@ -10,5 +10,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_write", &ls::paged_write, "write k/v (N, K, E) into pool slots (N,)");
   m.def("int4_linear", &ls::int4_linear, "x (M, K) float32 @ int4 W (N, K)^T -> (M, N)");
   m.def("int8_linear", &ls::int8_linear, "x (M, K) float32 @ int8 W (N, K)^T -> (M, N)");
+  m.def("int4_dequantize", &ls::int4_dequantize, "int4 W -> (N, K) float32");
+  m.def("int8_dequantize", &ls::int8_dequantize, "int8 W -> (N, K) float32");
   m.def("decode_layers", &ls::decode_layers, "every block of a pure decode step: h (N, D) -> (N, D)");
 }

@@ -11,7 +11,7 @@ namespace ls {
 
 // y = x W^T for W as model/quantize.py's `apply_linear` sees it: a float weight (N, K) (b empty), int4
 // (a = nibbles uint8, b = dm float16) or int8 (a = weight int8, b = scales), the quantized ones through the
-// few-row kernels on float32 activations, as `QuantLinear.forward` does below its `max_kernel_rows`.
+// few-row kernels on float32 activations, as `QuantLinear.forward` does up to its `kernel_row_limit`.
 static torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& a, const torch::Tensor& b) {
   const bool quantized = a.scalar_type() == at::kByte || a.scalar_type() == at::kChar;
   if (!quantized) return at::linear(x, a);

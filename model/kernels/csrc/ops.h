@@ -16,6 +16,8 @@ void paged_write(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& 
                  const torch::Tensor& slots);
 torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& nibbles, const torch::Tensor& dm);
 torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scales);
+torch::Tensor int4_dequantize(const torch::Tensor& nibbles, const torch::Tensor& dm);
+torch::Tensor int8_dequantize(const torch::Tensor& w, const torch::Tensor& scales);
 torch::Tensor decode_layers(torch::Tensor h, const std::vector<std::vector<torch::Tensor>>& layers, double eps,
                             const torch::Tensor& cos, const torch::Tensor& ssin, torch::Tensor& k_pools,
                             torch::Tensor& v_pools, const torch::Tensor& slots, const torch::Tensor& rows,

@@ -170,3 +170,50 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& w, const 
 }
 
 }  // namespace ls
+
+namespace ls {
+
+// The whole weight as float32, for the many-row path (dequantize + GEMM): one pass instead of PyTorch's unpack,
+// stack, multiply and add over temporaries. Bitwise what `Int4Linear.dequantize` / `Int8Linear.dequantize`
+// compute (q * d + m and q * s, each product rounded before the sum).
+torch::Tensor int4_dequantize(const torch::Tensor& nibbles, const torch::Tensor& dm) {
+  TORCH_CHECK(nibbles.scalar_type() == at::kByte && nibbles.is_contiguous() && dm.scalar_type() == at::kHalf && dm.is_contiguous(), "int4_dequantize: buffers");
+  const int64_t N = nibbles.size(0), K = nibbles.size(1) * 2, nb = K / QK;
+  TORCH_CHECK(K % QK == 0 && dm.numel() == N * nb * 2, "int4_dequantize: shapes");
+  auto out = torch::empty({N, K}, nibbles.options().dtype(at::kFloat));
+  const uint8_t* q = nibbles.data_ptr<uint8_t>();
+  const uint16_t* dmp = reinterpret_cast<const uint16_t*>(dm.data_ptr<at::Half>());
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n)
+      for (int64_t b = 0; b < nb; ++b) {
+        const float d = fp16_to_f(dmp[(n * nb + b) * 2]), m = fp16_to_f(dmp[(n * nb + b) * 2 + 1]);
+        const uint8_t* qb = q + n * (K / 2) + b * (QK / 2);
+        float* ob = o + n * K + b * QK;
+        for (int64_t i = 0; i < QK / 2; ++i) {
+          ob[2 * i] = static_cast<float>(qb[i] & 15) * d + m;
+          ob[2 * i + 1] = static_cast<float>(qb[i] >> 4) * d + m;
+        }
+      }
+  });
+  return out;
+}
+
+torch::Tensor int8_dequantize(const torch::Tensor& w, const torch::Tensor& scales) {
+  TORCH_CHECK(w.scalar_type() == at::kChar && w.is_contiguous() && scales.scalar_type() == at::kBFloat16, "int8_dequantize: buffers");
+  const int64_t N = w.size(0), K = w.size(1);
+  TORCH_CHECK(scales.numel() == N, "int8_dequantize: shapes");
+  auto out = torch::empty({N, K}, w.options().dtype(at::kFloat));
+  const int8_t* q = w.data_ptr<int8_t>();
+  const bf16* s = scales.data_ptr<bf16>();
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      const float sn = to_f(s[n]);
+      for (int64_t k = 0; k < K; ++k) o[n * K + k] = static_cast<float>(q[n * K + k]) * sn;
+    }
+  });
+  return out;
+}
+
+}  // namespace ls
