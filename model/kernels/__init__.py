@@ -9,6 +9,7 @@ dispatch and a temporary. These kernels do each of those in one call, on the sam
     paged_decode_attention, paged_write   paged_attention.cpp  decode rows attend over the block pool in place
     int4_linear, int8_linear              quant_linear.cpp     dequantize fused into the dot product (llama.cpp's
                                                                 int8-activation scheme)
+    int4_dequantize, int8_dequantize      quant_linear.cpp     whole weights to float32 in one pass (many rows)
 
 `native()` returns the loaded module, or None where the kernels are off (`LLAMASCOPE_NATIVE_KERNELS=0`,
 `disabled()`) or could not be built; every caller then keeps its plain PyTorch path, which is also the reference
