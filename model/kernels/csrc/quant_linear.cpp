@@ -128,45 +128,45 @@ static inline float dot_q8_q8(const int8_t* w, const int8_t* qx, const float* ds
 // Output rows per parallel task: enough to amortize the task, few enough to split the smallest matrices in two.
 constexpr int64_t GRAIN = 32;
 
+// y (M, N) = x (M, K) W^T for a weight of N rows: x rounded to int8 blocks once (`interleaved` for int4 rows),
+// then `dot(n, qx_m, dsx_m)` for every output row n and input row m, rows of W split across threads.
+template <typename RowDot>
+static torch::Tensor few_row_linear(const torch::Tensor& x, int64_t N, bool interleaved, const RowDot& dot) {
+  const int64_t M = x.size(0), K = x.size(1), nb = K / QK;
+  std::vector<int8_t> qx(M * K);
+  std::vector<float> dsx(2 * M * nb);
+  quantize_rows_q8(x.data_ptr<float>(), M, K, interleaved, qx.data(), dsx.data());
+  auto y = torch::empty({M, N}, x.options());
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, N, GRAIN, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n)
+      for (int64_t m = 0; m < M; ++m) yp[m * N + n] = dot(n, qx.data() + m * K, dsx.data() + 2 * m * nb);
+  });
+  return y;
+}
+
 torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& nibbles, const torch::Tensor& dm) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(), "int4_linear: x (M, K) float32 contiguous");
   TORCH_CHECK(nibbles.scalar_type() == at::kByte && nibbles.is_contiguous() && dm.scalar_type() == at::kHalf && dm.is_contiguous(), "int4_linear: weight buffers");
-  const int64_t M = x.size(0), K = x.size(1), N = nibbles.size(0), nb = K / QK;
+  const int64_t K = x.size(1), N = nibbles.size(0), nb = K / QK;
   TORCH_CHECK(K % QK == 0 && nibbles.size(1) * 2 == K && dm.numel() == N * nb * 2, "int4_linear: shapes");
-  std::vector<int8_t> qx(M * K);
-  std::vector<float> dsx(2 * M * nb);
-  quantize_rows_q8(x.data_ptr<float>(), M, K, true, qx.data(), dsx.data());
-  auto y = torch::empty({M, N}, x.options());
-  float* yp = y.data_ptr<float>();
   const uint8_t* wp = nibbles.data_ptr<uint8_t>();
   const uint16_t* dmp = reinterpret_cast<const uint16_t*>(dm.data_ptr<at::Half>());
-  at::parallel_for(0, N, GRAIN, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n)
-      for (int64_t m = 0; m < M; ++m)
-        yp[m * N + n] = dot_q4_q8(wp + n * (K / 2), dmp + n * nb * 2, qx.data() + m * K, dsx.data() + 2 * m * nb, nb);
+  return few_row_linear(x, N, true, [&](int64_t n, const int8_t* qx, const float* dsx) {
+    return dot_q4_q8(wp + n * (K / 2), dmp + n * nb * 2, qx, dsx, nb);
   });
-  return y;
 }
 
 torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scales) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(), "int8_linear: x (M, K) float32 contiguous");
   TORCH_CHECK(w.scalar_type() == at::kChar && w.is_contiguous() && scales.scalar_type() == at::kBFloat16, "int8_linear: weight buffers");
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0), nb = K / QK;
+  const int64_t K = x.size(1), N = w.size(0), nb = K / QK;
   TORCH_CHECK(K % QK == 0 && w.size(1) == K && scales.numel() == N, "int8_linear: shapes");
-  std::vector<int8_t> qx(M * K);
-  std::vector<float> dsx(2 * M * nb);
-  quantize_rows_q8(x.data_ptr<float>(), M, K, false, qx.data(), dsx.data());
-  auto y = torch::empty({M, N}, x.options());
-  float* yp = y.data_ptr<float>();
   const int8_t* wp = w.data_ptr<int8_t>();
   const bf16* sp = scales.data_ptr<bf16>();
-  at::parallel_for(0, N, GRAIN, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n) {
-      const float s = to_f(sp[n]);
-      for (int64_t m = 0; m < M; ++m) yp[m * N + n] = s * dot_q8_q8(wp + n * K, qx.data() + m * K, dsx.data() + 2 * m * nb, nb);
-    }
+  return few_row_linear(x, N, false, [&](int64_t n, const int8_t* qx, const float* dsx) {
+    return to_f(sp[n]) * dot_q8_q8(wp + n * K, qx, dsx, nb);
   });
-  return y;
 }
 
 }  // namespace ls
