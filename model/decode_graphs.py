@@ -25,7 +25,7 @@ from torch import Tensor
 
 from model import kernels
 from model.kernels import triton_attention
-from model.paged_kv_cache import PagedKVCache, SeqSlice, decode_attention_kernel, write_kv
+from model.paged_kv_cache import PagedKVCache, SeqSlice, decode_attention_kernel, padded_tables, slot_of, write_kv
 
 log = logging.getLogger("llamascope.engine")
 
@@ -58,7 +58,7 @@ class DecodeGraphs:
         self.model, self.cache, self.capture = model, cache, capture
         self.buckets = [b for b in BUCKETS if b < max_num_seqs] + [next((b for b in BUCKETS if b >= max_num_seqs), max_num_seqs)]
         B, W, dev = self.buckets[-1], max_blocks_per_seq, cache.device
-        self.scratch_slot = scratch_block * cache.block_size
+        self.scratch_block, self.scratch_slot = scratch_block, scratch_block * cache.block_size
         self.tokens = torch.zeros(1, B, dtype=torch.long, device=dev)  # (1, B)
         self.positions = torch.zeros(1, B, dtype=torch.long, device=dev)  # (1, B)
         self.slots = torch.full((B,), self.scratch_slot, dtype=torch.long, device=dev)  # (B,)
@@ -94,8 +94,8 @@ class DecodeGraphs:
         n, b, bs = len(slices), self._bucket(len(slices)), self.cache.block_size
         dev = self.tokens.device
         W = self.tables.shape[1]
-        slots = [s.block_ids[p // bs] * bs + p % bs for s, p in zip(slices, positions)]
-        host_tables = torch.tensor([s.block_ids[:W] + [0] * (W - min(W, len(s.block_ids))) for s in slices], dtype=torch.long)
+        slots = [slot_of(s.block_ids, p, bs) for s, p in zip(slices, positions)]
+        host_tables = torch.tensor(padded_tables(slices, W), dtype=torch.long)  # W: the blocks of max_model_len
         self.tokens[0, :n].copy_(torch.tensor(tokens), non_blocking=True)
         self.positions[0, :n].copy_(torch.tensor(positions), non_blocking=True)
         self.slots[:n].copy_(torch.tensor(slots), non_blocking=True)
@@ -105,7 +105,7 @@ class DecodeGraphs:
         self.tokens[0, n:b] = 0
         self.positions[0, n:b] = 0
         self.slots[n:b] = self.scratch_slot
-        self.tables[n:b, 0] = self.scratch_slot // bs
+        self.tables[n:b, 0] = self.scratch_block
         self.lens[n:b] = 1
         if not self.capture:
             return self._forward(b)[0, :n]

@@ -58,6 +58,17 @@ class _Prefill:
     mask: Tensor | None  # (1, 1, n, context_len)
 
 
+def slot_of(block_ids: list[int], position: int, block_size: int) -> int:
+    """The pool slot (block * block_size + offset) holding a sequence's token at `position`."""
+    return block_ids[position // block_size] * block_size + position % block_size
+
+
+def padded_tables(seqs: list[SeqSlice], width: int) -> list[list[int]]:
+    """Each sequence's block table padded with block 0 (or cut) to `width` (attention stops at the context length,
+    so the padding is never read)."""
+    return [(s.block_ids + [0] * width)[:width] for s in seqs]
+
+
 def decode_attention_kernel(q: Tensor, k_pool: Tensor, block_size: int):
     """The kernel that attends decode rows over their block tables in place, for q's device and dtype: the native
     CPU one, or Triton's on CUDA; None where neither applies (the gather + SDPA path then runs). Both take
@@ -130,7 +141,7 @@ class PagedKVCache:
         slots: list[int] = []
         for s in seqs:
             first = s.context_len - s.num_new
-            slots.extend(s.block_ids[p // bs] * bs + p % bs for p in range(first, s.context_len))
+            slots.extend(slot_of(s.block_ids, p, bs) for p in range(first, s.context_len))
         self._num_tokens = len(slots)
         self.slot_mapping = torch.tensor(slots, dtype=torch.long, device=dev)  # (N,)
 
@@ -139,8 +150,7 @@ class PagedKVCache:
         # (never read: the kernel stops at the context length), context lengths (R,).
         width = max((len(s.block_ids) for s in decode), default=0)
         self.decode_rows = torch.tensor([s.start for s in decode], dtype=torch.long, device=dev)
-        self.decode_tables = torch.tensor([s.block_ids + [0] * (width - len(s.block_ids)) for s in decode],
-                                          dtype=torch.long, device=dev).view(len(decode), width)
+        self.decode_tables = torch.tensor(padded_tables(decode, width), dtype=torch.long, device=dev).view(len(decode), width)
         self.decode_lens = torch.tensor([s.context_len for s in decode], dtype=torch.long, device=dev)
         self._decode, self._gather = decode, None  # the gather path's groups: built on first use (`_gather_plan`)
         self.prefills: list[_Prefill] = []
@@ -178,7 +188,7 @@ class PagedKVCache:
 
     def _decode_group(self, group: list[SeqSlice]) -> _DecodeGroup:
         dev, width = self.device, len(group[0].block_ids)
-        tables = [b for s in group for b in s.block_ids + [0] * (width - len(s.block_ids))]
+        tables = [b for row in padded_tables(group, width) for b in row]
         lens = torch.tensor([s.context_len for s in group], device=dev)
         return _DecodeGroup(
             idx=torch.tensor([s.start for s in group], dtype=torch.long, device=dev),
