@@ -79,8 +79,10 @@ class QuantLinear(nn.Module):
             return self.max_kernel_rows
         return MAX_NATIVE_KERNEL_ROWS if native else MAX_KERNEL_ROWS
 
+    native_op = ""  # the model/kernels function that multiplies by this weight: (x, *native_buffers()) -> y
+
     def _native(self, native, x: Tensor) -> Tensor:  # (M, in) float32 -> (M, out) float32, model/kernels
-        raise NotImplementedError
+        return getattr(native, self.native_op)(x, *self.native_buffers())
 
     def native_buffers(self) -> list[Tensor] | None:
         """The two buffers the native kernel reads (model/kernels/csrc/decode_layers.cpp's `linear`), or None."""
@@ -121,8 +123,7 @@ class Int8Linear(QuantLinear):
         """Stack layers with the same input along the output dim (fused q/k/v, gate/up)."""
         return cls(torch.cat([m.weight for m in layers]), torch.cat([m.scales for m in layers]))
 
-    def _native(self, native, x: Tensor) -> Tensor:
-        return native.int8_linear(x, self.weight, self.scales)
+    native_op = "int8_linear"
 
     def native_buffers(self) -> list[Tensor] | None:
         return [self.weight, self.scales] if self.in_features % GROUP_SIZE == 0 else None
@@ -188,8 +189,7 @@ class Int4Linear(QuantLinear):
         dm = self.dm.float()
         return q, dm[..., 0], dm[..., 1]
 
-    def _native(self, native, x: Tensor) -> Tensor:
-        return native.int4_linear(x, self.nibbles, self.dm)
+    native_op = "int4_linear"
 
     def native_buffers(self) -> list[Tensor] | None:
         return [self.nibbles, self.dm]

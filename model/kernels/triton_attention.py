@@ -16,6 +16,7 @@ it yet in this project (see the README's performance section).
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 from torch import Tensor
@@ -30,8 +31,6 @@ except ImportError:  # pragma: no cover - exercised where triton is absent
 def available(q: Tensor, block_size: int) -> bool:
     """Whether this kernel can serve `q`'s decode rows: Triton present, a CUDA tensor (or Triton's interpreter),
     and a power-of-two block size (Triton's ranges are powers of two)."""
-    import os
-
     if triton is None or block_size & (block_size - 1):
         return False
     return q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
