@@ -15,7 +15,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
-from model.engine import Engine, RequestOutput
+from model.engine import Engine, EngineStats, RequestOutput
 from model.sampling import SamplingParams
 from model.scheduler import QueueFullError
 
@@ -51,7 +51,11 @@ class AsyncEngine:
         self._num_pending = 0  # submitted sequences not yet seen by the engine thread
         self._stop = False
         self._thread: threading.Thread | None = None
-        self.step_hooks: list[Callable[[Engine, list[RequestOutput], float], None]] = []  # metrics, tests
+        # Observers of each step (metrics, tests): (stats snapshot, the step's outputs, seconds), on the engine thread.
+        self.step_hooks: list[Callable[[EngineStats, list[RequestOutput], float], None]] = []
+        # The engine's counters as the engine thread last published them (after every step and inbox drain): what
+        # other threads read instead of walking the engine's live dicts while it changes them.
+        self.stats: EngineStats = engine.stats()
         self._jobs: deque[_QueuedJob] = deque()  # engine thread only
         self._num_jobs = 0  # submitted and not finished (guarded by _lock)
 
@@ -89,7 +93,7 @@ class AsyncEngine:
         submitted: asyncio.Future = loop.create_future()  # resolved by the engine thread: None or an exception
         n = params.n
         with self._lock:
-            waiting = len(self.engine.scheduler.waiting) + self._num_pending
+            waiting = self.stats.num_waiting + self._num_pending
             if waiting + n > self.engine.config.max_waiting:
                 raise QueueFullError(f"the waiting queue is full ({waiting} of {self.engine.config.max_waiting} sequences)")
             self._num_pending += n
@@ -165,20 +169,25 @@ class AsyncEngine:
                         out.finish_reason, out.error = "error", "the engine failed"
                         outs.append(out)
             elapsed = time.perf_counter() - start
+            self.stats = self.engine.stats()
             self._dispatch(outs)
             for hook in self.step_hooks:
-                hook(self.engine, outs, elapsed)
+                hook(self.stats, outs, elapsed)
         self._drain_inbox()
         for queued in self._jobs:  # stopped with jobs still queued: their callers must not wait forever
             queued.loop.call_soon_threadsafe(_resolve, queued.done, EngineDeadError("the engine stopped"))
         self._jobs.clear()
 
     def _drain_inbox(self) -> None:
+        drained = False
         while True:
             try:
                 kind, payload = self._inbox.get_nowait()
             except queue.Empty:
+                if drained:
+                    self.stats = self.engine.stats()
                 return
+            drained = True
             if kind == "add":
                 request_id, prompt, params, submitted = payload
                 try:

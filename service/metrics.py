@@ -39,13 +39,16 @@ class Metrics:
         # llamascope_process_resident_memory_bytes and friends (Linux /proc): the load harness reads RSS growth here
         ProcessCollector(namespace="llamascope", registry=r)
 
-    def on_step(self, engine, outputs, seconds: float) -> None:
-        """AsyncEngine step hook (engine thread)."""
-        stats = engine.stats()
+    def on_step(self, stats, outputs, seconds: float) -> None:
+        """AsyncEngine step hook (engine thread): `stats` is the snapshot the engine thread just published."""
         self.step.observe(seconds)
+        self.set_gauges(stats)
+        self.preemptions.inc(stats.num_preemptions - self._last_preemptions)
+        self._last_preemptions = stats.num_preemptions
+
+    def set_gauges(self, stats) -> None:
+        """The gauges from an engine stats snapshot (a scrape refreshes them too: aborts move them between steps)."""
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting)
         self.kv_usage.set(stats.kv_usage)
         self.kv_blocks.set(stats.num_blocks - stats.num_free_blocks)
-        self.preemptions.inc(stats.num_preemptions - self._last_preemptions)
-        self._last_preemptions = stats.num_preemptions

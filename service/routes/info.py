@@ -35,12 +35,8 @@ async def models(state: ServingState = Depends(serving)):
 @router.get("/metrics")
 async def metrics(request: Request):
     state: ServingState = request.app.state.serving
-    if state.engine is not None:  # gauges also move between steps (aborts), so refresh them at scrape time
-        s = state.engine.engine.stats()
-        state.metrics.running.set(s.num_running)
-        state.metrics.waiting.set(s.num_waiting)
-        state.metrics.kv_usage.set(s.kv_usage)
-        state.metrics.kv_blocks.set(s.num_blocks - s.num_free_blocks)
+    if state.engine is not None:  # the engine thread's last snapshot, never a walk over its live state
+        state.metrics.set_gauges(state.engine.stats)
     return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
