@@ -10,6 +10,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Callable
@@ -50,7 +51,11 @@ class AsyncEngine:
         self._lock = threading.Lock()  # guards _streams and _num_pending
         self._num_pending = 0  # submitted sequences not yet seen by the engine thread
         self._stop = False
+        self._dead = False  # set (under _lock) as the engine thread ends: nothing is accepted after it
         self._thread: threading.Thread | None = None
+        # Called once, on the engine thread, when it ends for any reason but `stop()` (the service turns /health
+        # 503 and, in a real server process, exits non-zero so the orchestrator restarts it).
+        self.on_dead: Callable[[BaseException | None], None] | None = None
         # Observers of each step (metrics, tests): (stats snapshot, the step's outputs, seconds), on the engine thread.
         self.step_hooks: list[Callable[[EngineStats, list[RequestOutput], float], None]] = []
         # The engine's counters as the engine thread last published them (after every step and inbox drain): what
@@ -66,6 +71,7 @@ class AsyncEngine:
         self._thread.start()
 
     def stop(self, timeout: float = 10.0) -> None:
+        """End the engine thread; every stream still open ends with EngineDeadError."""
         self._stop = True
         self._wake.set()
         if self._thread is not None:
@@ -73,7 +79,7 @@ class AsyncEngine:
 
     @property
     def is_running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return self._thread is not None and self._thread.is_alive() and not self._dead
 
     # ---- requests -----------------------------------------------------------------------------------------
 
@@ -93,6 +99,8 @@ class AsyncEngine:
         submitted: asyncio.Future = loop.create_future()  # resolved by the engine thread: None or an exception
         n = params.n
         with self._lock:
+            if self._dead:
+                raise EngineDeadError("the engine is not running")
             waiting = self.stats.num_waiting + self._num_pending
             if waiting + n > self.engine.config.max_waiting:
                 raise QueueFullError(f"the waiting queue is full ({waiting} of {self.engine.config.max_waiting} sequences)")
@@ -104,7 +112,9 @@ class AsyncEngine:
         try:
             await submitted  # re-raises the engine's ValueError / QueueFullError here
             while finished_choices < n:
-                out: RequestOutput = await stream.get()
+                out: RequestOutput | BaseException = await stream.get()
+                if isinstance(out, BaseException):  # the engine thread ended with this request open
+                    raise out
                 if out.finished:
                     finished_choices += 1
                 yield out
@@ -121,6 +131,8 @@ class AsyncEngine:
         if not self.is_running:
             raise EngineDeadError("the engine is not running")
         with self._lock:
+            if self._dead:
+                raise EngineDeadError("the engine is not running")
             if max_queued is not None and self._num_jobs >= max_queued:
                 raise QueueFullError(f"{self._num_jobs} inspections are already queued (the limit is {max_queued})")
             self._num_jobs += 1
@@ -148,8 +160,23 @@ class AsyncEngine:
     # ---- engine thread ------------------------------------------------------------------------------------
 
     def _loop(self) -> None:
-        import time
+        error: BaseException | None = None
+        try:
+            self._serve()
+        except BaseException as e:  # noqa: BLE001 - whatever ends the thread, no client may be left waiting
+            error = e
+            log.critical("engine thread failed; ending every open request", exc_info=True)
+        finally:
+            with self._lock:
+                self._dead = True  # from here on nothing is accepted, and `is_running` says so
+            if (error is not None or not self._stop) and self.on_dead is not None:
+                try:
+                    self.on_dead(error)  # before the clients hear of it: /health is already 503 when they do
+                except Exception:
+                    log.exception("engine on_dead callback failed")
+            self._end_everything("the engine stopped" if error is None else f"the engine failed: {type(error).__name__}")
 
+    def _serve(self) -> None:
         while not self._stop:
             self._drain_inbox()
             ran_job = self._advance_job()
@@ -172,10 +199,30 @@ class AsyncEngine:
             self.stats = self.engine.stats()
             self._dispatch(outs)
             for hook in self.step_hooks:
-                hook(self.stats, outs, elapsed)
-        self._drain_inbox()
-        for queued in self._jobs:  # stopped with jobs still queued: their callers must not wait forever
-            queued.loop.call_soon_threadsafe(_resolve, queued.done, EngineDeadError("the engine stopped"))
+                try:
+                    hook(self.stats, outs, elapsed)
+                except Exception:  # an observer's bug (metrics) must not end serving
+                    log.exception("engine step hook failed")
+
+    def _end_everything(self, reason: str) -> None:
+        """The engine thread is ending: refuse new work, and end every open stream, every submission it has not
+        seen and every job with EngineDeadError, so no caller waits forever."""
+        with self._lock:
+            streams = list(self._streams.values())
+            self._streams.clear()
+        for loop, stream in streams:
+            _call_soon(loop, stream.put_nowait, EngineDeadError(reason))
+        while True:
+            try:
+                kind, payload = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if kind == "add":
+                _call_soon(payload[-1].get_loop(), _resolve, payload[-1], EngineDeadError(reason))
+            elif kind == "job":
+                self._jobs.append(payload)
+        for queued in self._jobs:
+            _call_soon(queued.loop, _resolve, queued.done, EngineDeadError(reason))
         self._jobs.clear()
 
     def _drain_inbox(self) -> None:
@@ -199,7 +246,7 @@ class AsyncEngine:
                     self._num_pending -= params.n
                     entry = self._streams.get(request_id)
                 if entry is not None:
-                    entry[0].call_soon_threadsafe(_resolve, submitted, result)
+                    _call_soon(entry[0], _resolve, submitted, result)
                 elif result is None:  # the client left before we got to it
                     self.engine.abort(request_id)
             elif kind == "abort":
@@ -225,15 +272,28 @@ class AsyncEngine:
             finished, error = True, e
         if finished:
             self._jobs.popleft()
-            queued.loop.call_soon_threadsafe(_resolve, queued.done, error)
+            _call_soon(queued.loop, _resolve, queued.done, error)
         return True
 
     def _dispatch(self, outs: list[RequestOutput]) -> None:
+        gone = []
         with self._lock:
             for out in outs:
                 entry = self._streams.get(out.request_id)
-                if entry is not None:
-                    entry[0].call_soon_threadsafe(entry[1].put_nowait, out)
+                if entry is not None and not _call_soon(entry[0], entry[1].put_nowait, out):
+                    gone.append(out.request_id)  # its event loop has closed: nobody will read this stream again
+                    del self._streams[out.request_id]
+        for request_id in gone:
+            self.engine.abort(request_id)
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, fn, *args) -> bool:
+    """`loop.call_soon_threadsafe`, False instead of an exception when the loop has closed."""
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+        return True
+    except RuntimeError:
+        return False
 
 
 def _resolve(fut: asyncio.Future, error: BaseException | None) -> None:

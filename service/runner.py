@@ -180,6 +180,9 @@ async def collect_all(request: Request, state: ServingState, stats: RunStats, co
     except APIError as e:
         finish(state, stats, e.status)
         raise
+    except EngineDeadError as e:  # the engine thread ended with this request open
+        finish(state, stats, 503)
+        raise APIError(503, str(e), code="engine_dead") from None
     if result[-1]:
         status = 503 if state.draining else 500  # ended by the shutdown deadline, not by a fault
         finish(state, stats, status)

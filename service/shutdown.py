@@ -6,6 +6,10 @@ uvicorn does the socket side: it stops listening, waits for open connections up 
 then runs the lifespan shutdown (which stops the engine). It also re-raises the signal it caught once it is done,
 which under the default SIGTERM handler would kill the process with status -15; a no-op handler installed
 beforehand makes that re-raise harmless, so a drained server exits 0.
+
+If the engine thread ends on its own (a failure it cannot recover from, such as a tensor-parallel rank lost inside a
+collective), every open request has already ended with an error; the server then stops and exits 1, so the
+orchestrator restarts it.
 """
 
 from __future__ import annotations
@@ -32,8 +36,12 @@ class GracefulServer(uvicorn.Server):
 def serve(app: FastAPI, settings: Settings) -> int:
     config = uvicorn.Config(app, host=settings.host, port=int(settings.port), log_level="info",
                             timeout_graceful_shutdown=settings.shutdown_grace_seconds)
-    server = GracefulServer(config, app.state.serving)
+    state: ServingState = app.state.serving
+    server = GracefulServer(config, state)
+    # The engine thread ended unexpectedly: its clients have their errors; stop serving and exit 1 so the
+    # orchestrator restarts the process (uvicorn's flag is polled by its main loop: safe to set from any thread).
+    state.on_fatal = lambda: setattr(server, "should_exit", True)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)  # what uvicorn restores and re-raises into after its own handling
     server.run()
-    return 0
+    return 1 if state.fatal_error else 0

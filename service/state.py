@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -31,6 +32,8 @@ class ServingState:
     model_name: str = ""
     load_error: str | None = None
     draining: bool = False
+    fatal_error: str | None = None  # the engine thread ended unexpectedly: /health 503, and the process exits 1
+    on_fatal: Callable[[], None] | None = None  # set by the real server (service/shutdown.py): stop with exit code 1
 
     @property
     def ready(self) -> bool:
@@ -61,6 +64,7 @@ class ServingState:
             )
             engine = AsyncEngine(Engine(loaded.model, loaded.tokenizer, config))
             engine.step_hooks.append(self.metrics.on_step)
+            engine.on_dead = self._engine_died
             engine.start()
             self.loaded, self.model_name = loaded, s.served_model_name or loaded.name
             self.engine = engine
@@ -70,6 +74,14 @@ class ServingState:
                 loaded.model.close()
             self.load_error = str(e)
             log.error("model failed to load: %s", e)
+
+    def _engine_died(self, error: BaseException | None) -> None:
+        """The engine thread ended while serving (its open requests end with errors right after this). Nothing in
+        this process can serve again: /health says so, and a real server exits non-zero to be restarted."""
+        self.fatal_error = f"the engine stopped: {type(error).__name__}" if error is not None else "the engine stopped"
+        log.critical("%s; the server cannot serve any more", self.fatal_error)
+        if self.on_fatal is not None:
+            self.on_fatal()
 
     def start_in_background(self, loaded: LoadedModel | None = None) -> threading.Thread:
         t = threading.Thread(target=self.start, args=(loaded,), name="llamascope-load", daemon=True)
@@ -88,7 +100,8 @@ class ServingState:
         timer.start()
 
     def _end_in_flight(self) -> None:
-        if self.engine is not None and self.engine.is_running and self.engine.engine.has_unfinished():
+        s = self.engine.stats if self.engine is not None and self.engine.is_running else None
+        if s is not None and s.num_running + s.num_waiting:
             log.warning("shutdown grace period over: ending the requests still in flight")
             self.engine.abort_all("the server is shutting down")
 

@@ -50,3 +50,81 @@ def test_metrics_scrapes_read_a_snapshot_published_by_the_engine_thread(monkeypa
             m = client.get("/metrics")
             assert m.status_code == 200 and "llamascope_num_requests_running" in m.text
     assert set(threads) <= {"llamascope-engine"}
+
+
+def _async_engine(**config) -> AsyncEngine:
+    cfg = {"num_blocks": 64, "block_size": 4, "max_num_seqs": 4, **config}
+    ae = AsyncEngine(Engine(tiny_model(seed=1), byte_tokenizer(), EngineConfig(**cfg)))
+    ae.start()
+    return ae
+
+
+async def _drain(stream) -> list:
+    return [o async for o in stream]
+
+
+def test_engine_thread_ending_outside_a_step_ends_every_stream(monkeypatch):
+    """An exception outside `step()` (here: the loop's own bookkeeping) ends the engine thread: the open stream, a
+    submission not yet seen by the thread and a queued inspection job all end with EngineDeadError, and the
+    engine reports it is not running (the service's /health turns 503 on that)."""
+    ae = _async_engine()
+    died: list[BaseException | None] = []
+    ae.on_dead = died.append
+
+    class Job:
+        def step(self) -> bool:
+            return False  # never finishes by itself
+
+    async def main():
+        stream = ae.generate([1, 2, 3], SamplingParams(max_tokens=200, ignore_eos=True))
+        first = await stream.__anext__()
+        assert first.token_ids
+        monkeypatch.setattr(ae.engine, "has_unfinished", _raise)  # the loop's next check raises
+        job = asyncio.ensure_future(ae.run_job(Job()))
+        rest = asyncio.ensure_future(_drain(stream))
+        with pytest.raises(EngineDeadError):
+            await asyncio.wait_for(rest, TIMEOUT)
+        with pytest.raises(EngineDeadError):
+            await asyncio.wait_for(job, TIMEOUT)
+        with pytest.raises(EngineDeadError):
+            await asyncio.wait_for(_drain(ae.generate([4, 5], SamplingParams(max_tokens=2))), TIMEOUT)
+
+    asyncio.run(main())
+    assert not ae.is_running
+    assert len(died) == 1 and isinstance(died[0], RuntimeError)
+
+
+def _raise(*_a, **_k):
+    raise RuntimeError("injected: outside any step")
+
+
+def test_stop_ends_open_streams():
+    ae = _async_engine()
+
+    async def main():
+        stream = ae.generate([1, 2, 3], SamplingParams(max_tokens=200, ignore_eos=True))
+        await stream.__anext__()
+        rest = asyncio.ensure_future(_drain(stream))
+        await asyncio.to_thread(ae.stop)
+        with pytest.raises(EngineDeadError):
+            await asyncio.wait_for(rest, TIMEOUT)
+
+    asyncio.run(main())
+    assert not ae.is_running
+
+
+def test_health_turns_503_when_the_engine_thread_dies(monkeypatch):
+    app = create_app(Settings(), loaded=_loaded(), wait_ready=True)
+    with TestClient(app) as client:
+        assert client.get("/health").status_code == 200
+        engine = app.state.serving.engine
+        monkeypatch.setattr(engine.engine, "has_unfinished", _raise)
+        engine._wake.set()
+        for _ in range(200):
+            if not engine.is_running:
+                break
+            threading.Event().wait(0.05)
+        h = client.get("/health")
+        assert h.status_code == 503 and "engine" in h.json()["error"]["message"]
+        r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 503

@@ -19,8 +19,9 @@ async def health(request: Request):
     state: ServingState = request.app.state.serving
     if state.ready:
         return {"status": "ok", "model": state.model_name}
-    reason = "draining" if state.draining else ("failed" if state.load_error else "loading")
-    return error_response(503, f"not ready: {reason}" + (f" ({state.load_error})" if state.load_error else ""),
+    reason = "draining" if state.draining else ("failed" if state.load_error or state.fatal_error else "loading")
+    detail = state.load_error or state.fatal_error
+    return error_response(503, f"not ready: {reason}" + (f" ({detail})" if detail else ""),
                           code="not_ready", headers={"Retry-After": "5"})
 
 
