@@ -190,13 +190,16 @@ class Engine:
             if self.scheduler.waiting and not self.scheduler.running:
                 raise RuntimeError("scheduler made no progress with an idle batch (KV pool too small?)")
             return []
+        # Outputs are collected here as the step produces them, so that a failure part-way through still delivers
+        # the outputs (final ones included) of the sequences it already processed.
+        outs: list[RequestOutput] = []
         try:
             if self.step_fault_hook is not None:
                 self.step_fault_hook(sched.scheduled)
-            return self._run(sched.scheduled)
+            self._run(sched.scheduled, outs)
+            return outs
         except Exception as e:  # a failing step fails its own requests; the engine keeps serving the rest
             log.exception("engine step failed")
-            outs = []
             for s in sched.scheduled:
                 if not s.seq.is_finished:
                     self._finish(s.seq, FinishReason.ERROR)
@@ -207,7 +210,7 @@ class Engine:
             return outs
 
     @torch.inference_mode()
-    def _run(self, scheduled) -> list[RequestOutput]:
+    def _run(self, scheduled, outs: list[RequestOutput]) -> None:
         tokens: list[int] = []
         positions: list[int] = []
         slices: list[SeqSlice] = []
@@ -248,7 +251,6 @@ class Engine:
         for seq, row, first, count in prompt_lp_at:
             targets = torch.tensor(seq.prompt_token_ids[first + 1 : first + 1 + count], device=dev)
             seq.state.prompt_logprobs += prompt_logprobs(logits[row : row + count], targets, seq.request.params.prompt_logprobs)
-        outs: list[RequestOutput] = []
         if sample_at:
             rows = [
                 SamplingRow(seq.request.params, seq.prompt_token_ids, seq.output_token_ids, seq.state.generator,
@@ -259,7 +261,6 @@ class Engine:
             for (seq, _), token, lp in zip(sample_at, sampled.token_ids, sampled.logprobs):
                 outs.append(self._append_token(seq, token, lp))
         self._drop_finished_requests()
-        return outs
 
     def _append_token(self, seq: Sequence, token: int, lp: TokenLogprobs | None) -> RequestOutput:
         p, state = seq.request.params, seq.state

@@ -128,3 +128,27 @@ def test_health_turns_503_when_the_engine_thread_dies(monkeypatch):
         assert h.status_code == 503 and "engine" in h.json()["error"]["message"]
         r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
         assert r.status_code == 503
+
+
+def test_a_step_failing_after_some_sequences_finished_still_delivers_their_outputs(monkeypatch):
+    """Sequence A finishes in a step (its last token), then B's output processing fails in the same step: A's final
+    output must still reach its client; B ends with an error."""
+    engine = Engine(tiny_model(seed=2), byte_tokenizer(), EngineConfig(num_blocks=64, block_size=4))
+    engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=1, ignore_eos=True))
+    engine.add_request("b", [4, 5, 6], SamplingParams(max_tokens=5, ignore_eos=True))
+    b_detok = engine.requests["b"].seqs[0].state.detok
+
+    def broken(_token):
+        raise RuntimeError("injected: detokenizer failure")
+
+    monkeypatch.setattr(b_detok, "feed", broken)
+    finals = {}
+    for _ in range(10):
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+        if not engine.has_unfinished():
+            break
+    assert finals["a"].finish_reason == "length" and finals["a"].error is None
+    assert finals["b"].finish_reason == "error"
+    assert not engine.has_unfinished() and engine.kv.num_free_blocks == engine.kv.num_blocks
