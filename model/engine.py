@@ -76,6 +76,21 @@ class EngineStats:
     prefix_cache_hits: int  # of which served from cache
 
 
+def resolve_max_model_len(requested: int | None, model_len: int, pool_tokens: int) -> int:
+    """The longest sequence (prompt + max_tokens) the engine serves: the model's context, or less when asked, and
+    never more than the KV pool holds (vLLM's start-up check). An explicit request beyond the pool is refused
+    (ValueError naming both numbers); the model's own default is clamped to the pool with a warning."""
+    if requested is not None and min(requested, model_len) > pool_tokens:
+        raise ValueError(f"max_model_len {min(requested, model_len)} does not fit the KV cache, which holds "
+                         f"{pool_tokens} tokens: raise --kv-cache-bytes or lower --max-model-len")
+    limit = min(requested or model_len, model_len)
+    if limit > pool_tokens:
+        log.warning("max_model_len clamped from %d (the model's context) to %d, what the KV cache holds; raise "
+                    "--kv-cache-bytes for longer sequences", limit, pool_tokens)
+        limit = pool_tokens
+    return limit
+
+
 class _SeqState:
     """Per-choice output state: streaming detokenizer, stop-string matcher, seeded generator, logprobs."""
 
@@ -94,9 +109,10 @@ class Engine:
     def __init__(self, model: Transformer, tokenizer: Tokenizer, config: EngineConfig | None = None) -> None:
         self.model, self.tokenizer = model, tokenizer
         self.config = config = config or EngineConfig()
-        self.max_model_len = min(config.max_model_len or model.config.max_seq_len, model.config.max_seq_len)
         per_block = PagedKVCache.bytes_per_block(kv_config(model), config.block_size, model.dtype)  # per rank under TP
         num_blocks = config.num_blocks or max(1, config.kv_cache_bytes // per_block)
+        self.max_model_len = resolve_max_model_len(config.max_model_len, model.config.max_seq_len,
+                                                   num_blocks * config.block_size)
         graphs = DecodeGraphs.enabled(config.decode_graphs, model, config.block_size)
         # with decode graphs, one block more than the manager hands out: the padding rows' scratch block
         self.cache = PagedKVCache.for_model(model, num_blocks + graphs, config.block_size)
@@ -134,8 +150,6 @@ class Engine:
             raise ValueError(
                 f"prompt ({P} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds the context length of {self.max_model_len}"
             )
-        if -(-total // self.config.block_size) > self.kv.num_blocks:
-            raise ValueError(f"prompt + max_tokens = {total} tokens exceeds the KV cache ({self.kv.num_blocks * self.config.block_size} tokens)")
         share_prefix = params.n > 1 and self.config.enable_prefix_caching
         self.scheduler.check_capacity(1 if share_prefix else params.n)
         req = Request(request_id, list(prompt_token_ids), params)

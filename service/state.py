@@ -36,6 +36,11 @@ class ServingState:
     on_fatal: Callable[[], None] | None = None  # set by the real server (service/shutdown.py): stop with exit code 1
 
     @property
+    def max_model_len(self) -> int:
+        """The engine's limit on prompt + max_tokens (the model's context, clamped to the KV pool at start-up)."""
+        return self.engine.engine.max_model_len
+
+    @property
     def ready(self) -> bool:
         return self.engine is not None and self.engine.is_running and not self.draining
 

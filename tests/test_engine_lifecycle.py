@@ -152,3 +152,22 @@ def test_a_step_failing_after_some_sequences_finished_still_delivers_their_outpu
     assert finals["a"].finish_reason == "length" and finals["a"].error is None
     assert finals["b"].finish_reason == "error"
     assert not engine.has_unfinished() and engine.kv.num_free_blocks == engine.kv.num_blocks
+
+
+def test_max_model_len_is_clamped_to_what_the_kv_pool_holds():
+    """A pool smaller than the model's context: the server clamps max_model_len to the pool at start-up and shows
+    it, so a request without max_tokens is served instead of refused for a limit the user could not fix."""
+    loaded = _loaded()
+    per_block = 2 * 2 * 16 * 2 * 16 * 4  # K and V x layers x block_size x KV heads x head_dim x float32 bytes
+    app = create_app(Settings(kv_cache_bytes=8 * per_block, block_size=16), loaded=loaded, wait_ready=True)
+    with TestClient(app) as client:
+        assert client.get("/v1/models").json()["data"][0]["max_model_len"] == 8 * 16
+        r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                       "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["finish_reason"] == "length"
+
+
+def test_an_explicit_max_model_len_beyond_the_pool_refuses_to_start():
+    with pytest.raises(ValueError, match=r"max_model_len 400 .* 128 tokens"):
+        Engine(tiny_model(), byte_tokenizer(), EngineConfig(num_blocks=8, block_size=16, max_model_len=400))

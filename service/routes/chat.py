@@ -34,7 +34,7 @@ def render_chat(state: ServingState, messages: list[ChatMessage], add_generation
 async def chat_completions(req: ChatCompletionRequest, request: Request, state: ServingState = Depends(serving)):
     check_model(state, req.model)
     prompt = render_chat(state, req.messages, req.add_generation_prompt)
-    max_len = state.loaded.model.config.max_seq_len if state.settings.max_model_len is None else state.settings.max_model_len
+    max_len = state.max_model_len
     top = (req.top_logprobs or 0) if req.logprobs else None
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs requires logprobs: true", param="top_logprobs", code="invalid_value")

@@ -43,7 +43,7 @@ def tokenize_prompts(state: ServingState, prompt) -> list[list[int]]:
 async def completions(req: CompletionRequest, request: Request, state: ServingState = Depends(serving)):
     check_model(state, req.model)
     prompts = tokenize_prompts(state, req.prompt)
-    max_len = state.loaded.model.config.max_seq_len if state.settings.max_model_len is None else state.settings.max_model_len
+    max_len = state.max_model_len
     params = to_sampling_params(req, state.settings, req.max_tokens, req.logprobs,
                                 req.logprobs if req.echo and req.logprobs is not None else None,
                                 default_max_tokens=max(1, max_len - max(len(p) for p in prompts)))

@@ -29,7 +29,7 @@ async def health(request: Request):
 async def models(state: ServingState = Depends(serving)):
     return {"object": "list", "data": [{
         "id": state.model_name, "object": "model", "created": 0, "owned_by": "llamascope",
-        "max_model_len": state.engine.engine.max_model_len,
+        "max_model_len": state.max_model_len,
     }]}
 
 
@@ -50,7 +50,7 @@ async def tokenize(req: TokenizeRequest, state: ServingState = Depends(serving))
         ids = render_chat(state, req.messages)
     else:
         ids = state.loaded.tokenizer.encode(req.prompt, add_bos=None if req.add_special_tokens else False)
-    return {"tokens": ids, "count": len(ids), "max_model_len": state.engine.engine.max_model_len}
+    return {"tokens": ids, "count": len(ids), "max_model_len": state.max_model_len}
 
 
 @router.post("/detokenize")

@@ -141,7 +141,7 @@ async def inspect(req: InspectRequest, request: Request, state: ServingState = D
     c = state.loaded.model.config
     started = time.perf_counter()
     ids = _sequence(state, req)
-    max_len = min(state.settings.max_model_len or c.max_seq_len, c.max_seq_len)
+    max_len = state.max_model_len
     if len(ids) + req.max_tokens > max_len:
         raise APIError(400, f"prompt ({len(ids)} tokens) + max_tokens ({req.max_tokens}) exceeds the context of {max_len}",
                        param="max_tokens", code="context_length_exceeded")
