@@ -83,6 +83,34 @@ class AsyncEngine:
 
     # ---- requests -----------------------------------------------------------------------------------------
 
+    async def add_requests(self, prompts: list[tuple[str, list[int]]], params: SamplingParams) -> list["RequestStream"]:
+        """Submit several prompts (request id, token ids) with the same parameters, all in one inbox message, so
+        the engine thread admits them in the same drain and they prefill together. All or nothing: ValueError (an
+        invalid prompt), QueueFullError (the waiting queue is full) or EngineDeadError, and then none is queued.
+        Returns one stream of outputs per prompt; closing a stream early aborts its request and frees its blocks."""
+        loop = asyncio.get_running_loop()
+        submitted: asyncio.Future = loop.create_future()  # resolved by the engine thread: None or an exception
+        streams = [RequestStream(self, rid, params.n, loop) for rid, _ in prompts]
+        n = params.n * len(prompts)
+        with self._lock:
+            if self._dead or self._thread is None:
+                raise EngineDeadError("the engine is not running")
+            waiting = self.stats.num_waiting + self._num_pending
+            if waiting + n > self.engine.config.max_waiting:
+                raise QueueFullError(f"the waiting queue is full ({waiting} of {self.engine.config.max_waiting} sequences)")
+            self._num_pending += n
+            for stream in streams:
+                self._streams[stream.request_id] = (loop, stream.queue)
+        self._inbox.put(("add", ([(rid, list(ids)) for rid, ids in prompts], params, submitted)))
+        self._wake.set()
+        try:
+            await submitted  # re-raises the engine's ValueError / QueueFullError here
+        except BaseException:  # refused, or the caller was cancelled while waiting: nothing may stay queued
+            for stream in streams:
+                stream.close()
+            raise
+        return streams
+
     async def generate(
         self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None
     ) -> AsyncIterator[RequestOutput]:
@@ -91,38 +119,12 @@ class AsyncEngine:
         Raises ValueError (invalid request) or QueueFullError (waiting queue full) before the first output.
         Leaving the iterator early (client disconnect, cancellation) aborts the request and frees its blocks.
         """
-        if not self.is_running:
-            raise EngineDeadError("the engine is not running")
-        request_id = request_id or uuid.uuid4().hex
-        loop = asyncio.get_running_loop()
-        stream: asyncio.Queue = asyncio.Queue()
-        submitted: asyncio.Future = loop.create_future()  # resolved by the engine thread: None or an exception
-        n = params.n
-        with self._lock:
-            if self._dead:
-                raise EngineDeadError("the engine is not running")
-            waiting = self.stats.num_waiting + self._num_pending
-            if waiting + n > self.engine.config.max_waiting:
-                raise QueueFullError(f"the waiting queue is full ({waiting} of {self.engine.config.max_waiting} sequences)")
-            self._num_pending += n
-            self._streams[request_id] = (loop, stream)
-        self._inbox.put(("add", (request_id, list(prompt_token_ids), params, submitted)))
-        self._wake.set()
-        finished_choices = 0
+        [stream] = await self.add_requests([(request_id or uuid.uuid4().hex, prompt_token_ids)], params)
         try:
-            await submitted  # re-raises the engine's ValueError / QueueFullError here
-            while finished_choices < n:
-                out: RequestOutput | BaseException = await stream.get()
-                if isinstance(out, BaseException):  # the engine thread ended with this request open
-                    raise out
-                if out.finished:
-                    finished_choices += 1
+            async for out in stream:
                 yield out
         finally:
-            with self._lock:
-                self._streams.pop(request_id, None)
-            if finished_choices < n:
-                self.abort(request_id)
+            stream.close()
 
     async def run_job(self, job: EngineJob, max_queued: int | None = None) -> None:
         """Run `job` to completion on the engine thread, interleaved with serving steps; re-raises its exception.
@@ -236,18 +238,22 @@ class AsyncEngine:
                 return
             drained = True
             if kind == "add":
-                request_id, prompt, params, submitted = payload
+                prompts, params, submitted = payload
+                added: list[str] = []
+                result: BaseException | None = None
                 try:
-                    self.engine.add_request(request_id, prompt, params)
-                    result: BaseException | None = None
-                except (ValueError, QueueFullError) as e:
+                    for request_id, prompt in prompts:
+                        self.engine.add_request(request_id, prompt, params)
+                        added.append(request_id)
+                except (ValueError, QueueFullError) as e:  # all or nothing: the caller sees one refusal
                     result = e
+                    for request_id in added:
+                        self.engine.abort(request_id)
                 with self._lock:
-                    self._num_pending -= params.n
-                    entry = self._streams.get(request_id)
-                if entry is not None:
-                    _call_soon(entry[0], _resolve, submitted, result)
-                elif result is None:  # the client left before we got to it
+                    self._num_pending -= params.n * len(prompts)
+                    gone = [rid for rid in added if rid not in self._streams]
+                _call_soon(submitted.get_loop(), _resolve, submitted, result)
+                for request_id in gone:  # the client left before we got to it
                     self.engine.abort(request_id)
             elif kind == "abort":
                 self._dispatch(self.engine.abort(payload))
@@ -303,3 +309,37 @@ def _resolve(fut: asyncio.Future, error: BaseException | None) -> None:
         fut.set_result(None)
     else:
         fut.set_exception(error)
+
+
+class RequestStream:
+    """One engine request's outputs, in order, until each of its n choices has finished (an async iterator).
+    EngineDeadError if the engine thread ends first. `close()` (idempotent) aborts the request if it is unfinished."""
+
+    def __init__(self, engine: AsyncEngine, request_id: str, n: int, loop: asyncio.AbstractEventLoop) -> None:
+        self.engine, self.request_id, self.n = engine, request_id, n
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self._finished_choices = 0
+        self._closed = False
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._closed or self._finished_choices >= self.n:
+            raise StopAsyncIteration
+        out: RequestOutput | BaseException = await self.queue.get()
+        if isinstance(out, BaseException):  # the engine thread ended with this request open
+            self._closed = True
+            raise out
+        if out.finished:
+            self._finished_choices += 1
+        return out
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        with self.engine._lock:
+            self.engine._streams.pop(self.request_id, None)
+        if self._finished_choices < self.n:
+            self.engine.abort(self.request_id)

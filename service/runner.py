@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from fastapi import Request
 
-from model.async_engine import EngineDeadError
+from model.async_engine import EngineDeadError, RequestStream
 from model.engine import RequestOutput
 from model.sampling import SamplingParams
 from model.scheduler import QueueFullError
@@ -71,41 +71,29 @@ async def run(
     engine = state.engine
     stats.prompts = prompts
     stats.prompt_tokens = sum(len(p) for p in prompts)
-    gens = [engine.generate(p, params, f"{stats.request_id}-{i}") for i, p in enumerate(prompts)]
-    firsts: list[RequestOutput | None] = []
-    try:
-        for g in gens:  # prime each stream: submission errors surface here, before any byte is sent
-            firsts.append(await g.__anext__())
-    except StopAsyncIteration:
-        firsts.append(None)
+    try:  # every prompt in one submission: admitted together, so they prefill in the same steps
+        streams = await engine.add_requests([(f"{stats.request_id}-{i}", p) for i, p in enumerate(prompts)], params)
     except ValueError as e:
-        await _close(gens)
         raise APIError(400, str(e), code="invalid_request") from None
     except QueueFullError as e:
-        await _close(gens)
         raise APIError(429, f"server busy: {e}", code="queue_full", headers={"Retry-After": "1"}) from None
     except EngineDeadError:
-        await _close(gens)
         raise APIError(503, "the engine is not running", code="not_ready") from None
-    except BaseException:
-        await _close(gens)
-        raise
     queue: asyncio.Queue = asyncio.Queue()
     done = object()
 
-    async def pump(i: int, g, first: RequestOutput | None) -> None:
+    async def pump(i: int, stream: RequestStream) -> None:
         try:
-            if first is not None:
-                await queue.put((i, first))
-            async for out in g:
+            async for out in stream:
                 await queue.put((i, out))
-        except BaseException as e:  # forwarded to the consumer; cancellation closes g via its finally
+        except BaseException as e:  # forwarded to the consumer
             await queue.put((i, e))
             raise
         finally:
+            stream.close()  # aborts the engine request if it did not finish (client gone, cancelled)
             await queue.put((i, done))
 
-    tasks = [asyncio.create_task(pump(i, g, f)) for i, (g, f) in enumerate(zip(gens, firsts))]
+    tasks = [asyncio.create_task(pump(i, stream)) for i, stream in enumerate(streams)]
     remaining = len(tasks)
     finished_before = len(stats.finish_reasons)
     try:
@@ -124,13 +112,8 @@ async def run(
         if len(stats.finish_reasons) - finished_before < len(prompts) * params.n:
             state.metrics.aborts.inc()  # the client left (or the route gave up) before every choice finished
         for t in tasks:
-            t.cancel()  # each pump's generator aborts its engine request as it unwinds
+            t.cancel()  # each pump closes its stream as it unwinds, which aborts an unfinished engine request
         await asyncio.gather(*tasks, return_exceptions=True)
-
-
-async def _close(gens) -> None:
-    for g in gens:
-        await g.aclose()
 
 
 def _observe(state: ServingState, stats: RunStats, out: RequestOutput, choice: int) -> None:

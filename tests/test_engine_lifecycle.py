@@ -154,6 +154,20 @@ def test_a_step_failing_after_some_sequences_finished_still_delivers_their_outpu
     assert not engine.has_unfinished() and engine.kv.num_free_blocks == engine.kv.num_blocks
 
 
+def test_the_prompts_of_one_request_are_admitted_in_the_same_step():
+    """A completions request with several prompts submits them all at once, so they prefill together."""
+    app = create_app(Settings(max_num_batched_tokens=512), loaded=_loaded(), wait_ready=True)
+    steps: list[set[str]] = []
+    with TestClient(app) as client:
+        engine = app.state.serving.engine
+        engine.step_hooks.append(lambda _stats, outs, _s: steps.append({o.request_id for o in outs}))
+        prompts = [[10 + i, 11, 12, 13] for i in range(4)]
+        r = client.post("/v1/completions", json={"prompt": prompts, "max_tokens": 4, "ignore_eos": True})
+        assert r.status_code == 200
+    first = next(s for s in steps if s)
+    assert len(first) == 4, steps
+
+
 def test_max_model_len_is_clamped_to_what_the_kv_pool_holds():
     """A pool smaller than the model's context: the server clamps max_model_len to the pool at start-up and shows
     it, so a request without max_tokens is served instead of refused for a limit the user could not fix."""
