@@ -240,7 +240,9 @@ class Engine:
             state: _SeqState = seq.state
             if state.prompt_logprobs is not None and len(state.prompt_logprobs) < seq.num_prompt_tokens:
                 # logits at position j score prompt token j + 1; skip positions already scored before a preemption
-                first = max(start, len(state.prompt_logprobs) - 1)
+                # (the scheduler never lets the prefix cache skip past the ones not yet scored)
+                assert start <= seq.num_scored_prompt_positions, "prompt logprobs would skip positions"
+                first = max(start, seq.num_scored_prompt_positions)
                 count = min(start + n, seq.num_prompt_tokens - 1) - first
                 if count > 0:
                     prompt_lp_at.append((seq, len(logits_rows), first, count))
@@ -265,6 +267,7 @@ class Engine:
         for seq, row, first, count in prompt_lp_at:
             targets = torch.tensor(seq.prompt_token_ids[first + 1 : first + 1 + count], device=dev)
             seq.state.prompt_logprobs += prompt_logprobs(logits[row : row + count], targets, seq.request.params.prompt_logprobs)
+            seq.num_scored_prompt_positions = len(seq.state.prompt_logprobs) - 1
         if sample_at:
             rows = [
                 SamplingRow(seq.request.params, seq.prompt_token_ids, seq.output_token_ids, seq.state.generator,

@@ -100,17 +100,19 @@ class KVCacheManager:
         total = seq.num_computed_tokens + num_new_tokens
         return max(0, -(-total // self.block_size) - len(seq.block_ids))
 
-    def attach_cached_prefix(self, seq: Sequence, use_cache: bool = True) -> int:
-        """At a sequence's (re)admission: take the longest run of its full blocks already in the cache.
+    def attach_cached_prefix(self, seq: Sequence, max_tokens: int | None = None) -> int:
+        """At a sequence's (re)admission: take the longest run of its full blocks already in the cache, at most
+        `max_tokens` tokens of them (None: no limit).
 
         Sets num_computed_tokens and returns it. At least one token is always left to compute (the sampler
         needs the last position's logits), so a fully cached prompt recomputes its last block.
         """
         assert not seq.block_ids and seq.num_computed_tokens == 0
         hits: list[int] = []
-        if self.enable_prefix_caching and use_cache:
+        if self.enable_prefix_caching:
             self._extend_hashes(seq, seq.num_tokens)
-            for h in seq.block_hashes:
+            limit = len(seq.block_hashes) if max_tokens is None else max_tokens // self.block_size
+            for h in seq.block_hashes[:limit]:
                 block = self.pool.lookup(h)
                 if block is None:
                     break

@@ -95,7 +95,7 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             if seq.num_computed_tokens == 0 and not seq.block_ids:
-                self.kv.attach_cached_prefix(seq, use_cache=not _wants_prompt_logprobs(seq))
+                self.kv.attach_cached_prefix(seq, max_tokens=seq.max_cached_tokens())
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if not self.kv.allocate(seq, n):
                 self.kv.free(seq)  # give back the cached prefix it took; retried next step
@@ -114,9 +114,3 @@ class Scheduler:
         self.add(seq, front=True)
         out.preempted.append(seq)
         out.scheduled = [s for s in out.scheduled if s.seq is not seq]
-
-
-def _wants_prompt_logprobs(seq: Sequence) -> bool:
-    # Prompt logprobs need logits at every prompt position, so those tokens are computed, not taken from cache
-    # (vLLM does the same).
-    return getattr(seq.request.params, "prompt_logprobs", None) is not None and seq.num_cached_tokens < 0

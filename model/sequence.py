@@ -40,6 +40,8 @@ class Sequence:
     num_committed_blocks: int = 0  # leading blocks already registered in the prefix cache
     num_cached_tokens: int = -1  # prompt tokens served from the prefix cache at first schedule (-1: not yet)
     num_preemptions: int = 0
+    # prompt positions whose logits have been scored for prompt logprobs (position j scores prompt token j + 1)
+    num_scored_prompt_positions: int = 0
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     # engine-owned per-sequence state (detokenizer, stop matcher, sampling generator, logprobs so far)
@@ -65,6 +67,16 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+    def max_cached_tokens(self) -> int | None:
+        """Tokens the prefix cache may supply at (re)admission; None: no limit. Prompt logprobs still owed need the
+        logits of their positions, so those positions are computed, never taken from the cache (vLLM does the
+        same): the cache may supply only the positions already scored, whatever admission this is."""
+        if getattr(self.request.params, "prompt_logprobs", None) is None:
+            return None
+        if self.num_scored_prompt_positions >= self.num_prompt_tokens - 1:
+            return None
+        return self.num_scored_prompt_positions
 
 
 @dataclass(eq=False)

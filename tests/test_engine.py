@@ -11,7 +11,7 @@ from model.engine import Engine, EngineConfig
 from model.generate import generate
 from model.paged_kv_cache import PagedKVCache, SeqSlice
 from model.sampling import SamplingParams
-from model.scheduler import QueueFullError
+from model.scheduler import QueueFullError, SchedulerOutput
 from tiny import EOS, byte_tokenizer, tiny_model
 
 
@@ -330,3 +330,49 @@ def test_logprobs_and_prompt_logprobs_match_full_forward(model, tok):
         assert lp.token_id == res["tokens"][i] and lp.rank == 1  # greedy picks the top token
         assert abs(lp.logprob - full[pos, lp.token_id].item()) <= 1e-4
         assert len(lp.top) == 3
+
+
+def _check_prompt_logprobs(model, prompt, pl) -> None:
+    with torch.no_grad():
+        full = torch.log_softmax(model(torch.tensor([prompt]))[0].float(), dim=-1)  # (T, V)
+    assert len(pl) == len(prompt) and pl[0] is None
+    for j in range(1, len(prompt)):
+        assert pl[j].token_id == prompt[j], f"position {j} scores the wrong token"
+        assert abs(pl[j].logprob - full[j - 1, prompt[j]].item()) <= 1e-4, f"position {j}"
+
+
+def test_prompt_logprobs_stay_aligned_when_the_first_admission_fails_on_kv(model, tok, monkeypatch):
+    """The prompt is in the prefix cache, and the request's first admission attempt finds no free block: the
+    retry must still compute (not take from the cache) every prompt position it has not scored yet."""
+    prompt = _prompts(1, seed=21, lo=17, hi=17)[0]
+    engine = Engine(model, tok, EngineConfig(num_blocks=64, block_size=4, max_num_batched_tokens=64))
+    run(engine, {"warm": (prompt, greedy(2))})  # the prompt's full blocks are now cached
+    real, failed = engine.kv.allocate, []
+
+    def allocate(seq, n):
+        if seq.request.request_id == "pl" and not failed:
+            failed.append(seq)
+            return False  # cache pressure at the first attempt
+        return real(seq, n)
+
+    monkeypatch.setattr(engine.kv, "allocate", allocate)
+    other = _prompts(1, seed=23, lo=5, hi=5)[0]  # keeps the batch busy while "pl" waits for blocks
+    res = run(engine, {"other": (other, greedy(4)), "pl": (prompt, greedy(2, prompt_logprobs=1))})["pl"][0]
+    assert failed
+    _check_prompt_logprobs(model, prompt, res["prompt_logprobs"])
+
+
+def test_prompt_logprobs_stay_aligned_across_a_preemption(model, tok):
+    """Preempted after its first prefill chunk, with the rest of its prompt cached by an earlier request: on
+    re-admission the cache may serve only what was already scored."""
+    prompt = _prompts(1, seed=22, lo=24, hi=24)[0]
+    engine = Engine(model, tok, EngineConfig(num_blocks=64, block_size=4, max_num_batched_tokens=8))  # 8-token chunks
+    run(engine, {"warm": (prompt, greedy(2))})
+    engine.add_request("pl", prompt, greedy(2, prompt_logprobs=1))
+    outs = engine.step()  # the first chunk: positions 0..7
+    seq = engine.requests["pl"].seqs[0]
+    assert seq.num_computed_tokens == 8 and not outs
+    engine.scheduler.running.remove(seq)
+    engine.scheduler._preempt(seq, SchedulerOutput())  # as the scheduler does when it runs out of blocks
+    res = run(engine, {})
+    _check_prompt_logprobs(model, prompt, res["pl"][0]["prompt_logprobs"])
