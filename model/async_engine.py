@@ -29,11 +29,19 @@ class EngineDeadError(RuntimeError):
 
 class EngineJob(Protocol):
     """Work that needs the model but is not a generation (an inspection): run on the engine thread one `step()`
-    at a time, between two engine steps, so serving never waits for more than one job step."""
+    at a time, between two engine steps, each given a time budget, so serving keeps most of its rate."""
 
-    def step(self) -> bool:
-        """Advance a bounded amount; True when finished."""
+    def step(self, budget_s: float) -> bool:
+        """Advance by about `budget_s` seconds of work; True when finished."""
         ...
+
+
+# A job's share of the engine thread: with requests in flight, each job step gets this fraction of a recent serving
+# step's time (so decoding keeps about 1 / (1 + JOB_SHARE) of its rate during any inspection); when idle, a
+# longer slice that still lets a new request start within it.
+JOB_SHARE = 0.5
+MIN_JOB_BUDGET_S = 0.0005
+IDLE_JOB_BUDGET_S = 0.05
 
 
 class _QueuedJob:
@@ -62,6 +70,7 @@ class AsyncEngine:
         # other threads read instead of walking the engine's live dicts while it changes them.
         self.stats: EngineStats = engine.stats()
         self._jobs: deque[_QueuedJob] = deque()  # engine thread only
+        self._step_seconds = 0.0  # a running mean of recent serving steps (engine thread only)
         self._num_jobs = 0  # submitted and not finished (guarded by _lock)
 
     # ---- lifecycle ----------------------------------------------------------------------------------------
@@ -198,6 +207,7 @@ class AsyncEngine:
                         out.finish_reason, out.error = "error", "the engine failed"
                         outs.append(out)
             elapsed = time.perf_counter() - start
+            self._step_seconds = elapsed if not self._step_seconds else 0.8 * self._step_seconds + 0.2 * elapsed
             self.stats = self.engine.stats()
             self._dispatch(outs)
             for hook in self.step_hooks:
@@ -272,8 +282,10 @@ class AsyncEngine:
         if not self._jobs:
             return False
         queued = self._jobs[0]
+        busy = self.engine.has_unfinished()
+        budget = max(MIN_JOB_BUDGET_S, JOB_SHARE * self._step_seconds) if busy else IDLE_JOB_BUDGET_S
         try:
-            finished, error = queued.job.step(), None
+            finished, error = queued.job.step(budget), None
         except Exception as e:  # the job's own failure (bad input found late, out of memory): its caller's error
             finished, error = True, e
         if finished:

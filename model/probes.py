@@ -181,7 +181,12 @@ class ProbeResult:
 class ProbeAttention:
     """Attention context (model.attention.AttentionContext) that serves the output through the same SDPA call as
     the serving path and, for the probed layers, recomputes softmax(q k^T / sqrt(E)) in blocks of query rows and
-    reduces it as `opts` asks. A test checks the reported weights against the output: A @ V == SDPA's output."""
+    reduces it as `opts` asks. A test checks the reported weights against the output: A @ V == SDPA's output.
+
+    A block may be run in chunks of query rows (`ProbeRun` does, so an inspection of a long prompt never holds the
+    engine thread for a whole block): set `num_tokens` to the sequence's T and `row_offset` to each call's first
+    row; the keys and values of the rows so far are kept for the block in progress, and a layer's statistics are
+    complete (in `stats`) after the call that ends at row T."""
 
     def __init__(self, opts: ProbeOptions, n_heads: int, n_kv_heads: int, stat_layers: set[int], map_layers: set[int]) -> None:
         self.opts = opts
@@ -190,42 +195,67 @@ class ProbeAttention:
         self.kv_groups = [h // group for h in self.heads]
         self.stat_layers, self.map_layers = stat_layers, map_layers
         self.stats: dict[int, tuple[Tensor, Tensor, AttentionMaps | None]] = {}  # layer -> received, entropy, maps
+        self.num_tokens: int | None = None  # T; None: every call is a whole sequence
+        self.row_offset = 0  # first query row of the next call
+        self._kv: tuple[Tensor, Tensor] | None = None  # (T, K, E) each: the block in progress's keys and values
+        self._acc: tuple[Tensor, Tensor, AttentionMaps | None] | None = None  # its running sums and maps
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        # q (1, T, H, E), k/v (1, T, K, E) -> (1, T, H, E)
-        out = sdpa(q, k, v, is_causal=True)
+        # q (1, R, H, E), k/v (1, R, K, E): query rows r0 .. r0 + R - 1 of a T-token sequence -> (1, R, H, E)
+        r0, R = self.row_offset, q.shape[1]
+        T, r1 = self.num_tokens or R, self.row_offset + R
+        if r0 == 0 and r1 == T:  # the whole block in one call
+            keys, values, mask = k[0], v[0], None
+        else:
+            if r0 == 0:
+                self._kv = (k.new_empty((T,) + k.shape[2:]), v.new_empty((T,) + v.shape[2:]))
+            kb, vb = self._kv
+            kb[r0:r1], vb[r0:r1] = k[0], v[0]
+            keys, values = kb[:r1], vb[:r1]  # (r1, K, E)
+            # causal with an offset: query row r0 + i sees keys 0 .. r0 + i
+            mask = (torch.arange(r1, device=q.device) <= torch.arange(r0, r1, device=q.device).unsqueeze(1))[None, None]
+        out = sdpa(q, keys[None], values[None], mask, is_causal=mask is None)
         if layer in self.stat_layers:
-            self.stats[layer] = self.reduce(q[0], k[0], with_maps=layer in self.map_layers)
+            if r0 == 0:
+                self._acc = self._start(T, q.device, with_maps=layer in self.map_layers)
+            self._reduce(q[0], keys, r0, self._acc)
+            if r1 == T:
+                received, entropy, maps = self._acc
+                denom = max(T - 1, 1)
+                self.stats[layer] = ((received / denom).cpu(), (entropy / denom).cpu(), maps)
+                self._acc = None
+        if r1 == T:
+            self._kv = None
         return out
 
+    def _start(self, T: int, device, with_maps: bool) -> tuple[Tensor, Tensor, AttentionMaps | None]:
+        Hs = len(self.heads)
+        return torch.zeros(Hs, T, device=device), torch.zeros(Hs, device=device), self._new_maps(Hs, T) if with_maps else None
+
     @torch.no_grad()
-    def reduce(self, q: Tensor, k: Tensor, with_maps: bool = True) -> tuple[Tensor, Tensor, AttentionMaps | None]:
-        """q (T, H, E), k (T, K, E) -> mean mass each key receives (Hs, T), mean row entropy (Hs,), maps.
-        Means are over queries 1..T-1 (query 0 can only attend to itself)."""
+    def _reduce(self, q: Tensor, k: Tensor, r0: int, acc: tuple[Tensor, Tensor, AttentionMaps | None]) -> None:
+        """q (R, H, E) query rows r0 .. r0 + R - 1, k (r0 + R, K, E) the keys they see: add their sums to `acc`
+        (mass each key receives (Hs, T), row entropy (Hs,)) and fill their rows of its maps."""
         opts = self.opts
-        T, _, E = q.shape
-        qh = q[:, self.heads].transpose(0, 1).float()  # (Hs, T, E)
-        kh = k[:, self.kv_groups].transpose(0, 1).float()  # (Hs, T, E): each selected head's own KV head
-        Hs, scale = qh.shape[0], 1.0 / math.sqrt(E)
-        received = torch.zeros(Hs, T, device=q.device)
-        entropy = torch.zeros(Hs, device=q.device)
-        maps = self._new_maps(Hs, T) if with_maps else None
+        R, _, E = q.shape
+        received, entropy, maps = acc
+        qh = q[:, self.heads].transpose(0, 1).float()  # (Hs, R, E)
+        kh = k[:, self.kv_groups].transpose(0, 1).float()  # (Hs, S, E): each selected head's own KV head
+        scale = 1.0 / math.sqrt(E)
         b = opts.pool_size
         step = max(b, opts.row_block // b * b) if opts.mode == "pooled" else opts.row_block  # whole tiles per block
-        for r0 in range(0, T, step):
-            r1 = min(T, r0 + step)
-            # causal: rows r0..r1-1 see keys 0..r1-1 only
-            scores = torch.einsum("hqe,hke->hqk", qh[:, r0:r1], kh[:, :r1]) * scale  # (Hs, R, r1)
-            rows = torch.arange(r0, r1, device=q.device).unsqueeze(1)
-            scores.masked_fill_(torch.arange(r1, device=q.device).unsqueeze(0) > rows, float("-inf"))
-            p = scores.softmax(-1)  # (Hs, R, r1)
-            counted = p[:, 1:] if r0 == 0 else p
-            received[:, :r1] += counted.sum(1)
+        for a0 in range(r0, r0 + R, step):
+            a1 = min(r0 + R, a0 + step)
+            # causal: rows a0..a1-1 see keys 0..a1-1 only
+            scores = torch.einsum("hqe,hke->hqk", qh[:, a0 - r0 : a1 - r0], kh[:, :a1]) * scale  # (Hs, A, a1)
+            rows = torch.arange(a0, a1, device=q.device).unsqueeze(1)
+            scores.masked_fill_(torch.arange(a1, device=q.device).unsqueeze(0) > rows, float("-inf"))
+            p = scores.softmax(-1)  # (Hs, A, a1)
+            counted = p[:, 1:] if a0 == 0 else p
+            received[:, :a1] += counted.sum(1)
             entropy -= torch.special.xlogy(counted, counted).sum((1, 2))
             if maps is not None:
-                self._fill_maps(maps, p, r0, r1)
-        denom = max(T - 1, 1)
-        return (received / denom).cpu(), (entropy / denom).cpu(), maps
+                self._fill_maps(maps, p, a0, a1)
 
     def _new_maps(self, Hs: int, T: int) -> AttentionMaps | None:
         # on the CPU: maps go to the response, and a full map can be large
@@ -309,13 +339,21 @@ def massive_activations(h: Tensor, opts: ProbeOptions) -> BlockActivations:
 
 
 class ProbeRun:
-    """One inspection of one sequence, advanced a block at a time: `step()` returns True when done.
+    """One inspection of one sequence, advanced in bounded steps: `step(budget)` returns True when done.
 
     The forward is the serving one (same modules, RoPE, SDPA) over the whole sequence without a KV cache, in
     inference mode; the per-layer reductions run on each block's output as it is produced. Massive activations
     and per-head sink mass are measured in every block (they feed the summary); everything else only in the
     selected layers.
+
+    A block runs in chunks of query rows (chunked prefill within one block: each chunk attends over the keys of
+    the rows before it), sized from the measured cost per row so that one `step(budget_s)` does about
+    `budget_s` of work: the engine thread interleaves serving steps with an inspection of any length and never
+    waits for a whole block of it. Models whose blocks run across processes (tensor parallelism) take whole
+    blocks (`supports_row_chunks = False`).
     """
+
+    MIN_CHUNK_ROWS = 4
 
     def __init__(self, model: Transformer, token_ids: list[int], opts: ProbeOptions) -> None:
         c = model.config
@@ -327,9 +365,16 @@ class ProbeRun:
         self.report = opts.selected_layers(c.n_layers)
         every = set(range(c.n_layers)) if "attention" in opts.include else set()
         self.ctx = ProbeAttention(opts, c.n_heads, c.n_kv_heads, every, set(self.report) if opts.mode != "none" else set())
+        self.ctx.num_tokens = T
+        self.chunked = getattr(model, "supports_row_chunks", True)
+        # chunk boundaries on whole pooling tiles, so each chunk's rows fill whole rows of tiles
+        self.row_quantum = opts.pool_size if opts.mode == "pooled" else 1
         self.lens_positions = sorted({p % T for p in (opts.lens_positions or [-1])})
         self.next_layer = -1  # -1: the embeddings come next
-        self.h: Tensor | None = None
+        self.next_row = 0  # first row of the next chunk of block `next_layer`
+        self.h: Tensor | None = None  # (1, T, D) the input of block `next_layer`
+        self.h_out: Tensor | None = None  # (1, T, D) its output, filled chunk by chunk
+        self.seconds_per_row: float | None = None  # measured cost of one row of one block
         self.probes: dict[int, LayerProbe] = {}
         self.sink_mass_by_layer: dict[int, float] = {}
         self.massive_layers: list[int] = []
@@ -339,25 +384,59 @@ class ProbeRun:
         self.elapsed = 0.0
 
     @torch.inference_mode()
-    def step(self) -> bool:
+    def step(self, budget_s: float | None = None) -> bool:
+        """Advance by about `budget_s` seconds of work (at least one chunk); None: one whole block."""
         t0 = time.perf_counter()
-        m = self.model
+        while not self.done:
+            self._advance(budget_s - (time.perf_counter() - t0) if budget_s is not None else None)
+            if budget_s is None or time.perf_counter() - t0 >= budget_s:
+                break
+        self.elapsed += time.perf_counter() - t0
+        return self.done
+
+    def _advance(self, budget_s: float | None) -> None:
+        """The embeddings, or one chunk of rows of the next block (a whole block when `budget_s` is None)."""
+        m, T = self.model, len(self.token_ids)
         if self.next_layer < 0:
             tokens = torch.tensor([self.token_ids], device=m.device)  # (1, T)
-            positions = torch.arange(tokens.shape[1], device=m.device).unsqueeze(0)  # (1, T)
+            positions = torch.arange(T, device=m.device).unsqueeze(0)  # (1, T)
             self.cos, self.sin = m.rope(positions)  # (1, T, E)
             self.h = m.tok_embeddings(tokens)  # (1, T, D)
+            self.next_layer = 0
+            return
+        i, r0 = self.next_layer, self.next_row
+        r1 = r0 + self._chunk_rows(budget_s, T - r0)
+        t0 = time.perf_counter()
+        self.ctx.row_offset = r0
+        if r0 == 0 and r1 == T:
+            self.h_out = m.layers[i](self.h, self.cos, self.sin, self.ctx)  # (1, T, D)
         else:
-            i = self.next_layer
-            self.h = m.layers[i](self.h, self.cos, self.sin, self.ctx)  # (1, T, D): residual stream after block i
-            self._reduce_block(i, self.h[0])
+            if r0 == 0:
+                self.h_out = torch.empty_like(self.h)
+            self.h_out[:, r0:r1] = m.layers[i](self.h[:, r0:r1], self.cos[:, r0:r1], self.sin[:, r0:r1], self.ctx)
+        per_row = (time.perf_counter() - t0) / (r1 - r0)
+        self.seconds_per_row = per_row if self.seconds_per_row is None else 0.5 * (self.seconds_per_row + per_row)
+        self.next_row = r1
+        if r1 < T:
+            return
+        self.h, self.h_out, self.next_row = self.h_out, None, 0  # (1, T, D): residual stream after block i
+        self._reduce_block(i, self.h[0])
         self.next_layer += 1
         if self.next_layer == len(m.layers):
             self._finish()
             self.done = True
             self.h = None
-        self.elapsed += time.perf_counter() - t0
-        return self.done
+
+    def _chunk_rows(self, budget_s: float | None, remaining: int) -> int:
+        if budget_s is None or not self.chunked:
+            return remaining
+        if self.seconds_per_row is None:
+            rows = self.MIN_CHUNK_ROWS
+        else:
+            rows = max(self.MIN_CHUNK_ROWS, int(max(budget_s, 0.0) / self.seconds_per_row))
+        q = self.row_quantum
+        rows = max(q, rows // q * q)
+        return remaining if rows >= remaining else rows
 
     def run(self) -> ProbeResult:
         while not self.step():

@@ -54,6 +54,9 @@ class _ProbeLayer:
 
 
 class TPModel:
+    # An inspection runs each block across every rank in one message (`_ProbeLayer`), so whole blocks at a time.
+    supports_row_chunks = False
+
     def __init__(self, shard: Transformer, channel: Channel, workers: list[subprocess.Popen]) -> None:
         self.shard, self.channel, self.workers = shard, channel, workers
         self.plan: ShardPlan = shard.tp_plan

@@ -72,7 +72,7 @@ def test_engine_thread_ending_outside_a_step_ends_every_stream(monkeypatch):
     ae.on_dead = died.append
 
     class Job:
-        def step(self) -> bool:
+        def step(self, budget_s: float) -> bool:
             return False  # never finishes by itself
 
     async def main():
@@ -185,3 +185,45 @@ def test_max_model_len_is_clamped_to_what_the_kv_pool_holds():
 def test_an_explicit_max_model_len_beyond_the_pool_refuses_to_start():
     with pytest.raises(ValueError, match=r"max_model_len 400 .* 128 tokens"):
         Engine(tiny_model(), byte_tokenizer(), EngineConfig(num_blocks=8, block_size=16, max_model_len=400))
+
+
+def test_an_inspection_of_a_long_prompt_leaves_decoding_at_least_half_its_rate():
+    """An inspection runs on the engine thread between serving steps; with a long prompt one whole block of it
+    takes many decode steps' time. Each job step is bounded by a share of a serving step, so a stream decoding
+    meanwhile keeps at least half its rate (measured against the same stream just before)."""
+    from model.probes import ProbeOptions, ProbeRun
+
+    model = tiny_model(seed=3, max_seq_len=4096, dim=256, hidden_dim=512, n_layers=4)
+    ae = AsyncEngine(Engine(model, byte_tokenizer(), EngineConfig(num_blocks=512, block_size=16)))
+    ae.start()
+    long_prompt = [(7 * i) % 250 + 1 for i in range(3000)]
+
+    async def main():
+        stamps: list[float] = []
+        stream = ae.generate([1, 2, 3], SamplingParams(max_tokens=400, ignore_eos=True))
+
+        async def decode():
+            async for _ in stream:
+                stamps.append(asyncio.get_running_loop().time())
+
+        decoding = asyncio.ensure_future(decode())
+        while len(stamps) < 60:  # the stream's own rate first
+            await asyncio.sleep(0.01)
+        run = ProbeRun(model, long_prompt, ProbeOptions(mode="none"))
+        t0 = asyncio.get_running_loop().time()
+        before = len(stamps)
+        await asyncio.wait_for(ae.run_job(run), 300)
+        t1 = asyncio.get_running_loop().time()
+        during = [t for t in stamps if t0 <= t <= t1]
+        await asyncio.wait_for(decoding, 120)
+        return stamps[:before], during, run
+
+    try:
+        alone, during, run = asyncio.run(main())
+    finally:
+        ae.stop()
+    assert run.done and run.result().layers
+    rate_alone = (len(alone) - 11) / (alone[-1] - alone[10])  # past the first steps' warm-up
+    rate_during = (len(during) - 1) / (during[-1] - during[0])
+    assert len(during) >= 20, "the inspection was too short to measure against"
+    assert rate_during >= 0.5 * rate_alone, (rate_during, rate_alone)

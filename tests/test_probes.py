@@ -201,3 +201,32 @@ def test_inspection_runs_on_quantized_weights(mode):
         assert torch.allclose(a.maps.values.sum(-1), torch.ones_like(a.maps.values.sum(-1)), atol=1e-5)
         if mode == "int8":
             assert (a.maps.values - b.maps.values).abs().mean() < 0.01  # sharp random attention: a mean, not a max
+
+
+@pytest.mark.parametrize("mode", ["full", "pooled", "rows", "topk"])
+def test_a_block_run_in_row_chunks_reports_what_the_whole_block_does(mode):
+    """`step(budget)` runs each block in chunks of query rows (so the engine thread never waits for a whole block);
+    every statistic and map equals the one-call result."""
+    model = tiny_model(n_layers=2)
+    ids = [(5 * i) % 250 + 1 for i in range(70)]
+    opts = dict(mode=mode, rows=[0, 33, 69], pool_size=8, attention_top_k=4, row_block=16,
+                lens_positions=[5, 69])
+    whole = inspect(model, ids, ProbeOptions(**opts))
+    run = ProbeRun(model, ids, ProbeOptions(**opts))
+    run.seconds_per_row = 1.0  # every chunk is the minimum: many chunks per block
+    steps = 0
+    while not run.step(budget_s=0.0):
+        steps += 1
+    assert steps >= 2 * 70 // max(ProbeRun.MIN_CHUNK_ROWS, 8)  # chunks per block (pooled: whole 8-row tiles)
+    chunked = run.result()
+    assert chunked.sink_mass_by_layer == pytest.approx(whole.sink_mass_by_layer, rel=1e-5)
+    assert chunked.massive_layers == whole.massive_layers
+    for a, b in zip(chunked.layers, whole.layers):
+        assert a.max_abs == pytest.approx(b.max_abs, rel=1e-5)
+        torch.testing.assert_close(a.residual_norm, b.residual_norm, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(a.maps.values, b.maps.values, rtol=1e-5, atol=1e-6)
+        if a.maps.indices is not None:  # keys of weight 0 (after the query) tie: their order is arbitrary
+            weighted = b.maps.values > 0
+            assert torch.equal(a.maps.indices[weighted], b.maps.indices[weighted])
+        assert [h.entropy for h in a.heads] == pytest.approx([h.entropy for h in b.heads], rel=1e-5)
+        assert [e.token_ids for e in a.lens] == [e.token_ids for e in b.lens]
