@@ -16,7 +16,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
-from model.engine import Engine, EngineStats, RequestOutput
+from model.engine import Engine, EngineStats, FatalEngineError, RequestOutput
 from model.sampling import SamplingParams
 from model.scheduler import QueueFullError
 
@@ -199,6 +199,8 @@ class AsyncEngine:
             start = time.perf_counter()
             try:
                 outs = self.engine.step()
+            except FatalEngineError:  # ends the thread: every client gets its error, the server exits
+                raise
             except Exception:  # outside a step's own error handling: fail everything queued, keep the thread
                 log.exception("engine step raised; failing all requests")
                 outs = []

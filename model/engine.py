@@ -23,7 +23,12 @@ from model.transformer import Transformer
 
 log = logging.getLogger("llamascope.engine")
 
-__all__ = ["Engine", "EngineConfig", "RequestOutput", "QueueFullError", "EngineStats"]
+__all__ = ["Engine", "EngineConfig", "RequestOutput", "QueueFullError", "EngineStats", "FatalEngineError"]
+
+
+class FatalEngineError(RuntimeError):
+    """A step failure the engine cannot recover from (a tensor-parallel step that failed after its broadcast: the
+    other ranks may be left inside a collective). It ends the engine thread; the server exits to be restarted."""
 
 
 @dataclass
@@ -127,6 +132,7 @@ class Engine:
         self.sampler = Sampler(model.config.vocab_size, model.device)
         self.requests: dict[str, Request] = {}
         self._next_seq_id = 0
+        self.distributed = getattr(model, "world_size", 1) > 1  # tensor parallelism: step failures are fatal
         # Test hook (fault injection): called with each step's scheduled sequences before the forward; whatever
         # it raises fails that step's requests exactly as a failing forward would.
         self.step_fault_hook: Callable[[list[ScheduledSeq]], None] | None = None
@@ -213,6 +219,8 @@ class Engine:
             self._run(sched.scheduled, outs)
             return outs
         except Exception as e:  # a failing step fails its own requests; the engine keeps serving the rest
+            if self.distributed:  # ... except across processes, where ranks may be stranded mid-collective (vLLM)
+                raise FatalEngineError(f"a tensor-parallel step failed: {type(e).__name__}: {e}") from e
             log.exception("engine step failed")
             for s in sched.scheduled:
                 if not s.seq.is_finished:

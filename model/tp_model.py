@@ -109,6 +109,14 @@ class TPModel:
         """Parameter bytes on this rank (the workers' are equal but for an untied output head, which they hold too)."""
         return {"rank0_parameter_bytes": parameter_bytes(self.shard)}
 
+    def abort(self) -> None:
+        """After a failed step: the workers may be blocked in a collective that will never complete, so they are
+        killed rather than asked to stop (the process group is left to the process's exit)."""
+        self.closed = True
+        for p in self.workers:
+            p.kill()
+        _reap(self.workers, 10)
+
     def close(self, timeout: float = 30.0) -> None:
         """Stop the workers and leave the process group (idempotent)."""
         if self.closed:

@@ -85,6 +85,8 @@ class ServingState:
         this process can serve again: /health says so, and a real server exits non-zero to be restarted."""
         self.fatal_error = f"the engine stopped: {type(error).__name__}" if error is not None else "the engine stopped"
         log.critical("%s; the server cannot serve any more", self.fatal_error)
+        if self.loaded is not None and isinstance(self.loaded.model, TPModel):
+            self.loaded.model.abort()
         if self.on_fatal is not None:
             self.on_fatal()
 

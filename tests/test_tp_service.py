@@ -61,3 +61,25 @@ def test_inspect_maps_equal(servers):
         assert max(abs(x - y) for x, y in zip(flat(ma), flat(mb))) <= 1e-4
         for ha, hb in zip(la["attention"]["heads"], lb["attention"]["heads"]):
             assert ha["sink_mass"] == pytest.approx(hb["sink_mass"], abs=1e-4)
+
+
+def test_a_failing_step_under_tensor_parallelism_is_fatal(servers, monkeypatch):
+    """Rank 0 fails after the step's broadcast: the worker may be left inside a collective, so the engine does not
+    carry on. The client gets its error, /health turns 503, the workers are killed, and the server is told to
+    exit (a real server then exits 1 for its orchestrator to restart it). Last in this file: it ends the module's
+    TP server (one process holds one default process group, so the test cannot start a second one)."""
+    server = servers[1]
+    state = server.app.state.serving
+    fatal: list[bool] = []
+    state.on_fatal = lambda: fatal.append(True)
+
+    def broken(*a, **k):  # runs after TPModel has broadcast the step to the worker
+        raise RuntimeError("injected: rank 0 fails inside the step")
+
+    monkeypatch.setattr(state.loaded.model.shard, "forward", broken)
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 4}, timeout=60)
+    assert r.status_code in (500, 503) and r.json()["error"]
+    h = httpx.get(server.url + "/health", timeout=10)
+    assert h.status_code == 503 and "engine" in h.json()["error"]["message"]
+    assert fatal == [True]
+    assert all(p.poll() is not None for p in state.loaded.model.workers)
