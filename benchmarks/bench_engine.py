@@ -104,7 +104,7 @@ def _same_outputs(a: list[list[int]] | None, b: list[list[int]] | None) -> int |
 def run(args: argparse.Namespace) -> dict:
     from model.engine import Engine, EngineConfig
     from model.loaders.checkpoint import load_model
-    from model.paged_kv_cache import PagedKVCache
+    from model.engine.paged_cache import PagedKVCache
     from model.quantize import QuantLinear
 
     torch.set_num_threads(args.threads)

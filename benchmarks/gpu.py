@@ -262,7 +262,7 @@ def _byte_tokenizer_for(vocab: int):
     from tokenizers import decoders, pre_tokenizers
     from tokenizers.models import WordLevel
 
-    from model.tokenizer import Tokenizer
+    from model.text.tokenizer import Tokenizer
 
     backend = Backend(WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
     backend.pre_tokenizer = pre_tokenizers.Whitespace()

@@ -11,7 +11,7 @@ import torch
 
 from benchmarks.measure import Clock, ConcurrentResult, StreamResult
 from model.engine import Engine, RequestOutput
-from model.sampling import SamplingParams
+from model.engine.sampling_params import SamplingParams
 
 
 def greedy(max_tokens: int) -> SamplingParams:

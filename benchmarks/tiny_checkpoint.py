@@ -25,7 +25,7 @@ CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{%
 
 def byte_backend() -> Backend:
     """The byte-level `tokenizers` object: ids 0-255 are the bytes, 256 <eos>, 257 <bos>."""
-    from model.gguf_vocab import _BYTE_CHARS  # byte value -> alphabet character, GPT-2's table
+    from model.text.gguf_vocab import _BYTE_CHARS  # byte value -> alphabet character, GPT-2's table
 
     assert set(_BYTE_CHARS.values()) == set(pre_tokenizers.ByteLevel.alphabet())
     vocab = {_BYTE_CHARS[b]: b for b in range(256)}

@@ -25,7 +25,7 @@ from benchmarks.measure import Clock
 from benchmarks.ours import run_concurrent, warm_up
 from model.engine import Engine, EngineConfig
 from model.loaders.checkpoint import load_model
-from model.tensor_parallel import parameter_bytes
+from model.parallel.plan import parameter_bytes
 
 TINY = dict(vocab_size=258, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2)
@@ -97,8 +97,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="write the results JSON here")
     args = p.parse_args(argv)
-    from model.tp_worker import DTYPES
-    from model.tp_model import launch
+    from model.parallel.worker import DTYPES
+    from model.parallel.rank0 import launch
 
     dtype = DTYPES[args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")]
     if args.device.startswith("cuda") and torch.cuda.device_count() < args.tp:

@@ -19,7 +19,7 @@ from model.kv_cache import KVCache
 from model.loaders.checkpoint import load_model
 from model.loaders.errors import CheckpointError
 from model.quantize import QUANTIZATIONS
-from model.sampling import SamplingParams
+from model.engine.sampling_params import SamplingParams
 from model.transformer import Transformer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

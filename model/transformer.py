@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from model import kernels
 from model.attention import AttentionContext, CausalAttention, KVCacheContext
 from model.config import ModelConfig, RopeScaling
-from model.paged_kv_cache import PagedKVCache, kv_config
+from model.engine.paged_cache import PagedKVCache, kv_config
 from model.quantize import QuantLinear, apply_linear
 
 

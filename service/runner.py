@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 
 from fastapi import Request
 
-from model.async_engine import EngineDeadError, RequestStream
+from model.engine.async_engine import EngineDeadError, RequestStream
 from model.engine import RequestOutput
-from model.sampling import SamplingParams
-from model.scheduler import QueueFullError
+from model.engine.sampling_params import SamplingParams
+from model.engine.scheduler import QueueFullError
 from service.errors import APIError
 from service.state import ServingState
 

@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 import torch
 from fastapi import Request
 
-from model.async_engine import AsyncEngine
+from model.engine.async_engine import AsyncEngine
 from model.engine import Engine, EngineConfig
 from model.loaders.checkpoint import LoadedModel, load_model
-from model.tp_model import TPModel, launch
+from model.parallel.rank0 import TPModel, launch
 from service.config import Settings
 from service.errors import APIError
 from service.metrics import Metrics

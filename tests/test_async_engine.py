@@ -6,11 +6,11 @@ import asyncio
 
 import pytest
 
-from model.async_engine import AsyncEngine
+from model.engine.async_engine import AsyncEngine
 from model.engine import Engine, EngineConfig
 from model.generate import generate
-from model.sampling import SamplingParams
-from model.scheduler import QueueFullError
+from model.engine.sampling_params import SamplingParams
+from model.engine.scheduler import QueueFullError
 from tiny import byte_tokenizer, tiny_model
 
 

@@ -8,7 +8,7 @@ import pytest
 
 from model import kernels
 from model.engine import Engine, EngineConfig
-from model.sampling import SamplingParams
+from model.engine.sampling_params import SamplingParams
 from test_engine import _prompts, assert_pool_clean, greedy, run
 from tiny import byte_tokenizer, tiny_model
 

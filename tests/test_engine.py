@@ -9,9 +9,9 @@ import torch
 
 from model.engine import Engine, EngineConfig
 from model.generate import generate
-from model.paged_kv_cache import PagedKVCache, SeqSlice
-from model.sampling import SamplingParams
-from model.scheduler import QueueFullError, SchedulerOutput
+from model.engine.paged_cache import PagedKVCache, SeqSlice
+from model.engine.sampling_params import SamplingParams
+from model.engine.scheduler import QueueFullError, SchedulerOutput
 from tiny import EOS, byte_tokenizer, tiny_model
 
 

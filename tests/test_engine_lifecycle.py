@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from model.async_engine import AsyncEngine, EngineDeadError
+from model.engine.async_engine import AsyncEngine, EngineDeadError
 from model.engine import Engine, EngineConfig
 from model.loaders.checkpoint import LoadedModel
-from model.sampling import SamplingParams
+from model.engine.sampling_params import SamplingParams
 from service.config import Settings
 from service.main import create_app
 from tiny import byte_tokenizer, tiny_model
@@ -190,40 +190,44 @@ def test_an_explicit_max_model_len_beyond_the_pool_refuses_to_start():
 def test_an_inspection_of_a_long_prompt_leaves_decoding_at_least_half_its_rate():
     """An inspection runs on the engine thread between serving steps; with a long prompt one whole block of it
     takes many decode steps' time. Each job step is bounded by a share of a serving step, so a stream decoding
-    meanwhile keeps at least half its rate (measured against the same stream just before)."""
+    meanwhile keeps at least half its rate: its time per token during the inspection is at most twice the serving
+    step time measured in the same window (so the load of the machine affects both sides alike)."""
+    import statistics
+
     from model.probes import ProbeOptions, ProbeRun
 
     model = tiny_model(seed=3, max_seq_len=4096, dim=256, hidden_dim=512, n_layers=4)
     ae = AsyncEngine(Engine(model, byte_tokenizer(), EngineConfig(num_blocks=512, block_size=16)))
+    steps: list[tuple[float, float]] = []  # (end time, seconds) of each serving step
+    ae.step_hooks.append(lambda _stats, _outs, seconds: steps.append((asyncio.get_event_loop_policy() and
+                                                                          __import__("time").perf_counter(), seconds)))
     ae.start()
     long_prompt = [(7 * i) % 250 + 1 for i in range(3000)]
 
     async def main():
         stamps: list[float] = []
-        stream = ae.generate([1, 2, 3], SamplingParams(max_tokens=400, ignore_eos=True))
+        stream = ae.generate([1, 2, 3], SamplingParams(max_tokens=500, ignore_eos=True))
 
         async def decode():
             async for _ in stream:
-                stamps.append(asyncio.get_running_loop().time())
+                stamps.append(__import__("time").perf_counter())
 
         decoding = asyncio.ensure_future(decode())
-        while len(stamps) < 60:  # the stream's own rate first
+        while len(stamps) < 20:
             await asyncio.sleep(0.01)
         run = ProbeRun(model, long_prompt, ProbeOptions(mode="none"))
-        t0 = asyncio.get_running_loop().time()
-        before = len(stamps)
+        t0 = __import__("time").perf_counter()
         await asyncio.wait_for(ae.run_job(run), 300)
-        t1 = asyncio.get_running_loop().time()
-        during = [t for t in stamps if t0 <= t <= t1]
-        await asyncio.wait_for(decoding, 120)
-        return stamps[:before], during, run
+        t1 = __import__("time").perf_counter()
+        decoding.cancel()
+        return [t for t in stamps if t0 <= t <= t1], (t0, t1), run
 
     try:
-        alone, during, run = asyncio.run(main())
+        during, (t0, t1), run = asyncio.run(main())
     finally:
         ae.stop()
     assert run.done and run.result().layers
-    rate_alone = (len(alone) - 11) / (alone[-1] - alone[10])  # past the first steps' warm-up
-    rate_during = (len(during) - 1) / (during[-1] - during[0])
     assert len(during) >= 20, "the inspection was too short to measure against"
-    assert rate_during >= 0.5 * rate_alone, (rate_during, rate_alone)
+    per_token = (during[-1] - during[0]) / (len(during) - 1)
+    step = statistics.median(s for end, s in steps if t0 <= end <= t1)
+    assert per_token <= 2 * step, (per_token, step)

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from model.kv_cache_manager import KVCacheManager
-from model.sequence import Request, Sequence
-from model.stop_strings import StopStringMatcher
+from model.engine.kv_cache_manager import KVCacheManager
+from model.engine.request import Request, Sequence
+from model.text.stop_strings import StopStringMatcher
 
 
 def _seq(tokens, sid=0):

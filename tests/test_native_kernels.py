@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from model import kernels
 from model.attention import sdpa
-from model.paged_kv_cache import PagedKVCache, SeqSlice
+from model.engine.paged_cache import PagedKVCache, SeqSlice
 from model.quantize import Int4Linear, Int8Linear, quantize_model, round_activations
 from model.transformer import RMSNorm, apply_rotary_tables, rotary_tables
 from tiny import greedy_tokens, tiny_model

@@ -10,7 +10,9 @@ from collections import Counter
 import pytest
 import torch
 
-from model.sampling import Sampler, SamplingParams, SamplingRow, prompt_logprobs
+from model.engine.sampler import Sampler, SamplingRow, prompt_logprobs
+
+from model.engine.sampling_params import SamplingParams
 
 V = 64
 INF = float("inf")

@@ -19,8 +19,8 @@ from model.loaders.errors import CheckpointError
 from model.loaders.gguf_file import load_gguf
 from model.loaders.hf import load_hf
 from model.probes import ProbeOptions, ProbeRun
-from model.sampling import SamplingParams
-from model.tensor_parallel import ShardPlan, TPRank, allowed_sizes
+from model.engine.sampling_params import SamplingParams
+from model.parallel.plan import ShardPlan, TPRank, allowed_sizes
 from tiny import byte_tokenizer
 
 VOCAB = 258  # the byte tokenizer's
@@ -61,9 +61,9 @@ def test_each_rank_loads_exactly_its_slices(tmp_path, fmt):
         from gguf import GGMLQuantizationType as Q
 
         write_tiny_gguf(tmp_path / "m.gguf", hf, qtype_for=lambda n, w: Q.Q8_0 if "ffn" in n or "attn_q" in n else Q.F32)
-        load = lambda tp=None: load_gguf(tmp_path / "m.gguf", tp=tp)  # noqa: E731
+        load = lambda tp=None: load_gguf(tmp_path / "m.gguf", shard=tp and tp.plan)  # noqa: E731
     else:
-        load = lambda tp=None: load_hf(tmp_path / "hf", tp=tp)  # noqa: E731
+        load = lambda tp=None: load_hf(tmp_path / "hf", shard=tp and tp.plan)  # noqa: E731
     full = load()
     whole = full.state_dict()
     for r in range(2):
@@ -80,7 +80,7 @@ def test_each_rank_loads_exactly_its_slices(tmp_path, fmt):
 @pytest.fixture(scope="module", params=[2, 1], ids=["kv-split", "kv-replicated"])
 def pair(request, tmp_path_factory):
     """(TP=1 model, TP=2 model) on one checkpoint with n_kv_heads = the param; the TP group lives for the module."""
-    from model.tp_model import launch
+    from model.parallel.rank0 import launch
 
     path = save_tiny_checkpoint(tmp_path_factory.mktemp("tp") / "ck", num_key_value_heads=request.param)
     one = load_model(path)
@@ -187,6 +187,6 @@ def test_worker_imports_no_http_stack():
     import subprocess
     import sys
 
-    code = "import sys, model.tp_worker; print(sorted(m for m in ('fastapi', 'uvicorn', 'pydantic') if m in sys.modules))"
+    code = "import sys, model.parallel.worker; print(sorted(m for m in ('fastapi', 'uvicorn', 'pydantic') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

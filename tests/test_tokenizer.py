@@ -10,7 +10,9 @@ import pytest
 from tokenizers import Tokenizer as Backend
 from tokenizers import pre_tokenizers
 
-from model.tokenizer import IncrementalDetokenizer, Tokenizer
+from model.text.detokenizer import IncrementalDetokenizer
+
+from model.text.tokenizer import Tokenizer
 from tokenizer_strings import FIXED, parity_strings, random_mixes
 
 transformers = pytest.importorskip("transformers")
@@ -221,7 +223,7 @@ def test_unsupported_tokenizer_model():
 
 
 def _tiny_bpe_meta(pre="gpt-2", chat_template=None):
-    from model.gguf_vocab import _BYTE_CHARS
+    from model.text.gguf_vocab import _BYTE_CHARS
 
     tokens = ["<s>", "</s>"] + [_BYTE_CHARS[b] for b in range(256)]
     meta = {

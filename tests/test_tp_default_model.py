@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from model.engine import Engine, EngineConfig
-from model.sampling import SamplingParams
+from model.engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow  # three processes load the default model (86 s on 2 cores shared with other work)
 
@@ -24,7 +24,7 @@ def _answer(model, tok, ids):
 
 
 def test_tp3_answers_like_tp1(default_model, default_gguf):
-    from model.tp_model import launch
+    from model.parallel.rank0 import launch
 
     tok = default_model.tokenizer
     ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}]))

@@ -6,7 +6,7 @@ import torch
 
 from benchmarks.tiny_checkpoint import BOS, EOS, byte_backend
 from model.config import ModelConfig
-from model.tokenizer import Tokenizer
+from model.text.tokenizer import Tokenizer
 from model.transformer import Transformer
 
 
@@ -30,7 +30,7 @@ def tiny_model(seed: int = 0, dtype=torch.float32, **overrides) -> Transformer:
 def greedy_tokens(model: Transformer, prompts: list[list[int]], n: int = 10, **config) -> list[list[int]]:
     """Each prompt's first `n` greedy tokens (EOS ignored), all prompts submitted to one engine at once."""
     from model.engine import Engine, EngineConfig
-    from model.sampling import SamplingParams
+    from model.engine.sampling_params import SamplingParams
 
     engine = Engine(model, byte_tokenizer(), EngineConfig(**{"num_blocks": 64, "block_size": 4, "max_num_batched_tokens": 64, **config}))
     for i, p in enumerate(prompts):

@@ -14,7 +14,7 @@ from torch import Tensor
 from model.config import ModelConfig
 from model.loaders.errors import CheckpointError
 from model.loaders.progress import LoadProgress
-from model.tensor_parallel import ShardPlan
+from model.loaders.shard import WeightShard
 from model.transformer import Transformer
 
 _LAYER_SHAPES = {
@@ -60,7 +60,7 @@ class NameMap:
 
 class ModelAssembler:
     def __init__(self, config: ModelConfig, path: str, dtype: torch.dtype, device: torch.device | str, desc: str,
-                 plan: ShardPlan | None = None) -> None:
+                 plan: WeightShard | None = None) -> None:
         """`plan`: a tensor-parallel rank's shard; tensors are then handed over already sliced, in its shapes."""
         self.plan = plan
         config = plan.local_config if plan is not None else config
@@ -92,5 +92,5 @@ class ModelAssembler:
         model.rope.reset(self.device, rope_freq_factors)
         self.progress.close()
         if self.plan is not None:
-            model.tp_plan = self.plan  # the whole model's config and this rank's slices (model/tensor_parallel.py)
+            model.tp_plan = self.plan  # the whole model's config and this rank's slices (model/parallel/plan.py)
         return model.eval().requires_grad_(False).fuse_projections()

@@ -16,8 +16,8 @@ from model import kernels
 
 from model.loaders.errors import CheckpointError
 from model.quantize import Quantization, quantize_model
-from model.tensor_parallel import TPRank
-from model.tokenizer import Tokenizer
+from model.loaders.shard import ShardFor
+from model.text.tokenizer import Tokenizer
 from model.transformer import Transformer
 
 log = logging.getLogger("llamascope.load")
@@ -64,21 +64,21 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     quantization: Quantization = "none",
-    tp: TPRank | None = None,
+    shard: ShardFor | None = None,
 ) -> LoadedModel:
     """A GGUF file or HF directory (None: the default model) -> model on `device` in `dtype`, plus its tokenizer.
     `quantization` "int8" / "int4": weight-only quantized linear layers (CPU; model/quantize.py).
-    `tp`: only that tensor-parallel rank's shard of the weights (model/tensor_parallel.py)."""
+    `shard`: only that tensor-parallel rank's share of the weights (model/parallel/plan.py)."""
     from model.loaders.gguf_file import load_gguf, open_gguf, read_metadata
     from model.loaders.hf import load_hf
 
     start = time.perf_counter()
-    if tp is not None and quantization != "none":
+    if shard is not None and quantization != "none":
         # the quantized modules would replace the row-parallel layers that carry the all-reduce hooks
         raise CheckpointError("quantization with tensor parallelism is not supported: choose one", path=str(path))
     path = Path(path) if path is not None else default_model_path()
     if path.is_dir():
-        model = quantize_model(load_hf(path, dtype, device, tp=tp), quantization)
+        model = quantize_model(load_hf(path, dtype, device, shard=shard), quantization)
         try:
             tokenizer = Tokenizer.from_hf_dir(path)
         except FileNotFoundError as e:
@@ -91,7 +91,7 @@ def load_model(
             tokenizer = Tokenizer.from_gguf_metadata(meta)
         except (KeyError, ValueError) as e:
             raise CheckpointError(f"cannot rebuild the embedded tokenizer: {e}", path=str(path)) from None
-        model = load_gguf(path, dtype, device, reader=reader, meta=meta, quantization=quantization, tp=tp)
+        model = load_gguf(path, dtype, device, reader=reader, meta=meta, quantization=quantization, shard=shard)
         name = path.name.removesuffix(".gguf")
     else:
         raise CheckpointError("no such file or directory", path=str(path))

@@ -18,7 +18,7 @@ from model.config import ModelConfig
 from model.loaders.assemble import ModelAssembler, NameMap
 from model.loaders.errors import CheckpointError
 from model.quantize import Int4Linear, Quantization, QuantLinear, gguf_q4_groups, quantize_model
-from model.tensor_parallel import ShardPlan, TPRank
+from model.loaders.shard import ShardFor, WeightShard
 from model.transformer import Transformer
 
 gguf_to_ours = NameMap(
@@ -119,11 +119,11 @@ def load_gguf(
     reader: GGUFReader | None = None,
     meta: dict[str, Any] | None = None,
     quantization: Quantization = "none",
-    tp: TPRank | None = None,
+    shard: ShardFor | None = None,
 ) -> Transformer:
     """`reader`/`meta`: an already opened file and its metadata, so the caller's tokenizer shares one read.
     `quantization`: weight-only int8/int4 (model/quantize.py); with int4, Q4_0/Q4_1 matrices keep their own blocks.
-    `tp`: load only that tensor-parallel rank's slices (not with quantization). Row slices (wq/wk/wv/w1/w3) are cut
+    `shard`: load only that tensor-parallel rank's slices (not with quantization). Row slices (wq/wk/wv/w1/w3) are cut
     from the quantized data before dequantizing; column slices (wo/w2) cut across ggml blocks, so those tensors are
     dequantized whole, one at a time, and sliced at once (a transient float32 copy of one tensor, never of the
     model)."""
@@ -132,7 +132,7 @@ def load_gguf(
     meta = meta if meta is not None else read_metadata(reader)
     names = {t.name for t in reader.tensors}
     config = ModelConfig.from_gguf(meta, source=path).replace(tie_embeddings="output.weight" not in names)
-    plan = ShardPlan(config, tp) if tp is not None else None
+    plan = shard(config) if shard is not None else None
     asm = ModelAssembler(config, path, dtype, device, f"load {Path(path).name}", plan)
     rope_freq_factors = None
     prequantized: dict[str, QuantLinear] = {}

@@ -14,7 +14,7 @@ from safetensors import SafetensorError, safe_open
 from model.config import ModelConfig
 from model.loaders.assemble import ModelAssembler, NameMap
 from model.loaders.errors import CheckpointError
-from model.tensor_parallel import ShardPlan, TPRank
+from model.loaders.shard import ShardFor, WeightShard
 from model.transformer import Transformer
 
 # transformers' LlamaForCausalLM names -> ours (Meta's llama names).
@@ -70,7 +70,7 @@ def _weight_files(directory: Path) -> dict[str, list[str] | None]:
     )
 
 
-def _read(f, name: str, ours: str, plan: ShardPlan | None) -> torch.Tensor:
+def _read(f, name: str, ours: str, plan: WeightShard | None) -> torch.Tensor:
     s = plan.slice_of(ours) if plan is not None else None
     if s is None:
         return f.get_tensor(name)
@@ -80,12 +80,12 @@ def _read(f, name: str, ours: str, plan: ShardPlan | None) -> torch.Tensor:
 
 
 def load_hf(
-    directory: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", tp: TPRank | None = None
+    directory: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", shard: ShardFor | None = None
 ) -> Transformer:
-    """`tp`: load only that tensor-parallel rank's slices (read through the memory map, never the whole tensor)."""
+    """`shard`: load only that tensor-parallel rank's slices (read through the memory map, never the whole tensor)."""
     directory = Path(directory)
     config = read_hf_config(directory)
-    plan = ShardPlan(config, tp) if tp is not None else None
+    plan = shard(config) if shard is not None else None
     asm = ModelAssembler(config, str(directory), dtype, device, f"load {directory.name}", plan)
     for file, names in _weight_files(directory).items():
         path = directory / file

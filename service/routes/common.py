@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 import time
 
-from model.sampling import TokenLogprobs
-from model.tokenizer import Tokenizer
+from model.engine.sampler import TokenLogprobs
+from model.text.tokenizer import Tokenizer
 from service.errors import envelope
 
 DONE = "data: [DONE]\n\n"

@@ -16,10 +16,10 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import HTMLResponse, Response
 
-from model.async_engine import EngineDeadError
+from model.engine.async_engine import EngineDeadError
 from model.probes import INCLUDES, ProbeOptions, ProbeRun
-from model.sampling import SamplingParams
-from model.scheduler import QueueFullError
+from model.engine.sampling_params import SamplingParams
+from model.engine.scheduler import QueueFullError
 from service import inspect_format as fmt
 from service.errors import APIError
 from service.routes.chat import render_chat

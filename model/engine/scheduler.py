@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from model.kv_cache_manager import KVCacheManager
-from model.sequence import Sequence, SequenceStatus
+from model.engine.kv_cache_manager import KVCacheManager
+from model.engine.request import Sequence, SequenceStatus
 
 
 class QueueFullError(RuntimeError):

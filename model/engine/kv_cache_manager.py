@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict
 
-from model.sequence import Sequence
+from model.engine.request import Sequence
 
 
 def block_hash(parent: bytes, tokens: list[int]) -> bytes:

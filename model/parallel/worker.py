@@ -12,7 +12,7 @@ Inspection (`/inspect`) runs block by block: per block rank 0 broadcasts a `Prob
 (1, T, D); each rank runs the block with a `ProbeAttention` over the selected heads it owns; rank 0 gathers the
 per-head statistics and maps and concatenates them in global head order (ranks own ascending head ranges).
 
-Workers are plain `python -m model.tp_worker` processes (not multiprocessing spawn, which would re-import the
+Workers are plain `python -m model.parallel.worker` processes (not multiprocessing spawn, which would re-import the
 parent's `__main__`, i.e. the HTTP service, in every worker): they import torch and `model` only.
 """
 
@@ -32,9 +32,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from model.paged_kv_cache import PagedKVCache, SeqSlice
+from model.engine.paged_cache import PagedKVCache, SeqSlice
 from model.probes import AttentionMaps, ProbeAttention, ProbeOptions
-from model.tensor_parallel import ShardPlan, TPRank, cuda_device, install_all_reduce
+from model.parallel.plan import ShardPlan, TPRank, cuda_device, install_all_reduce
 from model.transformer import Transformer
 
 log = logging.getLogger("llamascope.tp")
@@ -156,7 +156,7 @@ def _exit_with_parent() -> None:
 
 
 def worker_main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m model.tp_worker", description="a tensor-parallel worker (rank >= 1)")
+    p = argparse.ArgumentParser(prog="python -m model.parallel.worker", description="a tensor-parallel worker (rank >= 1)")
     p.add_argument("--init-method", required=True)
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--world-size", type=int, required=True)
@@ -194,7 +194,7 @@ def load_shard(path: str, dtype: torch.dtype, device: torch.device, tp: TPRank) 
     from model.loaders.gguf_file import load_gguf
     from model.loaders.hf import load_hf
 
-    model = load_hf(path, dtype, device, tp=tp) if Path(path).is_dir() else load_gguf(path, dtype, device, tp=tp)
+    model = load_hf(path, dtype, device, shard=tp.plan) if Path(path).is_dir() else load_gguf(path, dtype, device, shard=tp.plan)
     _return_freed_memory()
     install_all_reduce(model)
     return model, model.tp_plan
@@ -223,7 +223,7 @@ def serve(model: Transformer, plan: ShardPlan, channel: Channel) -> None:
 
 
 if __name__ == "__main__":
-    # run the module's own import, not this `__main__` copy: rank 0 pickles messages as model.tp_worker classes
-    from model.tp_worker import worker_main as main
+    # run the module's own import, not this `__main__` copy: rank 0 pickles messages as model.parallel.worker classes
+    from model.parallel.worker import worker_main as main
 
     sys.exit(main())

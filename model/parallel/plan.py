@@ -41,6 +41,10 @@ class TPRank:
     rank: int
     world_size: int
 
+    def plan(self, config: ModelConfig) -> "ShardPlan":
+        """This rank's shard of a model with `config` (the loaders' `ShardFor`)."""
+        return ShardPlan(config, self)
+
 
 def allowed_sizes(config: ModelConfig) -> list[int]:
     """Tensor-parallel sizes this architecture can be split into (up to n_heads)."""

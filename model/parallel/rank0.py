@@ -26,10 +26,10 @@ from torch import Tensor
 
 from model.loaders.checkpoint import LoadedModel, default_model_path, load_model
 from model.loaders.errors import CheckpointError
-from model.paged_kv_cache import PagedKVCache
+from model.engine.paged_cache import PagedKVCache
 from model.probes import ProbeAttention
-from model.tensor_parallel import ShardPlan, TPRank, cuda_device, install_all_reduce, parameter_bytes
-from model.tp_worker import DTYPES, STOP, CacheSpec, Channel, ProbeLayerMsg, StepMsg, init_group, merge_stats, probe_layer, run_step
+from model.parallel.plan import ShardPlan, TPRank, cuda_device, install_all_reduce, parameter_bytes
+from model.parallel.worker import DTYPES, STOP, CacheSpec, Channel, ProbeLayerMsg, StepMsg, init_group, merge_stats, probe_layer, run_step
 from model.transformer import Transformer
 
 log = logging.getLogger("llamascope.tp")
@@ -151,7 +151,7 @@ def launch(
     path: str | Path | None, tp_size: int, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
     threads: int | None = None, timeout: timedelta = timedelta(minutes=10),
 ) -> LoadedModel:
-    """Start ranks 1..tp_size-1 as `python -m model.tp_worker` processes, join them as rank 0 (gloo on CPU, NCCL on
+    """Start ranks 1..tp_size-1 as `python -m model.parallel.worker` processes, join them as rank 0 (gloo on CPU, NCCL on
     CUDA, one GPU per rank), and load rank 0's shard. Every rank reads only its own slices of the checkpoint.
     `threads`: torch threads per worker on CPU (default: the cores split among the ranks). `timeout`: for the
     rendezvous, the load, and each collective inside a step."""
@@ -164,10 +164,10 @@ def launch(
     threads = threads or max(1, (os.cpu_count() or 1) // tp_size)
     init = f"tcp://127.0.0.1:{_free_port()}"
     dtype_name = next(k for k, v in DTYPES.items() if v == dtype)
-    root = str(Path(__file__).resolve().parents[1])  # so `-m model.tp_worker` resolves from a source checkout too
+    root = str(Path(__file__).resolve().parents[2])  # so `-m model.parallel.worker` resolves from a source checkout too
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
     workers = [
-        subprocess.Popen([sys.executable, "-m", "model.tp_worker", "--init-method", init, "--rank", str(r),
+        subprocess.Popen([sys.executable, "-m", "model.parallel.worker", "--init-method", init, "--rank", str(r),
                           "--world-size", str(tp_size), "--model", str(path), "--dtype", dtype_name,
                           "--device", device.type, "--threads", str(threads),
                           "--timeout-s", str(timeout.total_seconds())],
@@ -179,7 +179,7 @@ def launch(
         channel = init_group(init, TPRank(0, tp_size), cuda_device(device, 0), timeout)
         error = None
         try:
-            loaded = load_model(path, dtype, cuda_device(device, 0), tp=TPRank(0, tp_size))
+            loaded = load_model(path, dtype, cuda_device(device, 0), shard=TPRank(0, tp_size).plan)
             install_all_reduce(loaded.model)
         except Exception as e:
             error = e

@@ -25,7 +25,7 @@ from torch import Tensor
 
 from model import kernels
 from model.kernels import triton_attention
-from model.paged_kv_cache import PagedKVCache, SeqSlice, decode_attention_kernel, padded_tables, slot_of, write_kv
+from model.engine.paged_cache import PagedKVCache, SeqSlice, decode_attention_kernel, padded_tables, slot_of, write_kv
 
 log = logging.getLogger("llamascope.engine")
 

@@ -11,14 +11,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from model.decode_graphs import DecodeGraphMode, DecodeGraphs
-from model.kv_cache_manager import KVCacheManager
-from model.paged_kv_cache import PagedKVCache, SeqSlice, kv_config
-from model.sampling import Sampler, SamplingParams, SamplingRow, TokenLogprobs, prompt_logprobs
-from model.scheduler import QueueFullError, ScheduledSeq, Scheduler, SchedulerConfig
-from model.sequence import FinishReason, Request, Sequence, SequenceStatus
-from model.stop_strings import StopStringMatcher
-from model.tokenizer import IncrementalDetokenizer, Tokenizer
+from model.engine.cuda_graphs import DecodeGraphMode, DecodeGraphs
+from model.engine.kv_cache_manager import KVCacheManager
+from model.engine.paged_cache import PagedKVCache, SeqSlice, kv_config
+from model.engine.sampler import Sampler, SamplingRow, TokenLogprobs, prompt_logprobs
+from model.engine.sampling_params import SamplingParams
+from model.engine.scheduler import QueueFullError, ScheduledSeq, Scheduler, SchedulerConfig
+from model.engine.request import FinishReason, Request, Sequence, SequenceStatus
+from model.text.stop_strings import StopStringMatcher
+from model.text.detokenizer import IncrementalDetokenizer
+from model.text.tokenizer import Tokenizer
 from model.transformer import Transformer
 
 log = logging.getLogger("llamascope.engine")

@@ -16,9 +16,9 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
-from model.engine import Engine, EngineStats, FatalEngineError, RequestOutput
-from model.sampling import SamplingParams
-from model.scheduler import QueueFullError
+from model.engine.engine import Engine, EngineStats, FatalEngineError, RequestOutput
+from model.engine.sampling_params import SamplingParams
+from model.engine.scheduler import QueueFullError
 
 log = logging.getLogger("llamascope.engine")
 

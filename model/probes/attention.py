@@ -1,0 +1,139 @@
+"""`ProbeAttention`: the attention context an inspection runs the serving modules with. It serves each block's
+output through the same SDPA call as serving, and reduces softmax(q k^T / sqrt(E)) in blocks of query rows for the
+probed layers (mass each key receives, row entropy, maps in the requested mode), never holding heads x T x T."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from model.attention import sdpa
+from model.probes.options import AttentionMaps, ProbeOptions
+
+class ProbeAttention:
+    """Attention context (model.attention.AttentionContext) that serves the output through the same SDPA call as
+    the serving path and, for the probed layers, recomputes softmax(q k^T / sqrt(E)) in blocks of query rows and
+    reduces it as `opts` asks. A test checks the reported weights against the output: A @ V == SDPA's output.
+
+    A block may be run in chunks of query rows (`ProbeRun` does, so an inspection of a long prompt never holds the
+    engine thread for a whole block): set `num_tokens` to the sequence's T and `row_offset` to each call's first
+    row; the keys and values of the rows so far are kept for the block in progress, and a layer's statistics are
+    complete (in `stats`) after the call that ends at row T."""
+
+    def __init__(self, opts: ProbeOptions, n_heads: int, n_kv_heads: int, stat_layers: set[int], map_layers: set[int]) -> None:
+        self.opts = opts
+        self.heads = opts.selected_heads(n_heads)
+        group = n_heads // n_kv_heads
+        self.kv_groups = [h // group for h in self.heads]
+        self.stat_layers, self.map_layers = stat_layers, map_layers
+        self.stats: dict[int, tuple[Tensor, Tensor, AttentionMaps | None]] = {}  # layer -> received, entropy, maps
+        self.num_tokens: int | None = None  # T; None: every call is a whole sequence
+        self.row_offset = 0  # first query row of the next call
+        self._kv: tuple[Tensor, Tensor] | None = None  # (T, K, E) each: the block in progress's keys and values
+        self._acc: tuple[Tensor, Tensor, AttentionMaps | None] | None = None  # its running sums and maps
+
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        # q (1, R, H, E), k/v (1, R, K, E): query rows r0 .. r0 + R - 1 of a T-token sequence -> (1, R, H, E)
+        r0, R = self.row_offset, q.shape[1]
+        T, r1 = self.num_tokens or R, self.row_offset + R
+        if r0 == 0 and r1 == T:  # the whole block in one call
+            keys, values, mask = k[0], v[0], None
+        else:
+            if r0 == 0:
+                self._kv = (k.new_empty((T,) + k.shape[2:]), v.new_empty((T,) + v.shape[2:]))
+            kb, vb = self._kv
+            kb[r0:r1], vb[r0:r1] = k[0], v[0]
+            keys, values = kb[:r1], vb[:r1]  # (r1, K, E)
+            # causal with an offset: query row r0 + i sees keys 0 .. r0 + i
+            mask = (torch.arange(r1, device=q.device) <= torch.arange(r0, r1, device=q.device).unsqueeze(1))[None, None]
+        out = sdpa(q, keys[None], values[None], mask, is_causal=mask is None)
+        if layer in self.stat_layers:
+            if r0 == 0:
+                self._acc = self._start(T, q.device, with_maps=layer in self.map_layers)
+            self._reduce(q[0], keys, r0, self._acc)
+            if r1 == T:
+                received, entropy, maps = self._acc
+                denom = max(T - 1, 1)
+                self.stats[layer] = ((received / denom).cpu(), (entropy / denom).cpu(), maps)
+                self._acc = None
+        if r1 == T:
+            self._kv = None
+        return out
+
+    def _start(self, T: int, device, with_maps: bool) -> tuple[Tensor, Tensor, AttentionMaps | None]:
+        Hs = len(self.heads)
+        return torch.zeros(Hs, T, device=device), torch.zeros(Hs, device=device), self._new_maps(Hs, T) if with_maps else None
+
+    @torch.no_grad()
+    def _reduce(self, q: Tensor, k: Tensor, r0: int, acc: tuple[Tensor, Tensor, AttentionMaps | None]) -> None:
+        """q (R, H, E) query rows r0 .. r0 + R - 1, k (r0 + R, K, E) the keys they see: add their sums to `acc`
+        (mass each key receives (Hs, T), row entropy (Hs,)) and fill their rows of its maps."""
+        opts = self.opts
+        R, _, E = q.shape
+        received, entropy, maps = acc
+        qh = q[:, self.heads].transpose(0, 1).float()  # (Hs, R, E)
+        kh = k[:, self.kv_groups].transpose(0, 1).float()  # (Hs, S, E): each selected head's own KV head
+        scale = 1.0 / math.sqrt(E)
+        b = opts.pool_size
+        step = max(b, opts.row_block // b * b) if opts.mode == "pooled" else opts.row_block  # whole tiles per block
+        for a0 in range(r0, r0 + R, step):
+            a1 = min(r0 + R, a0 + step)
+            # causal: rows a0..a1-1 see keys 0..a1-1 only
+            scores = torch.einsum("hqe,hke->hqk", qh[:, a0 - r0 : a1 - r0], kh[:, :a1]) * scale  # (Hs, A, a1)
+            rows = torch.arange(a0, a1, device=q.device).unsqueeze(1)
+            scores.masked_fill_(torch.arange(a1, device=q.device).unsqueeze(0) > rows, float("-inf"))
+            p = scores.softmax(-1)  # (Hs, A, a1)
+            counted = p[:, 1:] if a0 == 0 else p
+            received[:, :a1] += counted.sum(1)
+            entropy -= torch.special.xlogy(counted, counted).sum((1, 2))
+            if maps is not None:
+                self._fill_maps(maps, p, a0, a1)
+
+    def _new_maps(self, Hs: int, T: int) -> AttentionMaps | None:
+        # on the CPU: maps go to the response, and a full map can be large
+        o = self.opts
+        if o.mode == "full":
+            return AttentionMaps("full", torch.zeros(Hs, T, T))
+        if o.mode == "rows":
+            return AttentionMaps("rows", torch.zeros(Hs, len(o.rows), T), rows=list(o.rows))
+        if o.mode == "topk":
+            k = min(o.attention_top_k, T)
+            return AttentionMaps("topk", torch.zeros(Hs, T, k), torch.zeros(Hs, T, k, dtype=torch.int64))
+        if o.mode == "pooled":
+            n = math.ceil(T / o.pool_size)
+            return AttentionMaps("pooled", torch.zeros(Hs, n, n))
+        return None
+
+    def _fill_maps(self, maps: AttentionMaps, p: Tensor, r0: int, r1: int) -> None:
+        """p (Hs, R, r1): the probabilities of query rows r0..r1-1 over keys 0..r1-1."""
+        p = p.cpu()
+        if maps.mode == "full":
+            maps.values[:, r0:r1, :r1] = p
+        elif maps.mode == "rows":
+            for i, r in enumerate(maps.rows):
+                if r0 <= r < r1:
+                    maps.values[:, i, :r1] = p[:, r - r0]
+        elif maps.mode == "topk":
+            k = maps.values.shape[-1]
+            if p.shape[-1] < k:  # early rows: fewer keys than k; the padding keys are masked (weight 0)
+                p = torch.nn.functional.pad(p, (0, k - p.shape[-1]))
+            top = p.topk(k, dim=-1)
+            maps.values[:, r0:r1], maps.indices[:, r0:r1] = top.values, top.indices
+        else:
+            b = self.opts.pool_size
+            Hs, R, S = p.shape
+            nk = math.ceil(S / b)
+            pad = torch.nn.functional.pad(p, (0, nk * b - S)).view(Hs, R, nk, b)  # key tiles
+            t0, nt = r0 // b, math.ceil(R / b)
+            if self.opts.pool_reduce == "mean":
+                per_row = pad.sum(-1)  # (Hs, R, nk): each row's mass per key tile
+                sums = torch.nn.functional.pad(per_row, (0, 0, 0, nt * b - R)).view(Hs, nt, b, nk).sum(2)
+                counts = torch.full((nt,), float(b))
+                counts[-1] = R - (nt - 1) * b  # the last query tile may be short
+                maps.values[:, t0 : t0 + nt, :nk] = sums / counts.view(1, nt, 1)
+            else:
+                per_row = pad.amax(-1)
+                tiles = torch.nn.functional.pad(per_row, (0, 0, 0, nt * b - R)).view(Hs, nt, b, nk).amax(2)
+                maps.values[:, t0 : t0 + nt, :nk] = tiles
