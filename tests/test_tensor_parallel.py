@@ -13,7 +13,7 @@ import torch
 from conftest import save_tiny_llama
 from gguf_writer import write_tiny_gguf
 from model.config import ModelConfig
-from model.engine import Engine, EngineConfig
+from model.engine import Engine, EngineConfig, FatalEngineError
 from model.loaders.checkpoint import load_model
 from model.loaders.errors import CheckpointError
 from model.loaders.gguf_file import load_gguf
@@ -170,17 +170,20 @@ def test_inspection_gathers_heads_from_their_ranks(pair, mode):
     assert a.sink_mass_by_layer == pytest.approx(b.sink_mass_by_layer, abs=1e-5)
 
 
-def test_lost_worker_fails_requests_not_the_server(pair):
-    """Runs last for each group: a killed worker fails the next step's requests with an error (no hang), and
-    closing the group still returns."""
+def test_lost_worker_makes_the_next_step_fatal(pair):
+    """Runs last for each group: a killed worker makes the next step fail at once (no hang) with FatalEngineError,
+    which ends the engine (the service then fails its clients and exits to be restarted: a group with a lost rank
+    cannot serve again), and closing the group still returns."""
     _, two = pair
     engine = Engine(two.model, two.tokenizer, EngineConfig(num_blocks=16, block_size=4))
     two.model.workers[0].kill()
     two.model.workers[0].wait()
     engine.add_request("r", [1, 2, 3], SamplingParams(max_tokens=4, temperature=0))
-    (out,) = engine.step()
-    assert out.finish_reason == "error" and out.error and not engine.has_unfinished()
-    two.model.close(timeout=5)
+    try:
+        with pytest.raises(FatalEngineError, match="rank 1 exited"):
+            engine.step()
+    finally:
+        two.model.close(timeout=5)
 
 
 def test_worker_imports_no_http_stack():

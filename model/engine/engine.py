@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -21,7 +22,9 @@ from model.engine.request import FinishReason, Request, Sequence, SequenceStatus
 from model.text.stop_strings import StopStringMatcher
 from model.text.detokenizer import IncrementalDetokenizer
 from model.text.tokenizer import Tokenizer
-from model.transformer import Transformer
+
+if TYPE_CHECKING:
+    from model.transformer import Transformer
 
 log = logging.getLogger("llamascope.engine")
 
