@@ -32,14 +32,10 @@ for _var, _value in (("TQDM_DISABLE", "1"), ("HF_HUB_OFFLINE", "1"), ("TRANSFORM
     os.environ.setdefault(_var, _value)
 
 import argparse
-import contextlib
-import gc
 import json
 import sys
 import time
-import traceback
 from pathlib import Path
-from typing import Iterator
 
 import torch
 
@@ -49,7 +45,8 @@ from benchmarks.ceilings import weight_bytes_per_token
 from benchmarks.gpu_sizing import EnginePlan, check, describe, plan_engines, preflight, stand_in_tokenizer
 from benchmarks.machine import machine_info
 from benchmarks.measure import Clock
-from benchmarks.static_decode import StaticDecoder
+from benchmarks.results_file import Results, errors, free
+from benchmarks.static_decode import StaticDecoder, sync
 from model.config import KNOWN_SHAPES
 from model.kernels import triton_attention
 from model.paged_kv_cache import decode_attention_kernel
@@ -57,54 +54,11 @@ from model.paged_kv_cache import decode_attention_kernel
 H200_HBM_TB_S = 4.8
 COMPARE_TOKENS = 16  # greedy steps whose log-probabilities benchmarks/agreement.py compares
 RESULTS = Path(__file__).resolve().parent / "results" / "gpu.json"
-SHAPES = {"smollm2-135m": "smollm2-135m", "llama-2-7b": "llama-2-7b"}  # result name -> KNOWN_SHAPES entry
+SHAPES = ("smollm2-135m", "llama-2-7b")  # KNOWN_SHAPES entries: the default model and the 7B
 
 
 def _progress(msg: str) -> None:
     print(f"[gpu] {msg}", file=sys.stderr, flush=True)
-
-
-def _free(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
-class Results:
-    """The run's JSON, rewritten after every phase, so a failure part-way keeps what was measured before it."""
-
-    def __init__(self, path: Path, data: dict) -> None:
-        self.path, self.data = path, data
-        path.parent.mkdir(parents=True, exist_ok=True)
-
-    def save(self) -> None:
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text(json.dumps(self.data, indent=2, default=float) + "\n")
-        tmp.replace(self.path)  # atomic: a reader (or a crash) never sees half a file
-
-    @contextlib.contextmanager
-    def phase(self, r: dict, name: str, device: torch.device) -> Iterator[None]:
-        """Run a phase; on an exception record it in r["errors"][name] and go on. Saves either way."""
-        failed = False
-        try:
-            yield
-        except Exception as e:  # out of memory, a kernel that does not build, ...: the other phases still run
-            failed = True
-            r.setdefault("errors", {})[name] = f"{type(e).__name__}: {e}"[:2000]
-            _progress(f"{name} FAILED:\n{traceback.format_exc()}")
-        finally:
-            if failed:  # the traceback is gone now, and with it the failed frame's tensors
-                _free(device)
-            self.save()
-
-
-
-def errors(data: dict) -> list[str]:
-    """Every phase that failed, run-wide and per model."""
-    found = [f"{k}: {v}" for k, v in data.get("errors", {}).items()]
-    for name, m in data["models"].items():
-        found += [f"{name} / {k}: {v}" for k, v in m.get("errors", {}).items()]
-    return found
 
 
 def copy_bandwidth_gb_s(device: torch.device, mb: int) -> float:
@@ -112,12 +66,12 @@ def copy_bandwidth_gb_s(device: torch.device, mb: int) -> float:
     a = torch.empty(mb * 2**20, dtype=torch.uint8, device=device)
     b = torch.empty_like(a)
     b.copy_(a)
-    torch.cuda.synchronize() if device.type == "cuda" else None
     best = float("inf")
     for _ in range(5):
+        sync(device)
         t0 = time.perf_counter()
         b.copy_(a)
-        torch.cuda.synchronize() if device.type == "cuda" else None
+        sync(device)
         best = min(best, time.perf_counter() - t0)
     return 2 * a.nbytes / best / 1e9
 
@@ -181,7 +135,7 @@ def static_phase(model, prompts: torch.Tensor, args, device, r: dict, steps: dic
         if "static" not in steps:
             steps["static"] = dec.logprob_steps(prompts[:b], args.compare_tokens, TOP_K)
         del dec
-        _free(device)
+        free(device)
         results.save()
     r["graph_single_tok_s"] = r["graph_tok_s"][args.concurrency[0]]
 
@@ -232,11 +186,11 @@ def bench_model(name: str, model, tokenizer, hf, args, device: torch.device, res
     graphs = False
     with results.phase(r, "engine", device):
         graphs = engine_phase(model, tokenizer, prompts, args, device, r, steps, results)
-    _free(device)
+    free(device)
     if graphs:
         with results.phase(r, "engine_eager", device):
             eager_engine_phase(model, tokenizer, prompts, args, device, r, steps)
-        _free(device)
+        free(device)
     with results.phase(r, "static_decode", device):
         static_phase(model, prompts, args, device, r, steps, results)
     if hf is not None:
@@ -248,15 +202,15 @@ def bench_model(name: str, model, tokenizer, hf, args, device: torch.device, res
 
 
 def _load(config, args, dtype: torch.dtype, device: torch.device):
-    """-> (our model, its tokenizer, HF's model over the same weights or None)."""
+    """-> (our model, its tokenizer, a function giving HF's model over the same weights, or None with --skip-hf)."""
     if config is None:  # the default model's GGUF, both sides from the same file
         from model.loaders.checkpoint import load_model
 
         lm = load_model(None, dtype, device)
-        hf = None if args.skip_hf else hf_peer.load_hf(lm.path, dtype, device)
-        return lm.model, lm.tokenizer, hf
+        return lm.model, lm.tokenizer, lambda: None if args.skip_hf else hf_peer.load_hf(lm.path, dtype, device)
     hf, model = hf_peer.random_twin(config, dtype, device)
-    return model, stand_in_tokenizer(config.vocab_size), None if args.skip_hf else hf
+    hf = None if args.skip_hf else hf
+    return model, stand_in_tokenizer(config.vocab_size), lambda: hf
 
 
 def _decode_attention(device: torch.device, dtype: torch.dtype) -> str:
@@ -282,7 +236,7 @@ def run(args: argparse.Namespace, results: Results) -> None:
     # Every engine of a full-size run on the real shapes, built on the meta device, before anything loads: a pool
     # too small for its workload stops the run here instead of minutes into it (and --dry-run checks the same).
     real = args.full_size if args.dry_run else args
-    out["sizing"], problems = preflight({n: KNOWN_SHAPES[s] for n, s in SHAPES.items()}, torch.bfloat16,
+    out["sizing"], problems = preflight({n: KNOWN_SHAPES[n] for n in SHAPES}, torch.bfloat16,
                                         engine_plans(real), args.kv_gb << 30)
     results.save()
     if problems:
@@ -300,13 +254,17 @@ def run(args: argparse.Namespace, results: Results) -> None:
     for name, config in shapes.items():
         _progress(f"{name}: loading")
         r = out["models"][name] = {}
-        loaded = None
+        loaded = hf = None
         with results.phase(r, "load", device):
             loaded = _load(config, args, dtype, device)
         if loaded is not None:
-            bench_model(name, *loaded, args, device, results)
-        del loaded
-        _free(device)
+            model, tokenizer, load_hf = loaded
+            with results.phase(r, "load_hf", device):  # without the peer, ours is still measured
+                hf = load_hf()
+            bench_model(name, model, tokenizer, hf, args, device, results)
+            del model, tokenizer, load_hf
+        del loaded, hf
+        free(device)
 
 
 def print_report(r: dict) -> None:

@@ -17,7 +17,7 @@ from model.attention import sdpa
 from model.transformer import Transformer
 
 
-def _sync(device: torch.device) -> None:
+def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
 
@@ -85,12 +85,12 @@ class StaticDecoder:
         """prompts (B, P) -> (tokens per row, decode seconds for new_tokens - 1 steps after the first token)."""
         self._prefill(prompts)
         out = [self.tokens.clone()]
-        _sync(prompts.device)
+        sync(prompts.device)
         t0 = time.perf_counter()
         for _ in range(new_tokens - 1):
             self.graph.replay() if self.graph is not None else self._step()
             out.append(self.tokens.clone())  # a device copy: no host round trip
-        _sync(prompts.device)
+        sync(prompts.device)
         seconds = time.perf_counter() - t0
         return torch.cat(out, dim=1).tolist(), seconds
 
