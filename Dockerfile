@@ -16,13 +16,19 @@ RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 
 # ---- runtimes: torch comes from the base (CUDA) or from PyTorch's CPU index -----------------------------
 FROM ${CUDA_TORCH_IMAGE} AS runtime-cuda
+# Triton (the CUDA torch's own) builds a small C launcher with the machine's C compiler the first time a kernel runs
+# (triton/runtime/build.py), and the decode step's paged attention is a Triton kernel; PyTorch's runtime images ship
+# no compiler ("Failed to find C compiler"). It links against the driver's libcuda.so, which the NVIDIA container
+# toolkit mounts at run time; model/kernels/triton_attention.py points Triton at it (TRITON_LIBCUDA_PATH) and checks
+# one launch at start, falling back to gather + SDPA, with a log line, if anything is still missing.
+# hadolint ignore=DL3008
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev && rm -rf /var/lib/apt/lists/*
 
 FROM ${PYTHON_IMAGE} AS runtime-cpu
 RUN pip install --no-cache-dir torch==2.7.1 --index-url https://download.pytorch.org/whl/cpu
 
 # ---- native CPU kernels (model/kernels): compiled against the runtime's own torch, only the .so is kept ----
-# hadolint ignore=DL3006
-FROM runtime-${DEVICE} AS kernels
+FROM runtime-cpu AS kernels-cpu
 # hadolint ignore=DL3008
 RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/* \
  && pip install --no-cache-dir ninja==1.13.2
@@ -31,6 +37,14 @@ WORKDIR /src
 COPY model ./model
 # --allow-failure: an image whose kernels did not build still serves, on PyTorch ops (its model-load log says so)
 RUN mkdir -p /opt/llamascope/kernels && python -m model.kernels --allow-failure
+
+# The CUDA image never loads CPU kernels (its model runs on the GPU): an empty directory, and nothing is compiled.
+# BuildKit builds only the stages the target needs, so DEVICE=cuda skips kernels-cpu (and runtime-cpu) entirely.
+FROM scratch AS kernels-cuda
+WORKDIR /opt/llamascope/kernels
+
+# hadolint ignore=DL3006
+FROM kernels-${DEVICE} AS kernels
 
 # ---- final -----------------------------------------------------------------------------------------------
 # hadolint ignore=DL3006

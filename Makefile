@@ -21,8 +21,10 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m model.kernels --allow-failure  # build the native CPU kernels now (~1 min); without a compiler: PyTorch ops
 	touch $@
 
+# The test extra for the torch just installed: `cpu-test` (test + Triton, for the interpreter run of the CUDA kernel)
+# beside a CPU torch, plain `test` beside a CUDA torch, which brings the Triton it was built with.
 $(VENV)/.installed-test: $(VENV)/.installed
-	$(PIP) install --quiet -e '.[test]'
+	$(PIP) install --quiet -e ".[$$($(PY) -c 'import torch; print("test" if torch.version.cuda else "cpu-test")')]"
 	$(PY) -m model.kernels  # the tests compare the native kernels with PyTorch: here they must build
 	touch $@
 

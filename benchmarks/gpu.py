@@ -6,15 +6,22 @@
 Prints, for the default model (SmolLM2-135M-Instruct Q4_1 GGUF, bfloat16) and a Llama-2-7B-shaped model with
 random bfloat16 weights (no checkpoint needed; HF transformers gets the very same tensors):
 - single-stream decode tok/s: the engine as it serves (paged KV, decode steps as CUDA graphs per batch-size
-  bucket with the Triton paged-attention kernel), and a static decoder over the same
-  `Transformer` modules with a static KV slab and the whole step (forward + greedy argmax + cache write) captured
-  in one CUDA graph per batch size, so decode makes no host round trip; HF `generate` as the peer;
+  bucket with the Triton paged-attention kernel), the same engine without graphs, and a static decoder over the
+  same `Transformer` modules with the whole step in one CUDA graph per batch size (benchmarks/static_decode.py);
+  HF `generate` as the peer;
 - percent of the HBM ceiling: weight bytes per token / 4.8 TB/s (H200 spec) and / the copy bandwidth measured
   in the same run;
 - output tok/s at 1, 8, 32 and 128 concurrent requests (128-token prompts, equal lengths): engine (continuous
-  batching), CUDA-graph static decode (lock-step batch), HF batched `generate`; and the growth from 1 to 128.
-Writes `benchmarks/results/gpu.json`. Targets (issue 8): 7B single stream >= 70% of the HBM ceiling, SmolLM2
->= 1000 tok/s, throughput x20 from 1 to 128 concurrent.
+  batching), CUDA-graph static decode (lock-step batch), HF batched `generate`; and the growth from 1 to 128;
+- agreement of the decode paths (engine with graphs vs without, static decoder vs engine): the top-5
+  log-probabilities of 16 greedy steps within a stated tolerance and the first 8 tokens equal
+  (benchmarks/agreement.py), not whole 128-token sequences, which near-ties flip without a bug.
+Targets (issue 8): 7B single stream >= 70% of the HBM ceiling, SmolLM2 >= 1000 tok/s, throughput x20 from 1 to 128.
+
+Every engine's KV pool is sized from the run's own token needs (benchmarks/gpu_sizing.py), and all of them are first
+built and checked on the meta device for the real shapes, before anything loads (`--dry-run` does that too).
+`benchmarks/results/gpu.json` is rewritten after every phase of every model: a failure leaves every figure measured
+before it, and a phase that fails is recorded under the model's "errors" while the run goes on (exit status 1).
 """
 
 from __future__ import annotations
@@ -25,7 +32,6 @@ for _var, _value in (("TQDM_DISABLE", "1"), ("HF_HUB_OFFLINE", "1"), ("TRANSFORM
     os.environ.setdefault(_var, _value)
 
 import argparse
-import gc
 import json
 import sys
 import time
@@ -34,92 +40,25 @@ from pathlib import Path
 import torch
 
 from benchmarks import hf_peer, ours
+from benchmarks.agreement import FIRST_TOKENS, TOLERANCE, TOP_K, compare, summary
 from benchmarks.ceilings import weight_bytes_per_token
+from benchmarks.gpu_sizing import EnginePlan, check, describe, plan_engines, preflight, stand_in_tokenizer
 from benchmarks.machine import machine_info
 from benchmarks.measure import Clock
-from model.attention import sdpa
+from benchmarks.results_file import Results, errors, free
+from benchmarks.static_decode import StaticDecoder, sync
+from model.config import KNOWN_SHAPES
 from model.kernels import triton_attention
-from model.config import KNOWN_SHAPES, ModelConfig
-from model.transformer import Transformer
+from model.engine.paged_cache import decode_attention_kernel
 
 H200_HBM_TB_S = 4.8
+COMPARE_TOKENS = 16  # greedy steps whose log-probabilities benchmarks/agreement.py compares
 RESULTS = Path(__file__).resolve().parent / "results" / "gpu.json"
+SHAPES = ("smollm2-135m", "llama-2-7b")  # KNOWN_SHAPES entries: the default model and the 7B
 
 
 def _progress(msg: str) -> None:
     print(f"[gpu] {msg}", file=sys.stderr, flush=True)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-class StaticKV:
-    """A KV slab of fixed shape (L, B, S_max, K, E) whose every per-step input is a device tensor: no host sync
-    (unlike `KVCache.begin_forward`'s `int(positions.max())`), so a whole decode step can be graph-captured.
-    Attention runs over all S_max slots with a mask (slots > position masked out)."""
-
-    def __init__(self, model: Transformer, batch: int, max_len: int) -> None:
-        c, dev = model.config, model.device
-        shape = (c.n_layers, batch, max_len, c.n_kv_heads, c.head_dim)
-        self.k = torch.zeros(shape, dtype=model.dtype, device=dev)
-        self.v = torch.zeros(shape, dtype=model.dtype, device=dev)
-        self.slots = torch.arange(max_len, device=dev)  # (S,)
-        self.rows = torch.arange(batch, device=dev).unsqueeze(1)  # (B, 1)
-
-    def begin_forward(self, positions: torch.Tensor) -> None:  # (B, T)
-        self.positions = positions
-        self.mask = (self.slots <= positions.unsqueeze(-1)).unsqueeze(1)  # (B, 1, T, S)
-
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        self.k[layer][self.rows, self.positions] = k  # (B, T, K, E) at their positions
-        self.v[layer][self.rows, self.positions] = v
-        return sdpa(q, self.k[layer], self.v[layer], self.mask)
-
-
-class StaticDecoder:
-    """Greedy lock-step decode of `batch` equal-length prompts; on CUDA one graph replays the whole step."""
-
-    def __init__(self, model: Transformer, batch: int, max_len: int, use_graph: bool) -> None:
-        self.model, dev = model, model.device
-        self.cache = StaticKV(model, batch, max_len)
-        self.tokens = torch.zeros(batch, 1, dtype=torch.long, device=dev)  # (B, 1) the step's input token
-        self.positions = torch.zeros(batch, 1, dtype=torch.long, device=dev)  # (B, 1)
-        self.graph = None
-        if use_graph:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side), torch.inference_mode():
-                for _ in range(2):  # warm-up outside the graph (kernel selection, allocator pools)
-                    self._step()
-            torch.cuda.current_stream().wait_stream(side)
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph), torch.inference_mode():
-                self._step()
-
-    def _step(self) -> None:
-        logits = self.model(self.tokens, self.positions, self.cache)  # (B, 1, V)
-        self.tokens.copy_(logits[:, -1].argmax(-1, keepdim=True))
-        self.positions.add_(1)
-
-    @torch.inference_mode()
-    def run(self, prompts: torch.Tensor, new_tokens: int) -> tuple[list[list[int]], float]:
-        """prompts (B, P) -> (tokens per row, decode seconds for new_tokens - 1 steps after the first token)."""
-        B, P = prompts.shape
-        pos = torch.arange(P, device=prompts.device).expand(B, P)
-        logits = self.model(prompts, pos, self.cache, logits_indices=torch.tensor([P - 1], device=prompts.device))
-        self.tokens.copy_(logits[:, -1].argmax(-1, keepdim=True))
-        self.positions.fill_(P)
-        out = [self.tokens.clone()]
-        _sync(prompts.device)
-        t0 = time.perf_counter()
-        for _ in range(new_tokens - 1):
-            self.graph.replay() if self.graph is not None else self._step()
-            out.append(self.tokens.clone())  # a device copy: no host round trip
-        _sync(prompts.device)
-        seconds = time.perf_counter() - t0
-        return torch.cat(out, dim=1).tolist(), seconds
 
 
 def copy_bandwidth_gb_s(device: torch.device, mb: int) -> float:
@@ -127,163 +66,186 @@ def copy_bandwidth_gb_s(device: torch.device, mb: int) -> float:
     a = torch.empty(mb * 2**20, dtype=torch.uint8, device=device)
     b = torch.empty_like(a)
     b.copy_(a)
-    _sync(device)
     best = float("inf")
     for _ in range(5):
+        sync(device)
         t0 = time.perf_counter()
         b.copy_(a)
-        _sync(device)
+        sync(device)
         best = min(best, time.perf_counter() - t0)
     return 2 * a.nbytes / best / 1e9
 
 
-def hf_twin(config: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int = 0):
-    """A random-weight HF LlamaForCausalLM of `config`'s shape and our Transformer over the same tensors."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from model.loaders.assemble import ModelAssembler
-    from model.loaders.hf import hf_to_ours
-
-    hf_cfg = LlamaConfig(
-        vocab_size=config.vocab_size, hidden_size=config.dim, intermediate_size=config.hidden_dim,
-        num_hidden_layers=config.n_layers, num_attention_heads=config.n_heads, num_key_value_heads=config.n_kv_heads,
-        head_dim=config.head_dim,
-        max_position_embeddings=config.max_seq_len, rms_norm_eps=config.norm_eps, rope_theta=config.rope_theta,
-        tie_word_embeddings=config.tie_embeddings,
-    )
-    with torch.device("meta"):
-        hf = LlamaForCausalLM(hf_cfg).to(dtype)
-    hf = hf.to_empty(device=device)
-    g = torch.Generator(device=device).manual_seed(seed)
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            p.fill_(1.0) if p.ndim == 1 else p.normal_(0, 0.02, generator=g)
-    hf.model.rotary_emb = type(hf.model.rotary_emb)(hf_cfg).to(device)  # to_empty left its inv_freq buffer empty
-    hf.tie_weights()  # to_empty gave the tied head its own (separately initialized) storage
-    hf = hf.eval()
-    hf.generation_config.eos_token_id = None
-    hf.generation_config.pad_token_id = 0
-    asm = ModelAssembler(config, "random weights", dtype, device, "assemble")
-    for name, t in hf.state_dict().items():
-        ours_name = hf_to_ours(name)
-        if ours_name is not None and ours_name in asm.expected:
-            asm.add(ours_name, t, name)
-    return hf, asm.finish()
+def engine_plans(args: argparse.Namespace) -> list[EnginePlan]:
+    return plan_engines(args.prompt_len, args.new_tokens, args.concurrency, args.compare_tokens, not args.no_graphs)
 
 
-def _engine(model: Transformer, tokenizer, device: torch.device, max_seqs: int, kv_bytes: int, graphs: bool):
-    from model.engine import Engine, EngineConfig
+def _build_engine(model, tokenizer, plan: EnginePlan, device: torch.device, r: dict):
+    from model.engine import Engine
 
-    # on CPU (--dry-run) "eager": the static-buffer decode step without capture, so the dry run covers that path too
-    mode = ("auto" if device.type == "cuda" else "eager") if graphs else "off"
-    return Engine(model, tokenizer, EngineConfig(kv_cache_bytes=kv_bytes, max_num_seqs=max_seqs,
-                                                 max_num_batched_tokens=4096, decode_graphs=mode))
+    engine = Engine(model, tokenizer, plan.engine_config(device))
+    r.setdefault("engines", {})[plan.role] = describe(plan, engine)
+    problems = check(plan, engine)
+    if problems:  # preflight passed for the known shape: only a checkpoint of another shape can get here
+        raise RuntimeError("; ".join(problems))
+    return engine
 
 
-def bench_model(name: str, model: Transformer, tokenizer, hf, args: argparse.Namespace, device: torch.device) -> dict:
-    vocab = model.config.vocab_size
-    g = torch.Generator().manual_seed(0)
-    prompts = torch.randint(0, vocab, (max(args.concurrency), args.prompt_len), generator=g).to(device)  # (Bmax, P)
-    wbytes = weight_bytes_per_token(model)
-    r: dict = {"weight_bytes_per_token": wbytes, "parameters": model.config.num_parameters()}
-    max_len = args.prompt_len + args.new_tokens + 8
-    use_graph = device.type == "cuda" and not args.no_graphs
-    # ---- engine, as it serves: on CUDA its decode steps replay CUDA graphs per batch-size bucket ---------------
-    kv_bytes = min(args.kv_gb << 30, max(64 << 20, 2 * max(args.concurrency) * max_len * _kv_bytes_per_token(model)))
-    engine = _engine(model, tokenizer, device, max(args.concurrency), kv_bytes, not args.no_graphs)
+def engine_phase(model, tokenizer, prompts: torch.Tensor, args, device, r: dict, steps: dict, results: Results) -> bool:
+    """The engine as it serves: single stream, every concurrency level, the logprob run. -> whether it had graphs."""
+    vocab, clock = model.config.vocab_size, Clock(device)
+    served = next(p for p in engine_plans(args) if p.role == "served")
+    engine = _build_engine(model, tokenizer, served, device, r)
     r["engine_decode_graphs"] = engine.decode_graphs is not None
     ours.warm_up(engine, vocab)
-    clock = Clock(device)
-    single = ours.run_single(engine, prompts[0].tolist(), args.new_tokens, clock)
-    r["engine_single_tok_s"] = single.decode_tok_s
+    r["engine_single_tok_s"] = ours.run_single(engine, prompts[0].tolist(), args.new_tokens, clock).decode_tok_s
+    results.save()
     r["engine_concurrent_tok_s"] = {}
     for b in args.concurrency:
         res = ours.run_concurrent(engine, prompts[:b].tolist(), args.new_tokens, clock, tag=f"c{b}")
         r["engine_concurrent_tok_s"][b] = res.summary()["throughput_tok_s"]
-    if engine.decode_graphs is not None:
-        r["engine_graph_buckets"] = sorted(engine.decode_graphs.graphs)
-        r["engine_graph_buckets_failed"] = sorted(engine.decode_graphs.failed)
-        # the same request without graphs (and without the Triton kernel's replay): the tokens should agree
-        eager = _engine(model, tokenizer, device, 1, 64 << 20, graphs=False)
-        ours.warm_up(eager, vocab)
-        eager_single = ours.run_single(eager, prompts[0].tolist(), args.new_tokens, clock)
-        r["engine_eager_single_tok_s"] = eager_single.decode_tok_s
-        r["engine_graph_tokens_equal_eager"] = eager_single.token_ids == single.token_ids
-        del eager
-    del engine
-    # ---- static decode, one CUDA graph per batch size ---------------------------------------------------------
+        r.setdefault("engine_preemptions", {})[b] = res.notes["preemptions"]  # 0 when the pool is sized right
+        results.save()
+    steps["engine"] = ours.logprob_steps(engine, prompts[0].tolist(), args.compare_tokens, TOP_K)
+    if engine.decode_graphs is None:
+        return False
+    r["engine_graph_buckets"] = sorted(engine.decode_graphs.graphs)
+    r["engine_graph_buckets_failed"] = sorted(engine.decode_graphs.failed)
+    return True
+
+
+def eager_engine_phase(model, tokenizer, prompts: torch.Tensor, args, device, r: dict, steps: dict) -> None:
+    """The same single stream without decode graphs (and so without the Triton kernel's replay)."""
+    eager = next(p for p in engine_plans(args) if p.role == "eager")
+    engine = _build_engine(model, tokenizer, eager, device, r)
+    ours.warm_up(engine, model.config.vocab_size)
+    r["engine_eager_single_tok_s"] = ours.run_single(engine, prompts[0].tolist(), args.new_tokens, Clock(device)).decode_tok_s
+    steps["engine_eager"] = ours.logprob_steps(engine, prompts[0].tolist(), args.compare_tokens, TOP_K)
+
+
+def static_phase(model, prompts: torch.Tensor, args, device, r: dict, steps: dict, results: Results) -> None:
+    """Static decode, one CUDA graph per batch size."""
+    max_len = args.prompt_len + max(args.new_tokens, args.compare_tokens) + 8
+    use_graph = device.type == "cuda" and not args.no_graphs
     r["graph_tok_s"] = {}
-    graph_tokens = None
     for b in args.concurrency:
         dec = StaticDecoder(model, b, max_len, use_graph)
-        toks, seconds = dec.run(prompts[:b], args.new_tokens)
+        _, seconds = dec.run(prompts[:b], args.new_tokens)
         r["graph_tok_s"][b] = b * (args.new_tokens - 1) / seconds
-        graph_tokens = graph_tokens or toks[0]
+        if "static" not in steps:
+            steps["static"] = dec.logprob_steps(prompts[:b], args.compare_tokens, TOP_K)
         del dec
-        gc.collect()
+        free(device)
+        results.save()
     r["graph_single_tok_s"] = r["graph_tok_s"][args.concurrency[0]]
-    r["graph_tokens_equal_engine_single"] = graph_tokens == single.token_ids
-    # ---- the peer ---------------------------------------------------------------------------------------------
-    if hf is not None:
-        with torch.inference_mode():  # the same function: last-position logits of one prompt, both sides
-            ref = hf(prompts[:1]).logits[0, -1].float()
-            r["last_logits_max_abs_diff_vs_hf"] = (model(prompts[:1])[0, -1].float() - ref).abs().max().item()
-            r["last_logits_max_abs_hf"] = ref.abs().max().item()
-        hf_peer.warm_up(hf)
-        r["hf_single_tok_s"] = hf_peer.generate_single(hf, prompts[0].tolist(), args.new_tokens, clock).decode_tok_s
-        r["hf_batched_tok_s"] = {}
-        for b in args.concurrency:
-            res = hf_peer.run_batched(hf, prompts[:b].tolist(), args.new_tokens, clock)
-            r["hf_batched_tok_s"][b] = res.summary()["throughput_tok_s"]
-    # ---- against the ceiling ----------------------------------------------------------------------------------
-    ceiling_spec = H200_HBM_TB_S * 1e12 / wbytes
-    ceiling_measured = args.bandwidth_gb_s * 1e9 / wbytes
-    for side in ("engine_single_tok_s", "graph_single_tok_s", "hf_single_tok_s"):
+
+
+def hf_phase(model, hf, prompts: torch.Tensor, args, device, r: dict, results: Results) -> None:
+    clock = Clock(device)
+    with torch.inference_mode():  # the same function: last-position logits of one prompt, both sides
+        ref = hf(prompts[:1]).logits[0, -1].float()
+        r["last_logits_max_abs_diff_vs_hf"] = (model(prompts[:1])[0, -1].float() - ref).abs().max().item()
+        r["last_logits_max_abs_hf"] = ref.abs().max().item()
+    hf_peer.warm_up(hf)
+    r["hf_single_tok_s"] = hf_peer.generate_single(hf, prompts[0].tolist(), args.new_tokens, clock).decode_tok_s
+    results.save()
+    r["hf_batched_tok_s"] = {}
+    for b in args.concurrency:
+        res = hf_peer.run_batched(hf, prompts[:b].tolist(), args.new_tokens, clock)
+        r["hf_batched_tok_s"][b] = res.summary()["throughput_tok_s"]
+        results.save()
+
+
+def derived(r: dict, steps: dict, args, dtype: torch.dtype, bandwidth_gb_s: float) -> None:
+    """Agreement of the decode paths, and every figure against the ceiling, from what the phases measured."""
+    tol, first = TOLERANCE[dtype], min(FIRST_TOKENS, args.compare_tokens)
+    r["agreement"] = {}
+    if "engine" in steps and "engine_eager" in steps:  # reference first: the path without graphs
+        r["agreement"]["engine_graphs_vs_eager"] = compare(steps["engine_eager"], steps["engine"], tol, first)
+    if "engine" in steps and "static" in steps:
+        r["agreement"]["static_vs_engine"] = compare(steps["engine"], steps["static"], tol, first)
+    wbytes = r["weight_bytes_per_token"]
+    ceiling_spec, ceiling_measured = H200_HBM_TB_S * 1e12 / wbytes, bandwidth_gb_s * 1e9 / wbytes
+    r["ceiling_tok_s_hbm_spec"], r["ceiling_tok_s_measured_bw"] = ceiling_spec, ceiling_measured
+    for side in ("engine_single_tok_s", "engine_eager_single_tok_s", "graph_single_tok_s", "hf_single_tok_s"):
         if side in r:
             r[side.replace("tok_s", "pct_hbm_spec")] = 100 * r[side] / ceiling_spec
             r[side.replace("tok_s", "pct_measured_bw")] = 100 * r[side] / ceiling_measured
-    r["ceiling_tok_s_hbm_spec"], r["ceiling_tok_s_measured_bw"] = ceiling_spec, ceiling_measured
     lo, hi = args.concurrency[0], args.concurrency[-1]
     for key in ("engine_concurrent_tok_s", "graph_tok_s", "hf_batched_tok_s"):
-        if key in r:
+        if hi in r.get(key, {}):
             r[key.replace("tok_s", "growth")] = r[key][hi] / r[key][lo]
+
+
+def bench_model(name: str, model, tokenizer, hf, args, device: torch.device, results: Results) -> None:
+    r = results.data["models"][name]
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(0, model.config.vocab_size, (max(args.concurrency), args.prompt_len), generator=g).to(device)
+    r.update(weight_bytes_per_token=weight_bytes_per_token(model), parameters=model.config.num_parameters())
+    steps: dict = {}  # decode path -> its logprob run (benchmarks/agreement.py)
+    graphs = False
+    with results.phase(r, "engine", device):
+        graphs = engine_phase(model, tokenizer, prompts, args, device, r, steps, results)
+    free(device)
+    if graphs:
+        with results.phase(r, "engine_eager", device):
+            eager_engine_phase(model, tokenizer, prompts, args, device, r, steps)
+        free(device)
+    with results.phase(r, "static_decode", device):
+        static_phase(model, prompts, args, device, r, steps, results)
+    if hf is not None:
+        with results.phase(r, "hf", device):
+            hf_phase(model, hf, prompts, args, device, r, results)
+    with results.phase(r, "derived", device):
+        derived(r, steps, args, model.dtype, args.bandwidth_gb_s)
     _progress(f"{name}: " + json.dumps({k: v for k, v in r.items() if not isinstance(v, dict)}, default=float))
-    return r
 
 
-def _kv_bytes_per_token(model: Transformer) -> int:
-    c = model.config
-    return 2 * c.n_layers * c.n_kv_heads * c.head_dim * model.tok_embeddings.weight.element_size()
+def _load(config, args, dtype: torch.dtype, device: torch.device):
+    """-> (our model, its tokenizer, a function giving HF's model over the same weights, or None with --skip-hf)."""
+    if config is None:  # the default model's GGUF, both sides from the same file
+        from model.loaders.checkpoint import load_model
+
+        lm = load_model(None, dtype, device)
+        return lm.model, lm.tokenizer, lambda: None if args.skip_hf else hf_peer.load_hf(lm.path, dtype, device)
+    hf, model = hf_peer.random_twin(config, dtype, device)
+    hf = None if args.skip_hf else hf
+    return model, stand_in_tokenizer(config.vocab_size), lambda: hf
 
 
-def _byte_tokenizer_for(vocab: int):
-    """A stand-in tokenizer for random models (the engine detokenizes every token): bytes, ids wrapped."""
-    from tokenizers import Tokenizer as Backend
-    from tokenizers import decoders, pre_tokenizers
-    from tokenizers.models import WordLevel
-
-    from model.text.tokenizer import Tokenizer
-
-    backend = Backend(WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
-    backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    backend.decoder = decoders.WordPiece()
-    return Tokenizer(backend, bos_id=None, eos_id=0, stop_ids=set(), add_bos=False)
+def _decode_attention(device: torch.device, dtype: torch.dtype) -> str:
+    """What the engine's decode rows attend with on this device (model/engine/paged_cache.py's choice)."""
+    probe = torch.zeros(1, 1, 16, dtype=dtype, device=device)  # (N, H, E); on CUDA the Triton check launches once
+    kernel = decode_attention_kernel(probe, probe, 16)
+    if kernel is None:
+        return "gather + SDPA"
+    return "triton paged kernel" if kernel is triton_attention.paged_decode_attention else "native CPU kernel"
 
 
-def run(args: argparse.Namespace) -> dict:
+def full_size(parser: argparse.ArgumentParser) -> argparse.Namespace:
+    """The workload a real run measures (the parser's defaults), whatever this run's arguments."""
+    args = parser.parse_args(["--device", "cuda"])
+    args.compare_tokens = min(COMPARE_TOKENS, args.new_tokens)
+    return args
+
+
+def run(args: argparse.Namespace, results: Results) -> None:
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    out = results.data
+    # Every engine of a full-size run on the real shapes, built on the meta device, before anything loads: a pool
+    # too small for its workload stops the run here instead of minutes into it (and --dry-run checks the same).
+    real = args.full_size if args.dry_run else args
+    out["sizing"], problems = preflight({n: KNOWN_SHAPES[n] for n in SHAPES}, torch.bfloat16,
+                                        engine_plans(real), args.kv_gb << 30)
+    results.save()
+    if problems:
+        raise SystemExit("engine sizing:\n  " + "\n  ".join(problems))
     torch.manual_seed(0)
     args.bandwidth_gb_s = copy_bandwidth_gb_s(device, 64 if args.dry_run else 4096)
-    _progress(f"{device}: copy bandwidth {args.bandwidth_gb_s:.0f} GB/s")
-    out: dict = {"machine": machine_info(device, torch.get_num_threads()), "dtype": str(dtype),
-                 "measured_copy_bandwidth_gb_s": args.bandwidth_gb_s, "hbm_spec_tb_s": H200_HBM_TB_S,
-                 "workload": {"prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
-                              "concurrency": args.concurrency, "decoding": "greedy, EOS ignored, random prompt ids"},
-                 "models": {},
-                 # how the engine's decode rows attend over the paged pool (model/kernels/triton_attention.py)
-                 "engine_decode_attention": ("triton paged kernel" if triton_attention.available(torch.empty(0, device=device), 16)
-                                             else "gather + SDPA")}
+    out["measured_copy_bandwidth_gb_s"] = args.bandwidth_gb_s
+    out["engine_decode_attention"] = _decode_attention(device, dtype)  # model/kernels/triton_attention.py
+    _progress(f"{device}: copy bandwidth {args.bandwidth_gb_s:.0f} GB/s; decode attention: {out['engine_decode_attention']}")
     shapes = {"smollm2-135m": None, "llama-2-7b": KNOWN_SHAPES["llama-2-7b"]}
     if args.dry_run:  # tiny stand-ins with each shape's structure (GQA + tied head; MHA + untied head)
         tiny = dict(dim=64, n_layers=2, vocab_size=300, n_heads=4, head_dim=16, rope_dim=16)
@@ -291,77 +253,103 @@ def run(args: argparse.Namespace) -> dict:
                   "llama-2-7b (tiny stand-in)": KNOWN_SHAPES["llama-2-7b"].replace(hidden_dim=160, n_kv_heads=4, **tiny)}
     for name, config in shapes.items():
         _progress(f"{name}: loading")
-        if config is None:  # the default model's GGUF, both sides from the same file
-            from model.loaders.checkpoint import load_model
-
-            lm = load_model(None, dtype, device)
-            model, tokenizer = lm.model, lm.tokenizer
-            hf = None if args.skip_hf else hf_peer.load_hf(lm.path, dtype, device)
-        else:
-            hf, model = hf_twin(config, dtype, device)
-            tokenizer = _byte_tokenizer_for(config.vocab_size)
-            hf = None if args.skip_hf else hf
-        out["models"][name] = bench_model(name, model, tokenizer, hf, args, device)
-        del model, hf
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    return out
+        r = out["models"][name] = {}
+        loaded = hf = None
+        with results.phase(r, "load", device):
+            loaded = _load(config, args, dtype, device)
+        if loaded is not None:
+            model, tokenizer, load_hf = loaded
+            with results.phase(r, "load_hf", device):  # without the peer, ours is still measured
+                hf = load_hf()
+            bench_model(name, model, tokenizer, hf, args, device, results)
+            del model, tokenizer, load_hf
+        del loaded, hf
+        free(device)
 
 
 def print_report(r: dict) -> None:
-    print(f"\n{r['machine'].get('gpu_name') or r['machine'].get('cpu_model')}, {r['dtype']}; copy bandwidth "
-          f"{r['measured_copy_bandwidth_gb_s']:.0f} GB/s measured, {r['hbm_spec_tb_s']} TB/s HBM spec; engine decode "
-          f"attention: {r.get('engine_decode_attention')}")
+    m = r["machine"]
+    print(f"\n{m.get('device_name') or m.get('cpu_model')}, {r['dtype']}; copy bandwidth "
+          f"{r.get('measured_copy_bandwidth_gb_s', float('nan')):.0f} GB/s measured, {r['hbm_spec_tb_s']} TB/s HBM spec; "
+          f"engine decode attention: {r.get('engine_decode_attention')}")
     for name, m in r["models"].items():
-        print(f"\n{name}: {m['weight_bytes_per_token'] / 1e9:.2f} GB of weights per token; ceiling "
-              f"{m['ceiling_tok_s_hbm_spec']:.0f} tok/s (spec), {m['ceiling_tok_s_measured_bw']:.0f} (measured)")
-        for side in ("engine_single", "graph_single", "hf_single"):
-            if f"{side}_tok_s" in m:
-                print(f"  {side:<14} {m[f'{side}_tok_s']:>9.1f} tok/s  {m[f'{side}_pct_hbm_spec']:>5.1f}% of HBM spec"
+        if "ceiling_tok_s_hbm_spec" in m:
+            print(f"\n{name}: {m['weight_bytes_per_token'] / 1e9:.2f} GB of weights per token; ceiling "
+                  f"{m['ceiling_tok_s_hbm_spec']:.0f} tok/s (spec), {m['ceiling_tok_s_measured_bw']:.0f} (measured)")
+        else:
+            print(f"\n{name}:")
+        for side in ("engine_single", "engine_eager_single", "graph_single", "hf_single"):
+            if f"{side}_pct_hbm_spec" in m:
+                print(f"  {side:<19} {m[f'{side}_tok_s']:>9.1f} tok/s  {m[f'{side}_pct_hbm_spec']:>5.1f}% of HBM spec"
                       f"  {m[f'{side}_pct_measured_bw']:>5.1f}% of measured")
-        print(f"  {'concurrent':<14} " + " ".join(f"{b:>9}" for b in m["graph_tok_s"]) + "   growth")
+        levels = r["workload"]["concurrency"]
+        print(f"  {'concurrent':<19} " + " ".join(f"{b:>9}" for b in levels) + "   growth")
         for key in ("engine_concurrent", "graph", "hf_batched"):
-            if f"{key}_tok_s" in m:
-                vals = m[f"{key}_tok_s"]
-                print(f"  {key:<14} " + " ".join(f"{v:>9.1f}" for v in vals.values()) + f"   x{m[f'{key}_growth']:.1f}")
-        print(f"  graph decode tokens equal the engine's (single stream): {m['graph_tokens_equal_engine_single']}")
+            vals = m.get(f"{key}_tok_s", {})
+            if vals:
+                growth = f"x{m[f'{key}_growth']:.1f}" if f"{key}_growth" in m else ""
+                print(f"  {key:<19} " + " ".join(f"{vals[b]:>9.1f}" if b in vals else f"{'-':>9}" for b in levels)
+                      + f"   {growth}")
+        for pair, c in m.get("agreement", {}).items():
+            print(f"  {pair}: {summary(c)}")
+        for phase, err in m.get("errors", {}).items():
+            print(f"  FAILED {phase}: {err.splitlines()[0] if err else ''}")
 
 
-def main(argv: list[str] | None = None) -> dict:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks.gpu", description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dry-run", action="store_true", help="tiny random models, few tokens (CPU: a smoke test)")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 128])
-    p.add_argument("--kv-gb", type=int, default=24, help="engine KV pool cap in GiB")
+    p.add_argument("--kv-gb", type=int, default=24, help="cap on any one engine's KV pool, GiB (checked up front)")
     p.add_argument("--skip-hf", action="store_true")
-    p.add_argument("--no-graphs", action="store_true", help="static decode without CUDA graph capture")
+    p.add_argument("--no-graphs", action="store_true", help="no CUDA graphs: the engine with --enforce-eager, static "
+                                                            "decode without capture")
     p.add_argument("--out", type=Path, default=None)
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = parser()
     args = p.parse_args(argv)
+    args.full_size = full_size(p)
     if args.dry_run:
         args.prompt_len, args.new_tokens, args.concurrency = 8, 4, [1, 2]
     elif args.device == "cpu":
         p.error("this script is for a CUDA machine; on CPU run it with --dry-run (or use benchmarks.bench_decode)")
-    results = run(args)
-    results["tensor_parallel"] = tensor_parallel_line(args)
-    results["command"] = " ".join(["python -m benchmarks.gpu", *(sys.argv[1:] if argv is None else argv)])
-    results["created"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    args.compare_tokens = min(COMPARE_TOKENS, args.new_tokens)
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    device = torch.device(args.device)
     out = args.out or RESULTS.with_name("gpu-dry-run.json" if args.dry_run else "gpu.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2, default=float) + "\n")
-    print_report(results)
-    tp = results["tensor_parallel"]
+    results = Results(out, {
+        "command": " ".join(["python -m benchmarks.gpu", *(sys.argv[1:] if argv is None else argv)]),
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "machine": machine_info(device, torch.get_num_threads()),
+        "dtype": str(torch.bfloat16 if device.type == "cuda" else torch.float32), "hbm_spec_tb_s": H200_HBM_TB_S,
+        "workload": {"prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "concurrency": args.concurrency,
+                     "compare_tokens": args.compare_tokens, "decoding": "greedy, EOS ignored, random prompt ids"},
+        "models": {},
+    })
+    results.save()
+    run(args, results)
+    with results.phase(results.data, "tensor_parallel", device):
+        results.data["tensor_parallel"] = tensor_parallel_line(args)
+    print_report(results.data)
+    tp = results.data.get("tensor_parallel", {})
     if "skipped" in tp:
         print(f"\ntensor parallelism: skipped, {tp['skipped']}")
-    else:
-        tpn = tp[f"tp{tp['tp']}"]
-        same = "equal" if tp["greedy_tokens_equal"] else "DIFFER"
-        print(f"\ntensor parallelism (benchmarks.tp_gpu): TP=1 {tp['tp1']['decode_tok_s']:.1f} tok/s, TP={tp['tp']} "
-              f"{tpn['decode_tok_s']:.1f} tok/s ({tp['speedup']:.2f}x), greedy tokens {same}")
+    elif tp:
+        print(f"\ntensor parallelism (benchmarks.tp_gpu): {tp['summary']}")
+    for err in errors(results.data):
+        print(f"FAILED {err.splitlines()[0]}")
     print(f"\nresults: {out}")
-    return results
+    return results.data
 
 
 def tensor_parallel_line(args: argparse.Namespace) -> dict:
@@ -376,4 +364,4 @@ def tensor_parallel_line(args: argparse.Namespace) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(1 if errors(main()) else 0)

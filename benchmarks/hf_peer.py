@@ -19,11 +19,15 @@ from __future__ import annotations
 import inspect
 import math
 import tempfile
+from typing import TYPE_CHECKING
 from pathlib import Path
 
 import torch
 
 from benchmarks.measure import Clock, ConcurrentResult, StreamResult
+
+if TYPE_CHECKING:
+    from model.config import ModelConfig
 
 
 def load_hf(path: Path, dtype: torch.dtype, device: torch.device | str):
@@ -171,3 +175,37 @@ def warm_up(model) -> None:
     generate_single(model, prompts[0], 4, clock)
     forward_loop(model, prompts[0], 4, clock)
     run_batched(model, prompts, 4, clock)
+
+
+def random_twin(config: "ModelConfig", dtype: torch.dtype, device: torch.device, seed: int = 0):
+    """A random-weight HF LlamaForCausalLM of `config`'s shape and our Transformer over the same tensors."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from model.loaders.assemble import ModelAssembler
+    from model.loaders.hf import hf_to_ours
+
+    hf_cfg = LlamaConfig(
+        vocab_size=config.vocab_size, hidden_size=config.dim, intermediate_size=config.hidden_dim,
+        num_hidden_layers=config.n_layers, num_attention_heads=config.n_heads, num_key_value_heads=config.n_kv_heads,
+        head_dim=config.head_dim,
+        max_position_embeddings=config.max_seq_len, rms_norm_eps=config.norm_eps, rope_theta=config.rope_theta,
+        tie_word_embeddings=config.tie_embeddings,
+    )
+    with torch.device("meta"):
+        hf = LlamaForCausalLM(hf_cfg).to(dtype)
+    hf = hf.to_empty(device=device)
+    g = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            p.fill_(1.0) if p.ndim == 1 else p.normal_(0, 0.02, generator=g)
+    hf.model.rotary_emb = type(hf.model.rotary_emb)(hf_cfg).to(device)  # to_empty left its inv_freq buffer empty
+    hf.tie_weights()  # to_empty gave the tied head its own (separately initialized) storage
+    hf = hf.eval()
+    hf.generation_config.eos_token_id = None
+    hf.generation_config.pad_token_id = 0
+    asm = ModelAssembler(config, "random weights", dtype, device, "assemble")
+    for name, t in hf.state_dict().items():
+        ours_name = hf_to_ours(name)
+        if ours_name is not None and ours_name in asm.expected:
+            asm.add(ours_name, t, name)
+    return hf, asm.finish()

@@ -9,9 +9,13 @@ from __future__ import annotations
 
 import torch
 
+from benchmarks.agreement import StepLogprobs
 from benchmarks.measure import Clock, ConcurrentResult, StreamResult
 from model.engine import Engine, RequestOutput
 from model.engine.sampling_params import SamplingParams
+
+WARM_UP_PROMPT_LENS = (24, 40)  # `warm_up`'s requests (benchmarks/gpu_sizing.py sizes engines for them too)
+WARM_UP_NEW_TOKENS = 4
 
 
 def greedy(max_tokens: int) -> SamplingParams:
@@ -86,5 +90,18 @@ def warm_up(engine: Engine, vocab_size: int) -> None:
     """A short batched prefill + decode, so one-time costs (thread pools, kernel selection, first allocations)
     stay out of the timings. Random ids that no timed prompt shares, so the prefix cache gains nothing."""
     g = torch.Generator().manual_seed(12345)
-    prompts = [torch.randint(0, vocab_size, (n,), generator=g).tolist() for n in (24, 40)]
-    run_concurrent(engine, prompts, 4, Clock(engine.model.device), tag="warmup")
+    prompts = [torch.randint(0, vocab_size, (n,), generator=g).tolist() for n in WARM_UP_PROMPT_LENS]
+    run_concurrent(engine, prompts, WARM_UP_NEW_TOKENS, Clock(engine.model.device), tag="warmup")
+
+
+def logprob_steps(engine: Engine, prompt: list[int], max_tokens: int, k: int) -> list[StepLogprobs]:
+    """One greedy request, untimed, with the top-k log-probabilities of every generated token (what
+    benchmarks/agreement.py compares across decode paths)."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=k)
+    engine.add_request("logprobs", prompt, params)
+    steps: list[StepLogprobs] = []
+    while engine.has_unfinished():
+        for out in engine.step():
+            _check(out)
+            steps += [StepLogprobs(lp.token_id, dict(lp.top)) for lp in out.logprobs or []]
+    return steps

@@ -1,6 +1,11 @@
 """Tensor parallelism, measured: decode tok/s of TP=1 and TP=N on the same checkpoint, the same batch of greedy
 requests and the same engine configuration, one after the other in one run; greedy tokens are checked equal.
 
+Like with like: the headline pair runs both sides eagerly (`decode_graphs="off"`), since a TP=N engine has no
+decode graphs (model/decode_graphs.py turns them off for tensor-parallel models) and TP=1 with graphs against TP=N
+without would credit the graphs to TP=1. A second pair with graphs on both sides runs where both engines got them;
+otherwise the JSON says why it was skipped and still records TP=1 with graphs on its own.
+
     python -m benchmarks.tp_gpu --tp 2                              # CUDA, NCCL, bfloat16, a random ~1B LLaMA
     python -m benchmarks.tp_gpu --tp 2 --model /path/to/hf-or-gguf  # a real checkpoint
     python -m benchmarks.tp_gpu --tp 2 --tiny --device cpu          # gloo on CPU: a smoke test, not a result
@@ -14,6 +19,7 @@ the end (all requests are added at t=0 with equal prompt lengths, so that span i
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import tempfile
 import time
@@ -21,8 +27,9 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.agreement import FIRST_TOKENS, TOLERANCE, TOP_K, compare
 from benchmarks.measure import Clock
-from benchmarks.ours import run_concurrent, warm_up
+from benchmarks.ours import logprob_steps, run_concurrent, warm_up
 from model.engine import Engine, EngineConfig
 from model.loaders.checkpoint import load_model
 from model.parallel.plan import parameter_bytes
@@ -65,11 +72,19 @@ def write_random_checkpoint(directory: Path, shape: dict, dtype: torch.dtype, se
     return directory
 
 
-def measure(loaded, args: argparse.Namespace) -> dict:
+def measure(loaded, args: argparse.Namespace, graphs: bool) -> dict | None:
+    """Decode tok/s of the batch on an engine with (graphs) or without decode graphs; None where graphs were asked
+    for and this model's engine has none."""
+    gc.collect()  # the previous engine's pool goes before this one's is allocated
+    if args.device.startswith("cuda"):
+        torch.cuda.empty_cache()
     model = loaded.model
     config = EngineConfig(kv_cache_bytes=args.kv_cache_mb << 20, max_num_seqs=args.batch,
-                          max_num_batched_tokens=max(512, args.batch * args.prompt_len))
+                          max_num_batched_tokens=max(512, args.batch * args.prompt_len),
+                          decode_graphs="auto" if graphs else "off")
     engine = Engine(model, loaded.tokenizer, config)
+    if graphs and engine.decode_graphs is None:
+        return None
     V = min(model.config.vocab_size, 256)  # byte ids: valid in every vocabulary this script builds
     warm_up(engine, V)
     g = torch.Generator().manual_seed(args.seed)
@@ -80,7 +95,25 @@ def measure(loaded, args: argparse.Namespace) -> dict:
     shard = getattr(model, "shard", model)
     return {"decode_tok_s": decode_tokens / (r.wall_s - t0), "wall_s": r.wall_s, "ttft_max_s": t0,
             "rank0_parameter_mb": parameter_bytes(shard) / 2**20, "kv_cache_mb_per_rank": engine.cache.nbytes / 2**20,
-            "token_ids": r.token_ids}
+            "decode_graphs": engine.decode_graphs is not None, "token_ids": r.token_ids,
+            "logprob_steps": logprob_steps(engine, prompts[0], min(16, args.max_tokens), TOP_K)}
+
+
+def _pair(r1: dict | None, rn: dict | None, tp: int, dtype: torch.dtype) -> dict:
+    """TP=1 vs TP=N measured the same way: speedup, greedy tokens, and the logprob agreement of one request."""
+    if r1 is None or rn is None:
+        side = "TP=1" if r1 is None else f"TP={tp}"
+        return {"skipped": f"{side} has no decode graphs here (model/decode_graphs.py: CUDA with Triton, and not "
+                           "for tensor-parallel models)",
+                **({"tp1": _strip(r1)} if r1 is not None else {})}
+    agreement = compare(r1["logprob_steps"], rn["logprob_steps"], TOLERANCE[dtype], FIRST_TOKENS)
+    same = r1["token_ids"] == rn["token_ids"]
+    return {"tp1": _strip(r1), f"tp{tp}": _strip(rn), "speedup": rn["decode_tok_s"] / r1["decode_tok_s"],
+            "greedy_tokens_equal": same, "agreement": agreement}
+
+
+def _strip(r: dict) -> dict:
+    return {k: v for k, v in r.items() if k not in ("token_ids", "logprob_steps")}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -107,7 +140,7 @@ def main(argv: list[str] | None = None) -> dict:
         path = Path(args.model) if args.model else write_random_checkpoint(
             Path(tmp) / "random", TINY if args.tiny else TINYLLAMA, dtype)
         one = load_model(path, dtype, args.device)
-        r1 = measure(one, args)
+        r1, r1_graphs = measure(one, args, graphs=False), measure(one, args, graphs=True)
         del one
         if args.device.startswith("cuda"):
             torch.cuda.empty_cache()
@@ -115,17 +148,27 @@ def main(argv: list[str] | None = None) -> dict:
         n = launch(path, args.tp, dtype, args.device)
         launch_s = time.perf_counter() - t0
         try:
-            rn = measure(n, args)
+            rn, rn_graphs = measure(n, args, graphs=False), measure(n, args, graphs=True)
         finally:
             n.model.close()
-    same = r1.pop("token_ids") == rn.pop("token_ids")
+    eager, graphs = _pair(r1, rn, args.tp, dtype), _pair(r1_graphs, rn_graphs, args.tp, dtype)
     result = {"device": args.device, "dtype": str(dtype), "tp": args.tp, "batch": args.batch, "prompt_len": args.prompt_len,
               "max_tokens": args.max_tokens, "gpu": torch.cuda.get_device_name(0) if args.device.startswith("cuda") else None,
-              "tp1": r1, f"tp{args.tp}": rn, "launch_s": launch_s, "greedy_tokens_equal": same,
-              "speedup": rn["decode_tok_s"] / r1["decode_tok_s"]}
-    print(f"TP=1        decode {r1['decode_tok_s']:9.1f} tok/s   rank-0 weights {r1['rank0_parameter_mb']:8.1f} MB")
-    print(f"TP={args.tp:<8d} decode {rn['decode_tok_s']:9.1f} tok/s   rank-0 weights {rn['rank0_parameter_mb']:8.1f} MB"
-          f"   ({result['speedup']:.2f}x; greedy tokens {'equal' if same else 'DIFFER'})")
+              "launch_s": launch_s, "mode": "eager (decode_graphs off) on both sides", **eager, "graphs": graphs}
+    agree = "agree" if eager["agreement"]["agree"] else "DISAGREE"
+    result["summary"] = (f"eager: TP=1 {eager['tp1']['decode_tok_s']:.1f} tok/s, TP={args.tp} "
+                         f"{eager[f'tp{args.tp}']['decode_tok_s']:.1f} tok/s ({eager['speedup']:.2f}x), logprobs {agree}; "
+                         + (f"graphs: {graphs['speedup']:.2f}x" if "speedup" in graphs else f"graphs: {graphs['skipped']}"))
+    for name, pair in (("eager", eager), ("graphs", graphs)):
+        if "speedup" not in pair:
+            print(f"{name:<7} skipped: {pair['skipped']}")
+            continue
+        r1, rn = pair["tp1"], pair[f"tp{args.tp}"]
+        print(f"{name:<7} TP=1        decode {r1['decode_tok_s']:9.1f} tok/s   rank-0 weights {r1['rank0_parameter_mb']:8.1f} MB")
+        print(f"{name:<7} TP={args.tp:<8d} decode {rn['decode_tok_s']:9.1f} tok/s   rank-0 weights "
+              f"{rn['rank0_parameter_mb']:8.1f} MB   ({pair['speedup']:.2f}x; greedy tokens "
+              f"{'equal' if pair['greedy_tokens_equal'] else 'differ'}; logprobs "
+              f"{'agree' if pair['agreement']['agree'] else 'DISAGREE'})")
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2))
     return result

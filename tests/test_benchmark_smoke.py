@@ -109,15 +109,28 @@ def test_kernel_rows_crossover_prints_both_paths():
 
 def test_gpu_script_dry_run_on_cpu(tmp_path):
     """The prepared GPU script (`benchmarks/gpu.py`) on tiny stand-ins of both shapes, CPU: every path but the
-    CUDA graph capture itself (the static decoder runs its step eagerly), so the script cannot rot unseen."""
+    CUDA graph capture itself (the static decoder runs its step eagerly), so the script cannot rot unseen. It also
+    builds every engine of a full-size run for the real shapes on the meta device and checks their pools."""
     out = tmp_path / "gpu.json"
     proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu", "--dry-run", "--device", "cpu", "--out", str(out)],
                           cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stderr[-4000:]
     r = json.loads(out.read_text())
+    # the full-size run's engines, real shapes: the 7B's eager engine holds its 256-token stream, the served one
+    # all 128 concurrent requests (16 blocks each)
+    seven_b = {e["role"]: e for e in r["sizing"]["llama-2-7b"]}
+    assert all(e["ok"] for shape in r["sizing"].values() for e in shape)
+    assert seven_b["eager"]["num_blocks"] >= 16 and seven_b["served"]["num_blocks"] >= 128 * 16
+    assert seven_b["eager"]["kv_mib"] == seven_b["eager"]["num_blocks"] * 8  # 8 MiB blocks
     assert len(r["models"]) == 2 and r["measured_copy_bandwidth_gb_s"] > 0
     for m in r["models"].values():
-        assert m["graph_tokens_equal_engine_single"]  # static decoder == engine, greedy
+        assert "errors" not in m, m["errors"]
+        # every decode path computes the same function: float32, so within 1e-3 nats and every token equal
+        assert set(m["agreement"]) == {"engine_graphs_vs_eager", "static_vs_engine"}
+        for c in m["agreement"].values():
+            assert c["agree"] and c["first_divergence"] is None and c["max_abs_logprob_diff"] <= c["tolerance"] == 1e-3
         assert m["last_logits_max_abs_diff_vs_hf"] <= 1e-4 * max(1.0, m["last_logits_max_abs_hf"])  # same weights
-        _positive(m, {"engine_single_tok_s", "graph_single_tok_s", "hf_single_tok_s", "ceiling_tok_s_hbm_spec"})
-        assert set(m["engine_concurrent_tok_s"]) == set(m["graph_tok_s"]) == {"1", "2"}
+        _positive(m, {"engine_single_tok_s", "engine_eager_single_tok_s", "graph_single_tok_s", "hf_single_tok_s",
+                      "ceiling_tok_s_hbm_spec"})
+        assert set(m["engine_concurrent_tok_s"]) == set(m["graph_tok_s"]) == set(m["hf_batched_tok_s"]) == {"1", "2"}
+        assert m["engine_preemptions"] == {"1": 0, "2": 0}

@@ -46,6 +46,105 @@ def test_dockerfile_essentials():
     assert ".venv" in ignored and ".git" in ignored
 
 
+def dockerfile_chain(target: str, device: str) -> list[tuple[str, list[tuple[str, str]]]]:
+    """The stages `target` is built from for --build-arg DEVICE=`device`, base first, as (FROM image, instructions)
+    each: what BuildKit builds for that stage (continuation lines joined, comments dropped)."""
+    text = re.sub(r"\\\n", " ", (ROOT / "Dockerfile").read_text())
+    args, stages, current = {}, {}, None
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        instruction, _, rest = line.partition(" ")
+        if instruction == "ARG" and current is None:  # global ARGs: what FROM lines may use
+            name, _, default = rest.partition("=")
+            args[name] = default
+        elif instruction == "FROM":
+            m = re.fullmatch(r"(\S+)(?:\s+AS\s+(\S+))?", rest, re.IGNORECASE)
+            current = stages[m[2] or f"#{len(stages)}"] = {"from": m[1], "instructions": []}
+        else:
+            current["instructions"].append((instruction, rest))
+    args["DEVICE"] = device
+    chain, name = [], target
+    while name in stages:
+        base = re.sub(r"\$\{(\w+)\}", lambda m: args[m[1]], stages[name]["from"])
+        chain.insert(0, (base, stages[name]["instructions"]))
+        name = base
+    return chain
+
+
+def apt_packages(chain) -> set[str]:
+    found = set()
+    for _, instructions in chain:
+        for instruction, rest in instructions:
+            for m in re.finditer(r"apt-get install ([^&;]*)", rest if instruction == "RUN" else ""):
+                found |= {w for w in m[1].split() if not w.startswith("-")}
+    return found
+
+
+def test_cuda_image_has_a_c_compiler_for_triton():
+    """Triton builds its launcher with a C compiler at the first kernel launch, and PyTorch's CUDA runtime image has
+    none: the final CUDA image must install one (and libc's headers), or every decode step fails on the GPU."""
+    chain = dockerfile_chain("final", "cuda")
+    assert chain[0][0].startswith("pytorch/pytorch:") and chain[0][0].endswith("-runtime")
+    assert {"gcc", "libc6-dev"} <= apt_packages(chain)
+
+
+def test_cpu_kernels_are_built_for_the_cpu_image_only():
+    """The CUDA image never loads the native CPU kernels: the stage it copies them from compiles nothing."""
+    def copied_from(chain):
+        return {re.search(r"--from=(\S+)", rest)[1] for _, ins in chain for i, rest in ins if i == "COPY" and "--from=" in rest}
+
+    for device in ("cuda", "cpu"):
+        assert "kernels" in copied_from(dockerfile_chain("final", device))
+    cuda, cpu = dockerfile_chain("kernels", "cuda"), dockerfile_chain("kernels", "cpu")
+    assert not [i for _, ins in cuda for i, _ in ins if i == "RUN"] and "g++" not in apt_packages(cuda)
+    assert "g++" in apt_packages(cpu) and any("python -m model.kernels" in rest for _, ins in cpu for _, rest in ins)
+
+
+def gpu_containers(services: dict, profile: str) -> list[tuple[str, set[str]]]:
+    """Each container `profile` starts that reserves GPUs, with the GPUs it gets: its `device_ids`, or for
+    `count: n` GPUs 0..n-1 (Docker asks the NVIDIA runtime for n GPUs per container, the same n for every replica)."""
+    found = []
+    for name, svc in services.items():
+        if profile not in svc.get("profiles", []):
+            continue
+        deploy = svc.get("deploy", {})
+        for dev in deploy.get("resources", {}).get("reservations", {}).get("devices", []):
+            if "gpu" in dev.get("capabilities", []):
+                ids = {str(i) for i in dev["device_ids"]} if "device_ids" in dev else {str(i) for i in range(int(dev["count"]))}
+                found += [(f"{name} #{r}", ids) for r in range(int(deploy.get("replicas", 1)))]
+    return found
+
+
+def test_gpu_containers_never_share_a_gpu():
+    services = INTERPOLATED["services"]
+    profiles = {p for svc in services.values() for p in svc.get("profiles", [])}
+    for profile in profiles:
+        owner: dict[str, str] = {}
+        for container, ids in gpu_containers(services, profile):
+            for gpu in ids:
+                assert gpu not in owner, f"profile {profile}: {owner[gpu]} and {container} both get GPU {gpu}"
+                owner[gpu] = container
+    for profile, n in (("gpu-replicas", 2), ("gpu-replicas-4", 4), ("gpu-replicas-8", 8)):
+        assert sorted(ids.pop() for _, ids in gpu_containers(services, profile)) == [str(i) for i in range(n)]
+
+
+def test_tensor_parallel_service_has_shared_memory_for_nccl():
+    """Where tensor parallelism can be turned on (the gpu service: as many GPUs as ranks), NCCL gets /dev/shm."""
+    gpu = COMPOSE["services"]["llamascope-gpu"]
+    tp = "${LLAMASCOPE_TENSOR_PARALLEL_SIZE:-1}"  # one variable: the server's ranks and the GPUs reserved
+    assert gpu["environment"]["LLAMASCOPE_TENSOR_PARALLEL_SIZE"] == tp
+    assert gpu["deploy"]["resources"]["reservations"]["devices"][0]["count"] == tp
+    shm = gpu.get("shm_size", "0")
+    assert gpu.get("ipc") == "host" or (shm.endswith("gb") and float(shm[:-2]) >= 1), shm
+    # every other GPU service is pinned to one device: no tensor parallelism there
+    for name, svc in COMPOSE["services"].items():
+        if name.startswith("llamascope-gpu-"):
+            [dev] = svc["deploy"]["resources"]["reservations"]["devices"]
+            assert len(dev["device_ids"]) == 1 and "LLAMASCOPE_TENSOR_PARALLEL_SIZE" not in svc.get("environment", {})
+
+
 def test_compose_matches_the_compose_specification():
     import jsonschema
 

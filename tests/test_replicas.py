@@ -29,15 +29,21 @@ NGINX = shutil.which("nginx") or next((p for p in ("/usr/sbin/nginx",) if os.acc
 
 def test_compose_replicas_variant():
     services = COMPOSE["services"]
-    for device in ("gpu", "cpu"):
-        svc = services[f"llamascope-{device}-replicas"]
-        assert svc["profiles"] == [f"{device}-replicas"] and "ports" not in svc  # only nginx publishes :8000
-        assert svc["deploy"]["replicas"] == "${LLAMASCOPE_REPLICAS:-2}"
+    cpu = services["llamascope-cpu-replicas"]
+    assert cpu["profiles"] == ["cpu-replicas"] and cpu["deploy"]["replicas"] == "${LLAMASCOPE_REPLICAS:-2}"
+    gpus = {name: svc for name, svc in services.items() if name.startswith("llamascope-gpu-")}
+    assert sorted(gpus) == [f"llamascope-gpu-{i}" for i in range(8)]  # one service per GPU (tests/test_deploy.py)
+    for svc in [cpu, *gpus.values()]:
+        assert "ports" not in svc  # only nginx publishes :8000
         assert "llamascope" in svc["networks"]["default"]["aliases"] and "/health" in " ".join(svc["healthcheck"]["test"])
-        assert svc["image"] == services[f"llamascope-{device}"]["image"]
-    assert services["llamascope-gpu-replicas"]["deploy"]["resources"]["reservations"]["devices"][0]["count"] == 1
+    assert cpu["image"] == services["llamascope-cpu"]["image"]
+    assert all(svc["image"] == services["llamascope-gpu"]["image"] for svc in gpus.values())
+    for profile, n in (("gpu-replicas", 2), ("gpu-replicas-4", 4), ("gpu-replicas-8", 8)):
+        assert sorted(name for name, svc in gpus.items() if profile in svc["profiles"]) == sorted(list(gpus)[:n])
     nginx = services["nginx"]
-    assert sorted(nginx["profiles"]) == ["cpu-replicas", "gpu-replicas"] and nginx["ports"] == ["8000:8000"]
+    replica_profiles = {p for name, svc in services.items() if "replicas" in name or name.startswith("llamascope-gpu-")
+                        for p in svc["profiles"]}
+    assert set(nginx["profiles"]) == replica_profiles and nginx["ports"] == ["8000:8000"]
     mounts = dict(v.rsplit(":", 1)[0].split(":", 1) for v in nginx["volumes"])
     assert mounts["./deploy/nginx/llamascope-proxy.conf"] == "/etc/nginx/llamascope-proxy.conf"
     conf = (ROOT / "deploy/nginx/nginx.conf").read_text()

@@ -11,14 +11,24 @@ et al. 2023). Same contract as the native CPU kernel (`model/kernels/csrc/paged_
 It needs Triton (shipped with PyTorch's CUDA builds) and a power-of-two block size. The test suite runs it on CPU
 through Triton's interpreter (`TRITON_INTERPRET=1`, tests/test_triton_attention.py) against SDPA; no GPU has run
 it yet in this project (see the README's performance section).
+
+Importing Triton proves little: the first launch on a device compiles the kernel (ptxas) and builds a small C
+launcher with the machine's C compiler, linked against the driver's libcuda.so (triton/runtime/build.py,
+backends/nvidia/driver.py). PyTorch's CUDA runtime images ship no compiler, so there every first decode step would
+raise. `available` therefore launches the kernel once per process, device and dtype on a tiny paged context and
+compares it with SDPA; on any failure it logs one line and answers False, and the callers keep the gather + SDPA path.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import os
+import subprocess
+import tempfile
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 try:  # Triton is optional: CPU-only installs do not have it, and the CUDA path then gathers as before
@@ -28,12 +38,89 @@ except ImportError:  # pragma: no cover - exercised where triton is absent
     triton = None
 
 
+log = logging.getLogger(__name__)
+
+_checked: dict[tuple[str, torch.dtype], bool] = {}  # (device, dtype) -> whether the one-off launch matched SDPA
+
+
 def available(q: Tensor, block_size: int) -> bool:
     """Whether this kernel can serve `q`'s decode rows: Triton present, a CUDA tensor (or Triton's interpreter),
-    and a power-of-two block size (Triton's ranges are powers of two)."""
+    a power-of-two block size (Triton's ranges are powers of two), and a first launch on q's device and dtype that
+    ran and matched SDPA (`_launch_check`, once per process)."""
     if triton is None or block_size & (block_size - 1):
         return False
-    return q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+    if not (q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+        return False
+    key = (str(q.device), q.dtype)
+    if key not in _checked:
+        if q.is_cuda and torch.cuda.is_current_stream_capturing():
+            return True  # no launch + sync inside a graph capture; the capture itself fails (and falls back) if it must
+        _checked[key] = _launch_check(q.device, q.dtype, block_size)
+    return _checked[key]
+
+
+def _launch_check(device: torch.device, dtype: torch.dtype, block_size: int) -> bool:
+    """One tiny launch against SDPA: 2 query heads on 1 KV head (GQA), a context of block_size + 3 tokens over two
+    out-of-order blocks, the second partly filled."""
+    H, K, E, n, table = 2, 1, 16, block_size + 3, [2, 0]
+    g = torch.Generator().manual_seed(0)
+    k_pool, v_pool = (torch.randn(3, block_size, K, E, generator=g).to(device, dtype) for _ in range(2))
+    q = torch.randn(1, H, E, generator=g).to(device, dtype)  # (N=1, H, E)
+    out = torch.zeros(1, H, E, dtype=dtype, device=device)
+    try:
+        if device.type == "cuda":
+            _point_triton_at_libcuda()
+        rows, lens = torch.tensor([0], device=device), torch.tensor([n], device=device)
+        paged_decode_attention(q, k_pool, v_pool, rows, torch.tensor([table], device=device), lens, out)
+        k = k_pool[table].reshape(-1, K, E)[:n].float().transpose(0, 1).expand(H, n, E)  # (H, n, E)
+        v = v_pool[table].reshape(-1, K, E)[:n].float().transpose(0, 1).expand(H, n, E)
+        want = F.scaled_dot_product_attention(q.float().transpose(0, 1), k, v)[:, 0]  # (H, 1, E) -> (H, E)
+        err = (out[0].float() - want).abs().max().item()
+    except Exception as e:  # no C compiler, no libcuda.so, ptxas, an old GPU, ...: whatever it is, do not serve on it
+        lines = str(e).strip().splitlines()
+        log.warning("Triton paged decode attention failed its first launch on %s %s (%s: %s); decode attention uses "
+                    "gather + SDPA", device, dtype, type(e).__name__, (lines[0] if lines else "")[:300])
+        return False
+    tol = 1e-4 if dtype == torch.float32 else 2e-2  # as tests/triton_interpret_check.py (relative there; |v| ~ 1)
+    if not err <= tol:  # NaN too
+        log.warning("Triton paged decode attention differs from SDPA by %.2e on %s %s (tolerance %.0e); decode "
+                    "attention uses gather + SDPA", err, device, dtype, tol)
+        return False
+    return True
+
+
+def _libcuda_dirs() -> list[str]:
+    """Directories holding libcuda.so.1, found as Triton 3.3 finds them (backends/nvidia/driver.py `libcuda_dirs`:
+    the linker cache, then LD_LIBRARY_PATH), then where container runtimes and WSL put it."""
+    dirs = []
+    try:
+        cache = subprocess.run(["/sbin/ldconfig", "-p"], capture_output=True, text=True, timeout=10).stdout
+        dirs = [os.path.dirname(line.split()[-1]) for line in cache.splitlines() if "libcuda.so.1" in line]
+    except (OSError, subprocess.SubprocessError):
+        pass
+    dirs += os.environ.get("LD_LIBRARY_PATH", "").split(":")
+    dirs += ["/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/local/nvidia/lib64",
+             "/usr/lib/wsl/lib"]
+    return [d for d in dict.fromkeys(dirs) if d and os.path.isfile(os.path.join(d, "libcuda.so.1"))]
+
+
+def _point_triton_at_libcuda() -> None:
+    """Triton links its launcher with `-lcuda`, which the linker resolves to libcuda.so only (not libcuda.so.1).
+    Driver installs and the NVIDIA container toolkit put that symlink beside libcuda.so.1, but not every runtime
+    does ("cannot find -lcuda"). So, unless TRITON_LIBCUDA_PATH is already set: point it at the directory holding
+    both, or else at a private directory with a libcuda.so -> libcuda.so.1 symlink. The launcher still loads the
+    driver by its soname, libcuda.so.1, at run time."""
+    if os.environ.get("TRITON_LIBCUDA_PATH"):
+        return
+    dirs = _libcuda_dirs()
+    if not dirs:
+        return  # no driver library found: leave Triton to say so in its own words
+    linked = next((d for d in dirs if os.path.exists(os.path.join(d, "libcuda.so"))), None)
+    if linked is None:
+        linked = tempfile.mkdtemp(prefix="llamascope-libcuda-")
+        os.symlink(os.path.join(dirs[0], "libcuda.so.1"), os.path.join(linked, "libcuda.so"))
+        log.info("no libcuda.so beside %s/libcuda.so.1: Triton links against a symlink in %s", dirs[0], linked)
+    os.environ["TRITON_LIBCUDA_PATH"] = linked
 
 
 if triton is not None:
@@ -76,13 +163,16 @@ if triton is not None:
 
 def paged_decode_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, rows: Tensor, tables: Tensor, lens: Tensor,
                            out: Tensor) -> None:
-    N, H, E = q.shape
-    _, bs, K, _ = k_pool.shape
+    E = q.shape[-1]
     if q.stride(-1) != 1 or q.stride(-2) != E or not (k_pool.is_contiguous() and v_pool.is_contiguous() and out.is_contiguous()):
         raise ValueError("paged_decode_attention: heads of q, the pools and out must be contiguous")
-    R, W = tables.shape
-    if R == 0:
+    if tables.shape[0] == 0:
         return
+    _launch(q, k_pool, v_pool, rows, tables, lens, out)
+
+
+def _launch(q: Tensor, k_pool: Tensor, v_pool: Tensor, rows: Tensor, tables: Tensor, lens: Tensor, out: Tensor) -> None:
+    (R, W), (_, H, E), (_, bs, K, _) = tables.shape, q.shape, k_pool.shape
     _paged_decode_kernel[(R, H)](
         q, k_pool, v_pool, rows, tables, lens, out,
         q.stride(0), W, 1.0 / math.sqrt(E),
