@@ -82,7 +82,9 @@ latency_ms=... finish=...`.
 `make generate PROMPT="..."` (or `.venv/bin/python -m model.generate --chat "..."`) answers one prompt through the
 engine and prints the answer, then one line on stderr with the prompt and generated token counts, the first-token
 time and the decode rate. A checkpoint that cannot be loaded prints one line naming the file, the tensor and the
-expected vs found shape (exit code 2), never a traceback. Its flags (`python -m model.generate --help`):
+expected vs found shape (exit code 2), never a traceback. Its sampling flags mean what the API's fields of the same
+names mean ([API](api.md#sampling-fields)); it generates greedily (temperature 0), at most 128 tokens, in float32
+unless told otherwise. `python -m model.generate --help`:
 
 ```text
 """
