@@ -24,7 +24,8 @@ class Settings(BaseSettings):
     host: str = Field("127.0.0.1", description="address to listen on")
     port: int = Field(8000, description="port to listen on")
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = Field("auto", description="auto: bfloat16 on CUDA, float32 on CPU")
-    device: str | None = Field(None, description="torch device", json_schema_extra={"shown_default": "cuda if available, else cpu"})
+    device: str | None = Field(None, description="torch device",
+                               json_schema_extra={"shown_default": "cuda if available, else cpu"})
     quantization: Literal["none", "int8", "int4"] = Field(
         "none", description="weight-only quantized linear layers on CPU; int4 keeps a Q4_0/Q4_1 GGUF's own blocks")
     kv_cache_bytes: int = Field(1 << 30, description="KV block pool budget in bytes")
@@ -36,8 +37,9 @@ class Settings(BaseSettings):
                                       json_schema_extra={"shown_default": "the model's context"})
     enable_prefix_caching: bool = Field(True, description="share KV blocks of equal prompt prefixes")
     enforce_eager: bool = Field(False, description="never capture decode steps as CUDA graphs, as CUDA otherwise does")
-    api_key: SecretStr | None = Field(None, description="require `Authorization: Bearer <key>` on every endpoint but /health, the "
-                                      "viewer page and, unless --metrics-require-key, /metrics", json_schema_extra={"shown_default": "none"})
+    api_key: SecretStr | None = Field(
+        None, description="require `Authorization: Bearer <key>` on every endpoint but /health, the viewer page and, "
+        "unless --metrics-require-key, /metrics", json_schema_extra={"shown_default": "none"})
     metrics_require_key: bool = Field(False, description="also require the API key on /metrics")
     max_body_bytes: int = Field(1 << 20, description="largest request body accepted (413 beyond)")
     max_n: int = Field(16, description="largest `n` accepted")
@@ -47,9 +49,11 @@ class Settings(BaseSettings):
     max_inspect_response_bytes: int = Field(32 << 20, description="estimated /inspect response size beyond which it is a 413 naming a cheaper mode")
     max_inspect_queued: int = Field(4, description="inspections queued or running at once (429 beyond)")
     log_prompts: bool = Field(False, description="include prompt text in request logs")
-    threads: int | None = Field(None, description="torch CPU threads, per rank with --tensor-parallel-size",
-                                json_schema_extra={"shown_default": "torch's; with --tensor-parallel-size, the cores split among the ranks"})
-    tensor_parallel_size: int = Field(1, ge=1, description="processes the model is split across (one GPU each on CUDA; see docs/deployment.md)")
+    threads: int | None = Field(
+        None, description="torch CPU threads, per rank with --tensor-parallel-size",
+        json_schema_extra={"shown_default": "torch's; with --tensor-parallel-size, the cores split among the ranks"})
+    tensor_parallel_size: int = Field(
+        1, ge=1, description="processes the model is split across (one GPU each on CUDA; see docs/deployment.md)")
     shutdown_grace_seconds: float = Field(30.0, ge=0, description="on SIGTERM: 503 to new requests, in-flight ones get this "
                                           "long (less 1 s) to finish before they are ended with an error, then exit 0")
 

@@ -99,7 +99,8 @@ def _values(name: str) -> str:
         return ", ".join(f"`{o}`" for o in options)
     kind = field.annotation
     if kind in (int, int | None):
-        return "integer" + (f" >= {_lower_bound(name)}" if _lower_bound(name) is not None else "")
+        lower = _lower_bound(name)
+        return "integer" + (f" >= {lower}" if lower is not None else "")
     if kind in (float, float | None):
         return "seconds" if name.endswith("_seconds") else "number"
     if kind in (SecretStr, SecretStr | None):
