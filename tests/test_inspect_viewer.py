@@ -79,8 +79,14 @@ def test_viewer_shows_heatmap_and_massive_activations(server, page):
         return n; }""")
     assert ink > 1000
 
-    # the colour legend: drawn for this map, its top tick the map's largest weight
+    # the colour legend: its bar runs from white (weight 0) to the heatmap's deep orange (the map's largest weight,
+    # its last tick)
     assert page.get_attribute("#heatmap-legend", "data-max") in page.text_content("#map-info")
+    ends = page.evaluate("""() => {
+        const c = document.getElementById('heatmap-legend'), ctx = c.getContext('2d'), y = 21;
+        return [[...ctx.getImageData(11, y, 1, 1).data], [...ctx.getImageData(c.width - 12, y, 1, 1).data]]; }""")
+    white, orange = ends[0][:3], ends[1][:3]
+    assert min(white) >= 250 and all(abs(a - b) <= 2 for a, b in zip(orange, (194, 65, 12))), ends
     # the page links to the definitions
     docs = page.get_attribute("#docs-link", "href")
     assert docs == "/inspect/ui/docs" and "Massive activation" in page.request.get(server.url + docs).text()
