@@ -34,7 +34,7 @@ class Settings(BaseSettings):
     max_num_batched_tokens: int = Field(512, description="tokens per engine step (decode + prefill chunks)")
     max_waiting: int = Field(256, description="queued sequences beyond which requests get 429")
     max_model_len: int | None = Field(None, description="context limit: prompt + max_tokens",
-                                      json_schema_extra={"shown_default": "the model's context"})
+                                      json_schema_extra={"shown_default": "the model's context, clamped to what the KV pool holds"})
     enable_prefix_caching: bool = Field(True, description="share KV blocks of equal prompt prefixes")
     enforce_eager: bool = Field(False, description="never capture decode steps as CUDA graphs, as CUDA otherwise does")
     api_key: SecretStr | None = Field(
