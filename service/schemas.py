@@ -203,7 +203,7 @@ Position = Int(ge=-(1 << 20), lt=1 << 20)  # negative: from the end
 
 
 class InspectRequest(BaseModel):
-    """POST /inspect. Definitions and map layouts: model/probes.py; the response: README "Inspection"."""
+    """POST /inspect. Definitions and map layouts: model/probes.py; the request and response: docs/inspection.md."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
 

@@ -1,21 +1,49 @@
 """The inspect viewer in a real headless browser (Debian's chromium driven by Playwright), on the default model:
-type the prompt, run it, and read the heatmap, the massive-activation table and the plots off the page."""
+type the prompt, run it, and read the heatmap, its colour legend, the massive-activation table and the plots off
+the page.
+
+The README's screenshot (docs/images/viewer.png) is taken here. Every run writes a fresh one to the artifacts
+folder; UPDATE_SCREENSHOTS=1 also replaces the committed image and its sidecar (viewer.png.json), which records a
+hash of the viewer's sources that produced it. `test_committed_screenshot_is_current` (no browser needed) fails when
+those sources changed and the image was not taken again.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import shutil
 from pathlib import Path
 
 import pytest
 
+ROOT = Path(__file__).resolve().parents[1]
+STATIC = ROOT / "service" / "static"
+SCREENSHOT = ROOT / "docs" / "images" / "viewer.png"
+SIDECAR = SCREENSHOT.with_name(SCREENSHOT.name + ".json")
+ARTIFACTS = Path(os.environ.get("LLAMASCOPE_SCREENSHOT_DIR") or ROOT / "tests" / "artifacts")
+REGENERATE = "UPDATE_SCREENSHOTS=1 .venv/bin/python -m pytest tests/test_inspect_viewer.py"
+
 CHROMIUM = os.environ.get("LLAMASCOPE_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
 # Flags for a closed network: without the background-networking ones chromium keeps dialing out and stalls.
 ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
         "--disable-component-update", "--disable-sync", "--disable-dev-shm-usage"]
 
-pytestmark = pytest.mark.skipif(
+needs_chromium = pytest.mark.skipif(
     CHROMIUM is None, reason="no chromium on PATH: install Debian's `chromium` package (.ci/run does) to run the viewer test")
+
+
+def sources_sha256() -> str:
+    """What the viewer looks like is decided by service/static/*: one hash over their names and bytes."""
+    h = hashlib.sha256()
+    for f in sorted(STATIC.iterdir()):
+        h.update(f.name.encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def file_sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 @pytest.fixture
@@ -29,7 +57,8 @@ def page():
             browser.close()
 
 
-def test_viewer_shows_heatmap_and_massive_activations(server, page, tmp_path):
+@needs_chromium
+def test_viewer_shows_heatmap_and_massive_activations(server, page):
     errors: list[str] = []
     page.on("pageerror", lambda e: errors.append(str(e)))
     page.goto(server.url + "/inspect/ui")
@@ -50,6 +79,29 @@ def test_viewer_shows_heatmap_and_massive_activations(server, page, tmp_path):
         return n; }""")
     assert ink > 1000
 
+    # the colour legend: its bar runs from white (weight 0) to the heatmap's deep orange (the map's largest weight,
+    # its last tick)
+    assert page.get_attribute("#heatmap-legend", "data-max") in page.text_content("#map-info")
+    ends = page.evaluate("""() => {
+        const c = document.getElementById('heatmap-legend'), ctx = c.getContext('2d'), y = 21;
+        return [[...ctx.getImageData(11, y, 1, 1).data], [...ctx.getImageData(c.width - 12, y, 1, 1).data]]; }""")
+    white, orange = ends[0][:3], ends[1][:3]
+    assert min(white) >= 250 and all(abs(a - b) <= 2 for a, b in zip(orange, (194, 65, 12))), ends
+    # the page links to the definitions
+    docs = page.get_attribute("#docs-link", "href")
+    assert docs == "/inspect/ui/docs" and "Massive activation" in page.request.get(server.url + docs).text()
+
+    # the README's picture: the default view (last block, head 0) after the run
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    fresh = ARTIFACTS / SCREENSHOT.name
+    page.screenshot(path=str(fresh), full_page=True)
+    assert fresh.stat().st_size > 10_000
+    if os.environ.get("UPDATE_SCREENSHOTS") == "1":
+        shutil.copyfile(fresh, SCREENSHOT)
+        SIDECAR.write_text(json.dumps({
+            "sources": "service/static/*", "sources_sha256": sources_sha256(), "image_sha256": file_sha256(SCREENSHOT),
+            "taken_by": "tests/test_inspect_viewer.py", "regenerate": REGENERATE}, indent=2) + "\n")
+
     # choosing another layer and head redraws; hovering a cell reads its value
     page.select_option("#layer", "3")
     page.select_option("#head", "2")
@@ -59,16 +111,26 @@ def test_viewer_shows_heatmap_and_massive_activations(server, page, tmp_path):
     assert "weight" in page.text_content("#tooltip")
     assert "9 tokens" in page.text_content("#status")
 
-    shot = Path(os.environ.get("LLAMASCOPE_SCREENSHOT_DIR", tmp_path)) / "inspect-viewer.png"
-    shot.parent.mkdir(parents=True, exist_ok=True)
-    page.screenshot(path=str(shot), full_page=True)
-    assert shot.stat().st_size > 10_000
+    page.screenshot(path=str(ARTIFACTS / "viewer-hover.png"), full_page=True)
     assert not errors, errors
 
 
+@needs_chromium
 def test_viewer_reports_api_errors(server, page):
     page.goto(server.url + "/inspect/ui")
     page.fill("#prompt", "")
     page.click("#run")
     page.wait_for_selector("#status.error", timeout=30_000)
     assert "prompt" in page.text_content("#status")  # the 400 envelope's message, naming the field
+
+
+def test_committed_screenshot_is_current():
+    """The README's screenshot was taken from the viewer's current sources (checked without a browser, so a change
+    to the viewer cannot leave the picture stale even where chromium is missing)."""
+    assert SIDECAR.is_file(), f"{SIDECAR.relative_to(ROOT)} is missing: take the screenshot with {REGENERATE}"
+    recorded = json.loads(SIDECAR.read_text())
+    assert recorded["sources_sha256"] == sources_sha256(), (
+        "the viewer's sources (service/static/*) changed since docs/images/viewer.png was taken: "
+        f"regenerate with {REGENERATE}, look at the image, and commit it with its sidecar")
+    assert recorded["image_sha256"] == file_sha256(SCREENSHOT), (
+        f"docs/images/viewer.png is not the image the viewer test took: regenerate with {REGENERATE}")

@@ -199,12 +199,13 @@ def test_perplexity_of_a_quantized_model_and_its_kernel_path():
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_default_model_quantized_answers_the_chat_prompt(mode, capsys):
-    """int8 answers "The capital of France is Paris." as float32 does. The first token is a near-tie in float32
-    ("The" 0.152, "L" 0.140), and int4 (its blocks are the file's own) has answered either, depending on how the
-    prompt's activations were rounded ("L'Étoile, ..." with the native kernels over the prompt, "The capital of
-    France is Paris." when the prompt went through dequantize + GEMM): each is a faithful greedy choice."""
+    """The quantized CLI answers the chat prompt. The first token is a near-tie in float32 ("The" 0.152, "L" 0.140),
+    so int8 and int4 have answered either, depending on how the prompt's activations were rounded ("L'Étoile, ..."
+    with the native kernels over the prompt, as llama.cpp answers on the same file; "The capital of France is
+    Paris." when the prompt went through dequantize + GEMM): each is a faithful greedy choice, and which one is not
+    asserted (house rule: never the words of a near-tie)."""
     from model.generate import main
 
     assert main(["--chat", "What is the capital of France?", "--max-tokens", "8", "--quantization", mode, "--device", "cpu"]) == 0
     out = capsys.readouterr().out
-    assert "Paris" in out if mode == "int8" else out.startswith(("The", "L"))
+    assert out.startswith(("The", "L"))

@@ -11,6 +11,7 @@ import logging
 import time
 import uuid
 from importlib import resources
+from pathlib import Path
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.concurrency import run_in_threadpool
@@ -188,6 +189,19 @@ async def completion_summaries(state: ServingState, prompts: list[list[int]], op
 @router.get("/inspect/ui", response_class=HTMLResponse, include_in_schema=False)
 async def viewer():
     return HTMLResponse(resources.files("service").joinpath("static/inspect.html").read_text(encoding="utf-8"))
+
+
+# The viewer's "what this shows" link. The page lives in the source tree (docs/inspection.md), which `make serve`
+# runs from; an installed wheel (the Docker image) carries no docs/, and says where to read them instead.
+INSPECTION_DOC = Path(__file__).resolve().parents[2] / "docs" / "inspection.md"
+
+
+@router.get("/inspect/ui/docs", include_in_schema=False)
+async def viewer_docs():
+    if not INSPECTION_DOC.is_file():
+        raise APIError(404, "the docs are not installed with this server: read docs/inspection.md in the llamascope "
+                            "source tree", code="not_found")
+    return Response(INSPECTION_DOC.read_text(encoding="utf-8"), media_type="text/plain; charset=utf-8")
 
 
 @router.get("/inspect/ui/inspect.js", include_in_schema=False)

@@ -84,7 +84,11 @@ function drawHeatmap() {
   const canvas = $("heatmap"), ctx = canvas.getContext("2d");
   const m = currentMap();
   ctx.clearRect(0, 0, canvas.width, canvas.height);
-  if (!m) { $("map-info").textContent = "no map for this layer"; return; }
+  if (!m) {
+    $("map-info").textContent = "no map for this layer";
+    $("heatmap-legend").getContext("2d").clearRect(0, 0, $("heatmap-legend").width, $("heatmap-legend").height);
+    return;
+  }
   const labelSpace = m.R <= 48 ? 70 : 0;
   const cell = Math.max(1, Math.floor((canvas.width - labelSpace) / Math.max(m.R, m.C)));
   const size = cell * Math.max(m.R, m.C);
@@ -95,10 +99,7 @@ function drawHeatmap() {
   for (const v of m.data) if (v > max) max = v;
   for (let r = 0; r < m.R; r++) {
     for (let c = 0; c < m.C; c++) {
-      const v = m.data[r * m.C + c] / (max || 1);
-      // white -> deep orange, square-root scale so small weights stay visible
-      const t = Math.sqrt(Math.max(0, v));
-      ctx.fillStyle = `rgb(${255 - 61 * t | 0},${255 - 190 * t | 0},${255 - 243 * t | 0})`;
+      ctx.fillStyle = weightColour(m.data[r * m.C + c] / (max || 1));
       ctx.fillRect(labelSpace + c * cell, r * cell, cell, cell);
     }
   }
@@ -117,9 +118,40 @@ function drawHeatmap() {
   }
   canvas.dataset.drawn = "1";
   canvas._geom = { labelSpace, cell, m };
+  drawLegend(max, m.maps.mode === "pooled" ? `${m.maps.reduce} attention weight per tile` : "attention weight");
   const hs = m.head;
   $("map-info").textContent = `${m.maps.mode}${m.maps.pool_size ? " (tiles of " + m.maps.pool_size + ")" : ""} · sink ` +
     `${fmt(hs.sink_mass)} · entropy ${fmt(hs.entropy)} nats · max ${max.toFixed(3)}`;
+}
+
+// White -> deep orange over [0, 1] (the weight over the map's largest), on a square-root scale so that small
+// weights stay visible. The heatmap and its legend both colour through here.
+function weightColour(fraction) {
+  const t = Math.sqrt(Math.min(1, Math.max(0, fraction)));
+  return `rgb(${255 - 61 * t | 0},${255 - 190 * t | 0},${255 - 243 * t | 0})`;
+}
+
+function drawLegend(max, what) {
+  // the colour bar: x runs over sqrt(weight / max), so the ticks sit where their weights are drawn
+  const canvas = $("heatmap-legend"), ctx = canvas.getContext("2d");
+  const pad = 10, bar = { x: pad, y: 16, w: canvas.width - 2 * pad, h: 10 };
+  ctx.clearRect(0, 0, canvas.width, canvas.height);
+  for (let i = 0; i < bar.w; i++) {
+    ctx.fillStyle = weightColour((i / (bar.w - 1)) ** 2);
+    ctx.fillRect(bar.x + i, bar.y, 1, bar.h);
+  }
+  ctx.strokeStyle = "#d9dde5"; ctx.strokeRect(bar.x + 0.5, bar.y + 0.5, bar.w - 1, bar.h - 1);
+  ctx.font = "11px system-ui, sans-serif"; ctx.fillStyle = "#6b7280";
+  ctx.textBaseline = "bottom"; ctx.textAlign = "left";
+  ctx.fillText(`${what} (colour scale: square root of weight / max)`, bar.x, bar.y - 3);
+  ctx.textBaseline = "top";
+  for (const x of [0, 0.25, 0.5, 0.75, 1]) {
+    const px = bar.x + x * (bar.w - 1);
+    ctx.fillRect(px, bar.y + bar.h, 1, 3);
+    ctx.textAlign = x === 0 ? "left" : x === 1 ? "right" : "center";
+    ctx.fillText((x * x * max).toFixed(3), px, bar.y + bar.h + 3);
+  }
+  canvas.dataset.max = max.toFixed(3);
 }
 
 function shortToken(i) {
