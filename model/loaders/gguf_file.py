@@ -16,6 +16,7 @@ from gguf.quants import dequantize
 
 from model.config import ModelConfig
 from model.loaders.assemble import ModelAssembler, NameMap
+from model.loaders.config_keys import config_from_gguf
 from model.loaders.errors import CheckpointError
 from model.quantize import Int4Linear, Quantization, QuantLinear, gguf_q4_groups, quantize_model
 from model.loaders.shard import ShardFor, WeightShard
@@ -131,7 +132,7 @@ def load_gguf(
     reader = reader or open_gguf(path)
     meta = meta if meta is not None else read_metadata(reader)
     names = {t.name for t in reader.tensors}
-    config = ModelConfig.from_gguf(meta, source=path).replace(tie_embeddings="output.weight" not in names)
+    config = config_from_gguf(meta, source=path).replace(tie_embeddings="output.weight" not in names)
     plan = shard(config) if shard is not None else None
     asm = ModelAssembler(config, path, dtype, device, f"load {Path(path).name}", plan)
     rope_freq_factors = None

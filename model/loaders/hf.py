@@ -13,6 +13,7 @@ from safetensors import SafetensorError, safe_open
 
 from model.config import ModelConfig
 from model.loaders.assemble import ModelAssembler, NameMap
+from model.loaders.config_keys import config_from_hf
 from model.loaders.errors import CheckpointError
 from model.loaders.shard import ShardFor, WeightShard
 from model.transformer import Transformer
@@ -45,7 +46,7 @@ def read_hf_config(directory: Path) -> ModelConfig:
         cfg = json.loads(cfg_path.read_text())
     except json.JSONDecodeError as e:
         raise CheckpointError(f"invalid JSON: {e}", path=str(cfg_path)) from None
-    return ModelConfig.from_hf(cfg, source=str(cfg_path))
+    return config_from_hf(cfg, source=str(cfg_path))
 
 
 def _weight_files(directory: Path) -> dict[str, list[str] | None]:
