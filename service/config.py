@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 from functools import lru_cache
-from typing import Literal
+from typing import Literal, NoReturn
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -31,6 +31,8 @@ class Settings(BaseSettings):
     enforce_eager: bool = Field(False, description="never capture decode steps as CUDA graphs (on CUDA they are by default)")
     api_key: SecretStr | None = Field(None, description="require `Authorization: Bearer <key>` on every endpoint but /health")
     metrics_require_key: bool = Field(False, description="also require the API key on /metrics")
+    allowed_origins: str | None = Field(
+        None, description="CORS: comma-separated origins a browser app may call the API from (`*`: any); off when unset")
     max_body_bytes: int = Field(1 << 20, description="largest request body accepted (413 beyond)")
     max_n: int = Field(16, description="largest `n` accepted")
     max_logprobs: int = Field(20, description="largest `logprobs` / `top_logprobs` accepted")
@@ -51,9 +53,16 @@ def get_settings() -> Settings:
     return Settings()
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        """One line and exit status 2, as argparse's own errors exit (its default also prints the long usage)."""
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
 def parse_cli(argv: list[str] | None = None) -> Settings:
-    """Every field is a `--kebab-case` flag; flags win over environment variables, which win over defaults."""
-    p = argparse.ArgumentParser(prog="python -m service", description="llamascope: OpenAI-compatible LLaMA server")
+    """Every field is a `--kebab-case` flag; flags win over environment variables, which win over defaults.
+    A bad value, from a flag or a `LLAMASCOPE_*` variable, is a one-line error naming it (exit 2), not a traceback."""
+    p = _Parser(prog="python -m service", description="llamascope: OpenAI-compatible LLaMA server")
     for name, field in Settings.model_fields.items():
         flag = "--" + name.replace("_", "-")
         env = f"LLAMASCOPE_{name.upper()}"
@@ -62,4 +71,17 @@ def parse_cli(argv: list[str] | None = None) -> Settings:
         else:
             p.add_argument(flag, default=None, help=f"{field.description} (default: {field.default}) [{env}]")
     args = {k: v for k, v in vars(p.parse_args(argv)).items() if v is not None}
-    return Settings(**args)
+    try:
+        return Settings(**args)
+    except ValidationError as e:
+        err = e.errors()[0]
+        name = str(err["loc"][0]) if err.get("loc") else ""
+        where = ("--" + name.replace("_", "-")) if name in args else f"LLAMASCOPE_{name.upper()}"
+        shown = isinstance(err.get("input"), (str, int, float)) and name != "api_key"  # never echo a secret
+        value = f" {err['input']!r}" if shown else ""
+        p.error(f"{where}{value}: {err['msg']}" if name else str(e).splitlines()[0])
+
+
+def allowed_origins(settings: Settings) -> list[str]:
+    """`--allowed-origins` as a list (empty: CORS off)."""
+    return [o.strip() for o in (settings.allowed_origins or "").split(",") if o.strip()]
