@@ -140,23 +140,33 @@ def test_generate_cli(default_model, hf_gguf_model, hf_gguf_tokenizer):
     assert "decode" in r.stderr and "tok/s" in r.stderr and "(stop)" in r.stderr
 
 
-def test_massive_activation_at_token0_dim507(default_model):
+def test_massive_activation_at_token0_dim507(default_model, hf_gguf_model):
     """DESIGN.md's fact (Sun et al. 2024, "Massive Activations in LLMs"): on this prompt the residual stream holds
-    ~2.3e4 at token 0, dim 507 after blocks 11-27, 1,000x+ the block's median magnitude; ~700 in blocks 2-8."""
+    ~2.3e4 at token 0, dim 507 after blocks 11-27, 1,000x+ the block's median magnitude; ~700 in blocks 2-8.
+    Our block outputs first match transformers' `output_hidden_states` on the same file, and the fact holds in
+    both, so it is the model's, not an artefact of our forward."""
     ids = default_model.tokenizer.encode("Summer is warm. Winter is cold.\n")
     outs: list[torch.Tensor] = []
     hooks = [b.register_forward_hook(lambda m, i, o: outs.append(o[0])) for b in default_model.model.layers]
     try:
         with torch.no_grad():
             default_model.model(torch.tensor([ids]))
+            # (embeddings, block 0, ..., block n-2, final norm(block n-1)): entry l + 1 is block l's output
+            theirs = hf_gguf_model(torch.tensor([ids]), output_hidden_states=True).hidden_states
     finally:
         for h in hooks:
             h.remove()
-    for layer, h in enumerate(outs):  # h: (T, D) block output
-        mag = h.abs()
-        token, dim = divmod(int(mag.argmax()), mag.shape[1])
-        ratio = float(mag.max() / mag.median())
-        if 11 <= layer <= 27:
-            assert (token, dim) == (0, 507) and 2.0e4 < float(h[0, 507]) < 2.6e4 and ratio > 1000, layer
-        elif 2 <= layer <= 8:
-            assert (token, dim) == (0, 507) and 400 < float(h[0, 507]) < 1000 and ratio < 1000, layer
+    n = len(outs)
+    assert n == 30 and len(theirs) == n + 1
+    for layer in range(n - 1):  # the last entry is after the final norm in transformers
+        ref = theirs[layer + 1][0]  # (T, D)
+        assert (outs[layer] - ref).abs().max() <= 1e-4 * ref.abs().max(), layer
+    for side, blocks in (("ours", outs[: n - 1]), ("transformers", [t[0] for t in theirs[1:n]])):
+        for layer, h in enumerate(blocks):  # h: (T, D) block output
+            mag = h.abs()
+            token, dim = divmod(int(mag.argmax()), mag.shape[1])
+            ratio = float(mag.max() / mag.median())
+            if 11 <= layer <= 27:
+                assert (token, dim) == (0, 507) and 2.0e4 < float(h[0, 507]) < 2.6e4 and ratio > 1000, (side, layer)
+            elif 2 <= layer <= 8:
+                assert (token, dim) == (0, 507) and 400 < float(h[0, 507]) < 1000 and ratio < 1000, (side, layer)
