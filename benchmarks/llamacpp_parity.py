@@ -251,6 +251,8 @@ def run(args: argparse.Namespace) -> dict:
             del sides[name]  # one quantized model at a time
     ours = [s for s in args.settings if s in greedy]
     pairs = [(s, "llama.cpp") for s in ours] + [(s, "float32") for s in ours if s != "float32"] + [("llama.cpp", "float32")]
+    # the ablations against our own int4: how far the same scheme moves when only roundings and sum order change
+    pairs += [(s, "int4") for s in ours if s in ("int4-q8_1", "int4-ggml") and "int4" in ours]
     import llama_cpp
 
     return {
