@@ -17,7 +17,7 @@ import httpx
 import pytest
 import yaml
 
-from live_server import LiveServer, free_port
+from live_server import LiveServer, free_port, wait_until_ready
 from model.loaders.checkpoint import LoadedModel
 from service.config import Settings
 from service.main import create_app
@@ -66,17 +66,7 @@ def prometheus(live, tmp_path_factory):
                             stdout=subprocess.DEVNULL, stderr=open(d / "log", "w"))
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, (d / "log").read_text()[-3000:]
-            try:
-                if httpx.get(url + "/-/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        else:
-            raise AssertionError("prometheus did not become ready: " + (d / "log").read_text()[-3000:])
+        wait_until_ready(url, proc, lambda: (d / "log").read_text()[-3000:], timeout=60, path="/-/ready")
         yield url
     finally:
         proc.terminate()
