@@ -216,7 +216,6 @@ def _reference_sequences(tok) -> list[list[int]]:
     return [tok.encode(p) for p in REFERENCE_PROMPTS] + chats
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("mode,mean_kl,max_kl", [("int8", 0.03, 0.25), ("int4", 0.03, 0.25)])
 def test_default_model_quantized_next_token_distributions_match_float32(mode, mean_kl, max_kl, default_model, default_gguf):
     """Quantized vs float32 on the default model, position by position over fixed prompts: KL(float32 || quantized)
