@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import argparse
 from functools import lru_cache
-from typing import Literal, get_args, get_origin
+from typing import Literal, NoReturn, get_args, get_origin
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -41,6 +41,9 @@ class Settings(BaseSettings):
         None, description="require `Authorization: Bearer <key>` on every endpoint but /health, the viewer page and, "
         "unless --metrics-require-key, /metrics", json_schema_extra={"shown_default": "none"})
     metrics_require_key: bool = Field(False, description="also require the API key on /metrics")
+    allowed_origins: str | None = Field(
+        None, description="CORS: comma-separated origins a browser app may call the API from (`*`: any), as vLLM's "
+        "flag; preflights are answered before the API key check", json_schema_extra={"shown_default": "none (CORS off)"})
     max_body_bytes: int = Field(1 << 20, description="largest request body accepted (413 beyond)")
     max_n: int = Field(16, description="largest `n` accepted")
     max_logprobs: int = Field(20, description="largest `logprobs` / `top_logprobs` accepted")
@@ -101,8 +104,14 @@ def help_text(name: str) -> str:
     return f"{Settings.model_fields[name].description} (default: {shown_default(name)}) [{env_var(name)}]"
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        """One line and exit status 2, as argparse's own errors exit (its default also prints the long usage)."""
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m service", description="llamascope: OpenAI-compatible LLaMA server")
+    p = _Parser(prog="python -m service", description="llamascope: OpenAI-compatible LLaMA server")
     for name, field in Settings.model_fields.items():
         help = help_text(name).replace("%", "%%")  # argparse %-formats help strings
         if field.annotation is bool:
@@ -113,6 +122,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_cli(argv: list[str] | None = None) -> Settings:
-    """Every field is a `--kebab-case` flag; flags win over environment variables, which win over defaults."""
-    args = {k: v for k, v in vars(build_parser().parse_args(argv)).items() if v is not None}
-    return Settings(**args)
+    """Every field is a `--kebab-case` flag; flags win over environment variables, which win over defaults.
+    A bad value, from a flag or a `LLAMASCOPE_*` variable, is a one-line error naming it (exit 2), not a traceback."""
+    p = build_parser()
+    args = {k: v for k, v in vars(p.parse_args(argv)).items() if v is not None}
+    try:
+        return Settings(**args)
+    except ValidationError as e:
+        err = e.errors()[0]
+        name = str(err["loc"][0]) if err.get("loc") else ""
+        where = flag(name) if name in args else env_var(name)
+        shown = isinstance(err.get("input"), (str, int, float)) and name != "api_key"  # never echo a secret
+        value = f" {err['input']!r}" if shown else ""
+        p.error(f"{where}{value}: {err['msg']}" if name else str(e).splitlines()[0])
+
+
+def allowed_origins(settings: Settings) -> list[str]:
+    """`--allowed-origins` as a list (empty: CORS off)."""
+    return [o.strip() for o in (settings.allowed_origins or "").split(",") if o.strip()]

@@ -27,7 +27,8 @@ hand (tests/test_docs.py fails when this page and the settings differ). -->
 Every server setting is a flag of `python -m service` (what `make serve ARGS="..."` passes on) and an environment
 variable `LLAMASCOPE_<NAME>`. A flag wins over the environment variable, which wins over the default. On/off
 settings are a flag pair (`--enable-prefix-caching` / `--no-enable-prefix-caching`) and take `true` or `false` in
-the environment. `python -m service --help` prints the same list.
+the environment. `python -m service --help` prints the same list. A bad value (`--port abc`, `LLAMASCOPE_PORT=abc`)
+is a one-line error naming it, exit status 2.
 
 ```bash
 make serve ARGS="--model /models/llama.gguf --port 9000 --api-key secret"

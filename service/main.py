@@ -7,10 +7,11 @@ import sys
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
+from starlette.middleware.cors import CORSMiddleware
 
 from model.loaders.checkpoint import LoadedModel
 from service import errors, openapi
-from service.config import Settings, parse_cli
+from service.config import Settings, allowed_origins, parse_cli
 from service.middleware import GuardMiddleware
 from service.routes import chat, completions, info, inspect
 from service.state import ServingState
@@ -41,6 +42,11 @@ def create_app(settings: Settings | None = None, loaded: LoadedModel | None = No
     key = settings.api_key.get_secret_value() if settings.api_key else None
     app.add_middleware(GuardMiddleware, api_key=key, max_body_bytes=settings.max_body_bytes,
                        metrics_require_key=settings.metrics_require_key, requests_counter=state.metrics.requests)
+    if origins := allowed_origins(settings):
+        # Outermost (added last), as vLLM's --allowed-origins: a browser's preflight OPTIONS carries no API key and
+        # must be answered before the key check, and refusals (401, 413) get the CORS headers the page needs to
+        # read them. Bearer keys are not cookies, so no credentials mode.
+        app.add_middleware(CORSMiddleware, allow_origins=origins, allow_methods=["GET", "POST"], allow_headers=["*"])
     return app
 
 

@@ -10,6 +10,10 @@ from service.schemas import SamplingFields
 
 def to_sampling_params(req: SamplingFields, settings: Settings, max_tokens: int | None, logprobs: int | None,
                        prompt_logprobs: int | None, default_max_tokens: int) -> SamplingParams:
+    if req.stream_options is not None and not req.stream:
+        # OpenAI and vLLM refuse it too: the options describe a stream, and a silently ignored field hides a bug
+        raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options",
+                       code="invalid_value")
     if req.n > settings.max_n:
         raise APIError(400, f"n must be at most {settings.max_n}, got {req.n}", param="n", code="invalid_value")
     for name, value in (("logprobs", logprobs), ("prompt logprobs", prompt_logprobs)):

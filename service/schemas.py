@@ -47,10 +47,16 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+# stream_options needs stream: true (checked in service/sampling_params.py; said here for the OpenAPI document)
+STREAM_OPTIONS_NEED_STREAM = {
+    "if": {"required": ["stream_options"], "properties": {"stream_options": {"type": "object"}}},
+    "then": {"required": ["stream"], "properties": {"stream": {"const": True}}}}
+
+
 class SamplingFields(BaseModel):
     """Fields shared by completions and chat: OpenAI's, then vLLM's extensions."""
 
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra=STREAM_OPTIONS_NEED_STREAM)
 
     model: str | None = None
     max_tokens: Int(ge=1, le=2**31) | None = None
@@ -171,9 +177,9 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(SamplingFields):
     # top_logprobs needs logprobs: true (OpenAI); checked in the route, said here for the OpenAPI document
-    model_config = ConfigDict(json_schema_extra={
+    model_config = ConfigDict(json_schema_extra={"allOf": [STREAM_OPTIONS_NEED_STREAM, {
         "if": {"required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer"}}},
-        "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}})
+        "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}}]})
     messages: list[ChatMessage] = Field(min_length=1, max_length=1024)
     max_completion_tokens: Int(ge=1, le=2**31) | None = None
     logprobs: bool = False

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import socket
+import subprocess
 import threading
 import time
+from collections.abc import Callable
 
 import httpx
 import uvicorn
@@ -14,6 +16,22 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def wait_until_ready(url: str, proc: subprocess.Popen, exit_log: Callable[[], str], timeout: float = 120,
+                     path: str = "/health") -> None:
+    """Poll `url + path` until it answers 200; fail with `exit_log()` if the process exits first (it is called
+    only then: reading a live process's pipe would block)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, exit_log()
+        try:
+            if httpx.get(url + path, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(url + path)
 
 
 class LiveServer:

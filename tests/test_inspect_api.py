@@ -11,8 +11,10 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+import torch
 
 from live_server import LiveServer
+from model.generate import generate
 from model.loaders.checkpoint import LoadedModel
 from model.probes import ProbeOptions, inspect
 from service.config import Settings
@@ -41,7 +43,18 @@ def tiny():
 # ---- the default model ---------------------------------------------------------------------------------------
 
 
-def test_default_model_massive_activations_and_sinks(server):
+@torch.no_grad()
+def _hf_eager(model, ids: list[int]):
+    """transformers' forward with attention probabilities (eager attention: SDPA returns none) and hidden states."""
+    before = model.config._attn_implementation
+    model.set_attn_implementation("eager")
+    try:
+        return model(torch.tensor([ids]), output_attentions=True, output_hidden_states=True)
+    finally:
+        model.set_attn_implementation(before)
+
+
+def test_default_model_massive_activations_and_sinks(server, hf_gguf_model):
     r = httpx.post(server.url + "/inspect", json={"prompt": SUMMER}, timeout=120)
     assert r.status_code == 200, r.text
     body = r.json()
@@ -68,6 +81,16 @@ def test_default_model_massive_activations_and_sinks(server):
     A = decode(maps["values"]).astype(np.float32)
     assert A.shape == (9, 9, 9)
     assert np.allclose(A.sum(-1), 1, atol=5e-3) and np.all(np.triu(A, 1) == 0)
+    # The same facts from transformers on the same file (eager attention): the flagged values are its hidden
+    # states' entries, every head's sink mass is its attention's, and the map is its map (to float16 rounding).
+    hf = _hf_eager(hf_gguf_model, [t["id"] for t in body["tokens"]])
+    for layer, entry in flagged.items():
+        assert entry["massive"][0]["value"] == pytest.approx(float(hf.hidden_states[layer + 1][0, 0, 507]), rel=1e-4)
+    for layer in body["layers"]:
+        probs = hf.attentions[layer["layer"]][0]  # (H, T, T)
+        sinks = probs[:, 1:, 0].mean(-1)  # (H,): queries 1..T-1 on token 0
+        assert [h["sink_mass"] for h in layer["attention"]["heads"]] == pytest.approx(sinks.tolist(), abs=1e-4)
+    assert np.abs(A - hf.attentions[20][0].numpy()).max() < 1e-3
     assert body["usage"]["response_bytes"] == len(r.content)
 
 
@@ -134,14 +157,15 @@ def test_topk_rows_and_pooled_in_the_response(tiny):
 
 
 def test_chat_messages_are_rendered_with_the_template(server):
-    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    msgs = [{"role": "user", "content": "What is 2+2?"}]  # float32 greedy: no near-tie (tests/test_default_model.py)
     r = httpx.post(server.url + "/inspect", json={"messages": msgs, "max_tokens": 8, "include": ["massive"]}, timeout=120)
     assert r.status_code == 200, r.text
     body = r.json()
     tok = server.app.state.serving.loaded.tokenizer
     prompt = tok.encode(tok.apply_chat_template(msgs), add_bos=False)
     assert [t["id"] for t in body["tokens"][: len(prompt)]] == prompt and body["num_prompt_tokens"] == len(prompt)
-    assert "Paris" in body["completion"]["text"]
+    want = list(generate(server.app.state.serving.loaded.model, prompt, 8, tok.stop_ids))  # the reference loop
+    assert body["completion"]["token_ids"] == want and body["completion"]["text"] == tok.decode(want, skip_special_tokens=True)
     assert body["mode"] == "none" and "attention" not in body["layers"][0]
 
 

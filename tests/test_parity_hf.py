@@ -97,6 +97,7 @@ def test_half_precision_dtypes(tmp_path, dtype, tol):
     assert (got.float().argmax(-1) == ref.argmax(-1)).float().mean().item() >= 0.9
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_matches_cpu(tmp_path):
     hf = save_tiny_llama(tmp_path)

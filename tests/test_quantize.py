@@ -196,16 +196,47 @@ def test_perplexity_of_a_quantized_model_and_its_kernel_path():
     assert model.output.max_kernel_rows is None and abs(kernel - prefill) < 0.02 * prefill
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("mode", ["int8", "int4"])
-def test_default_model_quantized_answers_the_chat_prompt(mode, capsys):
-    """The quantized CLI answers the chat prompt. The first token is a near-tie in float32 ("The" 0.152, "L" 0.140),
-    so int8 and int4 have answered either, depending on how the prompt's activations were rounded ("L'Étoile, ..."
-    with the native kernels over the prompt, as llama.cpp answers on the same file; "The capital of France is
-    Paris." when the prompt went through dequantize + GEMM): each is a faithful greedy choice, and which one is not
-    asserted (house rule: never the words of a near-tie)."""
-    from model.generate import main
+# The fixed prompts of the quantized-vs-float32 comparison: every position of each is one next-token distribution
+# (178 in all), the chat prompt included, whose float32 first token is the near-tie "The" 0.152 / "L" 0.140.
+REFERENCE_PROMPTS = [
+    "The history of the Roman Empire begins with the founding of Rome, and",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n    return",
+    "Once upon a time, in a small village by the sea, there lived",
+    "Summer is warm. Winter is cold. Spring is",
+    "Water boils at 100 degrees Celsius and freezes at",
+]
+REFERENCE_CHATS = ["What is the capital of France?", "What is 2+2?", "Name three primary colors."]
+# Top-1 must agree where float32's top-1 leads its runner-up by more than this many nats (a 1.65x probability
+# ratio). Measured on the default model: every disagreement (int8 7, int4 4 of 178) sits below 0.17 nats.
+CLEAR_MARGIN = 0.5
 
-    assert main(["--chat", "What is the capital of France?", "--max-tokens", "8", "--quantization", mode, "--device", "cpu"]) == 0
-    out = capsys.readouterr().out
-    assert out.startswith(("The", "L"))
+
+def _reference_sequences(tok) -> list[list[int]]:
+    chats = [tok.encode(tok.apply_chat_template([{"role": "user", "content": c}]), add_bos=False) for c in REFERENCE_CHATS]
+    return [tok.encode(p) for p in REFERENCE_PROMPTS] + chats
+
+
+@pytest.mark.parametrize("mode,mean_kl,max_kl", [("int8", 0.03, 0.25), ("int4", 0.03, 0.25)])
+def test_default_model_quantized_next_token_distributions_match_float32(mode, mean_kl, max_kl, default_model, default_gguf):
+    """Quantized vs float32 on the default model, position by position over fixed prompts: KL(float32 || quantized)
+    bounded, and the same top-1 wherever float32's choice is clear. A near-tie (the chat prompt's first token) can
+    go either way without failing anything; that int8 and int4 answer it "L'Étoile, ..." as llama.cpp does on the
+    same file is the format's answer, not a bug (`python -m benchmarks.llamacpp_parity` measures that).
+    Measured (2 threads): KL mean 0.013 / max 0.098 for int8, 0.006 / 0.070 for int4, whose blocks are the file's
+    own (int8 rounds the file's dequantized weights again, per channel)."""
+    from model.loaders.checkpoint import load_model
+
+    quantized = load_model(default_gguf, torch.float32, "cpu", quantization=mode)
+    kls, margins, agree = [], [], []
+    with torch.no_grad():
+        for ids in _reference_sequences(default_model.tokenizer):  # up to 37 rows: the few-row (decode) kernels
+            ref = default_model.model(torch.tensor([ids]))[0].float().log_softmax(-1)  # (T, V)
+            got = quantized.model(torch.tensor([ids]))[0].float().log_softmax(-1)  # (T, V)
+            kls.append((ref.exp() * (ref - got)).sum(-1))  # (T,)
+            top2 = ref.topk(2, dim=-1).values  # (T, 2)
+            margins.append(top2[:, 0] - top2[:, 1])
+            agree.append(ref.argmax(-1) == got.argmax(-1))
+    kl, margin, same = torch.cat(kls), torch.cat(margins), torch.cat(agree)
+    assert kl.numel() == 178 and float(kl.mean()) < mean_kl and float(kl.max()) < max_kl, (kl.mean(), kl.max())
+    clear = margin > CLEAR_MARGIN
+    assert int(clear.sum()) > 100 and bool(same[clear].all()), margin[clear & ~same]

@@ -10,7 +10,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -19,7 +18,7 @@ import pytest
 import yaml
 
 from benchmarks.tiny_checkpoint import write_tiny_checkpoint
-from live_server import free_port
+from live_server import free_port, wait_until_ready
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
@@ -86,16 +85,7 @@ def _start_replica(model_dir: Path, port: int) -> subprocess.Popen:
 
 
 def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(url)
+    wait_until_ready(url, proc, lambda: proc.stderr.read().decode()[-2000:], timeout)
 
 
 def _served(url: str) -> int:

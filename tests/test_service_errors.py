@@ -1,11 +1,14 @@
 """Bad requests against a live server on the tiny model: every one gets the OpenAI error envelope with the right
 status (never FastAPI's `detail`, a traceback or an internal path), and the server keeps answering afterwards.
-Also the API key guard and the 429 of a full waiting queue."""
+Also the API key guard, CORS, the command line's bad values and the 429 of a full waiting queue."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import httpx
@@ -135,6 +138,11 @@ CASES = [
     ("seed_too_large", "POST", CMPL, {"prompt": "a", "seed": 2**64}, 400, ["seed"], "seed"),
     ("stream_options_unknown_field", "POST", CMPL, {"prompt": "a", "stream": True, "stream_options": {"x": 1}}, 400,
      ["stream_options"], None),
+    # OpenAI and vLLM refuse stream_options on a request that does not stream
+    ("stream_options_without_stream", "POST", CMPL, {"prompt": "a", "stream_options": {"include_usage": True}}, 400,
+     ["stream_options", "stream"], "stream_options"),
+    ("stream_options_with_stream_false", "POST", CMPL, {"prompt": "a", "stream": False, "stream_options": {}}, 400,
+     ["stream_options", "stream"], "stream_options"),
     ("user_too_long", "POST", CMPL, {"prompt": "a", "user": "u" * 300}, 400, ["user"], "user"),
     ("unknown_model", "POST", CMPL, {"prompt": "a", "model": "gpt-17"}, 404, ["gpt-17"], "model"),
     # strict types: what the OpenAPI document says, no coercion from strings or booleans
@@ -309,6 +317,61 @@ def test_metrics_require_key():
         r = c.get("/metrics", headers={"Authorization": f"Bearer {KEY}"})
         assert r.status_code == 200 and "llamascope_requests_total" in r.text
         assert c.get("/health").status_code == 200
+
+
+# ---- CORS (--allowed-origins) and the command line -----------------------------------------------------------
+
+APP_ORIGIN = "https://app.example"
+
+
+def _preflight(c: httpx.Client, origin: str) -> httpx.Response:
+    return c.options(CMPL, headers={"Origin": origin, "Access-Control-Request-Method": "POST",
+                                    "Access-Control-Request-Headers": "authorization, content-type"})
+
+
+def test_cors_is_off_by_default(tiny):
+    r = _preflight(tiny.client, APP_ORIGIN)
+    assert_envelope(r, 405)
+    assert "access-control-allow-origin" not in r.headers
+    r = tiny.client.get("/v1/models", headers={"Origin": APP_ORIGIN})
+    assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
+
+
+def test_allowed_origins_let_a_browser_app_call_the_api(monkeypatch):
+    """A page on another origin: its preflight (no API key: browsers never send one) is answered before the key
+    check, and the real request and its refusals carry the header the page needs to read them."""
+    monkeypatch.setenv("LLAMASCOPE_ALLOWED_ORIGINS", f"{APP_ORIGIN}, https://other.example")
+    with tiny_server(api_key=KEY) as live, httpx.Client(base_url=live.url, timeout=30) as c:
+        r = _preflight(c, APP_ORIGIN)
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == APP_ORIGIN
+        assert "POST" in r.headers["access-control-allow-methods"]
+        assert "authorization" in r.headers["access-control-allow-headers"].lower()
+        body = {"prompt": "hi", "max_tokens": 2}
+        r = c.post(CMPL, json=body, headers={"Origin": APP_ORIGIN, "Authorization": f"Bearer {KEY}"})
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == APP_ORIGIN
+        r = c.post(CMPL, json=body, headers={"Origin": APP_ORIGIN})
+        assert_envelope(r, 401)
+        assert r.headers["access-control-allow-origin"] == APP_ORIGIN
+        # an origin not on the list gets no grant, so its page cannot read the answer
+        assert _preflight(c, "https://evil.example").status_code == 400
+        r = c.get("/health", headers={"Origin": "https://evil.example"})
+        assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
+
+
+@pytest.mark.parametrize("argv,env,needle", [
+    (["--port", "abc"], {}, "--port 'abc': Input should be a valid integer"),
+    (["--max-num-seqs", "1.5"], {}, "--max-num-seqs '1.5'"),
+    (["--quantization", "int3"], {}, "--quantization 'int3'"),
+    ([], {"LLAMASCOPE_PORT": "eighty"}, "LLAMASCOPE_PORT 'eighty'"),
+    (["--no-such-flag"], {}, "unrecognized arguments: --no-such-flag"),
+])
+def test_a_bad_command_line_value_is_one_line_and_exit_2(argv, env, needle):
+    """Before anything loads: `python -m service --port abc` says what is wrong in one line, no traceback."""
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("LLAMASCOPE_")}, **env}
+    r = subprocess.run([sys.executable, "-m", "service", *argv], capture_output=True, text=True, env=env, timeout=120)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and needle in lines[0], r.stderr
+    assert lines[0].startswith("python -m service: error: ") and "Traceback" not in r.stderr
 
 
 # ---- queue full ---------------------------------------------------------------------------------------------
