@@ -361,7 +361,7 @@ def test_allowed_origins_let_a_browser_app_call_the_api(monkeypatch):
 @pytest.mark.parametrize("argv,env,needle", [
     (["--port", "abc"], {}, "--port 'abc': Input should be a valid integer"),
     (["--max-num-seqs", "1.5"], {}, "--max-num-seqs '1.5'"),
-    (["--quantization", "int3"], {}, "--quantization 'int3'"),
+    (["--quantization", "int3"], {}, "--quantization: invalid choice: 'int3'"),
     ([], {"LLAMASCOPE_PORT": "eighty"}, "LLAMASCOPE_PORT 'eighty'"),
     (["--no-such-flag"], {}, "unrecognized arguments: --no-such-flag"),
 ])
