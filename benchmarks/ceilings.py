@@ -17,7 +17,7 @@ import statistics
 import torch
 
 from model import kernels
-from model.quantize import QuantLinear, apply_linear, decode_bytes, linear_weights
+from model.quantize import QuantLinear, decode_bytes, linear_weights
 from model.transformer import Transformer
 
 
@@ -38,8 +38,9 @@ def _matmul(w, native, rows: int):
     """x -> x W^T as a decode step runs it: the native kernel called directly where the step's native path calls
     it from C++ (no module call around it), else the model's own layer."""
     if native is not None and isinstance(w, QuantLinear) and w.native_buffers() is not None and rows <= w.kernel_row_limit(True):
-        return lambda x: w._native(native, x.view(-1, w.in_features).float())
-    return lambda x: apply_linear(x, w)
+        op, buffers = getattr(native, w.native_op), w.native_buffers()
+        return lambda x: op(x.view(-1, w.in_features).float(), *buffers)
+    return w
 
 
 def time_matmuls(model: Transformer, rows: int, reps: int) -> float:

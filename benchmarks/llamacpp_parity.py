@@ -129,7 +129,6 @@ def ggml_arithmetic(lm: LoadedModel) -> LoadedModel:
         att.wqkv, att.wo = GgmlQ41Linear(att.wqkv), GgmlQ41Linear(att.wo)
         ffn.w13, ffn.w2 = GgmlQ41Linear(ffn.w13), GgmlQ41Linear(ffn.w2)
     model.output = GgmlQ80Head(model.tok_embeddings.weight)  # tied: the embedding table is the file's Q8_0 head
-    model.native_decode = None
     return lm
 
 

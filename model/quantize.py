@@ -32,10 +32,10 @@ from typing import Literal
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
-from model import kernels
+from model.kernels import ops
+from model.transformer import FUSED_PARTS
 
 Quantization = Literal["none", "int8", "int4"]
 QUANTIZATIONS: tuple[str, ...] = ("none", "int8", "int4")
@@ -58,20 +58,8 @@ class QuantLinear(nn.Module):
         self.max_kernel_rows: int | None = None  # None: the kernel kind's own limit (`kernel_row_limit`)
 
     def forward(self, x: Tensor) -> Tensor:  # (..., in) -> (..., out)
-        x2 = x.reshape(-1, self.in_features)  # (M, in)
-        native = kernels.native() if x.device.type == "cpu" and self.in_features % GROUP_SIZE == 0 else None
-        if x2.shape[0] <= self.kernel_row_limit(native is not None):
-            if native is not None:
-                y = self._native(native, x2.float().contiguous())  # (M, out)
-            else:
-                y = self._kernel(x2.to(KERNEL_DTYPE))
-        else:
-            # Float32 compute whatever the activation dtype (bfloat16 GEMM is several times slower on AVX2). Under
-            # the native kernels the activations are first rounded as the kernel rounds them, so a row gets the
-            # same result whether its step ran few rows (kernel) or many (this path): batched == one at a time.
-            xf = round_activations(x2.float()) if native is not None else x2.float()
-            y = F.linear(xf, self.dequantize(torch.float32))
-        return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+        y = ops.quantized_linear(self, x.reshape(-1, self.in_features))  # (M, out): the kernel for the row count
+        return y.view(*x.shape[:-1], self.out_features)
 
     def kernel_row_limit(self, native: bool) -> int:
         """Rows up to which the few-row kernel runs (above: dequantize + float GEMM)."""
@@ -81,17 +69,17 @@ class QuantLinear(nn.Module):
 
     native_op = ""  # the model/kernels function that multiplies by this weight: (x, *native_buffers()) -> y
 
-    def _native(self, native, x: Tensor) -> Tensor:  # (M, in) float32 -> (M, out) float32, model/kernels
-        return getattr(native, self.native_op)(x, *self.native_buffers())
-
     def native_buffers(self) -> list[Tensor] | None:
         """The two buffers the native kernel reads (model/kernels/csrc/decode_layers.cpp's `linear`), or None."""
         return None
 
-    def _kernel(self, x: Tensor) -> Tensor:  # (M, in) bfloat16 -> (M, out) bfloat16, PyTorch's packed kernels
+    def packed_matmul(self, x: Tensor) -> Tensor:  # (M, in) bfloat16 -> (M, out) bfloat16, PyTorch's packed kernels
         raise NotImplementedError
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:  # -> (out, in)
+        return ops.dequantize(self, dtype)
+
+    def reference_dequantize(self, dtype: torch.dtype) -> Tensor:  # -> (out, in): the PyTorch implementation
         raise NotImplementedError
 
     @property
@@ -128,13 +116,10 @@ class Int8Linear(QuantLinear):
     def native_buffers(self) -> list[Tensor] | None:
         return [self.weight, self.scales] if self.in_features % GROUP_SIZE == 0 else None
 
-    def _kernel(self, x: Tensor) -> Tensor:
+    def packed_matmul(self, x: Tensor) -> Tensor:
         return torch.ops.aten._weight_int8pack_mm(x, self.weight, self.scales)
 
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
-        native = kernels.native() if dtype == torch.float32 and self.weight.device.type == "cpu" else None
-        if native is not None:  # the same values in one pass (the many-row path calls this every forward)
-            return native.int8_dequantize(self.weight, self.scales)
+    def reference_dequantize(self, dtype: torch.dtype) -> Tensor:
         return (self.weight.to(dtype) * self.scales.to(dtype)[:, None]).to(dtype)
 
     @property
@@ -194,7 +179,7 @@ class Int4Linear(QuantLinear):
     def native_buffers(self) -> list[Tensor] | None:
         return [self.nibbles, self.dm]
 
-    def _kernel(self, x: Tensor) -> Tensor:
+    def packed_matmul(self, x: Tensor) -> Tensor:
         if self._torch_pack is None:
             q, d, m = self.unpacked()
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
@@ -203,10 +188,7 @@ class Int4Linear(QuantLinear):
         packed, scales_and_zeros = self._torch_pack
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, GROUP_SIZE, scales_and_zeros)
 
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
-        native = kernels.native() if dtype == torch.float32 and self.nibbles.device.type == "cpu" else None
-        if native is not None:  # the same values in one pass (the many-row path calls this every forward)
-            return native.int4_dequantize(self.nibbles, self.dm)
+    def reference_dequantize(self, dtype: torch.dtype) -> Tensor:
         q, d, m = self.unpacked()
         N, K = q.shape
         g = q.reshape(N, K // GROUP_SIZE, GROUP_SIZE).float() * d[..., None] + m[..., None]
@@ -247,17 +229,23 @@ _QUANT_CLASSES: dict[str, type[QuantLinear]] = {"int8": Int8Linear, "int4": Int4
 
 
 def _quantized(name: str, weight: Tensor, cls: type[QuantLinear], prequantized: dict[str, QuantLinear]) -> QuantLinear:
+    """The quantized form of our module `name`: mapped from the file when it has it (a fused module from its parts,
+    stacked as `transformer.FUSED_PARTS` says), else rounded from the float weight."""
+    layer_prefix, suffix = name.rsplit(".", 2)[0], ".".join(name.rsplit(".", 2)[1:])  # "layers.0", "attention.wqkv"
+    parts = [f"{layer_prefix}.{p}" for p in FUSED_PARTS.get(suffix, ())]
+    if parts and all(p in prequantized for p in parts):
+        return cls.cat([prequantized[p] for p in parts])
     return prequantized[name] if name in prequantized else cls.from_float(weight)
 
 
 def quantize_model(model: nn.Module, mode: Quantization, prequantized: dict[str, QuantLinear] | None = None) -> nn.Module:
-    """Swap the model's linear layers for weight-only quantized ones, in place; returns the model.
+    """Swap the model's linear layers for weight-only quantized ones, in place (module by module: whatever
+    `nn.Linear` the blocks hold); returns the model.
 
-    Every block's projections (fused q/k/v and gate/up become one quantized module each, `wqkv` / `w13`, and the
-    separate wq/wk/wv/w1/w3 are dropped) take `mode`; the LM head takes int8 in both modes, as llama.cpp keeps
-    the default model's tied head in Q8_0: it is the largest matrix, the most sensitive to rounding, and the int4
-    CPU kernel is slowest on it. The embedding table stays in the model's dtype (it is gathered, not multiplied).
-    `prequantized` (our module names, e.g. "layers.0.attention.wq") supplies layers mapped straight from a file.
+    Every block's projections take `mode`; the LM head takes int8 in both modes, as llama.cpp keeps the default
+    model's tied head in Q8_0: it is the largest matrix, the most sensitive to rounding, and the int4 CPU kernel is
+    slowest on it. The embedding table stays in the model's dtype (it is gathered, not multiplied). `prequantized`
+    (our names of the file's matrices, e.g. "layers.0.attention.wq") supplies layers mapped straight from a file.
     """
     if mode == "none":
         return model
@@ -266,36 +254,20 @@ def quantize_model(model: nn.Module, mode: Quantization, prequantized: dict[str,
     if model.device.type != "cpu":
         raise ValueError(f"quantization {mode!r} runs CPU kernels; the model is on {model.device}")
     cls, pre = _QUANT_CLASSES[mode], prequantized or {}
-    for i, layer in enumerate(model.layers):
-        att, ffn = layer.attention, layer.feed_forward
-        p = f"layers.{i}."
-        att.wqkv = cls.cat([_quantized(p + f"attention.{n}", getattr(att, n).weight, cls, pre) for n in ("wq", "wk", "wv")])
-        ffn.w13 = cls.cat([_quantized(p + f"feed_forward.{n}", getattr(ffn, n).weight, cls, pre) for n in ("w1", "w3")])
-        att.wq = att.wk = att.wv = ffn.w1 = ffn.w3 = None
-        att.wo = _quantized(p + "attention.wo", att.wo.weight, cls, pre)
-        ffn.w2 = _quantized(p + "feed_forward.w2", ffn.w2.weight, cls, pre)
+    linears = [(name, m) for name, m in model.layers.named_modules(prefix="layers") if type(m) is nn.Linear]
+    for name, module in linears:
+        parent, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent), attr, _quantized(name, module.weight, cls, pre))
     model.output = Int8Linear.from_float(model.output.weight)
     model.quantization = mode
-    model.native_decode = None
     return model
 
 
-def linear_weights(model: nn.Module) -> list[Tensor | nn.Module]:
-    """Every matrix a decode token multiplies by, as the model holds it (fused float weight or quantized module)."""
-    out: list[Tensor | nn.Module] = []
-    for layer in model.layers:
-        att, ffn = layer.attention, layer.feed_forward
-        out += [att.wqkv] if att.wqkv is not None else [att.wq.weight, att.wk.weight, att.wv.weight]
-        out += [att.wo if isinstance(att.wo, QuantLinear) else att.wo.weight]
-        out += [ffn.w13] if ffn.w13 is not None else [ffn.w1.weight, ffn.w3.weight]
-        out += [ffn.w2 if isinstance(ffn.w2, QuantLinear) else ffn.w2.weight]
-    return out + [model.output if isinstance(model.output, QuantLinear) else model.output.weight]
+def linear_weights(model: nn.Module) -> list[nn.Module]:
+    """Every matrix a decode token multiplies by, as the model holds it (a float `nn.Linear` or a quantized module)."""
+    return [m for m in model.layers.modules() if isinstance(m, (nn.Linear, QuantLinear))] + [model.output]
 
 
-def decode_bytes(w: Tensor | nn.Module) -> int:
-    return w.decode_bytes if isinstance(w, QuantLinear) else w.nbytes
-
-
-def apply_linear(x: Tensor, w: Tensor | nn.Module) -> Tensor:
-    """`x W^T` whether W is a float weight tensor or a quantized module."""
-    return F.linear(x, w) if isinstance(w, Tensor) else w(x)
+def decode_bytes(layer: nn.Module) -> int:
+    """Bytes one decode token streams through this layer: what its kernel reads."""
+    return layer.decode_bytes if isinstance(layer, QuantLinear) else layer.weight.nbytes

@@ -20,17 +20,13 @@ Weight names follow Meta's llama `model.py` (wq wk wv wo w1 w2 w3 attention_norm
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
-from model import kernels
 from model.attention import AttentionContext, CausalAttention, KVCacheContext
 from model.config import ModelConfig, RopeScaling
-from model.engine.paged_cache import PagedKVCache, kv_config
-from model.quantize import QuantLinear, apply_linear
+from model.kernels import ops
+from model.kernels.ops import apply_rotary_tables  # noqa: F401  (the reference rotation; tests import it here)
 
 
 class RMSNorm(nn.Module):
@@ -40,13 +36,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:  # (..., D) -> (..., D)
-        native = kernels.usable(x, self.weight)
-        if native is not None and x.dtype == self.weight.dtype:
-            return native.rms_norm(x.contiguous(), self.weight, self.eps)  # the same math in one pass per row
-        # Statistics in float32 whatever the activation dtype, cast back before the gain (as Meta and HF do).
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return ops.rms_norm(x, self.weight, self.eps)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> Tensor:
@@ -107,12 +97,13 @@ def rotary_tables(cos: Tensor, sin: Tensor, dtype: torch.dtype) -> tuple[Tensor,
     return cos.to(dtype).unsqueeze(2), signed.to(dtype).unsqueeze(2)
 
 
-def apply_rotary_tables(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
-    """`apply_rotary` over `rotary_tables`' output: four ops per call instead of eight (decode runs 30 of these
-    per token on the default model, where per-op overhead is a visible share of the step)."""
-    B, T, n, E = x.shape
-    swapped = x.view(B, T, n, 2, E // 2).flip(3).view(B, T, n, E)  # (x2, x1)
-    return x * cos + swapped * signed_sin
+# Fused projections (gpt-fast's `wqkv`): one matmul where Meta's model has several with the same input. Each fused
+# module's weight is its parts' weights stacked along the output dim, in this order; checkpoints name the parts
+# (LLaMA names, house rule 4), and the loaders stack them (model/loaders/assemble.py).
+FUSED_PARTS: dict[str, tuple[str, ...]] = {
+    "attention.wqkv": ("attention.wq", "attention.wk", "attention.wv"),
+    "feed_forward.w13": ("feed_forward.w1", "feed_forward.w3"),
+}
 
 
 class Attention(nn.Module):
@@ -120,74 +111,30 @@ class Attention(nn.Module):
         super().__init__()
         self.layer_idx = layer_idx
         self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
-        self.wq = nn.Linear(config.dim, config.n_heads * config.head_dim, bias=False)
-        self.wk = nn.Linear(config.dim, config.n_kv_heads * config.head_dim, bias=False)
-        self.wv = nn.Linear(config.dim, config.n_kv_heads * config.head_dim, bias=False)
-        self.wo = nn.Linear(config.n_heads * config.head_dim, config.dim, bias=False)
-        # ((H + 2K) * E, D) once fused; wq/wk/wv are then views into it. Under weight-only quantization
-        # (model/quantize.py) a callable QuantLinear module instead, and wq/wk/wv are None.
-        self.wqkv: Tensor | nn.Module | None = None
-
-    def fuse(self) -> None:
-        """One matmul for q, k and v instead of three (fewer, larger GEMMs: less per-call overhead in decode).
-        wq/wk/wv become views into the fused weight, so names, state_dict and memory stay as they were."""
-        self.wqkv = _fuse_linears(self.wq, self.wk, self.wv)
+        H, K, E = config.n_heads, config.n_kv_heads, config.head_dim
+        self.wqkv = nn.Linear(config.dim, (H + 2 * K) * E, bias=False)  # wq, wk, wv stacked: ((H + 2K) E, D)
+        self.wo = nn.Linear(H * E, config.dim, bias=False)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, ctx: AttentionContext) -> Tensor:
-        """cos/sin: `RotaryEmbedding`'s (B, T, E) tables, or `rotary_tables`' (B, T, 1, E) prepared ones."""
+        """x (B, T, D); cos/sin: `RotaryEmbedding`'s (B, T, E) tables, or `rotary_tables`' (B, T, 1, E) ones."""
         B, T, _ = x.shape
         H, K, E = self.n_heads, self.n_kv_heads, self.head_dim
         if cos.dim() == 3:
             cos, sin = rotary_tables(cos, sin, x.dtype)
-        if self.wqkv is not None:
-            qkv = apply_linear(x, self.wqkv).view(B, T, H + 2 * K, E)  # (B, T, H + 2K, E)
-            native = kernels.usable(qkv, cos)
-            if native is not None and cos.dtype == qkv.dtype and qkv.is_contiguous() and cos.is_contiguous() and sin.is_contiguous():
-                native.rope_(qkv, cos, sin, H + K)  # q and k heads rotated in place, one pass
-                qk = qkv
-            else:
-                qk = apply_rotary_tables(qkv[:, :, : H + K], cos, sin)  # rotate q and k heads in one pass
-            q, k, v = qk[:, :, :H], qk[:, :, H : H + K], qkv[:, :, H + K :]
-        else:
-            q = self.wq(x).view(B, T, H, E)  # (B, T, H, E)
-            k = self.wk(x).view(B, T, K, E)  # (B, T, K, E)
-            v = self.wv(x).view(B, T, K, E)  # (B, T, K, E)
-            q, k = apply_rotary_tables(q, cos, sin), apply_rotary_tables(k, cos, sin)
+        qkv = ops.rope_(self.wqkv(x).view(B, T, H + 2 * K, E), cos, sin, H + K)  # (B, T, H + 2K, E), q, k rotated
+        q, k, v = qkv[:, :, :H], qkv[:, :, H : H + K], qkv[:, :, H + K :]
         out = ctx.attend(self.layer_idx, q, k, v)  # (B, T, H, E); a cache stores k, v and attends over its keys
-        return self.wo(out.reshape(B, T, self.n_heads * self.head_dim))  # (B, T, D)
+        return self.wo(out.reshape(B, T, H * E))  # (B, T, D)
 
 
 class FeedForward(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.w1 = nn.Linear(config.dim, config.hidden_dim, bias=False)  # gate
-        self.w3 = nn.Linear(config.dim, config.hidden_dim, bias=False)  # up
+        self.w13 = nn.Linear(config.dim, 2 * config.hidden_dim, bias=False)  # gate (w1) and up (w3) stacked: (2F, D)
         self.w2 = nn.Linear(config.hidden_dim, config.dim, bias=False)  # down
-        self.w13: Tensor | nn.Module | None = None  # (2F, D) once fused (w1/w3 then views into it), or a QuantLinear
-
-    def fuse(self) -> None:
-        self.w13 = _fuse_linears(self.w1, self.w3)
 
     def forward(self, x: Tensor) -> Tensor:  # (B, T, D) -> (B, T, D), via (B, T, F)
-        if self.w13 is not None:
-            gate_up = apply_linear(x, self.w13)  # (B, T, 2F)
-            native = kernels.usable(gate_up)
-            if native is not None:
-                return self.w2(native.silu_mul(gate_up))  # (B, T, F) in one pass
-            gate, up = gate_up.chunk(2, dim=-1)  # (B, T, F) each
-            return self.w2(F.silu(gate) * up)
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
-
-
-def _fuse_linears(*linears: nn.Linear) -> Tensor:
-    """Concatenate the linears' weights along the output dim and re-point each weight at its slice."""
-    fused = torch.cat([lin.weight.detach() for lin in linears])  # (sum out, D)
-    row = 0
-    for lin in linears:
-        rows = lin.weight.shape[0]
-        lin.weight = nn.Parameter(fused[row : row + rows], requires_grad=lin.weight.requires_grad)
-        row += rows
-    return fused
+        return self.w2(ops.silu_mul(self.w13(x)))  # (B, T, 2F) -> (B, T, F) -> (B, T, D)
 
 
 class Block(nn.Module):
@@ -216,16 +163,7 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(config.dim, config.norm_eps)
         self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
         self.quantization = "none"  # model/quantize.py's quantize_model sets "int8" / "int4"
-        self.native_decode: NativeDecode | None = None  # see `_native_decode_layers`
         self.tie_weights()
-
-    def fuse_projections(self) -> "Transformer":
-        """Fuse q/k/v and gate/up matmuls in every block (call after the weights are loaded and placed)."""
-        for layer in self.layers:
-            layer.attention.fuse()
-            layer.feed_forward.fuse()
-        self.native_decode = None
-        return self
 
     def tie_weights(self) -> None:
         if self.config.tie_embeddings and isinstance(self.output, nn.Linear):
@@ -250,8 +188,8 @@ class Transformer(nn.Module):
         `logits_indices` (M,) along T (the head over 49k-150k vocab entries is costly; compute only what is used).
 
         Query at position p attends to keys at positions <= p. Without a cache the keys are this call's tokens.
-        With one, the cache writes this call's K/V and supplies the keys: `kv_cache.KVCache` (rows of a batch)
-        or `paged_kv_cache.PagedKVCache` (a ragged batch of sequences packed as B=1, T=total tokens).
+        With one (an attention context that also stores K/V: `kv_cache.KVCache` for rows of a batch, or the engine's
+        paged cache for a ragged batch packed as B=1) the cache writes this call's K/V and supplies the keys.
         """
         B, T = tokens.shape
         if cache is not None:
@@ -263,77 +201,20 @@ class Transformer(nn.Module):
             ctx = CausalAttention(positions)
             if positions is None:
                 positions = torch.arange(T, device=tokens.device).expand(B, T)
+        h, cos, sin = self.embed(tokens, positions)
+        for layer in self.layers:
+            h = layer(h, cos, sin, ctx)
+        return self.head(h, logits_indices)
+
+    def embed(self, tokens: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """tokens, positions (B, T) -> the residual stream's start h (B, T, D) and the RoPE tables every block shares,
+        cos and signed sin (B, T, 1, E) (`rotary_tables`)."""
         h = self.tok_embeddings(tokens)  # (B, T, D)
-        cos, sin = rotary_tables(*self.rope(positions), h.dtype)  # (B, T, 1, E) each, shared by every layer
-        native = self._native_decode_step(h, cache)
-        if native is not None:  # the same ops as the blocks below, composed in C++ (model/kernels/csrc/decode_layers.cpp)
-            c, E = self.config, self.config.head_dim
-            h = native.decode_layers(
-                h[0], self.native_decode.layers, c.norm_eps, cos.view(-1, E), sin.view(-1, E), cache.k, cache.v,
-                cache.slot_mapping, cache.decode_rows, cache.decode_tables, cache.decode_lens,
-                c.n_heads, kv_config(self).n_kv_heads, E,
-            )[None]  # (1, N, D)
-        else:
-            for layer in self.layers:
-                h = layer(h, cos, sin, ctx)
+        cos, sin = rotary_tables(*self.rope(positions), h.dtype)
+        return h, cos, sin
+
+    def head(self, h: Tensor, logits_indices: Tensor | None = None) -> Tensor:
+        """The final norm and the LM head: h (B, T, D) -> logits (B, T, V), or (B, M, V) at `logits_indices`."""
         if logits_indices is not None:
             h = h[:, logits_indices]  # (B, M, D)
-        return self.output(self.norm(h))  # (B, T|M, V)
-
-    def _native_decode_step(self, h: Tensor, cache: KVCacheContext | None):
-        """The native kernels' module when this forward can run every block in one native call: a paged step in
-        which each sequence adds one token, CPU, float32/bfloat16, fused projections, quantized layers within their
-        kernels' row limit, and no hooks on any block (tensor-parallel all-reduces and probes are hooks)."""
-        if not isinstance(cache, PagedKVCache) or not cache.pure_decode or cache.k.dtype != h.dtype:
-            return None
-        native = kernels.usable(h)
-        if native is None:
-            return None
-        if self.native_decode is None:
-            self.native_decode = _native_decode_layers(self)
-        nd = self.native_decode
-        if not nd.layers or h.shape[1] > min((m.kernel_row_limit(True) for m in nd.quantized), default=h.shape[1]):
-            return None
-        if nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks or any(nd.hooks):
-            return None
-        return native
-
-
-@dataclass
-class NativeDecode:
-    layers: list[list[Tensor]]  # per block: [attention_norm, ffn_norm, then (a, b) for wqkv, wo, w13, w2]
-    quantized: list[nn.Module]  # the quantized layers, whose `kernel_row_limit` bounds the step's rows
-    hooks: list[dict]  # every block module's forward (pre-)hook dicts: hooks are never skipped
-
-
-def _native_decode_layers(model: Transformer) -> NativeDecode:
-    """The blocks' tensors as `decode_layers` takes them; no layers where a block is not in that form."""
-    nd = NativeDecode([], [], [])
-    for layer in model.layers:
-        att, ffn = layer.attention, layer.feed_forward
-        if att.wqkv is None or ffn.w13 is None or layer.attention_norm.weight.dtype != model.dtype:
-            return NativeDecode([], [], [])
-        entry = [layer.attention_norm.weight.detach(), layer.ffn_norm.weight.detach()]
-        for w in (att.wqkv, att.wo, ffn.w13, ffn.w2):
-            spec = native_linear_spec(w)
-            if spec is None:
-                return NativeDecode([], [], [])
-            entry += spec
-        nd.layers.append(entry)
-        for m in layer.modules():
-            nd.hooks += [m._forward_hooks, m._forward_pre_hooks]  # dicts that register_forward_hook fills in place
-            if isinstance(m, QuantLinear):
-                nd.quantized.append(m)
-    return nd
-
-
-def native_linear_spec(w: Tensor | nn.Module) -> list[Tensor] | None:
-    """A weight as the native `decode_layers` takes it: [float weight, empty] or a quantized layer's two buffers."""
-    if isinstance(w, nn.Linear):
-        w = w.weight
-    if isinstance(w, Tensor):
-        return [w.detach(), torch.empty(0)]
-    if isinstance(w, QuantLinear):
-        return w.native_buffers()
-    return None
-
+        return self.output(self.norm(h))

@@ -16,9 +16,10 @@ from test_parity_hf import LLAMA3_ROPE, _prompts
 
 
 def _ours_by_gguf_name(model) -> dict[str, np.ndarray]:
+    from model.loaders.assemble import split_fused
     from model.loaders.gguf_file import gguf_to_ours
 
-    sd = model.state_dict()
+    sd = split_fused(model.state_dict(), model.config)
     names = [f"blk.{i}.{n}.weight" for i in range(model.config.n_layers) for n in
              ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")]
     names += ["token_embd.weight", "output_norm.weight", "output.weight"]

@@ -92,17 +92,15 @@ def test_quantized_model_keeps_its_module_interface():
     x = torch.randn(1, 5, 64)
     for layer, out in ((att.wqkv, 64 + 2 * 32), (att.wo, 64), (ffn.w13, 2 * 128), (ffn.w2, 64), (model.output, 258)):
         assert isinstance(layer, QuantLinear) and layer(x if layer.in_features == 64 else torch.randn(1, 5, 128)).shape[-1] == out
-    assert att.wq is None and ffn.w1 is None and model.quantization == "int8"
+    assert not any(type(m) is torch.nn.Linear for m in model.modules()) and model.quantization == "int8"
     assert model.tok_embeddings.weight.dtype == torch.float32 and len(linear_weights(model)) == 2 * 4 + 1
 
 
 def _with_weights_of(ref, quantized):
     """`ref` (float) carrying `quantized`'s dequantized weights: the float math the quantized model must compute."""
     for a, b in zip(ref.layers, quantized.layers):
-        a.attention.wqkv.copy_(b.attention.wqkv.dequantize())
-        a.attention.wo.weight.copy_(b.attention.wo.dequantize())
-        a.feed_forward.w13.copy_(b.feed_forward.w13.dequantize())
-        a.feed_forward.w2.weight.copy_(b.feed_forward.w2.dequantize())
+        for name in ("attention.wqkv", "attention.wo", "feed_forward.w13", "feed_forward.w2"):
+            a.get_submodule(name).weight.copy_(b.get_submodule(name).dequantize())
     ref.output.weight.copy_(quantized.output.dequantize())
     return ref
 
@@ -151,7 +149,7 @@ def test_q4_gguf_loads_as_int4_without_requantizing(tmp_path, qtype, backend):
     ref, model = load_gguf(tmp_path / "m.gguf"), load_gguf(tmp_path / "m.gguf", quantization="int4")
     att, fref = model.layers[1].attention, ref.layers[1].attention
     # Weights (Q/K un-permuted) equal the file's dequantized values exactly: the blocks' own float16 d and m.
-    assert _rel(att.wqkv.dequantize(), fref.wqkv) < 1e-6
+    assert _rel(att.wqkv.dequantize(), fref.wqkv.weight) < 1e-6
     assert _rel(model.layers[0].feed_forward.w2.dequantize(), ref.layers[0].feed_forward.w2.weight) < 1e-6
     tokens = _prompts(hf.config.vocab_size)
     with torch.no_grad():

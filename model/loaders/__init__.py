@@ -1,4 +1,6 @@
-"""Checkpoint loaders: `checkpoint.load_model` is the entry point (HF directories, GGUF files, the default model).
+"""Checkpoint loaders: `load_model` is the entry point (HF directories, GGUF files, the default model)."""
 
-Kept import-free so `model.config` can use `loaders.errors` without pulling in the loaders themselves.
-"""
+from model.loaders.checkpoint import LoadedModel, default_model_path, load_model
+from model.loaders.errors import CheckpointError
+
+__all__ = ["CheckpointError", "LoadedModel", "default_model_path", "load_model"]

@@ -15,7 +15,7 @@ from model.config import ModelConfig
 from model.loaders.errors import CheckpointError
 from model.loaders.progress import LoadProgress
 from model.loaders.shard import WeightShard
-from model.transformer import Transformer
+from model.transformer import FUSED_PARTS, Transformer
 
 _LAYER_SHAPES = {
     "attention_norm.weight": lambda c: (c.dim,),
@@ -40,6 +40,21 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     if not config.tie_embeddings:
         shapes["output.weight"] = (config.vocab_size, config.dim)
     return shapes
+
+
+# Each block tensor's name, ours (Meta's llama names) / transformers' LlamaForCausalLM / GGUF's (ggml's docs/gguf.md
+# "LLaMA"; GGUF adds ".weight" itself): the one table both loaders' name maps are built from.
+LAYER_NAMES: list[tuple[str, str, str]] = [
+    ("attention_norm.weight", "input_layernorm.weight", "attn_norm"),
+    ("attention.wq.weight", "self_attn.q_proj.weight", "attn_q"),
+    ("attention.wk.weight", "self_attn.k_proj.weight", "attn_k"),
+    ("attention.wv.weight", "self_attn.v_proj.weight", "attn_v"),
+    ("attention.wo.weight", "self_attn.o_proj.weight", "attn_output"),
+    ("ffn_norm.weight", "post_attention_layernorm.weight", "ffn_norm"),
+    ("feed_forward.w1.weight", "mlp.gate_proj.weight", "ffn_gate"),
+    ("feed_forward.w3.weight", "mlp.up_proj.weight", "ffn_up"),
+    ("feed_forward.w2.weight", "mlp.down_proj.weight", "ffn_down"),
+]
 
 
 class NameMap:
@@ -87,10 +102,36 @@ class ModelAssembler:
             raise CheckpointError(f"missing tensors (our names): {', '.join(missing[:5])}{more}", path=self.path)
         with torch.device("meta"):
             model = Transformer(self.config)
-        model.load_state_dict(self.tensors, strict=False, assign=True)
+        model.load_state_dict(stack_fused(self.tensors, self.config.n_layers), strict=False, assign=True)
         model.tie_weights()
         model.rope.reset(self.device, rope_freq_factors)
         self.progress.close()
         if self.plan is not None:
             model.tp_plan = self.plan  # the whole model's config and this rank's slices (model/parallel/plan.py)
-        return model.eval().requires_grad_(False).fuse_projections()
+        return model.eval().requires_grad_(False)
+
+
+def split_fused(state: dict[str, Tensor], config: ModelConfig) -> dict[str, Tensor]:
+    """The inverse of `stack_fused`: a state dict with each fused weight split back into its parts' names (views)."""
+    rows = {name: shape(config)[0] for name, shape in _LAYER_SHAPES.items()}
+    out: dict[str, Tensor] = {}
+    for name, t in state.items():
+        prefix, _, suffix = name.partition(".")[2].partition(".")  # "layers.0.attention.wqkv.weight": "0", ...
+        parts = FUSED_PARTS.get(suffix.removesuffix(".weight")) if name.startswith("layers.") else None
+        if parts is None:
+            out[name] = t
+            continue
+        for part, piece in zip(parts, t.split([rows[f"{p}.weight"] for p in parts])):
+            out[f"layers.{prefix}.{part}.weight"] = piece
+    return out
+
+
+def stack_fused(tensors: dict[str, Tensor], n_layers: int) -> dict[str, Tensor]:
+    """Our part names (wq, wk, wv; w1, w3) -> the fused modules' weights (`transformer.FUSED_PARTS`), parts stacked
+    along the output dim in order; the parts are released as they are stacked. Other names pass through."""
+    out = dict(tensors)
+    for i in range(n_layers):
+        for fused, parts in FUSED_PARTS.items():
+            names = [f"layers.{i}.{p}.weight" for p in parts]
+            out[f"layers.{i}.{fused}.weight"] = torch.cat([out.pop(n) for n in names])
+    return out

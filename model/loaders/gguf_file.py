@@ -15,7 +15,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
 from model.config import ModelConfig
-from model.loaders.assemble import ModelAssembler, NameMap
+from model.loaders.assemble import LAYER_NAMES, ModelAssembler, NameMap
 from model.loaders.config_keys import config_from_gguf
 from model.loaders.errors import CheckpointError
 from model.quantize import Int4Linear, Quantization, QuantLinear, gguf_q4_groups, quantize_model
@@ -25,17 +25,7 @@ from model.transformer import Transformer
 gguf_to_ours = NameMap(
     top={"token_embd.weight": "tok_embeddings.weight", "output_norm.weight": "norm.weight", "output.weight": "output.weight"},
     layer_re=r"blk\.(\d+)\.(\w+)\.weight",
-    layer={
-        "attn_norm": "attention_norm.weight",
-        "attn_q": "attention.wq.weight",
-        "attn_k": "attention.wk.weight",
-        "attn_v": "attention.wv.weight",
-        "attn_output": "attention.wo.weight",
-        "ffn_norm": "ffn_norm.weight",
-        "ffn_gate": "feed_forward.w1.weight",
-        "ffn_up": "feed_forward.w3.weight",
-        "ffn_down": "feed_forward.w2.weight",
-    },
+    layer={gguf: ours for ours, _, gguf in LAYER_NAMES},
 )
 
 

@@ -12,7 +12,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from model.config import ModelConfig
-from model.loaders.assemble import ModelAssembler, NameMap
+from model.loaders.assemble import LAYER_NAMES, ModelAssembler, NameMap
 from model.loaders.config_keys import config_from_hf
 from model.loaders.errors import CheckpointError
 from model.loaders.shard import ShardFor, WeightShard
@@ -22,17 +22,7 @@ from model.transformer import Transformer
 hf_to_ours = NameMap(
     top={"model.embed_tokens.weight": "tok_embeddings.weight", "model.norm.weight": "norm.weight", "lm_head.weight": "output.weight"},
     layer_re=r"model\.layers\.(\d+)\.(.+)",
-    layer={
-        "input_layernorm.weight": "attention_norm.weight",
-        "self_attn.q_proj.weight": "attention.wq.weight",
-        "self_attn.k_proj.weight": "attention.wk.weight",
-        "self_attn.v_proj.weight": "attention.wv.weight",
-        "self_attn.o_proj.weight": "attention.wo.weight",
-        "post_attention_layernorm.weight": "ffn_norm.weight",
-        "mlp.gate_proj.weight": "feed_forward.w1.weight",
-        "mlp.up_proj.weight": "feed_forward.w3.weight",
-        "mlp.down_proj.weight": "feed_forward.w2.weight",
-    },
+    layer={hf: ours for ours, hf, _ in LAYER_NAMES},
 )
 # Buffers some older exports saved; recomputed here from the config.
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")

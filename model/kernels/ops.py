@@ -1,0 +1,140 @@
+"""One dispatch point per op (vLLM's `CustomOp`: forward_native / forward_cpu / forward_cuda behind one call).
+
+Each function below picks, for the tensors it is given, the native C++ kernel (CPU, float32/bfloat16, built), the
+Triton kernel (CUDA) or the PyTorch implementation, and the caller never knows which. The PyTorch implementations
+are the references the tests compare the kernels with (`kernels.disabled()` runs them everywhere). Notation as in
+model/transformer.py; N packed tokens, R decode rows, W block-table width, NB pool blocks, bs block size.
+
+    rms_norm          (..., D)                      Zhang & Sennrich 2019
+    silu_mul          (..., 2F) -> (..., F)         SwiGLU's gate, Shazeer 2020
+    rope_             (B, T, heads, E) in place     RoPE, rotate-half layout
+    quantized_linear  (M, in) @ int8 / int4 W       few rows: fused dequantize kernels; many: dequantize + GEMM
+    paged_write       k, v (N, K, E) -> pool slots
+    decode_attention  q (N, H, E) rows over their block tables (PagedAttention's decode, Kwon et al. 2023)
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from model.attention import sdpa
+from model.kernels import native as native_kernels
+from model.kernels import triton_attention, usable
+
+if TYPE_CHECKING:
+    from model.quantize import QuantLinear
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:  # (..., D) -> (..., D)
+    native = usable(x, weight)
+    if native is not None and x.dtype == weight.dtype:
+        return native.rms_norm(x.contiguous(), weight, eps)  # the same math in one pass per row
+    # Statistics in float32 whatever the activation dtype, cast back before the gain (as Meta and HF do).
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def silu_mul(gate_up: Tensor) -> Tensor:  # (..., 2F) -> (..., F): silu(gate) * up
+    native = usable(gate_up)
+    if native is not None:
+        return native.silu_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def apply_rotary_tables(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
+    """x (B, T, n, E) rotated by `transformer.rotary_tables`' cos and signed sin (B, T, 1, E): x * cos +
+    swap_halves(x) * signed_sin, which is x * cos + rotate_half(x) * sin (rotate-half layout) in four ops."""
+    B, T, n, E = x.shape
+    swapped = x.reshape(B, T, n, 2, E // 2).flip(3).reshape(B, T, n, E)  # (x2, x1)
+    return x * cos + swapped * signed_sin
+
+
+def rope_(x: Tensor, cos: Tensor, signed_sin: Tensor, n_rot: int) -> Tensor:
+    """Rotate the first `n_rot` heads of x (B, T, heads, E) in place (`apply_rotary_tables`); returns x."""
+    native = usable(x, cos)
+    if native is not None and cos.dtype == x.dtype and x.is_contiguous() and cos.is_contiguous() and signed_sin.is_contiguous():
+        native.rope_(x, cos, signed_sin, n_rot)  # one pass over q and k heads
+        return x
+    x[:, :, :n_rot] = apply_rotary_tables(x[:, :, :n_rot], cos, signed_sin)
+    return x
+
+
+def quantized_linear(layer: "QuantLinear", x: Tensor) -> Tensor:
+    """x (M, in) -> (M, out) in x's dtype through a weight-only quantized layer.
+
+    Up to the layer's `kernel_row_limit` rows: the few-row kernel (the native one reads the quantized format directly
+    with int8-rounded activations, llama.cpp's scheme; else PyTorch's packed CPU kernel). Above it: the weight
+    dequantized to float32 and one float32 GEMM (many-row compute), over activations rounded as the native kernel
+    rounds them when that is the decode kernel, so a row's result does not depend on how many rows share its step."""
+    from model.quantize import GROUP_SIZE, KERNEL_DTYPE, round_activations
+
+    native = usable(x) if x.device.type == "cpu" and layer.in_features % GROUP_SIZE == 0 else None
+    if x.shape[0] <= layer.kernel_row_limit(native is not None):
+        if native is not None:
+            y = getattr(native, layer.native_op)(x.float().contiguous(), *layer.native_buffers())  # (M, out) float32
+        else:
+            y = layer.packed_matmul(x.to(KERNEL_DTYPE))
+    else:
+        # Float32 compute whatever the activation dtype (bfloat16 GEMM is several times slower on AVX2).
+        xf = round_activations(x.float()) if native is not None else x.float()
+        y = F.linear(xf, layer.dequantize(torch.float32))
+    return y.to(x.dtype)
+
+
+def dequantize(layer: "QuantLinear", dtype: torch.dtype = torch.float32) -> Tensor:
+    """A quantized layer's weight -> (out, in) in `dtype`: natively in one pass (bitwise the PyTorch values; the
+    many-row path calls this every forward), else the layer's PyTorch `reference_dequantize`."""
+    buffers = layer.native_buffers()
+    native = native_kernels() if buffers is not None and dtype == torch.float32 and buffers[0].device.type == "cpu" else None
+    if native is not None:
+        return getattr(native, layer.native_op.replace("_linear", "_dequantize"))(*buffers)
+    return layer.reference_dequantize(dtype)
+
+
+def paged_write(k: Tensor, v: Tensor, k_pool: Tensor, v_pool: Tensor, slots: Tensor) -> None:
+    """Write one step's k, v (N, K, E) into their pool slots (N,) (block * bs + offset) of pools (NB, bs, K, E)."""
+    native = usable(k)
+    if native is not None and k.dtype == k_pool.dtype:
+        native.paged_write(k, v, k_pool, v_pool, slots)
+    else:
+        K, E = k.shape[-2], k.shape[-1]
+        k_pool.view(-1, K, E)[slots] = k
+        v_pool.view(-1, K, E)[slots] = v
+
+
+def decode_attention_backend(q: Tensor, k_pool: Tensor) -> str:
+    """Which implementation `decode_attention` runs for q's device and dtype: "native", "triton" or "torch"."""
+    native = usable(q)
+    if native is not None and q.dtype == k_pool.dtype:
+        return "native"
+    if triton_attention.available(q, k_pool.shape[1]):
+        return "triton"
+    return "torch"
+
+
+def decode_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, rows: Tensor, tables: Tensor, lens: Tensor,
+                     out: Tensor) -> None:
+    """Rows `rows` (R,) of q (N, H, E) attend over their block tables (R, W) up to their lengths (R,) in pools
+    (NB, bs, K, E); writes those rows of out (N, H, E). Native and Triton walk the tables in place (no gather); the
+    PyTorch reference gathers each row's blocks and masks past its length."""
+    if rows.numel() == 0:
+        return
+    backend = decode_attention_backend(q, k_pool)
+    if backend == "native":
+        usable(q).paged_decode_attention(q, k_pool, v_pool, rows, tables, lens, out)
+    elif backend == "triton":
+        triton_attention.paged_decode_attention(q, k_pool, v_pool, rows, tables, lens, out)
+    else:
+        R, (_, bs, K, E) = tables.shape[0], k_pool.shape
+        W = -(-int(lens.max()) // bs)  # the blocks the longest row uses: the rest of the table is never read
+        ids = tables[:, :W].reshape(-1)  # (R * W,)
+        kd = k_pool.index_select(0, ids).view(R, W * bs, K, E)  # (R, S, K, E)
+        vd = v_pool.index_select(0, ids).view(R, W * bs, K, E)
+        mask = (torch.arange(W * bs, device=q.device) < lens.unsqueeze(1))[:, None, None, :]  # (R, 1, 1, S)
+        out[rows] = sdpa(q[rows].unsqueeze(1), kd, vd, mask).squeeze(1)  # (R, H, E)
