@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 import torch
+from model.dtypes import DTYPES
 
 from benchmarks import ceilings, hf_peer, ours
 from benchmarks.machine import MB, PeakRSS, machine_info, rss_mb
@@ -35,7 +36,6 @@ from benchmarks.measure import Clock
 from benchmarks.report import compare, print_report
 from benchmarks.workload import WorkloadSizes, make_workload
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 

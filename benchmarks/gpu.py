@@ -48,8 +48,7 @@ from benchmarks.measure import Clock
 from benchmarks.results_file import Results, errors, free
 from benchmarks.static_decode import StaticDecoder, sync
 from model.config import KNOWN_SHAPES
-from model.kernels import triton_attention
-from model.engine.paged_cache import decode_attention_kernel
+from model.kernels import ops
 
 H200_HBM_TB_S = 4.8
 COMPARE_TOKENS = 16  # greedy steps whose log-probabilities benchmarks/agreement.py compares
@@ -96,7 +95,7 @@ def engine_phase(model, tokenizer, prompts: torch.Tensor, args, device, r: dict,
     vocab, clock = model.config.vocab_size, Clock(device)
     served = next(p for p in engine_plans(args) if p.role == "served")
     engine = _build_engine(model, tokenizer, served, device, r)
-    r["engine_decode_graphs"] = engine.decode_graphs is not None
+    r["engine_decode_graphs"] = engine.runner.graphs is not None
     ours.warm_up(engine, vocab)
     r["engine_single_tok_s"] = ours.run_single(engine, prompts[0].tolist(), args.new_tokens, clock).decode_tok_s
     results.save()
@@ -107,10 +106,10 @@ def engine_phase(model, tokenizer, prompts: torch.Tensor, args, device, r: dict,
         r.setdefault("engine_preemptions", {})[b] = res.notes["preemptions"]  # 0 when the pool is sized right
         results.save()
     steps["engine"] = ours.logprob_steps(engine, prompts[0].tolist(), args.compare_tokens, TOP_K)
-    if engine.decode_graphs is None:
+    if engine.runner.graphs is None:
         return False
-    r["engine_graph_buckets"] = sorted(engine.decode_graphs.graphs)
-    r["engine_graph_buckets_failed"] = sorted(engine.decode_graphs.failed)
+    r["engine_graph_buckets"] = sorted(engine.runner.graphs.graphs)
+    r["engine_graph_buckets_failed"] = sorted(engine.runner.graphs.failed)
     return True
 
 
@@ -214,12 +213,11 @@ def _load(config, args, dtype: torch.dtype, device: torch.device):
 
 
 def _decode_attention(device: torch.device, dtype: torch.dtype) -> str:
-    """What the engine's decode rows attend with on this device (model/engine/paged_cache.py's choice)."""
-    probe = torch.zeros(1, 1, 16, dtype=dtype, device=device)  # (N, H, E); on CUDA the Triton check launches once
-    kernel = decode_attention_kernel(probe, probe, 16)
-    if kernel is None:
-        return "gather + SDPA"
-    return "triton paged kernel" if kernel is triton_attention.paged_decode_attention else "native CPU kernel"
+    """What the engine's decode rows attend with on this device (model/kernels/ops.py's choice)."""
+    q = torch.zeros(1, 1, 16, dtype=dtype, device=device)  # (N, H, E); on CUDA the Triton check launches once
+    pool = torch.zeros(1, 16, 1, 16, dtype=dtype, device=device)  # (NB, bs, K, E)
+    return {"native": "native CPU kernel", "triton": "triton paged kernel", "torch": "gather + SDPA"}[
+        ops.decode_attention_backend(q, pool)]
 
 
 def full_size(parser: argparse.ArgumentParser) -> argparse.Namespace:

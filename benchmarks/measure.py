@@ -73,19 +73,23 @@ class StreamResult:
     ttft_s: float
     decode_tok_s: float
     total_s: float
+    steps_by_path: dict[str, int] | None = None  # ours: the engine steps per execution path the runner chose
 
     @classmethod
-    def from_token_times(cls, token_ids: list[int], times: list[float]) -> StreamResult:
+    def from_token_times(cls, token_ids: list[int], times: list[float], steps_by_path: dict[str, int] | None = None) -> StreamResult:
         """times[i]: seconds from the start until token i was available."""
         if len(times) != len(token_ids) or not times:
             raise ValueError(f"{len(token_ids)} tokens but {len(times)} token times")
         n = len(times)
         decode = (n - 1) / (times[-1] - times[0]) if n > 1 and times[-1] > times[0] else float("nan")
-        return cls(list(token_ids), times[0], decode, times[-1])
+        return cls(list(token_ids), times[0], decode, times[-1], steps_by_path)
 
     def summary(self) -> dict:
-        return {"num_tokens": len(self.token_ids), "ttft_s": self.ttft_s, "decode_tok_s": self.decode_tok_s,
-                "total_s": self.total_s}
+        out = {"num_tokens": len(self.token_ids), "ttft_s": self.ttft_s, "decode_tok_s": self.decode_tok_s,
+               "total_s": self.total_s}
+        if self.steps_by_path is not None:
+            out["steps_by_path"] = self.steps_by_path
+        return out
 
 
 @dataclass

@@ -31,6 +31,7 @@ def _check(out: RequestOutput) -> None:
 def run_single(engine: Engine, prompt: list[int], max_tokens: int, clock: Clock) -> StreamResult:
     """One request alone; a mark per step that produced its token (a partial prefill chunk produces none)."""
     tokens: list[int] = []
+    before = engine.stats().steps_by_path
     clock.start()
     engine.add_request("single", prompt, greedy(max_tokens))
     while engine.has_unfinished():
@@ -40,7 +41,12 @@ def run_single(engine: Engine, prompt: list[int], max_tokens: int, clock: Clock)
             tokens += out.token_ids
         if any(out.token_ids for out in outs):
             clock.mark()
-    return StreamResult.from_token_times(tokens, clock.times())
+    return StreamResult.from_token_times(tokens, clock.times(), _paths(before, engine.stats().steps_by_path))
+
+
+def _paths(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    """Engine steps per execution path between two stats snapshots (model/engine/model_runner.py's choice)."""
+    return {path: n - before.get(path, 0) for path, n in after.items()}
 
 
 def run_concurrent(engine: Engine, prompts: list[list[int]], max_tokens: int, clock: Clock,
@@ -82,6 +88,7 @@ def run_concurrent(engine: Engine, prompts: list[list[int]], max_tokens: int, cl
             "preemptions": after.num_preemptions - before.num_preemptions,
             "prefix_cache_hit_tokens": after.prefix_cache_hits - before.prefix_cache_hits,
             "peak_kv_usage": peak_kv_usage,
+            "steps_by_path": _paths(before.steps_by_path, after.steps_by_path),
         },
     )
 

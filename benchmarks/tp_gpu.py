@@ -2,7 +2,7 @@
 requests and the same engine configuration, one after the other in one run; greedy tokens are checked equal.
 
 Like with like: the headline pair runs both sides eagerly (`decode_graphs="off"`), since a TP=N engine has no
-decode graphs (model/decode_graphs.py turns them off for tensor-parallel models) and TP=1 with graphs against TP=N
+decode graphs (model/engine/cuda_graphs.py turns them off for tensor-parallel models) and TP=1 with graphs against TP=N
 without would credit the graphs to TP=1. A second pair with graphs on both sides runs where both engines got them;
 otherwise the JSON says why it was skipped and still records TP=1 with graphs on its own.
 
@@ -83,7 +83,7 @@ def measure(loaded, args: argparse.Namespace, graphs: bool) -> dict | None:
                           max_num_batched_tokens=max(512, args.batch * args.prompt_len),
                           decode_graphs="auto" if graphs else "off")
     engine = Engine(model, loaded.tokenizer, config)
-    if graphs and engine.decode_graphs is None:
+    if graphs and engine.runner.graphs is None:
         return None
     V = min(model.config.vocab_size, 256)  # byte ids: valid in every vocabulary this script builds
     warm_up(engine, V)
@@ -95,7 +95,7 @@ def measure(loaded, args: argparse.Namespace, graphs: bool) -> dict | None:
     shard = getattr(model, "shard", model)
     return {"decode_tok_s": decode_tokens / (r.wall_s - t0), "wall_s": r.wall_s, "ttft_max_s": t0,
             "rank0_parameter_mb": parameter_bytes(shard) / 2**20, "kv_cache_mb_per_rank": engine.cache.nbytes / 2**20,
-            "decode_graphs": engine.decode_graphs is not None, "token_ids": r.token_ids,
+            "decode_graphs": engine.runner.graphs is not None, "token_ids": r.token_ids,
             "logprob_steps": logprob_steps(engine, prompts[0], min(16, args.max_tokens), TOP_K)}
 
 
@@ -103,7 +103,7 @@ def _pair(r1: dict | None, rn: dict | None, tp: int, dtype: torch.dtype) -> dict
     """TP=1 vs TP=N measured the same way: speedup, greedy tokens, and the logprob agreement of one request."""
     if r1 is None or rn is None:
         side = "TP=1" if r1 is None else f"TP={tp}"
-        return {"skipped": f"{side} has no decode graphs here (model/decode_graphs.py: CUDA with Triton, and not "
+        return {"skipped": f"{side} has no decode graphs here (model/engine/cuda_graphs.py: CUDA with Triton, and not "
                            "for tensor-parallel models)",
                 **({"tp1": _strip(r1)} if r1 is not None else {})}
     agreement = compare(r1["logprob_steps"], rn["logprob_steps"], TOLERANCE[dtype], FIRST_TOKENS)
@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="write the results JSON here")
     args = p.parse_args(argv)
-    from model.parallel.worker import DTYPES
+    from model.dtypes import DTYPES
     from model.parallel.rank0 import launch
 
     dtype = DTYPES[args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")]

@@ -21,8 +21,8 @@ from model.loaders.errors import CheckpointError
 from model.quantize import QUANTIZATIONS
 from model.engine.sampling_params import SamplingParams
 from model.transformer import Transformer
+from model.dtypes import DTYPES
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @torch.inference_mode()

@@ -1,4 +1,4 @@
-"""The engine's static-buffer decode step (model/decode_graphs.py) without the CUDA capture: on CPU, "eager" mode
+"""The engine's static-buffer decode step (model/engine/cuda_graphs.py) without the CUDA capture: on CPU, "eager" mode
 runs exactly what a graph would replay (static buffers, bucket padding, the scratch block, attention reading block
 tables on the device) and must give the tokens the ordinary step gives."""
 
@@ -26,16 +26,18 @@ def test_static_decode_step_gives_the_ordinary_steps_tokens():
     requests = {str(i): (p, greedy(12 + i)) for i, p in enumerate(prompts)}
     arrive = {str(i): 2 * i for i in range(len(prompts))}  # batch sizes 1..6 come and go: every bucket, padded
     eager = _engine("eager")
-    assert eager.decode_graphs is not None and eager.decode_graphs.buckets == [1, 2, 4, 8]
+    graphs = eager.runner.graphs
+    assert graphs is not None and graphs.buckets == [1, 2, 4, 8]
     # the scratch block the padding rows write to is outside what the KV manager hands out
     assert eager.cache.num_blocks == eager.kv.num_blocks + 1 == 49
     calls = []
-    original = eager.decode_graphs.run
-    eager.decode_graphs.run = lambda *a: calls.append(len(a[0])) or original(*a)
+    original = graphs.run
+    graphs.run = lambda batch: calls.append(batch.meta.num_tokens) or original(batch)
     got = run(eager, requests, arrive)
     want = run(_engine("off"), requests, arrive)
     assert {r: c[0]["tokens"] for r, c in got.items()} == {r: c[0]["tokens"] for r, c in want.items()}
     assert len(calls) > 20 and set(calls) >= {1, 3, 5}  # it did run, at sizes that pad (3 -> 4, 5 -> 8)
+    assert eager.runner.path_counts["cuda_graph"] == len(calls)  # and the runner recorded the path it took
     assert_pool_clean(eager)
 
 
@@ -50,7 +52,9 @@ def test_sampled_and_logprob_requests_take_the_static_step_too():
 
 
 def test_auto_captures_only_on_cuda():
-    assert _engine("auto").decode_graphs is None  # CPU: the one-call native step serves decode instead
-    assert _engine("off").decode_graphs is None
+    auto = _engine("auto")
+    assert auto.runner.graphs is None  # CPU: the one-call native step serves decode instead
+    run(auto, {"a": ([1, 2, 3], greedy(4))})
+    assert auto.stats().steps_by_path == {"cuda_graph": 0, "native_decode": 3, "module": 1}
     off = _engine("off")
-    assert off.cache.num_blocks == off.kv.num_blocks
+    assert off.runner.graphs is None and off.cache.num_blocks == off.kv.num_blocks

@@ -294,19 +294,19 @@ def test_queue_limit_and_invalid_requests(model, tok):
 def test_failing_step_fails_only_its_requests(model, tok, monkeypatch):
     engine = Engine(model, tok, EngineConfig(num_blocks=64, block_size=4))
     engine.add_request("doomed", [5, 6, 7], greedy(8))
-    real_forward = type(model).forward
+    real_forward = engine.runner._forward
     calls = {"n": 0}
 
-    def flaky(self, *a, **kw):
+    def flaky(*a, **kw):  # the second step's forward raises, whichever execution path it took
         calls["n"] += 1
         if calls["n"] == 2:
             raise RuntimeError("injected")
-        return real_forward(self, *a, **kw)
+        return real_forward(*a, **kw)
 
-    monkeypatch.setattr(type(model), "forward", flaky)
+    monkeypatch.setattr(engine.runner, "_forward", flaky)
     outs = engine.step() + engine.step()
     assert outs[-1].finish_reason == "error" and "RuntimeError" in outs[-1].error
-    monkeypatch.setattr(type(model), "forward", real_forward)
+    monkeypatch.setattr(engine.runner, "_forward", real_forward)
     res = run(engine, {"fine": ([5, 6, 7], greedy(8))})
     assert res["fine"][0]["tokens"] == list(generate(model, [5, 6, 7], 8))
     assert_pool_clean(engine)

@@ -11,10 +11,10 @@ import torch.nn.functional as F
 
 from model import kernels
 from model.attention import sdpa
-from model.engine.paged_cache import PagedKVCache, SeqSlice
+from model.engine import Engine, EngineConfig, SamplingParams
 from model.quantize import Int4Linear, Int8Linear, quantize_model, round_activations
 from model.transformer import RMSNorm, apply_rotary_tables, rotary_tables
-from tiny import greedy_tokens, tiny_model
+from tiny import byte_tokenizer, greedy_tokens, tiny_model
 
 native = kernels.native()
 pytestmark = pytest.mark.skipif(native is None, reason=f"native kernels: {kernels.status()}")
@@ -121,9 +121,10 @@ def test_quantized_kernels_compute_rounded_activations_times_the_dequantized_wei
     layer = cls.from_float(torch.randn(160, 576) * 0.05)
     x = torch.randn(M, 576) * 3
     x[0, 5] = 400.0  # a massive activation: its block's other entries round to few levels, exactly as the reference
-    got = layer._native(native, x)
+    got = getattr(native, layer.native_op)(x, *layer.native_buffers())
     want = F.linear(round_activations(x), layer.dequantize())
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    torch.testing.assert_close(layer(x), got, rtol=0, atol=0)  # the layer's own dispatch takes that kernel
 
 
 @pytest.mark.parametrize("cls", [Int8Linear, Int4Linear])
@@ -141,7 +142,7 @@ def test_int4_q4_0_offsets_and_rounding_ties():
     layer = Int4Linear(q, d, -8 * d)
     x = torch.zeros(1, 64)
     x[0, 0], x[0, 1], x[0, 2] = 127.0, 0.5, 2.5  # d_x = 1: 0.5 and 2.5 are ties
-    got = layer._native(native, x)
+    got = getattr(native, layer.native_op)(x, *layer.native_buffers())
     want = F.linear(round_activations(x), layer.dequantize())
     assert round_activations(x)[0, 1] == 0 and round_activations(x)[0, 2] == 2
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
@@ -150,30 +151,29 @@ def test_int4_q4_0_offsets_and_rounding_ties():
 # ---- the native decode step ----------------------------------------------------------------------------------
 
 
-def _decode_step_logits(model, use_native: bool) -> torch.Tensor:
-    """Two sequences' prefill (module path), then one pure decode step; its logits."""
-    cache = PagedKVCache.for_model(model, num_blocks=16, block_size=4)
-    a, b = [3, 9, 1, 4, 1, 5, 9], [2, 6, 5, 3, 5]
-    with torch.no_grad():
-        cache.set_step([SeqSlice(0, 7, 7, [3, 0]), SeqSlice(7, 5, 5, [5, 1])])
-        model(torch.tensor([a + b]), torch.tensor([list(range(7)) + list(range(5))]), cache)
-        cache.set_step([SeqSlice(0, 1, 8, [3, 0]), SeqSlice(1, 1, 6, [5, 1])])
-        assert cache.pure_decode and (model._native_decode_step(torch.zeros(1, 2, 1, dtype=model.dtype), cache) is not None) == use_native
-        return model(torch.tensor([[8, 7]]), torch.tensor([[7, 5]]), cache)
+def _decode_run(model, native_decode: bool):
+    """Three prompts' greedy tokens with every logprob, and the steps per execution path."""
+    engine = Engine(model, byte_tokenizer(), EngineConfig(num_blocks=64, block_size=4, native_decode=native_decode))
+    prompts = [[5, 9, 2, 7, 1] * k for k in (1, 3, 7)]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=5)
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, params)
+    got: dict[str, list] = {str(i): [] for i in range(len(prompts))}
+    while engine.has_unfinished():
+        for o in engine.step():
+            got[o.request_id] += [(t, lp.logprob, lp.top) for t, lp in zip(o.token_ids, o.logprobs)]
+    return got, engine.stats().steps_by_path
 
 
 @pytest.mark.parametrize("mode", ["none", "int8", "int4"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_native_decode_step_equals_the_module_path(mode, dtype):
-    """`decode_layers` composes the very ops the modules call: the same logits, the same greedy tokens."""
+    """`decode_layers` composes the very ops the modules call: bitwise the same logprobs, the same greedy tokens."""
     model = quantize_model(tiny_model(dtype=dtype), mode)
-    fast = _decode_step_logits(model, use_native=True)
-    with torch.no_grad():
-        # the same ops one module call at a time: a forward hook turns the one-call path off
-        handle = model.layers[0].register_forward_hook(lambda *a: None)
-        slow = _decode_step_logits(model, use_native=False)
-        handle.remove()
-    assert torch.equal(fast, slow)
+    fast, fast_paths = _decode_run(model, native_decode=True)
+    slow, slow_paths = _decode_run(model, native_decode=False)
+    assert fast_paths["native_decode"] >= 5 and slow_paths["native_decode"] == 0
+    assert fast == slow
     prompts = [[5, 9, 2, 7, 1] * k for k in (1, 3, 7)]
     together = greedy_tokens(model, prompts)
     assert together == [greedy_tokens(model, [p])[0] for p in prompts]  # batched == one at a time
@@ -185,16 +185,6 @@ def test_native_and_pytorch_paths_agree_on_greedy_tokens():
     fast = greedy_tokens(model, prompts, n=16)
     with kernels.disabled():
         assert greedy_tokens(model, prompts, n=16) == fast
-
-
-def test_hooks_see_every_block_of_a_decode_step():
-    """A forward hook (a probe, a tensor-parallel all-reduce) is never skipped by the one-call path."""
-    model = tiny_model()
-    calls: list[int] = []
-    handle = model.layers[1].feed_forward.w2.register_forward_hook(lambda m, i, o: calls.append(i[0].shape[1]))
-    greedy_tokens(model, [[1, 2, 3]], n=4)
-    handle.remove()
-    assert calls == [3, 1, 1, 1]  # the prefill, then three decode steps (the fourth token needs no forward)
 
 
 # ---- off, or unavailable -------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ import httpx
 import pytest
 
 from live_server import LiveServer
+from model.engine.model_runner import ModelRunner
 from model.loaders.checkpoint import LoadedModel
 from service.config import Settings
 from service.main import create_app
@@ -24,7 +25,8 @@ def tiny_server():
 
 
 def _fail_next_forwards(monkeypatch, model, count: int = 1):
-    real = type(model).forward
+    """The next `count` steps' forwards raise, whichever execution path the runner chose for them."""
+    real = ModelRunner._forward
     left = {"n": count}
 
     def flaky(self, *a, **kw):
@@ -33,7 +35,7 @@ def _fail_next_forwards(monkeypatch, model, count: int = 1):
             raise RuntimeError("injected fault at /secret/internal/path.py")
         return real(self, *a, **kw)
 
-    monkeypatch.setattr(type(model), "forward", flaky)
+    monkeypatch.setattr(ModelRunner, "_forward", flaky)
 
 
 def test_non_streamed_failure_is_a_500_envelope(tiny_server, monkeypatch):

@@ -36,11 +36,13 @@ class EngineJob(Protocol):
         ...
 
 
-# A job's share of the engine thread: with requests in flight, each job step gets this fraction of a recent serving
-# step's time (so decoding keeps about 1 / (1 + JOB_SHARE) of its rate during any inspection); when idle, a
-# longer slice that still lets a new request start within it.
+# A job's share of the engine thread while requests are in flight: each serving step earns the job JOB_SHARE of
+# that step's time as credit, and a job step runs only on credit, spending what it took (a token bucket, so the
+# job's share holds even when one of its steps overshoots its budget: decoding keeps about 1 / (1 + JOB_SHARE) of
+# its rate during any inspection). Credit is capped at a few steps' worth, so a job never bursts. When no request
+# is in flight, a job runs in longer slices that still let a new request start within one.
 JOB_SHARE = 0.5
-MIN_JOB_BUDGET_S = 0.0005
+MAX_JOB_CREDIT_STEPS = 4
 IDLE_JOB_BUDGET_S = 0.05
 
 
@@ -70,7 +72,7 @@ class AsyncEngine:
         # other threads read instead of walking the engine's live dicts while it changes them.
         self.stats: EngineStats = engine.stats()
         self._jobs: deque[_QueuedJob] = deque()  # engine thread only
-        self._step_seconds = 0.0  # a running mean of recent serving steps (engine thread only)
+        self._job_credit = 0.0  # seconds of engine time a job may use now (engine thread only)
         self._num_jobs = 0  # submitted and not finished (guarded by _lock)
 
     # ---- lifecycle ----------------------------------------------------------------------------------------
@@ -209,7 +211,7 @@ class AsyncEngine:
                         out.finish_reason, out.error = "error", "the engine failed"
                         outs.append(out)
             elapsed = time.perf_counter() - start
-            self._step_seconds = elapsed if not self._step_seconds else 0.8 * self._step_seconds + 0.2 * elapsed
+            self._job_credit = min(self._job_credit + JOB_SHARE * elapsed, MAX_JOB_CREDIT_STEPS * JOB_SHARE * elapsed)
             self.stats = self.engine.stats()
             self._dispatch(outs)
             for hook in self.step_hooks:
@@ -285,11 +287,15 @@ class AsyncEngine:
             return False
         queued = self._jobs[0]
         busy = self.engine.has_unfinished()
-        budget = max(MIN_JOB_BUDGET_S, JOB_SHARE * self._step_seconds) if busy else IDLE_JOB_BUDGET_S
+        if busy and self._job_credit <= 0:
+            return False  # serving steps first, until they have earned the job another slice
+        budget = self._job_credit if busy else IDLE_JOB_BUDGET_S
+        start = time.perf_counter()
         try:
             finished, error = queued.job.step(budget), None
         except Exception as e:  # the job's own failure (bad input found late, out of memory): its caller's error
             finished, error = True, e
+        self._job_credit = self._job_credit - (time.perf_counter() - start) if busy else 0.0
         if finished:
             self._jobs.popleft()
             _call_soon(queued.loop, _resolve, queued.done, error)

@@ -4,11 +4,15 @@ A decode step of a small model on a GPU is launch-bound: hundreds of kernel laun
 microseconds of host work, for a few microseconds of GPU work each. Captured once per batch size, the step's whole
 forward (embedding, every block, paged attention through the Triton kernel, the head) replays as one graph launch.
 
-Everything the graph reads lives in static buffers, refilled before each replay: tokens, positions, KV slots, and
-each row's block table and context length (the Triton decode kernel reads those on the device, so nothing in the
-forward depends on host values). A batch of n rows runs the graph of the smallest bucket >= n; the padding rows
-decode token 0 at position 0 into a scratch block outside the KV manager's pool, so they never touch a sequence's
-cache. Sampling stays outside the graph (it needs the host anyway: stop strings, detokenization).
+Everything the graph reads lives in the model runner's persistent device buffers (model/engine/input_batch.py),
+refilled before each replay: tokens, positions, KV slots, and each row's block table and context length (the
+Triton decode kernel reads those on the device, so nothing in the forward depends on host values). A batch of n
+rows runs the graph of the smallest bucket >= n; the padding rows decode token 0 at position 0 into a scratch
+block outside the KV manager's pool, so they never touch a sequence's cache. Sampling stays outside the graph (it
+needs the host anyway: stop strings, detokenization).
+
+Every bucket is captured when the engine starts, largest first and sharing one memory pool (vLLM's order: the
+largest graph's buffers are reused by the smaller ones), so no request ever pays a capture.
 
 Modes (`EngineConfig.decode_graphs`): "auto" captures on CUDA where the Triton decode kernel is available, "off"
 runs every step eagerly, "eager" runs the static-buffer step without capture (what the CPU tests check, with the
@@ -18,14 +22,15 @@ native CPU kernel for attention: every part but the capture itself).
 from __future__ import annotations
 
 import logging
+import time
 from typing import Literal
 
 import torch
 from torch import Tensor
 
-from model import kernels
-from model.kernels import triton_attention
-from model.engine.paged_cache import PagedKVCache, SeqSlice, decode_attention_kernel, padded_tables, slot_of, write_kv
+from model.engine.input_batch import InputBuffers, StepBatch
+from model.engine.paged_cache import AttentionMetadata, PagedKVCache
+from model.kernels import ops
 
 log = logging.getLogger("llamascope.engine")
 
@@ -33,38 +38,36 @@ DecodeGraphMode = Literal["auto", "off", "eager"]
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
 
-class _StaticDecodeContext:
-    """The attention context the captured forward sees: the engine's pools, the static buffers' metadata."""
+def buckets(max_num_seqs: int) -> list[int]:
+    """The batch sizes graphs are captured for: every bucket below max_num_seqs and the first at or above it."""
+    return [b for b in BUCKETS if b < max_num_seqs] + [next((b for b in BUCKETS if b >= max_num_seqs), max_num_seqs)]
 
-    def __init__(self, cache: PagedKVCache, slots: Tensor, rows: Tensor, tables: Tensor, lens: Tensor) -> None:
-        self.cache, self.slots, self.rows, self.tables, self.lens = cache, slots, rows, tables, lens
+
+class _StaticContext:
+    """The attention context the captured forward sees: the cache's pools, the static buffers' metadata."""
+
+    def __init__(self, cache: PagedKVCache, meta: AttentionMetadata) -> None:
+        self.cache, self.meta = cache, meta
 
     def begin_forward(self, positions: Tensor) -> None:
         pass
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """q (1, B, H, E), k/v (1, B, K, E) -> (1, B, H, E), writing k/v into their slots first."""
-        k_pool, v_pool = self.cache.k[layer], self.cache.v[layer]  # (NB, bs, K, E)
-        write_kv(k_pool, v_pool, self.slots, k[0], v[0])
+        k_pool, v_pool, m = self.cache.k[layer], self.cache.v[layer], self.meta  # (NB, bs, K, E)
+        ops.paged_write(k[0], v[0], k_pool, v_pool, m.slot_mapping)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        attend_decode = decode_attention_kernel(q, k_pool, self.cache.block_size)  # `enabled` made sure there is one
-        attend_decode(q[0], k_pool, v_pool, self.rows, self.tables, self.lens, out[0])
+        ops.decode_attention(q[0], k_pool, v_pool, m.decode_rows, m.decode_tables, m.decode_lens, out[0])
         return out
 
 
-class DecodeGraphs:
-    def __init__(self, model: torch.nn.Module, cache: PagedKVCache, scratch_block: int, max_num_seqs: int,
-                 max_blocks_per_seq: int, capture: bool) -> None:
-        self.model, self.cache, self.capture = model, cache, capture
-        self.buckets = [b for b in BUCKETS if b < max_num_seqs] + [next((b for b in BUCKETS if b >= max_num_seqs), max_num_seqs)]
-        B, W, dev = self.buckets[-1], max_blocks_per_seq, cache.device
+class CudaGraphs:
+    def __init__(self, model: torch.nn.Module, cache: PagedKVCache, buffers: InputBuffers, scratch_block: int,
+                 max_num_seqs: int, capture: bool) -> None:
+        self.model, self.cache, self.buffers, self.capture = model, cache, buffers, capture
+        self.buckets = buckets(max_num_seqs)
         self.scratch_block, self.scratch_slot = scratch_block, scratch_block * cache.block_size
-        self.tokens = torch.zeros(1, B, dtype=torch.long, device=dev)  # (1, B)
-        self.positions = torch.zeros(1, B, dtype=torch.long, device=dev)  # (1, B)
-        self.slots = torch.full((B,), self.scratch_slot, dtype=torch.long, device=dev)  # (B,)
-        self.rows = torch.arange(B, dtype=torch.long, device=dev)  # (B,)
-        self.tables = torch.full((B, W), scratch_block, dtype=torch.long, device=dev)  # (B, W)
-        self.lens = torch.ones(B, dtype=torch.long, device=dev)  # (B,)
+        self.rows = torch.arange(self.buckets[-1], dtype=torch.long, device=cache.device)  # decode rows 0..B-1
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, Tensor] = {}  # bucket -> the logits the bucket's graph writes, (1, b, V)
         self.failed: set[int] = set()
@@ -76,49 +79,62 @@ class DecodeGraphs:
         tables on the device (Triton on CUDA, the native kernel on CPU), and tensor-parallel ranks step together."""
         if mode == "off" or getattr(model, "kv_config", None) is not None:
             return False
-        probe = torch.empty(0, device=model.device)
+        probe = torch.empty(1, 1, 16, dtype=model.dtype, device=model.device)  # the model's own dtype is checked
+        pool = torch.empty(1, block_size, 1, 16, dtype=model.dtype, device=model.device)
+        backend = ops.decode_attention_backend(probe, pool)
         if model.device.type == "cuda":
-            return triton_attention.available(probe, block_size)
-        return mode == "eager" and kernels.usable(probe.float()) is not None
+            return backend == "triton"
+        return mode == "eager" and backend == "native"
 
-    def accepts(self, slices: list[SeqSlice]) -> bool:
-        n = len(slices)
-        return 0 < n <= self.buckets[-1] and all(s.num_new == 1 for s in slices) and self._bucket(n) not in self.failed
+    def accepts(self, batch: StepBatch) -> bool:
+        n = batch.meta.num_tokens
+        return batch.meta.pure_decode and 0 < n <= self.buckets[-1] and self._bucket(n) not in self.failed
 
     def _bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)
 
+    def _static(self, b: int) -> tuple[Tensor, Tensor, AttentionMetadata]:
+        """The first b entries of the runner's device buffers: what bucket b's graph reads."""
+        d = self.buffers.dev
+        meta = AttentionMetadata(d["slots"][:b], self.rows[:b], d["decode_tables"][:b], d["decode_lens"][:b])
+        return d["tokens"][None, :b], d["positions"][None, :b], meta
+
+    def _pad(self, n: int, b: int) -> None:
+        """Rows n..b-1 of the buffers: token 0 at position 0, written to and read from the scratch block only."""
+        d = self.buffers.dev
+        d["tokens"][n:b] = 0
+        d["positions"][n:b] = 0
+        d["slots"][n:b] = self.scratch_slot
+        d["decode_tables"][n:b, 0] = self.scratch_block
+        d["decode_lens"][n:b] = 1
+
     @torch.inference_mode()
-    def run(self, slices: list[SeqSlice], tokens: list[int], positions: list[int]) -> Tensor:
-        """A pure decode step of n = len(slices) rows -> logits (n, V)."""
-        n, b, bs = len(slices), self._bucket(len(slices)), self.cache.block_size
-        dev = self.tokens.device
-        W = self.tables.shape[1]
-        slots = [slot_of(s.block_ids, p, bs) for s, p in zip(slices, positions)]
-        host_tables = torch.tensor(padded_tables(slices, W), dtype=torch.long)  # W: the blocks of max_model_len
-        self.tokens[0, :n].copy_(torch.tensor(tokens), non_blocking=True)
-        self.positions[0, :n].copy_(torch.tensor(positions), non_blocking=True)
-        self.slots[:n].copy_(torch.tensor(slots), non_blocking=True)
-        self.tables[:n].copy_(host_tables.to(dev), non_blocking=True)
-        self.lens[:n].copy_(torch.tensor([s.context_len for s in slices]), non_blocking=True)
-        # padding rows: token 0 at position 0, written to and read from the scratch block only
-        self.tokens[0, n:b] = 0
-        self.positions[0, n:b] = 0
-        self.slots[n:b] = self.scratch_slot
-        self.tables[n:b, 0] = self.scratch_block
-        self.lens[n:b] = 1
+    def run(self, batch: StepBatch) -> Tensor:
+        """A pure decode step of n rows, already written into the buffers -> logits (n, V)."""
+        n = batch.meta.num_tokens
+        b = self._bucket(n)
+        self._pad(n, b)
         if not self.capture:
             return self._forward(b)[0, :n]
-        if b not in self.graphs:
+        if b not in self.graphs:  # a bucket whose capture failed at start-up never gets here (`accepts`)
             self._capture(b)
             if b in self.failed:
                 return self._forward(b)[0, :n]
         self.graphs[b].replay()
         return self.outputs[b][0, :n]
 
+    def capture_all(self) -> None:
+        """Capture every bucket now, largest first into one shared pool; logs the time it took."""
+        start = time.perf_counter()
+        for b in reversed(self.buckets):
+            self._pad(0, b)  # every row a padding row: the capture writes only the scratch block
+            self._capture(b)
+        log.info("decode graphs: %d buckets captured in %.1fs (%s)", len(self.graphs), time.perf_counter() - start,
+                 ", ".join(str(b) for b in sorted(self.graphs)) + (f"; failed: {sorted(self.failed)}" if self.failed else ""))
+
     def _forward(self, b: int) -> Tensor:  # -> (1, b, V)
-        ctx = _StaticDecodeContext(self.cache, self.slots[:b], self.rows[:b], self.tables[:b], self.lens[:b])
-        return self.model(self.tokens[:, :b], self.positions[:, :b], ctx)
+        tokens, positions, meta = self._static(b)
+        return self.model(tokens, positions, _StaticContext(self.cache, meta))
 
     def _capture(self, b: int) -> None:
         try:
@@ -132,7 +148,6 @@ class DecodeGraphs:
             with torch.cuda.graph(graph, pool=self.pool):
                 self.outputs[b] = self._forward(b)
             self.graphs[b] = graph
-            log.info("decode graph captured for batch size %d", b)
         except Exception:  # never fail a request over a capture: that bucket runs eagerly from now on
             log.exception("CUDA graph capture failed for batch size %d; decoding it eagerly", b)
             self.failed.add(b)

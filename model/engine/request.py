@@ -10,7 +10,11 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from model.engine.output_processor import SequenceState
+    from model.engine.sampling_params import SamplingParams
 
 
 class SequenceStatus(enum.Enum):
@@ -44,8 +48,8 @@ class Sequence:
     num_scored_prompt_positions: int = 0
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
-    # engine-owned per-sequence state (detokenizer, stop matcher, sampling generator, logprobs so far)
-    state: Any = None
+    # the output processor's per-choice state (detokenizer, stop matcher, seeded generator, prompt logprobs)
+    state: SequenceState | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -83,7 +87,7 @@ class Sequence:
 class Request:
     request_id: str
     prompt_token_ids: list[int]
-    params: Any  # sampling.SamplingParams
+    params: SamplingParams
     arrival_time: float = field(default_factory=time.monotonic)
     seqs: list[Sequence] = field(default_factory=list)
     # n > 1: choices after the first wait here until the first's prompt is in the cache, then share its blocks

@@ -1,0 +1,113 @@
+"""The model runner: one step's execution, in one place (vLLM's `gpu_model_runner`).
+
+`execute(scheduled)`:
+    1. writes the step's inputs into persistent buffers (tokens, positions, KV slots, block tables, logits rows);
+    2. chooses the execution path from the step's batch and the model's layers, and records which ran:
+           cuda_graph     a pure decode step replayed as the CUDA graph of its batch-size bucket
+           native_decode  a pure decode step through every block in one native call (CPU)
+           module         the model's modules, one call each (prefill, mixed steps, tensor parallelism)
+       All three compute the same logits (the module path is the reference; tests hold the others to it);
+    3. runs it, scores prompt logprobs, and samples every sequence that caught up.
+
+The model is a function (tokens, positions, attention context) -> logits and knows none of this.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from model.engine.cuda_graphs import CudaGraphs, buckets
+from model.engine.input_batch import InputBuffers, StepBatch
+from model.engine.native_decode import NativeDecode
+from model.engine.paged_cache import PagedKVCache
+from model.engine.request import Sequence
+from model.engine.sampler import Sampler, SamplingRow, TokenLogprobs, prompt_logprobs
+from model.engine.scheduler import ScheduledSeq
+
+log = logging.getLogger("llamascope.engine")
+
+PATHS = ("cuda_graph", "native_decode", "module")
+
+
+@dataclass
+class RunnerOutput:
+    """What one step computed: the path it took, each sampled sequence's token, and prompt logprobs scored."""
+
+    path: str
+    sampled: list[tuple[Sequence, int, TokenLogprobs | None]] = field(default_factory=list)
+    prompt_logprobs: list[tuple[Sequence, list[TokenLogprobs]]] = field(default_factory=list)
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, cache: PagedKVCache, sampler: Sampler, max_num_batched_tokens: int,
+                 max_num_seqs: int, max_model_len: int, graph_mode: str, native_decode: bool,
+                 scratch_block: int | None) -> None:
+        self.model, self.cache, self.sampler = model, cache, sampler
+        bs = cache.block_size
+        rows = buckets(max_num_seqs)[-1] if scratch_block is not None else max_num_seqs  # a graph's padded batch
+        self.buffers = InputBuffers(max(max_num_batched_tokens, rows), rows, -(-max_model_len // bs), bs, cache.device)
+        self.native = NativeDecode.for_model(model) if native_decode else None
+        self.graphs = CudaGraphs(model, cache, self.buffers, scratch_block, max_num_seqs, capture=graph_mode == "auto") \
+            if scratch_block is not None else None
+        self.path_counts: Counter[str] = Counter({p: 0 for p in PATHS})
+
+    def capture_graphs(self) -> None:
+        if self.graphs is not None and self.graphs.capture:
+            self.graphs.capture_all()
+
+    @torch.inference_mode()
+    def execute(self, scheduled: list[ScheduledSeq]) -> RunnerOutput:
+        batch = self.buffers.prepare(scheduled, _prompt_positions)
+        path = self._choose(batch)
+        logits = self._forward(path, batch).float()  # (M, V): the batch's logits rows
+        self.path_counts[path] += 1
+        out = RunnerOutput(path)
+        for p in batch.prompt_logprobs:
+            targets = torch.tensor(p.seq.prompt_token_ids[p.first + 1 : p.first + 1 + p.count], device=logits.device)
+            out.prompt_logprobs.append(
+                (p.seq, prompt_logprobs(logits[p.row : p.row + p.count], targets, p.seq.request.params.prompt_logprobs)))
+        if batch.sample:
+            rows = [SamplingRow(seq.request.params, seq.prompt_token_ids, seq.output_token_ids, seq.state.generator,
+                                seq.state.stop_ids) for seq, _ in batch.sample]
+            picked = _rows(logits, [r for _, r in batch.sample])
+            sampled = self.sampler(picked, rows)
+            out.sampled = [(seq, t, lp) for (seq, _), t, lp in zip(batch.sample, sampled.token_ids, sampled.logprobs)]
+        return out
+
+    def _choose(self, batch: StepBatch) -> str:
+        if self.graphs is not None and self.graphs.accepts(batch):
+            return "cuda_graph"
+        if self.native is not None and self.native.accepts(batch, self.cache):
+            return "native_decode"
+        return "module"
+
+    def _forward(self, path: str, batch: StepBatch) -> Tensor:
+        if path == "cuda_graph":
+            return _rows(self.graphs.run(batch), batch.logits_rows, identity=not batch.prompt_logprobs)  # (M, V)
+        if path == "native_decode":
+            return self.native.run(batch, self.cache)
+        self.cache.set_step(batch.slices, batch.meta)
+        return self.model(batch.tokens[None], batch.positions[None], self.cache, logits_indices=batch.logits_rows)[0]
+
+
+def _rows(x: Tensor, rows, identity: bool = False) -> Tensor:
+    """x[rows], without a copy when the rows are 0..len-1 in order (the common decode case)."""
+    return x if identity else x[rows]
+
+
+def _prompt_positions(seq: Sequence, start: int, n: int) -> tuple[int, int] | None:
+    """The prompt positions this chunk scores for prompt logprobs: (first, count), or None. Logits at position j
+    score prompt token j + 1; positions scored before a preemption are skipped (and the scheduler never lets the
+    prefix cache skip past the ones not scored yet)."""
+    state = seq.state
+    if state.prompt_logprobs is None or len(state.prompt_logprobs) >= seq.num_prompt_tokens:
+        return None
+    assert start <= seq.num_scored_prompt_positions, "prompt logprobs would skip positions"
+    first = max(start, seq.num_scored_prompt_positions)
+    count = min(start + n, seq.num_prompt_tokens - 1) - first
+    return (first, count) if count > 0 else None

@@ -1,0 +1,73 @@
+"""The fused decode path: every block of a pure decode step in one native call (model/kernels/csrc/decode_layers.cpp).
+
+The module path runs the very same native ops (RMSNorm, the linear layers, RoPE, the KV write, paged decode
+attention, SiLU-mul) one module call at a time; at the default model's size that per-call cost is a third of a
+quantized decode step, so the runner sends pure decode steps here. The logits are bitwise the module path's (a
+test holds it to that). The runner decides when this path runs; the model knows nothing of it.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor, nn
+
+from model import kernels
+from model.engine.input_batch import StepBatch
+from model.engine.paged_cache import PagedKVCache, kv_config
+from model.quantize import QuantLinear
+from model.transformer import Transformer
+
+
+def _linear_spec(layer: nn.Module) -> list[Tensor] | None:
+    """A linear layer as decode_layers takes it: [float weight, empty] or a quantized layer's two native buffers;
+    None for anything else (a tensor-parallel row-parallel layer, say, whose output must be all-reduced)."""
+    if type(layer) is nn.Linear:
+        return [layer.weight.detach(), layer.weight.new_empty(0)]
+    if isinstance(layer, QuantLinear):
+        return layer.native_buffers()
+    return None
+
+
+class NativeDecode:
+    def __init__(self, model: nn.Module, layers: list[list[Tensor]], quantized: list[QuantLinear]) -> None:
+        self.model, self.layers, self.quantized = model, layers, quantized
+        c = model.config
+        self.eps, self.H, self.K, self.E = c.norm_eps, c.n_heads, kv_config(model).n_kv_heads, c.head_dim
+
+    @classmethod
+    def for_model(cls, model: nn.Module) -> "NativeDecode | None":
+        """The path for `model` when the native kernels are available and every block is in the form the kernel
+        takes (CPU, float32 or bfloat16, plain or weight-only quantized linear layers); else None."""
+        if not isinstance(model, Transformer) or model.device.type != "cpu" or kernels.usable(model.tok_embeddings.weight) is None:
+            return None  # (a tensor-parallel model runs its blocks across processes: the module path)
+        layers: list[list[Tensor]] = []
+        quantized: list[QuantLinear] = []
+        for block in model.layers:
+            att, ffn = block.attention, block.feed_forward
+            if block.attention_norm.weight.dtype != model.dtype:
+                return None
+            entry = [block.attention_norm.weight.detach(), block.ffn_norm.weight.detach()]
+            for linear in (att.wqkv, att.wo, ffn.w13, ffn.w2):
+                spec = _linear_spec(linear)
+                if spec is None:
+                    return None
+                entry += spec
+                if isinstance(linear, QuantLinear):
+                    quantized.append(linear)
+            layers.append(entry)
+        return cls(model, layers, quantized)
+
+    def accepts(self, batch: StepBatch, cache: PagedKVCache) -> bool:
+        """A pure decode step within the quantized kernels' row limit, over a cache of the model's dtype."""
+        rows = batch.meta.num_tokens
+        return (batch.meta.pure_decode and cache.k.dtype == self.model.dtype
+                and all(rows <= m.kernel_row_limit(True) for m in self.quantized))
+
+    def run(self, batch: StepBatch, cache: PagedKVCache) -> Tensor:
+        """-> logits (M, V) at the batch's logits rows."""
+        m, meta, E = self.model, batch.meta, self.E
+        h, cos, sin = m.embed(batch.tokens[None], batch.positions[None])  # (1, N, D), (1, N, 1, E) x 2
+        h = kernels.native().decode_layers(
+            h[0], self.layers, self.eps, cos.view(-1, E), sin.view(-1, E), cache.k, cache.v, meta.slot_mapping,
+            meta.decode_rows, meta.decode_tables, meta.decode_lens, self.H, self.K, E,
+        )  # (N, D)
+        return m.head(h[None], batch.logits_rows)[0]  # (M, V)

@@ -1,0 +1,122 @@
+"""From sampled tokens to what clients read (vLLM's `output_processor`): each choice's incremental detokenization,
+stop tokens and stop strings, the length limits, prompt logprobs once, and the `RequestOutput` deltas.
+
+It decides when a sequence ends and why; the engine then takes it out of the scheduler and frees its blocks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from model.engine.request import FinishReason, Sequence
+from model.engine.sampler import TokenLogprobs
+from model.engine.sampling_params import SamplingParams
+from model.text.detokenizer import IncrementalDetokenizer
+from model.text.stop_strings import StopStringMatcher
+from model.text.tokenizer import Tokenizer
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one choice of a request (deltas, not totals)."""
+
+    request_id: str
+    index: int
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # once, with the first token
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    error: str | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0  # so far, this choice
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class SequenceState:
+    """One choice's state beside its tokens: the streaming detokenizer, stop-string matcher, seeded generator,
+    the ids that end it, and its prompt logprobs so far (`Sequence.state`)."""
+
+    detok: IncrementalDetokenizer
+    stops: StopStringMatcher
+    generator: torch.Generator | None
+    # ids that end this choice (min_tokens aside): its stop_token_ids, plus the checkpoint's EOS set unless
+    # ignore_eos; fixed for the request's life, so built once rather than per generated token
+    stop_ids: frozenset[int]
+    prompt_logprobs: list[TokenLogprobs | None] | None  # [None] for token 0, then one per scored prompt token
+    prompt_logprobs_sent: bool = False
+
+
+@dataclass
+class Finish:
+    reason: FinishReason
+    stop_reason: int | str | None = None
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer, device: torch.device, max_model_len: int) -> None:
+        self.tokenizer, self.device, self.max_model_len = tokenizer, device, max_model_len
+
+    def new_state(self, params: SamplingParams, index: int) -> SequenceState:
+        return SequenceState(
+            detok=IncrementalDetokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens),
+            stops=StopStringMatcher(params.stop),
+            generator=params.make_generator(self.device, offset=index),  # choice i of a seeded request: seed + i
+            stop_ids=frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.tokenizer.stop_ids),
+            prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
+        )
+
+    def add_prompt_logprobs(self, seq: Sequence, logprobs: list[TokenLogprobs]) -> None:
+        seq.state.prompt_logprobs += logprobs
+        seq.num_scored_prompt_positions = len(seq.state.prompt_logprobs) - 1
+
+    def append(self, seq: Sequence, token: int, lp: TokenLogprobs | None) -> tuple[RequestOutput, Finish | None]:
+        """Append a sampled token: the output delta, and how the sequence ends if it does."""
+        p, state = seq.request.params, seq.state
+        seq.output_token_ids.append(token)
+        out = self.output(seq)
+        out.token_ids = [token]
+        out.logprobs = [lp] if lp is not None else None
+        n_out = len(seq.output_token_ids)
+        may_stop = n_out >= p.min_tokens  # neither stop tokens nor stop strings end it before min_tokens
+        if may_stop and token in state.stop_ids:
+            # The stop token's own text is not part of the completion (OpenAI / vLLM); text held back as a
+            # possible stop-string start turned out not to be one.
+            out.text = state.stops.flush()
+            return out, Finish(FinishReason.STOP, token if token in p.stop_token_ids else None)
+        ending = n_out >= p.max_tokens or seq.num_tokens >= self.max_model_len
+        delta = state.detok.feed(token) + (state.detok.flush() if ending else "")
+        if may_stop:
+            out.text, matched = state.stops.feed(delta)
+            if matched is not None:
+                return out, Finish(FinishReason.STOP, matched)
+        else:
+            out.text = delta
+        if ending:
+            out.text += state.stops.flush()
+            return out, Finish(FinishReason.LENGTH)
+        return out, None
+
+    def output(self, seq: Sequence) -> RequestOutput:
+        """A delta with the sequence's counts (and its prompt logprobs, the first time); tokens and text empty."""
+        state = seq.state
+        out = RequestOutput(
+            seq.request.request_id, seq.index,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_output_tokens=len(seq.output_token_ids),
+            num_cached_tokens=max(0, seq.num_cached_tokens),
+        )
+        if state.prompt_logprobs is not None and not state.prompt_logprobs_sent:
+            out.prompt_logprobs = state.prompt_logprobs
+            state.prompt_logprobs_sent = True
+        if seq.finish_reason is not None:
+            out.finish_reason, out.stop_reason = seq.finish_reason.value, seq.stop_reason
+        return out
