@@ -21,6 +21,7 @@ from model.loaders.hf import load_hf
 from model.probes import ProbeOptions, ProbeRun
 from model.engine.sampling_params import SamplingParams
 from model.parallel.plan import ShardPlan, TPRank, allowed_sizes
+from model.loaders.assemble import split_fused
 from tiny import byte_tokenizer
 
 VOCAB = 258  # the byte tokenizer's
@@ -65,11 +66,11 @@ def test_each_rank_loads_exactly_its_slices(tmp_path, fmt):
     else:
         load = lambda tp=None: load_hf(tmp_path / "hf", shard=tp and tp.plan)  # noqa: E731
     full = load()
-    whole = full.state_dict()
+    whole = split_fused(full.state_dict(), full.config)
     for r in range(2):
         shard = load(TPRank(r, 2))
         plan = shard.tp_plan
-        for name, t in shard.state_dict().items():
+        for name, t in split_fused(shard.state_dict(), shard.config).items():
             assert torch.equal(t, plan.take(name, whole[name])), (r, name)
         assert shard.config.n_heads == 2 and shard.config.n_kv_heads == 1 and shard.config.hidden_dim == 48
 

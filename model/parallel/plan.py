@@ -112,19 +112,26 @@ class ShardPlan:
         return [h - q0 for h in heads if q0 <= h < q1]
 
 
-def _sum_over_ranks(module: nn.Module, args, out: Tensor) -> Tensor:
-    dist.all_reduce(out)  # (B, T, D) partial sums of the row-parallel matmul -> the full output, on every rank
-    return out
+class RowParallelLinear(nn.Module):
+    """A row-parallel linear layer (Megatron-LM section 3): this rank holds the input columns of its heads or FFN
+    slice, so its output is a partial sum, all-reduced over the ranks. A module swapped in for `wo` and `w2` (the
+    model's own math stays as it is; the runner sees a layer it cannot fuse and runs these blocks module by module)."""
+
+    def __init__(self, linear: nn.Module) -> None:
+        super().__init__()
+        self.linear = linear
+
+    def forward(self, x: Tensor) -> Tensor:  # (B, T, in / N) -> (B, T, out), summed over ranks
+        out = self.linear(x)
+        dist.all_reduce(out)
+        return out
 
 
-def install_all_reduce(model: nn.Module) -> list:
-    """Make `wo` and `w2` of every block row-parallel: their output is all-reduced. A forward hook rather than a
-    module swap, so the module names (and any later replacement of the linear's kernel) stay as they are."""
-    handles = []
+def install_row_parallel(model: nn.Module) -> None:
+    """Make `wo` and `w2` of every block row-parallel (their outputs all-reduced)."""
     for layer in model.layers:
-        handles.append(layer.attention.wo.register_forward_hook(_sum_over_ranks))
-        handles.append(layer.feed_forward.w2.register_forward_hook(_sum_over_ranks))
-    return handles
+        layer.attention.wo = RowParallelLinear(layer.attention.wo)
+        layer.feed_forward.w2 = RowParallelLinear(layer.feed_forward.w2)
 
 
 def parameter_bytes(model: nn.Module) -> int:

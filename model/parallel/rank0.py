@@ -26,35 +26,34 @@ from torch import Tensor
 
 from model.loaders.checkpoint import LoadedModel, default_model_path, load_model
 from model.loaders.errors import CheckpointError
+from model.dtypes import dtype_name
 from model.engine.paged_cache import PagedKVCache
-from model.probes import ProbeAttention
-from model.parallel.plan import ShardPlan, TPRank, cuda_device, install_all_reduce, parameter_bytes
-from model.parallel.worker import DTYPES, STOP, CacheSpec, Channel, ProbeLayerMsg, StepMsg, init_group, merge_stats, probe_layer, run_step
+from model.parallel.plan import ShardPlan, TPRank, cuda_device, install_row_parallel, parameter_bytes
+from model.parallel.worker import STOP, BlockMsg, CacheSpec, Channel, StepMsg, init_group, run_block, run_step
 from model.transformer import Transformer
 
 log = logging.getLogger("llamascope.tp")
 
 
-class _ProbeLayer:
-    """Block i of a TPModel as `ProbeRun` calls it: (h, cos, sin, ProbeAttention) -> h, on all ranks at once."""
+class _DistributedBlock:
+    """Block i of a TPModel as `ProbeRun` calls it: (h, cos, sin, ctx) -> h, on all ranks at once; `ctx` says what
+    each rank should measure (`rank_probe(i)`) and merges what they measured (`merge_ranks`)."""
 
     def __init__(self, tp: "TPModel", index: int) -> None:
         self.tp, self.index = tp, index
 
-    def __call__(self, h: Tensor, cos: Tensor, sin: Tensor, ctx: ProbeAttention) -> Tensor:
+    def __call__(self, h: Tensor, cos: Tensor, sin: Tensor, ctx) -> Tensor:
         i, tp = self.index, self.tp
-        msg = ProbeLayerMsg(i, ctx.opts, i in ctx.stat_layers, i in ctx.map_layers, tuple(h.shape))
+        msg = BlockMsg(i, ctx.rank_probe(i), tuple(h.shape))
         tp.channel.send(msg)
         tp.channel.broadcast(h.contiguous())
-        out, stats = probe_layer(tp.shard, tp.plan, msg, h)
-        parts = tp.channel.gather(stats)
-        if msg.stats:
-            ctx.stats[i] = merge_stats(parts)
+        out, measured = run_block(tp.shard, tp.plan, msg, h)
+        ctx.merge_ranks(i, tp.channel.gather(measured))
         return out
 
 
 class TPModel:
-    # An inspection runs each block across every rank in one message (`_ProbeLayer`), so whole blocks at a time.
+    # An inspection runs each block across every rank in one message (`_DistributedBlock`), so whole blocks at a time.
     supports_row_chunks = False
 
     def __init__(self, shard: Transformer, channel: Channel, workers: list[subprocess.Popen]) -> None:
@@ -63,7 +62,7 @@ class TPModel:
         self.config = self.plan.config
         self.kv_config = shard.config
         self.tok_embeddings, self.rope, self.norm, self.output = shard.tok_embeddings, shard.rope, shard.norm, shard.output
-        self.layers = [_ProbeLayer(self, i) for i in range(self.config.n_layers)]
+        self.layers = [_DistributedBlock(self, i) for i in range(self.config.n_layers)]
         self._cache = lambda: None  # weak reference to the cache the workers mirror
         self._generation = 0
         self.closed = False
@@ -163,12 +162,11 @@ def launch(
         raise ValueError(f"tensor-parallel size {tp_size} needs {tp_size} GPUs; {torch.cuda.device_count()} visible")
     threads = threads or max(1, (os.cpu_count() or 1) // tp_size)
     init = f"tcp://127.0.0.1:{_free_port()}"
-    dtype_name = next(k for k, v in DTYPES.items() if v == dtype)
     root = str(Path(__file__).resolve().parents[2])  # so `-m model.parallel.worker` resolves from a source checkout too
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
     workers = [
         subprocess.Popen([sys.executable, "-m", "model.parallel.worker", "--init-method", init, "--rank", str(r),
-                          "--world-size", str(tp_size), "--model", str(path), "--dtype", dtype_name,
+                          "--world-size", str(tp_size), "--model", str(path), "--dtype", dtype_name(dtype),
                           "--device", device.type, "--threads", str(threads),
                           "--timeout-s", str(timeout.total_seconds())],
                          env=env)
@@ -180,7 +178,7 @@ def launch(
         error = None
         try:
             loaded = load_model(path, dtype, cuda_device(device, 0), shard=TPRank(0, tp_size).plan)
-            install_all_reduce(loaded.model)
+            install_row_parallel(loaded.model)
         except Exception as e:
             error = e
         reports = channel.gather(None)  # every worker says whether its shard loaded

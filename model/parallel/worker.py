@@ -8,9 +8,10 @@ them in lockstep), and only rank 0 computes logits and samples: workers ask for 
 costs nothing. Aborts, preemptions and prefix reuse are block-table decisions made on rank 0 alone, so they need no
 message: the next step's slices carry their effect.
 
-Inspection (`/inspect`) runs block by block: per block rank 0 broadcasts a `ProbeLayerMsg` and the block input h
-(1, T, D); each rank runs the block with a `ProbeAttention` over the selected heads it owns; rank 0 gathers the
-per-head statistics and maps and concatenates them in global head order (ranks own ascending head ranges).
+Inspection (`/inspect`) runs block by block: per block rank 0 broadcasts a `BlockMsg` and the block input h
+(1, T, D). The message carries the caller's rank request (model/probes' `RankProbe`, opaque here): each rank builds
+its attention context from it (a probe over the selected heads it owns), runs the block, and rank 0 gathers what
+each context measured for the caller to merge in global head order (ranks own ascending head ranges).
 
 Workers are plain `python -m model.parallel.worker` processes (not multiprocessing spawn, which would re-import the
 parent's `__main__`, i.e. the HTTP service, in every worker): they import torch and `model` only.
@@ -19,7 +20,6 @@ parent's `__main__`, i.e. the HTTP service, in every worker): they import torch 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import os
 import sys
@@ -27,19 +27,19 @@ import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from model.engine.paged_cache import PagedKVCache, SeqSlice
-from model.probes import AttentionMaps, ProbeAttention, ProbeOptions
-from model.parallel.plan import ShardPlan, TPRank, cuda_device, install_all_reduce
+from model.parallel.plan import ShardPlan, TPRank, cuda_device, install_row_parallel
 from model.transformer import Transformer
+from model.dtypes import DTYPES
 
 log = logging.getLogger("llamascope.tp")
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Workers wait for rank 0's next message for as long as the server idles: that broadcast gets its own group with
 # a timeout this long. The all-reduces inside a forward use the default group's short one, so a lost rank fails
 # a step instead of hanging it.
@@ -61,17 +61,26 @@ class StepMsg:
     cache: CacheSpec | None = None  # set when the cache is (re)built
 
 
+class RankRequest(Protocol):
+    """What the caller of a block run across ranks asks of each rank (model/probes' `RankProbe` is one)."""
+
+    def build(self, plan: ShardPlan, config) -> Any:
+        """This rank's attention context for the block."""
+        ...
+
+    def result(self, ctx: Any) -> Any:
+        """What that context measured, gathered back to rank 0 (None: nothing)."""
+        ...
+
+
 @dataclass
-class ProbeLayerMsg:
+class BlockMsg:
     layer: int
-    opts: ProbeOptions
-    stats: bool  # reduce attention in this block
-    maps: bool  # and fill maps
+    request: RankRequest  # pickled by reference to its class: the worker imports its module when it unpickles
     shape: tuple[int, int, int]  # of h, broadcast next as a tensor
 
 
 STOP = "stop"
-Stats = tuple[Tensor, Tensor, AttentionMaps | None]
 
 
 class Channel:
@@ -106,36 +115,19 @@ def run_step(model: Transformer, msg: StepMsg, cache: PagedKVCache | None, logit
     tokens = torch.tensor(msg.tokens, device=dev)
     positions = torch.tensor(msg.positions, device=dev) if msg.positions is not None else None
     if msg.slices is not None:
-        cache.set_step(msg.slices)
+        cache.set_step(msg.slices)  # the same attention metadata rank 0's runner built, from the same slices
         return model(tokens, positions, cache, logits_indices=logits_indices)
     return model(tokens, positions, logits_indices=logits_indices)
 
 
-def probe_layer(model: Transformer, plan: ShardPlan, msg: ProbeLayerMsg, h: Tensor) -> tuple[Tensor, Stats | None]:
-    """Block `msg.layer` on h (1, T, D) with probes over the selected heads this rank owns -> (block output, their
-    stats in local head order or None when it owns none)."""
-    heads = plan.local_heads(msg.opts.heads)
-    mine = msg.stats and heads != []
-    c = model.config
-    ctx = ProbeAttention(dataclasses.replace(msg.opts, heads=heads), c.n_heads, c.n_kv_heads,
-                         {msg.layer} if mine else set(), {msg.layer} if mine and msg.maps else set())
+def run_block(model: Transformer, plan: ShardPlan, msg: BlockMsg, h: Tensor) -> tuple[Tensor, Any]:
+    """Block `msg.layer` on h (1, T, D) with the attention context `msg.request` builds for this rank -> (block
+    output, all-reduced; what the context measured)."""
+    ctx = msg.request.build(plan, model.config)
     positions = torch.arange(h.shape[1], device=h.device).unsqueeze(0)  # (1, T)
     cos, sin = model.rope(positions)
     out = model.layers[msg.layer](h, cos, sin, ctx)  # (1, T, D), all-reduced
-    return out, ctx.stats.pop(msg.layer, None)
-
-
-def merge_stats(parts: list[Stats | None]) -> Stats:
-    """Per-rank stats (rank order = ascending head ranges) -> the selected heads' stats in global order."""
-    parts = [p for p in parts if p is not None]
-    received = torch.cat([p[0] for p in parts])  # (Hs, T)
-    entropy = torch.cat([p[1] for p in parts])  # (Hs,)
-    maps = None
-    if parts[0][2] is not None:
-        m = parts[0][2]
-        maps = AttentionMaps(m.mode, torch.cat([p[2].values for p in parts]),
-                             torch.cat([p[2].indices for p in parts]) if m.indices is not None else None, m.rows)
-    return received, entropy, maps
+    return out, msg.request.result(ctx)
 
 
 def init_group(init_method: str, tp: TPRank, device: torch.device, timeout: timedelta) -> Channel:
@@ -196,7 +188,7 @@ def load_shard(path: str, dtype: torch.dtype, device: torch.device, tp: TPRank) 
 
     model = load_hf(path, dtype, device, shard=tp.plan) if Path(path).is_dir() else load_gguf(path, dtype, device, shard=tp.plan)
     _return_freed_memory()
-    install_all_reduce(model)
+    install_row_parallel(model)
     return model, model.tp_plan
 
 
@@ -212,10 +204,10 @@ def serve(model: Transformer, plan: ShardPlan, channel: Channel) -> None:
                 cache = None  # free the old pool before allocating the new one
                 cache = PagedKVCache.for_model(model, msg.cache.num_blocks, msg.cache.block_size)
             run_step(model, msg, cache, no_logits)
-        elif isinstance(msg, ProbeLayerMsg):
+        elif isinstance(msg, BlockMsg):
             h = channel.broadcast(torch.empty(msg.shape, dtype=model.dtype, device=model.device))
-            _, stats = probe_layer(model, plan, msg, h)
-            channel.gather(stats)
+            _, measured = run_block(model, plan, msg, h)
+            channel.gather(measured)
         elif msg == STOP:
             return
         else:

@@ -4,13 +4,38 @@ probed layers (mass each key receives, row entropy, maps in the requested mode),
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from model.attention import sdpa
 from model.probes.options import AttentionMaps, ProbeOptions
+
+Stats = tuple[Tensor, Tensor, "AttentionMaps | None"]  # mass each key receives (Hs, T), row entropy (Hs,), maps
+
+
+@dataclass
+class RankProbe:
+    """What one tensor-parallel rank needs to probe block `layer` over the query heads it owns: sent to every rank
+    (model/parallel runs it without knowing what it is: `build` gives the rank's attention context, `result` what
+    that context measured, gathered back to rank 0 and merged by `ProbeAttention.merge_ranks`)."""
+
+    opts: ProbeOptions
+    layer: int
+    stats: bool  # reduce attention in this block
+    maps: bool  # and fill maps
+
+    def build(self, plan, config) -> "ProbeAttention":
+        heads = plan.local_heads(self.opts.heads)  # this rank's local indices of the selected heads it owns
+        mine = self.stats and heads != []
+        return ProbeAttention(dataclasses.replace(self.opts, heads=heads), config.n_heads, config.n_kv_heads,
+                              {self.layer} if mine else set(), {self.layer} if mine and self.maps else set())
+
+    def result(self, ctx: "ProbeAttention") -> Stats | None:
+        return ctx.stats.pop(self.layer, None)
 
 class ProbeAttention:
     """Attention context (model.attention.AttentionContext) that serves the output through the same SDPA call as
@@ -33,6 +58,25 @@ class ProbeAttention:
         self.row_offset = 0  # first query row of the next call
         self._kv: tuple[Tensor, Tensor] | None = None  # (T, K, E) each: the block in progress's keys and values
         self._acc: tuple[Tensor, Tensor, AttentionMaps | None] | None = None  # its running sums and maps
+
+    def rank_probe(self, layer: int) -> RankProbe:
+        """This context's request for block `layer`, as each tensor-parallel rank runs it."""
+        return RankProbe(self.opts, layer, layer in self.stat_layers, layer in self.map_layers)
+
+    def merge_ranks(self, layer: int, parts: list[Stats | None]) -> None:
+        """The ranks' stats for block `layer` (rank order = ascending head ranges) -> this context's, in global head
+        order."""
+        parts = [p for p in parts if p is not None]
+        if layer not in self.stat_layers or not parts:
+            return
+        received = torch.cat([p[0] for p in parts])  # (Hs, T)
+        entropy = torch.cat([p[1] for p in parts])  # (Hs,)
+        maps = None
+        if parts[0][2] is not None:
+            m = parts[0][2]
+            maps = AttentionMaps(m.mode, torch.cat([p[2].values for p in parts]),
+                                 torch.cat([p[2].indices for p in parts]) if m.indices is not None else None, m.rows)
+        self.stats[layer] = (received, entropy, maps)
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         # q (1, R, H, E), k/v (1, R, K, E): query rows r0 .. r0 + R - 1 of a T-token sequence -> (1, R, H, E)
