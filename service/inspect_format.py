@@ -15,8 +15,8 @@ from dataclasses import replace
 import numpy as np
 
 from model.probes import ActivationEntry, AttentionMaps, ProbeOptions, ProbeResult, estimate_map_elements
-from model.text.detokenizer import IncrementalDetokenizer
-from model.text.tokenizer import Tokenizer
+from model.text import IncrementalDetokenizer
+from model.text import Tokenizer
 
 BYTES_PER_VALUE = {"base64": 8 / 3, "list": 8.0}  # float16 in base64 (2 bytes x 4/3); a rounded decimal in JSON
 BYTES_PER_TOKEN = 80  # the token list entry

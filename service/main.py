@@ -9,7 +9,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 from starlette.middleware.cors import CORSMiddleware
 
-from model.loaders.checkpoint import LoadedModel
+from model.loaders import LoadedModel
 from service import errors, openapi
 from service.config import Settings, allowed_origins, parse_cli
 from service.middleware import GuardMiddleware

@@ -23,6 +23,8 @@ class Metrics:
         self.gen_len = Histogram(p + "request_generation_tokens", "generated tokens per request (all choices)", registry=r, buckets=_TOKENS)
         self.step = Histogram(p + "engine_step_seconds", "one engine step (schedule, forward, sample, update)", registry=r, buckets=_LATENCY)
         self.requests = Counter(p + "requests", "finished HTTP requests", ["endpoint", "status"], registry=r)
+        self.steps = Counter(p + "engine_steps", "engine steps by the execution path the model runner chose "
+                             "(cuda_graph, native_decode, module)", ["path"], registry=r)
         self.finished = Counter(p + "request_finish", "finished choices by finish reason", ["finish_reason"], registry=r)
         self.prompt_tokens = Counter(p + "prompt_tokens", "prompt tokens processed", registry=r)
         self.generation_tokens = Counter(p + "generation_tokens", "tokens generated", registry=r)
@@ -36,6 +38,7 @@ class Metrics:
         self.kv_usage = Gauge(p + "kv_cache_usage_ratio", "fraction of KV blocks held by live sequences", registry=r)
         self.kv_blocks = Gauge(p + "kv_cache_blocks_in_use", "KV blocks held by live sequences", registry=r)
         self._last_preemptions = 0
+        self._last_steps: dict[str, int] = {}
         # llamascope_process_resident_memory_bytes and friends (Linux /proc): the load harness reads RSS growth here
         ProcessCollector(namespace="llamascope", registry=r)
 
@@ -45,6 +48,9 @@ class Metrics:
         self.set_gauges(stats)
         self.preemptions.inc(stats.num_preemptions - self._last_preemptions)
         self._last_preemptions = stats.num_preemptions
+        for path, n in stats.steps_by_path.items():
+            self.steps.labels(path).inc(n - self._last_steps.get(path, 0))
+        self._last_steps = dict(stats.steps_by_path)
 
     def set_gauges(self, stats) -> None:
         """The gauges from an engine stats snapshot (a scrape refreshes them too: aborts move them between steps)."""

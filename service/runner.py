@@ -8,17 +8,19 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 from fastapi import Request
+from fastapi.responses import StreamingResponse
 
-from model.engine.async_engine import EngineDeadError, RequestStream
+from model.engine import EngineDeadError, RequestStream
 from model.engine import RequestOutput
-from model.engine.sampling_params import SamplingParams
-from model.engine.scheduler import QueueFullError
+from model.engine import SamplingParams
+from model.engine import QueueFullError
 from service.errors import APIError
-from service.state import ServingState
+from service.routes.common import DONE, sse, sse_error, usage
+from service.serving import Serving
 
 log = logging.getLogger("llamascope.service")
 
@@ -41,7 +43,7 @@ class RunStats:
 
 
 async def start(
-    state: ServingState, prompts: list[list[int]], params: SamplingParams, stats: RunStats
+    state: Serving, prompts: list[list[int]], params: SamplingParams, stats: RunStats
 ) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Submit and wait for the first output, so that refusals (400 / 429 / 503) raise here, before a response
     starts. Returns the stream of (choice index, output), first one included; closing it aborts what is left."""
@@ -64,15 +66,14 @@ async def start(
 
 
 async def run(
-    state: ServingState, prompts: list[list[int]], params: SamplingParams, stats: RunStats
+    state: Serving, prompts: list[list[int]], params: SamplingParams, stats: RunStats
 ) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Yield (choice index, output) for every prompt x n choice, as outputs arrive; choice index =
     prompt_index * n + choice (OpenAI's order). Engine refusals raise APIError before anything is yielded."""
-    engine = state.engine
     stats.prompts = prompts
     stats.prompt_tokens = sum(len(p) for p in prompts)
     try:  # every prompt in one submission: admitted together, so they prefill in the same steps
-        streams = await engine.add_requests([(f"{stats.request_id}-{i}", p) for i, p in enumerate(prompts)], params)
+        streams = await state.add_requests([(f"{stats.request_id}-{i}", p) for i, p in enumerate(prompts)], params)
     except ValueError as e:
         raise APIError(400, str(e), code="invalid_request") from None
     except QueueFullError as e:
@@ -116,7 +117,7 @@ async def run(
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def _observe(state: ServingState, stats: RunStats, out: RequestOutput, choice: int) -> None:
+def _observe(state: Serving, stats: RunStats, out: RequestOutput, choice: int) -> None:
     now = time.perf_counter()
     m = state.metrics
     if stats.first_output_at is None:
@@ -155,7 +156,7 @@ async def until_disconnect(request: Request, coro):
             task.cancel()
 
 
-async def collect_all(request: Request, state: ServingState, stats: RunStats, coro):
+async def collect_all(request: Request, state: Serving, stats: RunStats, coro):
     """A non-streamed request: run `coro` (which returns a tuple ending in an error message or None) to its end
     unless the client leaves, record the outcome, and raise the client's error (500 when generation failed)."""
     try:
@@ -174,7 +175,7 @@ async def collect_all(request: Request, state: ServingState, stats: RunStats, co
     return result
 
 
-def finish(state: ServingState, stats: RunStats, status: int) -> None:
+def finish(state: Serving, stats: RunStats, status: int) -> None:
     """Request-level metrics and the one structured log line (no prompt text unless log_prompts)."""
     m = state.metrics
     now = time.perf_counter()
@@ -187,8 +188,70 @@ def finish(state: ServingState, stats: RunStats, status: int) -> None:
     ttft = f"{(stats.first_token_at - stats.start) * 1e3:.0f}" if stats.first_token_at else "-"
     prompt = ""
     if state.settings.log_prompts and stats.prompts:  # opt-in only: prompts are user data
-        prompt = " prompt=" + json.dumps([state.loaded.tokenizer.decode(p) for p in stats.prompts], ensure_ascii=False)
+        prompt = " prompt=" + json.dumps([state.tokenizer.decode(p) for p in stats.prompts], ensure_ascii=False)
     log.info("request id=%s endpoint=%s status=%d prompt_tokens=%d completion_tokens=%d cached_tokens=%d "
              "ttft_ms=%s latency_ms=%.0f finish=%s%s", stats.request_id, stats.endpoint, status, stats.prompt_tokens,
              stats.completion_tokens, stats.cached_tokens, ttft, (now - stats.start) * 1e3,
              ",".join(stats.finish_reasons) or "-", prompt)
+
+
+def stream_response(state: Serving, stats: RunStats, outputs: AsyncIterator[tuple[int, RequestOutput]], n_choices: int,
+                    envelope: Callable[..., dict], chunk: Callable[[int, RequestOutput], dict | None], *,
+                    head: list[dict] = (), tail: Callable[[], Awaitable[dict]] | None = None,
+                    include_usage: bool = False, on_close: Callable[[], None] | None = None) -> StreamingResponse:
+    """The SSE response both generation routes send: `head` chunks, then one chunk per output (`chunk` gives the
+    choice's dict, or None to send nothing for it), `tail`'s chunk, the usage chunk if asked, and `[DONE]`. A failed
+    choice is an error event; a failure mid-stream ends the stream with one. `envelope(choices, **extra)` wraps
+    choices in the route's object."""
+
+    async def events() -> AsyncIterator[str]:
+        status = 200
+        try:
+            for payload in head:
+                yield sse(payload)
+            async for choice, out in outputs:
+                if out.error:
+                    status = 500
+                    yield sse_error(500, out.error)
+                    continue
+                c = chunk(choice, out)
+                if c is not None:
+                    yield sse(envelope([c]))
+            if tail is not None:
+                yield sse(await tail())
+            if include_usage:
+                yield sse(envelope([], usage=usage(stats.prompt_tokens, stats.completion_tokens, stats.cached_tokens)))
+            yield DONE
+        except Exception:  # the engine failed mid-stream: an error event, then the end of the stream
+            status = 500
+            yield sse_error(500, "generation failed")
+            yield DONE
+        finally:
+            finish(state, stats, status if len(stats.finish_reasons) == n_choices or status != 200 else 499)
+            if on_close is not None:
+                on_close()
+            await outputs.aclose()  # at once, not at GC time: a client that left is aborted now
+
+    return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+async def collect(request: Request, state: Serving, stats: RunStats, outputs: AsyncIterator[tuple[int, RequestOutput]],
+                  add: Callable[[int, RequestOutput], None]) -> dict[int, str | None]:
+    """A non-streamed response: feed every output to `add` until each choice finished (or the client left), and
+    return each choice's finish reason; a failed generation raises the client's error (collect_all)."""
+
+    async def body():
+        reasons: dict[int, str | None] = {}
+        error = None
+        try:
+            async for choice, out in outputs:
+                add(choice, out)
+                error = error or out.error
+                if out.finished:
+                    reasons[choice] = out.finish_reason
+            return reasons, error
+        finally:
+            await outputs.aclose()
+
+    reasons, _ = await collect_all(request, state, stats, body())
+    return reasons

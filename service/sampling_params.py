@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from model.engine.sampling_params import SamplingParams
+from model.engine import SamplingParams
 from service.config import Settings
 from service.errors import APIError
 from service.schemas import SamplingFields

@@ -6,21 +6,20 @@ import logging
 import os
 import threading
 from collections.abc import Callable
+from typing import Any
 from dataclasses import dataclass, field
 
 import torch
-from fastapi import Request
 
-from model.engine.async_engine import AsyncEngine
+from model.engine import AsyncEngine
 from model.engine import Engine, EngineConfig
-from model.loaders.checkpoint import LoadedModel, load_model
-from model.parallel.rank0 import TPModel, launch
+from model.loaders import LoadedModel, load_model
+from model.parallel import TPModel, launch
+from model.dtypes import DTYPES
 from service.config import Settings
-from service.errors import APIError
 from service.metrics import Metrics
 
 log = logging.getLogger("llamascope.service")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -34,6 +33,12 @@ class ServingState:
     draining: bool = False
     fatal_error: str | None = None  # the engine thread ended unexpectedly: /health 503, and the process exits 1
     on_fatal: Callable[[], None] | None = None  # set by the real server (service/shutdown.py): stop with exit code 1
+    view: Any = None  # the routes' narrow view of this state (service/serving.py), made once the engine runs
+
+    @property
+    def stats(self):
+        """The engine's stats as its thread last published them (None before it starts)."""
+        return self.engine.stats if self.engine is not None else None
 
     @property
     def max_model_len(self) -> int:
@@ -120,20 +125,3 @@ class ServingState:
                 log.warning("engine thread still running; tensor-parallel workers exit with this process")
             else:
                 self.loaded.model.close()
-
-
-def serving(request: Request) -> ServingState:
-    """Dependency: the state, or a 503 envelope while the model loads (or after it failed to)."""
-    state: ServingState = request.app.state.serving
-    if not state.ready:
-        reason = f"model failed to load: {state.load_error}" if state.load_error else "the model is loading"
-        if state.draining:
-            reason = "the server is shutting down"
-        raise APIError(503, reason, code="not_ready", headers={"Retry-After": "5"})
-    return state
-
-
-def check_model(state: ServingState, name: str | None) -> None:
-    if name is not None and name != state.model_name:
-        raise APIError(404, f"model {name!r} does not exist; this server serves {state.model_name!r}",
-                       param="model", code="model_not_found")

@@ -2,23 +2,21 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from service.errors import APIError
-from service.routes.common import DONE, chat_logprob, now, sse, sse_error, usage
-from service.runner import RunStats, collect_all, finish, start
+from service.routes.common import chat_logprob, now, usage
+from service.runner import RunStats, collect, start, stream_response
 from service.sampling_params import to_sampling_params
 from service.schemas import ChatCompletionRequest, ChatMessage
-from service.state import ServingState, check_model, serving
+from service.serving import Serving, serving
 
 router = APIRouter()
 
 
-def render_chat(state: ServingState, messages: list[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
-    tok = state.loaded.tokenizer
+def render_chat(state: Serving, messages: list[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
+    tok = state.tokenizer
     try:
         text = tok.apply_chat_template([{"role": m.role, "content": m.text()} for m in messages],
                                        add_generation_prompt=add_generation_prompt)
@@ -31,8 +29,8 @@ def render_chat(state: ServingState, messages: list[ChatMessage], add_generation
 
 
 @router.post("/v1/chat/completions")
-async def chat_completions(req: ChatCompletionRequest, request: Request, state: ServingState = Depends(serving)):
-    check_model(state, req.model)
+async def chat_completions(req: ChatCompletionRequest, request: Request, state: Serving = Depends(serving)):
+    state.check_model(req.model)
     prompt = render_chat(state, req.messages, req.add_generation_prompt)
     max_len = state.max_model_len
     top = (req.top_logprobs or 0) if req.logprobs else None
@@ -41,63 +39,35 @@ async def chat_completions(req: ChatCompletionRequest, request: Request, state: 
     params = to_sampling_params(req, state.settings, req.max_completion_tokens or req.max_tokens, top, None,
                                 default_max_tokens=max(1, max_len - len(prompt)))
     stats = RunStats("chat")
-    tok = state.loaded.tokenizer
+    tok = state.tokenizer
     created, rid, model = now(), f"chatcmpl-{stats.request_id}", state.model_name
     outputs = await start(state, [prompt], params, stats)  # refusals raise here, before any response
 
-    def chunk(choices: list[dict], **extra) -> str:
-        return sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                    "choices": choices, **extra})
+    def envelope(choices: list[dict], **extra) -> dict:
+        return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": choices,
+                **extra}
 
     if req.stream:
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        def chunk(choice: int, out) -> dict | None:
+            lp = {"content": [chat_logprob(tok, l) for l in out.logprobs]} if out.logprobs else None
+            if not out.text and not out.finished and lp is None:
+                return None
+            delta = {"content": out.text} if out.text else {}
+            return {"index": choice, "delta": delta, "logprobs": lp, "finish_reason": out.finish_reason}
 
-        async def events() -> AsyncIterator[str]:
-            status = 200
-            try:
-                for c in range(params.n):  # the role comes first, as OpenAI sends it
-                    yield chunk([{"index": c, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                  "finish_reason": None}])
-                async for choice, out in outputs:
-                    if out.error:
-                        status = 500
-                        yield sse_error(500, out.error)
-                        continue
-                    lp = {"content": [chat_logprob(tok, l) for l in out.logprobs]} if out.logprobs else None
-                    if not out.text and not out.finished and lp is None:
-                        continue
-                    delta = {"content": out.text} if out.text else {}
-                    yield chunk([{"index": choice, "delta": delta, "logprobs": lp, "finish_reason": out.finish_reason}])
-                if include_usage:
-                    yield chunk([], usage=usage(stats.prompt_tokens, stats.completion_tokens, stats.cached_tokens))
-                yield DONE
-            except Exception:
-                status = 500
-                yield sse_error(500, "generation failed")
-                yield DONE
-            finally:
-                finish(state, stats, status if len(stats.finish_reasons) == params.n or status != 200 else 499)
-                await outputs.aclose()  # at once, not at GC time: a client that left is aborted now
+        head = [envelope([{"index": c, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                           "finish_reason": None}]) for c in range(params.n)]  # the role comes first, as OpenAI sends it
+        return stream_response(state, stats, outputs, params.n, envelope, chunk, head=head,
+                               include_usage=bool(req.stream_options and req.stream_options.include_usage))
 
-        return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    texts = {c: "" for c in range(params.n)}
+    lps: dict[int, list] = {c: [] for c in range(params.n)}
 
-    async def collect():
-        try:
-            texts = {c: "" for c in range(params.n)}
-            lps: dict[int, list] = {c: [] for c in range(params.n)}
-            reasons: dict[int, str | None] = {}
-            error = None
-            async for choice, out in outputs:
-                texts[choice] += out.text
-                lps[choice] += [chat_logprob(tok, l) for l in out.logprobs or []]
-                error = error or out.error
-                if out.finished:
-                    reasons[choice] = out.finish_reason
-            return texts, lps, reasons, error
-        finally:
-            await outputs.aclose()
+    def add(choice: int, out) -> None:
+        texts[choice] += out.text
+        lps[choice] += [chat_logprob(tok, l) for l in out.logprobs or []]
 
-    texts, lps, reasons, _ = await collect_all(request, state, stats, collect())
+    reasons = await collect(request, state, stats, outputs, add)
     return JSONResponse({
         "id": rid, "object": "chat.completion", "created": created, "model": model,
         "choices": [{"index": c, "message": {"role": "assistant", "content": texts[c]},

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 import time
 
-from model.engine.sampler import TokenLogprobs
-from model.text.tokenizer import Tokenizer
+from model.engine import TokenLogprobs
+from model.text import Tokenizer
 from service.errors import envelope
 
 DONE = "data: [DONE]\n\n"

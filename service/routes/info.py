@@ -9,14 +9,15 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from service.errors import APIError, error_response
 from service.routes.chat import render_chat
 from service.schemas import DetokenizeRequest, TokenizeRequest
-from service.state import ServingState, check_model, serving
+from service.serving import Serving, serving
+from service.state import ServingState
 
 router = APIRouter()
 
 
 @router.get("/health")
 async def health(request: Request):
-    state: ServingState = request.app.state.serving
+    state: ServingState = request.app.state.serving  # the lifecycle itself: answers while loading and after a failure
     if state.ready:
         return {"status": "ok", "model": state.model_name}
     reason = "draining" if state.draining else ("failed" if state.load_error or state.fatal_error else "loading")
@@ -26,7 +27,7 @@ async def health(request: Request):
 
 
 @router.get("/v1/models")
-async def models(state: ServingState = Depends(serving)):
+async def models(state: Serving = Depends(serving)):
     return {"object": "list", "data": [{
         "id": state.model_name, "object": "model", "created": 0, "owned_by": "llamascope",
         "max_model_len": state.max_model_len,
@@ -35,28 +36,28 @@ async def models(state: ServingState = Depends(serving)):
 
 @router.get("/metrics")
 async def metrics(request: Request):
-    state: ServingState = request.app.state.serving
-    if state.engine is not None:  # the engine thread's last snapshot, never a walk over its live state
-        state.metrics.set_gauges(state.engine.stats)
+    state: ServingState = request.app.state.serving  # scraped whatever the state, as Prometheus expects
+    if state.stats is not None:  # the engine thread's last snapshot, never a walk over its live state
+        state.metrics.set_gauges(state.stats)
     return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
 @router.post("/tokenize")
-async def tokenize(req: TokenizeRequest, state: ServingState = Depends(serving)):
-    check_model(state, req.model)
+async def tokenize(req: TokenizeRequest, state: Serving = Depends(serving)):
+    state.check_model(req.model)
     if (req.prompt is None) == (req.messages is None):
         raise APIError(400, "give exactly one of prompt or messages", param="prompt", code="invalid_value")
     if req.messages is not None:
         ids = render_chat(state, req.messages)
     else:
-        ids = state.loaded.tokenizer.encode(req.prompt, add_bos=None if req.add_special_tokens else False)
+        ids = state.tokenizer.encode(req.prompt, add_bos=None if req.add_special_tokens else False)
     return {"tokens": ids, "count": len(ids), "max_model_len": state.max_model_len}
 
 
 @router.post("/detokenize")
-async def detokenize(req: DetokenizeRequest, state: ServingState = Depends(serving)):
-    check_model(state, req.model)
-    V = state.loaded.model.config.vocab_size
+async def detokenize(req: DetokenizeRequest, state: Serving = Depends(serving)):
+    state.check_model(req.model)
+    V = state.config.vocab_size
     if any(t >= V for t in req.tokens):
         raise APIError(400, f"token ids must be below the vocabulary size {V}", param="tokens", code="invalid_token")
-    return JSONResponse({"prompt": state.loaded.tokenizer.decode(req.tokens)})
+    return JSONResponse({"prompt": state.tokenizer.decode(req.tokens)})

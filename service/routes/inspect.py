@@ -17,49 +17,49 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import HTMLResponse, Response
 
-from model.engine.async_engine import EngineDeadError
+from model.engine import EngineDeadError
 from model.probes import INCLUDES, ProbeOptions, ProbeRun
-from model.engine.sampling_params import SamplingParams
-from model.engine.scheduler import QueueFullError
+from model.engine import SamplingParams
+from model.engine import QueueFullError
 from service import inspect_format as fmt
 from service.errors import APIError
 from service.routes.chat import render_chat
 from service.routes.common import now
 from service.runner import RunStats, start, until_disconnect
 from service.schemas import InspectRequest, InspectSummaryOptions
-from service.state import ServingState, check_model, serving
+from service.serving import Serving, serving
 
 router = APIRouter()
 log = logging.getLogger("llamascope.service")
 
 
-def _sequence(state: ServingState, req: InspectRequest) -> list[int]:
+def _sequence(state: Serving, req: InspectRequest) -> list[int]:
     given = [name for name in ("prompt", "input_ids", "messages") if getattr(req, name) is not None]
     if len(given) != 1:
         raise APIError(400, "give exactly one of prompt, input_ids or messages" + (f" (got {', '.join(given)})" if given else ""),
                        param="prompt", code="invalid_value")
-    tok = state.loaded.tokenizer
+    tok = state.tokenizer
     if req.messages is not None:
         return render_chat(state, req.messages, req.add_generation_prompt)
     ids = tok.encode(req.prompt) if req.prompt is not None else list(req.input_ids)
     if not ids:
         raise APIError(400, "prompt must not be empty", param=given[0], code="empty_prompt")
-    V = state.loaded.model.config.vocab_size
+    V = state.config.vocab_size
     if any(t >= V for t in ids):
         raise APIError(400, f"token ids must be below the vocabulary size {V}", param="input_ids", code="invalid_token")
     return ids
 
 
-def check_length(state: ServingState, T: int, param: str = "prompt") -> None:
+def check_length(state: Serving, T: int, param: str = "prompt") -> None:
     limit = state.settings.max_inspect_tokens
     if T > limit:
         raise APIError(413, f"inspecting {T} tokens exceeds the limit of {limit} (max_inspect_tokens)",
                        param=param, code="inspect_too_long")
 
 
-def _options(state: ServingState, req: InspectRequest, T: int) -> ProbeOptions:
+def _options(state: Serving, req: InspectRequest, T: int) -> ProbeOptions:
     """Options for a sequence of (at most) T tokens; 400 for out-of-range selectors, 413 over the byte budget."""
-    c = state.loaded.model.config
+    c = state.config
     opts = ProbeOptions(
         layers=req.layers, heads=req.heads, include=frozenset(req.include) if req.include is not None else INCLUDES,
         massive_threshold=req.massive_threshold, massive_ratio=req.massive_ratio, massive_top_k=req.massive_top_k,
@@ -93,16 +93,16 @@ def _absolute(positions: list[int] | None, T: int, param: str) -> list[int] | No
     return out
 
 
-async def run_probe(state: ServingState, request: Request | None, ids: list[int], opts: ProbeOptions) -> ProbeRun:
+async def run_probe(state: Serving, request: Request | None, ids: list[int], opts: ProbeOptions) -> ProbeRun:
     """Step a ProbeRun on the engine thread to its end; cancelled if the client of `request` leaves (without a
     request, the caller's own cancellation is the only stop)."""
     try:
-        run = ProbeRun(state.loaded.model, ids, opts)
+        run = state.new_probe(ids, opts)
     except ValueError as e:
         raise APIError(400, str(e), code="invalid_value") from None
     t0 = time.perf_counter()
     try:
-        job = state.engine.run_job(run, state.settings.max_inspect_queued)
+        job = state.run_job(run, state.settings.max_inspect_queued)
         await (until_disconnect(request, job) if request is not None else job)
     except QueueFullError as e:
         raise APIError(429, f"server busy: {e}", code="queue_full", headers={"Retry-After": "1"}) from None
@@ -113,7 +113,7 @@ async def run_probe(state: ServingState, request: Request | None, ids: list[int]
     return run
 
 
-async def _generate(state: ServingState, request: Request, ids: list[int], req: InspectRequest) -> dict:
+async def _generate(state: Serving, request: Request, ids: list[int], req: InspectRequest) -> dict:
     """The completion to inspect with the prompt: its tokens, text and finish reason."""
     params = SamplingParams(max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p, seed=req.seed)
     stats = RunStats("inspect")
@@ -137,9 +137,9 @@ async def _generate(state: ServingState, request: Request, ids: list[int], req: 
 
 
 @router.post("/inspect")
-async def inspect(req: InspectRequest, request: Request, state: ServingState = Depends(serving)):
-    check_model(state, req.model)
-    c = state.loaded.model.config
+async def inspect(req: InspectRequest, request: Request, state: Serving = Depends(serving)):
+    state.check_model(req.model)
+    c = state.config
     started = time.perf_counter()
     ids = _sequence(state, req)
     max_len = state.max_model_len
@@ -161,7 +161,7 @@ async def inspect(req: InspectRequest, request: Request, state: ServingState = D
                        "dim": c.dim, "vocab_size": c.vocab_size},
             "layers_selected": opts.selected_layers(c.n_layers), "heads_selected": result.heads,
             "kv_groups": result.kv_groups, "num_prompt_tokens": len(ids), "completion": completion}
-    body.update(await run_in_threadpool(fmt.render, result, opts, req.format, state.loaded.tokenizer, c.n_layers))
+    body.update(await run_in_threadpool(fmt.render, result, opts, req.format, state.tokenizer, c.n_layers))
     body["usage"] = {"prompt_tokens": len(ids), "completion_tokens": len(sequence) - len(ids), "total_tokens": len(sequence),
                      "compute_ms": round(result.compute_ms, 1), "response_bytes": 0}
     data = await run_in_threadpool(fmt.dumps_with_size, body)
@@ -170,7 +170,7 @@ async def inspect(req: InspectRequest, request: Request, state: ServingState = D
     return Response(data, media_type="application/json")
 
 
-async def completion_summaries(state: ServingState, prompts: list[list[int]], options: bool | InspectSummaryOptions) -> list[dict]:
+async def completion_summaries(state: Serving, prompts: list[list[int]], options: bool | InspectSummaryOptions) -> list[dict]:
     """The `inspect` extension of /v1/completions: each prompt's inspection summary (no maps). Runs beside the
     generation as a task the route cancels if the client leaves."""
     o = options if isinstance(options, InspectSummaryOptions) else InspectSummaryOptions()
@@ -180,8 +180,8 @@ async def completion_summaries(state: ServingState, prompts: list[list[int]], op
         opts = ProbeOptions(include=frozenset({"massive", "attention"}), massive_threshold=o.massive_threshold,
                             massive_ratio=o.massive_ratio, layers=[0])
         result = (await run_probe(state, None, ids, opts)).result()
-        tokens = fmt.token_list(state.loaded.tokenizer, ids)
-        out.append({"prompt_index": i, "summary": fmt.summary(result, tokens, state.loaded.model.config.n_layers),
+        tokens = fmt.token_list(state.tokenizer, ids)
+        out.append({"prompt_index": i, "summary": fmt.summary(result, tokens, state.config.n_layers),
                     "compute_ms": round(result.compute_ms, 1)})
     return out
 

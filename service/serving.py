@@ -1,0 +1,67 @@
+"""What a route gets (`Depends(serving)`): a narrow view of the served model and its engine. The model's name,
+tokenizer and shape, the deployment's limits, the engine's submission calls and the stats the engine thread
+publishes; never the engine's internals, whose state only the engine thread touches (house rule 6)."""
+
+from __future__ import annotations
+
+from fastapi import Request
+
+from model.config import ModelConfig
+from model.engine import AsyncEngine, EngineJob, EngineStats, RequestStream, SamplingParams
+from model.probes import ProbeOptions, ProbeRun
+from model.text import Tokenizer
+from service.config import Settings
+from service.errors import APIError
+from service.metrics import Metrics
+from service.state import ServingState
+
+
+class Serving:
+    def __init__(self, state: ServingState) -> None:
+        self._state, self._engine = state, state.engine
+        self.model_name: str = state.model_name
+        self.tokenizer: Tokenizer = state.loaded.tokenizer
+        self.config: ModelConfig = state.loaded.model.config  # the whole model's, as clients see it
+        self.settings: Settings = state.settings
+        self.metrics: Metrics = state.metrics
+        self.max_model_len: int = state.max_model_len  # prompt + max_tokens, clamped to the KV pool at start-up
+
+    @property
+    def draining(self) -> bool:
+        return self._state.draining
+
+    @property
+    def stats(self) -> EngineStats:
+        """The engine's counters as its thread last published them."""
+        return self._engine.stats
+
+    async def add_requests(self, prompts: list[tuple[str, list[int]]], params: SamplingParams) -> list[RequestStream]:
+        return await self._engine.add_requests(prompts, params)
+
+    async def run_job(self, job: EngineJob, max_queued: int | None = None) -> None:
+        await self._engine.run_job(job, max_queued)
+
+    def new_probe(self, token_ids: list[int], opts: ProbeOptions) -> ProbeRun:
+        """An inspection of `token_ids` over the serving weights (ValueError for options out of range)."""
+        return ProbeRun(self._state.loaded.model, token_ids, opts)
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_name:
+            raise APIError(404, f"model {name!r} does not exist; this server serves {self.model_name!r}",
+                           param="model", code="model_not_found")
+
+
+def serving(request: Request) -> Serving:
+    """Dependency: the routes' view of the server, or a 503 envelope while the model loads (or after it failed to,
+    or while the server drains)."""
+    state: ServingState = request.app.state.serving
+    if not state.ready:
+        reason = f"model failed to load: {state.load_error}" if state.load_error else "the model is loading"
+        if state.fatal_error:
+            reason = state.fatal_error
+        if state.draining:
+            reason = "the server is shutting down"
+        raise APIError(503, reason, code="not_ready", headers={"Retry-After": "5"})
+    if state.view is None:
+        state.view = Serving(state)
+    return state.view
