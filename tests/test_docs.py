@@ -61,6 +61,18 @@ def test_relative_links_resolve(page):
     assert not broken, f"broken links in {page.relative_to(ROOT)}:\n" + "\n".join(broken)
 
 
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_source_paths_the_docs_name_exist(page):
+    """Every repository file or module path a page names in code spans exists (so a moved file cannot leave the
+    docs pointing at nothing): `model/engine/scheduler.py`, `python -m model.parallel.worker`."""
+    text = page.read_text()
+    missing = [p for p in re.findall(r"`((?:model|service|benchmarks|tests|deploy)/[\w./-]+)`", text)
+               if not (ROOT / p).exists() and not p.startswith(("benchmarks/results/", "tests/artifacts/"))]  # outputs
+    missing += [m for m in re.findall(r"python -m ((?:model|service|benchmarks)(?:\.\w+)+)", text)
+                if not ((ROOT / m.replace(".", "/")).with_suffix(".py").exists() or (ROOT / m.replace(".", "/")).is_dir())]
+    assert not missing, f"{page.relative_to(ROOT)} names paths that do not exist: {sorted(set(missing))}"
+
+
 def test_pages_speak_of_the_product():
     """No issue numbers, status logs or notes on how the work was organized: the docs describe what exists."""
     for page in PAGES:

@@ -24,7 +24,7 @@ def tiny_model(seed: int = 0, dtype=torch.float32, **overrides) -> Transformer:
         for p in model.parameters():
             p.normal_(0, 0.3 if p.ndim > 1 else 1.0)
         model.tie_weights()
-    return model.to(dtype).eval().requires_grad_(False).fuse_projections()
+    return model.to(dtype).eval().requires_grad_(False)
 
 
 def greedy_tokens(model: Transformer, prompts: list[list[int]], n: int = 10, **config) -> list[list[int]]:
