@@ -16,21 +16,15 @@ static void apply_impl(T* x, int64_t D, const int64_t* ops, int64_t Q, const flo
     for (int64_t q = begin; q < end; ++q) {
       const int64_t* op = ops + 4 * q;
       T* row = x + op[0] * D;
-      const int64_t u = op[1], keep = op[2], put = op[3];
-      if (u >= 0) {
-        const float* uv = bank + u * D;
-        double dot = 0.0;
+      const float* uv = op[1] >= 0 ? bank + op[1] * D : nullptr;
+      const float* kv = op[2] >= 0 ? bank + op[2] * D : nullptr;
+      const float* pv = op[3] >= 0 ? bank + op[3] * D : nullptr;
+      double dot = 0.0;
+      if (uv)
         for (int64_t d = 0; d < D; ++d) dot += static_cast<double>(to_f(row[d])) * static_cast<double>(uv[d]);
-        for (int64_t d = 0; d < D; ++d) {
-          const float y = static_cast<float>(static_cast<double>(to_f(row[d])) - dot * static_cast<double>(uv[d]));
-          row[d] = from_f<T>(y);
-        }
-      }
-      if (keep < 0 && put < 0) continue;
-      const float* kv = keep >= 0 ? bank + keep * D : nullptr;
-      const float* pv = put >= 0 ? bank + put * D : nullptr;
-      for (int64_t d = 0; d < D; ++d) {
+      for (int64_t d = 0; d < D; ++d) {  // float32 throughout, rounded to the row's dtype once
         float y = to_f(row[d]);
+        if (uv) y = static_cast<float>(static_cast<double>(y) - dot * static_cast<double>(uv[d]));
         if (kv) y = y * kv[d];
         if (pv) y = y + pv[d];
         row[d] = from_f<T>(y);
