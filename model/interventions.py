@@ -184,8 +184,9 @@ def compose(items: list[Intervention], dim: int) -> Entry:
             else:
                 keep[d] *= it.factor
                 put[d] *= it.factor
-    entry.keep = None if keep is None else torch.from_numpy(keep).float()
-    entry.put = None if put is None or (keep is not None and not put.any()) else torch.from_numpy(put).float()
+    # an identity part is left out (scale 0 is then no edit at all, bitwise; x + 0 would turn -0.0 into +0.0)
+    entry.keep = None if keep is None or (keep == 1.0).all() else torch.from_numpy(keep).float()
+    entry.put = None if put is None or not put.any() else torch.from_numpy(put).float()
     return entry
 
 
@@ -230,7 +231,8 @@ class InterventionPlan:
                 if ids not in by_subset:
                     e = compose([self.items[i] for i in ids], dim)
                     by_subset[ids] = (index(e.u), index(e.keep), index(e.put))
-                rows.append((k, *by_subset[ids]))
+                if by_subset[ids] != (-1, -1, -1):  # an entry that changes nothing is not an op
+                    rows.append((k, *by_subset[ids]))
             a = np.asarray(rows, dtype=np.int64).reshape(-1, 4)
             return Pattern(a[:, 0].copy(), a[:, 1].copy(), a[:, 2].copy(), a[:, 3].copy())
 
