@@ -116,3 +116,207 @@ def test_hidden_states_equal_hf_over_http(server, hf_gguf_model, default_model):
     print(f"\nhidden states over HTTP vs HF output_hidden_states: max relative difference {worst:.1e}")
     assert worst <= 1e-5
     assert all(len(n["choices"][0]["text"]) > 0 for n in noise)
+
+
+# ---- a tiny model: errors, stored vectors, control vectors, streaming ------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def control_gguf(tmp_path_factory) -> tuple[str, dict[int, np.ndarray]]:
+    """A llama.cpp control vector for the tiny model (width 64): direction.1 and direction.3, written with the
+    gguf package as cvector-generator writes them."""
+    import gguf
+
+    path = tmp_path_factory.mktemp("cvec") / "calm.gguf"
+    g = np.random.default_rng(0)
+    directions = {1: g.standard_normal(64).astype(np.float32), 3: g.standard_normal(64).astype(np.float32)}
+    w = gguf.GGUFWriter(str(path), "controlvector")
+    w.add_string("controlvector.model_hint", "llama")
+    w.add_uint32("controlvector.layer_count", len(directions))
+    for layer, v in directions.items():
+        w.add_tensor(f"direction.{layer}", v)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return str(path), directions
+
+
+@pytest.fixture(scope="module")
+def tiny(control_gguf):
+    from pathlib import Path
+
+    from live_server import LiveServer
+    from model.loaders.checkpoint import LoadedModel
+    from service.config import Settings
+    from service.main import create_app
+    from tiny import byte_tokenizer, tiny_model
+
+    loaded = LoadedModel(tiny_model(seed=4, n_layers=6, max_seq_len=1024), byte_tokenizer(), Path("tiny"), "tiny", 0.0)
+    settings = Settings(control_vector=f"{control_gguf[0]}:2.0", max_vectors=4)
+    with LiveServer(create_app(settings, loaded=loaded, wait_ready=True)) as live:
+        yield live
+
+
+def _vector(seed: int, dim: int = 64, norm: float = 8.0) -> list[float]:
+    v = np.random.default_rng(seed).standard_normal(dim)
+    return (v / np.linalg.norm(v) * norm).tolist()
+
+
+def test_malformed_items_are_400s_naming_the_field(tiny):
+    def err(body: dict, path: str = "/v1/completions") -> tuple[str, str]:
+        base = {"messages": [{"role": "user", "content": "hi"}]} if "chat" in path else {"prompt": "hi"}
+        r = httpx.post(tiny.url + path, json={**base, **body}, timeout=60)
+        assert r.status_code == 400, r.text
+        e = r.json()["error"]
+        return e["param"], e["message"]
+
+    cases = [
+        ({"interventions": [{"layer": 0, "vector": [1.0, 2.0]}]}, "interventions[0].vector", "width is 64"),
+        ({"interventions": [{"layer": 6, "vector": _vector(0)}]}, "interventions[0].layer", "out of range"),
+        ({"interventions": [{"layer": 0, "vector": _vector(0)}, {"layer": 1, "vector": {"name": "nope"}}]},
+         "interventions[1].vector", "no stored vector named 'nope'"),
+        ({"interventions": [{"layer": 0, "op": "set", "dims": [1, 2], "values": [0.0]}]}, "interventions[0].values", "one value per dim"),
+        ({"interventions": [{"layer": 0, "op": "scale", "dims": [64]}]}, "interventions[0].dims", "[0, 64)"),
+        ({"interventions": [{"layer": 0, "op": "add"}]}, "interventions[0].vector", "needs a vector"),
+        ({"interventions": [{"op": "set", "dims": [0], "values": [1.0]}]}, "interventions[0].layer", "give the block"),
+        ({"interventions": [{"layer": 2, "op": "project_out", "vector": _vector(1)},
+                            {"layer": 2, "op": "project_out", "vector": _vector(2)}]}, "interventions[1].op", "one project_out"),
+        ({"interventions": [{"layer": 0, "vector": {"name": "calm"}}]}, "interventions[0].vector", "no direction for block 0"),
+        ({"return_hidden_states": {"layers": [9]}}, "return_hidden_states.layers", "[0, 6)"),
+    ]
+    for body, param, words in cases:
+        got_param, message = err(body)
+        assert got_param == param and words in message, (body, got_param, message)
+    # schema-level refusals name the field too
+    for bad in ({"layer": 0, "op": "paint", "vector": _vector(0)}, {"layer": 0, "positions": [-1], "vector": _vector(0)},
+                {"layer": 0, "site": "residual", "vector": _vector(0)}):
+        param, _ = err({"interventions": [bad]})
+        assert param.startswith("interventions"), param
+    nan = '{"prompt": "hi", "interventions": [{"layer": 0, "vector": [NaN' + ", 0.0" * 63 + "]}]}"
+    r = httpx.post(tiny.url + "/v1/completions", content=nan, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "interventions" in r.json()["error"]["param"], r.text
+    param, _ = err({"interventions": [{"layer": 7, "vector": _vector(0)}]}, "/inspect")
+    assert param == "interventions[0].layer"
+    assert httpx.get(tiny.url + "/health").status_code == 200
+
+
+def test_stored_vectors_lifecycle(tiny):
+    pairs = {"positive": ["I am so happy today", "What a wonderful day"],
+             "negative": ["I am so sad today", "What a terrible day"]}
+    r = httpx.post(tiny.url + "/v1/vectors", json={"name": "joy", "layers": [1, 4], **pairs}, timeout=120)
+    assert r.status_code == 200, r.text
+    v = r.json()
+    assert v["name"] == "joy" and v["layers"] == [1, 4] and v["dim"] == 64 and v["source"] == "contrastive"
+    stored = {int(l): np.frombuffer(base64.b64decode(d), "<f4") for l, d in v["data"].items()}
+    # the mean difference of the last token's block outputs, as the probes read them
+    from model.probes import ProbeOptions, ProbeRun
+    from tiny import byte_tokenizer
+
+    model, tok = tiny.app.state.serving.loaded.model, byte_tokenizer()
+
+    def last(text: str) -> dict[int, torch.Tensor]:
+        ids = tok.encode(text)
+        res = ProbeRun(model, ids, ProbeOptions(layers=[1, 4], include=frozenset({"hidden_states"}),
+                                                hidden_positions=[len(ids) - 1])).run()
+        return {p.layer: p.hidden[0] for p in res.layers}
+
+    P, N = [last(t) for t in pairs["positive"]], [last(t) for t in pairs["negative"]]
+    for layer in (1, 4):
+        want = torch.stack([p[layer] - n[layer] for p, n in zip(P, N)]).mean(0)
+        assert np.abs(stored[layer] - want.numpy()).max() <= 1e-5 * np.abs(want.numpy()).max(), layer  # chunking: rounding
+    listed = httpx.get(tiny.url + "/v1/vectors").json()["data"]
+    assert {x["name"] for x in listed} == {"joy", "calm"}
+    assert httpx.get(tiny.url + "/v1/vectors/joy").json()["data"] == v["data"]
+    dup = httpx.post(tiny.url + "/v1/vectors", json={"name": "joy", "layers": [1], **pairs}, timeout=60)
+    assert dup.status_code == 409 and dup.json()["error"]["param"] == "name"
+    for body, param in (({"name": "x", "layers": [1], "positive": ["a"], "negative": ["b", "c"]}, "negative"),
+                        ({"name": "x", "layers": [6], "positive": ["a"], "negative": ["b"]}, "layers"),
+                        ({"name": "no spaces", "layers": [1], "positive": ["a"], "negative": ["b"]}, "name")):
+        r = httpx.post(tiny.url + "/v1/vectors", json=body, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    # a named vector is its inline directions
+    named = post(tiny, "/v1/completions", {"prompt": "Today", "max_tokens": 8, "temperature": 0, "logprobs": 1,
+                                           "interventions": [{"vector": {"name": "joy"}, "scale": 3.0}]})
+    inline = post(tiny, "/v1/completions", {"prompt": "Today", "max_tokens": 8, "temperature": 0, "logprobs": 1,
+                                            "interventions": [{"layer": l, "vector": stored[l].tolist(), "scale": 3.0}
+                                                              for l in (1, 4)]})
+    assert named["choices"][0]["logprobs"] == inline["choices"][0]["logprobs"]
+    assert httpx.delete(tiny.url + "/v1/vectors/joy").json() == {"object": "vector.deleted", "name": "joy", "deleted": True}
+    assert httpx.delete(tiny.url + "/v1/vectors/joy").status_code == 404
+    assert httpx.get(tiny.url + "/v1/vectors/joy").status_code == 404
+    r = httpx.post(tiny.url + "/v1/completions", json={"prompt": "x", "interventions": [{"vector": {"name": "joy"}}]})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "vector_not_found"
+
+
+def test_control_vector_gguf_adds_direction_n_at_block_n(tiny, control_gguf):
+    """--control-vector calm.gguf:2.0 stores `calm`: direction.N x 2 at block N's output (llama.cpp's reading)."""
+    _, directions = control_gguf
+    calm = next(v for v in httpx.get(tiny.url + "/v1/vectors").json()["data"] if v["name"] == "calm")
+    assert calm["layers"] == [1, 3] and calm["source"] == "gguf" and calm["scale"] == 2.0
+    stored = {int(l): np.frombuffer(base64.b64decode(d), "<f4")
+              for l, d in httpx.get(tiny.url + "/v1/vectors/calm").json()["data"].items()}
+    for layer, v in directions.items():
+        assert np.array_equal(stored[layer], 2.0 * v)
+    body = {"prompt": "Once upon a time", "max_tokens": 10, "temperature": 0, "logprobs": 2}
+    named = post(tiny, "/v1/completions", {**body, "interventions": [{"vector": {"name": "calm"}}]})
+    inline = post(tiny, "/v1/completions", {**body, "interventions": [
+        {"layer": l, "site": "block_output", "vector": (2.0 * v).tolist()} for l, v in directions.items()]})
+    plain = post(tiny, "/v1/completions", body)
+    assert named["choices"][0]["logprobs"] == inline["choices"][0]["logprobs"] != plain["choices"][0]["logprobs"]
+
+
+def test_control_vector_files_llama_cpp_would_refuse(tmp_path):
+    import gguf
+
+    from service.vectors import load_control_vector
+
+    def write(name: str, tensors: dict[str, np.ndarray]) -> str:
+        w = gguf.GGUFWriter(str(tmp_path / name), "controlvector")
+        for k, v in tensors.items():
+            w.add_tensor(k, v)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        return str(tmp_path / name)
+
+    ok = np.ones(64, dtype=np.float32)
+    for tensors, words in (({"direction.0": ok}, "N >= 1"), ({"direction.1": np.ones(8, np.float32)}, "width is 64"),
+                           ({"direction.9": ok}, "beyond the model's 6 blocks"), ({"bias.1": ok}, "not direction.N")):
+        with pytest.raises(ValueError, match=words):
+            load_control_vector(write(f"{len(words)}.gguf", tensors), 6, 64)
+    with pytest.raises(ValueError, match="no such file"):
+        load_control_vector(str(tmp_path / "missing.gguf:1.5"), 6, 64)
+
+
+def test_streaming_n2_seeds_and_stops_behave_as_without_interventions(tiny):
+    """The same request streamed and not: the same text, logprobs and hidden states (each chunk carrying its own
+    positions); n = 2 seeded choices differ from each other and repeat with the seed; a stop string ends it."""
+    edit = [{"layer": 2, "vector": _vector(3), "positions": "generated"},
+            {"layer": 0, "op": "scale", "dims": [0, 1, 2], "factor": 0.5}]
+    body = {"prompt": "The cat", "max_tokens": 12, "temperature": 0.9, "seed": 5, "n": 2, "logprobs": 1,
+            "interventions": edit, "return_hidden_states": {"layers": [1, 5], "positions": "last"}}
+    whole = post(tiny, "/v1/completions", body)
+    again = post(tiny, "/v1/completions", body)
+    assert whole["choices"] == again["choices"]
+    a, b = whole["choices"]
+    assert a["text"] != b["text"]
+    assert decode(a["hidden_states"]).shape == (12, 2, 64) and a["hidden_states"]["positions"] == list(range(6, 18))
+    chunks: dict[int, list] = {0: [], 1: []}
+    with httpx.stream("POST", tiny.url + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                for c in json.loads(line[6:])["choices"]:
+                    chunks[c["index"]].append(c)
+    for i, choice in enumerate(whole["choices"]):
+        got = chunks[i]
+        assert "".join(c["text"] for c in got) == choice["text"]
+        hs = [c["hidden_states"] for c in got if c["hidden_states"] is not None]
+        assert [p for h in hs for p in h["positions"]] == choice["hidden_states"]["positions"]
+        assert np.array_equal(np.concatenate([decode(h) for h in hs]), decode(choice["hidden_states"]))
+    plain = post(tiny, "/v1/completions", {k: v for k, v in body.items() if k not in ("interventions",)})
+    assert [c["text"] for c in plain["choices"]] != [c["text"] for c in whole["choices"]]
+    stop = a["text"][3:5]
+    stopped = post(tiny, "/v1/completions", {**body, "n": 1, "stop": [stop]})["choices"][0]
+    assert stopped["finish_reason"] == "stop" and stop not in stopped["text"]
