@@ -118,6 +118,40 @@ def test_hidden_states_equal_hf_over_http(server, hf_gguf_model, default_model):
     assert all(len(n["choices"][0]["text"]) > 0 for n in noise)
 
 
+SHOUTED = ["I LOVE THE SUMMER SUN", "WE WENT TO THE MARKET TODAY", "THIS IS THE BEST DAY EVER",
+           "PLEASE CALL ME TOMORROW", "THE DOG RAN ACROSS THE FIELD"]
+HELD_OUT = ["Write a short note to a friend:", "Describe your favourite food.", "The weather today is",
+            "Tell me about your city.", "My plan for the weekend is"]
+
+
+def upper_ratio(texts: list[str]) -> float:
+    letters = [c for t in texts for c in t if c.isalpha()]
+    return sum(c.isupper() for c in letters) / max(1, len(letters))
+
+
+def test_steering_vector_from_contrastive_pairs(server):
+    """A vector built by POST /v1/vectors from five pairs (the same sentence shouted and not) makes greedy output on
+    five other prompts shout: the share of capital letters goes up; at scale 0 the text is the unsteered text, to
+    the character."""
+    r = httpx.post(server.url + "/v1/vectors", json={"name": "shout", "layers": [8], "positive": SHOUTED,
+                                                       "negative": [s.lower().capitalize() for s in SHOUTED]}, timeout=300)
+    assert r.status_code == 200, r.text
+    try:
+        def texts(scale: float | None) -> list[str]:
+            edit = None if scale is None else [{"vector": {"name": "shout"}, "scale": scale}]
+            body = post(server, "/v1/completions", {"prompt": HELD_OUT, "max_tokens": 24, "temperature": 0,
+                                                    "interventions": edit})
+            return [c["text"] for c in body["choices"]]
+
+        plain, zero, steered = texts(None), texts(0.0), texts(1.0)
+        print(f"\ncapital letters: unsteered {upper_ratio(plain):.2f}, steered {upper_ratio(steered):.2f} "
+              f"(vector norm {r.json()['norms']['8']:.1f})\n  {plain[0]!r}\n  {steered[0]!r}")
+        assert zero == plain
+        assert upper_ratio(steered) > upper_ratio(plain) + 0.3
+    finally:
+        httpx.delete(server.url + "/v1/vectors/shout")
+
+
 # ---- a tiny model: errors, stored vectors, control vectors, streaming ------------------------------------------
 
 
