@@ -43,8 +43,8 @@ class StepEdits:
     read_out: Tensor  # (K, D) float32
 
     def __post_init__(self) -> None:
-        self._ptr = self.site_ptr.cpu().numpy()  # host copies: which sites have work is decided without a sync
-        self._rptr = self.read_ptr.cpu().numpy()
+        self.site_ptr_host = self.site_ptr.cpu().numpy()  # host copies: which sites have work is decided without a sync
+        self.read_ptr_host = self.read_ptr.cpu().numpy()
 
     @property
     def has_edits(self) -> bool:
@@ -59,14 +59,14 @@ class StepEdits:
         the packed rows 0 .. N - 1, or, with `window` = (first, N), rows first .. first + N - 1 (a chunk of a
         longer sequence, as `ProbeRun` runs one)."""
         k = 3 * layer + SITE_INDEX[site]
-        a, b = int(self._ptr[k]), int(self._ptr[k + 1])
+        a, b = int(self.site_ptr_host[k]), int(self.site_ptr_host[k + 1])
         x2 = x.view(-1, x.shape[-1])  # (N, D)
         if a < b:
             ops = self.ops[a:b] if window is None else _window(self.ops[a:b], *window)
             if ops.shape[0]:
                 apply_ops(x2, ops, self.bank)
         if site == "block_output":
-            r0, r1 = int(self._rptr[layer]), int(self._rptr[layer + 1])
+            r0, r1 = int(self.read_ptr_host[layer]), int(self.read_ptr_host[layer + 1])
             if r0 < r1:
                 rows = self.read_rows[r0:r1]
                 if window is None:
@@ -84,7 +84,7 @@ class StepEdits:
 
     def restrict(self, layer: int) -> "StepEdits":
         """The part of the table one block reads (what a tensor-parallel rank is sent to probe one block)."""
-        a, b = int(self._ptr[3 * layer]), int(self._ptr[3 * layer + 3])
+        a, b = int(self.site_ptr_host[3 * layer]), int(self.site_ptr_host[3 * layer + 3])
         ptr = torch.zeros_like(self.site_ptr)
         ptr[3 * layer + 1 : 3 * layer + 4] = self.site_ptr[3 * layer + 1 : 3 * layer + 4] - a
         ptr[3 * layer + 4 :] = b - a
@@ -149,7 +149,7 @@ class EditTables:
 
     def __init__(self, n_layers: int, dim: int, device: torch.device) -> None:
         self.n_layers, self.dim, self.device = n_layers, dim, torch.device(device)
-        self._plans: tuple[int, ...] = ()
+        self._plans: list[InterventionPlan] = []  # held (not just their ids) so no new plan can reuse an id
         self._bank = torch.zeros(0, dim, device=self.device)
         self._base: dict[int, int] = {}
 
@@ -161,8 +161,7 @@ class EditTables:
         reads = [s for s in segments if s.read is not None]
         if not plans and not reads:
             return None, []
-        key = tuple(id(p) for p in plans)
-        if key != self._plans:
+        if len(plans) != len(self._plans) or any(a is not b for a, b in zip(plans, self._plans)):
             self._base, parts, off = {}, [], 0
             for p in plans:
                 if id(p) not in self._base:
@@ -170,20 +169,16 @@ class EditTables:
                     parts.append(p.vectors)
                     off += p.vectors.shape[0]
             self._bank = torch.cat(parts).to(self.device) if parts else torch.zeros(0, self.dim, device=self.device)
-            self._plans = key
+            self._plans = plans
         chunks = []
         for s in segments:
             if s.plan is None:
                 continue
             base = self._base[id(s.plan)]
             for off, n, pat in s.plan.runs(s.pos0, s.n):
-                S = pat.sites.size
-                rows = np.repeat(np.arange(s.row0 + off, s.row0 + off + n, dtype=np.int64)[None, :], S, 0)  # (S, n)
-                block = np.empty((S, n, 5), dtype=np.int64)
-                block[:, :, 0] = pat.sites[:, None]
-                block[:, :, 1] = rows
-                for j, col in ((2, pat.u), (3, pat.keep), (4, pat.put)):
-                    block[:, :, j] = np.where(col >= 0, col + base, -1)[:, None]
+                template = _template(pat, base)  # (S, 5): [site, row (unset), u, keep, put]
+                block = np.repeat(template[:, None, :], n, 1)  # (S, n, 5)
+                block[:, :, 1] = np.arange(s.row0 + off, s.row0 + off + n, dtype=np.int64)
                 chunks.append(block.reshape(-1, 5))
         if chunks:
             table = np.concatenate(chunks)
@@ -219,6 +214,18 @@ class EditTables:
             torch.from_numpy(read_ptr).to(dev), torch.from_numpy(read_rows).to(dev),
             torch.zeros(len(read_rows), self.dim, device=dev))
         return edits, layouts
+
+
+def _template(pat, base: int) -> np.ndarray:
+    """A pattern's ops with its vectors at bank offset `base`, cached on the pattern (decode steps reuse it)."""
+    if pat.template is not None and pat.template[0] == base:
+        return pat.template[1]
+    t = np.empty((pat.sites.size, 5), dtype=np.int64)
+    t[:, 0], t[:, 1] = pat.sites, 0
+    for j, col in ((2, pat.u), (3, pat.keep), (4, pat.put)):
+        t[:, j] = np.where(col >= 0, col + base, -1)
+    pat.template = (base, t)
+    return t
 
 
 def gather_reads(edits: StepEdits, layout: tuple[Segment, list[int], list[int]]) -> Tensor:

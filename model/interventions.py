@@ -199,6 +199,8 @@ class Pattern:
     u: np.ndarray  # (S,) int64
     keep: np.ndarray  # (S,) int64
     put: np.ndarray  # (S,) int64
+    # (bank offset, (S, 5) op rows) as model/edits.py last laid them out: decode steps reuse them
+    template: tuple[int, np.ndarray] | None = field(default=None, repr=False)
 
 
 class InterventionPlan:

@@ -46,7 +46,7 @@ class GraphEdits:
         host, on = self._host, self._on
         host[:] = self._identity
         on[:] = False
-        ptr, ops = edits._ptr, edits.ops.cpu().numpy()
+        ptr, ops = edits.site_ptr_host, edits.ops.cpu().numpy()
         for k in np.nonzero(ptr[1:] > ptr[:-1])[0]:
             sel = ops[ptr[k] : ptr[k + 1]]
             rows = sel[:, 0]
@@ -76,6 +76,6 @@ class GraphEdits:
     def store_reads(self, edits: StepEdits) -> None:
         """After a replay: the step's reads from the recorded block outputs."""
         for layer in range(self.n_layers):
-            a, b = int(edits._rptr[layer]), int(edits._rptr[layer + 1])
+            a, b = int(edits.read_ptr_host[layer]), int(edits.read_ptr_host[layer + 1])
             if a < b:
                 edits.read_out[a:b] = self.hidden[layer, edits.read_rows[a:b]]

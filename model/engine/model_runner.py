@@ -77,10 +77,11 @@ class ModelRunner:
         logits = self._forward(path, batch).float()  # (M, V): the batch's logits rows
         self.path_counts[path] += 1
         out = RunnerOutput(path)
-        for layout in layouts:
-            out.hidden_states.append((layout[0].owner, layout[1], gather_reads(batch.edits, layout)))
-        out.read_upto = [(s.seq, s.seq.num_computed_tokens + s.num_new_tokens) for s in scheduled
-                         if s.seq.request.hidden_states is not None]
+        if batch.edits is not None:
+            for layout in layouts:
+                out.hidden_states.append((layout[0].owner, layout[1], gather_reads(batch.edits, layout)))
+            out.read_upto = [(s.seq, s.seq.num_computed_tokens + s.num_new_tokens) for s in scheduled
+                             if s.seq.request.hidden_states is not None]
         for p in batch.prompt_logprobs:
             targets = torch.tensor(p.seq.prompt_token_ids[p.first + 1 : p.first + 1 + p.count], device=logits.device)
             out.prompt_logprobs.append(

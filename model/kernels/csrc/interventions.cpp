@@ -9,34 +9,35 @@
 
 namespace ls {
 
+// One pass per op row, serially: a site's work is a few rows of D values, far less than a parallel region costs to
+// open (and decode opens three sites per block).
 template <typename T>
 static void apply_impl(T* x, int64_t D, const int64_t* ops, int64_t Q, const float* bank) {
-  // rows are distinct within one site's ops, so they can be edited in parallel
-  at::parallel_for(0, Q, 8, [&](int64_t begin, int64_t end) {
-    for (int64_t q = begin; q < end; ++q) {
-      const int64_t* op = ops + 4 * q;
-      T* row = x + op[0] * D;
-      const float* uv = op[1] >= 0 ? bank + op[1] * D : nullptr;
-      const float* kv = op[2] >= 0 ? bank + op[2] * D : nullptr;
-      const float* pv = op[3] >= 0 ? bank + op[3] * D : nullptr;
-      double dot = 0.0;
-      if (uv)
-        for (int64_t d = 0; d < D; ++d) dot += static_cast<double>(to_f(row[d])) * static_cast<double>(uv[d]);
-      for (int64_t d = 0; d < D; ++d) {  // float32 throughout, rounded to the row's dtype once
-        float y = to_f(row[d]);
-        if (uv) y = static_cast<float>(static_cast<double>(y) - dot * static_cast<double>(uv[d]));
-        if (kv) y = y * kv[d];
-        if (pv) y = y + pv[d];
-        row[d] = from_f<T>(y);
-      }
+  for (int64_t q = 0; q < Q; ++q) {
+    const int64_t* op = ops + 4 * q;
+    T* row = x + op[0] * D;
+    const float* uv = op[1] >= 0 ? bank + op[1] * D : nullptr;
+    const float* kv = op[2] >= 0 ? bank + op[2] * D : nullptr;
+    const float* pv = op[3] >= 0 ? bank + op[3] * D : nullptr;
+    double dot = 0.0;
+    if (uv)
+      for (int64_t d = 0; d < D; ++d) dot += static_cast<double>(to_f(row[d])) * static_cast<double>(uv[d]);
+    for (int64_t d = 0; d < D; ++d) {  // float32 throughout, rounded to the row's dtype once
+      float y = to_f(row[d]);
+      if (uv) y = static_cast<float>(static_cast<double>(y) - dot * static_cast<double>(uv[d]));
+      if (kv) y = y * kv[d];
+      if (pv) y = y + pv[d];
+      row[d] = from_f<T>(y);
     }
-  });
+  }
 }
 
 void apply_edits(torch::Tensor& x, const torch::Tensor& ops, const torch::Tensor& bank) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "apply_edits: x (N, D) contiguous");
-  TORCH_CHECK(ops.dim() == 2 && ops.size(1) == 4 && ops.scalar_type() == at::kLong && ops.is_contiguous(), "apply_edits: ops (Q, 4) int64");
-  TORCH_CHECK(bank.scalar_type() == at::kFloat && bank.is_contiguous() && (bank.numel() == 0 || bank.size(1) == x.size(1)),
+  TORCH_CHECK(ops.dim() == 2 && ops.size(1) == 4 && ops.scalar_type() == at::kLong && ops.is_contiguous(),
+              "apply_edits: ops (Q, 4) int64");
+  TORCH_CHECK(bank.scalar_type() == at::kFloat && bank.is_contiguous() &&
+                  (bank.numel() == 0 || bank.size(1) == x.size(1)),
               "apply_edits: bank (V, D) float32");
   const int64_t Q = ops.size(0), D = x.size(1);
   if (Q == 0) return;
