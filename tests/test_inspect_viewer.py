@@ -57,14 +57,20 @@ def page():
             browser.close()
 
 
-@needs_chromium
-def test_viewer_shows_heatmap_and_massive_activations(server, page):
+def open_and_run(server, page) -> list[str]:
+    """Open the viewer, inspect the Summer prompt, wait for the table; -> the page's errors (filled as they come)."""
     errors: list[str] = []
     page.on("pageerror", lambda e: errors.append(str(e)))
     page.goto(server.url + "/inspect/ui")
     page.fill("#prompt", "Summer is warm. Winter is cold.\n")
     page.click("#run")
     page.wait_for_selector("#massive tbody tr[data-dim]", timeout=60_000)
+    return errors
+
+
+@needs_chromium
+def test_viewer_shows_heatmap_and_massive_activations(server, page):
+    errors = open_and_run(server, page)
 
     # the massive-activation table: token 0 ("Summer"), dim 507, in blocks 11..27
     rows = page.eval_on_selector_all("#massive tbody tr", "rs => rs.map(r => [...r.cells].map(c => c.textContent))")
@@ -150,12 +156,7 @@ def canvas_ink(page, selector: str) -> int:
 def test_viewer_mean_ablation_keeps_the_model(server, page):
     """"mean" sets the entry to its mean over the reference sentences (read through /inspect's hidden states): the
     prompt's perplexity barely moves and the massive activation stays."""
-    errors: list[str] = []
-    page.on("pageerror", lambda e: errors.append(str(e)))
-    page.goto(server.url + "/inspect/ui")
-    page.fill("#prompt", "Summer is warm. Winter is cold.\n")
-    page.click("#run")
-    page.wait_for_selector("#massive tbody tr[data-dim]", timeout=60_000)
+    errors = open_and_run(server, page)
     intervene(page, 11, "mean")
     before, after = ppl(page, "before"), ppl(page, "after")
     assert abs(after / before - 1) < 0.05, (before, after)

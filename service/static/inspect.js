@@ -335,6 +335,7 @@ function fmtPpl(d) {
 }
 
 function fillColumn(col, d, title) {
+  if (!col.firstElementChild) col.appendChild($("column").content.cloneNode(true));
   col.querySelector("h3").textContent = title;
   const ppl = col.querySelector(".ppl-value");
   ppl.textContent = fmtPpl(d);
