@@ -157,7 +157,7 @@ def run(args: argparse.Namespace) -> dict:
     for r in range(args.rounds):
         _progress(f"round {r + 1}/{args.rounds} (load {_load_avg()})")
         bandwidth.append(ceilings.read_bandwidth(mb=args.bandwidth_mb))
-        for s in sides:
+        for s in sides if r % 2 == 0 else sides[::-1]:  # the order alternates: a drifting load weighs on all sides
             res = s.decode(args.new_tokens)
             per[s.name]["decode_tok_s"].append(res.decode_tok_s)
             tokens[s.name] = res.token_ids

@@ -228,8 +228,17 @@ def _intervened_phase(args, lm, config, workload, sizes, clock) -> dict:
     plain, edited, ratios = [], [], []
     for r in range(args.intervened_rounds):
         _progress(f"llamascope: concurrent plain / intervened, round {r + 1}/{args.intervened_rounds}")
-        a = ours.run_concurrent(engine, workload.prompts, sizes.max_tokens, clock, tag=f"p{r}").summary()
-        b = ours.run_concurrent(engine, workload.prompts, sizes.max_tokens, clock, tag=f"e{r}", interventions=edits).summary()
+        def plain_run():
+            return ours.run_concurrent(engine, workload.prompts, sizes.max_tokens, clock, tag=f"p{r}").summary()
+
+        def edited_run():
+            return ours.run_concurrent(engine, workload.prompts, sizes.max_tokens, clock, tag=f"e{r}",
+                                       interventions=edits).summary()
+
+        if r % 2 == 0:  # the order alternates, so a load that drifts during a round weighs on both sides
+            a, b = plain_run(), edited_run()
+        else:
+            b, a = edited_run(), plain_run()
         plain.append(a["throughput_tok_s"])
         edited.append(b["throughput_tok_s"])
         ratios.append(edited[-1] / plain[-1])
