@@ -2,6 +2,7 @@
 
     .venv/bin/python -m benchmarks.bench_decode [--settings float32 bfloat16 int8 int4] [--threads N] [--rounds 3]
                                                 [--new-tokens 64] [--skip-hf] [--skip-llama-cpp] [--quick]
+                                                [--interventions]
 
 Decode of one token reads every weight once, so `weight bytes per token / read bandwidth` bounds it. Per setting:
 - decode tok/s: one greedy request (128-token prompt) through the `Engine`, as `bench_engine`'s single stream;
@@ -69,6 +70,19 @@ class OursSide:
         return ceilings.time_matmuls(self.lm.model, 1, reps)
 
 
+class EditedSide:
+    """`--interventions`: the same engine and prompt, the request carrying one `add` on every block's output
+    (model/interventions.py), applied inside the fused native decode step."""
+
+    def __init__(self, base: OursSide) -> None:
+        self.base, self.name = base, base.name + "+add_every_layer"
+        self.weight_bytes, self.prompt = base.weight_bytes, base.prompt
+        self.interventions = ours.add_every_layer(base.lm.model.config, seed=0)
+
+    def decode(self, new_tokens: int) -> StreamResult:
+        return ours.run_single(self.base.engine, self.prompt, new_tokens, Clock("cpu"), self.interventions)
+
+
 class HFSide:
     name = "hf_float32"
 
@@ -125,6 +139,8 @@ def run(args: argparse.Namespace) -> dict:
     for name in args.settings:
         _progress(f"llamascope {name}: loading, warm-up")
         sides.append(OursSide(name, args.model, args.prompt_len))
+        if args.interventions:
+            sides.append(EditedSide(sides[-1]))
     prompt, path = sides[0].prompt, sides[0].lm.path
     if not args.skip_hf:
         _progress("transformers float32: loading the same file")
@@ -137,13 +153,15 @@ def run(args: argparse.Namespace) -> dict:
     bandwidth: list[float] = []
     per: dict[str, dict[str, list]] = {s.name: {"decode_tok_s": [], "matmul_s": []} for s in sides}
     tokens: dict[str, list[int]] = {}
+    last_paths: dict[str, dict | None] = {}
     for r in range(args.rounds):
         _progress(f"round {r + 1}/{args.rounds} (load {_load_avg()})")
         bandwidth.append(ceilings.read_bandwidth(mb=args.bandwidth_mb))
-        for s in sides:
+        for s in sides if r % 2 == 0 else sides[::-1]:  # the order alternates: a drifting load weighs on all sides
             res = s.decode(args.new_tokens)
             per[s.name]["decode_tok_s"].append(res.decode_tok_s)
             tokens[s.name] = res.token_ids
+            last_paths[s.name] = getattr(res, "steps_by_path", None)
             if isinstance(s, OursSide):
                 per[s.name]["matmul_s"].append(s.matmul_s(args.matmul_reps))
     bw = _median(bandwidth)
@@ -165,6 +183,12 @@ def run(args: argparse.Namespace) -> dict:
     if "hf_float32" in out:
         for name in args.settings:
             out[name]["vs_hf_float32"] = out[name]["decode_tok_s"] / out["hf_float32"]["decode_tok_s"]
+    for s in sides:
+        if isinstance(s, EditedSide):  # per round (the two run back to back), then the median of the ratios
+            ratios = [a / b for a, b in zip(per[s.name]["decode_tok_s"], per[s.base.name]["decode_tok_s"])]
+            out[s.name]["vs_without_interventions"] = _median(ratios)
+            out[s.name]["vs_without_interventions_rounds"] = ratios
+            out[s.name]["steps_by_path"] = last_paths.get(s.name)
     ref = tokens.get("float32")
     return {
         "schema": 1,
@@ -182,7 +206,7 @@ def run(args: argparse.Namespace) -> dict:
         "read_bandwidth_gb_s": bw,
         "read_bandwidth_rounds": bandwidth,
         "sides": out,
-        "same_tokens_as_float32": {k: v == ref for k, v in tokens.items()} if ref else None,
+        "same_tokens_as_float32": {k: v == ref for k, v in tokens.items() if "+" not in k} if ref else None,
     }
 
 
@@ -197,6 +221,8 @@ def print_report(r: dict) -> None:
     for name, e in r["sides"].items():
         mm = f"{e['matmul_only_ms']:>10.2f} {e['decode_step_ms']:>8.2f} {e['step_over_matmul']:>7.2f}x" if "matmul_only_ms" in e else f"{'':>28}"
         vs = f"{e['vs_llama_cpp']:>11.2f}x" if "vs_llama_cpp" in e else ""
+        if "vs_without_interventions" in e:
+            vs = f"{e['vs_without_interventions']:>11.3f}x (vs without)"
         print(f"{name:<12} {e['decode_tok_s']:>7.1f} {e['weight_bytes_per_token'] / 1e6:>9.1f} "
               f"{e['bandwidth_ceiling_tok_s']:>8.1f} {e['pct_of_bandwidth_ceiling']:>6.1f}% {mm} {vs}")
     if r.get("same_tokens_as_float32"):
@@ -215,6 +241,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--bandwidth-mb", type=int, default=512)
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--skip-llama-cpp", action="store_true")
+    p.add_argument("--interventions", action="store_true",
+                   help="also decode with one `add` on every block's output, same engine, same rounds (the cost of "
+                        "interventions on the native path)")
     p.add_argument("--quick", action="store_true", help="1 round, 8 new tokens, 16-token prompt: a smoke test")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)

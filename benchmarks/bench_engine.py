@@ -64,6 +64,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     e.add_argument("--kv-cache-mb", type=int, default=1024, help="KV block pool size")
     e.add_argument("--max-num-seqs", type=int, default=32)
     e.add_argument("--max-num-batched-tokens", type=int, default=512)
+    e.add_argument("--intervened-fraction", type=float, default=0.0,
+                   help="also run the concurrent workload with this fraction of the requests carrying one `add` on "
+                        "every block's output (each its own vector), alternating with the plain run --intervened-rounds "
+                        "times on an engine without prefix caching (so neither run reuses the other's blocks)")
+    e.add_argument("--intervened-rounds", type=int, default=3)
     args = p.parse_args(argv)
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
@@ -143,6 +148,7 @@ def run(args: argparse.Namespace) -> dict:
     single = {"ours": ours.run_single(engine, workload.single_prompt, sizes.single_max_tokens, clock)}
     conc = {"ours": ours.run_concurrent(engine, workload.prompts, sizes.max_tokens, clock)}
     serve = memory["ours_serve"] = mem.read()
+    intervened = _intervened_phase(args, lm, config, workload, sizes, clock) if args.intervened_fraction > 0 else None
     # What the engine holds beyond its two big allocations (on CUDA both live in GPU memory, so the decomposition
     # is of the peak allocated there): interpreter and torch on CPU, activations, sampler and bookkeeping.
     held = serve["cuda_peak_allocated_mb"] if device.type == "cuda" else serve["peak_rss_mb"]
@@ -202,7 +208,44 @@ def run(args: argparse.Namespace) -> dict:
         "memory": memory,
         "ceilings": ceil,
         "ratios": compare(single_out, conc_out),
+        "concurrent_intervened": intervened,
     }
+
+
+def _intervened_phase(args, lm, config, workload, sizes, clock) -> dict:
+    """The concurrent workload plain and with a fraction of its requests intervened, alternating, on one engine
+    without prefix caching: output tok/s of each run, and the median of the per-round ratios."""
+    import dataclasses
+    import statistics
+
+    from model.engine import Engine
+
+    engine = Engine(lm.model, lm.tokenizer, dataclasses.replace(config, enable_prefix_caching=False))
+    ours.warm_up(engine, lm.model.config.vocab_size)
+    n = len(workload.prompts)
+    every = max(1, round(1 / args.intervened_fraction))
+    edits = [ours.add_every_layer(lm.model.config, seed=i) if i % every == 0 else None for i in range(n)]
+    plain, edited, ratios = [], [], []
+    for r in range(args.intervened_rounds):
+        _progress(f"llamascope: concurrent plain / intervened, round {r + 1}/{args.intervened_rounds}")
+        def plain_run():
+            return ours.run_concurrent(engine, workload.prompts, sizes.max_tokens, clock, tag=f"p{r}").summary()
+
+        def edited_run():
+            return ours.run_concurrent(engine, workload.prompts, sizes.max_tokens, clock, tag=f"e{r}",
+                                       interventions=edits).summary()
+
+        if r % 2 == 0:  # the order alternates, so a load that drifts during a round weighs on both sides
+            a, b = plain_run(), edited_run()
+        else:
+            b, a = edited_run(), plain_run()
+        plain.append(a["throughput_tok_s"])
+        edited.append(b["throughput_tok_s"])
+        ratios.append(edited[-1] / plain[-1])
+    return {"intervened_requests": sum(e is not None for e in edits), "requests": n,
+            "intervention": "one add on every block's output, all positions, each request its own vector",
+            "plain_tok_s_rounds": plain, "intervened_tok_s_rounds": edited, "ratio_rounds": ratios,
+            "ratio_median": statistics.median(ratios), "load_avg": list(os.getloadavg())}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -214,6 +257,12 @@ def main(argv: list[str] | None = None) -> dict:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2) + "\n")
     print_report(results)
+    if results["concurrent_intervened"]:
+        c = results["concurrent_intervened"]
+        print(f"\nconcurrent, {c['intervened_requests']} of {c['requests']} requests intervened ({c['intervention']}): "
+              f"{c['ratio_median']:.3f}x the plain run's output tok/s (median of {len(c['ratio_rounds'])} alternating "
+              f"rounds: plain {', '.join(f'{x:.1f}' for x in c['plain_tok_s_rounds'])}, intervened "
+              f"{', '.join(f'{x:.1f}' for x in c['intervened_tok_s_rounds'])}; load {c['load_avg']})")
     print(f"\nresults: {out}")
     return results
 

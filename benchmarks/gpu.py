@@ -108,8 +108,9 @@ def engine_phase(model, tokenizer, prompts: torch.Tensor, args, device, r: dict,
     steps["engine"] = ours.logprob_steps(engine, prompts[0].tolist(), args.compare_tokens, TOP_K)
     if engine.runner.graphs is None:
         return False
-    r["engine_graph_buckets"] = sorted(engine.runner.graphs.graphs)
-    r["engine_graph_buckets_failed"] = sorted(engine.runner.graphs.failed)
+    r["engine_graph_buckets"] = sorted(b for b, edited in engine.runner.graphs.graphs if not edited)
+    r["engine_graph_buckets_failed"] = sorted(b for b, edited in engine.runner.graphs.failed if not edited)
+    r["engine_edited_graph_buckets"] = sorted(b for b, edited in engine.runner.graphs.graphs if edited)
     return True
 
 

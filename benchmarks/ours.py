@@ -13,6 +13,7 @@ from benchmarks.agreement import StepLogprobs
 from benchmarks.measure import Clock, ConcurrentResult, StreamResult
 from model.engine import Engine, RequestOutput
 from model.engine.sampling_params import SamplingParams
+from model.interventions import Intervention
 
 WARM_UP_PROMPT_LENS = (24, 40)  # `warm_up`'s requests (benchmarks/gpu_sizing.py sizes engines for them too)
 WARM_UP_NEW_TOKENS = 4
@@ -28,12 +29,14 @@ def _check(out: RequestOutput) -> None:
         raise RuntimeError(f"request {out.request_id} failed in the engine: {out.error}")
 
 
-def run_single(engine: Engine, prompt: list[int], max_tokens: int, clock: Clock) -> StreamResult:
-    """One request alone; a mark per step that produced its token (a partial prefill chunk produces none)."""
+def run_single(engine: Engine, prompt: list[int], max_tokens: int, clock: Clock,
+               interventions: list[Intervention] | None = None) -> StreamResult:
+    """One request alone (with `interventions`, if any); a mark per step that produced its token (a partial
+    prefill chunk produces none)."""
     tokens: list[int] = []
     before = engine.stats().steps_by_path
     clock.start()
-    engine.add_request("single", prompt, greedy(max_tokens))
+    engine.add_request("single", prompt, greedy(max_tokens), interventions)
     while engine.has_unfinished():
         outs = engine.step()
         for out in outs:
@@ -50,8 +53,9 @@ def _paths(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
 
 
 def run_concurrent(engine: Engine, prompts: list[list[int]], max_tokens: int, clock: Clock,
-                   tag: str = "req") -> ConcurrentResult:
-    """All requests added at t = 0, then `step()` until every one has finished; a mark after every step."""
+                   tag: str = "req", interventions: list[list[Intervention] | None] | None = None) -> ConcurrentResult:
+    """All requests added at t = 0 (request i with interventions[i], if given), then `step()` until every one has
+    finished; a mark after every step."""
     n = len(prompts)
     tokens: list[list[int]] = [[] for _ in range(n)]
     first_step: list[int | None] = [None] * n
@@ -60,7 +64,7 @@ def run_concurrent(engine: Engine, prompts: list[list[int]], max_tokens: int, cl
     peak_kv_usage, num_steps = 0.0, 0
     clock.start()
     for i, prompt in enumerate(prompts):
-        engine.add_request(f"{tag}-{i}", prompt, greedy(max_tokens))
+        engine.add_request(f"{tag}-{i}", prompt, greedy(max_tokens), interventions[i] if interventions else None)
     while engine.has_unfinished():
         outs = engine.step()
         clock.mark()
@@ -112,3 +116,14 @@ def logprob_steps(engine: Engine, prompt: list[int], max_tokens: int, k: int) ->
             _check(out)
             steps += [StepLogprobs(lp.token_id, dict(lp.top)) for lp in out.logprobs or []]
     return steps
+
+
+def add_every_layer(config, seed: int, norm: float = 1.0) -> list[Intervention]:
+    """One `add` at every block's output, all positions (a steering vector at every layer: the cost benchmarks'
+    intervention), a random direction of the given norm."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for layer in range(config.n_layers):
+        v = torch.randn(config.dim, generator=g)
+        out.append(Intervention(layer, "block_output", "add", "all", v / v.norm() * norm))
+    return out

@@ -1,6 +1,7 @@
 """Attention over this call's keys only (no cache), and the SDPA call every attention path shares.
 
-An attention context turns one layer's q, k, v into attention output. Three implement `attend`:
+An attention context turns one layer's q, k, v into attention output, and may edit a block's outputs
+(`edit`: interventions, model/interventions.py). Three implement `attend`:
 `CausalAttention` (here: keys are the call's own tokens), `kv_cache.KVCache` (contiguous per-row cache, for
 `model.generate`) and `paged_kv_cache.PagedKVCache` (the engine's block pool, ragged batches).
 """
@@ -16,6 +17,11 @@ from torch import Tensor
 class AttentionContext(Protocol):
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """q (B, T, H, E), k/v (B, T, K, E) of this call's tokens (RoPE applied) -> (B, T, H, E)."""
+        ...
+
+    def edit(self, layer: int, site: str, x: Tensor) -> Tensor:
+        """Block `layer`'s output at `site` ("attention_output", "mlp_output" before their residual adds,
+        "block_output" after the block), x (B, T, D) -> the same, edited (model/interventions.py) or as it is."""
         ...
 
 
@@ -48,3 +54,6 @@ class CausalAttention:
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         return sdpa(q, k, v, self.mask, is_causal=self.mask is None)
+
+    def edit(self, layer: int, site: str, x: Tensor) -> Tensor:
+        return x

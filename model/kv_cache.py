@@ -50,3 +50,6 @@ class KVCache:
         self.k[layer, :B][self._batch_idx[:B], self._positions] = k
         self.v[layer, :B][self._batch_idx[:B], self._positions] = v
         return sdpa(q, self.k[layer, :B, :S], self.v[layer, :B, :S], self._mask)
+
+    def edit(self, layer: int, site: str, x: Tensor) -> Tensor:
+        return x  # no interventions on this path (model/interventions.py: the engine and the probes have them)

@@ -146,9 +146,13 @@ class Block(nn.Module):
         self.feed_forward = FeedForward(config)
 
     def forward(self, h: Tensor, cos: Tensor, sin: Tensor, ctx: AttentionContext) -> Tensor:
-        # (B, T, D) -> (B, T, D): the residual stream after both residual adds
-        h = h + self.attention(self.attention_norm(h), cos, sin, ctx)
-        return h + self.feed_forward(self.ffn_norm(h))
+        # (B, T, D) -> (B, T, D): the residual stream after both residual adds. The context may edit the three
+        # sites (model/interventions.py; contexts without edits return x as it is).
+        layer = self.attention.layer_idx
+        a = self.attention(self.attention_norm(h), cos, sin, ctx)  # (B, T, D)
+        h = h + ctx.edit(layer, "attention_output", a)
+        m = self.feed_forward(self.ffn_norm(h))  # (B, T, D)
+        return ctx.edit(layer, "block_output", h + ctx.edit(layer, "mlp_output", m))
 
 
 class Transformer(nn.Module):

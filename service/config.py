@@ -51,6 +51,11 @@ class Settings(BaseSettings):
     max_inspect_tokens: int = Field(4096, description="longest sequence /inspect accepts (413 beyond)")
     max_inspect_response_bytes: int = Field(32 << 20, description="estimated /inspect response size beyond which it is a 413 naming a cheaper mode")
     max_inspect_queued: int = Field(4, description="inspections queued or running at once (429 beyond)")
+    control_vector: str | None = Field(
+        None, description="llama.cpp control-vector GGUF files to store at start, `FILE[:SCALE]`, comma-separated: "
+        "each becomes a stored vector named after its file (direction.N at block N's output) that requests name in "
+        "their interventions", json_schema_extra={"shown_default": "none"})
+    max_vectors: int = Field(64, ge=1, description="stored vectors (POST /v1/vectors, --control-vector) held at once")
     log_prompts: bool = Field(False, description="include prompt text in request logs")
     threads: int | None = Field(
         None, description="torch CPU threads, per rank with --tensor-parallel-size",

@@ -23,11 +23,16 @@ BYTES_PER_TOKEN = 80  # the token list entry
 BYTES_PER_NORM = 10  # one residual norm per token per layer
 
 
-def estimate_bytes(opts: ProbeOptions, fmt: str, T: int, n_layers: int, n_heads: int) -> int:
+def estimate_bytes(opts: ProbeOptions, fmt: str, T: int, n_layers: int, n_heads: int, dim: int = 0,
+                   hidden_dtype: str = "float16") -> int:
     L = len(opts.selected_layers(n_layers))
     maps = estimate_map_elements(opts, T, n_layers, n_heads) * BYTES_PER_VALUE[fmt]
     norms = L * T * BYTES_PER_NORM if "norms" in opts.include else 0
-    return int(maps + norms + T * BYTES_PER_TOKEN + L * 4096)
+    hidden = 0
+    if "hidden_states" in opts.include:
+        per_value = BYTES_PER_VALUE[fmt] * (2 if hidden_dtype == "float32" else 1)
+        hidden = L * len(opts.hidden_positions or range(T)) * dim * per_value
+    return int(maps + norms + hidden + T * BYTES_PER_TOKEN + L * 4096)
 
 
 POOL_SIZES = (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
@@ -52,22 +57,32 @@ def cheaper_modes(opts: ProbeOptions, fmt: str, T: int, n_layers: int, n_heads: 
     return "; use " + ", or ".join(hints)
 
 
-def resolve_auto(opts: ProbeOptions, fmt: str, T: int, n_layers: int, n_heads: int, budget: int) -> ProbeOptions:
-    """mode "auto": full maps when they fit the budget, else the finest pooling that does, else none."""
+def resolve_auto(opts: ProbeOptions, fmt: str, T: int, n_layers: int, n_heads: int, budget: int, dim: int = 0,
+                 hidden_dtype: str = "float16") -> ProbeOptions:
+    """mode "auto": full maps when they fit the budget (beside any hidden states asked for), else the finest
+    pooling that does, else none."""
     if opts.mode != "auto":
         return opts
     if "attention" not in opts.include:
         return replace(opts, mode="none")
     candidates = [replace(opts, mode="full")] + [replace(opts, mode="pooled", pool_size=b) for b in POOL_SIZES[:8]]
-    return _first_fitting(candidates, fmt, T, n_layers, n_heads, budget) or replace(opts, mode="none")
+    fitting = next((o for o in candidates if estimate_bytes(o, fmt, T, n_layers, n_heads, dim, hidden_dtype) <= budget), None)
+    return fitting or replace(opts, mode="none")
 
 
 def encode_array(a, fmt: str, dtype: str = "float16") -> dict:
+    """float16 / float32 values or int32 indices as base64 (little-endian) or nested lists (float16: 5 decimals;
+    float32: every digit a float32 carries)."""
     arr = np.ascontiguousarray(a.numpy() if hasattr(a, "numpy") else a)
     if fmt == "list":
-        data = np.round(arr.astype(np.float64), 5).tolist() if dtype == "float16" else arr.astype(np.int64).tolist()
+        if dtype == "float16":
+            data = np.round(arr.astype(np.float64), 5).tolist()
+        elif dtype == "float32":
+            data = arr.astype(np.float32).astype(np.float64).tolist()
+        else:
+            data = arr.astype(np.int64).tolist()
         return {"shape": list(arr.shape), "dtype": dtype, "encoding": "list", "data": data}
-    raw = arr.astype("<f2" if dtype == "float16" else "<i4").tobytes()
+    raw = arr.astype({"float16": "<f2", "float32": "<f4"}.get(dtype, "<i4")).tobytes()
     return {"shape": list(arr.shape), "dtype": dtype, "encoding": "base64", "data": base64.b64encode(raw).decode("ascii")}
 
 
@@ -115,7 +130,8 @@ def summary(result: ProbeResult, tokens: list[dict], n_layers: int) -> dict:
     }
 
 
-def render(result: ProbeResult, opts: ProbeOptions, fmt: str, tok: Tokenizer, n_layers: int) -> dict:
+def render(result: ProbeResult, opts: ProbeOptions, fmt: str, tok: Tokenizer, n_layers: int,
+           hidden_dtype: str = "float16") -> dict:
     tokens = token_list(tok, result.token_ids)
     layers = []
     for p in result.layers:
@@ -134,8 +150,16 @@ def render(result: ProbeResult, opts: ProbeOptions, fmt: str, tok: Tokenizer, n_
             layer["logit_lens"] = [{"position": e.position, "top": [{"id": i, "text": tok.decode([i]), "prob": pr}
                                                                      for i, pr in zip(e.token_ids, e.probs)]}
                                    for e in p.lens]
+        if p.hidden is not None:
+            layer["hidden_states"] = {"positions": result.hidden_positions, "values": encode_array(p.hidden, fmt, hidden_dtype)}
         layers.append(layer)
-    return {"tokens": tokens, "layers": layers, "summary": summary(result, tokens, n_layers)}
+    out = {"tokens": tokens, "layers": layers, "summary": summary(result, tokens, n_layers)}
+    if result.prediction is not None:
+        pr = result.prediction
+        out["prediction"] = {"perplexity": pr.perplexity, "num_predicted": pr.num_predicted,
+                             "next_tokens": [{"id": i, "text": tok.decode([i]), "prob": p_}
+                                             for i, p_ in zip(pr.next_token_ids, pr.next_token_probs)]}
+    return out
 
 
 def _nan_to_none(x):

@@ -1,7 +1,7 @@
 """The OpenAPI document says what the server does, so that a schema-driven client or fuzzer (schemathesis, in
 tests/test_schemathesis.py) can hold it to that:
 
-- every error status a route can answer (400, 401, 404, 413, 429, 500, 503) is declared with the OpenAI envelope
+- every error status a route can answer (400, 401, 404, 409, 413, 429, 500, 503) is declared with the OpenAI envelope
   as its schema; FastAPI's default 422 is dropped, since validation failures are answered 400 (errors.py);
 - /metrics is Prometheus text, and the generation routes also answer `text/event-stream` (`stream: true`);
 - the deployment's own limits become bounds: token ids below the served vocabulary, `n` up to `--max-n`,
@@ -36,10 +36,10 @@ SSE_EVENT = {"type": "object", "required": ["data"],
              "properties": {"data": {"type": "string"}, "event": {"type": "string"}, "id": {"type": "string"}}}
 _ERRORS = {400: "invalid request", 401: "missing or invalid API key", 404: "unknown model or route",
            413: "request body too large (or, for /inspect, the sequence or the estimated response)",
-           429: "queue full (see Retry-After)", 500: "generation failed",
+           409: "a stored vector of that name exists", 429: "queue full (see Retry-After)", 500: "generation failed",
            503: "loading, or shutting down (see Retry-After)"}
 _STREAMING = {"/v1/completions", "/v1/chat/completions"}
-_QUEUED = _STREAMING | {"/inspect"}  # routes that can answer 429
+_QUEUED = _STREAMING | {"/inspect", "/v1/vectors"}  # routes that can answer 429
 
 
 def install(app: FastAPI, state: ServingState) -> None:
@@ -72,8 +72,12 @@ def _describe(schema: dict[str, Any], state: ServingState) -> None:
             codes = {500} | ({400, 404, 413} if method == "post" else set())
             if path != "/metrics":
                 codes.add(503)
-            if path in _QUEUED:
+            if path in _QUEUED and method == "post":
                 codes.add(429)
+            if path == "/v1/vectors" and method == "post":
+                codes.add(409)
+            if path == "/v1/vectors/{name}":
+                codes.add(404)
             if path in _STREAMING:
                 responses["200"].setdefault("content", {})["text/event-stream"] = {"itemSchema": SSE_EVENT}
             if s.api_key is not None:

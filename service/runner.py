@@ -18,6 +18,7 @@ from model.engine import EngineDeadError, RequestStream
 from model.engine import RequestOutput
 from model.engine import SamplingParams
 from model.engine import QueueFullError
+from model.interventions import HiddenStateRead, Intervention
 from service.errors import APIError
 from service.routes.common import DONE, sse, sse_error, usage
 from service.serving import Serving
@@ -43,11 +44,13 @@ class RunStats:
 
 
 async def start(
-    state: Serving, prompts: list[list[int]], params: SamplingParams, stats: RunStats
+    state: Serving, prompts: list[list[int]], params: SamplingParams, stats: RunStats,
+    interventions: list[Intervention] | None = None, hidden_states: HiddenStateRead | None = None,
 ) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Submit and wait for the first output, so that refusals (400 / 429 / 503) raise here, before a response
-    starts. Returns the stream of (choice index, output), first one included; closing it aborts what is left."""
-    stream = run(state, prompts, params, stats)
+    starts. Returns the stream of (choice index, output), first one included; closing it aborts what is left.
+    `interventions` and `hidden_states` apply to every prompt of the request."""
+    stream = run(state, prompts, params, stats, interventions, hidden_states)
     try:
         first = await anext(stream)
     except APIError as e:
@@ -66,14 +69,16 @@ async def start(
 
 
 async def run(
-    state: Serving, prompts: list[list[int]], params: SamplingParams, stats: RunStats
+    state: Serving, prompts: list[list[int]], params: SamplingParams, stats: RunStats,
+    interventions: list[Intervention] | None = None, hidden_states: HiddenStateRead | None = None,
 ) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Yield (choice index, output) for every prompt x n choice, as outputs arrive; choice index =
     prompt_index * n + choice (OpenAI's order). Engine refusals raise APIError before anything is yielded."""
     stats.prompts = prompts
     stats.prompt_tokens = sum(len(p) for p in prompts)
     try:  # every prompt in one submission: admitted together, so they prefill in the same steps
-        streams = await state.add_requests([(f"{stats.request_id}-{i}", p) for i, p in enumerate(prompts)], params)
+        streams = await state.add_requests([(f"{stats.request_id}-{i}", p) for i, p in enumerate(prompts)], params,
+                                           interventions, hidden_states)
     except ValueError as e:
         raise APIError(400, str(e), code="invalid_request") from None
     except QueueFullError as e:

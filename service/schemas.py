@@ -53,6 +53,44 @@ STREAM_OPTIONS_NEED_STREAM = {
     "then": {"required": ["stream"], "properties": {"stream": {"const": True}}}}
 
 
+LayerIndex = Int(ge=0, lt=1 << 16)
+Position = Int(ge=-(1 << 20), lt=1 << 20)  # negative: from the end
+TokenIndex = Int(ge=0, lt=1 << 20)
+VectorName = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")]
+
+
+class VectorRef(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    name: VectorName
+
+
+class InterventionItem(BaseModel):
+    """One edit of the residual stream (docs/api.md "Interventions"; model/interventions.py)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    layer: LayerIndex | Annotated[list[LayerIndex], Field(min_length=1, max_length=1024)] | None = None
+    site: Literal["block_output", "attention_output", "mlp_output"] = "block_output"
+    op: Literal["add", "set", "scale", "project_out"] = "add"
+    positions: Literal["all", "prompt", "generated"] | Annotated[list[TokenIndex], Field(min_length=1, max_length=4096)] = "all"
+    vector: Annotated[list[Float], Field(min_length=1, max_length=1 << 16)] | VectorRef | None = None
+    scale: Float = 1.0
+    dims: Annotated[list[Int(ge=0, lt=1 << 16)], Field(min_length=1, max_length=1 << 16)] | None = None
+    values: Annotated[list[Float], Field(min_length=1, max_length=1 << 16)] | None = None
+    factor: Float = 1.0
+
+
+Interventions = Annotated[list[InterventionItem], Field(max_length=256)]
+
+
+class HiddenStatesOptions(BaseModel):
+    """`return_hidden_states`: block outputs returned with each generated token."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    layers: Annotated[list[LayerIndex], Field(min_length=1, max_length=1024)]
+    positions: Literal["last", "all"] | Annotated[list[TokenIndex], Field(min_length=1, max_length=4096)] = "last"
+    dtype: Literal["float32", "float16"] = "float32"
+
+
 class SamplingFields(BaseModel):
     """Fields shared by completions and chat: OpenAI's, then vLLM's extensions."""
 
@@ -81,6 +119,9 @@ class SamplingFields(BaseModel):
     stop_token_ids: list[TokenId] | None = Field(None, max_length=64)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    # llamascope extensions: edits of the residual stream for this request's rows, and block outputs returned
+    interventions: Interventions | None = None
+    return_hidden_states: HiddenStatesOptions | None = None
 
     @field_validator("stop", mode="before")  # before the type's own checks, so the message says what is wrong
     @classmethod
@@ -204,10 +245,6 @@ class DetokenizeRequest(BaseModel):
     tokens: list[TokenId] = Field(max_length=1 << 20)
 
 
-LayerIndex = Int(ge=0, lt=1 << 16)
-Position = Int(ge=-(1 << 20), lt=1 << 20)  # negative: from the end
-
-
 class InspectRequest(BaseModel):
     """POST /inspect. Definitions and map layouts: model/probes.py; the request and response: docs/inspection.md."""
 
@@ -227,7 +264,7 @@ class InspectRequest(BaseModel):
     # what to report
     layers: list[LayerIndex] | None = Field(None, min_length=1, max_length=1024)
     heads: list[LayerIndex] | None = Field(None, min_length=1, max_length=1024)
-    include: list[Literal["massive", "norms", "attention", "logit_lens"]] | None = Field(None, max_length=4)
+    include: list[Literal["massive", "norms", "attention", "logit_lens", "prediction", "hidden_states"]] | None = Field(None, max_length=6)
     massive_threshold: Float = Field(100.0, gt=0.0)
     massive_ratio: Float = Field(1000.0, gt=0.0)
     massive_top_k: Int(ge=1, le=100) = 3
@@ -240,10 +277,33 @@ class InspectRequest(BaseModel):
     format: Literal["base64", "list"] = "base64"
     lens_top_k: Int(ge=1, le=100) = 5
     lens_positions: list[Position] | None = Field(None, min_length=1, max_length=1024)
+    hidden_positions: list[Position] | None = Field(None, min_length=1, max_length=4096)
+    hidden_dtype: Literal["float16", "float32"] = "float16"
+    interventions: Interventions | None = None
 
-    @field_validator("layers", "heads", "rows", "lens_positions")
+    @field_validator("layers", "heads", "rows", "lens_positions", "hidden_positions")
     @classmethod
     def _unique(cls, v):
         if v is not None and len(set(v)) != len(v):
+            raise ValueError("must not repeat an index")
+        return v
+
+
+class VectorRequest(BaseModel):
+    """POST /v1/vectors: a steering vector from contrastive prompt pairs (service/vectors.py)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    model: str | None = None
+    name: VectorName
+    layers: Annotated[list[LayerIndex], Field(min_length=1, max_length=1024)]
+    positive: Annotated[list[NonEmptyText], Field(min_length=1, max_length=64)]
+    negative: Annotated[list[NonEmptyText], Field(min_length=1, max_length=64)]
+    position: Literal["last", "mean"] = "last"
+    normalize: bool = False
+
+    @field_validator("layers")
+    @classmethod
+    def _unique(cls, v):
+        if len(set(v)) != len(v):
             raise ValueError("must not repeat an index")
         return v

@@ -8,12 +8,14 @@ from fastapi import Request
 
 from model.config import ModelConfig
 from model.engine import AsyncEngine, EngineJob, EngineStats, RequestStream, SamplingParams
+from model.interventions import HiddenStateRead, Intervention
 from model.probes import ProbeOptions, ProbeRun
 from model.text import Tokenizer
 from service.config import Settings
 from service.errors import APIError
 from service.metrics import Metrics
 from service.state import ServingState
+from service.vectors import VectorStore
 
 
 class Serving:
@@ -25,6 +27,7 @@ class Serving:
         self.settings: Settings = state.settings
         self.metrics: Metrics = state.metrics
         self.max_model_len: int = state.max_model_len  # prompt + max_tokens, clamped to the KV pool at start-up
+        self.vectors: VectorStore = state.vectors  # stored vectors interventions name (thread-safe)
 
     @property
     def draining(self) -> bool:
@@ -35,15 +38,19 @@ class Serving:
         """The engine's counters as its thread last published them."""
         return self._engine.stats
 
-    async def add_requests(self, prompts: list[tuple[str, list[int]]], params: SamplingParams) -> list[RequestStream]:
-        return await self._engine.add_requests(prompts, params)
+    async def add_requests(self, prompts: list[tuple[str, list[int]]], params: SamplingParams,
+                           interventions: list[Intervention] | None = None,
+                           hidden_states: HiddenStateRead | None = None) -> list[RequestStream]:
+        return await self._engine.add_requests(prompts, params, interventions, hidden_states)
 
     async def run_job(self, job: EngineJob, max_queued: int | None = None) -> None:
         await self._engine.run_job(job, max_queued)
 
-    def new_probe(self, token_ids: list[int], opts: ProbeOptions) -> ProbeRun:
-        """An inspection of `token_ids` over the serving weights (ValueError for options out of range)."""
-        return ProbeRun(self._state.loaded.model, token_ids, opts)
+    def new_probe(self, token_ids: list[int], opts: ProbeOptions, interventions: list[Intervention] | None = None,
+                  num_prompt_tokens: int | None = None) -> ProbeRun:
+        """An inspection of `token_ids` over the serving weights, edited by `interventions` (ValueError for options
+        out of range)."""
+        return ProbeRun(self._state.loaded.model, token_ids, opts, interventions, num_prompt_tokens)
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:

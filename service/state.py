@@ -18,6 +18,7 @@ from model.parallel import TPModel, launch
 from model.dtypes import DTYPES
 from service.config import Settings
 from service.metrics import Metrics
+from service.vectors import VectorStore, control_vector_specs, load_control_vector
 
 log = logging.getLogger("llamascope.service")
 
@@ -34,6 +35,11 @@ class ServingState:
     fatal_error: str | None = None  # the engine thread ended unexpectedly: /health 503, and the process exits 1
     on_fatal: Callable[[], None] | None = None  # set by the real server (service/shutdown.py): stop with exit code 1
     view: Any = None  # the routes' narrow view of this state (service/serving.py), made once the engine runs
+    vectors: VectorStore = field(default=None)  # named steering vectors (service/vectors.py)
+
+    def __post_init__(self) -> None:
+        if self.vectors is None:
+            self.vectors = VectorStore(self.settings.max_vectors)
 
     @property
     def stats(self):
@@ -72,6 +78,9 @@ class ServingState:
                 max_model_len=s.max_model_len, enable_prefix_caching=s.enable_prefix_caching, max_logprobs=s.max_logprobs,
                 decode_graphs="off" if s.enforce_eager else "auto",
             )
+            c = loaded.model.config
+            for spec in control_vector_specs(s.control_vector):  # llama.cpp control vectors, stored by name
+                self.vectors.add(load_control_vector(spec, c.n_layers, c.dim))
             engine = AsyncEngine(Engine(loaded.model, loaded.tokenizer, config))
             engine.step_hooks.append(self.metrics.on_step)
             engine.on_dead = self._engine_died

@@ -57,14 +57,20 @@ def page():
             browser.close()
 
 
-@needs_chromium
-def test_viewer_shows_heatmap_and_massive_activations(server, page):
+def open_and_run(server, page) -> list[str]:
+    """Open the viewer, inspect the Summer prompt, wait for the table; -> the page's errors (filled as they come)."""
     errors: list[str] = []
     page.on("pageerror", lambda e: errors.append(str(e)))
     page.goto(server.url + "/inspect/ui")
     page.fill("#prompt", "Summer is warm. Winter is cold.\n")
     page.click("#run")
     page.wait_for_selector("#massive tbody tr[data-dim]", timeout=60_000)
+    return errors
+
+
+@needs_chromium
+def test_viewer_shows_heatmap_and_massive_activations(server, page):
+    errors = open_and_run(server, page)
 
     # the massive-activation table: token 0 ("Summer"), dim 507, in blocks 11..27
     rows = page.eval_on_selector_all("#massive tbody tr", "rs => rs.map(r => [...r.cells].map(c => c.textContent))")
@@ -91,7 +97,21 @@ def test_viewer_shows_heatmap_and_massive_activations(server, page):
     docs = page.get_attribute("#docs-link", "href")
     assert docs == "/inspect/ui/docs" and "Massive activation" in page.request.get(server.url + docs).text()
 
-    # the README's picture: the default view (last block, head 0) after the run
+    assert "9 tokens" in page.text_content("#status")
+
+    # one click re-runs the prompt with the block-11 entry set to zero: before / after side by side
+    intervene(page, 11, "zero")
+    before, after = ppl(page, "before"), ppl(page, "after")
+    assert after > 1000 * before, (before, after)  # Sun et al.: zeroing the massive activation wrecks the model
+    assert page.get_attribute("#after", "data-massive") == "0" and page.get_attribute("#before", "data-massive") == "17"
+    assert len(page.query_selector_all("#before ol.top5 li")) == 5 == len(page.query_selector_all("#after ol.top5 li"))
+    sinks = {side: json.loads(page.get_attribute(f"#{side}", "data-sinks")) for side in ("before", "after")}
+    assert sinks["before"][:12] == pytest.approx(sinks["after"][:12], abs=1e-6)  # untouched up to the edited block
+    assert max(abs(a - b) for a, b in zip(sinks["before"][12:], sinks["after"][12:])) > 0.3
+    for side in ("before", "after"):
+        assert canvas_ink(page, f"#{side} canvas.magnitudes") > 500 and canvas_ink(page, f"#{side} canvas.sinks") > 200
+
+    # the README's picture: the default view (last block, head 0) and the zero ablation's before / after
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     fresh = ARTIFACTS / SCREENSHOT.name
     page.screenshot(path=str(fresh), full_page=True)
@@ -109,9 +129,39 @@ def test_viewer_shows_heatmap_and_massive_activations(server, page):
     box = page.locator("#heatmap").bounding_box()
     page.mouse.move(box["x"] + box["width"] * 0.5, box["y"] + box["width"] * 0.45)
     assert "weight" in page.text_content("#tooltip")
-    assert "9 tokens" in page.text_content("#status")
+    assert "perplexity" in page.text_content("#status")
 
     page.screenshot(path=str(ARTIFACTS / "viewer-hover.png"), full_page=True)
+    assert not errors, errors
+
+
+def intervene(page, layer: int, kind: str) -> None:
+    page.evaluate("() => { document.getElementById('compare').dataset.kind = ''; }")
+    page.click(f"#massive tbody tr[data-layer='{layer}'] button.{kind}")
+    page.wait_for_function(f"() => document.getElementById('compare').dataset.kind === '{kind}'", timeout=120_000)
+
+
+def ppl(page, side: str) -> float:
+    return float(page.get_attribute(f"#{side} .ppl-value", "data-value"))
+
+
+def canvas_ink(page, selector: str) -> int:
+    return page.evaluate("""(sel) => {
+        const c = document.querySelector(sel), d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
+        let n = 0; for (let i = 0; i < d.length; i += 4) if (d[i + 3] > 0 && (d[i] < 240 || d[i + 1] < 240 || d[i + 2] < 240)) n++;
+        return n; }""", selector)
+
+
+@needs_chromium
+def test_viewer_mean_ablation_keeps_the_model(server, page):
+    """"mean" sets the entry to its mean over the reference sentences (read through /inspect's hidden states): the
+    prompt's perplexity barely moves and the massive activation stays."""
+    errors = open_and_run(server, page)
+    intervene(page, 11, "mean")
+    before, after = ppl(page, "before"), ppl(page, "after")
+    assert abs(after / before - 1) < 0.05, (before, after)
+    assert "its mean" in page.text_content("#compare-what")
+    assert page.get_attribute("#after", "data-massive") == "17"
     assert not errors, errors
 
 

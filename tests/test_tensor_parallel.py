@@ -171,6 +171,53 @@ def test_inspection_gathers_heads_from_their_ranks(pair, mode):
     assert a.sink_mass_by_layer == pytest.approx(b.sink_mass_by_layer, abs=1e-5)
 
 
+def _edits(dim: int, seed: int) -> list:
+    from model.interventions import Intervention
+
+    g = torch.Generator().manual_seed(seed)
+    v = torch.randn(dim, generator=g)
+    return [Intervention(0, "attention_output", "add", "all", v * 2.0),
+            Intervention(1, "block_output", "set", (0, 2), dims=(3, 9), values=(5.0, -5.0)),
+            Intervention(1, "mlp_output", "project_out", "generated", torch.randn(dim, generator=g))]
+
+
+def test_interventions_apply_once_after_the_all_reduce(pair):
+    """Requests with and without interventions in the same steps: TP=2 gives TP=1's tokens and logprobs (each rank
+    edits the replicated residual stream once), and an inspection under the same edits the same statistics."""
+    one, two = pair
+    prompts = _prompts(4, 3)
+    config = EngineConfig(num_blocks=40, block_size=4, max_num_batched_tokens=24, max_num_seqs=4)
+    results = []
+    for model in (one.model, two.model):
+        engine = Engine(model, one.tokenizer, config)
+        for i, p in enumerate(prompts):
+            engine.add_request(str(i), p, SamplingParams(max_tokens=8, temperature=0, logprobs=2, ignore_eos=True),
+                               _edits(model.config.dim, i) if i % 2 == 0 else None)
+        out: dict[str, list] = {}
+        while engine.has_unfinished():
+            for o in engine.step():
+                out.setdefault(o.request_id, []).extend((t, lp.logprob) for t, lp in zip(o.token_ids, o.logprobs))
+        results.append(out)
+    ref, got = results
+    for rid in ref:
+        assert [t for t, _ in got[rid]] == [t for t, _ in ref[rid]], rid
+        assert [lp for _, lp in got[rid]] == pytest.approx([lp for _, lp in ref[rid]], abs=1e-4)
+    plain = Engine(one.model, one.tokenizer, config)
+    plain.add_request("0", prompts[0], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    tokens = []
+    while plain.has_unfinished():
+        tokens += [t for o in plain.step() for t in o.token_ids]
+    assert tokens != [t for t, _ in ref["0"]]  # the edits changed the answer
+    ids = _prompts(1, 11)[0][:16]
+    opts = dict(layers=[0, 1], heads=[0, 3], mode="none")
+    a = ProbeRun(one.model, ids, ProbeOptions(**opts), _edits(one.model.config.dim, 5)).run()
+    b = ProbeRun(two.model, ids, ProbeOptions(**opts), _edits(one.model.config.dim, 5)).run()
+    c = ProbeRun(one.model, ids, ProbeOptions(**opts)).run()
+    assert a.sink_mass_by_layer == pytest.approx(b.sink_mass_by_layer, abs=1e-5)
+    assert [l.max_abs for l in a.layers] == pytest.approx([l.max_abs for l in b.layers], rel=1e-5)
+    assert a.sink_mass_by_layer != pytest.approx(c.sink_mass_by_layer, abs=1e-3)
+
+
 def test_lost_worker_makes_the_next_step_fatal(pair):
     """Runs last for each group: a killed worker makes the next step fail at once (no hang) with FatalEngineError,
     which ends the engine (the service then fails its clients and exits to be restarted: a group with a lost rank

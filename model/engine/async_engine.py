@@ -19,6 +19,7 @@ from typing import Any, Protocol
 from model.engine.engine import Engine, EngineStats, FatalEngineError, RequestOutput
 from model.engine.sampling_params import SamplingParams
 from model.engine.scheduler import QueueFullError
+from model.interventions import HiddenStateRead, Intervention
 
 log = logging.getLogger("llamascope.engine")
 
@@ -94,11 +95,14 @@ class AsyncEngine:
 
     # ---- requests -----------------------------------------------------------------------------------------
 
-    async def add_requests(self, prompts: list[tuple[str, list[int]]], params: SamplingParams) -> list["RequestStream"]:
-        """Submit several prompts (request id, token ids) with the same parameters, all in one inbox message, so
-        the engine thread admits them in the same drain and they prefill together. All or nothing: ValueError (an
-        invalid prompt), QueueFullError (the waiting queue is full) or EngineDeadError, and then none is queued.
-        Returns one stream of outputs per prompt; closing a stream early aborts its request and frees its blocks."""
+    async def add_requests(self, prompts: list[tuple[str, list[int]]], params: SamplingParams,
+                           interventions: list[Intervention] | None = None,
+                           hidden_states: HiddenStateRead | None = None) -> list["RequestStream"]:
+        """Submit several prompts (request id, token ids) with the same parameters (and interventions and
+        hidden-state read, `Engine.add_request`), all in one inbox message, so the engine thread admits them in the
+        same drain and they prefill together. All or nothing: ValueError (an invalid prompt), QueueFullError (the
+        waiting queue is full) or EngineDeadError, and then none is queued. Returns one stream of outputs per
+        prompt; closing a stream early aborts its request and frees its blocks."""
         loop = asyncio.get_running_loop()
         submitted: asyncio.Future = loop.create_future()  # resolved by the engine thread: None or an exception
         streams = [RequestStream(self, rid, params.n, loop) for rid, _ in prompts]
@@ -112,7 +116,8 @@ class AsyncEngine:
             self._num_pending += n
             for stream in streams:
                 self._streams[stream.request_id] = (loop, stream.queue)
-        self._inbox.put(("add", ([(rid, list(ids)) for rid, ids in prompts], params, submitted)))
+        extras = (interventions, hidden_states)
+        self._inbox.put(("add", ([(rid, list(ids)) for rid, ids in prompts], params, extras, submitted)))
         self._wake.set()
         try:
             await submitted  # re-raises the engine's ValueError / QueueFullError here
@@ -252,12 +257,12 @@ class AsyncEngine:
                 return
             drained = True
             if kind == "add":
-                prompts, params, submitted = payload
+                prompts, params, (interventions, hidden_states), submitted = payload
                 added: list[str] = []
                 result: BaseException | None = None
                 try:
                     for request_id, prompt in prompts:
-                        self.engine.add_request(request_id, prompt, params)
+                        self.engine.add_request(request_id, prompt, params, interventions, hidden_states)
                         added.append(request_id)
                 except (ValueError, QueueFullError) as e:  # all or nothing: the caller sees one refusal
                     result = e

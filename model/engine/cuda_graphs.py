@@ -12,7 +12,9 @@ block outside the KV manager's pool, so they never touch a sequence's cache. Sam
 needs the host anyway: stop strings, detokenization).
 
 Every bucket is captured when the engine starts, largest first and sharing one memory pool (vLLM's order: the
-largest graph's buffers are reused by the smaller ones), so no request ever pays a capture.
+largest graph's buffers are reused by the smaller ones), so no request ever pays a capture. Each bucket has two
+graphs: the plain step, and the step with interventions and hidden-state reads from static buffers
+(graph_edits.py), replayed only when some row of the step has them.
 
 Modes (`EngineConfig.decode_graphs`): "auto" captures on CUDA where the Triton decode kernel is available, "off"
 runs every step eagerly, "eager" runs the static-buffer step without capture (what the CPU tests check, with the
@@ -28,6 +30,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from model.engine.graph_edits import GraphEdits
 from model.engine.input_batch import InputBuffers, StepBatch
 from model.engine.paged_cache import AttentionMetadata, PagedKVCache
 from model.kernels import ops
@@ -44,13 +47,17 @@ def buckets(max_num_seqs: int) -> list[int]:
 
 
 class _StaticContext:
-    """The attention context the captured forward sees: the cache's pools, the static buffers' metadata."""
+    """The attention context the captured forward sees: the cache's pools, the static buffers' metadata, and for the
+    edited variant the static interventions (graph_edits.py)."""
 
-    def __init__(self, cache: PagedKVCache, meta: AttentionMetadata) -> None:
-        self.cache, self.meta = cache, meta
+    def __init__(self, cache: PagedKVCache, meta: AttentionMetadata, edits: GraphEdits | None = None) -> None:
+        self.cache, self.meta, self.edits = cache, meta, edits
 
     def begin_forward(self, positions: Tensor) -> None:
         pass
+
+    def edit(self, layer: int, site: str, x: Tensor) -> Tensor:
+        return x if self.edits is None else self.edits.apply(layer, site, x)
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """q (1, B, H, E), k/v (1, B, K, E) -> (1, B, H, E), writing k/v into their slots first."""
@@ -68,10 +75,15 @@ class CudaGraphs:
         self.buckets = buckets(max_num_seqs)
         self.scratch_block, self.scratch_slot = scratch_block, scratch_block * cache.block_size
         self.rows = torch.arange(self.buckets[-1], dtype=torch.long, device=cache.device)  # decode rows 0..B-1
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, Tensor] = {}  # bucket -> the logits the bucket's graph writes, (1, b, V)
-        self.failed: set[int] = set()
+        # one graph per (bucket, edited): the edited variant applies the step's interventions from static buffers
+        # and records block outputs (graph_edits.py); steps without any replay the plain one
+        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[int, bool], Tensor] = {}  # the logits each graph writes, (1, b, V)
+        self.failed: set[tuple[int, bool]] = set()
         self.pool = torch.cuda.graph_pool_handle() if capture else None
+        c = model.config
+        capacity = min(4096, max(64, max_num_seqs * 3 * c.n_layers))  # vectors a step's interventions may use
+        self.edits = GraphEdits(c.n_layers, c.dim, self.buckets[-1], capacity, cache.device)
 
     @staticmethod
     def enabled(mode: DecodeGraphMode, model: torch.nn.Module, block_size: int) -> bool:
@@ -88,7 +100,9 @@ class CudaGraphs:
 
     def accepts(self, batch: StepBatch) -> bool:
         n = batch.meta.num_tokens
-        return batch.meta.pure_decode and 0 < n <= self.buckets[-1] and self._bucket(n) not in self.failed
+        edited = batch.edits is not None
+        return (batch.meta.pure_decode and 0 < n <= self.buckets[-1] and (self._bucket(n), edited) not in self.failed
+                and (not edited or self.edits.fits(batch.edits)))
 
     def _bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)
@@ -114,42 +128,53 @@ class CudaGraphs:
         n = batch.meta.num_tokens
         b = self._bucket(n)
         self._pad(n, b)
+        key = (b, batch.edits is not None)
+        if key[1]:
+            self.edits.load(batch.edits)
         if not self.capture:
-            return self._forward(b)[0, :n]
-        if b not in self.graphs:  # a bucket whose capture failed at start-up never gets here (`accepts`)
-            self._capture(b)
-            if b in self.failed:
-                return self._forward(b)[0, :n]
-        self.graphs[b].replay()
-        return self.outputs[b][0, :n]
+            logits = self._forward(*key)[0, :n]
+        else:
+            if key not in self.graphs:  # a bucket whose capture failed at start-up never gets here (`accepts`)
+                self._capture(*key)
+            if key in self.failed:
+                logits = self._forward(*key)[0, :n]
+            else:
+                self.graphs[key].replay()
+                logits = self.outputs[key][0, :n]
+        if key[1]:
+            self.edits.store_reads(batch.edits)
+        return logits
 
     def capture_all(self) -> None:
         """Capture every bucket now, largest first into one shared pool; logs the time it took."""
         start = time.perf_counter()
         for b in reversed(self.buckets):
             self._pad(0, b)  # every row a padding row: the capture writes only the scratch block
-            self._capture(b)
-        log.info("decode graphs: %d buckets captured in %.1fs (%s)", len(self.graphs), time.perf_counter() - start,
-                 ", ".join(str(b) for b in sorted(self.graphs)) + (f"; failed: {sorted(self.failed)}" if self.failed else ""))
+            for edited in (False, True):
+                self._capture(b, edited)
+        log.info("decode graphs: %d graphs (plain and edited) captured in %.1fs (%s)", len(self.graphs),
+                 time.perf_counter() - start, ", ".join(str(b) for b, e in sorted(self.graphs) if not e)
+                 + (f"; failed: {sorted(self.failed)}" if self.failed else ""))
 
-    def _forward(self, b: int) -> Tensor:  # -> (1, b, V)
+    def _forward(self, b: int, edited: bool = False) -> Tensor:  # -> (1, b, V)
         tokens, positions, meta = self._static(b)
-        return self.model(tokens, positions, _StaticContext(self.cache, meta))
+        return self.model(tokens, positions, _StaticContext(self.cache, meta, self.edits if edited else None))
 
-    def _capture(self, b: int) -> None:
+    def _capture(self, b: int, edited: bool = False) -> None:
+        key = (b, edited)
         try:
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
                 for _ in range(2):  # warm-up outside the graph: Triton compiles, the allocator settles
-                    self._forward(b)
+                    self._forward(b, edited)
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
-                self.outputs[b] = self._forward(b)
-            self.graphs[b] = graph
+                self.outputs[key] = self._forward(b, edited)
+            self.graphs[key] = graph
         except Exception:  # never fail a request over a capture: that bucket runs eagerly from now on
-            log.exception("CUDA graph capture failed for batch size %d; decoding it eagerly", b)
-            self.failed.add(b)
-            self.graphs.pop(b, None)
-            self.outputs.pop(b, None)
+            log.exception("CUDA graph capture failed for batch size %d (edited: %s); decoding it eagerly", b, edited)
+            self.failed.add(key)
+            self.graphs.pop(key, None)
+            self.outputs.pop(key, None)

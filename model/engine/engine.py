@@ -20,6 +20,7 @@ from model.engine.request import FinishReason, Request, Sequence, SequenceStatus
 from model.engine.sampler import Sampler
 from model.engine.sampling_params import SamplingParams
 from model.engine.scheduler import QueueFullError, ScheduledSeq, Scheduler, SchedulerConfig
+from model.interventions import HiddenStateRead, Intervention, InterventionPlan
 from model.text.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -115,8 +116,11 @@ class Engine:
 
     # ---- requests ---------------------------------------------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Request:
-        """Queue a request. ValueError for an invalid one, QueueFullError when the waiting queue is full."""
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    interventions: list[Intervention] | None = None, hidden_states: HiddenStateRead | None = None) -> Request:
+        """Queue a request. ValueError for an invalid one, QueueFullError when the waiting queue is full.
+        `interventions`: edits of the residual stream for this request's rows only (model/interventions.py);
+        `hidden_states`: the block outputs to return with its tokens."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         if not prompt_token_ids:
@@ -130,9 +134,13 @@ class Engine:
             raise ValueError(
                 f"prompt ({P} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds the context length of {self.max_model_len}"
             )
+        c = self.model.config
+        plan = InterventionPlan(interventions, P, c.n_layers, c.dim) if interventions else None
+        if hidden_states is not None:
+            hidden_states.validate(c.n_layers)
         share_prefix = params.n > 1 and self.config.enable_prefix_caching
         self.scheduler.check_capacity(1 if share_prefix else params.n)
-        req = Request(request_id, list(prompt_token_ids), params)
+        req = Request(request_id, list(prompt_token_ids), params, interventions=plan, hidden_states=hidden_states)
         for i in range(params.n):
             seq = Sequence(self._next_seq_id, req, i, req.prompt_token_ids)
             self._next_seq_id += 1
@@ -214,6 +222,10 @@ class Engine:
         """The runner's tokens -> outputs; sequences that end are finished and their blocks freed."""
         for seq, logprobs in result.prompt_logprobs:
             self.output.add_prompt_logprobs(seq, logprobs)
+        for seq, positions, values in result.hidden_states:
+            self.output.add_hidden_states(seq, positions, values)
+        for seq, upto in result.read_upto:
+            seq.num_read_positions = max(seq.num_read_positions, upto)
         for seq, token, lp in result.sampled:
             out, finish = self.output.append(seq, token, lp)
             if finish is not None:

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from model.edits import StepEdits
 from model.engine.paged_cache import AttentionMetadata, SeqSlice, prefill_chunk
 from model.engine.request import Sequence
 from model.engine.scheduler import ScheduledSeq
@@ -41,6 +42,7 @@ class StepBatch:
     slices: list[SeqSlice]  # the same, as plain data (tensor-parallel ranks rebuild the metadata from it)
     sample: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, logits row) to sample this step
     prompt_logprobs: list[PromptLogprobRows] = field(default_factory=list)
+    edits: StepEdits | None = None  # the rows' interventions and hidden-state reads (model/edits.py), if any
 
 
 class InputBuffers:

@@ -1,7 +1,8 @@
 """The model runner: one step's execution, in one place (vLLM's `gpu_model_runner`).
 
 `execute(scheduled)`:
-    1. writes the step's inputs into persistent buffers (tokens, positions, KV slots, block tables, logits rows);
+    1. writes the step's inputs into persistent buffers (tokens, positions, KV slots, block tables, logits rows),
+       and the rows' interventions and hidden-state reads into one table (model/edits.py) when any row has some;
     2. chooses the execution path from the step's batch and the model's layers, and records which ran:
            cuda_graph     a pure decode step replayed as the CUDA graph of its batch-size bucket
            native_decode  a pure decode step through every block in one native call (CPU)
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from model.edits import EditTables, Segment, gather_reads
 from model.engine.cuda_graphs import CudaGraphs, buckets
 from model.engine.input_batch import InputBuffers, StepBatch
 from model.engine.native_decode import NativeDecode
@@ -36,11 +38,15 @@ PATHS = ("cuda_graph", "native_decode", "module")
 
 @dataclass
 class RunnerOutput:
-    """What one step computed: the path it took, each sampled sequence's token, and prompt logprobs scored."""
+    """What one step computed: the path it took, each sampled sequence's token, prompt logprobs scored, and the
+    hidden states read: (sequence, positions, (n_positions, n_layers, D) float32), and how far each reading
+    sequence has now been read."""
 
     path: str
     sampled: list[tuple[Sequence, int, TokenLogprobs | None]] = field(default_factory=list)
     prompt_logprobs: list[tuple[Sequence, list[TokenLogprobs]]] = field(default_factory=list)
+    hidden_states: list[tuple[Sequence, list[int], Tensor]] = field(default_factory=list)
+    read_upto: list[tuple[Sequence, int]] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -55,6 +61,7 @@ class ModelRunner:
         self.graphs = CudaGraphs(model, cache, self.buffers, scratch_block, max_num_seqs, capture=graph_mode == "auto") \
             if scratch_block is not None else None
         self.path_counts: Counter[str] = Counter({p: 0 for p in PATHS})
+        self.tables = EditTables(model.config.n_layers, model.config.dim, cache.device)
 
     def capture_graphs(self) -> None:
         if self.graphs is not None and self.graphs.capture:
@@ -63,10 +70,18 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSeq]) -> RunnerOutput:
         batch = self.buffers.prepare(scheduled, _prompt_positions)
+        layouts = []
+        if any(s.seq.request.interventions is not None or s.seq.request.hidden_states is not None for s in scheduled):
+            batch.edits, layouts = self.tables.build(_segments(scheduled, batch))
         path = self._choose(batch)
         logits = self._forward(path, batch).float()  # (M, V): the batch's logits rows
         self.path_counts[path] += 1
         out = RunnerOutput(path)
+        if batch.edits is not None:
+            for layout in layouts:
+                out.hidden_states.append((layout[0].owner, layout[1], gather_reads(batch.edits, layout)))
+            out.read_upto = [(s.seq, s.seq.num_computed_tokens + s.num_new_tokens) for s in scheduled
+                             if s.seq.request.hidden_states is not None]
         for p in batch.prompt_logprobs:
             targets = torch.tensor(p.seq.prompt_token_ids[p.first + 1 : p.first + 1 + p.count], device=logits.device)
             out.prompt_logprobs.append(
@@ -91,8 +106,19 @@ class ModelRunner:
             return _rows(self.graphs.run(batch), batch.logits_rows, identity=not batch.prompt_logprobs)  # (M, V)
         if path == "native_decode":
             return self.native.run(batch, self.cache)
-        self.cache.set_step(batch.slices, batch.meta)
+        self.cache.set_step(batch.slices, batch.meta, batch.edits)
         return self.model(batch.tokens[None], batch.positions[None], self.cache, logits_indices=batch.logits_rows)[0]
+
+
+def _segments(scheduled: list[ScheduledSeq], batch: StepBatch) -> list[Segment]:
+    """Each sequence's rows of the step, with its interventions and hidden-state read."""
+    out = []
+    for s, sl in zip(scheduled, batch.slices):
+        seq = s.seq
+        req = seq.request
+        out.append(Segment(sl.start, seq.num_computed_tokens, s.num_new_tokens, req.interventions, req.hidden_states,
+                           seq.num_prompt_tokens, seq.num_read_positions, owner=seq))
+    return out
 
 
 def _rows(x: Tensor, rows, identity: bool = False) -> Tensor:

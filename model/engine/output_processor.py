@@ -34,10 +34,20 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0  # so far, this choice
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    hidden_states: HiddenStates | None = None  # the block outputs read since the last delta (the request asked)
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+@dataclass
+class HiddenStates:
+    """Block outputs (the residual stream) of some positions of a sequence: values (n_positions, n_layers, D)."""
+
+    layers: list[int]
+    positions: list[int]
+    values: torch.Tensor  # float32, on the CPU
 
 
 @dataclass
@@ -53,6 +63,8 @@ class SequenceState:
     stop_ids: frozenset[int]
     prompt_logprobs: list[TokenLogprobs | None] | None  # [None] for token 0, then one per scored prompt token
     prompt_logprobs_sent: bool = False
+    # hidden states read and not yet delivered (prompt positions wait for the first token's delta)
+    pending_hidden: list[tuple[list[int], torch.Tensor]] = field(default_factory=list)
 
 
 @dataclass
@@ -78,6 +90,9 @@ class OutputProcessor:
         seq.state.prompt_logprobs += logprobs
         seq.num_scored_prompt_positions = len(seq.state.prompt_logprobs) - 1
 
+    def add_hidden_states(self, seq: Sequence, positions: list[int], values: torch.Tensor) -> None:
+        seq.state.pending_hidden.append((positions, values))
+
     def append(self, seq: Sequence, token: int, lp: TokenLogprobs | None) -> tuple[RequestOutput, Finish | None]:
         """Append a sampled token: the output delta, and how the sequence ends if it does."""
         p, state = seq.request.params, seq.state
@@ -85,6 +100,11 @@ class OutputProcessor:
         out = self.output(seq)
         out.token_ids = [token]
         out.logprobs = [lp] if lp is not None else None
+        if state.pending_hidden:  # with the token whose position (or prompt) they were read at
+            out.hidden_states = HiddenStates(seq.request.hidden_states.layers,
+                                             [q for pos, _ in state.pending_hidden for q in pos],
+                                             torch.cat([v for _, v in state.pending_hidden]))
+            state.pending_hidden = []
         n_out = len(seq.output_token_ids)
         may_stop = n_out >= p.min_tokens  # neither stop tokens nor stop strings end it before min_tokens
         if may_stop and token in state.stop_ids:

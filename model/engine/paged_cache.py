@@ -22,6 +22,7 @@ from torch import Tensor
 
 from model.attention import sdpa
 from model.config import ModelConfig
+from model.edits import StepEdits
 from model.kernels import ops
 
 
@@ -113,6 +114,7 @@ class PagedKVCache:
         self.device = torch.device(device)
         self.meta: AttentionMetadata | None = None
         self.step_seqs: list[SeqSlice] = []  # what tensor-parallel ranks rebuild the same metadata from
+        self.edits: StepEdits | None = None  # the step's interventions (model/edits.py), applied by `edit`
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, num_blocks: int, block_size: int) -> "PagedKVCache":
@@ -128,15 +130,20 @@ class PagedKVCache:
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes
 
-    def set_step(self, seqs: list[SeqSlice], meta: AttentionMetadata | None = None) -> None:
+    def set_step(self, seqs: list[SeqSlice], meta: AttentionMetadata | None = None, edits: StepEdits | None = None) -> None:
         """This step's sequences and metadata (built once, by the runner from its buffers, or here from `seqs`);
-        every layer's `attend` reads it."""
+        every layer's `attend` reads it. `edits`: the step's interventions over its packed rows (None: none)."""
         self.meta = meta if meta is not None else AttentionMetadata.from_slices(seqs, self.block_size, self.device)
         self.step_seqs = seqs
+        self.edits = edits
 
     def begin_forward(self, positions: Tensor) -> None:
         if positions.shape != (1, self.meta.num_tokens):
             raise ValueError(f"paged forward expects positions (1, {self.meta.num_tokens}) as set_step said, got {tuple(positions.shape)}")
+
+    def edit(self, layer: int, site: str, x: Tensor) -> Tensor:
+        """x (1, N, D): each packed row gets its own sequence's edits at (layer, site); rows without any are untouched."""
+        return x if self.edits is None else self.edits.apply(layer, site, x)
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """q (1, N, H, E), k/v (1, N, K, E) -> (1, N, H, E); writes k/v into their slots first."""

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from model.engine.output_processor import SequenceState
     from model.engine.sampling_params import SamplingParams
+    from model.interventions import HiddenStateRead, InterventionPlan
 
 
 class SequenceStatus(enum.Enum):
@@ -46,6 +47,9 @@ class Sequence:
     num_preemptions: int = 0
     # prompt positions whose logits have been scored for prompt logprobs (position j scores prompt token j + 1)
     num_scored_prompt_positions: int = 0
+    # positions whose hidden states (the request's `hidden_states` read) have been taken: never read twice, even
+    # when a preemption recomputes them
+    num_read_positions: int = 0
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     # the output processor's per-choice state (detokenizer, stop matcher, seeded generator, prompt logprobs)
@@ -75,12 +79,18 @@ class Sequence:
     def max_cached_tokens(self) -> int | None:
         """Tokens the prefix cache may supply at (re)admission; None: no limit. Prompt logprobs still owed need the
         logits of their positions, so those positions are computed, never taken from the cache (vLLM does the
-        same): the cache may supply only the positions already scored, whatever admission this is."""
-        if getattr(self.request.params, "prompt_logprobs", None) is None:
-            return None
-        if self.num_scored_prompt_positions >= self.num_prompt_tokens - 1:
-            return None
-        return self.num_scored_prompt_positions
+        same): the cache may supply only the positions already scored, whatever admission this is. Hidden states
+        still owed for prompt positions are the same: computed, not cached."""
+        limits = []
+        if getattr(self.request.params, "prompt_logprobs", None) is not None \
+                and self.num_scored_prompt_positions < self.num_prompt_tokens - 1:
+            limits.append(self.num_scored_prompt_positions)
+        read = self.request.hidden_states
+        if read is not None:
+            first = read.first_prompt_position(self.num_prompt_tokens, self.num_read_positions)
+            if first is not None:
+                limits.append(first)
+        return min(limits) if limits else None
 
 
 @dataclass(eq=False)
@@ -92,6 +102,8 @@ class Request:
     seqs: list[Sequence] = field(default_factory=list)
     # n > 1: choices after the first wait here until the first's prompt is in the cache, then share its blocks
     pending_siblings: list[Sequence] = field(default_factory=list)
+    interventions: "InterventionPlan | None" = None  # its edits of the residual stream (model/interventions.py)
+    hidden_states: "HiddenStateRead | None" = None  # the block outputs it returns
 
     @property
     def is_finished(self) -> bool:

@@ -10,6 +10,7 @@ dispatch and a temporary. These kernels do each of those in one call, on the sam
     int4_linear, int8_linear              quant_linear.cpp     dequantize fused into the dot product (llama.cpp's
                                                                 int8-activation scheme)
     int4_dequantize, int8_dequantize      quant_linear.cpp     whole weights to float32 in one pass (many rows)
+    apply_edits                           interventions.cpp    a step's interventions on chosen rows (model/edits.py)
 
 `native()` returns the loaded module, or None where the kernels are off (`LLAMASCOPE_NATIVE_KERNELS=0`,
 `disabled()`) or could not be built; every caller then keeps its plain PyTorch path, which is also the reference
@@ -42,7 +43,8 @@ log = logging.getLogger(__name__)
 ENV_VAR = "LLAMASCOPE_NATIVE_KERNELS"  # "0" turns them off (the PyTorch paths run instead)
 NAME = "llamascope_kernels"
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = ("bindings.cpp", "elementwise.cpp", "paged_attention.cpp", "quant_linear.cpp", "decode_layers.cpp")
+SOURCES = ("bindings.cpp", "elementwise.cpp", "paged_attention.cpp", "quant_linear.cpp", "decode_layers.cpp",
+           "interventions.cpp")
 
 STALE_LOCK_SECONDS = 600
 _lock = threading.Lock()

@@ -97,8 +97,10 @@ class TPModel:
                 self._generation += 1
                 self._cache = weakref.ref(cache)
                 spec = CacheSpec(self._generation, cache.num_blocks, cache.block_size)
+        edits = cache.edits if cache is not None else None
         msg = StepMsg(tokens.tolist(), positions.tolist() if positions is not None else None,
-                      cache.step_seqs if cache is not None else None, spec)
+                      cache.step_seqs if cache is not None else None, spec,
+                      edits.without_reads() if edits is not None and edits.has_edits else None)
         self.channel.send(msg)
         if cache is None:
             return run_step(self.shard, msg, None, logits_indices)

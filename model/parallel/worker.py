@@ -1,8 +1,9 @@
 """Tensor parallelism, the process side: what rank 0 broadcasts, and the loop ranks 1..N-1 run.
 
 One scheduler (rank 0's engine) decides every step. Per step rank 0 broadcasts one `StepMsg`: the packed tokens and
-positions and the step's `SeqSlice`s (start, num_new, context_len, block ids: the paged-cache metadata), plus, when
-the engine's cache is new, its size. Every rank then builds the same attention metadata from the same slices
+positions and the step's `SeqSlice`s (start, num_new, context_len, block ids: the paged-cache metadata), the step's
+interventions table when a row has one (model/edits.py: every rank applies the same edits to the residual stream,
+which the row-parallel all-reduces keep equal on all of them), plus, when the engine's cache is new, its size. Every rank then builds the same attention metadata from the same slices
 (`PagedKVCache.set_step`), runs the same forward on its shard of heads and FFN columns (the all-reduces inside keep
 them in lockstep), and only rank 0 computes logits and samples: workers ask for no logits rows, so their head
 costs nothing. Aborts, preemptions and prefix reuse are block-table decisions made on rank 0 alone, so they need no
@@ -33,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from model.edits import StepEdits
 from model.engine.paged_cache import PagedKVCache, SeqSlice
 from model.parallel.plan import ShardPlan, TPRank, cuda_device, install_row_parallel
 from model.transformer import Transformer
@@ -59,6 +61,7 @@ class StepMsg:
     positions: list[list[int]] | None  # (B, T); None: 0..T-1
     slices: list[SeqSlice] | None  # None: an uncached forward
     cache: CacheSpec | None = None  # set when the cache is (re)built
+    edits: StepEdits | None = None  # the step's interventions (reads left to rank 0), applied alike on every rank
 
 
 class RankRequest(Protocol):
@@ -115,7 +118,7 @@ def run_step(model: Transformer, msg: StepMsg, cache: PagedKVCache | None, logit
     tokens = torch.tensor(msg.tokens, device=dev)
     positions = torch.tensor(msg.positions, device=dev) if msg.positions is not None else None
     if msg.slices is not None:
-        cache.set_step(msg.slices)  # the same attention metadata rank 0's runner built, from the same slices
+        cache.set_step(msg.slices, edits=msg.edits)  # the same attention metadata rank 0's runner built
         return model(tokens, positions, cache, logits_indices=logits_indices)
     return model(tokens, positions, logits_indices=logits_indices)
 

@@ -25,13 +25,15 @@ work per `step()` (chunks of query rows of a block), so the engine thread interl
 from model.probes.activations import BlockActivations, massive_activations
 from model.probes.attention import ProbeAttention
 from model.probes.options import (
-    INCLUDES, ActivationEntry, AttentionMaps, AttentionMode, HeadStats, LayerProbe, LensEntry, ProbeOptions, ProbeResult,
+    DEFAULT_INCLUDES, INCLUDES, ActivationEntry, AttentionMaps, AttentionMode, HeadStats, LayerProbe, LensEntry, Prediction,
+    ProbeOptions, ProbeResult,
     estimate_map_elements,
 )
 from model.probes.run import ProbeRun, inspect
 
 __all__ = [
-    "INCLUDES", "ActivationEntry", "AttentionMaps", "AttentionMode", "BlockActivations", "HeadStats", "LayerProbe",
+    "DEFAULT_INCLUDES", "INCLUDES", "ActivationEntry", "AttentionMaps", "AttentionMode", "BlockActivations", "HeadStats",
+    "LayerProbe", "Prediction",
     "LensEntry", "ProbeAttention", "ProbeOptions", "ProbeResult", "ProbeRun", "estimate_map_elements", "inspect",
     "massive_activations",
 ]

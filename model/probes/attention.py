@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from model.attention import sdpa
+from model.edits import StepEdits
 from model.probes.options import AttentionMaps, ProbeOptions
 
 Stats = tuple[Tensor, Tensor, "AttentionMaps | None"]  # mass each key receives (Hs, T), row entropy (Hs,), maps
@@ -27,12 +28,15 @@ class RankProbe:
     layer: int
     stats: bool  # reduce attention in this block
     maps: bool  # and fill maps
+    edits: StepEdits | None = None  # the inspection's interventions in this block: every rank applies them to the
+    # residual stream, which is the same on every rank after the row-parallel all-reduces
 
     def build(self, plan, config) -> "ProbeAttention":
         heads = plan.local_heads(self.opts.heads)  # this rank's local indices of the selected heads it owns
         mine = self.stats and heads != []
         return ProbeAttention(dataclasses.replace(self.opts, heads=heads), config.n_heads, config.n_kv_heads,
-                              {self.layer} if mine else set(), {self.layer} if mine and self.maps else set())
+                              {self.layer} if mine else set(), {self.layer} if mine and self.maps else set(),
+                              self.edits)
 
     def result(self, ctx: "ProbeAttention") -> Stats | None:
         return ctx.stats.pop(self.layer, None)
@@ -47,8 +51,10 @@ class ProbeAttention:
     row; the keys and values of the rows so far are kept for the block in progress, and a layer's statistics are
     complete (in `stats`) after the call that ends at row T."""
 
-    def __init__(self, opts: ProbeOptions, n_heads: int, n_kv_heads: int, stat_layers: set[int], map_layers: set[int]) -> None:
+    def __init__(self, opts: ProbeOptions, n_heads: int, n_kv_heads: int, stat_layers: set[int], map_layers: set[int],
+                 edits: StepEdits | None = None) -> None:
         self.opts = opts
+        self.edits = edits  # the inspected sequence's interventions, its rows being its positions
         self.heads = opts.selected_heads(n_heads)
         group = n_heads // n_kv_heads
         self.kv_groups = [h // group for h in self.heads]
@@ -61,7 +67,16 @@ class ProbeAttention:
 
     def rank_probe(self, layer: int) -> RankProbe:
         """This context's request for block `layer`, as each tensor-parallel rank runs it."""
-        return RankProbe(self.opts, layer, layer in self.stat_layers, layer in self.map_layers)
+        edits = self.edits.restrict(layer) if self.edits is not None and self.edits.has_edits else None
+        return RankProbe(self.opts, layer, layer in self.stat_layers, layer in self.map_layers, edits)
+
+    def edit(self, layer: int, site: str, x: Tensor) -> Tensor:
+        """x (1, R, D): query rows row_offset .. row_offset + R - 1 of the sequence get its edits at (layer, site)."""
+        if self.edits is None:
+            return x
+        R = x.shape[1]
+        whole = self.row_offset == 0 and R == (self.num_tokens or R)
+        return self.edits.apply(layer, site, x, None if whole else (self.row_offset, R))
 
     def merge_ranks(self, layer: int, parts: list[Stats | None]) -> None:
         """The ranks' stats for block `layer` (rank order = ascending head ranges) -> this context's, in global head

@@ -10,14 +10,18 @@ from typing import Literal
 from torch import Tensor
 
 AttentionMode = Literal["none", "full", "rows", "topk", "pooled"]
-INCLUDES = frozenset({"massive", "norms", "attention", "logit_lens"})
+# What an inspection can report; the default leaves out the two whose size or cost grows with the vocabulary or
+# the width: "prediction" (the next-token distribution at every position: perplexity and the top next tokens)
+# and "hidden_states" (the block outputs themselves)
+INCLUDES = frozenset({"massive", "norms", "attention", "logit_lens", "prediction", "hidden_states"})
+DEFAULT_INCLUDES = frozenset({"massive", "norms", "attention", "logit_lens"})
 
 
 @dataclass
 class ProbeOptions:
     layers: list[int] | None = None  # 0-indexed blocks to report; None = all
     heads: list[int] | None = None  # 0-indexed query heads to report; None = all
-    include: frozenset[str] = INCLUDES
+    include: frozenset[str] = DEFAULT_INCLUDES
     massive_threshold: float = 100.0
     massive_ratio: float = 1000.0
     massive_top_k: int = 3  # largest magnitudes listed per layer, flagged or not (the paper's layer-wise figure)
@@ -29,6 +33,7 @@ class ProbeOptions:
     pool_reduce: Literal["mean", "max"] = "mean"
     lens_top_k: int = 5
     lens_positions: list[int] | None = None  # None = the last token
+    hidden_positions: list[int] | None = None  # positions whose block outputs "hidden_states" returns; None = all
     row_block: int = 256  # query rows per attention block (memory: Hs x row_block x T floats)
 
     def validate(self, n_layers: int, n_heads: int, num_tokens: int) -> None:
@@ -47,6 +52,7 @@ class ProbeOptions:
         check("rows", self.rows, num_tokens)
         check("lens_positions", [p % num_tokens if -num_tokens <= p < 0 else p for p in self.lens_positions]
               if self.lens_positions is not None else None, num_tokens)
+        check("hidden_positions", self.hidden_positions, num_tokens)
         if unknown := set(self.include) - INCLUDES:
             raise ValueError(f"include: unknown {sorted(unknown)[0]!r}; choose from {sorted(INCLUDES)}")
         if self.mode == "rows" and not self.rows:
@@ -136,6 +142,7 @@ class LayerProbe:
     heads: list[HeadStats] | None = None
     maps: AttentionMaps | None = None
     lens: list[LensEntry] | None = None
+    hidden: Tensor | None = None  # (P, D) float32: the block output at `ProbeResult.hidden_positions`
     _received: Tensor | None = field(default=None, repr=False)  # (Hs, T) mean attention each key receives
 
 
@@ -150,3 +157,15 @@ class ProbeResult:
     massive_dims: list[int]
     massive_tokens: list[int]
     compute_ms: float = 0.0
+    hidden_positions: list[int] | None = None  # the positions of each layer's `hidden`
+    prediction: Prediction | None = None
+
+
+@dataclass
+class Prediction:
+    """The model's own next-token distribution (the head after the last block), at every position of the sequence."""
+
+    perplexity: float | None  # exp(mean NLL of tokens 1 .. T-1); None for one token
+    num_predicted: int
+    next_token_ids: list[int]  # the top-k after the last position, most likely first
+    next_token_probs: list[float]

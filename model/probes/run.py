@@ -3,14 +3,17 @@ engine's serving steps; `inspect` runs one at once."""
 
 from __future__ import annotations
 
+import math
 import time
 
 import torch
 from torch import Tensor
 
+from model.edits import EditTables, Segment
+from model.interventions import Intervention, InterventionPlan
 from model.probes.activations import massive_activations
 from model.probes.attention import ProbeAttention
-from model.probes.options import HeadStats, LayerProbe, LensEntry, ProbeOptions, ProbeResult
+from model.probes.options import HeadStats, LayerProbe, LensEntry, Prediction, ProbeOptions, ProbeResult
 from model.transformer import Transformer
 
 class ProbeRun:
@@ -30,7 +33,10 @@ class ProbeRun:
 
     MIN_CHUNK_ROWS = 4
 
-    def __init__(self, model: Transformer, token_ids: list[int], opts: ProbeOptions) -> None:
+    def __init__(self, model: Transformer, token_ids: list[int], opts: ProbeOptions,
+                 interventions: list[Intervention] | None = None, num_prompt_tokens: int | None = None) -> None:
+        """`interventions` edit the inspected forward as they would a completion's (model/interventions.py), its
+        "prompt" being the first `num_prompt_tokens` tokens (default: all of them)."""
         c = model.config
         T = len(token_ids)
         if T == 0:
@@ -39,7 +45,15 @@ class ProbeRun:
         self.model, self.opts, self.token_ids = model, opts, list(token_ids)
         self.report = opts.selected_layers(c.n_layers)
         every = set(range(c.n_layers)) if "attention" in opts.include else set()
-        self.ctx = ProbeAttention(opts, c.n_heads, c.n_kv_heads, every, set(self.report) if opts.mode != "none" else set())
+        edits = None
+        if interventions:
+            plan = InterventionPlan(interventions, num_prompt_tokens or T, c.n_layers, c.dim)
+            edits, _ = EditTables(c.n_layers, c.dim, model.device).build([Segment(0, 0, T, plan)])
+        self.ctx = ProbeAttention(opts, c.n_heads, c.n_kv_heads, every, set(self.report) if opts.mode != "none" else set(),
+                                  edits)
+        self.hidden_positions = (sorted(opts.hidden_positions) if opts.hidden_positions is not None else list(range(T))) \
+            if "hidden_states" in opts.include else None
+        self.prediction: Prediction | None = None
         self.ctx.num_tokens = T
         self.chunked = getattr(model, "supports_row_chunks", True)
         # chunk boundaries on whole pooling tiles, so each chunk's rows fill whole rows of tiles
@@ -100,6 +114,8 @@ class ProbeRun:
         self._reduce_block(i, self.h[0])
         self.next_layer += 1
         if self.next_layer == len(m.layers):
+            if "prediction" in self.opts.include:
+                self.prediction = self._predict(self.h[0])
             self._finish()
             self.done = True
             self.h = None
@@ -143,6 +159,8 @@ class ProbeRun:
                            for j, (h_, g) in enumerate(zip(self.ctx.heads, self.ctx.kv_groups))]
         if "logit_lens" in opts.include:
             probe.lens = self._lens(h)
+        if self.hidden_positions is not None:
+            probe.hidden = h[self.hidden_positions].float().cpu()  # (P, D)
         self.probes[i] = probe
 
     def _lens(self, h: Tensor) -> list[LensEntry]:
@@ -152,6 +170,21 @@ class ProbeRun:
         probs = m.output(m.norm(h[pos])).float().softmax(-1)  # (P, V)
         top = probs.topk(min(self.opts.lens_top_k, probs.shape[-1]), dim=-1)
         return [LensEntry(p, ids, ps) for p, ids, ps in zip(self.lens_positions, top.indices.tolist(), top.values.tolist())]
+
+    PREDICT_ROWS = 256  # positions per head call (each is a (rows, V) logits block)
+
+    def _predict(self, h: Tensor) -> Prediction:
+        """h (T, D) the last block's output -> perplexity of tokens 1..T-1 and the top next tokens after T-1."""
+        m, T = self.model, h.shape[0]
+        targets = torch.tensor(self.token_ids[1:], device=h.device)
+        nll = 0.0
+        for a in range(0, T - 1, self.PREDICT_ROWS):
+            b = min(T - 1, a + self.PREDICT_ROWS)
+            logits = m.output(m.norm(h[a:b])).float()  # (rows, V)
+            nll += float(torch.nn.functional.cross_entropy(logits, targets[a:b], reduction="sum"))
+        last = m.output(m.norm(h[T - 1 :])).float().softmax(-1)[0]  # (V,)
+        top = last.topk(min(self.opts.lens_top_k, last.shape[0]))
+        return Prediction(math.exp(nll / (T - 1)) if T > 1 else None, T - 1, top.indices.tolist(), top.values.tolist())
 
     def _finish(self) -> None:
         """Mass on the massive-activation tokens needs all of them known: filled in once the last block ran."""
@@ -174,9 +207,11 @@ class ProbeRun:
             layers=[self.probes[i] for i in self.report], sink_mass_by_layer=self.sink_mass_by_layer,
             massive_layers=self.massive_layers, massive_dims=sorted(self.massive_dims),
             massive_tokens=sorted(self.massive_tokens), compute_ms=self.elapsed * 1e3,
+            hidden_positions=self.hidden_positions, prediction=self.prediction,
         )
 
 
-def inspect(model: Transformer, token_ids: list[int], opts: ProbeOptions | None = None) -> ProbeResult:
+def inspect(model: Transformer, token_ids: list[int], opts: ProbeOptions | None = None,
+            interventions: list[Intervention] | None = None) -> ProbeResult:
     """Run a whole inspection at once (the engine thread steps a ProbeRun instead, a block at a time)."""
-    return ProbeRun(model, token_ids, opts or ProbeOptions()).run()
+    return ProbeRun(model, token_ids, opts or ProbeOptions(), interventions).run()

@@ -6,6 +6,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
 from service.errors import APIError
+from service.interventions import encode_hidden, merge_hidden, to_interventions, to_read
 from service.routes.common import chat_logprob, now, usage
 from service.runner import RunStats, collect, start, stream_response
 from service.sampling_params import to_sampling_params
@@ -38,10 +39,14 @@ async def chat_completions(req: ChatCompletionRequest, request: Request, state: 
         raise APIError(400, "top_logprobs requires logprobs: true", param="top_logprobs", code="invalid_value")
     params = to_sampling_params(req, state.settings, req.max_completion_tokens or req.max_tokens, top, None,
                                 default_max_tokens=max(1, max_len - len(prompt)))
+    c = state.config
+    interventions = to_interventions(req.interventions, state.vectors, c.n_layers, c.dim)
+    read = to_read(req.return_hidden_states, c.n_layers)
+    hidden_dtype = req.return_hidden_states.dtype if read is not None else None
     stats = RunStats("chat")
     tok = state.tokenizer
     created, rid, model = now(), f"chatcmpl-{stats.request_id}", state.model_name
-    outputs = await start(state, [prompt], params, stats)  # refusals raise here, before any response
+    outputs = await start(state, [prompt], params, stats, interventions, read)  # refusals raise here, before any response
 
     def envelope(choices: list[dict], **extra) -> dict:
         return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": choices,
@@ -50,10 +55,13 @@ async def chat_completions(req: ChatCompletionRequest, request: Request, state: 
     if req.stream:
         def chunk(choice: int, out) -> dict | None:
             lp = {"content": [chat_logprob(tok, l) for l in out.logprobs]} if out.logprobs else None
-            if not out.text and not out.finished and lp is None:
+            if not out.text and not out.finished and lp is None and out.hidden_states is None:
                 return None
             delta = {"content": out.text} if out.text else {}
-            return {"index": choice, "delta": delta, "logprobs": lp, "finish_reason": out.finish_reason}
+            c = {"index": choice, "delta": delta, "logprobs": lp, "finish_reason": out.finish_reason}
+            if read is not None:
+                c["hidden_states"] = encode_hidden(out.hidden_states, hidden_dtype)
+            return c
 
         head = [envelope([{"index": c, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                            "finish_reason": None}]) for c in range(params.n)]  # the role comes first, as OpenAI sends it
@@ -62,16 +70,22 @@ async def chat_completions(req: ChatCompletionRequest, request: Request, state: 
 
     texts = {c: "" for c in range(params.n)}
     lps: dict[int, list] = {c: [] for c in range(params.n)}
+    hidden: dict[int, list] = {c: [] for c in range(params.n)}
 
     def add(choice: int, out) -> None:
         texts[choice] += out.text
         lps[choice] += [chat_logprob(tok, l) for l in out.logprobs or []]
+        if out.hidden_states is not None:
+            hidden[choice].append(out.hidden_states)
 
     reasons = await collect(request, state, stats, outputs, add)
+    choices = [{"index": c, "message": {"role": "assistant", "content": texts[c]},
+                "logprobs": {"content": lps[c]} if req.logprobs else None, "finish_reason": reasons.get(c)}
+               for c in range(params.n)]
+    if read is not None:
+        for c in choices:
+            c["hidden_states"] = encode_hidden(merge_hidden(hidden[c["index"]]), hidden_dtype)
     return JSONResponse({
-        "id": rid, "object": "chat.completion", "created": created, "model": model,
-        "choices": [{"index": c, "message": {"role": "assistant", "content": texts[c]},
-                     "logprobs": {"content": lps[c]} if req.logprobs else None, "finish_reason": reasons.get(c)}
-                    for c in range(params.n)],
+        "id": rid, "object": "chat.completion", "created": created, "model": model, "choices": choices,
         "usage": usage(stats.prompt_tokens, stats.completion_tokens, stats.cached_tokens),
     })

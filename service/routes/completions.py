@@ -7,6 +7,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
 from service.errors import APIError
+from service.interventions import encode_hidden, merge_hidden, to_interventions, to_read
 from service.routes.common import LegacyLogprobs, now, usage
 from service.routes.inspect import check_length, completion_summaries
 from service.runner import RunStats, collect, start, stream_response, until_disconnect
@@ -45,6 +46,10 @@ async def completions(req: CompletionRequest, request: Request, state: Serving =
     params = to_sampling_params(req, state.settings, req.max_tokens, req.logprobs,
                                 req.logprobs if req.echo and req.logprobs is not None else None,
                                 default_max_tokens=max(1, max_len - max(len(p) for p in prompts)))
+    c = state.config
+    interventions = to_interventions(req.interventions, state.vectors, c.n_layers, c.dim)
+    read = to_read(req.return_hidden_states, c.n_layers)
+    hidden_dtype = req.return_hidden_states.dtype if read is not None else None
     stats = RunStats("completions")
     tok = state.tokenizer
     n_choices = len(prompts) * params.n
@@ -52,9 +57,10 @@ async def completions(req: CompletionRequest, request: Request, state: Serving =
     if req.inspect:
         for p in prompts:
             check_length(state, len(p))
-    outputs = await start(state, prompts, params, stats)  # refusals raise here, before any response
-    # the `inspect` extension: probes step on the engine thread between generation steps
-    inspection = asyncio.ensure_future(completion_summaries(state, prompts, req.inspect)) if req.inspect else None
+    outputs = await start(state, prompts, params, stats, interventions, read)  # refusals raise here, before any response
+    # the `inspect` extension: probes step on the engine thread between generation steps (under the same edits)
+    inspection = asyncio.ensure_future(completion_summaries(state, prompts, req.inspect, interventions)) \
+        if req.inspect else None
 
     def echo_text(choice: int) -> str:
         return tok.decode(prompts[choice // params.n]) if req.echo else ""
@@ -89,10 +95,12 @@ async def completions(req: CompletionRequest, request: Request, state: Serving =
                 text, lp = echo_text(choice) + out.text, echo_logprobs(choice, out)
                 started.add(choice)
             lp = add_logprobs(lp, out)
-            if not text and not out.finished and lp is None:
+            if not text and not out.finished and lp is None and out.hidden_states is None:
                 return None
-            return {"index": choice, "text": text, "logprobs": lp.as_dict() if lp else None,
-                    "finish_reason": out.finish_reason}
+            c = {"index": choice, "text": text, "logprobs": lp.as_dict() if lp else None, "finish_reason": out.finish_reason}
+            if read is not None:
+                c["hidden_states"] = encode_hidden(out.hidden_states, hidden_dtype)
+            return c
 
         async def inspect_chunk() -> dict:
             return envelope([], inspect=await inspection)
@@ -103,12 +111,15 @@ async def completions(req: CompletionRequest, request: Request, state: Serving =
 
     texts = {c: echo_text(c) for c in range(n_choices)}
     lps: dict[int, LegacyLogprobs | None] = {}
+    hidden: dict[int, list] = {c: [] for c in range(n_choices)}
 
     def add(choice: int, out) -> None:
         texts[choice] += out.text
         if choice not in lps:
             lps[choice] = echo_logprobs(choice, out)
         add_logprobs(lps[choice], out)
+        if out.hidden_states is not None:
+            hidden[choice].append(out.hidden_states)
 
     try:
         reasons = await collect(request, state, stats, outputs, add)
@@ -116,7 +127,10 @@ async def completions(req: CompletionRequest, request: Request, state: Serving =
     finally:
         if close is not None:
             close()
-    return JSONResponse(envelope(
-        [{"index": c, "text": texts[c], "logprobs": lps[c].as_dict() if lps.get(c) else None,
-          "finish_reason": reasons.get(c)} for c in range(n_choices)],
-        usage=usage(stats.prompt_tokens, stats.completion_tokens, stats.cached_tokens), **extra))
+    choices = [{"index": c, "text": texts[c], "logprobs": lps[c].as_dict() if lps.get(c) else None,
+                "finish_reason": reasons.get(c)} for c in range(n_choices)]
+    if read is not None:
+        for c in choices:
+            c["hidden_states"] = encode_hidden(merge_hidden(hidden[c["index"]]), hidden_dtype)
+    return JSONResponse(envelope(choices, usage=usage(stats.prompt_tokens, stats.completion_tokens, stats.cached_tokens),
+                                 **extra))

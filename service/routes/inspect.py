@@ -18,11 +18,13 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import HTMLResponse, Response
 
 from model.engine import EngineDeadError
-from model.probes import INCLUDES, ProbeOptions, ProbeRun
+from model.interventions import Intervention
+from model.probes import DEFAULT_INCLUDES, ProbeOptions, ProbeRun
 from model.engine import SamplingParams
 from model.engine import QueueFullError
 from service import inspect_format as fmt
 from service.errors import APIError
+from service.interventions import to_interventions
 from service.routes.chat import render_chat
 from service.routes.common import now
 from service.runner import RunStats, start, until_disconnect
@@ -61,20 +63,29 @@ def _options(state: Serving, req: InspectRequest, T: int) -> ProbeOptions:
     """Options for a sequence of (at most) T tokens; 400 for out-of-range selectors, 413 over the byte budget."""
     c = state.config
     opts = ProbeOptions(
-        layers=req.layers, heads=req.heads, include=frozenset(req.include) if req.include is not None else INCLUDES,
+        layers=req.layers, heads=req.heads,
+        include=frozenset(req.include) if req.include is not None else DEFAULT_INCLUDES,
         massive_threshold=req.massive_threshold, massive_ratio=req.massive_ratio, massive_top_k=req.massive_top_k,
         massive_max_entries=req.massive_max_entries, mode=req.mode, rows=_absolute(req.rows, T, "rows"),
         attention_top_k=req.attention_top_k, pool_size=req.pool_size, pool_reduce=req.pool_reduce,
         lens_top_k=req.lens_top_k, lens_positions=req.lens_positions,
+        hidden_positions=_absolute(req.hidden_positions, T, "hidden_positions"),
     )
     budget = state.settings.max_inspect_response_bytes
-    opts = fmt.resolve_auto(opts, req.format, T, c.n_layers, c.n_heads, budget)
+    opts = fmt.resolve_auto(opts, req.format, T, c.n_layers, c.n_heads, budget, c.dim, req.hidden_dtype)
     try:
         opts.validate(c.n_layers, c.n_heads, T)
     except ValueError as e:  # messages start with the field's name
         param = str(e).split(":")[0].split(" ")[0]
         raise APIError(400, str(e), param=param if param in InspectRequest.model_fields else None, code="invalid_value") from None
-    size = fmt.estimate_bytes(opts, req.format, T, c.n_layers, c.n_heads)
+    size = fmt.estimate_bytes(opts, req.format, T, c.n_layers, c.n_heads, c.dim, req.hidden_dtype)
+    if size > budget and "hidden_states" in opts.include \
+            and fmt.estimate_bytes(opts, req.format, T, c.n_layers, c.n_heads) <= budget:
+        raise APIError(413, f"the response would be about {size / 1e6:.0f} MB, over the {budget / 1e6:.0f} MB inspect "
+                            f"budget: hidden states of {len(opts.selected_layers(c.n_layers))} layers x "
+                            f"{len(opts.hidden_positions or range(T))} positions x {c.dim} values; ask for fewer "
+                            "layers or hidden_positions, or hidden_dtype float16",
+                       param="hidden_positions", code="inspect_too_large")
     if size > budget:
         raise APIError(413, f"the response would be about {size / 1e6:.0f} MB ({opts.mode} attention maps of "
                             f"{len(opts.selected_layers(c.n_layers))} layers x {len(opts.selected_heads(c.n_heads))} heads "
@@ -93,11 +104,12 @@ def _absolute(positions: list[int] | None, T: int, param: str) -> list[int] | No
     return out
 
 
-async def run_probe(state: Serving, request: Request | None, ids: list[int], opts: ProbeOptions) -> ProbeRun:
+async def run_probe(state: Serving, request: Request | None, ids: list[int], opts: ProbeOptions,
+                    interventions: list[Intervention] | None = None, num_prompt_tokens: int | None = None) -> ProbeRun:
     """Step a ProbeRun on the engine thread to its end; cancelled if the client of `request` leaves (without a
     request, the caller's own cancellation is the only stop)."""
     try:
-        run = state.new_probe(ids, opts)
+        run = state.new_probe(ids, opts, interventions, num_prompt_tokens)
     except ValueError as e:
         raise APIError(400, str(e), code="invalid_value") from None
     t0 = time.perf_counter()
@@ -113,11 +125,13 @@ async def run_probe(state: Serving, request: Request | None, ids: list[int], opt
     return run
 
 
-async def _generate(state: Serving, request: Request, ids: list[int], req: InspectRequest) -> dict:
-    """The completion to inspect with the prompt: its tokens, text and finish reason."""
+async def _generate(state: Serving, request: Request, ids: list[int], req: InspectRequest,
+                    interventions: list[Intervention] | None) -> dict:
+    """The completion to inspect with the prompt (generated under the same interventions): its tokens, text and
+    finish reason."""
     params = SamplingParams(max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p, seed=req.seed)
     stats = RunStats("inspect")
-    outputs = await start(state, [ids], params, stats)
+    outputs = await start(state, [ids], params, stats, interventions)
 
     async def collect():
         tokens, text, reason, error = [], "", None, None
@@ -148,20 +162,24 @@ async def inspect(req: InspectRequest, request: Request, state: Serving = Depend
                        param="max_tokens", code="context_length_exceeded")
     check_length(state, len(ids) + req.max_tokens, "max_tokens" if req.max_tokens else "prompt")
     opts = _options(state, req, len(ids) + req.max_tokens)
+    interventions = to_interventions(req.interventions, state.vectors, c.n_layers, c.dim)
     completion = None
     if req.max_tokens:
-        completion = await _generate(state, request, ids, req)
-        opts.rows = _absolute(req.rows, len(ids) + len(completion["token_ids"]), "rows")
+        completion = await _generate(state, request, ids, req, interventions)
+        T = len(ids) + len(completion["token_ids"])
+        opts.rows = _absolute(req.rows, T, "rows")
+        opts.hidden_positions = _absolute(req.hidden_positions, T, "hidden_positions")
     sequence = ids + (completion["token_ids"] if completion else [])
-    run = await run_probe(state, request, sequence, opts)
+    run = await run_probe(state, request, sequence, opts, interventions, len(ids))
     result = run.result()
     body = {"id": f"insp-{uuid.uuid4().hex[:24]}", "object": "inspection", "created": now(), "model": state.model_name,
             "mode": opts.mode, "format": req.format,
             "config": {"n_layers": c.n_layers, "n_heads": c.n_heads, "n_kv_heads": c.n_kv_heads, "head_dim": c.head_dim,
                        "dim": c.dim, "vocab_size": c.vocab_size},
             "layers_selected": opts.selected_layers(c.n_layers), "heads_selected": result.heads,
-            "kv_groups": result.kv_groups, "num_prompt_tokens": len(ids), "completion": completion}
-    body.update(await run_in_threadpool(fmt.render, result, opts, req.format, state.tokenizer, c.n_layers))
+            "kv_groups": result.kv_groups, "num_prompt_tokens": len(ids), "completion": completion,
+            "interventions": len(interventions or [])}
+    body.update(await run_in_threadpool(fmt.render, result, opts, req.format, state.tokenizer, c.n_layers, req.hidden_dtype))
     body["usage"] = {"prompt_tokens": len(ids), "completion_tokens": len(sequence) - len(ids), "total_tokens": len(sequence),
                      "compute_ms": round(result.compute_ms, 1), "response_bytes": 0}
     data = await run_in_threadpool(fmt.dumps_with_size, body)
@@ -170,16 +188,17 @@ async def inspect(req: InspectRequest, request: Request, state: Serving = Depend
     return Response(data, media_type="application/json")
 
 
-async def completion_summaries(state: Serving, prompts: list[list[int]], options: bool | InspectSummaryOptions) -> list[dict]:
-    """The `inspect` extension of /v1/completions: each prompt's inspection summary (no maps). Runs beside the
-    generation as a task the route cancels if the client leaves."""
+async def completion_summaries(state: Serving, prompts: list[list[int]], options: bool | InspectSummaryOptions,
+                               interventions: list[Intervention] | None = None) -> list[dict]:
+    """The `inspect` extension of /v1/completions: each prompt's inspection summary (no maps), under the request's
+    interventions. Runs beside the generation as a task the route cancels if the client leaves."""
     o = options if isinstance(options, InspectSummaryOptions) else InspectSummaryOptions()
     out = []
     for i, ids in enumerate(prompts):
         # the summary covers every block whatever `layers` says; one layer keeps the per-layer part small
         opts = ProbeOptions(include=frozenset({"massive", "attention"}), massive_threshold=o.massive_threshold,
                             massive_ratio=o.massive_ratio, layers=[0])
-        result = (await run_probe(state, None, ids, opts)).result()
+        result = (await run_probe(state, None, ids, opts, interventions)).result()
         tokens = fmt.token_list(state.tokenizer, ids)
         out.append({"prompt_index": i, "summary": fmt.summary(result, tokens, state.config.n_layers),
                     "compute_ms": round(result.compute_ms, 1)})

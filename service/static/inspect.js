@@ -3,6 +3,16 @@
 
 const $ = (id) => document.getElementById(id);
 let current = null; // the last /inspect response
+// Ordinary sentences over which "mean" averages an entry (the six docs/inspection.md and the tests use).
+const REFERENCE = [
+  "The museum opens at nine and closes early on Sundays.",
+  "She packed two sandwiches, an apple and a bottle of water for the hike.",
+  "Rain is expected tomorrow afternoon, so the match may be postponed.",
+  "The committee will announce the results after the last interview.",
+  "He fixed the bicycle's chain and rode to the market before noon.",
+  "Most plants need sunlight, water and nutrients from the soil to grow.",
+];
+const INCLUDE = ["massive", "norms", "attention", "logit_lens", "prediction"];
 
 // IEEE 754 half -> float (maps arrive as little-endian float16 in base64).
 function halfToFloat(h) {
@@ -25,19 +35,25 @@ function setStatus(text, isError) {
   $("status").className = isError ? "error" : "";
 }
 
-async function runInspect() {
+async function postInspect(body) {
   const key = $("api-key").value.trim();
   if (key) sessionStorage.setItem("llamascope-key", key);
   const headers = { "Content-Type": "application/json" };
   if (key) headers.Authorization = "Bearer " + key;
-  const body = { prompt: $("prompt").value, max_tokens: Number($("max-tokens").value) || 0, mode: "auto" };
+  const res = await fetch("/inspect", { method: "POST", headers, body: JSON.stringify(body) });
+  const data = await res.json();
+  if (!res.ok) throw new Error((data.error && data.error.message) || res.statusText);
+  return data;
+}
+
+async function runInspect() {
+  const body = { prompt: $("prompt").value, max_tokens: Number($("max-tokens").value) || 0, mode: "auto", include: INCLUDE };
   setStatus("inspecting…");
   $("run").disabled = true;
   try {
-    const res = await fetch("/inspect", { method: "POST", headers, body: JSON.stringify(body) });
-    const data = await res.json();
-    if (!res.ok) throw new Error((data.error && data.error.message) || res.statusText);
+    const data = await postInspect(body);
     current = data;
+    $("compare").style.display = "none";
     render();
     const u = data.usage;
     setStatus(`${u.total_tokens} tokens · ${data.config.n_layers} layers · maps ${data.mode} · ` +
@@ -181,10 +197,10 @@ function onHover(ev) {
 
 // ---- layer-wise plots ---------------------------------------------------------------------------------------
 
-function drawMagnitudes() {
+function drawMagnitudes(canvas = $("magnitudes"), data = current) {
   // Sun et al. 2024, Fig. 1 style: the three largest |h| and the median per block, log scale.
-  const canvas = $("magnitudes"), ctx = canvas.getContext("2d");
-  const layers = current.layers;
+  const ctx = canvas.getContext("2d");
+  const layers = data.layers;
   const series = [0, 1, 2].map((k) => layers.map((l) => (l.top[k] ? Math.abs(l.top[k].value) : null)));
   series.push(layers.map((l) => l.median_abs));
   const all = series.flat().filter((v) => v > 0);
@@ -219,9 +235,9 @@ function axes(ctx, canvas, pad, lo, hi, Y, layers, X) {
   ctx.textAlign = "left";
 }
 
-function drawSinks() {
-  const canvas = $("sinks"), ctx = canvas.getContext("2d");
-  const sinks = current.summary.sink_mass_by_layer || [];
+function drawSinks(canvas = $("sinks"), data = current) {
+  const ctx = canvas.getContext("2d");
+  const sinks = data.summary.sink_mass_by_layer || [];
   ctx.clearRect(0, 0, canvas.width, canvas.height);
   const pad = { l: 46, r: 10, t: 8, b: 22 }, W = canvas.width - pad.l - pad.r, H = canvas.height - pad.t - pad.b;
   ctx.font = "11px system-ui, sans-serif"; ctx.fillStyle = "#6b7280"; ctx.textAlign = "right"; ctx.textBaseline = "middle";
@@ -245,15 +261,96 @@ function fillMassiveTable() {
       const tr = tbody.insertRow();
       const cells = [l.layer, e.token, JSON.stringify(e.token_text), e.dim, e.value.toFixed(1), e.ratio === null ? "–" : e.ratio.toFixed(0)];
       cells.forEach((text, i) => { const td = tr.insertCell(); td.textContent = String(text); if (i === 2) td.className = "tok"; });
+      const actions = tr.insertCell();
+      actions.className = "tok";
+      for (const kind of ["zero", "mean"]) {
+        const b = document.createElement("button");
+        b.textContent = kind;
+        b.className = kind;
+        b.addEventListener("click", () => intervene(l.layer, e.token, e.dim, kind));
+        actions.appendChild(b);
+      }
       tr.dataset.dim = String(e.dim);
+      tr.dataset.layer = String(l.layer);
       n++;
     }
   }
   if (!n) {
     const td = tbody.insertRow().insertCell();
-    td.colSpan = 6; td.className = "tok"; td.textContent = "none at these thresholds";
+    td.colSpan = 7; td.className = "tok"; td.textContent = "none at these thresholds";
   }
   $("massive-rule").textContent = `(|x| > 100 and ≥ 1000× the layer median; ${n} found)`;
+}
+
+// ---- interventions: re-run with one massive entry set to zero or to its mean ----------------------------------
+
+async function referenceMean(layer, token, dim) {
+  // the entry's mean over the reference sentences long enough to have that token (hidden states in float32)
+  const values = [];
+  for (const prompt of REFERENCE) {
+    const d = await postInspect({ prompt, layers: [layer], include: ["hidden_states"], hidden_dtype: "float32", mode: "none" })
+      .catch(() => null); // too short for the token: skipped
+    if (!d || d.tokens.length <= token) continue;
+    const h = d.layers[0].hidden_states;
+    const row = decodeFloat32(h.values).subarray(token * d.config.dim, (token + 1) * d.config.dim);
+    values.push(row[dim]);
+  }
+  if (!values.length) throw new Error(`no reference sentence has a token ${token}`);
+  return values.reduce((a, b) => a + b, 0) / values.length;
+}
+
+function decodeFloat32(arr) {
+  if (arr.encoding === "list") return Float32Array.from(arr.data.flat(Infinity));
+  const bytes = Uint8Array.from(atob(arr.data), (c) => c.charCodeAt(0));
+  return new Float32Array(bytes.buffer);
+}
+
+async function intervene(layer, token, dim, kind) {
+  const before = current;
+  setStatus(kind === "mean" ? "averaging the entry over the reference sentences…" : "re-running with the edit…");
+  document.querySelectorAll("td button").forEach((b) => { b.disabled = true; });
+  try {
+    const value = kind === "zero" ? 0 : await referenceMean(layer, token, dim);
+    const edit = { layer, site: "block_output", op: "set", dims: [dim], values: [value], positions: [token] };
+    const body = { prompt: $("prompt").value, max_tokens: 0, mode: "none", include: INCLUDE, interventions: [edit] };
+    if (before.completion) { body.prompt = undefined; body.input_ids = before.tokens.map((t) => t.id); }
+    const after = await postInspect(body);
+    $("compare-what").textContent = `(block ${layer}, token ${token}, dim ${dim} set to ${kind === "zero" ? "0" : value.toFixed(1) + ", its mean"})`;
+    $("compare").dataset.kind = kind;
+    $("compare").style.display = "block";
+    fillColumn($("before"), before, "before");
+    fillColumn($("after"), after, `after: set to ${kind === "zero" ? "0" : "the mean"}`);
+    setStatus(`perplexity ${fmtPpl(before)} → ${fmtPpl(after)}`);
+  } catch (err) {
+    setStatus(String(err.message || err), true);
+  } finally {
+    document.querySelectorAll("td button").forEach((b) => { b.disabled = false; });
+  }
+}
+
+function fmtPpl(d) {
+  const p = d.prediction && d.prediction.perplexity;
+  if (p === null || p === undefined) return "–";
+  return p >= 1e4 ? p.toExponential(2) : p.toFixed(2);
+}
+
+function fillColumn(col, d, title) {
+  if (!col.firstElementChild) col.appendChild($("column").content.cloneNode(true));
+  col.querySelector("h3").textContent = title;
+  const ppl = col.querySelector(".ppl-value");
+  ppl.textContent = fmtPpl(d);
+  ppl.dataset.value = d.prediction && d.prediction.perplexity !== null ? String(d.prediction.perplexity) : "";
+  const list = col.querySelector("ol.top5");
+  list.innerHTML = "";
+  for (const t of (d.prediction ? d.prediction.next_tokens : [])) {
+    const li = document.createElement("li");
+    li.textContent = `${JSON.stringify(t.text)} ${t.prob.toFixed(3)}`;
+    list.appendChild(li);
+  }
+  drawSinks(col.querySelector("canvas.sinks"), d);
+  drawMagnitudes(col.querySelector("canvas.magnitudes"), d);
+  col.dataset.massive = String(d.summary.massive_layers.length);
+  col.dataset.sinks = JSON.stringify(d.summary.sink_mass_by_layer);
 }
 
 $("run").addEventListener("click", runInspect);

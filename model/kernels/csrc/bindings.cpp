@@ -13,4 +13,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_dequantize", &ls::int4_dequantize, "int4 W -> (N, K) float32");
   m.def("int8_dequantize", &ls::int8_dequantize, "int8 W -> (N, K) float32");
   m.def("decode_layers", &ls::decode_layers, "every block of a pure decode step: h (N, D) -> (N, D)");
+  m.def("apply_edits", &ls::apply_edits, "interventions: each op row (Q, 4) of x (N, D) gets its entry from bank (V, D)");
 }

@@ -24,11 +24,14 @@ static torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& a, cons
 
 // h (N, D) the residual stream of N decode rows; layers: per block [attention_norm, ffn_norm, wqkv a, b, wo a, b,
 // w13 a, b, w2 a, b]; cos, ssin (N, E) `rotary_tables`; k_pools, v_pools (L, NB, bs, K, E); the step's slots
-// (N,) and decode metadata as `PagedKVCache.set_step` builds them (rows = 0..N-1).  -> h after every block (N, D)
+// (N,) and decode metadata as `PagedKVCache.set_step` builds them (rows = 0..N-1); edits: the step's
+// interventions table (empty: none; interventions.cpp), applied at the block's three sites as `Block.forward`
+// hands them to its attention context.  -> h after every block (N, D)
 torch::Tensor decode_layers(torch::Tensor h, const std::vector<std::vector<torch::Tensor>>& layers, double eps,
                             const torch::Tensor& cos, const torch::Tensor& ssin, torch::Tensor& k_pools,
                             torch::Tensor& v_pools, const torch::Tensor& slots, const torch::Tensor& rows,
-                            const torch::Tensor& tables, const torch::Tensor& lens, int64_t H, int64_t K, int64_t E) {
+                            const torch::Tensor& tables, const torch::Tensor& lens, int64_t H, int64_t K, int64_t E,
+                            const std::vector<torch::Tensor>& edits) {
   TORCH_CHECK(h.dim() == 2 && k_pools.size(0) == static_cast<int64_t>(layers.size()), "decode_layers: shapes");
   const int64_t N = h.size(0);
   h = h.clone();  // the residual stream is updated in place from here on; the caller's tensor stays as it was
@@ -43,9 +46,15 @@ torch::Tensor decode_layers(torch::Tensor h, const std::vector<std::vector<torch
     paged_write(k, v, k_pool, v_pool, slots);
     auto att = torch::empty({N, H, E}, h.options());
     paged_decode_attention(q, k_pool, v_pool, rows, tables, lens, att);
-    h.add_(linear(att.view({N, H * E}), w[4], w[5]));
+    auto a = linear(att.view({N, H * E}), w[4], w[5]);
+    apply_site(a, edits, 3 * l);  // attention_output
+    h.add_(a);
     // feed-forward: h + w2(silu(w1 x) * w3 x), x = norm(h)
-    h.add_(linear(silu_mul(linear(rms_norm(h, w[1], eps), w[6], w[7])), w[8], w[9]));
+    auto m = linear(silu_mul(linear(rms_norm(h, w[1], eps), w[6], w[7])), w[8], w[9]);
+    apply_site(m, edits, 3 * l + 1);  // mlp_output
+    h.add_(m);
+    apply_site(h, edits, 3 * l + 2);  // block_output
+    read_site(h, edits, l);
   }
   return h;
 }

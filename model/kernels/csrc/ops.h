@@ -21,5 +21,9 @@ torch::Tensor int8_dequantize(const torch::Tensor& w, const torch::Tensor& scale
 torch::Tensor decode_layers(torch::Tensor h, const std::vector<std::vector<torch::Tensor>>& layers, double eps,
                             const torch::Tensor& cos, const torch::Tensor& ssin, torch::Tensor& k_pools,
                             torch::Tensor& v_pools, const torch::Tensor& slots, const torch::Tensor& rows,
-                            const torch::Tensor& tables, const torch::Tensor& lens, int64_t H, int64_t K, int64_t E);
+                            const torch::Tensor& tables, const torch::Tensor& lens, int64_t H, int64_t K, int64_t E,
+                            const std::vector<torch::Tensor>& edits);
+void apply_edits(torch::Tensor& x, const torch::Tensor& ops, const torch::Tensor& bank);
+void apply_site(torch::Tensor& x, const std::vector<torch::Tensor>& edits, int64_t site);
+void read_site(const torch::Tensor& h, const std::vector<torch::Tensor>& edits, int64_t layer);
 }  // namespace ls

@@ -1,0 +1,235 @@
+"""One forward's interventions as a table over its packed rows (`StepEdits`), and its application at a site.
+
+Every execution path reads the same table, so each row gets exactly its own sequence's edits whatever shares its
+step (model/interventions.py says what an edit is):
+
+    site_ptr  (L * 3 + 1,) int64   the ops of site k = 3 layer + s are ops[site_ptr[k] : site_ptr[k + 1]]
+    ops       (Q, 4) int64         [row, u, keep, put]: a packed row and its entry's vectors (rows of `bank`, -1:
+                                   absent); a row appears at most once per site
+    bank      (V, D) float32       the step's vectors (the plans' `vectors`, concatenated)
+
+and reads of the residual stream (block outputs):
+
+    read_ptr  (L + 1,) int64       rows read after block l are read_rows[read_ptr[l] : read_ptr[l + 1]]
+    read_rows (K,) int64
+    read_out  (K, D) float32       filled by the forward
+
+An entry is applied in float32 whatever the activation dtype: x -= (x . u) u (the dot product accumulated in
+float64), then x = x * keep + put, rounded once to the activation dtype. For a single `add` that is x + v, for a
+`set` the value itself: bitwise what a forward hook doing the same computes. Rows no op names are never touched,
+so they are bit-identical to a forward without interventions. On CPU the native kernel applies it (the module path
+and the fused decode path then agree bitwise); `apply_reference` is the PyTorch definition.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from model.interventions import SITE_INDEX, HiddenStateRead, InterventionPlan
+from model.kernels import usable
+
+
+@dataclass
+class StepEdits:
+    site_ptr: Tensor  # (3L + 1,) int64
+    ops: Tensor  # (Q, 4) int64
+    bank: Tensor  # (V, D) float32
+    read_ptr: Tensor  # (L + 1,) int64
+    read_rows: Tensor  # (K,) int64
+    read_out: Tensor  # (K, D) float32
+
+    def __post_init__(self) -> None:
+        self.site_ptr_host = self.site_ptr.cpu().numpy()  # host copies: which sites have work is decided without a sync
+        self.read_ptr_host = self.read_ptr.cpu().numpy()
+
+    @property
+    def has_edits(self) -> bool:
+        return self.ops.shape[0] > 0
+
+    def tensors(self) -> list[Tensor]:
+        """The native decode kernel's trailing argument (model/kernels/csrc/interventions.cpp)."""
+        return [self.site_ptr, self.ops, self.bank, self.read_ptr, self.read_rows, self.read_out]
+
+    def apply(self, layer: int, site: str, x: Tensor, window: tuple[int, int] | None = None) -> Tensor:
+        """Edit x (.., N, D) in place at (layer, site) and record the reads of block outputs; returns x. Its rows are
+        the packed rows 0 .. N - 1, or, with `window` = (first, N), rows first .. first + N - 1 (a chunk of a
+        longer sequence, as `ProbeRun` runs one)."""
+        k = 3 * layer + SITE_INDEX[site]
+        a, b = int(self.site_ptr_host[k]), int(self.site_ptr_host[k + 1])
+        x2 = x.view(-1, x.shape[-1])  # (N, D)
+        if a < b:
+            ops = self.ops[a:b] if window is None else _window(self.ops[a:b], *window)
+            if ops.shape[0]:
+                apply_ops(x2, ops, self.bank)
+        if site == "block_output":
+            r0, r1 = int(self.read_ptr_host[layer]), int(self.read_ptr_host[layer + 1])
+            if r0 < r1:
+                rows = self.read_rows[r0:r1]
+                if window is None:
+                    self.read_out[r0:r1] = x2[rows].float()
+                else:
+                    rows = rows - window[0]
+                    idx = torch.nonzero((rows >= 0) & (rows < window[1])).squeeze(1)
+                    self.read_out[r0 + idx] = x2[rows[idx]].float()
+        return x
+
+    def without_reads(self) -> "StepEdits":
+        """The edits alone (what tensor-parallel workers are sent: rank 0 takes the reads)."""
+        empty = torch.zeros_like(self.read_ptr)
+        return StepEdits(self.site_ptr, self.ops, self.bank, empty, self.read_rows[:0], self.read_out[:0])
+
+    def restrict(self, layer: int) -> "StepEdits":
+        """The part of the table one block reads (what a tensor-parallel rank is sent to probe one block)."""
+        a, b = int(self.site_ptr_host[3 * layer]), int(self.site_ptr_host[3 * layer + 3])
+        ptr = torch.zeros_like(self.site_ptr)
+        ptr[3 * layer + 1 : 3 * layer + 4] = self.site_ptr[3 * layer + 1 : 3 * layer + 4] - a
+        ptr[3 * layer + 4 :] = b - a
+        empty = torch.zeros_like(self.read_ptr)
+        return StepEdits(ptr, self.ops[a:b].clone(), self.bank, empty, self.read_rows[:0], self.read_out[:0])
+
+
+def _window(ops: Tensor, row_offset: int, n: int) -> Tensor:
+    """The ops on rows [row_offset, row_offset + n), renumbered from 0 (rows are sorted within a site)."""
+    rows = ops[:, 0]
+    lo = int(torch.searchsorted(rows, torch.tensor(row_offset)))
+    hi = int(torch.searchsorted(rows, torch.tensor(row_offset + n)))
+    out = ops[lo:hi].clone()
+    out[:, 0] -= row_offset
+    return out
+
+
+def apply_ops(x: Tensor, ops: Tensor, bank: Tensor) -> None:
+    """x (N, D) in place: each op's row gets its entry (see the module docstring)."""
+    native = usable(x)
+    if native is not None and x.is_contiguous() and bank.device.type == "cpu":
+        native.apply_edits(x, ops, bank)
+    else:
+        apply_reference(x, ops, bank)
+
+
+def apply_reference(x: Tensor, ops: Tensor, bank: Tensor) -> None:
+    """The PyTorch definition of `apply_ops`."""
+    rows = ops[:, 0]
+    y = x[rows].float()  # (n, D)
+    u_idx, keep_idx, put_idx = ops[:, 1], ops[:, 2], ops[:, 3]
+    if bool((u_idx >= 0).any()):
+        has = (u_idx >= 0).unsqueeze(1)
+        u = bank[u_idx.clamp(min=0)].double()
+        yd = y.double()
+        projected = (yd - (yd * u).sum(-1, keepdim=True) * u).float()
+        y = torch.where(has, projected, y)
+    if bool((keep_idx >= 0).any()):
+        y = torch.where((keep_idx >= 0).unsqueeze(1), y * bank[keep_idx.clamp(min=0)], y)
+    if bool((put_idx >= 0).any()):
+        y = torch.where((put_idx >= 0).unsqueeze(1), y + bank[put_idx.clamp(min=0)], y)
+    x[rows] = y.to(x.dtype)
+
+
+@dataclass
+class Segment:
+    """A sequence's part of a forward: packed rows row0 .. row0 + n - 1 hold its positions pos0 .. pos0 + n - 1."""
+
+    row0: int
+    pos0: int
+    n: int
+    plan: InterventionPlan | None
+    read: HiddenStateRead | None = None
+    num_prompt_tokens: int = 0
+    read_from: int = 0  # positions below this were read already (before a preemption): not again
+    owner: object = None  # whose rows these are (the engine's Sequence)
+
+
+class EditTables:
+    """Builds each forward's `StepEdits` from its segments. The bank is rebuilt only when the set of plans changes
+    (in steady decoding it does not: the same sequences step after step)."""
+
+    def __init__(self, n_layers: int, dim: int, device: torch.device) -> None:
+        self.n_layers, self.dim, self.device = n_layers, dim, torch.device(device)
+        self._plans: list[InterventionPlan] = []  # held (not just their ids) so no new plan can reuse an id
+        self._bank = torch.zeros(0, dim, device=self.device)
+        self._base: dict[int, int] = {}
+
+    def build(self, segments: list[Segment]) -> tuple[StepEdits | None, list[tuple[Segment, list[int], list[int]]]]:
+        """-> the table (None when no segment edits or reads anything), and per reading segment (segment, positions
+        read, and for each of its layers the first row of its block in read_out's layer-major layout)."""
+        L = self.n_layers
+        plans = [s.plan for s in segments if s.plan is not None]
+        reads = [s for s in segments if s.read is not None]
+        if not plans and not reads:
+            return None, []
+        if len(plans) != len(self._plans) or any(a is not b for a, b in zip(plans, self._plans)):
+            self._base, parts, off = {}, [], 0
+            for p in plans:
+                if id(p) not in self._base:
+                    self._base[id(p)] = off
+                    parts.append(p.vectors)
+                    off += p.vectors.shape[0]
+            self._bank = torch.cat(parts).to(self.device) if parts else torch.zeros(0, self.dim, device=self.device)
+            self._plans = plans
+        chunks = []
+        for s in segments:
+            if s.plan is None:
+                continue
+            base = self._base[id(s.plan)]
+            for off, n, pat in s.plan.runs(s.pos0, s.n):
+                template = _template(pat, base)  # (S, 5): [site, row (unset), u, keep, put]
+                block = np.repeat(template[:, None, :], n, 1)  # (S, n, 5)
+                block[:, :, 1] = np.arange(s.row0 + off, s.row0 + off + n, dtype=np.int64)
+                chunks.append(block.reshape(-1, 5))
+        if chunks:
+            table = np.concatenate(chunks)
+            table = table[np.argsort(table[:, 0], kind="stable")]
+            site_ptr = np.searchsorted(table[:, 0], np.arange(3 * L + 1)).astype(np.int64)
+            ops = table[:, 1:]
+        else:
+            site_ptr, ops = np.zeros(3 * L + 1, dtype=np.int64), np.zeros((0, 4), dtype=np.int64)
+        # reads, layer-major: for each layer the reading segments' wanted rows
+        wanted: list[tuple[Segment, list[int]]] = []
+        for s in reads:
+            pos = [p for p in range(max(s.pos0, s.read_from), s.pos0 + s.n) if s.read.wants(p, s.num_prompt_tokens)]
+            if pos:
+                wanted.append((s, pos))
+        per_layer: list[list[int]] = [[] for _ in range(L)]
+        layouts: list[tuple[Segment, list[int], list[int]]] = []
+        for s, pos in wanted:
+            for layer in s.read.layers:
+                per_layer[layer] += [s.row0 + p - s.pos0 for p in pos]
+        read_ptr = np.zeros(L + 1, dtype=np.int64)
+        read_ptr[1:] = np.cumsum([len(r) for r in per_layer])
+        cursor = {layer: int(read_ptr[layer]) for layer in range(L)}
+        for s, pos in wanted:  # where each segment's rows land in read_out, per layer
+            starts = []
+            for layer in s.read.layers:
+                starts.append(cursor[layer])
+                cursor[layer] += len(pos)
+            layouts.append((s, pos, starts))
+        read_rows = np.asarray([r for rows in per_layer for r in rows], dtype=np.int64)
+        dev = self.device
+        edits = StepEdits(
+            torch.from_numpy(site_ptr).to(dev), torch.from_numpy(np.ascontiguousarray(ops)).to(dev), self._bank,
+            torch.from_numpy(read_ptr).to(dev), torch.from_numpy(read_rows).to(dev),
+            torch.zeros(len(read_rows), self.dim, device=dev))
+        return edits, layouts
+
+
+def _template(pat, base: int) -> np.ndarray:
+    """A pattern's ops with its vectors at bank offset `base`, cached on the pattern (decode steps reuse it)."""
+    if pat.template is not None and pat.template[0] == base:
+        return pat.template[1]
+    t = np.empty((pat.sites.size, 5), dtype=np.int64)
+    t[:, 0], t[:, 1] = pat.sites, 0
+    for j, col in ((2, pat.u), (3, pat.keep), (4, pat.put)):
+        t[:, j] = np.where(col >= 0, col + base, -1)
+    pat.template = (base, t)
+    return t
+
+
+def gather_reads(edits: StepEdits, layout: tuple[Segment, list[int], list[int]]) -> Tensor:
+    """One segment's reads out of `read_out` -> (n_positions, n_layers, D) float32 on the CPU."""
+    s, pos, starts = layout
+    parts = [edits.read_out[a : a + len(pos)] for a in starts]  # each (n_positions, D)
+    return torch.stack(parts, dim=1).cpu()

@@ -1,0 +1,325 @@
+"""Interventions: a request's edits of the residual stream, validated, and compiled per token position.
+
+An edit acts at one of three sites of block `layer` (model/transformer.py's `Block.forward` hands each to its
+attention context, `ctx.edit(layer, site, x)`):
+
+    attention_output   the attention sub-block's output wo(...), before its residual add      x (.., D)
+    mlp_output         the feed-forward sub-block's output w2(...), before its residual add   x (.., D)
+    block_output       the residual stream after the block (both adds): what a HF forward hook on the decoder
+                       layer returns, where /inspect reports massive activations, and where llama.cpp adds a
+                       control vector (`build_cvec(cur, il)` after the FFN residual add in src/models/llama.cpp;
+                       `llama_adapter_cvec::apply_to` in src/llama-adapter.cpp)
+
+Operations on the positions they apply to:
+
+    add          x += scale * vector                  activation addition / steering (Turner et al. 2023;
+                                                      contrastive activation addition, Rimsky et al. 2024)
+    set          x[dims] = values                     zero or mean ablation (Sun et al. 2024, section 3)
+    scale        x[dims] *= factor
+    project_out  x -= (x . u) u,  u = vector / |vector|   directional ablation (Arditi et al. 2024)
+
+Order at one (layer, site): the `project_out` item first (at most one per site), then `set`, `scale` and `add`
+in the order given. Those three are per-dimension affine maps, x -> x * keep + put, so any run of them composes
+into one (`Entry`): what every execution path applies (model/edits.py), one entry per row and site.
+
+Positions: "all", "prompt" (p < P, the prompt's length), "generated" (p >= P), or explicit token indices. They
+resolve per token, from its position alone, so a row's edits never depend on which step computes it (chunked
+prefill, preemption and recompute, batching). The prefix cache keys a block by the edits that touched its
+positions (`block_digest`): a block computed under one intervention is never served to a request under another.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import struct
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import Tensor
+
+SITES = ("attention_output", "mlp_output", "block_output")
+SITE_INDEX = {s: i for i, s in enumerate(SITES)}
+OPS = ("add", "set", "scale", "project_out")
+POSITION_SETS = ("all", "prompt", "generated")
+MAX_POSITIONS = 4096  # explicit positions per item
+
+
+@dataclass(frozen=True, eq=False)
+class Intervention:
+    """One edit of block `layer`'s `site` (see the module docstring); `vector` is (D,) float32."""
+
+    layer: int
+    site: str = "block_output"
+    op: str = "add"
+    positions: str | tuple[int, ...] = "all"
+    vector: Tensor | None = None  # add: the direction (times scale); project_out: the direction to remove
+    scale: float = 1.0
+    dims: tuple[int, ...] = ()
+    values: tuple[float, ...] = ()  # set: one per dim
+    factor: float = 1.0  # scale
+
+    def validate(self, n_layers: int, dim: int, where: str = "intervention") -> None:
+        """ValueError naming the field (`where.field`) for anything this model cannot take."""
+        def bad(name: str, why: str) -> ValueError:
+            return ValueError(f"{where}.{name}: {why}")
+
+        if not isinstance(self.layer, int) or not 0 <= self.layer < n_layers:
+            raise bad("layer", f"{self.layer!r} is out of range [0, {n_layers})")
+        if self.site not in SITES:
+            raise bad("site", f"unknown {self.site!r}; choose from {list(SITES)}")
+        if self.op not in OPS:
+            raise bad("op", f"unknown {self.op!r}; choose from {list(OPS)}")
+        if isinstance(self.positions, str):
+            if self.positions not in POSITION_SETS:
+                raise bad("positions", f"unknown {self.positions!r}; choose from {list(POSITION_SETS)} or give indices")
+        else:
+            if not self.positions or len(self.positions) > MAX_POSITIONS:
+                raise bad("positions", f"give 1 to {MAX_POSITIONS} token indices")
+            if any(not isinstance(p, int) or p < 0 for p in self.positions):
+                raise bad("positions", "token indices must be integers >= 0")
+        if self.op in ("add", "project_out"):
+            v = self.vector
+            if v is None:
+                raise bad("vector", f"{self.op} needs a vector")
+            if v.dim() != 1 or v.shape[0] != dim:
+                raise bad("vector", f"has {v.numel()} values; the model's width is {dim}")
+            if not bool(torch.isfinite(v).all()):
+                raise bad("vector", "must be finite (no NaN or infinity)")
+            if self.op == "project_out" and float(v.double().norm()) == 0.0:
+                raise bad("vector", "project_out needs a non-zero direction")
+            if not math.isfinite(self.scale):
+                raise bad("scale", "must be finite")
+        if self.op in ("set", "scale"):
+            if not self.dims:
+                raise bad("dims", f"{self.op} needs the dimensions it changes")
+            if any(not isinstance(d, int) or not 0 <= d < dim for d in self.dims):
+                raise bad("dims", f"dimensions must be in [0, {dim})")
+            if len(set(self.dims)) != len(self.dims):
+                raise bad("dims", "must not repeat a dimension")
+        if self.op == "set":
+            if len(self.values) != len(self.dims):
+                raise bad("values", f"give one value per dim ({len(self.dims)}), got {len(self.values)}")
+            if not all(math.isfinite(v) for v in self.values):
+                raise bad("values", "must be finite (no NaN or infinity)")
+        if self.op == "scale" and not math.isfinite(self.factor):
+            raise bad("factor", "must be finite")
+
+    def applies(self, position: int, num_prompt_tokens: int) -> bool:
+        p = self.positions
+        if p == "all":
+            return True
+        if p == "prompt":
+            return position < num_prompt_tokens
+        if p == "generated":
+            return position >= num_prompt_tokens
+        return position in p
+
+    def positions_in(self, start: int, end: int, num_prompt_tokens: int) -> tuple[int, int] | tuple[int, ...]:
+        """The positions of [start, end) this item applies to: a (lo, hi) range, or a tuple of indices."""
+        p = self.positions
+        if p == "all":
+            return (start, end)
+        if p == "prompt":
+            return (start, max(start, min(end, num_prompt_tokens)))
+        if p == "generated":
+            return (max(start, num_prompt_tokens), max(start, end)) if end > num_prompt_tokens else (start, start)
+        return tuple(q for q in sorted(p) if start <= q < end)
+
+    def digest(self) -> bytes:
+        """What the item does, as bytes (its positions aside: `InterventionPlan.block_digest` adds those)."""
+        h = hashlib.blake2b(digest_size=16)
+        h.update(f"{self.layer}|{self.site}|{self.op}|{self.scale!r}|{self.factor!r}|{self.dims}|{self.values}".encode())
+        if self.vector is not None and self.op in ("add", "project_out"):
+            h.update(self.vector.detach().to(torch.float32).contiguous().cpu().numpy().tobytes())
+        return h.digest()
+
+
+def validate_all(items: list[Intervention], n_layers: int, dim: int, names: list[str] | None = None) -> None:
+    """Every item, and the one rule across items: at most one project_out per (layer, site). ValueError naming the
+    item's field (`names[i]`, default "interventions[i]")."""
+    seen: set[tuple[int, str]] = set()
+    for i, it in enumerate(items):
+        where = names[i] if names is not None else f"interventions[{i}]"
+        it.validate(n_layers, dim, where)
+        if it.op == "project_out":
+            if (it.layer, it.site) in seen:
+                raise ValueError(f"{where}.op: one project_out per block and site (combine the directions, or use "
+                                 "another site)")
+            seen.add((it.layer, it.site))
+
+
+@dataclass
+class Entry:
+    """What one row gets at one (layer, site): x -= (x . u) u, then x = x * keep + put (each part optional)."""
+
+    u: Tensor | None = None  # (D,) float32, unit norm
+    keep: Tensor | None = None  # (D,) float32
+    put: Tensor | None = None  # (D,) float32
+
+
+def compose(items: list[Intervention], dim: int) -> Entry:
+    """The entry of `items` (all at one (layer, site), in request order): project_out first, then the affine
+    items composed in order (in float64, rounded once to float32)."""
+    entry = Entry()
+    keep: np.ndarray | None = None
+    put: np.ndarray | None = None
+    for it in items:
+        if it.op == "project_out":
+            u = it.vector.detach().double().cpu()
+            entry.u = (u / u.norm()).float()
+        elif it.op == "add":
+            v = it.scale * it.vector.detach().double().cpu().numpy()
+            put = v if put is None else put + v
+        else:
+            if keep is None:
+                keep = np.ones(dim)
+            if put is None:
+                put = np.zeros(dim)
+            d = np.asarray(it.dims, dtype=np.int64)
+            if it.op == "set":
+                keep[d] = 0.0
+                put[d] = np.asarray(it.values, dtype=np.float64)
+            else:
+                keep[d] *= it.factor
+                put[d] *= it.factor
+    # an identity part is left out (scale 0 is then no edit at all, bitwise; x + 0 would turn -0.0 into +0.0)
+    entry.keep = None if keep is None or (keep == 1.0).all() else torch.from_numpy(keep).float()
+    entry.put = None if put is None or not put.any() else torch.from_numpy(put).float()
+    return entry
+
+
+@dataclass
+class Pattern:
+    """The edits one token gets, as op templates sorted by site (k = 3 layer + site): vector indices into the
+    plan's `vectors` (-1: absent)."""
+
+    sites: np.ndarray  # (S,) int64
+    u: np.ndarray  # (S,) int64
+    keep: np.ndarray  # (S,) int64
+    put: np.ndarray  # (S,) int64
+    # (bank offset, (S, 5) op rows) as model/edits.py last laid them out: decode steps reuse them
+    template: tuple[int, np.ndarray] | None = field(default=None, repr=False)
+
+
+class InterventionPlan:
+    """One sequence's interventions (its prompt's length P fixed), compiled: the few distinct `Pattern`s its
+    tokens can get (prompt, generated, and each explicit position), and the vectors they read (`vectors`)."""
+
+    def __init__(self, items: list[Intervention], num_prompt_tokens: int, n_layers: int, dim: int) -> None:
+        validate_all(items, n_layers, dim)
+        self.items, self.num_prompt_tokens, self.n_layers, self.dim = list(items), num_prompt_tokens, n_layers, dim
+        self.digests = [it.digest() for it in self.items]
+        self.explicit = sorted({p for it in self.items if not isinstance(it.positions, str) for p in it.positions})
+        self._explicit_set = set(self.explicit)
+        vectors: list[Tensor] = []
+        by_subset: dict[tuple[int, ...], tuple[int, int, int]] = {}  # item ids at one site -> vector indices
+
+        def index(t: Tensor | None) -> int:
+            if t is None:
+                return -1
+            vectors.append(t)
+            return len(vectors) - 1
+
+        def compile_at(position: int) -> Pattern:
+            by_site: dict[int, list[int]] = {}
+            for i, it in enumerate(self.items):
+                if it.applies(position, num_prompt_tokens):
+                    by_site.setdefault(3 * it.layer + SITE_INDEX[it.site], []).append(i)
+            rows = []
+            for k in sorted(by_site):
+                ids = tuple(sorted(by_site[k], key=lambda i: self.items[i].op != "project_out"))
+                if ids not in by_subset:
+                    e = compose([self.items[i] for i in ids], dim)
+                    by_subset[ids] = (index(e.u), index(e.keep), index(e.put))
+                if by_subset[ids] != (-1, -1, -1):  # an entry that changes nothing is not an op
+                    rows.append((k, *by_subset[ids]))
+            a = np.asarray(rows, dtype=np.int64).reshape(-1, 4)
+            return Pattern(a[:, 0].copy(), a[:, 1].copy(), a[:, 2].copy(), a[:, 3].copy())
+
+        self.patterns: dict[object, Pattern] = {}
+        # stand-ins for the positions no explicit index names: any prompt position gets what -1 gets (< P, not
+        # explicit), any generated one what a position past every sequence gets
+        self.patterns["prompt"] = compile_at(-1)
+        self.patterns["generated"] = compile_at(1 << 62)
+        for p in self.explicit:
+            self.patterns[p] = compile_at(p)
+        self.vectors = torch.stack(vectors) if vectors else torch.zeros(0, dim)  # (V, D) float32
+
+    def pattern_key(self, position: int) -> object:
+        if position in self._explicit_set:
+            return position
+        return "prompt" if position < self.num_prompt_tokens else "generated"
+
+    def runs(self, start: int, n: int) -> list[tuple[int, int, Pattern]]:
+        """Positions [start, start + n) as runs (offset, length, pattern) of equal patterns, empty ones left out."""
+        out: list[tuple[int, int, Pattern]] = []
+        key, run_start = None, 0
+        for i in range(n + 1):
+            k = self.pattern_key(start + i) if i < n else object()
+            if k != key:
+                if key is not None and self.patterns[key].sites.size:
+                    out.append((run_start, i - run_start, self.patterns[key]))
+                key, run_start = k, i
+        return out
+
+    def block_digest(self, start: int, end: int) -> bytes | None:
+        """The edits that touch positions [start, end), as bytes for the prefix cache's block hash; None when none
+        does (then the block hashes as it would without interventions: a request whose edits start later shares
+        the blocks before them)."""
+        h = None
+        for it, d in zip(self.items, self.digests):
+            where = it.positions_in(start, end, self.num_prompt_tokens)
+            if (len(where) == 2 and isinstance(it.positions, str) and where[0] >= where[1]) or not where:
+                continue
+            if h is None:
+                h = hashlib.blake2b(digest_size=16)
+            h.update(d + b"".join(struct.pack("<q", q) for q in where) + (b"r" if isinstance(it.positions, str) else b"x"))
+        return None if h is None else h.digest()
+
+
+@dataclass
+class HiddenStateRead:
+    """Which block outputs (residual stream) to return for a sequence, and at which positions: "last" (each
+    generated token's own position p, the row its logits came from), "all" (every position the sequence
+    computes), or explicit indices."""
+
+    layers: list[int]
+    positions: str | tuple[int, ...] = "last"
+    _explicit: frozenset[int] = field(default=frozenset(), repr=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.positions, str):
+            self._explicit = frozenset(self.positions)
+
+    def validate(self, n_layers: int, where: str = "return_hidden_states") -> None:
+        if not self.layers:
+            raise ValueError(f"{where}.layers: give at least one block index")
+        if any(not isinstance(l, int) or not 0 <= l < n_layers for l in self.layers):
+            raise ValueError(f"{where}.layers: block indices must be in [0, {n_layers})")
+        if len(set(self.layers)) != len(self.layers):
+            raise ValueError(f"{where}.layers: must not repeat a block")
+        if isinstance(self.positions, str):
+            if self.positions not in ("last", "all"):
+                raise ValueError(f"{where}.positions: 'last', 'all' or a list of token indices")
+        elif not self.positions or any(not isinstance(p, int) or p < 0 for p in self.positions):
+            raise ValueError(f"{where}.positions: token indices must be integers >= 0")
+
+    def wants(self, position: int, num_prompt_tokens: int) -> bool:
+        if self.positions == "all":
+            return True
+        if self.positions == "last":
+            return position >= num_prompt_tokens - 1
+        return position in self._explicit
+
+    def first_prompt_position(self, num_prompt_tokens: int, read_from: int = 0) -> int | None:
+        """The first position in [read_from, P - 1) this read still needs (the prefix cache must not skip it), or
+        None. (P - 1, the last prompt position, is always computed.)"""
+        end = num_prompt_tokens - 1
+        if self.positions == "all":
+            return read_from if read_from < end else None
+        if self.positions == "last":
+            return None
+        early = [p for p in self._explicit if read_from <= p < end]
+        return min(early) if early else None

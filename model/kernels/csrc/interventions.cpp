@@ -1,0 +1,79 @@
+// Interventions on the residual stream (model/interventions.py, model/edits.py): each op row gets its entry,
+// x -= (x . u) u (the dot product in float64), then x = x * keep + put, in float32 and rounded once to the
+// activation dtype, exactly as model/edits.py's `apply_reference` defines it. Rows no op names are not touched.
+//
+// The table (one forward's, `StepEdits`): ops (Q, 4) int64 [row, u, keep, put] (rows of bank (V, D) float32,
+// -1: absent). decode_layers (decode_layers.cpp) calls `apply_site` at a block's three sites and `read_site` after
+// it, with the whole table as its trailing argument [site_ptr, ops, bank, read_ptr, read_rows, read_out].
+#include "ops.h"
+
+namespace ls {
+
+// One pass per op row, serially: a site's work is a few rows of D values, far less than a parallel region costs to
+// open (and decode opens three sites per block).
+template <typename T>
+static void apply_impl(T* x, int64_t D, const int64_t* ops, int64_t Q, const float* bank) {
+  for (int64_t q = 0; q < Q; ++q) {
+    const int64_t* op = ops + 4 * q;
+    T* row = x + op[0] * D;
+    const float* uv = op[1] >= 0 ? bank + op[1] * D : nullptr;
+    const float* kv = op[2] >= 0 ? bank + op[2] * D : nullptr;
+    const float* pv = op[3] >= 0 ? bank + op[3] * D : nullptr;
+    double dot = 0.0;
+    if (uv)
+      for (int64_t d = 0; d < D; ++d) dot += static_cast<double>(to_f(row[d])) * static_cast<double>(uv[d]);
+    for (int64_t d = 0; d < D; ++d) {  // float32 throughout, rounded to the row's dtype once
+      float y = to_f(row[d]);
+      if (uv) y = static_cast<float>(static_cast<double>(y) - dot * static_cast<double>(uv[d]));
+      if (kv) y = y * kv[d];
+      if (pv) y = y + pv[d];
+      row[d] = from_f<T>(y);
+    }
+  }
+}
+
+void apply_edits(torch::Tensor& x, const torch::Tensor& ops, const torch::Tensor& bank) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "apply_edits: x (N, D) contiguous");
+  TORCH_CHECK(ops.dim() == 2 && ops.size(1) == 4 && ops.scalar_type() == at::kLong && ops.is_contiguous(),
+              "apply_edits: ops (Q, 4) int64");
+  TORCH_CHECK(bank.scalar_type() == at::kFloat && bank.is_contiguous() &&
+                  (bank.numel() == 0 || bank.size(1) == x.size(1)),
+              "apply_edits: bank (V, D) float32");
+  const int64_t Q = ops.size(0), D = x.size(1);
+  if (Q == 0) return;
+  if (x.scalar_type() == at::kFloat)
+    apply_impl<float>(x.data_ptr<float>(), D, ops.data_ptr<int64_t>(), Q, bank.data_ptr<float>());
+  else if (x.scalar_type() == at::kBFloat16)
+    apply_impl<bf16>(x.data_ptr<bf16>(), D, ops.data_ptr<int64_t>(), Q, bank.data_ptr<float>());
+  else
+    TORCH_CHECK(false, "apply_edits: float32 or bfloat16");
+}
+
+void apply_site(torch::Tensor& x, const std::vector<torch::Tensor>& edits, int64_t site) {
+  if (edits.empty()) return;
+  const int64_t* ptr = edits[0].data_ptr<int64_t>();
+  const int64_t a = ptr[site], b = ptr[site + 1];
+  if (a == b) return;
+  apply_edits(x, edits[1].narrow(0, a, b - a), edits[2]);
+}
+
+void read_site(const torch::Tensor& h, const std::vector<torch::Tensor>& edits, int64_t layer) {
+  if (edits.empty()) return;
+  const int64_t* ptr = edits[3].data_ptr<int64_t>();
+  const int64_t a = ptr[layer], b = ptr[layer + 1];
+  if (a == b) return;
+  const int64_t* rows = edits[4].data_ptr<int64_t>();
+  float* out = edits[5].data_ptr<float>();
+  const int64_t D = h.size(1);
+  for (int64_t i = a; i < b; ++i) {
+    if (h.scalar_type() == at::kFloat) {
+      const float* src = h.data_ptr<float>() + rows[i] * D;
+      std::copy(src, src + D, out + i * D);
+    } else {
+      const bf16* src = h.data_ptr<bf16>() + rows[i] * D;
+      for (int64_t d = 0; d < D; ++d) out[i * D + d] = to_f(src[d]);
+    }
+  }
+}
+
+}  // namespace ls

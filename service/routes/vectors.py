@@ -1,0 +1,93 @@
+"""POST /v1/vectors (a steering vector from contrastive prompt pairs), GET /v1/vectors, GET and DELETE
+/v1/vectors/{name}: the stored vectors interventions name (service/vectors.py).
+
+The block outputs are read by inspections (`include: ["hidden_states"]`) stepped on the engine thread between
+serving steps, one prompt at a time, over the serving weights.
+"""
+
+from __future__ import annotations
+
+import base64
+
+import numpy as np
+from fastapi import APIRouter, Depends, Request
+
+from model.probes import ProbeOptions
+from service.errors import APIError
+from service.routes.inspect import check_length, run_probe
+from service.schemas import VectorRequest
+from service.serving import Serving, serving
+from service.vectors import StoredVector, contrastive_mean
+
+router = APIRouter()
+
+
+def _with_data(v: StoredVector) -> dict:
+    """The summary and each block's direction as little-endian float32 in base64."""
+    data = {str(l): base64.b64encode(np.ascontiguousarray(t.numpy().astype("<f4")).tobytes()).decode("ascii")
+            for l, t in sorted(v.layers.items())}
+    return {**v.summary(), "dtype": "float32", "encoding": "base64", "data": data}
+
+
+def _found(state: Serving, name: str) -> StoredVector:
+    v = state.vectors.get(name)
+    if v is None:
+        raise APIError(404, f"no stored vector named {name!r}", param="name", code="vector_not_found")
+    return v
+
+
+@router.post("/v1/vectors")
+async def create_vector(req: VectorRequest, request: Request, state: Serving = Depends(serving)):
+    state.check_model(req.model)
+    c = state.config
+    if state.vectors.get(req.name) is not None:
+        raise APIError(409, f"a vector named {req.name!r} exists: DELETE /v1/vectors/{req.name} first", param="name",
+                       code="vector_exists")
+    if len(req.positive) != len(req.negative):
+        raise APIError(400, f"negative: give one negative prompt per positive one ({len(req.positive)}), got "
+                            f"{len(req.negative)}", param="negative", code="invalid_value")
+    bad = [l for l in req.layers if l >= c.n_layers]
+    if bad:
+        raise APIError(400, f"layers: {bad[0]} is out of range [0, {c.n_layers})", param="layers", code="invalid_value")
+    tok = state.tokenizer
+    sides = []
+    for side, texts in (("positive", req.positive), ("negative", req.negative)):
+        reps = []
+        for text in texts:
+            ids = tok.encode(text)
+            if not ids:
+                raise APIError(400, f"{side}: a prompt encodes to no tokens", param=side, code="empty_prompt")
+            check_length(state, len(ids), side)
+            T = len(ids)
+            opts = ProbeOptions(layers=list(req.layers), include=frozenset({"hidden_states"}),
+                                hidden_positions=[T - 1] if req.position == "last" else None)
+            result = (await run_probe(state, request, ids, opts)).result()
+            reps.append({p.layer: p.hidden.mean(0) for p in result.layers})  # (P, D) -> (D,)
+        sides.append(reps)
+    vector = StoredVector(req.name, contrastive_mean(sides[0], sides[1], req.normalize), "contrastive",
+                          details={"pairs": len(req.positive), "position": req.position, "normalize": req.normalize})
+    try:
+        state.vectors.add(vector)
+    except KeyError:
+        raise APIError(409, f"a vector named {req.name!r} exists: DELETE /v1/vectors/{req.name} first", param="name",
+                       code="vector_exists") from None
+    except OverflowError as e:
+        raise APIError(400, str(e), param="name", code="vector_store_full") from None
+    return _with_data(vector)
+
+
+@router.get("/v1/vectors")
+async def list_vectors(state: Serving = Depends(serving)):
+    return {"object": "list", "data": [v.summary() for v in state.vectors.list()]}
+
+
+@router.get("/v1/vectors/{name}")
+async def get_vector(name: str, state: Serving = Depends(serving)):
+    return _with_data(_found(state, name))
+
+
+@router.delete("/v1/vectors/{name}")
+async def delete_vector(name: str, state: Serving = Depends(serving)):
+    _found(state, name)
+    state.vectors.delete(name)
+    return {"object": "vector.deleted", "name": name, "deleted": True}
