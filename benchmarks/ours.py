@@ -11,7 +11,7 @@ import torch
 
 from benchmarks.agreement import StepLogprobs
 from benchmarks.measure import Clock, ConcurrentResult, StreamResult
-from model.engine import Engine, RequestOutput
+from model.engine import Engine, RequestOutput, TelemetryOptions
 from model.engine.sampling_params import SamplingParams
 
 WARM_UP_PROMPT_LENS = (24, 40)  # `warm_up`'s requests (benchmarks/gpu_sizing.py sizes engines for them too)
@@ -28,12 +28,16 @@ def _check(out: RequestOutput) -> None:
         raise RuntimeError(f"request {out.request_id} failed in the engine: {out.error}")
 
 
-def run_single(engine: Engine, prompt: list[int], max_tokens: int, clock: Clock) -> StreamResult:
-    """One request alone; a mark per step that produced its token (a partial prefill chunk produces none)."""
+def run_single(engine: Engine, prompt: list[int], max_tokens: int, clock: Clock,
+               telemetry: TelemetryOptions | None = None) -> StreamResult:
+    """One request alone; a mark per step that produced its token (a partial prefill chunk produces none).
+    `telemetry`: the request also asks for per-token attention telemetry (model/engine/telemetry.py)."""
     tokens: list[int] = []
     before = engine.stats().steps_by_path
+    params = greedy(max_tokens)
+    params.telemetry = telemetry
     clock.start()
-    engine.add_request("single", prompt, greedy(max_tokens))
+    engine.add_request("single", prompt, params)
     while engine.has_unfinished():
         outs = engine.step()
         for out in outs:

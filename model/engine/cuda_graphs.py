@@ -88,7 +88,9 @@ class CudaGraphs:
 
     def accepts(self, batch: StepBatch) -> bool:
         n = batch.meta.num_tokens
-        return batch.meta.pure_decode and 0 < n <= self.buckets[-1] and self._bucket(n) not in self.failed
+        # graphs are captured without attention telemetry: a step recording it runs the module path instead
+        return (batch.meta.pure_decode and batch.meta.telemetry is None and 0 < n <= self.buckets[-1]
+                and self._bucket(n) not in self.failed)
 
     def _bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from model.engine.context_shift import ContextShift
 from model.engine.cuda_graphs import CudaGraphs, DecodeGraphMode
 from model.engine.kv_cache_manager import KVCacheManager
 from model.engine.model_runner import ModelRunner, RunnerOutput
@@ -102,6 +103,7 @@ class Engine:
             config.max_num_seqs, self.max_model_len, config.decode_graphs, config.native_decode,
             scratch_block=num_blocks if graphs else None,
         )
+        self.context_shift = ContextShift(model, self.cache)  # windowed sequences' evictions (kv_window.py)
         self.output = OutputProcessor(tokenizer, model.device, self.max_model_len)
         self.requests: dict[str, Request] = {}
         self._next_seq_id = 0
@@ -125,12 +127,14 @@ class Engine:
         if any(not 0 <= t < V for t in prompt_token_ids):
             raise ValueError(f"prompt token ids must be in [0, {V})")
         params.validate(V, self.config.max_logprobs)
+        self._check_extensions(params)
         P, total = len(prompt_token_ids), len(prompt_token_ids) + params.max_tokens
-        if total > self.max_model_len:
+        if total > self.max_model_len and params.kv_window is None:  # a window's cache stays within the context
             raise ValueError(
                 f"prompt ({P} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds the context length of {self.max_model_len}"
             )
-        share_prefix = params.n > 1 and self.config.enable_prefix_caching
+        # n > 1 choices share the first one's cached prompt blocks; windowed choices own theirs (kv_cache_manager.py)
+        share_prefix = params.n > 1 and self.config.enable_prefix_caching and params.kv_window is None
         self.scheduler.check_capacity(1 if share_prefix else params.n)
         req = Request(request_id, list(prompt_token_ids), params)
         for i in range(params.n):
@@ -146,6 +150,19 @@ class Engine:
             else:
                 self.scheduler.add(seq)
         return req
+
+    def _check_extensions(self, params: SamplingParams) -> None:
+        """ValueError for a kv_window or telemetry this engine cannot serve."""
+        w = params.kv_window
+        if w is not None:
+            if self.distributed:
+                raise ValueError("kv_window is not supported with tensor parallelism")
+            need = w.max_cache_tokens(self.config.block_size)
+            if need > self.max_model_len:
+                raise ValueError(f"kv_window: sink_tokens ({w.sink_tokens}) + window ({w.window}) + block_size "
+                                 f"({self.config.block_size}) = {need} exceeds the context length of {self.max_model_len}")
+        if params.telemetry is not None and self.distributed:
+            raise ValueError("attention telemetry is not supported with tensor parallelism")
 
     def abort(self, request_id: str) -> list[RequestOutput]:
         """Cancel a request at any moment; its blocks return to the pool at once."""
@@ -195,6 +212,9 @@ class Engine:
             for s in sched.scheduled:
                 s.seq.num_computed_tokens += s.num_new_tokens
                 self.kv.commit(s.seq)
+                eviction = self.kv.evict(s.seq)  # a windowed sequence slid past a block: give it back
+                if eviction is not None:
+                    self.context_shift.apply(eviction)
             self._update(result, outs)
             return outs
         except Exception as e:  # a failing step fails its own requests; the engine keeps serving the rest
@@ -216,6 +236,7 @@ class Engine:
             self.output.add_prompt_logprobs(seq, logprobs)
         for seq, token, lp in result.sampled:
             out, finish = self.output.append(seq, token, lp)
+            out.telemetry = result.telemetry.get(seq)
             if finish is not None:
                 self._finish(seq, finish.reason, finish.stop_reason)
                 out.finish_reason, out.stop_reason = seq.finish_reason.value, seq.stop_reason

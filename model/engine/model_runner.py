@@ -14,6 +14,7 @@ The model is a function (tokens, positions, attention context) -> logits and kno
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections import Counter
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ from model.engine.paged_cache import PagedKVCache
 from model.engine.request import Sequence
 from model.engine.sampler import Sampler, SamplingRow, TokenLogprobs, prompt_logprobs
 from model.engine.scheduler import ScheduledSeq
+from model.engine.telemetry import TokenTelemetry, step_telemetry
 
 log = logging.getLogger("llamascope.engine")
 
@@ -41,6 +43,7 @@ class RunnerOutput:
     path: str
     sampled: list[tuple[Sequence, int, TokenLogprobs | None]] = field(default_factory=list)
     prompt_logprobs: list[tuple[Sequence, list[TokenLogprobs]]] = field(default_factory=list)
+    telemetry: dict[Sequence, TokenTelemetry] = field(default_factory=dict)  # the sampled tokens that asked for it
 
 
 class ModelRunner:
@@ -63,10 +66,13 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSeq]) -> RunnerOutput:
         batch = self.buffers.prepare(scheduled, _prompt_positions)
+        tel = step_telemetry(scheduled, batch.slices, batch.sample, self.model, self.cache.device)
+        batch.meta.telemetry = tel  # None unless a sampled sequence asked: then nothing below changes
         path = self._choose(batch)
-        logits = self._forward(path, batch).float()  # (M, V): the batch's logits rows
+        with tel.hidden_hooks(self.model) if tel is not None and path == "module" else contextlib.nullcontext():
+            logits = self._forward(path, batch).float()  # (M, V): the batch's logits rows
         self.path_counts[path] += 1
-        out = RunnerOutput(path)
+        out = RunnerOutput(path, telemetry=tel.results() if tel is not None else {})
         for p in batch.prompt_logprobs:
             targets = torch.tensor(p.seq.prompt_token_ids[p.first + 1 : p.first + 1 + p.count], device=logits.device)
             out.prompt_logprobs.append(

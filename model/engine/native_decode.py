@@ -69,5 +69,6 @@ class NativeDecode:
         h = kernels.native().decode_layers(
             h[0], self.layers, self.eps, cos.view(-1, E), sin.view(-1, E), cache.k, cache.v, meta.slot_mapping,
             meta.decode_rows, meta.decode_tables, meta.decode_lens, self.H, self.K, E,
+            meta.telemetry.native_args() if meta.telemetry is not None else [],
         )  # (N, D)
         return m.head(h[None], batch.logits_rows)[0]  # (M, V)

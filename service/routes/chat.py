@@ -37,7 +37,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request, state: 
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs requires logprobs: true", param="top_logprobs", code="invalid_value")
     params = to_sampling_params(req, state.settings, req.max_completion_tokens or req.max_tokens, top, None,
-                                default_max_tokens=max(1, max_len - len(prompt)))
+                                default_max_tokens=max(1, max_len - len(prompt)), max_model_len=max_len)
     stats = RunStats("chat")
     tok = state.tokenizer
     created, rid, model = now(), f"chatcmpl-{stats.request_id}", state.model_name
