@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from model.engine import AsyncEngine
-from model.engine import Engine, EngineConfig
+from model.engine import Engine, EngineConfig, KVWindow
 from model.loaders import LoadedModel, load_model
 from model.parallel import TPModel, launch
 from model.dtypes import DTYPES
@@ -72,7 +72,10 @@ class ServingState:
                 max_model_len=s.max_model_len, enable_prefix_caching=s.enable_prefix_caching, max_logprobs=s.max_logprobs,
                 decode_graphs="off" if s.enforce_eager else "auto",
             )
-            engine = AsyncEngine(Engine(loaded.model, loaded.tokenizer, config))
+            core = Engine(loaded.model, loaded.tokenizer, config)
+            if s.kv_window is not None:  # the default window must fit this engine: refuse to start, not every request
+                core.check_window(KVWindow(s.sink_tokens, s.kv_window))
+            engine = AsyncEngine(core)
             engine.step_hooks.append(self.metrics.on_step)
             engine.on_dead = self._engine_died
             engine.start()

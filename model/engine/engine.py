@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from model.engine.context_shift import ContextShift
 from model.engine.cuda_graphs import CudaGraphs, DecodeGraphMode
 from model.engine.kv_cache_manager import KVCacheManager
+from model.engine.kv_window import KVWindow
 from model.engine.model_runner import ModelRunner, RunnerOutput
 from model.engine.output_processor import OutputProcessor, RequestOutput
 from model.engine.paged_cache import PagedKVCache, kv_config
@@ -151,16 +152,19 @@ class Engine:
                 self.scheduler.add(seq)
         return req
 
+    def check_window(self, w: KVWindow) -> None:
+        """ValueError unless this engine can serve a sink + window cache of this size."""
+        if self.distributed:  # the ranks' caches would need every eviction too
+            raise ValueError("kv_window is not supported with tensor parallelism")
+        need = w.max_cache_tokens(self.config.block_size)
+        if need > self.max_model_len:
+            raise ValueError(f"kv_window: sink_tokens ({w.sink_tokens}) + window ({w.window}) + block_size "
+                             f"({self.config.block_size}) = {need} exceeds the context length of {self.max_model_len}")
+
     def _check_extensions(self, params: SamplingParams) -> None:
         """ValueError for a kv_window or telemetry this engine cannot serve."""
-        w = params.kv_window
-        if w is not None:
-            if self.distributed:
-                raise ValueError("kv_window is not supported with tensor parallelism")
-            need = w.max_cache_tokens(self.config.block_size)
-            if need > self.max_model_len:
-                raise ValueError(f"kv_window: sink_tokens ({w.sink_tokens}) + window ({w.window}) + block_size "
-                                 f"({self.config.block_size}) = {need} exceeds the context length of {self.max_model_len}")
+        if params.kv_window is not None:
+            self.check_window(params.kv_window)
         if params.telemetry is not None and self.distributed:
             raise ValueError("attention telemetry is not supported with tensor parallelism")
 

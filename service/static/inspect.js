@@ -326,7 +326,7 @@ function addLiveToken(text, tel) {
 
 function drawLive() {
   const canvas = $("live-sinks"), ctx = canvas.getContext("2d"), L = Math.max(1, live.layers);
-  const pad = { l: 46, t: 4, b: 18 }, n = Math.max(live.tokens.length, 32);
+  const pad = { l: 60, t: 4, b: 18 }, n = Math.max(live.tokens.length, 32);
   const cw = Math.max(1, Math.floor((canvas.width - pad.l) / n)), ch = Math.max(2, Math.floor((canvas.height - pad.t - pad.b) / L));
   ctx.fillStyle = "#fff";
   ctx.fillRect(0, 0, canvas.width, canvas.height);
