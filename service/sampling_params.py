@@ -48,4 +48,7 @@ def to_sampling_params(req: SamplingFields, settings: Settings, max_tokens: int 
         logprobs=logprobs, prompt_logprobs=prompt_logprobs, skip_special_tokens=req.skip_special_tokens,
         kv_window=kv_window(req, settings, max_model_len), telemetry=telemetry,
     )
+    if params.kv_window is not None and params.max_tokens > settings.max_window_tokens:
+        raise APIError(400, f"max_tokens must be at most {settings.max_window_tokens} with a kv_window "
+                            f"(--max-window-tokens), got {params.max_tokens}", param="max_tokens", code="invalid_value")
     return params

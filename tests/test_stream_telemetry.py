@@ -116,6 +116,8 @@ def test_server_default_window(tmp_path):
         r = httpx.post(live.url + "/v1/completions", json={"prompt": "abc", "max_tokens": 200, "kv_window": {
             "sink_tokens": 0, "window": 60}}, timeout=120)
         assert r.status_code == 400 and r.json()["error"]["param"] == "kv_window"  # 0 + 60 + 16 > 64
+        r = httpx.post(live.url + "/v1/completions", json={"prompt": "abc", "max_tokens": (1 << 17) + 1}, timeout=120)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"  # --max-window-tokens
     too_big = Settings(max_model_len=64, block_size=16, kv_window=60)
     with LiveServer(create_app(too_big, loaded=loaded, wait_ready=True), ready_path="/inspect/ui") as live:  # a page that needs no model
         r = httpx.get(live.url + "/health", timeout=10)

@@ -36,8 +36,7 @@ def _pools(lens: list[int], H: int, K: int, E: int, bs: int, dtype, seed: int = 
     return q, k_pool, v_pool, torch.tensor([t + [0] * (width - len(t)) for t in tables]), torch.tensor(lens)
 
 
-def _telemetry(R: int, slots: list[int], sink_len: list[int], L_H_k: tuple[int, int]) -> AttentionTelemetry:
-    H, k = L_H_k
+def _telemetry(slots: list[int], sink_len: list[int], H: int, k: int) -> AttentionTelemetry:
     Rt = len(sink_len)
     return AttentionTelemetry(torch.tensor(slots), torch.tensor(sink_len), torch.full((Rt, H), -1.0),
                               torch.full((Rt, H, k), -7, dtype=torch.long), torch.full((Rt, H, k), -1.0))
@@ -53,7 +52,7 @@ def test_native_kernel_records_the_definition(dtype):
     q, kp, vp, tables, lens_t = _pools(lens, H, K, E, bs, dtype)
     rows = torch.tensor([4, 0, 2, 1, 3])
     slots, sink_len = [0, 1, -1, 2, 3], [1, 4, 0, 1]
-    got, want = _telemetry(5, slots, sink_len, (H, k)), _telemetry(5, slots, sink_len, (H, k))
+    got, want = _telemetry(slots, sink_len, H, k), _telemetry(slots, sink_len, H, k)
     out_plain, out_tel = torch.zeros(6, H, E, dtype=dtype), torch.zeros(6, H, E, dtype=dtype)
     native = kernels.native()
     native.paged_decode_attention(q, kp, vp, rows, tables, lens_t, out_plain)
@@ -78,7 +77,7 @@ def test_native_kernel_breaks_ties_toward_the_earlier_key():
     kp[1, :, 0, 0] = torch.tensor([2.0, 0.1, 2.0, 1.0])
     q = torch.ones(1, H, E)
     lens, tables, rows = torch.tensor([8]), torch.tensor([[0, 1]]), torch.tensor([0])
-    got = _telemetry(1, [0], [1], (H, 4))
+    got = _telemetry([0], [1], H, 4)
     kernels.native().paged_decode_attention_telemetry(q, kp, kp.clone(), rows, tables, lens, torch.zeros(1, H, E), *got)
     assert got.top_pos[0, 0].tolist() == [1, 2, 4, 6]
 

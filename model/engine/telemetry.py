@@ -32,7 +32,9 @@ from model.kernels import ops
 from model.kernels.attention_telemetry import AttentionTelemetry
 
 if TYPE_CHECKING:
+    from model.engine.paged_cache import SeqSlice
     from model.engine.request import Sequence
+    from model.engine.scheduler import ScheduledSeq
 
 MAX_TOP_K = 32
 
@@ -149,7 +151,7 @@ class StepTelemetry:
         rows = self.rows
         # cache positions -> token positions: a windowed sequence's keys past its sinks sit num_evicted lower
         evicted = torch.tensor([r.seq.num_evicted for r in rows]).view(1, -1, 1, 1)
-        first = torch.tensor([(_sinks(r.seq) if r.seq.window is not None else 0) for r in rows]).view(1, -1, 1, 1)
+        first = torch.tensor([r.seq.window.sink_tokens if r.seq.window is not None else 0 for r in rows]).view(1, -1, 1, 1)
         pos = self.top_pos.cpu()
         pos = torch.where(pos >= first, pos + evicted, pos)  # -1 stays -1
         h = self.hidden.float().cpu()  # (L, Rt, D)
@@ -174,16 +176,13 @@ class StepTelemetry:
         return out
 
 
-def _sinks(seq: Sequence) -> int:
-    return seq.window.sink_tokens
-
-
 def _sink_tokens(seq: Sequence) -> int:
     """Keys counted as sinks: a kv_window's sink tokens, else token 0 (Xiao et al.'s sink, /inspect's sink_mass)."""
-    return _sinks(seq) if seq.window is not None else 1
+    return seq.window.sink_tokens if seq.window is not None else 1
 
 
-def step_telemetry(scheduled, slices, sample, model: torch.nn.Module, device: torch.device) -> StepTelemetry | None:
+def step_telemetry(scheduled: list[ScheduledSeq], slices: list[SeqSlice], sample: list[tuple[Sequence, int]],
+                   model: torch.nn.Module, device: torch.device) -> StepTelemetry | None:
     """The step's telemetry, or None when no sampled sequence asked for it. `scheduled` and `slices` in step order,
     `sample` the (sequence, logits row) pairs sampled this step."""
     asking = {id(seq) for seq, _ in sample if seq.request.params.telemetry is not None}
