@@ -1,7 +1,8 @@
 """The sink + window KV cache over HTTP (StreamingLLM, Xiao et al. 2024), on the default model in float32.
 
     .venv/bin/python -m benchmarks.streaming [--text /usr/share/common-licenses/GPL-3] [--tokens 4096]
-                                             [--windows 256 1024] [--sinks 4] [--generate 2048] [--quick]
+                                             [--windows 256 1024] [--sinks 4] [--generate 2048]
+                                             [--generate-sinks 4 0] [--quick]
 
 1. Perplexity of a long real text (Debian's base-files installs the GPL-3 at /usr/share/common-licenses/GPL-3 on
    every Debian system, about 8,000 tokens with the default tokenizer), scored by the server itself: one
@@ -10,8 +11,9 @@
    Perplexity = exp(mean NLL of tokens 1..N-1).
 2. Generation past the context: a server started with `--max-model-len 512` generates `--generate` tokens (4x the
    context) after a 64-token prompt, sampling at temperature 1 (seed 0, EOS ignored) with a window of 256 and 4
-   sinks, then again without sinks; the rolling perplexity of the sampled tokens (exp of their mean NLL under the
-   model, per 256 tokens) shows whether the model stays on its feet once the context has rolled over many times.
+   sinks, then again without sinks (`--generate-sinks`); the rolling perplexity of the sampled tokens (exp of their
+   mean NLL under the model, per 256 tokens) shows whether the model stays on its feet once the context has rolled
+   over many times.
 
 Each part runs its own server (`python -m service`, benchmarks/load.py's ServedProcess) on a free loopback port;
 the machine, its load average before and after, and every number go to benchmarks/results/streaming.json.
@@ -36,6 +38,9 @@ from benchmarks.machine import machine_info
 RESULTS = Path(__file__).resolve().parent / "results" / "streaming.json"
 GPL3 = Path("/usr/share/common-licenses/GPL-3")
 SERVER = ["--quantization", "none", "--dtype", "float32", "--block-size", "16", "--max-num-batched-tokens", "512"]
+# On a shared, oversubscribed machine spinning OpenMP barriers make a step take seconds (bench_decode says the same);
+# the servers run with passive waits unless the caller set the variable.
+SERVER_ENV = {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
 
 
 def _progress(msg: str) -> None:
@@ -83,9 +88,10 @@ def run(args: argparse.Namespace) -> dict:
     out: dict = {"schema": 1, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                  "command": " ".join(["python -m benchmarks.streaming", *args.argv]),
                  "machine": machine_info("cpu", os.cpu_count()), "load_avg_before": _load(),
-                 "model": "default (SmolLM2-135M-Instruct Q4_1 GGUF, dequantized to float32)", "server": SERVER}
+                 "model": "default (SmolLM2-135M-Instruct Q4_1 GGUF, dequantized to float32)", "server": SERVER,
+                 "server_env": SERVER_ENV}
     _progress(f"perplexity server (logs in {logs})")
-    server = ServedProcess(SERVER, logs / "perplexity.log")
+    server = ServedProcess(SERVER, logs / "perplexity.log", SERVER_ENV)
     try:
         ids = _tokenize(server.url, args.text.read_text())[: args.tokens]
         out["text"] = {"path": str(args.text), "tokens": len(ids)}
@@ -107,11 +113,11 @@ def run(args: argparse.Namespace) -> dict:
         res["vs_full"] = res["perplexity"] / full
     if args.generate:
         _progress("generation server: --max-model-len 512")
-        server = ServedProcess(SERVER + ["--max-model-len", "512"], logs / "generate.log")
+        server = ServedProcess(SERVER + ["--max-model-len", "512"], logs / "generate.log", SERVER_ENV)
         try:
             prompt = _tokenize(server.url, args.text.read_text())[:64]
             out["generation"] = {"max_model_len": 512, "prompt_tokens": len(prompt), "runs": []}
-            for window in ({"sink_tokens": args.sinks, "window": 256}, {"sink_tokens": 0, "window": 256}):
+            for window in [{"sink_tokens": s, "window": 256} for s in args.generate_sinks]:
                 _progress(f"generating {args.generate} tokens with {window} (load {_load()})")
                 res = generate(server.url, prompt, args.generate, window, 256)
                 out["generation"]["runs"].append(res)
@@ -146,10 +152,14 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--windows", type=int, nargs="+", default=[256, 1024])
     p.add_argument("--sinks", type=int, default=4)
     p.add_argument("--generate", type=int, default=2048, help="tokens generated past a 512 context (0: skip)")
+    p.add_argument("--generate-sinks", type=int, nargs="+", default=None,
+                   help="the sink counts generated with (default: --sinks, then 0, the paper's control)")
     p.add_argument("--quick", action="store_true", help="512 tokens, window 128, 256 generated: a smoke test")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
+    if args.generate_sinks is None:
+        args.generate_sinks = [args.sinks, 0]
     if args.quick:
         args.tokens, args.windows, args.generate = 512, [128], 256
     results = run(args)
