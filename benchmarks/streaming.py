@@ -13,7 +13,8 @@
    context) after a 64-token prompt, sampling at temperature 1 (seed 0, EOS ignored) with a window of 256 and 4
    sinks, then again without sinks (`--generate-sinks`); the rolling perplexity of the sampled tokens (exp of their
    mean NLL under the model, per 256 tokens) shows whether the model stays on its feet once the context has rolled
-   over many times.
+   over many times. The same server then scores the text of part 1 (4x its context and more) with and without
+   sinks, per 256 tokens: the paper's figure 3, a rolling perplexity that stays flat with sinks.
 
 Each part runs its own server (`python -m service`, benchmarks/load.py's ServedProcess) on a free loopback port;
 the machine, its load average before and after, and every number go to benchmarks/results/streaming.json.
@@ -57,8 +58,14 @@ def _tokenize(url: str, text: str) -> list[int]:
     return r.json()["tokens"]
 
 
-def perplexity(url: str, ids: list[int], window: dict | None) -> dict:
-    """The server's own scoring of `ids` (echo + logprobs), under `window` (a kv_window object) or full attention."""
+def _rolling(lps: list[float], every: int) -> list[float]:
+    """exp(mean NLL) of each run of `every` logprobs: perplexity as the sequence goes on."""
+    return [math.exp(-sum(lps[i : i + every]) / len(lps[i : i + every])) for i in range(0, len(lps), every)]
+
+
+def perplexity(url: str, ids: list[int], window: dict | None, every: int = 256) -> dict:
+    """The server's own scoring of `ids` (echo + logprobs), under `window` (a kv_window object) or full attention;
+    also per `every` tokens (the first entry covers tokens 1..every-1)."""
     body = {"prompt": ids, "max_tokens": 1, "echo": True, "logprobs": 0, "temperature": 0.0}
     if window is not None:
         body["kv_window"] = window
@@ -67,7 +74,8 @@ def perplexity(url: str, ids: list[int], window: dict | None) -> dict:
     r.raise_for_status()
     lps = r.json()["choices"][0]["logprobs"]["token_logprobs"][1 : len(ids)]  # the prompt's tokens 1..N-1
     nll = -sum(lps) / len(lps)
-    return {"kv_window": window, "nll": nll, "perplexity": math.exp(nll), "seconds": time.perf_counter() - t0}
+    return {"kv_window": window, "nll": nll, "perplexity": math.exp(nll), "rolling_every": every,
+            "rolling_perplexity": _rolling(lps, every), "seconds": time.perf_counter() - t0}
 
 
 def generate(url: str, prompt: list[int], n: int, window: dict, every: int) -> dict:
@@ -78,7 +86,7 @@ def generate(url: str, prompt: list[int], n: int, window: dict, every: int) -> d
     r.raise_for_status()
     choice = r.json()["choices"][0]
     lps = choice["logprobs"]["token_logprobs"]
-    rolling = [math.exp(-sum(lps[i : i + every]) / len(lps[i : i + every])) for i in range(0, len(lps), every)]
+    rolling = _rolling(lps, every)
     return {"kv_window": window, "tokens": len(lps), "finish_reason": choice["finish_reason"], "rolling_every": every,
             "rolling_perplexity": rolling, "seconds": time.perf_counter() - t0}
 
@@ -122,6 +130,13 @@ def run(args: argparse.Namespace) -> dict:
                 res = generate(server.url, prompt, args.generate, window, 256)
                 out["generation"]["runs"].append(res)
                 _progress("  rolling perplexity " + " ".join(f"{x:.1f}" for x in res["rolling_perplexity"]))
+            # the text itself past the 512-token context: its prompt logprobs under the window, per 256 tokens
+            out["generation"]["text"] = []
+            for window in ({"sink_tokens": args.sinks, "window": 256}, {"sink_tokens": 0, "window": 256}):
+                _progress(f"scoring {len(ids)} tokens of the text with {window} (load {_load()})")
+                res = perplexity(server.url, ids, window)
+                out["generation"]["text"].append(res)
+                _progress("  rolling perplexity " + " ".join(f"{x:.1f}" for x in res["rolling_perplexity"]))
         finally:
             server.stop()
     out["load_avg_after"] = _load()
@@ -142,6 +157,11 @@ def print_report(r: dict) -> None:
         for e in g["runs"]:
             w = e["kv_window"]
             print(f"  window {w['window']}, {w['sink_tokens']} sinks: {e['tokens']} tokens, finish {e['finish_reason']}: "
+                  + " ".join(f"{x:.1f}" for x in e["rolling_perplexity"]))
+        print(f"the text's {r['text']['tokens']} tokens scored on the same server (echo + logprobs), per 256 tokens:")
+        for e in g.get("text", []):
+            w = e["kv_window"]
+            print(f"  window {w['window']}, {w['sink_tokens']} sinks: {e['perplexity']:.3f} overall: "
                   + " ".join(f"{x:.1f}" for x in e["rolling_perplexity"]))
 
 

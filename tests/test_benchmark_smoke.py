@@ -112,6 +112,10 @@ def test_quick_streaming_benchmark(tmp_path):
     runs = r["generation"]["runs"]
     assert [g["tokens"] for g in runs] == [256, 256] and all(g["finish_reason"] == "length" for g in runs)
     assert r["generation"]["max_model_len"] == 512 and len(runs[0]["rolling_perplexity"]) == 1
+    # the text scored on the 512-context server, with and without sinks, per 256 tokens (511 logprobs: 2 entries)
+    text = r["generation"]["text"]
+    assert [e["kv_window"]["sink_tokens"] for e in text] == [4, 0]
+    assert all(len(e["rolling_perplexity"]) == 2 and e["perplexity"] > 0 for e in text)
 
 
 def test_kernel_rows_crossover_prints_both_paths():
