@@ -1,7 +1,7 @@
 """Single-stream decode per dtype / weight quantization against the memory-bandwidth limit, peers in the same run.
 
     .venv/bin/python -m benchmarks.bench_decode [--settings float32 bfloat16 int8 int4] [--threads N] [--rounds 3]
-                                                [--new-tokens 64] [--skip-hf] [--skip-llama-cpp] [--quick]
+                                                [--new-tokens 64] [--skip-hf] [--skip-llama-cpp] [--telemetry] [--quick]
                                                 [--interventions]
 
 Decode of one token reads every weight once, so `weight bytes per token / read bandwidth` bounds it. Per setting:
@@ -10,6 +10,8 @@ Decode of one token reads every weight once, so `weight bytes per token / read b
   (`ceilings.time_matmuls`): the decode step's time without attention, norms, sampling or scheduling;
 - the bandwidth ceiling: weight bytes per token (what the kernels read) / the machine's read bandwidth, measured
   in every round (`ceilings.read_bandwidth`), and the percentage of it each side reaches.
+With --telemetry, each llamascope setting also decodes the same request with per-token attention telemetry
+(`inspect: {"stream": true}`), in the same rounds, and reports on / off.
 Peers on the same GGUF: HF transformers (float32, a greedy forward loop) and llama.cpp (`llama-cpp-python`, when
 installed; it reads the file's own Q4_1 blocks). All sides run in rounds, interleaved, and each figure is the
 median over rounds: on a shared machine a load spike then hits one round of every side, not all of one side.
@@ -36,6 +38,7 @@ from benchmarks import ceilings, hf_peer, ours
 from benchmarks.machine import machine_info
 from benchmarks.measure import Clock, StreamResult
 from benchmarks.workload import SETTINGS, WorkloadSizes, make_workload
+from model.engine import TelemetryOptions
 
 RESULTS = Path(__file__).resolve().parent / "results" / "cpu-decode.json"
 
@@ -63,8 +66,9 @@ class OursSide:
         self.weight_bytes = ceilings.weight_bytes_per_token(self.lm.model)
         ours.warm_up(self.engine, self.lm.model.config.vocab_size)
 
-    def decode(self, new_tokens: int) -> StreamResult:
-        return ours.run_single(self.engine, self.prompt, new_tokens, Clock("cpu"))
+    def decode(self, new_tokens: int, telemetry: bool = False) -> StreamResult:
+        return ours.run_single(self.engine, self.prompt, new_tokens, Clock("cpu"),
+                               telemetry=TelemetryOptions() if telemetry else None)
 
     def matmul_s(self, reps: int) -> float:
         return ceilings.time_matmuls(self.lm.model, 1, reps)
@@ -151,18 +155,30 @@ def run(args: argparse.Namespace) -> dict:
         except ImportError:
             _progress("llama-cpp-python is not installed: no llama.cpp peer (pip install llama-cpp-python)")
     bandwidth: list[float] = []
-    per: dict[str, dict[str, list]] = {s.name: {"decode_tok_s": [], "matmul_s": []} for s in sides}
+    per: dict[str, dict[str, list]] = {s.name: {"decode_tok_s": [], "matmul_s": [], "telemetry_tok_s": []} for s in sides}
     tokens: dict[str, list[int]] = {}
     last_paths: dict[str, dict | None] = {}
+    same_with_telemetry: dict[str, bool] = {}
     for r in range(args.rounds):
         _progress(f"round {r + 1}/{args.rounds} (load {_load_avg()})")
         bandwidth.append(ceilings.read_bandwidth(mb=args.bandwidth_mb))
         for s in sides if r % 2 == 0 else sides[::-1]:  # the order alternates: a drifting load weighs on all sides
+            ours_side = isinstance(s, OursSide)
+            # --telemetry: the same request with per-token attention telemetry, right before or after the plain one
+            # (alternating by round, so neither order is favoured by a drifting load)
+            first_tel = ours_side and args.telemetry and r % 2 == 1
+            if first_tel:
+                tel = s.decode(args.new_tokens, telemetry=True)
             res = s.decode(args.new_tokens)
+            if ours_side and args.telemetry and not first_tel:
+                tel = s.decode(args.new_tokens, telemetry=True)
+            if ours_side and args.telemetry:
+                per[s.name]["telemetry_tok_s"].append(tel.decode_tok_s)
+                same_with_telemetry[s.name] = same_with_telemetry.get(s.name, True) and tel.token_ids == res.token_ids
             per[s.name]["decode_tok_s"].append(res.decode_tok_s)
             tokens[s.name] = res.token_ids
             last_paths[s.name] = getattr(res, "steps_by_path", None)
-            if isinstance(s, OursSide):
+            if ours_side:
                 per[s.name]["matmul_s"].append(s.matmul_s(args.matmul_reps))
     bw = _median(bandwidth)
     out: dict = {}
@@ -172,6 +188,14 @@ def run(args: argparse.Namespace) -> dict:
         e = {"decode_tok_s": tok_s, "decode_tok_s_rounds": per[s.name]["decode_tok_s"],
              "weight_bytes_per_token": s.weight_bytes, "bandwidth_ceiling_tok_s": ceiling,
              "pct_of_bandwidth_ceiling": 100 * tok_s / ceiling}
+        if per[s.name]["telemetry_tok_s"]:
+            t = per[s.name]["telemetry_tok_s"]
+            e.update(telemetry_decode_tok_s=_median(t), telemetry_decode_tok_s_rounds=t,
+                     telemetry_over_plain=_median(t) / tok_s, telemetry_same_tokens=same_with_telemetry[s.name],
+                     # each round's on / off pair ran back to back: their ratio sees the same load
+                     telemetry_over_plain_rounds=[a / b for a, b in zip(t, per[s.name]["decode_tok_s"])],
+                     # a neighbour's load only ever slows a side: the fastest rounds are the least disturbed
+                     telemetry_best_over_plain_best=max(t) / max(per[s.name]["decode_tok_s"]))
         if per[s.name]["matmul_s"]:
             mm = _median(per[s.name]["matmul_s"])
             e.update(matmul_only_ms=mm * 1e3, matmul_only_tok_s=1 / mm, matmul_read_gb_s=s.weight_bytes / mm / 1e9,
@@ -227,6 +251,15 @@ def print_report(r: dict) -> None:
               f"{e['bandwidth_ceiling_tok_s']:>8.1f} {e['pct_of_bandwidth_ceiling']:>6.1f}% {mm} {vs}")
     if r.get("same_tokens_as_float32"):
         print(f"\ngreedy tokens equal to float32's: {r['same_tokens_as_float32']}")
+    tel = {n: e for n, e in r["sides"].items() if "telemetry_decode_tok_s" in e}
+    if tel:
+        print(f"\nwith attention telemetry (inspect.stream), same rounds:\n{'side':<12} {'off tok/s':>9} {'on tok/s':>9} "
+              f"{'on/off':>7} {'same tokens':>12}  per round (on / off, back to back)")
+        for name, e in tel.items():
+            print(f"{name:<12} {e['decode_tok_s']:>9.1f} {e['telemetry_decode_tok_s']:>9.1f} "
+                  f"{e['telemetry_over_plain']:>6.3f}x {str(e['telemetry_same_tokens']):>12}  "
+                  + " ".join(f"{x:.3f}" for x in e["telemetry_over_plain_rounds"])
+                  + f"  (best on / best off {e['telemetry_best_over_plain_best']:.3f}x)")
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -244,6 +277,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--interventions", action="store_true",
                    help="also decode with one `add` on every block's output, same engine, same rounds (the cost of "
                         "interventions on the native path)")
+    p.add_argument("--telemetry", action="store_true",
+                   help="also decode each llamascope setting with per-token attention telemetry on, in the same rounds")
     p.add_argument("--quick", action="store_true", help="1 round, 8 new tokens, 16-token prompt: a smoke test")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)

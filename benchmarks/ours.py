@@ -11,7 +11,7 @@ import torch
 
 from benchmarks.agreement import StepLogprobs
 from benchmarks.measure import Clock, ConcurrentResult, StreamResult
-from model.engine import Engine, RequestOutput
+from model.engine import Engine, RequestOutput, TelemetryOptions
 from model.engine.sampling_params import SamplingParams
 from model.interventions import Intervention
 
@@ -30,13 +30,17 @@ def _check(out: RequestOutput) -> None:
 
 
 def run_single(engine: Engine, prompt: list[int], max_tokens: int, clock: Clock,
-               interventions: list[Intervention] | None = None) -> StreamResult:
+               interventions: list[Intervention] | None = None,
+               telemetry: TelemetryOptions | None = None) -> StreamResult:
     """One request alone (with `interventions`, if any); a mark per step that produced its token (a partial
-    prefill chunk produces none)."""
+    prefill chunk produces none). `telemetry`: the request also asks for per-token attention telemetry
+    (model/engine/telemetry.py)."""
     tokens: list[int] = []
     before = engine.stats().steps_by_path
+    params = greedy(max_tokens)
+    params.telemetry = telemetry
     clock.start()
-    engine.add_request("single", prompt, greedy(max_tokens), interventions)
+    engine.add_request("single", prompt, params, interventions)
     while engine.has_unfinished():
         outs = engine.step()
         for out in outs:

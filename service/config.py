@@ -36,6 +36,14 @@ class Settings(BaseSettings):
     max_model_len: int | None = Field(None, description="context limit: prompt + max_tokens",
                                       json_schema_extra={"shown_default": "the model's context, clamped to what the KV pool holds"})
     enable_prefix_caching: bool = Field(True, description="share KV blocks of equal prompt prefixes")
+    kv_window: int | None = Field(
+        None, ge=1, description="default sink + window KV cache (StreamingLLM): keep the first --sink-tokens tokens and "
+        "the most recent KV_WINDOW, so generation runs past the context; a request's `kv_window` overrides it",
+        json_schema_extra={"shown_default": "none (every token stays cached)"})
+    sink_tokens: int = Field(4, ge=0, description="sink tokens kept by --kv-window")
+    max_window_tokens: int = Field(
+        1 << 17, ge=1, description="largest max_tokens of a request with a kv_window: its cache stays bounded, its "
+        "run time does not")
     enforce_eager: bool = Field(False, description="never capture decode steps as CUDA graphs, as CUDA otherwise does")
     api_key: SecretStr | None = Field(
         None, description="require `Authorization: Bearer <key>` on every endpoint but /health, the viewer page and, "

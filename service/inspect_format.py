@@ -14,6 +14,7 @@ from dataclasses import replace
 
 import numpy as np
 
+from model.engine import TokenTelemetry
 from model.probes import ActivationEntry, AttentionMaps, ProbeOptions, ProbeResult, estimate_map_elements
 from model.text import IncrementalDetokenizer
 from model.text import Tokenizer
@@ -185,3 +186,23 @@ def dumps_with_size(body: dict) -> bytes:
             break
         body["usage"]["response_bytes"] = len(data)
     return data
+
+
+def token_telemetry(t: TokenTelemetry) -> dict:
+    """One streamed token's `inspect` (model/engine/telemetry.py): per layer, the query's attention mass on the sink
+    tokens (mean over heads and per head), each head's top-k attended positions and weights, and the largest entries
+    of the token's hidden state with the massive-activation flags."""
+    sink = t.sink_mass.tolist()
+    pos, weights = t.top_positions.tolist(), t.top_probs.tolist()
+    dims, values, flags = t.top_dims.tolist(), t.top_values.tolist(), t.top_massive.tolist()
+    max_abs, median, num = t.max_abs.tolist(), t.median_abs.tolist(), t.num_massive.tolist()
+    layers = []
+    for i, heads in enumerate(sink):
+        layers.append({
+            "layer": i, "sink_mass": round(sum(heads) / len(heads), 6), "sink_mass_heads": [round(x, 6) for x in heads],
+            "top_positions": pos[i], "top_weights": [[round(x, 6) for x in h] for h in weights[i]],
+            "max_abs": round(max_abs[i], 3), "median_abs": round(median[i], 6), "num_massive": num[i],
+            "top_activations": [{"dim": d, "value": round(v, 3), "massive": f}
+                                for d, v, f in zip(dims[i], values[i], flags[i])],
+        })
+    return {"position": t.position, "sink_tokens": t.sink_tokens, "layers": layers}

@@ -89,6 +89,13 @@ class HiddenStatesOptions(BaseModel):
     layers: Annotated[list[LayerIndex], Field(min_length=1, max_length=1024)]
     positions: Literal["last", "all"] | Annotated[list[TokenIndex], Field(min_length=1, max_length=4096)] = "last"
     dtype: Literal["float32", "float16"] = "float32"
+class KVWindowOptions(BaseModel):
+    """`kv_window` (llamascope extension): the sink + window KV cache (StreamingLLM, Xiao et al. 2024): keep the first
+    `sink_tokens` tokens' K/V and the most recent `window`, so generation runs past the context (docs/engine.md)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    sink_tokens: Int(ge=0, le=1 << 20) = 4
+    window: Int(ge=1, le=1 << 24)
 
 
 class SamplingFields(BaseModel):
@@ -122,6 +129,8 @@ class SamplingFields(BaseModel):
     # llamascope extensions: edits of the residual stream for this request's rows, and block outputs returned
     interventions: Interventions | None = None
     return_hidden_states: HiddenStatesOptions | None = None
+    # llamascope extension
+    kv_window: KVWindowOptions | None = None
 
     @field_validator("stop", mode="before")  # before the type's own checks, so the message says what is wrong
     @classmethod
@@ -149,11 +158,14 @@ class SamplingFields(BaseModel):
 
 
 class InspectSummaryOptions(BaseModel):
-    """The `inspect` extension of /v1/completions: the inspection summary of each prompt beside the completion."""
+    """The `inspect` extension of /v1/completions: the inspection summary of each prompt beside the completion, or
+    with `stream: true` (on a streamed completion) the attention telemetry of every token in its chunk instead."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
     massive_threshold: Float = Field(100.0, gt=0.0)
     massive_ratio: Float = Field(1000.0, gt=0.0)
+    stream: bool = False
+    top_k: Int(ge=1, le=32) = 5  # attended keys per head and layer, with stream
 
 
 class CompletionRequest(SamplingFields):

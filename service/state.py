@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from model.engine import AsyncEngine
-from model.engine import Engine, EngineConfig
+from model.engine import Engine, EngineConfig, KVWindow
 from model.loaders import LoadedModel, load_model
 from model.parallel import TPModel, launch
 from model.dtypes import DTYPES
@@ -81,7 +81,10 @@ class ServingState:
             c = loaded.model.config
             for spec in control_vector_specs(s.control_vector):  # llama.cpp control vectors, stored by name
                 self.vectors.add(load_control_vector(spec, c.n_layers, c.dim))
-            engine = AsyncEngine(Engine(loaded.model, loaded.tokenizer, config))
+            core = Engine(loaded.model, loaded.tokenizer, config)
+            if s.kv_window is not None:  # the default window must fit this engine: refuse to start, not every request
+                core.check_window(KVWindow(s.sink_tokens, s.kv_window))
+            engine = AsyncEngine(core)
             engine.step_hooks.append(self.metrics.on_step)
             engine.on_dead = self._engine_died
             engine.start()

@@ -83,7 +83,7 @@ def test_quick_decode_benchmark_per_setting(tmp_path):
     out = tmp_path / "decode.json"
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks.bench_decode", "--quick", "--settings", "float32", "int8", "int4",
-         "--skip-hf", "--skip-llama-cpp", "--threads", str(torch.get_num_threads()), "--out", str(out)],
+         "--skip-hf", "--skip-llama-cpp", "--telemetry", "--threads", str(torch.get_num_threads()), "--out", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=600, check=False,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -92,9 +92,30 @@ def test_quick_decode_benchmark_per_setting(tmp_path):
     keys = {"decode_tok_s", "weight_bytes_per_token", "bandwidth_ceiling_tok_s", "pct_of_bandwidth_ceiling",
             "matmul_only_ms", "decode_step_ms", "step_over_matmul"}
     for side in r["sides"].values():
-        _positive(side, keys)
+        _positive(side, keys | {"telemetry_decode_tok_s", "telemetry_over_plain"})
+        assert side["telemetry_same_tokens"] is True  # telemetry changes no token
     b = {k: v["weight_bytes_per_token"] for k, v in r["sides"].items()}
     assert b["float32"] > 3.5 * b["int8"] and b["int8"] > b["int4"]  # int4 blocks, int8 head: between 4x and 8x
+
+
+def test_quick_streaming_benchmark(tmp_path):
+    """`benchmarks.streaming` (the sink + window cache over HTTP) at --quick sizes: two servers, perplexity under
+    full attention and a window with and without sinks, generation past a 512-token context."""
+    out = tmp_path / "streaming.json"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.streaming", "--quick", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=1200, check=False)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    r = json.loads(out.read_text())
+    assert [e["setting"] for e in r["perplexity"]] == ["full attention", "window 128 + 4 sinks", "window 128, no sinks"]
+    for e in r["perplexity"]:
+        _positive(e, {"perplexity", "vs_full", "seconds"})
+    runs = r["generation"]["runs"]
+    assert [g["tokens"] for g in runs] == [256, 256] and all(g["finish_reason"] == "length" for g in runs)
+    assert r["generation"]["max_model_len"] == 512 and len(runs[0]["rolling_perplexity"]) == 1
+    # the text scored on the 512-context server, with and without sinks, per 256 tokens (511 logprobs: 2 entries)
+    text = r["generation"]["text"]
+    assert [e["kv_window"]["sink_tokens"] for e in text] == [4, 0]
+    assert all(len(e["rolling_perplexity"]) == 2 and e["perplexity"] > 0 for e in text)
 
 
 def test_kernel_rows_crossover_prints_both_paths():

@@ -166,6 +166,32 @@ def test_viewer_mean_ablation_keeps_the_model(server, page):
 
 
 @needs_chromium
+def test_viewer_live_mode_streams_tokens_with_their_sink_mass(server, page):
+    """Live mode: type a prompt, generate, and watch the tokens arrive each with its per-layer sink mass (the
+    telemetry the decode kernels record, `inspect: {"stream": true}`), drawn as a layers x tokens strip."""
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.goto(server.url + "/inspect/ui")
+    page.fill("#prompt", "Summer is warm. Winter is cold.\n")
+    page.fill("#max-tokens", "12")
+    page.click("#live")
+    page.wait_for_selector("#live-sinks[data-tokens='12']", timeout=120_000)
+    assert page.get_attribute("#live-sinks", "data-layers") == "30"
+    sinks = page.eval_on_selector_all("#live-tokens span:not(.prompt)", "s => s.map(e => e.dataset.sinks.split(',').map(Number))")
+    assert len(sinks) == 12 and all(len(s) == 30 and all(0 <= v <= 1 for v in s) for s in sinks)
+    assert min(sinks[0][3:10]) > 0.5, sinks[0]  # the default model's sink: blocks 3-9 look mostly at token 0
+    ink = page.evaluate("""() => {
+        const c = document.getElementById('live-sinks'), d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
+        let n = 0; for (let i = 0; i < d.length; i += 4) if (d[i] < 250 || d[i + 1] < 250 || d[i + 2] < 250) n++;
+        return n; }""")
+    assert ink > 1000
+    assert "12 tokens streamed" in page.text_content("#status")
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "viewer-live.png"), full_page=True)
+    assert not errors, errors
+
+
+@needs_chromium
 def test_viewer_reports_api_errors(server, page):
     page.goto(server.url + "/inspect/ui")
     page.fill("#prompt", "")

@@ -44,7 +44,8 @@ def summary(out: str) -> str:
 def test_schemathesis_finds_nothing(tmp_path):
     # A real tokenizer with a chat template, so chat requests get past the template and into the engine.
     loaded = load_model(write_tiny_checkpoint(tmp_path / "tiny-llama", max_seq_len=256))
-    settings = Settings(max_n=2, max_prompts=2, max_logprobs=3, max_model_len=256, max_body_bytes=64 << 10)
+    settings = Settings(max_n=2, max_prompts=2, max_logprobs=3, max_model_len=256, max_body_bytes=64 << 10,
+                        max_window_tokens=512)  # a kv_window lifts the context limit: this bounds its run time
     with LiveServer(create_app(settings, loaded=loaded, wait_ready=True)) as live:
         result = run_schemathesis(live.url, tmp_path)
         print(summary(result.stdout))
@@ -59,7 +60,8 @@ def test_schemathesis_finds_nothing(tmp_path):
 def test_schemathesis_with_an_api_key(tmp_path):
     """With a key, every operation but the open ones must refuse a request without it (ignored_auth)."""
     loaded = load_model(write_tiny_checkpoint(tmp_path / "tiny-llama", max_seq_len=128))
-    settings = Settings(api_key="fuzz-key", max_n=2, max_prompts=2, max_model_len=128, max_body_bytes=64 << 10)
+    settings = Settings(api_key="fuzz-key", max_n=2, max_prompts=2, max_model_len=128, max_body_bytes=64 << 10,
+                        max_window_tokens=512)
     with LiveServer(create_app(settings, loaded=loaded, wait_ready=True)) as live:
         result = run_schemathesis(live.url, tmp_path, "-H", "Authorization: Bearer fuzz-key", "--checks",
                                   "ignored_auth,not_a_server_error,status_code_conformance", examples=10,

@@ -21,6 +21,8 @@ def test_triton_paged_decode_attention_in_the_interpreter():
     print(r.stdout)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "Triton path == gather path" in r.stdout
+    assert "Triton's TELEMETRY variant == the reference" in r.stdout
+    assert "kv_window engine with telemetry: Triton path == gather path" in r.stdout
 
 
 def _fresh(monkeypatch):

@@ -15,7 +15,10 @@ import torch  # noqa: E402
 from model import kernels  # noqa: E402
 from model.attention import sdpa  # noqa: E402
 from model.kernels import triton_attention  # noqa: E402
-from tiny import greedy_tokens, tiny_model  # noqa: E402
+from model.engine import Engine, EngineConfig, KVWindow, SamplingParams, TelemetryOptions  # noqa: E402
+from model.kernels import attention_telemetry  # noqa: E402
+from model.kernels.attention_telemetry import AttentionTelemetry  # noqa: E402
+from tiny import byte_tokenizer, greedy_tokens, tiny_model  # noqa: E402
 
 
 def kernel_vs_sdpa(dtype: torch.dtype, H: int, K: int, E: int, bs: int) -> float:
@@ -48,6 +51,52 @@ def kernel_vs_sdpa(dtype: torch.dtype, H: int, K: int, E: int, bs: int) -> float
     return err
 
 
+def telemetry_vs_reference(H: int, K: int, E: int, bs: int, top_k: int) -> None:
+    """The TELEMETRY variant's record equals the definition (model/kernels/attention_telemetry.py): rows shorter
+    than k, sinks of 0, 1 and 5 keys, a row that records nothing; the attention output is the plain variant's."""
+    lens = [1, 3, 17, 40, 70]
+    g = torch.Generator().manual_seed(1)
+    n_blocks = sum(-(-n // bs) for n in lens) + 2
+    k_pool, v_pool = torch.randn(n_blocks, bs, K, E, generator=g), torch.randn(n_blocks, bs, K, E, generator=g)
+    ids = list(range(n_blocks))
+    random.Random(1).shuffle(ids)
+    tables, at = [], 0
+    for n in lens:
+        tables.append(ids[at : at + -(-n // bs)])
+        at += -(-n // bs)
+    width = max(map(len, tables))
+    tables_t = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    q = (torch.randn(len(lens), H, E, generator=g) * 2)
+    rows, lens_t = torch.arange(len(lens)), torch.tensor(lens)
+    slots, sink_len = torch.tensor([0, 1, -1, 2, 3]), torch.tensor([1, 5, 0, 1])
+
+    def tel():
+        return AttentionTelemetry(slots, sink_len, torch.zeros(4, H), torch.full((4, H, top_k), -7), torch.zeros(4, H, top_k))
+
+    got, want = tel(), tel()
+    out_plain, out_tel = torch.zeros(len(lens), H, E), torch.zeros(len(lens), H, E)
+    triton_attention.paged_decode_attention(q, k_pool, v_pool, rows, tables_t, lens_t, out_plain)
+    triton_attention.paged_decode_attention(q, k_pool, v_pool, rows, tables_t, lens_t, out_tel, got)
+    assert torch.equal(out_plain, out_tel)
+    kd = k_pool.index_select(0, tables_t.reshape(-1)).view(len(lens), -1, K, E)
+    attention_telemetry.reference(q, kd, lens_t, want)
+    assert torch.allclose(got.sink_mass, want.sink_mass, atol=1e-5), (got.sink_mass - want.sink_mass).abs().max()
+    assert torch.allclose(got.top_prob, want.top_prob, atol=1e-5)
+    assert torch.equal(got.top_pos, want.top_pos), (got.top_pos, want.top_pos)
+
+
+def windowed_engine(model) -> list:
+    """A sink + window sequence long past its window, with telemetry: (tokens, telemetry) per step."""
+    engine = Engine(model, byte_tokenizer(), EngineConfig(num_blocks=64, block_size=4, max_num_batched_tokens=64,
+                                                          max_model_len=40))
+    engine.add_request("w", [5, 9, 2, 7, 1] * 3, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True,
+                                                                kv_window=KVWindow(2, 6), telemetry=TelemetryOptions()))
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step()
+    return outs
+
+
 def main() -> None:
     for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
         for H, K, E, bs in ((6, 2, 64, 4), (4, 1, 128, 16), (3, 3, 64, 8), (4, 2, 24, 4)):
@@ -65,6 +114,20 @@ def main() -> None:
         assert not triton_attention.available(torch.zeros(1), 4)
         assert greedy_tokens(model, prompts) == on_triton
     print("engine tokens: Triton path == gather path, batched == alone")
+    for H, K, E, bs, top_k in ((4, 2, 64, 4, 5), (3, 1, 24, 16, 3), (2, 2, 32, 8, 8)):
+        telemetry_vs_reference(H, K, E, bs, top_k)
+    print("telemetry: Triton's TELEMETRY variant == the reference")
+    os.environ["TRITON_INTERPRET"] = "1"
+    with kernels.disabled():
+        assert triton_attention.available(torch.zeros(1), 4)
+        on_triton = windowed_engine(model)
+        os.environ["TRITON_INTERPRET"] = "0"
+        on_gather = windowed_engine(model)
+    assert [o.token_ids for o in on_triton] == [o.token_ids for o in on_gather]
+    for a, b in zip(on_triton, on_gather):
+        assert torch.allclose(a.telemetry.sink_mass, b.telemetry.sink_mass, atol=1e-5)
+        assert torch.equal(a.telemetry.top_positions, b.telemetry.top_positions)
+    print("kv_window engine with telemetry: Triton path == gather path")
 
 
 if __name__ == "__main__":

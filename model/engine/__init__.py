@@ -4,12 +4,15 @@ knows none of this; the HTTP service above it imports only the names exported he
 
 from model.engine.async_engine import AsyncEngine, EngineDeadError, EngineJob, RequestStream
 from model.engine.engine import Engine, EngineConfig, EngineStats, FatalEngineError, RequestOutput
+from model.engine.kv_window import KVWindow
 from model.engine.output_processor import HiddenStates
 from model.engine.sampler import TokenLogprobs
 from model.engine.sampling_params import SamplingParams
 from model.engine.scheduler import QueueFullError
+from model.engine.telemetry import TelemetryOptions, TokenTelemetry
 
 __all__ = [
-    "AsyncEngine", "Engine", "EngineConfig", "EngineDeadError", "EngineJob", "EngineStats", "FatalEngineError", "HiddenStates",
-    "QueueFullError", "RequestOutput", "RequestStream", "SamplingParams", "TokenLogprobs",
+    "AsyncEngine", "Engine", "EngineConfig", "EngineDeadError", "EngineJob", "EngineStats", "FatalEngineError",
+    "HiddenStates", "KVWindow", "QueueFullError", "RequestOutput", "RequestStream", "SamplingParams",
+    "TelemetryOptions", "TokenLogprobs", "TokenTelemetry",
 ]

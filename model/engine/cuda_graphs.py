@@ -101,8 +101,9 @@ class CudaGraphs:
     def accepts(self, batch: StepBatch) -> bool:
         n = batch.meta.num_tokens
         edited = batch.edits is not None
-        return (batch.meta.pure_decode and 0 < n <= self.buckets[-1] and (self._bucket(n), edited) not in self.failed
-                and (not edited or self.edits.fits(batch.edits)))
+        # graphs are captured without attention telemetry: a step recording it runs another path instead
+        return (batch.meta.pure_decode and batch.meta.telemetry is None and 0 < n <= self.buckets[-1]
+                and (self._bucket(n), edited) not in self.failed and (not edited or self.edits.fits(batch.edits)))
 
     def _bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)

@@ -11,8 +11,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from model.engine.context_shift import ContextShift
 from model.engine.cuda_graphs import CudaGraphs, DecodeGraphMode
 from model.engine.kv_cache_manager import KVCacheManager
+from model.engine.kv_window import KVWindow
 from model.engine.model_runner import ModelRunner, RunnerOutput
 from model.engine.output_processor import OutputProcessor, RequestOutput
 from model.engine.paged_cache import PagedKVCache, kv_config
@@ -103,6 +105,7 @@ class Engine:
             config.max_num_seqs, self.max_model_len, config.decode_graphs, config.native_decode,
             scratch_block=num_blocks if graphs else None,
         )
+        self.context_shift = ContextShift(model, self.cache)  # windowed sequences' evictions (kv_window.py)
         self.output = OutputProcessor(tokenizer, model.device, self.max_model_len)
         self.requests: dict[str, Request] = {}
         self._next_seq_id = 0
@@ -129,8 +132,9 @@ class Engine:
         if any(not 0 <= t < V for t in prompt_token_ids):
             raise ValueError(f"prompt token ids must be in [0, {V})")
         params.validate(V, self.config.max_logprobs)
+        self._check_extensions(params)
         P, total = len(prompt_token_ids), len(prompt_token_ids) + params.max_tokens
-        if total > self.max_model_len:
+        if total > self.max_model_len and params.kv_window is None:  # a window's cache stays within the context
             raise ValueError(
                 f"prompt ({P} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds the context length of {self.max_model_len}"
             )
@@ -138,7 +142,8 @@ class Engine:
         plan = InterventionPlan(interventions, P, c.n_layers, c.dim) if interventions else None
         if hidden_states is not None:
             hidden_states.validate(c.n_layers)
-        share_prefix = params.n > 1 and self.config.enable_prefix_caching
+        # n > 1 choices share the first one's cached prompt blocks; windowed choices own theirs (kv_cache_manager.py)
+        share_prefix = params.n > 1 and self.config.enable_prefix_caching and params.kv_window is None
         self.scheduler.check_capacity(1 if share_prefix else params.n)
         req = Request(request_id, list(prompt_token_ids), params, interventions=plan, hidden_states=hidden_states)
         for i in range(params.n):
@@ -154,6 +159,22 @@ class Engine:
             else:
                 self.scheduler.add(seq)
         return req
+
+    def check_window(self, w: KVWindow) -> None:
+        """ValueError unless this engine can serve a sink + window cache of this size."""
+        if self.distributed:  # the ranks' caches would need every eviction too
+            raise ValueError("kv_window is not supported with tensor parallelism")
+        need = w.max_cache_tokens(self.config.block_size)
+        if need > self.max_model_len:
+            raise ValueError(f"kv_window: sink_tokens ({w.sink_tokens}) + window ({w.window}) + block_size "
+                             f"({self.config.block_size}) = {need} exceeds the context length of {self.max_model_len}")
+
+    def _check_extensions(self, params: SamplingParams) -> None:
+        """ValueError for a kv_window or telemetry this engine cannot serve."""
+        if params.kv_window is not None:
+            self.check_window(params.kv_window)
+        if params.telemetry is not None and self.distributed:
+            raise ValueError("attention telemetry is not supported with tensor parallelism")
 
     def abort(self, request_id: str) -> list[RequestOutput]:
         """Cancel a request at any moment; its blocks return to the pool at once."""
@@ -203,6 +224,9 @@ class Engine:
             for s in sched.scheduled:
                 s.seq.num_computed_tokens += s.num_new_tokens
                 self.kv.commit(s.seq)
+                eviction = self.kv.evict(s.seq)  # a windowed sequence slid past a block: give it back
+                if eviction is not None:
+                    self.context_shift.apply(eviction)
             self._update(result, outs)
             return outs
         except Exception as e:  # a failing step fails its own requests; the engine keeps serving the rest
@@ -228,6 +252,7 @@ class Engine:
             seq.num_read_positions = max(seq.num_read_positions, upto)
         for seq, token, lp in result.sampled:
             out, finish = self.output.append(seq, token, lp)
+            out.telemetry = result.telemetry.get(seq)
             if finish is not None:
                 self._finish(seq, finish.reason, finish.stop_reason)
                 out.finish_reason, out.stop_reason = seq.finish_reason.value, seq.stop_reason

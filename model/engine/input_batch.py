@@ -1,6 +1,7 @@
 """A step's inputs, written into buffers allocated once (vLLM's `gpu_model_runner` persistent input buffers).
 
-Each step the runner writes the scheduled sequences' tokens, positions, KV slots, the decode rows' block tables and
+Each step the runner writes the scheduled sequences' tokens, positions (cache positions: a kv_window's sequence
+computes each token at its position within the cache, model/engine/kv_window.py), KV slots, the decode rows' block tables and
 context lengths, and the rows whose logits it needs into preallocated host tensors through numpy views (no tensor
 is created from a Python list on the decode path), then hands the model views of their first N entries (copied to
 the device's own persistent buffers off the CPU). Prefill chunks with a cached prefix also get their block list
@@ -78,21 +79,22 @@ class InputBuffers:
         for s in scheduled:
             seq, n = s.seq, s.num_new_tokens
             start = seq.num_computed_tokens
+            c0 = start - seq.num_evicted  # its cache position: the token's own, less what a kv_window evicted
             blocks = seq.block_ids
             if n == 1:  # decode (or a one-token chunk): attends over its block table
                 np_["tokens"][off] = seq.token_ids(start, start + 1)[0]
-                np_["positions"][off] = start
-                np_["slots"][off] = blocks[start // bs] * bs + start % bs
+                np_["positions"][off] = c0
+                np_["slots"][off] = blocks[c0 // bs] * bs + c0 % bs
                 np_["decode_rows"][r] = off
-                np_["decode_lens"][r] = start + 1
+                np_["decode_lens"][r] = c0 + 1
                 np_["decode_tables"][r, : len(blocks)] = blocks
                 r += 1
             else:
                 np_["tokens"][off : off + n] = seq.token_ids(start, start + n)
-                pos = np.arange(start, start + n)
+                pos = np.arange(c0, c0 + n)
                 np_["positions"][off : off + n] = pos
                 np_["slots"][off : off + n] = np.asarray(blocks)[pos // bs] * bs + pos % bs
-            sl = SeqSlice(off, n, start + n, blocks)
+            sl = SeqSlice(off, n, c0 + n, blocks)
             slices.append(sl)
             if n > 1:
                 prefill.append(sl)

@@ -10,6 +10,8 @@ Design after vLLM (Kwon et al. 2023, "Efficient Memory Management for LLM Servin
 - A block whose reference count drops to 0 goes to the back of the free queue but keeps its hash: it can be
   revived by a later request with the same prefix until it reaches the front and is reused (LRU eviction).
 - Sequences free their blocks tail first, so a prefix's later blocks are evicted before its first ones.
+- A windowed sequence (kv_window.py) gives back a block from the middle of its table each time its window slides
+  past one; its blocks are private (never looked up, registered or shared), since the slide rewrites them.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict
 
+from model.engine.kv_window import Eviction, evict
 from model.engine.request import Sequence
 
 
@@ -87,6 +90,7 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.num_cached_prompt_tokens = 0  # served from the prefix cache, since start
         self.num_prompt_tokens = 0  # scheduled for the first time, since start
+        self.num_evicted_blocks = 0  # blocks windowed sequences gave back as they slid, since start
 
     @property
     def num_blocks(self) -> int:
@@ -102,7 +106,7 @@ class KVCacheManager:
         return 1.0 - self.pool.num_free / self.pool.num_blocks
 
     def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
-        total = seq.num_computed_tokens + num_new_tokens
+        total = seq.cache_len + num_new_tokens  # cache positions (a windowed sequence's evicted tokens hold none)
         return max(0, -(-total // self.block_size) - len(seq.block_ids))
 
     def attach_cached_prefix(self, seq: Sequence, max_tokens: int | None = None) -> int:
@@ -114,7 +118,9 @@ class KVCacheManager:
         """
         assert not seq.block_ids and seq.num_computed_tokens == 0
         hits: list[int] = []
-        if self.enable_prefix_caching:
+        # A windowed sequence shares nothing: evictions rewrite its blocks in place (moved rows, re-rotated keys),
+        # which a block another sequence reads, or the prefix cache may hand out later, must never see.
+        if self.enable_prefix_caching and seq.window is None:
             self._extend_hashes(seq, seq.num_tokens)
             limit = len(seq.block_hashes) if max_tokens is None else max_tokens // self.block_size
             for h in seq.block_hashes[:limit]:
@@ -145,7 +151,7 @@ class KVCacheManager:
 
     def commit(self, seq: Sequence) -> None:
         """After a step computed tokens of `seq`: register its newly full blocks in the prefix cache."""
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or seq.window is not None:
             return
         num_full = seq.num_computed_tokens // self.block_size
         self._extend_hashes(seq, num_full * self.block_size)
@@ -159,6 +165,22 @@ class KVCacheManager:
         seq.block_ids = []
         seq.num_computed_tokens = 0
         seq.num_committed_blocks = 0
+        seq.num_evicted = 0
+
+    def evict(self, seq: Sequence) -> Eviction | None:
+        """After a step: the eviction a windowed sequence is due (model/engine/kv_window.py), with its block table
+        updated and the evicted block released, or None. The caller applies the returned rows and rotation to the
+        cache tensors before anything else is allocated (ContextShift.apply)."""
+        window, bs = seq.window, self.block_size
+        if window is None or window.evicted(seq.num_computed_tokens, bs) == seq.num_evicted:
+            return None
+        assert window.evicted(seq.num_computed_tokens, bs) == seq.num_evicted + bs, "a chunk crossed an eviction point"
+        ev = evict(seq.block_ids, window, seq.cache_len, bs)
+        seq.block_ids = ev.block_ids
+        seq.num_evicted += bs
+        self.pool.release(ev.released)
+        self.num_evicted_blocks += 1
+        return ev
 
     def _extend_hashes(self, seq: Sequence, num_tokens: int) -> None:
         bs = self.block_size

@@ -15,6 +15,7 @@ The model is a function (tokens, positions, attention context) -> logits and kno
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections import Counter
 from dataclasses import dataclass, field
@@ -30,6 +31,7 @@ from model.engine.paged_cache import PagedKVCache
 from model.engine.request import Sequence
 from model.engine.sampler import Sampler, SamplingRow, TokenLogprobs, prompt_logprobs
 from model.engine.scheduler import ScheduledSeq
+from model.engine.telemetry import TokenTelemetry, step_telemetry
 
 log = logging.getLogger("llamascope.engine")
 
@@ -47,6 +49,7 @@ class RunnerOutput:
     prompt_logprobs: list[tuple[Sequence, list[TokenLogprobs]]] = field(default_factory=list)
     hidden_states: list[tuple[Sequence, list[int], Tensor]] = field(default_factory=list)
     read_upto: list[tuple[Sequence, int]] = field(default_factory=list)
+    telemetry: dict[Sequence, TokenTelemetry] = field(default_factory=dict)  # the sampled tokens that asked for it
 
 
 class ModelRunner:
@@ -73,10 +76,13 @@ class ModelRunner:
         layouts = []
         if any(s.seq.request.interventions is not None or s.seq.request.hidden_states is not None for s in scheduled):
             batch.edits, layouts = self.tables.build(_segments(scheduled, batch))
+        tel = step_telemetry(scheduled, batch.slices, batch.sample, self.model, self.cache.device)
+        batch.meta.telemetry = tel  # None unless a sampled sequence asked: then nothing below changes
         path = self._choose(batch)
-        logits = self._forward(path, batch).float()  # (M, V): the batch's logits rows
+        with tel.hidden_hooks(self.model) if tel is not None and path == "module" else contextlib.nullcontext():
+            logits = self._forward(path, batch).float()  # (M, V): the batch's logits rows
         self.path_counts[path] += 1
-        out = RunnerOutput(path)
+        out = RunnerOutput(path, telemetry=tel.results() if tel is not None else {})
         if batch.edits is not None:
             for layout in layouts:
                 out.hidden_states.append((layout[0].owner, layout[1], gather_reads(batch.edits, layout)))

@@ -70,5 +70,6 @@ class NativeDecode:
             h[0], self.layers, self.eps, cos.view(-1, E), sin.view(-1, E), cache.k, cache.v, meta.slot_mapping,
             meta.decode_rows, meta.decode_tables, meta.decode_lens, self.H, self.K, E,
             batch.edits.tensors() if batch.edits is not None else [],
-        )  # (N, D); the rows' interventions applied inside the block loop, their reads taken
+            meta.telemetry.native_args() if meta.telemetry is not None else [],
+        )  # (N, D); the rows' interventions applied inside the block loop, their reads and telemetry taken
         return m.head(h[None], batch.logits_rows)[0]  # (M, V)

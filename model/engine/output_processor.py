@@ -13,6 +13,7 @@ import torch
 from model.engine.request import FinishReason, Sequence
 from model.engine.sampler import TokenLogprobs
 from model.engine.sampling_params import SamplingParams
+from model.engine.telemetry import TokenTelemetry
 from model.text.detokenizer import IncrementalDetokenizer
 from model.text.stop_strings import StopStringMatcher
 from model.text.tokenizer import Tokenizer
@@ -35,6 +36,7 @@ class RequestOutput:
     num_output_tokens: int = 0  # so far, this choice
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     hidden_states: HiddenStates | None = None  # the block outputs read since the last delta (the request asked)
+    telemetry: TokenTelemetry | None = None  # the token's attention telemetry, when the request asked for it
 
     @property
     def finished(self) -> bool:
@@ -112,7 +114,8 @@ class OutputProcessor:
             # possible stop-string start turned out not to be one.
             out.text = state.stops.flush()
             return out, Finish(FinishReason.STOP, token if token in p.stop_token_ids else None)
-        ending = n_out >= p.max_tokens or seq.num_tokens >= self.max_model_len
+        # a windowed sequence's cache stays within the context however long it runs: only max_tokens ends it
+        ending = n_out >= p.max_tokens or (seq.num_tokens >= self.max_model_len and p.kv_window is None)
         delta = state.detok.feed(token) + (state.detok.flush() if ending else "")
         if may_stop:
             out.text, matched = state.stops.feed(delta)

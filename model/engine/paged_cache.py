@@ -16,6 +16,7 @@ buffers; every layer's `attend` reads it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -24,6 +25,9 @@ from model.attention import sdpa
 from model.config import ModelConfig
 from model.edits import StepEdits
 from model.kernels import ops
+
+if TYPE_CHECKING:
+    from model.engine.telemetry import StepTelemetry
 
 
 @dataclass
@@ -61,6 +65,7 @@ class AttentionMetadata:
     decode_tables: Tensor  # (R, W) their block tables (padding past a row's blocks is never read)
     decode_lens: Tensor  # (R,) their context lengths
     prefills: list[PrefillChunk] = field(default_factory=list)
+    telemetry: StepTelemetry | None = None  # rows recording attention telemetry this step (model/engine/telemetry.py)
 
     @property
     def num_tokens(self) -> int:
@@ -151,7 +156,11 @@ class PagedKVCache:
         k_pool, v_pool = self.k[layer], self.v[layer]  # (NB, bs, K, E)
         ops.paged_write(k[0], v[0], k_pool, v_pool, meta.slot_mapping)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # (1, N, H, E)
-        ops.decode_attention(q[0], k_pool, v_pool, meta.decode_rows, meta.decode_tables, meta.decode_lens, out[0])
+        tel = meta.telemetry
+        ops.decode_attention(q[0], k_pool, v_pool, meta.decode_rows, meta.decode_tables, meta.decode_lens, out[0],
+                             tel.layer(layer) if tel is not None else None)
+        if tel is not None:
+            tel.attend_prefill_rows(layer, q, k_pool, v_pool)
         for p in meta.prefills:
             qp = q[:, p.start : p.end]  # (1, n, H, E)
             if p.blocks is None:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from model.engine.kv_window import KVWindow
     from model.engine.output_processor import SequenceState
     from model.engine.sampling_params import SamplingParams
     from model.interventions import HiddenStateRead, InterventionPlan
@@ -45,6 +46,9 @@ class Sequence:
     num_committed_blocks: int = 0  # leading blocks already registered in the prefix cache
     num_cached_tokens: int = -1  # prompt tokens served from the prefix cache at first schedule (-1: not yet)
     num_preemptions: int = 0
+    # a kv_window's sequence (model/engine/kv_window.py): non-sink tokens evicted from its cache so far; token t >= S
+    # of such a sequence sits at cache position t - num_evicted
+    num_evicted: int = 0
     # prompt positions whose logits have been scored for prompt logprobs (position j scores prompt token j + 1)
     num_scored_prompt_positions: int = 0
     # positions whose hidden states (the request's `hidden_states` read) have been taken: never read twice, even
@@ -75,6 +79,16 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+    @property
+    def window(self) -> "KVWindow | None":
+        """The request's sink + window cache, or None (the whole sequence stays cached)."""
+        return getattr(self.request.params, "kv_window", None)
+
+    @property
+    def cache_len(self) -> int:
+        """Cache positions in use: the computed tokens less those evicted."""
+        return self.num_computed_tokens - self.num_evicted
 
     def max_cached_tokens(self) -> int | None:
         """Tokens the prefix cache may supply at (re)admission; None: no limit. Prompt logprobs still owed need the

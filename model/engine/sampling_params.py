@@ -8,6 +8,9 @@ from numbers import Integral, Real
 
 import torch
 
+from model.engine.kv_window import KVWindow
+from model.engine.telemetry import TelemetryOptions
+
 # vLLM's `_SAMPLING_EPS`: temperatures below it are greedy, since dividing by them overflows float32.
 SAMPLING_EPS = 1e-5
 
@@ -52,6 +55,10 @@ class SamplingParams:
     logprobs: int | None = None  # None: none; k >= 0: the chosen token's logprob and top-k alternatives
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    # not sampling, but per sequence all the same: the sink + window KV cache (model/engine/kv_window.py) and the
+    # attention telemetry each sampled token carries (model/engine/telemetry.py)
+    kv_window: KVWindow | None = None
+    telemetry: TelemetryOptions | None = None
 
     @property
     def greedy(self) -> bool:
@@ -89,6 +96,10 @@ class SamplingParams:
         for name in ("ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise _bad(name, "a boolean", getattr(self, name))
+        if self.kv_window is not None:
+            self.kv_window.validate()
+        if self.telemetry is not None:
+            self.telemetry.validate()
 
     def make_generator(self, device: torch.device | str, offset: int = 0) -> torch.Generator | None:
         """The per-sequence generator the engine creates once (None when unseeded); it must live on the

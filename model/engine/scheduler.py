@@ -78,7 +78,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            n = self._chunk(seq, budget)
             while not self.kv.allocate(seq, n):
                 victim = self.running.pop()  # the newest
                 self._preempt(victim, out)
@@ -96,7 +96,7 @@ class Scheduler:
             seq = self.waiting[0]
             if seq.num_computed_tokens == 0 and not seq.block_ids:
                 self.kv.attach_cached_prefix(seq, max_tokens=seq.max_cached_tokens())
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            n = self._chunk(seq, budget)
             if not self.kv.allocate(seq, n):
                 self.kv.free(seq)  # give back the cached prefix it took; retried next step
                 break
@@ -106,6 +106,14 @@ class Scheduler:
             out.scheduled.append(ScheduledSeq(seq, n))
             budget -= n
         return out
+
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        """Tokens `seq` computes this step: what it lacks, within the budget, and for a windowed sequence no
+        further than its next eviction point (model/engine/kv_window.py: the attended keys then never depend on
+        how a sequence was chunked)."""
+        n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+        window = seq.window
+        return n if window is None else min(n, window.chunk_limit(seq.num_computed_tokens, self.kv.block_size))
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.kv.free(seq)

@@ -10,7 +10,8 @@ model/transformer.py; N packed tokens, R decode rows, W block-table width, NB po
     rope_             (B, T, heads, E) in place     RoPE, rotate-half layout
     quantized_linear  (M, in) @ int8 / int4 W       few rows: fused dequantize kernels; many: dequantize + GEMM
     paged_write       k, v (N, K, E) -> pool slots
-    decode_attention  q (N, H, E) rows over their block tables (PagedAttention's decode, Kwon et al. 2023)
+    decode_attention  q (N, H, E) rows over their block tables (PagedAttention's decode, Kwon et al. 2023),
+                      optionally recording attention telemetry (attention_telemetry.py)
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from model.attention import sdpa
+from model.kernels import attention_telemetry, triton_attention, usable
 from model.kernels import native as native_kernels
-from model.kernels import triton_attention, usable
+from model.kernels.attention_telemetry import AttentionTelemetry
 
 if TYPE_CHECKING:
     from model.quantize import QuantLinear
@@ -119,17 +121,21 @@ def decode_attention_backend(q: Tensor, k_pool: Tensor) -> str:
 
 
 def decode_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, rows: Tensor, tables: Tensor, lens: Tensor,
-                     out: Tensor) -> None:
+                     out: Tensor, telemetry: AttentionTelemetry | None = None) -> None:
     """Rows `rows` (R,) of q (N, H, E) attend over their block tables (R, W) up to their lengths (R,) in pools
     (NB, bs, K, E); writes those rows of out (N, H, E). Native and Triton walk the tables in place (no gather); the
-    PyTorch reference gathers each row's blocks and masks past its length."""
+    PyTorch reference gathers each row's blocks and masks past its length. `telemetry`: the rows with a slot also
+    record their sink mass and top-k keys (model/kernels/attention_telemetry.py); the output is the same either way."""
     if rows.numel() == 0:
         return
     backend = decode_attention_backend(q, k_pool)
     if backend == "native":
-        usable(q).paged_decode_attention(q, k_pool, v_pool, rows, tables, lens, out)
+        if telemetry is None:
+            usable(q).paged_decode_attention(q, k_pool, v_pool, rows, tables, lens, out)
+        else:
+            usable(q).paged_decode_attention_telemetry(q, k_pool, v_pool, rows, tables, lens, out, *telemetry)
     elif backend == "triton":
-        triton_attention.paged_decode_attention(q, k_pool, v_pool, rows, tables, lens, out)
+        triton_attention.paged_decode_attention(q, k_pool, v_pool, rows, tables, lens, out, telemetry)
     else:
         R, (_, bs, K, E) = tables.shape[0], k_pool.shape
         W = -(-int(lens.max()) // bs)  # the blocks the longest row uses: the rest of the table is never read
@@ -138,3 +144,5 @@ def decode_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, rows: Tensor, ta
         vd = v_pool.index_select(0, ids).view(R, W * bs, K, E)
         mask = (torch.arange(W * bs, device=q.device) < lens.unsqueeze(1))[:, None, None, :]  # (R, 1, 1, S)
         out[rows] = sdpa(q[rows].unsqueeze(1), kd, vd, mask).squeeze(1)  # (R, H, E)
+        if telemetry is not None:
+            attention_telemetry.reference(q[rows], kd, lens, telemetry)

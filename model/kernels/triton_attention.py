@@ -129,8 +129,13 @@ if triton is not None:
     def _paged_decode_kernel(
         q_ptr, k_ptr, v_ptr, rows_ptr, tables_ptr, lens_ptr, out_ptr,
         q_stride, W, scale,
+        slot_ptr, sink_len_ptr, sink_ptr, top_pos_ptr, top_prob_ptr,
         H: tl.constexpr, K: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr, BS: tl.constexpr,
+        TELEMETRY: tl.constexpr, TOP_K: tl.constexpr, TOP_PAD: tl.constexpr,
     ):
+        # TELEMETRY (a separate compilation; the plain kernel has none of it): the row's sink mass rescaled along
+        # with the running sum, and its top-k scores merged block by block (softmax keeps the order of the scores,
+        # so the top-k weights are the top-k scores' exp(s - m) / l once m and l are final).
         r = tl.program_id(0)
         h = tl.program_id(1)
         row = tl.load(rows_ptr + r)
@@ -143,6 +148,13 @@ if triton is not None:
         m_i = tl.max(tl.full((BS,), float("-inf"), tl.float32), axis=0)  # running max
         l_i = tl.sum(tl.zeros((BS,), tl.float32), axis=0)  # running sum of exp
         acc = tl.zeros((E_PAD,), tl.float32)
+        if TELEMETRY:
+            j = tl.load(slot_ptr + r)
+            n_sink = tl.load(sink_len_ptr + tl.maximum(j, 0))
+            offs_t = tl.arange(0, TOP_PAD)
+            best_v = tl.where(offs_t < TOP_K, float("-inf"), float("inf"))  # padding lanes are never displaced
+            best_i = tl.full((TOP_PAD,), -1, tl.int32)
+            sink_acc = tl.sum(tl.zeros((BS,), tl.float32), axis=0)
         for b in range(0, tl.cdiv(n, BS)):
             block = tl.load(tables_ptr + r * W + b)
             s_mask = b * BS + offs_s < n
@@ -157,24 +169,57 @@ if triton is not None:
             acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
             l_i = l_i * alpha + tl.sum(p, axis=0)
             m_i = m_new
+            if TELEMETRY:
+                sink_acc = sink_acc * alpha + tl.sum(tl.where(b * BS + offs_s < n_sink, p, 0.0), axis=0)
+                cand = scores
+                for _ in tl.static_range(TOP_K):  # the block's best left, into the list if it beats the worst kept
+                    cv = tl.max(cand, axis=0)
+                    ci = tl.argmax(cand, axis=0, tie_break_left=True)
+                    worst = tl.min(best_v, axis=0)
+                    lane = tl.argmax(tl.where(best_v == worst, best_i, -2), axis=0, tie_break_left=True)  # latest key
+                    # strictly greater: an equal weight keeps the earlier key
+                    lane = tl.where(cv > worst, lane, TOP_PAD)  # no lane when it does not beat the worst
+                    best_v = tl.where(offs_t == lane, cv, best_v)
+                    best_i = tl.where(offs_t == lane, b * BS + ci, best_i)
+                    cand = tl.where(offs_s == ci, float("-inf"), cand)
         out = acc / l_i
         tl.store(out_ptr + (row * H + h) * E + offs_e, out.to(out_ptr.dtype.element_ty), mask=e_mask)
+        if TELEMETRY:
+            keep = j >= 0
+            tl.store(sink_ptr + j * H + h, sink_acc / l_i, mask=keep)
+            best_v = tl.where(offs_t < TOP_K, best_v, float("-inf"))
+            base = (j * H + h) * TOP_K
+            for t in tl.static_range(TOP_K):  # largest first, equal weights by key
+                mv = tl.max(best_v, axis=0)
+                lane = tl.argmin(tl.where(best_v == mv, best_i, 1 << 30), axis=0, tie_break_left=True)
+                iv = tl.sum(tl.where(offs_t == lane, best_i, 0), axis=0)
+                valid = mv > float("-inf")
+                tl.store(top_prob_ptr + base + t, tl.where(valid, tl.exp(mv - m_i) / l_i, 0.0), mask=keep)
+                tl.store(top_pos_ptr + base + t, tl.where(valid, iv, -1).to(tl.int64), mask=keep)
+                best_v = tl.where(offs_t == lane, float("-inf"), best_v)
+                best_i = tl.where(offs_t == lane, 1 << 30, best_i)
 
 
 def paged_decode_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, rows: Tensor, tables: Tensor, lens: Tensor,
-                           out: Tensor) -> None:
+                           out: Tensor, telemetry=None) -> None:
+    """`telemetry`: model/kernels/attention_telemetry.py's AttentionTelemetry for this call, or None."""
     E = q.shape[-1]
     if q.stride(-1) != 1 or q.stride(-2) != E or not (k_pool.is_contiguous() and v_pool.is_contiguous() and out.is_contiguous()):
         raise ValueError("paged_decode_attention: heads of q, the pools and out must be contiguous")
     if tables.shape[0] == 0:
         return
-    _launch(q, k_pool, v_pool, rows, tables, lens, out)
+    _launch(q, k_pool, v_pool, rows, tables, lens, out, telemetry)
 
 
-def _launch(q: Tensor, k_pool: Tensor, v_pool: Tensor, rows: Tensor, tables: Tensor, lens: Tensor, out: Tensor) -> None:
+def _launch(q: Tensor, k_pool: Tensor, v_pool: Tensor, rows: Tensor, tables: Tensor, lens: Tensor, out: Tensor,
+            telemetry=None) -> None:
     (R, W), (_, H, E), (_, bs, K, _) = tables.shape, q.shape, k_pool.shape
+    # without telemetry its pointers are never read (TELEMETRY is a compile-time switch): any tensor will do
+    tel = telemetry if telemetry is not None else (lens,) * 5
+    top_k = telemetry.top_pos.shape[-1] if telemetry is not None else 1
     _paged_decode_kernel[(R, H)](
         q, k_pool, v_pool, rows, tables, lens, out,
-        q.stride(0), W, 1.0 / math.sqrt(E),
+        q.stride(0), W, 1.0 / math.sqrt(E), *tel,
         H=H, K=K, E=E, E_PAD=triton.next_power_of_2(E), BS=bs,
+        TELEMETRY=telemetry is not None, TOP_K=top_k, TOP_PAD=triton.next_power_of_2(top_k),
     )

@@ -38,7 +38,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request, state: 
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs requires logprobs: true", param="top_logprobs", code="invalid_value")
     params = to_sampling_params(req, state.settings, req.max_completion_tokens or req.max_tokens, top, None,
-                                default_max_tokens=max(1, max_len - len(prompt)))
+                                default_max_tokens=max(1, max_len - len(prompt)), max_model_len=max_len)
     c = state.config
     interventions = to_interventions(req.interventions, state.vectors, c.n_layers, c.dim)
     read = to_read(req.return_hidden_states, c.n_layers)

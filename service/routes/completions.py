@@ -6,13 +6,15 @@ import asyncio
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
+from model.engine import TelemetryOptions
+from service import inspect_format as fmt
 from service.errors import APIError
 from service.interventions import encode_hidden, merge_hidden, to_interventions, to_read
 from service.routes.common import LegacyLogprobs, now, usage
 from service.routes.inspect import check_length, completion_summaries
 from service.runner import RunStats, collect, start, stream_response, until_disconnect
 from service.sampling_params import to_sampling_params
-from service.schemas import CompletionRequest
+from service.schemas import CompletionRequest, InspectSummaryOptions
 from service.serving import Serving, serving
 
 router = APIRouter()
@@ -38,14 +40,27 @@ def tokenize_prompts(state: Serving, prompt) -> list[list[int]]:
     return prompts
 
 
+def stream_telemetry(req: CompletionRequest) -> TelemetryOptions | None:
+    """`inspect: {"stream": true}`: per-token attention telemetry, which only a streamed completion can carry."""
+    o = req.inspect
+    if not isinstance(o, InspectSummaryOptions) or not o.stream:
+        return None
+    if not req.stream:
+        raise APIError(400, "inspect.stream needs stream: true (the telemetry travels in each token's chunk)",
+                       param="inspect", code="invalid_value")
+    return TelemetryOptions(top_k=o.top_k, massive_threshold=o.massive_threshold, massive_ratio=o.massive_ratio)
+
+
 @router.post("/v1/completions")
 async def completions(req: CompletionRequest, request: Request, state: Serving = Depends(serving)):
     state.check_model(req.model)
     prompts = tokenize_prompts(state, req.prompt)
     max_len = state.max_model_len
+    telemetry = stream_telemetry(req)
     params = to_sampling_params(req, state.settings, req.max_tokens, req.logprobs,
                                 req.logprobs if req.echo and req.logprobs is not None else None,
-                                default_max_tokens=max(1, max_len - max(len(p) for p in prompts)))
+                                default_max_tokens=max(1, max_len - max(len(p) for p in prompts)),
+                                max_model_len=max_len, telemetry=telemetry)
     c = state.config
     interventions = to_interventions(req.interventions, state.vectors, c.n_layers, c.dim)
     read = to_read(req.return_hidden_states, c.n_layers)
@@ -54,13 +69,14 @@ async def completions(req: CompletionRequest, request: Request, state: Serving =
     tok = state.tokenizer
     n_choices = len(prompts) * params.n
     created, rid, model = now(), f"cmpl-{stats.request_id}", state.model_name
-    if req.inspect:
+    summarize = bool(req.inspect) and telemetry is None  # with stream: true, per-token telemetry instead
+    if summarize:
         for p in prompts:
             check_length(state, len(p))
     outputs = await start(state, prompts, params, stats, interventions, read)  # refusals raise here, before any response
     # the `inspect` extension: probes step on the engine thread between generation steps (under the same edits)
     inspection = asyncio.ensure_future(completion_summaries(state, prompts, req.inspect, interventions)) \
-        if req.inspect else None
+        if summarize else None
 
     def echo_text(choice: int) -> str:
         return tok.decode(prompts[choice // params.n]) if req.echo else ""
@@ -95,11 +111,13 @@ async def completions(req: CompletionRequest, request: Request, state: Serving =
                 text, lp = echo_text(choice) + out.text, echo_logprobs(choice, out)
                 started.add(choice)
             lp = add_logprobs(lp, out)
-            if not text and not out.finished and lp is None and out.hidden_states is None:
+            if not text and not out.finished and lp is None and out.hidden_states is None and out.telemetry is None:
                 return None
             c = {"index": choice, "text": text, "logprobs": lp.as_dict() if lp else None, "finish_reason": out.finish_reason}
             if read is not None:
                 c["hidden_states"] = encode_hidden(out.hidden_states, hidden_dtype)
+            if out.telemetry is not None:  # every token's chunk is sent, with what produced it
+                c["token_id"], c["inspect"] = out.token_ids[0], fmt.token_telemetry(out.telemetry)
             return c
 
         async def inspect_chunk() -> dict:

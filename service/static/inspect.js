@@ -1,4 +1,5 @@
-// The inspect viewer: POST /inspect, then draw. Plain JS, no build step, no dependencies.
+// The inspect viewer: POST /inspect, then draw; live mode streams a completion with per-token telemetry. Plain JS, no
+// build step, no dependencies.
 "use strict";
 
 const $ = (id) => document.getElementById(id);
@@ -353,6 +354,92 @@ function fillColumn(col, d, title) {
   col.dataset.sinks = JSON.stringify(d.summary.sink_mass_by_layer);
 }
 
+// ---- live mode: a streamed completion whose chunks carry each token's attention telemetry -----------------------
+
+const live = { tokens: [], layers: 0 };
+
+async function runLive() {
+  const key = $("api-key").value.trim();
+  const headers = { "Content-Type": "application/json" };
+  if (key) headers.Authorization = "Bearer " + key;
+  const body = { prompt: $("prompt").value, max_tokens: Number($("max-tokens").value) || 32, temperature: 0,
+                 stream: true, inspect: { stream: true } };
+  const w = Number($("window").value);
+  if (w > 0) body.kv_window = { sink_tokens: 4, window: w };
+  live.tokens = [];
+  $("live-section").hidden = false;
+  $("live-tokens").innerHTML = "";
+  const head = document.createElement("span");
+  head.className = "prompt";
+  head.textContent = body.prompt;
+  $("live-tokens").append(head);
+  drawLive();
+  $("live").disabled = true;
+  setStatus("generating…");
+  try {
+    const res = await fetch("/v1/completions", { method: "POST", headers, body: JSON.stringify(body) });
+    if (!res.ok) {
+      const data = await res.json();
+      throw new Error((data.error && data.error.message) || res.statusText);
+    }
+    const reader = res.body.getReader(), decoder = new TextDecoder();
+    let buffer = "";
+    for (;;) {
+      const { value, done } = await reader.read();
+      if (done) break;
+      buffer += decoder.decode(value, { stream: true });
+      let cut;
+      while ((cut = buffer.indexOf("\n\n")) >= 0) {
+        const event = buffer.slice(0, cut);
+        buffer = buffer.slice(cut + 2);
+        if (!event.startsWith("data: ") || event === "data: [DONE]") continue;
+        const chunk = JSON.parse(event.slice(6));
+        if (chunk.error) throw new Error(chunk.error.message);
+        for (const c of chunk.choices) if (c.inspect) addLiveToken(c.text, c.inspect);
+      }
+    }
+    setStatus(`${live.tokens.length} tokens streamed with their telemetry`);
+  } catch (err) {
+    setStatus(String(err.message || err), true);
+  } finally {
+    $("live").disabled = false;
+  }
+}
+
+function addLiveToken(text, tel) {
+  const sinks = tel.layers.map((l) => l.sink_mass);
+  live.layers = sinks.length;
+  live.tokens.push({ text, sinks, position: tel.position });
+  const mean = sinks.reduce((a, b) => a + b, 0) / sinks.length;
+  const span = document.createElement("span");
+  span.textContent = text;
+  span.dataset.sinks = sinks.map((v) => v.toFixed(4)).join(",");
+  span.style.borderBottomColor = weightColour(mean);
+  span.title = `query position ${tel.position} · sink mass by layer: ` + sinks.map((v, i) => `${i}:${v.toFixed(2)}`).join(" ");
+  $("live-tokens").append(span);
+  $("live-status").textContent = `(${live.tokens.length} tokens · mean sink mass ${mean.toFixed(3)} for the last)`;
+  drawLive();
+}
+
+function drawLive() {
+  const canvas = $("live-sinks"), ctx = canvas.getContext("2d"), L = Math.max(1, live.layers);
+  const pad = { l: 60, t: 4, b: 18 }, n = Math.max(live.tokens.length, 32);
+  const cw = Math.max(1, Math.floor((canvas.width - pad.l) / n)), ch = Math.max(2, Math.floor((canvas.height - pad.t - pad.b) / L));
+  ctx.fillStyle = "#fff";
+  ctx.fillRect(0, 0, canvas.width, canvas.height);
+  live.tokens.forEach((t, x) => t.sinks.forEach((v, y) => {
+    ctx.fillStyle = weightColour(v);
+    ctx.fillRect(pad.l + x * cw, pad.t + y * ch, cw, ch);
+  }));
+  ctx.font = "11px system-ui, sans-serif"; ctx.fillStyle = "#6b7280"; ctx.textAlign = "right"; ctx.textBaseline = "middle";
+  for (let y = 0; y < L; y += Math.ceil(L / 6)) ctx.fillText(`block ${y}`, pad.l - 4, pad.t + y * ch + ch / 2);
+  ctx.textAlign = "left"; ctx.textBaseline = "top";
+  ctx.fillText("generated tokens →", pad.l, pad.t + L * ch + 3);
+  canvas.dataset.tokens = String(live.tokens.length);
+  canvas.dataset.layers = String(live.layers);
+}
+
+$("live").addEventListener("click", runLive);
 $("run").addEventListener("click", runInspect);
 $("layer").addEventListener("change", drawHeatmap);
 $("head").addEventListener("change", drawHeatmap);

@@ -7,6 +7,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &ls::silu_mul, "silu(g) * u: (..., 2F) -> (..., F)");
   m.def("rope_", &ls::rope_, "RoPE in place on the first n_rot heads: x (N, heads, E), cos/signed sin (N, E)");
   m.def("paged_decode_attention", &ls::paged_decode_attention, "decode attention over the paged pool");
+  m.def("paged_decode_attention_telemetry", &ls::paged_decode_attention_telemetry,
+        "decode attention over the paged pool, recording sink mass and top-k keys of the rows that ask");
   m.def("paged_write", &ls::paged_write, "write k/v (N, K, E) into pool slots (N,)");
   m.def("int4_linear", &ls::int4_linear, "x (M, K) float32 @ int4 W (N, K)^T -> (M, N)");
   m.def("int8_linear", &ls::int8_linear, "x (M, K) float32 @ int8 W (N, K)^T -> (M, N)");

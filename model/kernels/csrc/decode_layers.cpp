@@ -22,16 +22,28 @@ static torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& a, cons
   return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
 }
 
+// hidden[slot[r]] = h[rows[r]] for the decode rows r with a telemetry slot: the residual stream after a block.
+static void keep_rows(const torch::Tensor& h, const torch::Tensor& rows, const torch::Tensor& slot, torch::Tensor hidden) {
+  const int64_t* s = slot.data_ptr<int64_t>();
+  const int64_t* rw = rows.data_ptr<int64_t>();
+  for (int64_t r = 0; r < slot.numel(); ++r)
+    if (s[r] >= 0) hidden[s[r]].copy_(h[rw[r]]);
+}
+
 // h (N, D) the residual stream of N decode rows; layers: per block [attention_norm, ffn_norm, wqkv a, b, wo a, b,
 // w13 a, b, w2 a, b]; cos, ssin (N, E) `rotary_tables`; k_pools, v_pools (L, NB, bs, K, E); the step's slots
 // (N,) and decode metadata as `PagedKVCache.set_step` builds them (rows = 0..N-1); edits: the step's
 // interventions table (empty: none; interventions.cpp), applied at the block's three sites as `Block.forward`
-// hands them to its attention context.  -> h after every block (N, D)
+// hands them to its attention context; telemetry: empty (off), or model/engine/telemetry.py's [slot (N,),
+// sink_len (Rt,), sink_mass (L, Rt, H), top_pos (L, Rt, H, k), top_prob (L, Rt, H, k), hidden (L, Rt, D)]: the
+// attention telemetry of the rows with slot >= 0, and their residual stream after each block.
+// -> h after every block (N, D)
 torch::Tensor decode_layers(torch::Tensor h, const std::vector<std::vector<torch::Tensor>>& layers, double eps,
                             const torch::Tensor& cos, const torch::Tensor& ssin, torch::Tensor& k_pools,
                             torch::Tensor& v_pools, const torch::Tensor& slots, const torch::Tensor& rows,
                             const torch::Tensor& tables, const torch::Tensor& lens, int64_t H, int64_t K, int64_t E,
-                            const std::vector<torch::Tensor>& edits) {
+                            const std::vector<torch::Tensor>& edits, const std::vector<torch::Tensor>& telemetry) {
+  TORCH_CHECK(telemetry.empty() || telemetry.size() == 6, "decode_layers: telemetry is empty or 6 tensors");
   TORCH_CHECK(h.dim() == 2 && k_pools.size(0) == static_cast<int64_t>(layers.size()), "decode_layers: shapes");
   const int64_t N = h.size(0);
   h = h.clone();  // the residual stream is updated in place from here on; the caller's tensor stays as it was
@@ -45,7 +57,12 @@ torch::Tensor decode_layers(torch::Tensor h, const std::vector<std::vector<torch
     auto q = qkv.narrow(1, 0, H), k = qkv.narrow(1, H, K), v = qkv.narrow(1, H + K, K);
     paged_write(k, v, k_pool, v_pool, slots);
     auto att = torch::empty({N, H, E}, h.options());
-    paged_decode_attention(q, k_pool, v_pool, rows, tables, lens, att);
+    if (telemetry.empty()) {
+      paged_decode_attention(q, k_pool, v_pool, rows, tables, lens, att);
+    } else {
+      torch::Tensor sink = telemetry[2][l], pos = telemetry[3][l], prob = telemetry[4][l];
+      paged_decode_attention_telemetry(q, k_pool, v_pool, rows, tables, lens, att, telemetry[0], telemetry[1], sink, pos, prob);
+    }
     auto a = linear(att.view({N, H * E}), w[4], w[5]);
     apply_site(a, edits, 3 * l);  // attention_output
     h.add_(a);
@@ -55,6 +72,7 @@ torch::Tensor decode_layers(torch::Tensor h, const std::vector<std::vector<torch
     h.add_(m);
     apply_site(h, edits, 3 * l + 2);  // block_output
     read_site(h, edits, l);
+    if (!telemetry.empty()) keep_rows(h, rows, telemetry[0], telemetry[5][l]);
   }
   return h;
 }

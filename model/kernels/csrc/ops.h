@@ -12,6 +12,10 @@ void rope_(torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& ssin
 void paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tensor& v_pool,
                             const torch::Tensor& rows, const torch::Tensor& tables, const torch::Tensor& lens,
                             torch::Tensor& out);
+void paged_decode_attention_telemetry(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tensor& v_pool,
+                                      const torch::Tensor& rows, const torch::Tensor& tables, const torch::Tensor& lens,
+                                      torch::Tensor& out, const torch::Tensor& slot, const torch::Tensor& sink_len,
+                                      torch::Tensor& sink_mass, torch::Tensor& top_pos, torch::Tensor& top_prob);
 void paged_write(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& k_pool, torch::Tensor& v_pool,
                  const torch::Tensor& slots);
 torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& nibbles, const torch::Tensor& dm);
@@ -22,7 +26,7 @@ torch::Tensor decode_layers(torch::Tensor h, const std::vector<std::vector<torch
                             const torch::Tensor& cos, const torch::Tensor& ssin, torch::Tensor& k_pools,
                             torch::Tensor& v_pools, const torch::Tensor& slots, const torch::Tensor& rows,
                             const torch::Tensor& tables, const torch::Tensor& lens, int64_t H, int64_t K, int64_t E,
-                            const std::vector<torch::Tensor>& edits);
+                            const std::vector<torch::Tensor>& edits, const std::vector<torch::Tensor>& telemetry);
 void apply_edits(torch::Tensor& x, const torch::Tensor& ops, const torch::Tensor& bank);
 void apply_site(torch::Tensor& x, const std::vector<torch::Tensor>& edits, int64_t site);
 void read_site(const torch::Tensor& h, const std::vector<torch::Tensor>& edits, int64_t layer);

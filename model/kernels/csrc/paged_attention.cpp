@@ -4,6 +4,7 @@
 // heads (Ainslie et al. 2023): query head h reads KV head h / (H / K), as SDPA's enable_gqa does.
 #include <vector>
 
+#include "attention_telemetry.h"
 #include "ops.h"
 
 namespace ls {
@@ -57,9 +58,10 @@ static inline void pv_in_registers(const float* p, int64_t len, const At& at, fl
 #endif
 
 // One query head of one decode row over its context: scores (len) in `sc`, output (E) in `o`.
-// k_at(s) / v_at(s): the pool row of position s for this head's KV head.
+// k_at(s) / v_at(s): the pool row of position s for this head's KV head. On return sc holds exp(score - max) and
+// the function returns their sum, so sc[s] / sum is the softmax the output was weighted by (the telemetry reads it).
 template <typename T, typename At>
-static void attend_head(const float* q, int64_t len, int64_t E, At at, float* sc, T* o, std::vector<float>& acc) {
+static float attend_head(const float* q, int64_t len, int64_t E, At at, float* sc, T* o, std::vector<float>& acc) {
   int64_t s = 0;
   float mx = -INFINITY;
 #if LS_AVX2
@@ -111,6 +113,7 @@ static void attend_head(const float* q, int64_t len, int64_t E, At at, float* sc
     for (s = 0; s < len; ++s) axpy(sc[s], at.v(s), acc.data(), E);
   const float inv = 1.f / sum;
   for (int64_t i = 0; i < E; ++i) o[i] = from_f<T>(acc[i] * inv);
+  return sum;
 }
 
 template <typename T>
@@ -126,10 +129,11 @@ struct PoolRows {  // position s of one sequence, one KV head -> its K and V row
 // q (N, H, E) packed rows (token stride q_stride); k_pool, v_pool (NB, bs, K, E); rows (R,) which packed rows are
 // decode rows; tables (R, W) their block ids; lens (R,) their context lengths; out (N, H, E): rows `rows` are
 // written. One task per (row, query head): the 2-16 tasks of a small batch spread over every thread.
+// `tel`: where the rows that asked for it record their softmax (attention_telemetry.h); null: nobody asked.
 template <typename T>
 static void decode_impl(const T* q, int64_t q_stride, const T* kp, const T* vp, const int64_t* rows, const int64_t* tables,
                         const int64_t* lens, T* out, int64_t R, int64_t W, int64_t H, int64_t K, int64_t E,
-                        int64_t bs) {
+                        int64_t bs, const Telemetry* tel) {
   const int64_t G = H / K;
   const float scale = 1.f / std::sqrt(static_cast<float>(E));
   at::parallel_for(0, R * H, 1, [&](int64_t begin, int64_t end) {
@@ -139,14 +143,15 @@ static void decode_impl(const T* q, int64_t q_stride, const T* kp, const T* vp, 
       for (int64_t i = 0; i < E; ++i) qf[i] = to_f(q[row * q_stride + h * E + i]) * scale;
       scores.resize(len);
       const PoolRows<T> at{kp, vp, tables + r * W, bs, K * E, (h / G) * E};
-      attend_head<T>(qf.data(), len, E, at, scores.data(), out + (row * H + h) * E, acc);
+      const float sum = attend_head<T>(qf.data(), len, E, at, scores.data(), out + (row * H + h) * E, acc);
+      if (tel != nullptr && tel->slot[r] >= 0) tel->record(tel->slot[r], h, scores.data(), len, sum);
     }
   });
 }
 
-void paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tensor& v_pool,
+static void decode_dispatch(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tensor& v_pool,
                             const torch::Tensor& rows, const torch::Tensor& tables, const torch::Tensor& lens,
-                            torch::Tensor& out) {
+                            torch::Tensor& out, const Telemetry* tel) {
   TORCH_CHECK(q.stride(-1) == 1 && q.stride(-2) == q.size(-1) && k_pool.is_contiguous() && v_pool.is_contiguous() && out.is_contiguous(), "paged_decode_attention: contiguous");
   TORCH_CHECK(rows.scalar_type() == at::kLong && tables.scalar_type() == at::kLong && lens.scalar_type() == at::kLong, "paged_decode_attention: int64 metadata");
   TORCH_CHECK(tables.is_contiguous() && tables.dim() == 2 && rows.numel() == tables.size(0) && lens.numel() == tables.size(0), "paged_decode_attention: metadata shapes");
@@ -156,12 +161,27 @@ void paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_pool,
   const int64_t R = tables.size(0), W = tables.size(1);
   if (q.scalar_type() == at::kFloat)
     decode_impl<float>(q.data_ptr<float>(), q_stride, k_pool.data_ptr<float>(), v_pool.data_ptr<float>(), rows.data_ptr<int64_t>(),
-                       tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<float>(), R, W, H, K, E, bs);
+                       tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<float>(), R, W, H, K, E, bs, tel);
   else if (q.scalar_type() == at::kBFloat16)
     decode_impl<bf16>(q.data_ptr<bf16>(), q_stride, k_pool.data_ptr<bf16>(), v_pool.data_ptr<bf16>(), rows.data_ptr<int64_t>(),
-                      tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<bf16>(), R, W, H, K, E, bs);
+                      tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<bf16>(), R, W, H, K, E, bs, tel);
   else
     TORCH_CHECK(false, "paged_decode_attention: float32 or bfloat16");
+}
+
+void paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tensor& v_pool,
+                            const torch::Tensor& rows, const torch::Tensor& tables, const torch::Tensor& lens,
+                            torch::Tensor& out) {
+  decode_dispatch(q, k_pool, v_pool, rows, tables, lens, out, nullptr);
+}
+
+// The same attention, and for the rows with slot[r] >= 0 what their softmax put where (attention_telemetry.h).
+void paged_decode_attention_telemetry(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tensor& v_pool,
+                                      const torch::Tensor& rows, const torch::Tensor& tables, const torch::Tensor& lens,
+                                      torch::Tensor& out, const torch::Tensor& slot, const torch::Tensor& sink_len,
+                                      torch::Tensor& sink_mass, torch::Tensor& top_pos, torch::Tensor& top_prob) {
+  const Telemetry tel = Telemetry::of(slot, sink_len, sink_mass, top_pos, top_prob, q.size(-2), tables.size(0));
+  decode_dispatch(q, k_pool, v_pool, rows, tables, lens, out, &tel);
 }
 
 // Write this step's K and V into their pool slots.   k, v (N, K, E) (views into the fused q/k/v output);

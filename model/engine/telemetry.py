@@ -1,0 +1,200 @@
+"""Attention telemetry streamed with every token: for each sampled token, per layer, the attention mass its query
+put on the sink tokens (per head), its top-k attended keys, and the massive activations (Sun et al. 2024) in its
+residual stream, all read off the forward pass that produced the token.
+
+Where each number comes from:
+- attention: the decode kernels record it from the softmax they compute anyway (model/kernels/attention_telemetry.py:
+  native, Triton, and the PyTorch reference), for the rows that asked; a sequence's first token comes from a prefill
+  chunk, whose last row is run once more through the decode kernel for its telemetry only (its output is discarded,
+  so the SDPA output the model used is untouched);
+- the residual stream after each block: the fused native decode call copies the asking rows out after each block
+  (decode_layers' `telemetry` list); the module path reads them with forward hooks on the blocks, installed for
+  the step only.
+A step in which no sequence asked runs none of this: no buffers, no hooks, the kernels' plain variants. The CUDA
+graphs' step declines such steps (its graphs are captured without telemetry) and the module path serves them.
+
+The query row of a sampled token is the token before it (`position`): what the model looked at when it produced the
+token. Its attention row is /inspect's row at that position (a test holds the two equal); the massive-activation
+ratio is taken against the median |h| of this token's own hidden state, where /inspect takes the whole sequence's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Iterator
+
+import torch
+from torch import Tensor
+
+from model.kernels import ops
+from model.kernels.attention_telemetry import AttentionTelemetry
+
+if TYPE_CHECKING:
+    from model.engine.paged_cache import SeqSlice
+    from model.engine.request import Sequence
+    from model.engine.scheduler import ScheduledSeq
+
+MAX_TOP_K = 32
+
+
+@dataclass(frozen=True)
+class TelemetryOptions:
+    """What a request's tokens carry (`inspect: {"stream": true}` on a streamed completion)."""
+
+    top_k: int = 5  # attended keys per head and layer
+    massive_threshold: float = 100.0  # Sun et al.'s: |x| > 100 ...
+    massive_ratio: float = 1000.0  # ... and |x| >= 1000 x the median |x|
+    massive_top_k: int = 3  # largest |x| listed per layer, flagged or not
+
+    def validate(self) -> None:
+        for name, hi in (("top_k", MAX_TOP_K), ("massive_top_k", 64)):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= hi:
+                raise ValueError(f"telemetry.{name} must be an integer in [1, {hi}], got {v!r}")
+        for name in ("massive_threshold", "massive_ratio"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v <= 0:
+                raise ValueError(f"telemetry.{name} must be a positive finite number, got {v!r}")
+
+
+@dataclass
+class TokenTelemetry:
+    """One sampled token's telemetry (CPU tensors; L layers, H query heads, k keys, m listed activations)."""
+
+    position: int  # the query row: the token fed in, whose forward produced the sampled token
+    sink_tokens: int  # leading keys counted as sinks (1: token 0; a kv_window's sink_tokens)
+    sink_mass: Tensor  # (L, H) float32
+    top_positions: Tensor  # (L, H, k) int64 token positions, -1 where the context had fewer than k keys
+    top_probs: Tensor  # (L, H, k) float32
+    max_abs: Tensor  # (L,) largest |h| of the token's hidden state after each block
+    median_abs: Tensor  # (L,) median |h| (torch.median, as /inspect and the paper's code)
+    top_dims: Tensor  # (L, m) dims of the m largest |h|
+    top_values: Tensor  # (L, m) their signed values
+    top_massive: Tensor  # (L, m) bool: which of them pass the thresholds
+    num_massive: Tensor  # (L,) int64: entries passing the thresholds
+
+
+@dataclass
+class TelemetryRow:
+    """A sampled sequence whose token carries telemetry: where its query row is in this step."""
+
+    seq: Sequence
+    packed_row: int  # its query's row in the packed batch
+    position: int  # that query's token position
+    decode_index: int | None  # its index among the step's decode rows, or None (the last row of a prefill chunk)
+    blocks: list[int]  # its block table, for a prefill row
+    cache_len: int  # keys its query attends over
+
+
+class StepTelemetry:
+    """One step's telemetry buffers (slots j = 0..Rt-1, one per row in `rows`) and how each path fills them."""
+
+    def __init__(self, rows: list[TelemetryRow], num_decode: int, n_layers: int, n_heads: int, dim: int,
+                 device: torch.device, dtype: torch.dtype) -> None:
+        self.rows = rows
+        Rt, L, H = len(rows), n_layers, n_heads
+        self.k = max(r.seq.request.params.telemetry.top_k for r in rows)
+        self.sink_tokens = [_sink_tokens(r.seq) for r in rows]
+        slot = [-1] * num_decode
+        for j, r in enumerate(rows):
+            if r.decode_index is not None:
+                slot[r.decode_index] = j
+        self.slot = torch.tensor(slot, dtype=torch.long, device=device)  # (R,)
+        self.sink_len = torch.tensor(self.sink_tokens, dtype=torch.long, device=device)  # (Rt,)
+        self.sink_mass = torch.zeros(L, Rt, H, device=device)
+        self.top_pos = torch.full((L, Rt, H, self.k), -1, dtype=torch.long, device=device)
+        self.top_prob = torch.zeros(L, Rt, H, self.k, device=device)
+        self.hidden = torch.zeros(L, Rt, dim, dtype=dtype, device=device)
+        self.packed_rows = torch.tensor([r.packed_row for r in rows], dtype=torch.long, device=device)
+        # prefill rows: (packed row, its table (1, nb), its length (1,), its slot (1,)) for one more decode-kernel row
+        self.prefill = [(r.packed_row, torch.tensor([r.blocks], dtype=torch.long, device=device),
+                         torch.tensor([r.cache_len], dtype=torch.long, device=device),
+                         torch.tensor([j], dtype=torch.long, device=device))
+                        for j, r in enumerate(rows) if r.decode_index is None]
+
+    def layer(self, layer: int, slot: Tensor | None = None) -> AttentionTelemetry:
+        """What decode_attention records into for `layer` (the step's decode rows, or one row's `slot`)."""
+        return AttentionTelemetry(self.slot if slot is None else slot, self.sink_len, self.sink_mass[layer],
+                                  self.top_pos[layer], self.top_prob[layer])
+
+    def native_args(self) -> list[Tensor]:
+        """decode_layers' telemetry list (model/kernels/csrc/decode_layers.cpp)."""
+        return [self.slot, self.sink_len, self.sink_mass, self.top_pos, self.top_prob, self.hidden]
+
+    def attend_prefill_rows(self, layer: int, q: Tensor, k_pool: Tensor, v_pool: Tensor) -> None:
+        """q (1, N, H, E) of the step; the prefill rows' K/V are in the pools already. Each asking prefill row's last
+        query once more through the decode kernel, its output thrown away, its telemetry kept."""
+        zero = torch.zeros(1, dtype=torch.long, device=q.device)
+        for row, table, lens, slot in self.prefill:
+            qr = q[0, row : row + 1]  # (1, H, E)
+            ops.decode_attention(qr, k_pool, v_pool, zero, table, lens, torch.empty_like(qr), self.layer(layer, slot))
+
+    @contextlib.contextmanager
+    def hidden_hooks(self, model: torch.nn.Module) -> Iterator[None]:
+        """The module path: each block's output rows for the asking rows, read by forward hooks for this step only."""
+        def keep(layer: int):
+            def hook(_module, _inputs, out: Tensor) -> None:  # out (1, N, D)
+                self.hidden[layer] = out[0].index_select(0, self.packed_rows)
+            return hook
+
+        handles = [block.register_forward_hook(keep(i)) for i, block in enumerate(model.layers)]
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+
+    def results(self) -> dict[Sequence, TokenTelemetry]:
+        """Each asking sequence's TokenTelemetry, computed for all rows at once (CPU tensors)."""
+        rows = self.rows
+        # cache positions -> token positions: a windowed sequence's keys past its sinks sit num_evicted lower
+        evicted = torch.tensor([r.seq.num_evicted for r in rows]).view(1, -1, 1, 1)
+        first = torch.tensor([r.seq.window.sink_tokens if r.seq.window is not None else 0 for r in rows]).view(1, -1, 1, 1)
+        pos = self.top_pos.cpu()
+        pos = torch.where(pos >= first, pos + evicted, pos)  # -1 stays -1
+        h = self.hidden.float().cpu()  # (L, Rt, D)
+        mag = h.abs()
+        median = mag.median(-1).values  # (L, Rt)
+        m = max(r.seq.request.params.telemetry.massive_top_k for r in rows)
+        top = mag.topk(min(m, mag.shape[-1]), dim=-1)
+        opts = [r.seq.request.params.telemetry for r in rows]
+        thr = torch.tensor([o.massive_threshold for o in opts]).view(1, -1, 1)
+        ratio = torch.tensor([o.massive_ratio for o in opts]).view(1, -1, 1)
+        flagged = (mag > thr) & (mag >= ratio * median.unsqueeze(-1))  # (L, Rt, D)
+        top_flag = flagged.gather(-1, top.indices)
+        values = h.gather(-1, top.indices)
+        sink, prob = self.sink_mass.cpu(), self.top_prob.cpu()
+        out = {}
+        for j, r in enumerate(rows):
+            o, k = opts[j], r.seq.request.params.telemetry.top_k
+            out[r.seq] = TokenTelemetry(
+                r.position, self.sink_tokens[j], sink[:, j], pos[:, j, :, :k], prob[:, j, :, :k],
+                top.values[:, j, 0], median[:, j], top.indices[:, j, : o.massive_top_k],
+                values[:, j, : o.massive_top_k], top_flag[:, j, : o.massive_top_k], flagged[:, j].sum(-1))
+        return out
+
+
+def _sink_tokens(seq: Sequence) -> int:
+    """Keys counted as sinks: a kv_window's sink tokens, else token 0 (Xiao et al.'s sink, /inspect's sink_mass)."""
+    return seq.window.sink_tokens if seq.window is not None else 1
+
+
+def step_telemetry(scheduled: list[ScheduledSeq], slices: list[SeqSlice], sample: list[tuple[Sequence, int]],
+                   model: torch.nn.Module, device: torch.device) -> StepTelemetry | None:
+    """The step's telemetry, or None when no sampled sequence asked for it. `scheduled` and `slices` in step order,
+    `sample` the (sequence, logits row) pairs sampled this step."""
+    asking = {id(seq) for seq, _ in sample if seq.request.params.telemetry is not None}
+    if not asking:
+        return None
+    rows, r = [], 0
+    for s, sl in zip(scheduled, slices):
+        seq = s.seq
+        if id(seq) in asking:
+            last = seq.num_computed_tokens + s.num_new_tokens - 1
+            rows.append(TelemetryRow(seq, sl.start + sl.num_new - 1, last, r if sl.num_new == 1 else None,
+                                     list(sl.block_ids), sl.context_len))
+        r += sl.num_new == 1
+    c = model.config
+    return StepTelemetry(rows, r, c.n_layers, c.n_heads, c.dim, device, model.dtype)
