@@ -109,6 +109,9 @@ class GgmlAttention:
     def begin_forward(self, positions: Tensor) -> None:
         pass
 
+    def edit(self, layer: int, site: str, x: Tensor) -> Tensor:
+        return x  # no interventions here
+
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:  # (B, T, H|K, E) -> (B, T, H, E)
         B, T, H, E = q.shape
         rep = H // k.shape[2]

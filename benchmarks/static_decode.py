@@ -39,6 +39,9 @@ class StaticKV:
         self.positions = positions
         self.mask = (self.slots <= positions.unsqueeze(-1)).unsqueeze(1)  # (B, 1, T, S)
 
+    def edit(self, layer: int, site: str, x: torch.Tensor) -> torch.Tensor:
+        return x  # no interventions here
+
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         self.k[layer][self.rows, self.positions] = k  # (B, T, K, E) at their positions
         self.v[layer][self.rows, self.positions] = v

@@ -37,6 +37,9 @@ class StreamingReference:
         cos, sin = rotary_tables(*self.model.rope(torch.tensor([positions])), torch.float32)
         return apply_rotary_tables(x[None].float(), cos, sin)[0].to(x.dtype)
 
+    def edit(self, layer: int, site: str, x: Tensor) -> Tensor:
+        return x  # no interventions here
+
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """q (1, 1, H, E), k/v (1, 1, K, E) of token t, both rotated at its cache position."""
         t, S = self.t, self.window.sink_tokens
