@@ -18,6 +18,7 @@ from model.engine.paged_cache import PagedKVCache, SeqSlice, kv_config
 from model.engine.sampler import Sampler, SamplingRow, TokenLogprobs, prompt_logprobs
 from model.engine.sampling_params import SamplingParams
 from model.engine.scheduler import QueueFullError, ScheduledSeq, Scheduler, SchedulerConfig
+from model.engine.structured import StructuredOutputs
 from model.engine.request import FinishReason, Request, Sequence, SequenceStatus
 from model.text.stop_strings import StopStringMatcher
 from model.text.detokenizer import IncrementalDetokenizer
@@ -113,6 +114,7 @@ class _SeqState:
         self.stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else tokenizer.stop_ids)
         self.prompt_logprobs: list[TokenLogprobs | None] | None = [None] if params.prompt_logprobs is not None else None
         self.prompt_logprobs_sent = False
+        self.grammar = None  # structured outputs: its SequenceGrammar, set by Engine.add_request
 
 
 class Engine:
@@ -135,6 +137,8 @@ class Engine:
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.max_waiting), self.kv
         )
         self.sampler = Sampler(model.config.vocab_size, model.device)
+        # [structured outputs] grammar compiler + cache and the step's mask buffer (nothing is built until used)
+        self.structured = StructuredOutputs(tokenizer, model.config.vocab_size, config.max_num_seqs)
         self.requests: dict[str, Request] = {}
         self._next_seq_id = 0
         self.distributed = getattr(model, "world_size", 1) > 1  # tensor parallelism: step failures are fatal
@@ -163,11 +167,14 @@ class Engine:
             )
         share_prefix = params.n > 1 and self.config.enable_prefix_caching
         self.scheduler.check_capacity(1 if share_prefix else params.n)
+        # [structured outputs] compiled once per request (a cache hit when the service compiled it already)
+        grammar = self.structured.compile(params.structured) if params.structured is not None else None
         req = Request(request_id, list(prompt_token_ids), params)
         for i in range(params.n):
             seq = Sequence(self._next_seq_id, req, i, req.prompt_token_ids)
             self._next_seq_id += 1
             seq.state = _SeqState(self.tokenizer, params, i, self.model.device)
+            seq.state.grammar = grammar.new_state() if grammar is not None else None  # [structured outputs]
             req.seqs.append(seq)
         self.requests[request_id] = req
         self.scheduler.add(req.seqs[0])
@@ -264,6 +271,8 @@ class Engine:
                 sample_at.append((seq, len(logits_rows)))
                 logits_rows.append(offset + n - 1)
         dev = self.model.device
+        # [structured outputs] the sampling rows' grammar masks, filled on a worker thread during the forward
+        masks = self.structured.start_masks([(seq.state.grammar, seq.output_token_ids) for seq, _ in sample_at])
         if self.decode_graphs is not None and not prompt_lp_at and self.decode_graphs.accepts(slices):
             logits = self.decode_graphs.run(slices, tokens, positions).float()  # (M, V), one row per sequence
         else:
@@ -287,7 +296,8 @@ class Engine:
                             seq.state.stop_ids)
                 for seq, _ in sample_at
             ]
-            sampled = self.sampler(logits[[r for _, r in sample_at]], rows)
+            allowed = masks.result() if masks is not None else None  # [structured outputs]
+            sampled = self.sampler(logits[[r for _, r in sample_at]], rows, allowed)
             for (seq, _), token, lp in zip(sample_at, sampled.token_ids, sampled.logprobs):
                 outs.append(self._append_token(seq, token, lp))
         self._drop_finished_requests()
@@ -306,7 +316,9 @@ class Engine:
             self._finish(seq, FinishReason.STOP, stop_reason=token if token in p.stop_token_ids else None)
             out.text = state.stops.flush()
             return self._final(seq, out)
-        ending = n_out >= p.max_tokens or seq.num_tokens >= self.max_model_len
+        # [structured outputs] advance the grammar; a complete grammar ends the choice like a stop (min_tokens aside)
+        grammar_done = state.grammar is not None and state.grammar.accept(token)
+        ending = grammar_done or n_out >= p.max_tokens or seq.num_tokens >= self.max_model_len
         delta = state.detok.feed(token) + (state.detok.flush() if ending else "")
         if may_stop:
             out.text, matched = state.stops.feed(delta)
@@ -317,7 +329,7 @@ class Engine:
             out.text = delta
         if ending:
             out.text += state.stops.flush()
-            self._finish(seq, FinishReason.LENGTH)
+            self._finish(seq, FinishReason.STOP if grammar_done else FinishReason.LENGTH)
             return self._final(seq, out)
         return out
 

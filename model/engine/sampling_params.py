@@ -5,8 +5,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from numbers import Integral, Real
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:  # imported where used: the structured package imports the sampler, which imports this module
+    from model.engine.structured.spec import StructuredOutputSpec
 
 # vLLM's `_SAMPLING_EPS`: temperatures below it are greedy, since dividing by them overflows float32.
 SAMPLING_EPS = 1e-5
@@ -52,6 +56,9 @@ class SamplingParams:
     logprobs: int | None = None  # None: none; k >= 0: the chosen token's logprob and top-k alternatives
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    # Constrained decoding (model/engine/structured/): every token of each choice is sampled from the tokens its
+    # grammar allows, and the choice ends when the grammar is complete
+    structured: StructuredOutputSpec | None = None
 
     @property
     def greedy(self) -> bool:
@@ -89,6 +96,12 @@ class SamplingParams:
         for name in ("ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise _bad(name, "a boolean", getattr(self, name))
+        if self.structured is not None:
+            from model.engine.structured.spec import StructuredOutputSpec
+
+            if not isinstance(self.structured, StructuredOutputSpec):
+                raise _bad("structured", "a StructuredOutputSpec or None", self.structured)
+            self.structured.validate()  # its errors name the request field it came from
 
     def make_generator(self, device: torch.device | str, offset: int = 0) -> torch.Generator | None:
         """The per-sequence generator the engine creates once (None when unseeded); it must live on the
