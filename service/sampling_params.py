@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 from model.engine.sampling_params import SamplingParams
+from model.engine.structured import StructuredOutputSpec
 from service.config import Settings
 from service.errors import APIError
 from service.schemas import SamplingFields
 
 
 def to_sampling_params(req: SamplingFields, settings: Settings, max_tokens: int | None, logprobs: int | None,
-                       prompt_logprobs: int | None, default_max_tokens: int) -> SamplingParams:
+                       prompt_logprobs: int | None, default_max_tokens: int,
+                       structured: StructuredOutputSpec | None = None) -> SamplingParams:
     if req.stream_options is not None and not req.stream:
         # OpenAI and vLLM refuse it too: the options describe a stream, and a silently ignored field hides a bug
         raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options",
@@ -29,5 +31,6 @@ def to_sampling_params(req: SamplingFields, settings: Settings, max_tokens: int 
         logit_bias={int(k): v for k, v in req.logit_bias.items()} if req.logit_bias else None,
         seed=req.seed, stop=stop, stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos,
         logprobs=logprobs, prompt_logprobs=prompt_logprobs, skip_special_tokens=req.skip_special_tokens,
+        structured=structured,
     )
     return params

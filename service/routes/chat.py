@@ -13,15 +13,19 @@ from service.runner import RunStats, collect_all, finish, start
 from service.sampling_params import to_sampling_params
 from service.schemas import ChatCompletionRequest, ChatMessage
 from service.state import ServingState, check_model, serving
+from service.structured_outputs import compile_spec, requested_spec
+from service.tool_calls import ChoiceMessage, ToolPlan, plan_tools, template_messages, template_renders_tools, template_tools
 
 router = APIRouter()
 
 
-def render_chat(state: ServingState, messages: list[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
+def render_chat(state: ServingState, messages: list[ChatMessage], add_generation_prompt: bool = True,
+                plan: ToolPlan | None = None) -> list[int]:
     tok = state.loaded.tokenizer
+    plan = plan or ToolPlan("none")
     try:
-        text = tok.apply_chat_template([{"role": m.role, "content": m.text()} for m in messages],
-                                       add_generation_prompt=add_generation_prompt)
+        text = tok.apply_chat_template(template_messages(messages, plan), add_generation_prompt=add_generation_prompt,
+                                       tools=template_tools(plan))
     except Exception as e:  # no template, or the template's own raise_exception (e.g. roles out of order)
         raise APIError(400, f"cannot render the chat template: {e}", param="messages", code="chat_template") from None
     ids = tok.encode(text, add_bos=False)  # the template writes any BOS itself (transformers: add_special_tokens=False)
@@ -33,15 +37,25 @@ def render_chat(state: ServingState, messages: list[ChatMessage], add_generation
 @router.post("/v1/chat/completions")
 async def chat_completions(req: ChatCompletionRequest, request: Request, state: ServingState = Depends(serving)):
     check_model(state, req.model)
-    prompt = render_chat(state, req.messages, req.add_generation_prompt)
+    tok = state.loaded.tokenizer
+    tool_turns = any(m.tool_calls or m.role == "tool" for m in req.messages)
+    plan = plan_tools(req, native=bool(req.tools or tool_turns) and template_renders_tools(tok))
+    prompt = render_chat(state, req.messages, req.add_generation_prompt, plan)
     max_len = state.max_model_len
     top = (req.top_logprobs or 0) if req.logprobs else None
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs requires logprobs: true", param="top_logprobs", code="invalid_value")
+    structured = requested_spec(req)
+    if structured is not None and plan.calls_tools:
+        raise APIError(400, f"{structured.source} cannot be combined with tool calls (tool_choice "
+                       f"{plan.named or plan.mode.split('_')[0]}): give one output constraint", param=structured.source,
+                       code="invalid_value")
+    for spec in [*plan.tool_specs, plan.spec or structured]:  # each tool alone first: its error names the tool
+        await compile_spec(state, spec)
     params = to_sampling_params(req, state.settings, req.max_completion_tokens or req.max_tokens, top, None,
-                                default_max_tokens=max(1, max_len - len(prompt)))
+                                default_max_tokens=max(1, max_len - len(prompt)), structured=plan.spec or structured)
     stats = RunStats("chat")
-    tok = state.loaded.tokenizer
+    messages = {c: ChoiceMessage(plan) for c in range(params.n)}
     created, rid, model = now(), f"chatcmpl-{stats.request_id}", state.model_name
     outputs = await start(state, [prompt], params, stats)  # refusals raise here, before any response
 
@@ -56,18 +70,19 @@ async def chat_completions(req: ChatCompletionRequest, request: Request, state: 
             status = 200
             try:
                 for c in range(params.n):  # the role comes first, as OpenAI sends it
-                    yield chunk([{"index": c, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                  "finish_reason": None}])
+                    role = {"role": "assistant", "content": "" if plan.mode == "none" else None}
+                    yield chunk([{"index": c, "delta": role, "logprobs": None, "finish_reason": None}])
                 async for choice, out in outputs:
                     if out.error:
                         status = 500
                         yield sse_error(500, out.error)
                         continue
                     lp = {"content": [chat_logprob(tok, l) for l in out.logprobs]} if out.logprobs else None
-                    if not out.text and not out.finished and lp is None:
+                    delta = messages[choice].delta(out.text, out.finished)
+                    if delta is None and not out.finished and lp is None:
                         continue
-                    delta = {"content": out.text} if out.text else {}
-                    yield chunk([{"index": choice, "delta": delta, "logprobs": lp, "finish_reason": out.finish_reason}])
+                    yield chunk([{"index": choice, "delta": delta or {}, "logprobs": lp,
+                                  "finish_reason": messages[choice].finish_reason(out.finish_reason)}])
                 if include_usage:
                     yield chunk([], usage=usage(stats.prompt_tokens, stats.completion_tokens, stats.cached_tokens))
                 yield DONE
@@ -83,25 +98,23 @@ async def chat_completions(req: ChatCompletionRequest, request: Request, state: 
 
     async def collect():
         try:
-            texts = {c: "" for c in range(params.n)}
             lps: dict[int, list] = {c: [] for c in range(params.n)}
             reasons: dict[int, str | None] = {}
             error = None
             async for choice, out in outputs:
-                texts[choice] += out.text
+                messages[choice].delta(out.text, out.finished)
                 lps[choice] += [chat_logprob(tok, l) for l in out.logprobs or []]
                 error = error or out.error
                 if out.finished:
                     reasons[choice] = out.finish_reason
-            return texts, lps, reasons, error
+            return lps, reasons, error
         finally:
             await outputs.aclose()
 
-    texts, lps, reasons, _ = await collect_all(request, state, stats, collect())
+    lps, reasons, _ = await collect_all(request, state, stats, collect())
     return JSONResponse({
         "id": rid, "object": "chat.completion", "created": created, "model": model,
-        "choices": [{"index": c, "message": {"role": "assistant", "content": texts[c]},
-                     "logprobs": {"content": lps[c]} if req.logprobs else None, "finish_reason": reasons.get(c)}
-                    for c in range(params.n)],
+        "choices": [{"index": c, "message": messages[c].message(), "logprobs": {"content": lps[c]} if req.logprobs
+                     else None, "finish_reason": messages[c].finish_reason(reasons.get(c))} for c in range(params.n)],
         "usage": usage(stats.prompt_tokens, stats.completion_tokens, stats.cached_tokens),
     })

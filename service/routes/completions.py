@@ -15,6 +15,7 @@ from service.runner import RunStats, collect_all, finish, start, until_disconnec
 from service.sampling_params import to_sampling_params
 from service.schemas import CompletionRequest
 from service.state import ServingState, check_model, serving
+from service.structured_outputs import compile_spec, requested_spec
 
 router = APIRouter()
 
@@ -44,9 +45,12 @@ async def completions(req: CompletionRequest, request: Request, state: ServingSt
     check_model(state, req.model)
     prompts = tokenize_prompts(state, req.prompt)
     max_len = state.max_model_len
+    structured = requested_spec(req)
+    await compile_spec(state, structured)
     params = to_sampling_params(req, state.settings, req.max_tokens, req.logprobs,
                                 req.logprobs if req.echo and req.logprobs is not None else None,
-                                default_max_tokens=max(1, max_len - max(len(p) for p in prompts)))
+                                default_max_tokens=max(1, max_len - max(len(p) for p in prompts)),
+                                structured=structured)
     stats = RunStats("completions")
     tok = state.loaded.tokenizer
     n_choices = len(prompts) * params.n
