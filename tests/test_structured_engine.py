@@ -187,3 +187,40 @@ def test_grammar_state_rebuilds_from_the_output(tok):
     s.sync(out)  # diverged (nothing consumed yet): replayed
     assert s.num_tokens == 3 and not s.is_error
     assert s.accept(tok.encode("c", add_bos=False)[0])  # complete: only EOS may follow
+
+
+@pytest.mark.slow
+def test_default_model_mixed_batch_of_32(default_model):
+    """The issue's acceptance on the default model: 16 constrained and 16 free greedy requests in one batch of 32;
+    each constrained one gives exactly its tokens alone, each free one the tokens and logprobs (to the bit) of a
+    batch of the 16 free ones only."""
+    model, tok = default_model.model, default_model.tokenizer
+    topics = ["Paris", "the sea", "a cat", "rain", "music", "Mars", "bread", "winter"]
+    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": f"Tell me about {topics[i % 8]} "
+                                                    f"({i})."}]), add_bos=False) for i in range(32)]
+    person = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                               "age": {"type": "integer", "minimum": 0, "maximum": 99}},
+              "required": ["name", "age"], "additionalProperties": False}
+    kinds = [StructuredOutputSpec.json_schema(person), StructuredOutputSpec("regex", r"[A-Z][a-z]{2,8} [0-9]{1,3}"),
+             StructuredOutputSpec.choice(["yes", "no", "maybe"]), StructuredOutputSpec("json_object")]
+    specs = {i: kinds[(i // 2) % 4] for i in range(0, 32, 2)}
+
+    def params(i):
+        if i in specs:
+            return SamplingParams(max_tokens=32, temperature=0.0, logprobs=1, structured=specs[i])
+        return SamplingParams(max_tokens=16, temperature=0.0, logprobs=1)
+
+    cfg = EngineConfig(num_blocks=1024, block_size=16, max_num_seqs=32, max_num_batched_tokens=2048)
+    mixed = run(Engine(model, tok, cfg), {str(i): (p, params(i)) for i, p in enumerate(prompts)})
+    free = run(Engine(model, tok, cfg), {str(i): (p, params(i)) for i, p in enumerate(prompts) if i not in specs})
+    for i in range(32):
+        got = mixed[str(i)][0]
+        if i in specs:
+            alone = run(Engine(model, tok, cfg), {"a": (prompts[i], params(i))})["a"][0]
+            assert got["tokens"] == alone["tokens"], i
+            if got["finish_reason"] == "stop":
+                check(specs[i], got["text"])
+        else:
+            ref = free[str(i)][0]
+            assert got["tokens"] == ref["tokens"], i
+            assert [lp.logprob for lp in got["logprobs"]] == [lp.logprob for lp in ref["logprobs"]], i
