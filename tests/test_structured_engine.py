@@ -15,8 +15,7 @@ import torch
 from model.engine import Engine, EngineConfig, SamplingParams
 from model.engine.sampler import AllowedTokens, Sampler, SamplingRow
 from model.engine.structured import StructuredOutputSpec, StructuredOutputs
-from test_engine import assert_pool_clean, run
-from tiny import byte_tokenizer, tiny_model
+from test_engine import assert_pool_clean, model, run, tok  # noqa: F401 - model, tok: the tiny fixtures
 
 SCHEMA = {
     "type": "object",
@@ -34,16 +33,6 @@ SCHEMA = {
 }
 REGEX = r"[a-z]{2,4}-[0-9]{3}"
 CHOICES = ["yes", "no", "perhaps not"]
-
-
-@pytest.fixture(scope="module")
-def model():
-    return tiny_model(n_kv_heads=2)
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return byte_tokenizer()
 
 
 def constrained(spec: StructuredOutputSpec, **kw) -> SamplingParams:
