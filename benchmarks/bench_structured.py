@@ -14,12 +14,16 @@ and the phases do the same amount of model work:
    output tok/s, the ratio to the unconstrained phase;
 2. single stream: one request, unconstrained / constrained (overlap and not); decode tok/s, the ratio;
 3. compile: the vocabulary's one-time set-up, a cold compile of the schema (a fresh compiler each time), a cached one.
-Phases interleave within each of --rounds rounds; the median round is reported.
+Phases interleave within each of --rounds rounds; the median round is reported. On a shared machine the throughput
+ratios move with the neighbours' load, so each phase also reports the seconds spent in the structured-output work
+itself (filling masks, waiting for them, masking the logits, advancing the matchers), timed around those calls on
+the engine thread, and its share of the phase's wall time: the cost, measured in the same conditions as the step.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import time
@@ -28,8 +32,9 @@ from pathlib import Path
 import torch
 
 from benchmarks.machine import machine_info
+import model.engine.sampler as sampler_module
 from model.engine import Engine, EngineConfig, SamplingParams
-from model.engine.structured import GrammarCompiler, StructuredOutputSpec
+from model.engine.structured import GrammarCompiler, PendingMasks, SequenceGrammar, StructuredOutputs, StructuredOutputSpec
 
 PERSON = {
     "type": "object",
@@ -60,6 +65,32 @@ def prompts(tok, n: int) -> list[list[int]]:
 def params(max_tokens: int, constrained: bool) -> SamplingParams:
     spec = StructuredOutputSpec.json_schema(SCHEMA) if constrained else None
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, structured=spec)
+
+
+@contextlib.contextmanager
+def timed_structured_work():
+    """Adds up the engine thread's seconds inside the structured-output calls while the block runs."""
+    spent = [0.0]
+    patched = [(StructuredOutputs, "start_masks"), (PendingMasks, "result"), (SequenceGrammar, "accept"),
+               (sampler_module, "_apply_allowed")]
+    originals = [getattr(owner, name) for owner, name in patched]
+
+    def timer(fn):
+        def wrapper(*a, **kw):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                spent[0] += time.perf_counter() - t
+        return wrapper
+
+    for (owner, name), fn in zip(patched, originals):
+        setattr(owner, name, timer(fn))
+    try:
+        yield spent
+    finally:
+        for (owner, name), fn in zip(patched, originals):
+            setattr(owner, name, fn)
 
 
 def drive(engine: Engine, reqs: list[tuple[list[int], SamplingParams]], tag: str) -> tuple[float, int, list[float]]:
@@ -138,11 +169,14 @@ def main(argv: list[str] | None = None) -> dict:
     for r in range(args.rounds):
         for name, fn in phases.items():
             engine.structured.masks.overlap = not name.endswith("no_overlap")
-            wall, n, steps = fn()
+            with timed_structured_work() as spent:
+                wall, n, steps = fn()
             tps = n / wall if name.startswith("concurrent") else (len(steps) / sum(steps) if steps else 0.0)
             rounds[name].append({"wall_s": wall, "output_tokens": n, "tok_s": tps,
-                                 "step_ms_median": statistics.median(steps) * 1e3 if steps else None})
-            print(f"round {r} {name:32s} {tps:7.1f} tok/s ({n} tokens, {wall:.1f} s)", flush=True)
+                                 "step_ms_median": statistics.median(steps) * 1e3 if steps else None,
+                                 "structured_s": spent[0], "structured_share": spent[0] / wall})
+            print(f"round {r} {name:32s} {tps:7.1f} tok/s ({n} tokens, {wall:.1f} s; structured work "
+                  f"{spent[0] * 1e3:.0f} ms = {100 * spent[0] / wall:.2f}%)", flush=True)
     med = {k: statistics.median(x["tok_s"] for x in v) for k, v in rounds.items()}
     report = {
         "machine": machine_info("cpu", torch.get_num_threads()),
@@ -154,11 +188,13 @@ def main(argv: list[str] | None = None) -> dict:
             "single_constrained_overlap": med["single_constrained_overlap"] / med["single_free"],
             "single_constrained_no_overlap": med["single_constrained_no_overlap"] / med["single_free"],
         },
+        "structured_share_median": {k: statistics.median(x["structured_share"] for x in v) for k, v in rounds.items()},
         "compile": compiles,
         "workload": {"num_requests": args.num_requests, "max_tokens": args.max_tokens,
                      "single_max_tokens": args.single_max_tokens, "prompt_tokens": [len(x) for x in ps]},
     }
-    print(json.dumps({"ratios": report["ratios"], "median_tok_s": med, "compile": compiles}, indent=2))
+    print(json.dumps({"ratios": report["ratios"], "median_tok_s": med, "compile": compiles,
+                      "structured_share_median": report["structured_share_median"]}, indent=2))
     if args.out:
         args.out.write_text(json.dumps(report, indent=2) + "\n")
     return report
