@@ -30,7 +30,7 @@ log = logging.getLogger("llamascope.engine")
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
-def _llguidance():
+def import_llguidance():
     try:
         import llguidance
     except ImportError as e:  # a runtime dependency (pyproject.toml); missing only in a broken install
@@ -41,7 +41,7 @@ def _llguidance():
 def grammar_text(spec: StructuredOutputSpec) -> str:
     """The llguidance grammar (its JSON form) for a validated spec. ValueError naming spec.source when the text
     cannot even be parsed (the matcher reports everything else)."""
-    ll = _llguidance()
+    ll = import_llguidance()
     try:
         if spec.kind == "json_schema":
             return ll.LLMatcher.grammar_from_json_schema(spec.value, defaults=JSON_OPTIONS)
@@ -125,7 +125,7 @@ class GrammarCompiler:
     def ll_tokenizer(self):
         with self._lock:
             if self._ll_tokenizer is None:
-                ll = _llguidance()
+                ll = import_llguidance()
                 # The checkpoint's `tokenizers` backend, serialized: llguidance reads every model type it can hold.
                 backend = self.tokenizer._tk  # noqa: SLF001 - model/text/tokenizer.py exposes no public handle yet
                 eos = sorted(self.tokenizer.stop_ids)
@@ -142,7 +142,7 @@ class GrammarCompiler:
                 return hit
         spec.validate()
         text = grammar_text(spec)
-        matcher = _llguidance().LLMatcher(self.ll_tokenizer, text, log_level=0)  # drops the GIL while it compiles
+        matcher = import_llguidance().LLMatcher(self.ll_tokenizer, text, log_level=0)  # drops the GIL while it compiles
         if matcher.is_error():
             raise ValueError(f"{spec.source}: {_first_line(matcher.get_error())}")
         compiled = CompiledGrammar(spec, matcher)

@@ -19,7 +19,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from model.engine.sampler import AllowedTokens
-from model.engine.structured.compiler import SequenceGrammar, _llguidance
+from model.engine.structured.compiler import SequenceGrammar, import_llguidance
 
 
 class PendingMasks:
@@ -71,7 +71,7 @@ class GrammarMasks:
     def _fill(self, work: list, bitmask: torch.Tensor) -> None:
         if self._executor is None:
             # One thread: on a small CPU the forward owns the cores; the batched call is for the GIL, not for speed.
-            self._executor = _llguidance().LLExecutor(num_threads=1)
+            self._executor = import_llguidance().LLExecutor(num_threads=1)
         # A matcher in an error state or past its end writes the EOS-only mask (llguidance's contract).
         self._executor.unsafe_compute_mask_ptr(work, bitmask.data_ptr(), self.words * 4, bitmask.shape[0])
 
