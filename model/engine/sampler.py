@@ -38,6 +38,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import chain
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -171,16 +172,26 @@ def _apply_top_k_top_p(x: Tensor, bp: _BatchParams) -> Tensor:
     return x.masked_fill_(x < thresh, _NEG_INF)
 
 
+def _forbidden(allowed: AllowedTokens, V: int, shifts: Tensor) -> Tensor:
+    """(M, V) bool, True where the row's grammar forbids the token. A CPU bitmask is unpacked by numpy (one
+    single-threaded pass writing M x V bytes); a device bitmask by shifts, on its device."""
+    words = allowed.bitmask
+    if words.device.type == "cpu":
+        bits = torch.from_numpy(np.unpackbits(words.contiguous().numpy().view(np.uint8), axis=1, bitorder="little"))
+    else:
+        bits = ((words.unsqueeze(-1) >> shifts.to(words.device)) & 1).reshape(words.shape[0], -1)  # (M, W * 32)
+    if bits.shape[1] < V:  # a mask narrower than the vocabulary allows nothing beyond it
+        bits = torch.nn.functional.pad(bits, (0, V - bits.shape[1]))
+    return bits[:, :V] == 0
+
+
 def _apply_allowed(logits: Tensor, allowed: AllowedTokens, shifts: Tensor) -> Tensor:
     """A (B, V) float32 copy of logits with -inf where a constrained row's grammar forbids the token; every other
     value, and every unconstrained row, is the input's own value (bit-identical)."""
     x = logits.to(torch.float32, copy=True)
-    M, V = len(allowed.rows), x.shape[1]
-    words = allowed.bitmask.to(x.device)  # (M, W)
-    bits = (words.unsqueeze(-1) >> shifts) & 1  # (M, W, 32); >> of a negative int32 is arithmetic, & 1 keeps the bit
-    forbidden = bits.reshape(M, -1)[:, :V] == 0  # (M, V)
-    if forbidden.shape[1] < V:  # a mask narrower than the vocabulary allows nothing beyond it
-        forbidden = torch.nn.functional.pad(forbidden, (0, V - forbidden.shape[1]), value=True)
+    forbidden = _forbidden(allowed, x.shape[1], shifts).to(x.device)  # (M, V)
+    if allowed.rows == list(range(x.shape[0])):  # every row constrained (a single stream, say): in place, no gather
+        return x.masked_fill_(forbidden, _NEG_INF)
     idx = torch.tensor(allowed.rows, dtype=torch.long, device=x.device)  # (M,)
     x[idx] = x[idx].masked_fill_(forbidden, _NEG_INF)
     return x
