@@ -213,3 +213,12 @@ def test_default_model_mixed_batch_of_32(default_model):
             ref = free[str(i)][0]
             assert got["tokens"] == ref["tokens"], i
             assert [lp.logprob for lp in got["logprobs"]] == [lp.logprob for lp in ref["logprobs"]], i
+
+
+def test_stop_strings_still_end_a_constrained_choice(model, tok):
+    engine = Engine(model, tok, EngineConfig(num_blocks=256, block_size=4))
+    res = run(engine, {str(i): ([66 + i, 67], constrained(SPECS[1], seed=i, stop=["-"])) for i in range(4)})
+    for i in range(4):
+        out = res[str(i)][0]
+        assert out["finish_reason"] == "stop" and out["stop_reason"] == "-"
+        assert re.fullmatch(r"[a-z]{2,4}", out["text"]), out["text"]  # the regex's head, cut at the stop string
