@@ -14,8 +14,9 @@ and the phases do the same amount of model work:
    output tok/s, the ratio to the unconstrained phase;
 2. single stream: one request, unconstrained / constrained (overlap and not); decode tok/s, the ratio;
 3. compile: the vocabulary's one-time set-up, a cold compile of the schema (a fresh compiler each time), a cached one.
-Phases interleave within each of --rounds rounds; the median round is reported. On a shared machine the throughput
-ratios move with the neighbours' load, so each phase also reports tokens per CPU-second of the process (every
+Phases interleave within each of --rounds rounds; the median round is reported, and --out is rewritten after
+every round (a run stopped early keeps its completed rounds; `rounds_done` says how many). On a shared machine
+the throughput ratios move with the neighbours' load, so each phase also reports tokens per CPU-second of the process (every
 thread: what the neighbours' load moves least), and the seconds spent in the structured-output work
 itself (filling masks, waiting for them, masking the logits, advancing the matchers), timed around those calls on
 the engine thread, and its share of the phase's wall time: the cost, measured in the same conditions as the step.
@@ -167,6 +168,34 @@ def main(argv: list[str] | None = None) -> dict:
         "single_constrained_no_overlap": lambda: drive(engine, [(ps[0], params(args.single_max_tokens, True))], "s"),
     }
     rounds: dict[str, list[dict]] = {k: [] for k in phases}
+
+    def summary() -> dict:
+        """The report over the rounds done so far (medians), written after every round: on a loaded machine a run
+        can be stopped early and still leave its completed rounds."""
+        med = {k: statistics.median(x["tok_s"] for x in v) for k, v in rounds.items()}
+        med_cpu = {k: statistics.median(x["tok_per_cpu_s"] for x in v) for k, v in rounds.items()}
+        report = {
+            "machine": machine_info("cpu", torch.get_num_threads()),
+            "load_average_after": list(__import__("os").getloadavg()),
+            "model": loaded.name, "quantization": args.quantization,
+            "rounds_done": len(rounds["single_constrained_no_overlap"]), "rounds": rounds, "median_tok_s": med,
+            "ratios": {
+                "concurrent_half_overlap": med["concurrent_half_overlap"] / med["concurrent_free"],
+                "concurrent_half_no_overlap": med["concurrent_half_no_overlap"] / med["concurrent_free"],
+                "single_constrained_overlap": med["single_constrained_overlap"] / med["single_free"],
+                "single_constrained_no_overlap": med["single_constrained_no_overlap"] / med["single_free"],
+            },
+            "ratios_per_cpu_second": {k: med_cpu[k] / med_cpu["concurrent_free" if k.startswith("concurrent") else "single_free"]
+                                      for k in med_cpu if "free" not in k},
+            "structured_share_median": {k: statistics.median(x["structured_share"] for x in v) for k, v in rounds.items()},
+            "compile": compiles,
+            "workload": {"num_requests": args.num_requests, "max_tokens": args.max_tokens,
+                         "single_max_tokens": args.single_max_tokens, "prompt_tokens": [len(x) for x in ps]},
+        }
+        if args.out:
+            args.out.write_text(json.dumps(report, indent=2) + "\n")
+        return report
+
     for r in range(args.rounds):
         for name, fn in phases.items():
             engine.structured.masks.overlap = not name.endswith("no_overlap")
@@ -181,30 +210,10 @@ def main(argv: list[str] | None = None) -> dict:
                                  "cpu_s": cpu, "tok_per_cpu_s": n / cpu})
             print(f"round {r} {name:32s} {tps:7.1f} tok/s ({n} tokens, {wall:.1f} s; structured work "
                   f"{spent[0] * 1e3:.0f} ms = {100 * spent[0] / wall:.2f}%)", flush=True)
-    med = {k: statistics.median(x["tok_s"] for x in v) for k, v in rounds.items()}
-    med_cpu = {k: statistics.median(x["tok_per_cpu_s"] for x in v) for k, v in rounds.items()}
-    report = {
-        "machine": machine_info("cpu", torch.get_num_threads()),
-        "load_average_after": list(__import__("os").getloadavg()),
-        "model": loaded.name, "quantization": args.quantization, "rounds": rounds, "median_tok_s": med,
-        "ratios": {
-            "concurrent_half_overlap": med["concurrent_half_overlap"] / med["concurrent_free"],
-            "concurrent_half_no_overlap": med["concurrent_half_no_overlap"] / med["concurrent_free"],
-            "single_constrained_overlap": med["single_constrained_overlap"] / med["single_free"],
-            "single_constrained_no_overlap": med["single_constrained_no_overlap"] / med["single_free"],
-        },
-        "ratios_per_cpu_second": {k: med_cpu[k] / med_cpu["concurrent_free" if k.startswith("concurrent") else "single_free"]
-                                  for k in med_cpu if "free" not in k},
-        "structured_share_median": {k: statistics.median(x["structured_share"] for x in v) for k, v in rounds.items()},
-        "compile": compiles,
-        "workload": {"num_requests": args.num_requests, "max_tokens": args.max_tokens,
-                     "single_max_tokens": args.single_max_tokens, "prompt_tokens": [len(x) for x in ps]},
-    }
+        report = summary()
     print(json.dumps({"ratios": report["ratios"], "ratios_per_cpu_second": report["ratios_per_cpu_second"],
-                      "median_tok_s": med, "compile": compiles,
-                      "structured_share_median": report["structured_share_median"]}, indent=2))
-    if args.out:
-        args.out.write_text(json.dumps(report, indent=2) + "\n")
+                      "median_tok_s": report["median_tok_s"], "compile": compiles,
+                      "rounds_done": report["rounds_done"], "structured_share_median": report["structured_share_median"]}, indent=2))
     return report
 
 
