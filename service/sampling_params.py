@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from model.engine import KVWindow, SamplingParams, TelemetryOptions
+from model.engine.structured import StructuredOutputSpec
 from service.config import Settings
 from service.errors import APIError
 from service.schemas import SamplingFields
@@ -26,7 +27,8 @@ def kv_window(req: SamplingFields, settings: Settings, max_model_len: int | None
 
 def to_sampling_params(req: SamplingFields, settings: Settings, max_tokens: int | None, logprobs: int | None,
                        prompt_logprobs: int | None, default_max_tokens: int, max_model_len: int | None = None,
-                       telemetry: TelemetryOptions | None = None) -> SamplingParams:
+                       telemetry: TelemetryOptions | None = None,
+                       structured: StructuredOutputSpec | None = None) -> SamplingParams:
     if req.stream_options is not None and not req.stream:
         # OpenAI and vLLM refuse it too: the options describe a stream, and a silently ignored field hides a bug
         raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options",
@@ -46,7 +48,7 @@ def to_sampling_params(req: SamplingFields, settings: Settings, max_tokens: int 
         logit_bias={int(k): v for k, v in req.logit_bias.items()} if req.logit_bias else None,
         seed=req.seed, stop=stop, stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos,
         logprobs=logprobs, prompt_logprobs=prompt_logprobs, skip_special_tokens=req.skip_special_tokens,
-        kv_window=kv_window(req, settings, max_model_len), telemetry=telemetry,
+        kv_window=kv_window(req, settings, max_model_len), telemetry=telemetry, structured=structured,
     )
     if params.kv_window is not None and params.max_tokens > settings.max_window_tokens:
         raise APIError(400, f"max_tokens must be at most {settings.max_window_tokens} with a kv_window "

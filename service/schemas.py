@@ -8,9 +8,10 @@ the routes against Settings.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, field_validator
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, field_validator,
+                      model_validator)
 
 
 def _utf8(v: str) -> str:
@@ -89,6 +90,8 @@ class HiddenStatesOptions(BaseModel):
     layers: Annotated[list[LayerIndex], Field(min_length=1, max_length=1024)]
     positions: Literal["last", "all"] | Annotated[list[TokenIndex], Field(min_length=1, max_length=4096)] = "last"
     dtype: Literal["float32", "float16"] = "float32"
+
+
 class KVWindowOptions(BaseModel):
     """`kv_window` (llamascope extension): the sink + window KV cache (StreamingLLM, Xiao et al. 2024): keep the first
     `sink_tokens` tokens' K/V and the most recent `window`, so generation runs past the context (docs/engine.md)."""
@@ -96,6 +99,50 @@ class KVWindowOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     sink_tokens: Int(ge=0, le=1 << 20) = 4
     window: Int(ge=1, le=1 << 24)
+
+
+# ---- structured outputs (docs/api.md#structured-outputs) ----------------------------------------------------------
+
+JsonSchemaObject = Annotated[dict[str, Any], WithJsonSchema({"type": "object"})]
+FunctionName = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_.-]+$")]
+
+
+class JsonSchemaFormat(BaseModel):
+    """OpenAI's `response_format.json_schema`. `strict` is accepted either way: the schema is always enforced."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    name: FunctionName
+    description: str | None = None
+    schema_: JsonSchemaObject | None = Field(None, alias="schema")  # None: any JSON object
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's `response_format`; `json_schema` is required with (and only with) type "json_schema". One model
+    rather than a tagged union, so that an error's location is the field's own path."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra={
+        "if": {"properties": {"type": {"const": "json_schema"}}},
+        "then": {"required": ["json_schema"]}, "else": {"not": {"required": ["json_schema"]}}})
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_iff_type(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError('json_schema is required with type "json_schema", and only with it')
+        return self
+
+
+class StructuredOutputsParams(BaseModel):
+    """vLLM's `structured_outputs`: exactly one constraint."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    json_: JsonSchemaObject | str | None = Field(None, alias="json")
+    regex: Annotated[str, Field(min_length=1)] | None = None
+    choice: Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=1024)] | None = None
+    grammar: Annotated[str, Field(min_length=1)] | None = None
+    json_object: bool | None = None
 
 
 class SamplingFields(BaseModel):
@@ -131,6 +178,13 @@ class SamplingFields(BaseModel):
     return_hidden_states: HiddenStatesOptions | None = None
     # llamascope extension
     kv_window: KVWindowOptions | None = None
+    # structured outputs: OpenAI's field, vLLM's, and vLLM's older guided_* (at most one constraint per request)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsParams | None = None
+    guided_json: JsonSchemaObject | str | None = None
+    guided_regex: Annotated[str, Field(min_length=1)] | None = None
+    guided_choice: Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=1024)] | None = None
+    guided_grammar: Annotated[str, Field(min_length=1)] | None = None
 
     @field_validator("stop", mode="before")  # before the type's own checks, so the message says what is wrong
     @classmethod
@@ -216,16 +270,58 @@ class TextPart(BaseModel):
     text: Text
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    name: FunctionName
+    arguments: Text  # JSON text, as the model wrote it
+
+
+class ToolCall(BaseModel):
+    """A tool call an earlier assistant turn made (sent back by the client with the tool's result)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    id: Annotated[str, Field(max_length=256)]
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[TextPart] | None = None
     name: str | None = Field(None, max_length=64)
+    tool_calls: list[ToolCall] | None = Field(None, max_length=128)  # assistant turns
+    tool_call_id: Annotated[str, Field(max_length=256)] | None = None  # tool turns
 
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(p.text for p in self.content)
         return self.content or ""
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    name: FunctionName
+    description: str | None = None
+    parameters: JsonSchemaObject | None = None  # a JSON Schema for the arguments object; None: no arguments
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    name: FunctionName
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -238,6 +334,9 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: Int(ge=0) | None = None
     add_generation_prompt: bool = True
+    tools: Annotated[list[Tool], Field(max_length=128)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # default: auto with tools
+    parallel_tool_calls: bool = True
 
 
 class TokenizeRequest(BaseModel):

@@ -8,6 +8,7 @@ from fastapi import Request
 
 from model.config import ModelConfig
 from model.engine import AsyncEngine, EngineJob, EngineStats, RequestStream, SamplingParams
+from model.engine.structured import StructuredOutputSpec
 from model.interventions import HiddenStateRead, Intervention
 from model.probes import ProbeOptions, ProbeRun
 from model.text import Tokenizer
@@ -51,6 +52,11 @@ class Serving:
         """An inspection of `token_ids` over the serving weights, edited by `interventions` (ValueError for options
         out of range)."""
         return ProbeRun(self._state.loaded.model, token_ids, opts, interventions, num_prompt_tokens)
+
+    def compile_structured(self, spec: StructuredOutputSpec) -> None:
+        """Compile a request's grammar into the engine's cache, so the engine thread finds it there (the compiler and
+        its cache are thread-safe; called on a worker thread). ValueError when the grammar engine refuses it."""
+        self._engine.engine.structured.compile(spec)
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:

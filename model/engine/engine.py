@@ -11,6 +11,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import torch
+
 from model.engine.context_shift import ContextShift
 from model.engine.cuda_graphs import CudaGraphs, DecodeGraphMode
 from model.engine.kv_cache_manager import KVCacheManager
@@ -22,6 +24,7 @@ from model.engine.request import FinishReason, Request, Sequence, SequenceStatus
 from model.engine.sampler import Sampler
 from model.engine.sampling_params import SamplingParams
 from model.engine.scheduler import QueueFullError, ScheduledSeq, Scheduler, SchedulerConfig
+from model.engine.structured import StructuredOutputs
 from model.interventions import HiddenStateRead, Intervention, InterventionPlan
 from model.text.tokenizer import Tokenizer
 
@@ -100,10 +103,14 @@ class Engine:
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.max_waiting), self.kv
         )
+        # [structured outputs] grammar compiler + cache and the step's mask buffer (nothing is built until used); masks
+        # overlap the forward only off-CPU: on CPU the forward owns every core (benchmarks/bench_structured.py)
+        self.structured = StructuredOutputs(tokenizer, model.config.vocab_size, config.max_num_seqs,
+                                            overlap=torch.device(model.device).type != "cpu")
         self.runner = ModelRunner(
             model, self.cache, Sampler(model.config.vocab_size, model.device), config.max_num_batched_tokens,
             config.max_num_seqs, self.max_model_len, config.decode_graphs, config.native_decode,
-            scratch_block=num_blocks if graphs else None,
+            scratch_block=num_blocks if graphs else None, structured=self.structured,
         )
         self.context_shift = ContextShift(model, self.cache)  # windowed sequences' evictions (kv_window.py)
         self.output = OutputProcessor(tokenizer, model.device, self.max_model_len)
@@ -145,11 +152,14 @@ class Engine:
         # n > 1 choices share the first one's cached prompt blocks; windowed choices own theirs (kv_cache_manager.py)
         share_prefix = params.n > 1 and self.config.enable_prefix_caching and params.kv_window is None
         self.scheduler.check_capacity(1 if share_prefix else params.n)
+        # [structured outputs] compiled once per request (a cache hit when the service compiled it already)
+        grammar = self.structured.compile(params.structured) if params.structured is not None else None
         req = Request(request_id, list(prompt_token_ids), params, interventions=plan, hidden_states=hidden_states)
         for i in range(params.n):
             seq = Sequence(self._next_seq_id, req, i, req.prompt_token_ids)
             self._next_seq_id += 1
             seq.state = self.output.new_state(params, i)
+            seq.state.grammar = grammar.new_state() if grammar is not None else None  # [structured outputs]
             req.seqs.append(seq)
         self.requests[request_id] = req
         self.scheduler.add(req.seqs[0])

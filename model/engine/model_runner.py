@@ -19,6 +19,7 @@ import contextlib
 import logging
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -32,6 +33,9 @@ from model.engine.request import Sequence
 from model.engine.sampler import Sampler, SamplingRow, TokenLogprobs, prompt_logprobs
 from model.engine.scheduler import ScheduledSeq
 from model.engine.telemetry import TokenTelemetry, step_telemetry
+
+if TYPE_CHECKING:
+    from model.engine.structured import StructuredOutputs
 
 log = logging.getLogger("llamascope.engine")
 
@@ -55,8 +59,9 @@ class RunnerOutput:
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, cache: PagedKVCache, sampler: Sampler, max_num_batched_tokens: int,
                  max_num_seqs: int, max_model_len: int, graph_mode: str, native_decode: bool,
-                 scratch_block: int | None) -> None:
+                 scratch_block: int | None, structured: StructuredOutputs | None = None) -> None:
         self.model, self.cache, self.sampler = model, cache, sampler
+        self.structured = structured  # grammar masks of constrained rows (model/engine/structured/)
         bs = cache.block_size
         rows = buckets(max_num_seqs)[-1] if scratch_block is not None else max_num_seqs  # a graph's padded batch
         self.buffers = InputBuffers(max(max_num_batched_tokens, rows), rows, -(-max_model_len // bs), bs, cache.device)
@@ -78,6 +83,9 @@ class ModelRunner:
             batch.edits, layouts = self.tables.build(_segments(scheduled, batch))
         tel = step_telemetry(scheduled, batch.slices, batch.sample, self.model, self.cache.device)
         batch.meta.telemetry = tel  # None unless a sampled sequence asked: then nothing below changes
+        # [structured outputs] the sampling rows' grammar masks, filled on a worker thread during the forward
+        masks = self.structured.start_masks([(seq.state.grammar, seq.output_token_ids) for seq, _ in batch.sample]) \
+            if self.structured is not None else None
         path = self._choose(batch)
         with tel.hidden_hooks(self.model) if tel is not None and path == "module" else contextlib.nullcontext():
             logits = self._forward(path, batch).float()  # (M, V): the batch's logits rows
@@ -96,7 +104,7 @@ class ModelRunner:
             rows = [SamplingRow(seq.request.params, seq.prompt_token_ids, seq.output_token_ids, seq.state.generator,
                                 seq.state.stop_ids) for seq, _ in batch.sample]
             picked = _rows(logits, [r for _, r in batch.sample])
-            sampled = self.sampler(picked, rows)
+            sampled = self.sampler(picked, rows, masks.result() if masks is not None else None)
             out.sampled = [(seq, t, lp) for (seq, _), t, lp in zip(batch.sample, sampled.token_ids, sampled.logprobs)]
         return out
 

@@ -7,6 +7,7 @@ It decides when a sequence ends and why; the engine then takes it out of the sch
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -17,6 +18,9 @@ from model.engine.telemetry import TokenTelemetry
 from model.text.detokenizer import IncrementalDetokenizer
 from model.text.stop_strings import StopStringMatcher
 from model.text.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from model.engine.structured.compiler import SequenceGrammar
 
 
 @dataclass
@@ -67,6 +71,7 @@ class SequenceState:
     prompt_logprobs_sent: bool = False
     # hidden states read and not yet delivered (prompt positions wait for the first token's delta)
     pending_hidden: list[tuple[list[int], torch.Tensor]] = field(default_factory=list)
+    grammar: SequenceGrammar | None = None  # structured outputs: its grammar's state, set by Engine.add_request
 
 
 @dataclass
@@ -114,8 +119,10 @@ class OutputProcessor:
             # possible stop-string start turned out not to be one.
             out.text = state.stops.flush()
             return out, Finish(FinishReason.STOP, token if token in p.stop_token_ids else None)
+        # [structured outputs] advance the grammar; a complete grammar ends the choice like a stop (min_tokens aside)
+        grammar_done = state.grammar is not None and state.grammar.accept(token)
         # a windowed sequence's cache stays within the context however long it runs: only max_tokens ends it
-        ending = n_out >= p.max_tokens or (seq.num_tokens >= self.max_model_len and p.kv_window is None)
+        ending = grammar_done or n_out >= p.max_tokens or (seq.num_tokens >= self.max_model_len and p.kv_window is None)
         delta = state.detok.feed(token) + (state.detok.flush() if ending else "")
         if may_stop:
             out.text, matched = state.stops.feed(delta)
@@ -125,7 +132,7 @@ class OutputProcessor:
             out.text = delta
         if ending:
             out.text += state.stops.flush()
-            return out, Finish(FinishReason.LENGTH)
+            return out, Finish(FinishReason.STOP if grammar_done else FinishReason.LENGTH)
         return out, None
 
     def output(self, seq: Sequence) -> RequestOutput:

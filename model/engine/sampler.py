@@ -1,6 +1,10 @@
 """Batched sampler: one call turns the last-position logits of every scheduled sequence into its next token.
 
 Order of operations, as in vLLM v1 (`vllm/v1/sample/sampler.py`, `ops/penalties.py`, `ops/topk_topp_sampler.py`):
+    0. grammar mask    rows with structured outputs (`allowed=`): -inf at every token their grammar forbids, before
+                       anything reads the logits (vLLM applies its bitmask to the logits before the sampler too). For
+                       those rows everything below, logprobs included, sees the masked logits: their logprobs are
+                       of the model's distribution renormalised over the allowed tokens. Other rows are untouched.
     1. logprobs        log_softmax of the RAW model logits (vLLM's default `logprobs_mode`): what the model
                        believed, not what the processed distribution was; the processed one would report -inf
                        for every token top-k/top-p removed and change with temperature.
@@ -34,6 +38,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import chain
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -51,6 +56,15 @@ class SamplingRow:
     output_token_ids: Sequence[int]
     generator: torch.Generator | None = None  # required when params.seed is not None
     stop_ids: frozenset[int] = frozenset()  # EOS ids (unless ignore_eos) + stop_token_ids
+
+
+@dataclass
+class AllowedTokens:
+    """Per-row allowed-token bitmasks (structured outputs) for some rows of a batch. Layout as llguidance and
+    xgrammar write it: bit t % 32 of int32 word t // 32 set = token t allowed; tokens past the last word are not."""
+
+    bitmask: Tensor  # (M, ceil(V / 32)) int32, on any device
+    rows: list[int]  # (M,) the batch rows the masks belong to, in bitmask row order
 
 
 @dataclass
@@ -158,6 +172,31 @@ def _apply_top_k_top_p(x: Tensor, bp: _BatchParams) -> Tensor:
     return x.masked_fill_(x < thresh, _NEG_INF)
 
 
+def _forbidden(allowed: AllowedTokens, V: int, shifts: Tensor) -> Tensor:
+    """(M, V) bool, True where the row's grammar forbids the token. A CPU bitmask is unpacked by numpy (one
+    single-threaded pass writing M x V bytes); a device bitmask by shifts, on its device."""
+    words = allowed.bitmask
+    if words.device.type == "cpu":
+        bits = torch.from_numpy(np.unpackbits(words.contiguous().numpy().view(np.uint8), axis=1, bitorder="little"))
+    else:
+        bits = ((words.unsqueeze(-1) >> shifts.to(words.device)) & 1).reshape(words.shape[0], -1)  # (M, W * 32)
+    if bits.shape[1] < V:  # a mask narrower than the vocabulary allows nothing beyond it
+        bits = torch.nn.functional.pad(bits, (0, V - bits.shape[1]))
+    return bits[:, :V] == 0
+
+
+def _apply_allowed(logits: Tensor, allowed: AllowedTokens, shifts: Tensor) -> Tensor:
+    """A (B, V) float32 copy of logits with -inf where a constrained row's grammar forbids the token; every other
+    value, and every unconstrained row, is the input's own value (bit-identical)."""
+    x = logits.to(torch.float32, copy=True)
+    forbidden = _forbidden(allowed, x.shape[1], shifts).to(x.device)  # (M, V)
+    if allowed.rows == list(range(x.shape[0])):  # every row constrained (a single stream, say): in place, no gather
+        return x.masked_fill_(forbidden, _NEG_INF)
+    idx = torch.tensor(allowed.rows, dtype=torch.long, device=x.device)  # (M,)
+    x[idx] = x[idx].masked_fill_(forbidden, _NEG_INF)
+    return x
+
+
 def _token_logprobs(logprobs: Tensor, token_ids: Tensor, ks: Sequence[int]) -> list[TokenLogprobs]:
     """logprobs (N, V), token_ids (N,), ks: alternatives per row -> one TokenLogprobs per row."""
     chosen = logprobs.gather(1, token_ids.unsqueeze(1))  # (N, 1)
@@ -188,11 +227,15 @@ class Sampler:
     def __init__(self, vocab_size: int, device: torch.device | str = "cpu") -> None:
         self.vocab_size = vocab_size
         self.device = torch.device(device)
+        self._shifts = torch.arange(32, dtype=torch.int32, device=self.device)  # (32,): bit positions in a word
 
     @torch.no_grad()
-    def __call__(self, logits: Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
-        """logits (B, V) of any float dtype, one row per sequence -> next token and optional logprobs per row."""
+    def __call__(self, logits: Tensor, rows: Sequence[SamplingRow], allowed: AllowedTokens | None = None) -> SamplerOutput:
+        """logits (B, V) of any float dtype, one row per sequence -> next token and optional logprobs per row.
+        allowed: the grammar masks of the constrained rows (step 0 above)."""
         self._check(logits, rows)
+        if allowed is not None and allowed.rows:
+            logits = _apply_allowed(logits, allowed, self._shifts)
         if all(_plain_greedy(r) for r in rows):  # nothing to process: argmax of the raw logits, no copy
             tokens = logits.argmax(dim=-1)  # (B,)
             # argmax prefers NaN, and picks an -inf only when all are: its own value tells (as below, one read)
@@ -219,10 +262,12 @@ class Sampler:
         return SamplerOutput(token_ids=tokens.tolist(), logprobs=out)
 
     @torch.no_grad()
-    def process(self, logits: Tensor, rows: Sequence[SamplingRow]) -> Tensor:
+    def process(self, logits: Tensor, rows: Sequence[SamplingRow], allowed: AllowedTokens | None = None) -> Tensor:
         """The logits the draw sees: (B, V) float32, -inf where masked; greedy rows stop after the penalties
         (unscaled, no top-*). Exposed for tests; the input is never modified."""
         self._check(logits, rows)
+        if allowed is not None and allowed.rows:
+            logits = _apply_allowed(logits, allowed, self._shifts)
         return self._process(logits, rows, _BatchParams(rows, self.vocab_size, logits.device))
 
     def _check(self, logits: Tensor, rows: Sequence[SamplingRow]) -> None:

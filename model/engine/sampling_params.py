@@ -5,11 +5,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from numbers import Integral, Real
+from typing import TYPE_CHECKING
 
 import torch
 
 from model.engine.kv_window import KVWindow
 from model.engine.telemetry import TelemetryOptions
+
+if TYPE_CHECKING:  # imported where used: the structured package imports the sampler, which imports this module
+    from model.engine.structured.spec import StructuredOutputSpec
 
 # vLLM's `_SAMPLING_EPS`: temperatures below it are greedy, since dividing by them overflows float32.
 SAMPLING_EPS = 1e-5
@@ -59,6 +63,9 @@ class SamplingParams:
     # attention telemetry each sampled token carries (model/engine/telemetry.py)
     kv_window: KVWindow | None = None
     telemetry: TelemetryOptions | None = None
+    # Constrained decoding (model/engine/structured/): every token of each choice is sampled from the tokens its
+    # grammar allows, and the choice ends when the grammar is complete
+    structured: StructuredOutputSpec | None = None
 
     @property
     def greedy(self) -> bool:
@@ -100,6 +107,12 @@ class SamplingParams:
             self.kv_window.validate()
         if self.telemetry is not None:
             self.telemetry.validate()
+        if self.structured is not None:
+            from model.engine.structured.spec import StructuredOutputSpec
+
+            if not isinstance(self.structured, StructuredOutputSpec):
+                raise _bad("structured", "a StructuredOutputSpec or None", self.structured)
+            self.structured.validate()  # its errors name the request field it came from
 
     def make_generator(self, device: torch.device | str, offset: int = 0) -> torch.Generator | None:
         """The per-sequence generator the engine creates once (None when unseeded); it must live on the

@@ -16,6 +16,7 @@ from service.runner import RunStats, collect, start, stream_response, until_disc
 from service.sampling_params import to_sampling_params
 from service.schemas import CompletionRequest, InspectSummaryOptions
 from service.serving import Serving, serving
+from service.structured_outputs import compile_spec, requested_spec
 
 router = APIRouter()
 
@@ -57,10 +58,12 @@ async def completions(req: CompletionRequest, request: Request, state: Serving =
     prompts = tokenize_prompts(state, req.prompt)
     max_len = state.max_model_len
     telemetry = stream_telemetry(req)
+    structured = requested_spec(req)
+    await compile_spec(state, structured)
     params = to_sampling_params(req, state.settings, req.max_tokens, req.logprobs,
                                 req.logprobs if req.echo and req.logprobs is not None else None,
                                 default_max_tokens=max(1, max_len - max(len(p) for p in prompts)),
-                                max_model_len=max_len, telemetry=telemetry)
+                                max_model_len=max_len, telemetry=telemetry, structured=structured)
     c = state.config
     interventions = to_interventions(req.interventions, state.vectors, c.n_layers, c.dim)
     read = to_read(req.return_hidden_states, c.n_layers)
