@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from model.engine.structured import StructuredOutputSpec
-from model.text.tokenizer import Tokenizer
+from model.text import Tokenizer
 from service.errors import APIError
 from service.schemas import ChatCompletionRequest, ChatMessage, Tool
 from service.structured_outputs import close_objects, json_schema_spec
