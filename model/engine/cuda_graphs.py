@@ -87,8 +87,11 @@ class CudaGraphs:
         return mode == "eager" and backend == "native"
 
     def accepts(self, batch: StepBatch) -> bool:
+        """A pure decode step: one new token per sequence (not prefill rows that attend over the pool one by one,
+        `PagedKVCache.paged_prefill`), within the largest bucket."""
         n = batch.meta.num_tokens
-        return batch.meta.pure_decode and 0 < n <= self.buckets[-1] and self._bucket(n) not in self.failed
+        return (batch.meta.pure_decode and len(batch.slices) == n and 0 < n <= self.buckets[-1]
+                and self._bucket(n) not in self.failed)
 
     def _bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)

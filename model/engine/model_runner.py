@@ -4,8 +4,10 @@
     1. writes the step's inputs into persistent buffers (tokens, positions, KV slots, block tables, logits rows);
     2. chooses the execution path from the step's batch and the model's layers, and records which ran:
            cuda_graph     a pure decode step replayed as the CUDA graph of its batch-size bucket
-           native_decode  a pure decode step through every block in one native call (CPU)
-           module         the model's modules, one call each (prefill, mixed steps, tensor parallelism)
+           native         any step (decode, prefill chunks, both) through every block in one native call (CPU,
+                          where every row attends over the paged pool: `PagedKVCache.paged_prefill`)
+           module         the model's modules, one call each (CUDA prefill and mixed steps, tensor parallelism,
+                          the PyTorch reference ops)
        All three compute the same logits (the module path is the reference; tests hold the others to it);
     3. runs it, scores prompt logprobs, and samples every sequence that caught up.
 
@@ -31,7 +33,7 @@ from model.engine.scheduler import ScheduledSeq
 
 log = logging.getLogger("llamascope.engine")
 
-PATHS = ("cuda_graph", "native_decode", "module")
+PATHS = ("cuda_graph", "native", "module")
 
 
 @dataclass
@@ -62,7 +64,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSeq]) -> RunnerOutput:
-        batch = self.buffers.prepare(scheduled, _prompt_positions)
+        batch = self.buffers.prepare(scheduled, _prompt_positions, self.cache.paged_prefill)
         path = self._choose(batch)
         logits = self._forward(path, batch).float()  # (M, V): the batch's logits rows
         self.path_counts[path] += 1
@@ -83,13 +85,13 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.accepts(batch):
             return "cuda_graph"
         if self.native is not None and self.native.accepts(batch, self.cache):
-            return "native_decode"
+            return "native"
         return "module"
 
     def _forward(self, path: str, batch: StepBatch) -> Tensor:
         if path == "cuda_graph":
             return _rows(self.graphs.run(batch), batch.logits_rows, identity=not batch.prompt_logprobs)  # (M, V)
-        if path == "native_decode":
+        if path == "native":
             return self.native.run(batch, self.cache)
         self.cache.set_step(batch.slices, batch.meta)
         return self.model(batch.tokens[None], batch.positions[None], self.cache, logits_indices=batch.logits_rows)[0]
