@@ -25,6 +25,7 @@ class Serving:
         self.settings: Settings = state.settings
         self.metrics: Metrics = state.metrics
         self.max_model_len: int = state.max_model_len  # prompt + max_tokens, clamped to the KV pool at start-up
+        self.precision: dict[str, str] = state.precision  # {"quantization": ..., "dtype": ...} as served
 
     @property
     def draining(self) -> bool:

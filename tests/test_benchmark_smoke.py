@@ -97,16 +97,6 @@ def test_quick_decode_benchmark_per_setting(tmp_path):
     assert b["float32"] > 3.5 * b["int8"] and b["int8"] > b["int4"]  # int4 blocks, int8 head: between 4x and 8x
 
 
-def test_kernel_rows_crossover_prints_both_paths():
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.kernel_rows", "--rows", "2", "20", "--reps", "1", "--quantization", "int8"],
-        cwd=ROOT, capture_output=True, text=True, timeout=600, check=False,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    rows = [line.split() for line in proc.stdout.splitlines()[2:]]
-    assert [r[0] for r in rows] == ["2", "20"] and all(float(v) > 0 for r in rows for v in r[1:])
-
-
 def test_gpu_script_dry_run_on_cpu(tmp_path):
     """The prepared GPU script (`benchmarks/gpu.py`) on tiny stand-ins of both shapes, CPU: every path but the
     CUDA graph capture itself (the static decoder runs its step eagerly), so the script cannot rot unseen. It also
