@@ -53,42 +53,14 @@ INVARIANCE_REQUESTS, INVARIANCE_TOKENS = 24, 48
 LOW_ID = 1000  # random prompt ids from here up: clear of the special and byte tokens at the start of the vocab
 
 
-class LlamaServer:
+class LlamaServer(ServedProcess):
     """`llama-server` on a free loopback port; ready when /health answers 200 (it answers 503 while loading)."""
 
     def __init__(self, binary: Path, model: Path, threads: int, log_path: Path) -> None:
-        import socket
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = open(log_path, "w")
-        self.cmd = [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(self.port),
-                    "-np", str(CONCURRENT), "-c", str(CONCURRENT * SLOT_CONTEXT), "-t", str(threads)]
-        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"llama-server exited with {self.proc.returncode}; see {log_path}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        self.proc.kill()
-        raise RuntimeError("llama-server did not become ready in 300 s")
-
-    def stop(self) -> int:
-        self.proc.terminate()
-        try:
-            return self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            return self.proc.wait()
-        finally:
-            self.log.close()
+        self.port = self.free_port()
+        self.start([str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(self.port),
+                    "-np", str(CONCURRENT), "-c", str(CONCURRENT * SLOT_CONTEXT), "-t", str(threads)], log_path,
+                   timeout=300)
 
 
 async def _stream(client: httpx.AsyncClient, url: str, prompt: list[int], max_tokens: int, logprobs: bool = False) -> dict:
@@ -214,7 +186,7 @@ def run(args: argparse.Namespace) -> dict:
     finally:
         result["load_average_after"] = os.getloadavg()
         result["ours_exit"] = ours.stop()
-        result["peer_exit"] = peer.stop()
+        result["peer_exit"] = peer.stop(grace=0)
     return result
 
 
