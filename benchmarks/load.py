@@ -412,21 +412,29 @@ class ServedProcess:
     """`python -m service ARGS` on a free loopback port; stopped with SIGTERM, its exit code kept."""
 
     def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None) -> None:
+        self.port = self.free_port()
+        self.start([sys.executable, "-m", "service", "--port", str(self.port), *args], log_path, env)
+
+    @staticmethod
+    def free_port() -> int:
         import socket
 
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+            return s.getsockname()[1]
+
+    def start(self, cmd: list[str], log_path: Path, env: dict[str, str] | None = None, timeout: float = 600) -> None:
+        """Run `cmd` (serving on self.port) and wait until its /health answers 200."""
         self.url = f"http://127.0.0.1:{self.port}"
+        self.cmd = cmd
         self.log = open(log_path, "w")
         self.log_path = log_path
-        self.proc = subprocess.Popen([sys.executable, "-m", "service", "--port", str(self.port), *args],
-                                     stdout=self.log, stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parents[1],
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parents[1],
                                      env={**os.environ, **(env or {})})
-        deadline = time.monotonic() + 600
+        deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited with {self.proc.returncode}; see {log_path}")
+                raise RuntimeError(f"{Path(cmd[0]).name} exited with {self.proc.returncode}; see {log_path}")
             try:
                 if httpx.get(self.url + "/health", timeout=2).status_code == 200:
                     return
@@ -434,7 +442,7 @@ class ServedProcess:
                 pass
             time.sleep(0.5)
         self.proc.kill()
-        raise RuntimeError("the server did not become ready in 600 s")
+        raise RuntimeError(f"{Path(cmd[0]).name} did not become ready in {timeout:.0f} s; see {log_path}")
 
     def stop(self, grace: float = 60.0) -> int:
         self.proc.send_signal(signal.SIGTERM)

@@ -1,12 +1,13 @@
 """The quality cost of each dtype / weight quantization: perplexity on a fixed text shipped in the repository.
 
-    .venv/bin/python -m benchmarks.perplexity [--model PATH] [--settings float32 bfloat16 int8 int4] [--threads N]
+    .venv/bin/python -m benchmarks.perplexity [--model PATH] [--settings auto float32 bfloat16 int8 int4] [--threads N]
 
 Perplexity = exp(mean negative log-likelihood of every token given all before it), one causal forward over the
 whole text (`benchmarks/data/public_domain.txt`, about 1,000 tokens with the default model's tokenizer).
-Quantized settings are scored twice: as a prompt is computed (`prefill`: many rows, float32 math on the
-dequantized weights) and as generated tokens are (`kernel`: the packed int8/int4 kernels with bfloat16
-activations, forced for every row). float32 is the reference; `ratio` is each perplexity over float32's.
+`auto` is what the server runs by default (`--quantization auto`: a Q4_0/Q4_1 GGUF as int4, Q8_0 as int8, the
+file's own blocks); `resolved` says which. With the native kernels a quantized setting computes every row, prompt
+or generated, with the same int8/int4 kernel (batch invariance, issue 18), so one score per setting is the cost a
+served request sees. float32 is the reference; `ratio` is each perplexity over float32's.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ import math
 import os
 import sys
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -25,23 +25,9 @@ import torch.nn.functional as F
 
 from benchmarks.workload import SETTINGS
 from model.loaders.checkpoint import load_model
-from model.quantize import QuantLinear
 
 TEXT = Path(__file__).resolve().parent / "data" / "public_domain.txt"
 RESULTS = Path(__file__).resolve().parent / "results" / "perplexity.json"
-
-
-@contextmanager
-def kernels_for_every_row(model: torch.nn.Module):
-    layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
-    saved = [m.max_kernel_rows for m in layers]
-    for m in layers:
-        m.max_kernel_rows = 1 << 30
-    try:
-        yield
-    finally:
-        for m, n in zip(layers, saved):
-            m.max_kernel_rows = n
 
 
 @torch.inference_mode()
@@ -57,33 +43,27 @@ def run(model_path: str | None, settings: list[str], text: str) -> dict:
     results: dict = {}
     ids: list[int] | None = None
     for name in settings:
-        dtype, quant = SETTINGS[name]
+        dtype, quant = SETTINGS.get(name, (torch.float32, name))  # "auto": the server's default
         t0 = time.perf_counter()
         lm = load_model(model_path, dtype, "cpu", quantization=quant)
         ids = ids or lm.tokenizer.encode(text)
         nll, ppl = perplexity(lm.model, ids)
-        entry = {"dtype": str(dtype).removeprefix("torch."), "quantization": quant, "nll": nll, "perplexity": ppl}
-        if quant != "none":
-            with kernels_for_every_row(lm.model):
-                entry["kernel_nll"], entry["kernel_perplexity"] = perplexity(lm.model, ids)
-        entry["seconds"] = time.perf_counter() - t0
+        entry = {"dtype": str(dtype).removeprefix("torch."), "quantization": quant, "resolved": lm.quantization,
+                 "nll": nll, "perplexity": ppl, "seconds": time.perf_counter() - t0}
         results[name] = entry
-        print(f"[ppl] {name}: {ppl:.4f}" + (f" (kernel path {entry['kernel_perplexity']:.4f})" if quant != "none" else ""),
-              file=sys.stderr, flush=True)
+        print(f"[ppl] {name} ({lm.quantization}): {ppl:.4f}", file=sys.stderr, flush=True)
         del lm
     ref = results.get("float32", {}).get("perplexity")
     for entry in results.values():
         if ref:
             entry["ratio"] = entry["perplexity"] / ref
-            if "kernel_perplexity" in entry:
-                entry["kernel_ratio"] = entry["kernel_perplexity"] / ref
     return {"text": str(TEXT.relative_to(TEXT.parents[2])), "num_tokens": len(ids or []), "settings": results}
 
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(prog="python -m benchmarks.perplexity", description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="GGUF file or HF directory (default: SmolLM2-135M-Instruct Q4_1)")
-    p.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=list(SETTINGS))
+    p.add_argument("--settings", nargs="+", choices=["auto", *SETTINGS], default=["auto", *SETTINGS])
     p.add_argument("--threads", type=int, default=os.cpu_count())
     p.add_argument("--text", type=Path, default=TEXT)
     p.add_argument("--out", type=Path, default=RESULTS)
@@ -94,10 +74,9 @@ def main(argv: list[str] | None = None) -> dict:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=2) + "\n")
     print(f"perplexity on {out['text']} ({out['num_tokens']} tokens), {out['model']}:")
-    print(f"{'setting':<10} {'prefill path':>13} {'vs float32':>11} {'kernel path':>12} {'vs float32':>11}")
+    print(f"{'setting':<10} {'runs as':<34} {'perplexity':>11} {'vs float32':>11}")
     for name, e in out["settings"].items():
-        k = f"{e['kernel_perplexity']:>12.4f} {e['kernel_ratio']:>10.4f}x" if "kernel_perplexity" in e else ""
-        print(f"{name:<10} {e['perplexity']:>13.4f} {e.get('ratio', float('nan')):>10.4f}x {k}")
+        print(f"{name:<10} {e['resolved']:<34} {e['perplexity']:>11.4f} {e.get('ratio', float('nan')):>10.4f}x")
     return out
 
 

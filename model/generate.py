@@ -74,7 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--quantization", choices=QUANTIZATIONS, default="none", help="weight-only int8 / int4 (CPU)")
+    p.add_argument("--quantization", choices=("auto",) + QUANTIZATIONS, default="auto",
+                   help="weight-only int8 / int4 (CPU); auto: a Q4_0/Q4_1 GGUF as int4, Q8_0 as int8, else none")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
 

@@ -1,33 +1,26 @@
-"""Weight-only int8 / int4 linear layers for CPU decode, and the swap that installs them after a model is loaded.
+"""Weight-only int8 / int4 linear layers for CPU, and the swap that installs them after a model is loaded.
 
-Batch-1 decode reads every weight once per token, so its speed is weight bytes / memory bandwidth: 1 byte per
-weight (int8) or half a byte (int4) instead of 4 (float32) moves that ceiling 4x / 8x. Activations stay in the
-model's dtype; only the matmul kernels see quantized weights.
+Decode reads every weight once per token, so its speed is weight bytes / memory bandwidth: about 1 byte per weight
+(int8) or 0.6 (int4) instead of 4 (float32) moves that ceiling 4x / 6x. Activations stay in the model's dtype; only
+the matmul kernels see quantized weights.
 
-Formats:
-    int8  per output channel, symmetric:  w[n, k] = q[n, k] * s[n],            q int8 in [-127, 127], s bfloat16
-    int4  groups of G = 32 along k:       w[n, k] = q[n, k] * d[n, g] + m[n, g],   q in [0, 15], g = k // G,
-          two weights per byte (k even in the low nibble), d and m float16: GGUF's Q4_1 block form, and Q4_0's
-          (w = d (q - 8)) with m = -8 d, so `Int4Linear.from_gguf_blocks` maps a file's blocks without rounding.
+Formats (ggml's blocks of 32 along the input dim, so a GGUF file's Q4_0 / Q4_1 / Q8_0 blocks map without rounding):
+    int8  w[n, k] = q[n, k] * d[n, b]               q int8 in [-127, 127], d float16, b = k // 32   (GGUF Q8_0)
+    int4  w[n, k] = q[n, k] * d[n, b] + m[n, b]     q in [0, 15], two per byte (k even in the low nibble), d and m
+          float16 (GGUF Q4_1; Q4_0's w = d (q - 8) is m = -8 d, so `Int4Linear.from_gguf_blocks` is exact for both)
+The per-row scales are stored padded with zeros to a multiple of 8 blocks (`padded_blocks`), as the kernels read them.
 
-Kernels for few rows (decode), by what the machine has:
-    native  model/kernels (C++, AVX2): `int8_linear` / `int4_linear` read the formats above directly, with the
-            dequantization fused into integer dot products against int8-rounded activations (llama.cpp's scheme)
-    torch   PyTorch's own packed CPU kernels where the native ones are off or could not be built:
-            `torch.ops.aten._weight_int8pack_mm` and `_weight_int4pack_mm_for_cpu` (groups of 32, scale and zero
-            z = m + 8 d in bfloat16; its packing is built on first use), both fast only with bfloat16 activations
-
-Per-phase compute: the few-row kernels are bandwidth kernels. With many rows (prefill) float32 GEMM is several
-times faster on AVX2 than either kind, so above `kernel_row_limit` rows (16 for PyTorch's kernels, 80 for the
-native ones) a layer dequantizes its weight to float32
-and runs `F.linear` in float32, whatever the activation dtype (a transient copy of one matrix, amortized over the
-rows; bfloat16 GEMM with many rows is the slowest option on AVX2), over activations rounded as the native kernel
-rounds them when that is the decode kernel. So `--dtype bfloat16 --quantization int8` decodes with bfloat16
-activations and KV cache (half the KV bytes) and prefills in float32.
+Kernels, by what the machine has:
+    native  model/kernels (C++, AVX2) `int4_linear` / `int8_linear`: the weights in the formats above against
+            activations rounded to int8 blocks (llama.cpp's scheme), exact integer block sums; one kernel for any
+            number of rows (decode and prefill), so a row's result never depends on its step (batch invariance)
+    torch   without the native kernels: PyTorch's packed int4 kernel (`_weight_int4pack_mm_for_cpu`, bfloat16
+            activations) up to 16 rows, else the weight dequantized to float32 and one float32 GEMM
 """
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 import numpy as np
@@ -39,14 +32,18 @@ from model.transformer import FUSED_PARTS
 
 Quantization = Literal["none", "int8", "int4"]
 QUANTIZATIONS: tuple[str, ...] = ("none", "int8", "int4")
-GROUP_SIZE = 32  # int4 group along the input dim; GGUF Q4_0/Q4_1 blocks hold 32 weights
-KERNEL_DTYPE = torch.bfloat16  # activations, scales and zeros as PyTorch's packed CPU kernels take them fastest
-MAX_KERNEL_ROWS = 16  # rows at or below which PyTorch's packed kernel runs; above, dequantize + float GEMM
-# The native kernels' cost grows with the rows (about 4 ms a row for a whole int4 forward on 2 threads here), the
-# many-row path's is mostly fixed (about 160 ms: the native dequantization of every matrix, then float32 GEMM):
-# `python -m benchmarks.kernel_rows` gave int4 38 vs 168 ms at 8 rows, 261 vs 288 at 64, 521 vs 417 at 128, so the
-# kernels serve up to 80 rows (prompts up to 80 tokens, batches of up to 80 decode rows).
-MAX_NATIVE_KERNEL_ROWS = 80
+GROUP_SIZE = 32  # weights per block along the input dim; GGUF Q4_0 / Q4_1 / Q8_0 blocks hold 32
+KERNEL_DTYPE = torch.bfloat16  # activations, scales and zeros as PyTorch's packed CPU kernel takes them fastest
+MAX_KERNEL_ROWS = 16  # rows at or below which PyTorch's packed int4 kernel runs; above, dequantize + float GEMM
+
+
+def padded_blocks(n_blocks: int) -> int:
+    """Blocks per row of a layer's scale arrays: a multiple of 8 (model/kernels/csrc/qgemm.h reads 8 at a time)."""
+    return -(-n_blocks // 8) * 8
+
+
+def _pad_blocks(t: Tensor) -> Tensor:  # (N, nb) -> (N, padded_blocks(nb)), zeros after
+    return torch.nn.functional.pad(t, (0, padded_blocks(t.shape[-1]) - t.shape[-1]))
 
 
 class QuantLinear(nn.Module):
@@ -55,17 +52,19 @@ class QuantLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
-        self.max_kernel_rows: int | None = None  # None: the kernel kind's own limit (`kernel_row_limit`)
 
     def forward(self, x: Tensor) -> Tensor:  # (..., in) -> (..., out)
         y = ops.quantized_linear(self, x.reshape(-1, self.in_features))  # (M, out): the kernel for the row count
         return y.view(*x.shape[:-1], self.out_features)
 
-    def kernel_row_limit(self, native: bool) -> int:
-        """Rows up to which the few-row kernel runs (above: dequantize + float GEMM)."""
-        if self.max_kernel_rows is not None:
-            return self.max_kernel_rows
-        return MAX_NATIVE_KERNEL_ROWS if native else MAX_KERNEL_ROWS
+    def kernel_row_limit(self, native: bool) -> float:
+        """Rows up to which the quantized kernel runs (above: dequantize + float GEMM): any number for the native
+        kernels, `MAX_KERNEL_ROWS` for PyTorch's packed one (`packed_matmul`), none where there is no such kernel."""
+        if native:
+            return math.inf
+        return MAX_KERNEL_ROWS if self.has_packed_matmul else 0
+
+    has_packed_matmul = False
 
     native_op = ""  # the model/kernels function that multiplies by this weight: (x, *native_buffers()) -> y
 
@@ -73,7 +72,7 @@ class QuantLinear(nn.Module):
         """The two buffers the native kernel reads (model/kernels/csrc/decode_layers.cpp's `linear`), or None."""
         return None
 
-    def packed_matmul(self, x: Tensor) -> Tensor:  # (M, in) bfloat16 -> (M, out) bfloat16, PyTorch's packed kernels
+    def packed_matmul(self, x: Tensor) -> Tensor:  # (M, in) bfloat16 -> (M, out) bfloat16, PyTorch's packed kernel
         raise NotImplementedError
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:  # -> (out, in)
@@ -88,43 +87,64 @@ class QuantLinear(nn.Module):
         raise NotImplementedError
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, max_kernel_rows={self.max_kernel_rows}"
+        return f"in_features={self.in_features}, out_features={self.out_features}"
 
 
 class Int8Linear(QuantLinear):
-    def __init__(self, qweight: Tensor, scales: Tensor) -> None:
-        """qweight (N, K) int8, scales (N,): w = qweight * scales."""
-        super().__init__(qweight.shape[1], qweight.shape[0])
-        self.register_buffer("weight", qweight.contiguous())  # (N, K) int8
-        self.register_buffer("scales", scales.to(KERNEL_DTYPE).contiguous())  # (N,)
+    def __init__(self, qweight: Tensor, d: Tensor) -> None:
+        """qweight (N, K) int8, d (N, K/32): w = qweight * d per block of 32 along K (GGUF Q8_0)."""
+        N, K = qweight.shape
+        if K % GROUP_SIZE:
+            raise ValueError(f"int8 needs in_features % {GROUP_SIZE} == 0, got ({N}, {K})")
+        super().__init__(K, N)
+        self.register_buffer("weight", qweight.to(torch.int8).contiguous())  # (N, K) int8
+        self.register_buffer("scales", _pad_blocks(d.to(torch.float16)).contiguous())  # (N, nbp) float16
 
     @classmethod
     def from_float(cls, w: Tensor) -> "Int8Linear":
-        """Symmetric per-output-channel rounding (absmax / 127), as torchao's int8 weight-only does."""
-        w = w.detach().float()  # (N, K)
-        scales = (w.abs().amax(dim=1) / 127).clamp(min=1e-12).to(KERNEL_DTYPE).float()  # rounded as the kernel keeps it
-        q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
-        return cls(q, scales)
+        """ggml's `quantize_row_q8_0_ref`: per block d = max|w| / 127, q = round(w / d) (half away from zero)."""
+        w = w.detach().float()
+        N, K = w.shape
+        g = w.reshape(N, K // GROUP_SIZE, GROUP_SIZE)
+        d = g.abs().amax(-1) / 127  # (N, K/G)
+        inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+        x = g * inv[..., None]
+        q = (x.sign() * (x.abs() + 0.5).floor()).clamp(-127, 127)
+        return cls(q.reshape(N, K).to(torch.int8), d)
+
+    @classmethod
+    def from_gguf_blocks(cls, raw: np.ndarray, shape: tuple[int, int], n_head: int | None = None) -> "Int8Linear":
+        """GGUF Q8_0 blocks of a (N, K) weight (ggml `block_q8_0` = {f16 d; i8 qs[32]}) -> the same weights, no
+        rounding; `n_head`: undo llama.cpp's q/k row permutation (`gguf_file.unpermute_qk`) as for the float weight."""
+        N, K = shape
+        blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(N, K // GROUP_SIZE, 2 + GROUP_SIZE)
+        d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)  # (N, K/G)
+        q = blocks[..., 2:].copy().view(np.int8).reshape(N, K)
+        if n_head is not None:
+            from model.loaders.gguf_file import unpermute_qk
+
+            q, d = unpermute_qk(q, n_head), unpermute_qk(d, n_head)
+        return cls(torch.from_numpy(np.ascontiguousarray(q)), torch.from_numpy(np.ascontiguousarray(d)))
 
     @classmethod
     def cat(cls, layers: list["Int8Linear"]) -> "Int8Linear":
         """Stack layers with the same input along the output dim (fused q/k/v, gate/up)."""
-        return cls(torch.cat([m.weight for m in layers]), torch.cat([m.scales for m in layers]))
+        nb = layers[0].in_features // GROUP_SIZE
+        return cls(torch.cat([m.weight for m in layers]), torch.cat([m.scales[:, :nb] for m in layers]))
 
     native_op = "int8_linear"
 
     def native_buffers(self) -> list[Tensor] | None:
-        return [self.weight, self.scales] if self.in_features % GROUP_SIZE == 0 else None
-
-    def packed_matmul(self, x: Tensor) -> Tensor:
-        return torch.ops.aten._weight_int8pack_mm(x, self.weight, self.scales)
+        return [self.weight, self.scales]
 
     def reference_dequantize(self, dtype: torch.dtype) -> Tensor:
-        return (self.weight.to(dtype) * self.scales.to(dtype)[:, None]).to(dtype)
+        N, K = self.weight.shape
+        d = self.scales[:, : K // GROUP_SIZE].float()  # (N, K/G)
+        return (self.weight.float().reshape(N, K // GROUP_SIZE, GROUP_SIZE) * d[..., None]).reshape(N, K).to(dtype)
 
     @property
     def decode_bytes(self) -> int:
-        return self.weight.nbytes + self.scales.nbytes
+        return self.weight.nbytes + self.weight.shape[0] * (self.in_features // GROUP_SIZE) * 2
 
 
 class Int4Linear(QuantLinear):
@@ -136,7 +156,8 @@ class Int4Linear(QuantLinear):
         super().__init__(K, N)
         q = q.to(torch.uint8)
         self.register_buffer("nibbles", (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous())  # (N, K/2) uint8
-        self.register_buffer("dm", torch.stack([d, m], dim=-1).to(torch.float16).contiguous())  # (N, K/G, 2)
+        dm = torch.stack([_pad_blocks(d.to(torch.float16)), _pad_blocks(m.to(torch.float16))], dim=1)
+        self.register_buffer("scales", dm.contiguous())  # (N, 2, nbp) float16: d, then m
         # PyTorch's packed kernel wants its own packing (it depends on the CPU's vector width) and bfloat16
         # scales and zeros: built on first use, only where the native kernels do not run.
         self._torch_pack: tuple[Tensor, Tensor] | None = None
@@ -171,13 +192,15 @@ class Int4Linear(QuantLinear):
     def unpacked(self) -> tuple[Tensor, Tensor, Tensor]:
         """-> q (N, K) uint8, d (N, K/G) float32, m (N, K/G) float32."""
         q = torch.stack([self.nibbles & 15, self.nibbles >> 4], dim=-1).reshape(self.out_features, self.in_features)
-        dm = self.dm.float()
-        return q, dm[..., 0], dm[..., 1]
+        dm = self.scales[:, :, : self.in_features // GROUP_SIZE].float()
+        return q, dm[:, 0], dm[:, 1]
 
     native_op = "int4_linear"
 
     def native_buffers(self) -> list[Tensor] | None:
-        return [self.nibbles, self.dm]
+        return [self.nibbles, self.scales]
+
+    has_packed_matmul = True
 
     def packed_matmul(self, x: Tensor) -> Tensor:
         if self._torch_pack is None:
@@ -198,7 +221,7 @@ class Int4Linear(QuantLinear):
     def decode_bytes(self) -> int:
         if self._torch_pack is not None:
             return sum(t.nbytes for t in self._torch_pack)
-        return self.nibbles.nbytes + self.dm.nbytes
+        return self.nibbles.nbytes + self.out_features * (self.in_features // GROUP_SIZE) * 4
 
 
 def round_activations(x: Tensor) -> Tensor:
@@ -243,9 +266,9 @@ def quantize_model(model: nn.Module, mode: Quantization, prequantized: dict[str,
     `nn.Linear` the blocks hold); returns the model.
 
     Every block's projections take `mode`; the LM head takes int8 in both modes, as llama.cpp keeps the default
-    model's tied head in Q8_0: it is the largest matrix, the most sensitive to rounding, and the int4 CPU kernel is
-    slowest on it. The embedding table stays in the model's dtype (it is gathered, not multiplied). `prequantized`
-    (our names of the file's matrices, e.g. "layers.0.attention.wq") supplies layers mapped straight from a file.
+    model's tied head in Q8_0: it is the largest matrix and the most sensitive to rounding. The embedding table stays
+    in the model's dtype (it is gathered, not multiplied). `prequantized` (our names of the file's matrices, e.g.
+    "layers.0.attention.wq", and "output" for the head) supplies layers mapped straight from a file's blocks.
     """
     if mode == "none":
         return model
@@ -254,11 +277,13 @@ def quantize_model(model: nn.Module, mode: Quantization, prequantized: dict[str,
     if model.device.type != "cpu":
         raise ValueError(f"quantization {mode!r} runs CPU kernels; the model is on {model.device}")
     cls, pre = _QUANT_CLASSES[mode], prequantized or {}
-    linears = [(name, m) for name, m in model.layers.named_modules(prefix="layers") if type(m) is nn.Linear]
+    # (a matrix whose input is not whole blocks of 32 stays in float)
+    linears = [(name, m) for name, m in model.layers.named_modules(prefix="layers")
+               if isinstance(m, nn.Linear) and m.in_features % GROUP_SIZE == 0]
     for name, module in linears:
         parent, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent), attr, _quantized(name, module.weight, cls, pre))
-    model.output = Int8Linear.from_float(model.output.weight)
+    model.output = pre["output"] if "output" in pre else Int8Linear.from_float(model.output.weight)
     model.quantization = mode
     return model
 

@@ -97,6 +97,18 @@ def rotary_tables(cos: Tensor, sin: Tensor, dtype: torch.dtype) -> tuple[Tensor,
     return cos.to(dtype).unsqueeze(2), signed.to(dtype).unsqueeze(2)
 
 
+class Linear(nn.Linear):
+    """A bias-free projection whose product goes through `ops.linear`: on CPU the native kernel, one reduction order
+    per output for any number of rows, so a row's result does not depend on its step's other rows (PyTorch's GEMM
+    sums a single row differently from several)."""
+
+    def __init__(self, in_features: int, out_features: int) -> None:
+        super().__init__(in_features, out_features, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:  # (..., in) -> (..., out)
+        return ops.linear(x, self.weight)
+
+
 # Fused projections (gpt-fast's `wqkv`): one matmul where Meta's model has several with the same input. Each fused
 # module's weight is its parts' weights stacked along the output dim, in this order; checkpoints name the parts
 # (LLaMA names, house rule 4), and the loaders stack them (model/loaders/assemble.py).
@@ -112,8 +124,8 @@ class Attention(nn.Module):
         self.layer_idx = layer_idx
         self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
         H, K, E = config.n_heads, config.n_kv_heads, config.head_dim
-        self.wqkv = nn.Linear(config.dim, (H + 2 * K) * E, bias=False)  # wq, wk, wv stacked: ((H + 2K) E, D)
-        self.wo = nn.Linear(H * E, config.dim, bias=False)
+        self.wqkv = Linear(config.dim, (H + 2 * K) * E)  # wq, wk, wv stacked: ((H + 2K) E, D)
+        self.wo = Linear(H * E, config.dim)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, ctx: AttentionContext) -> Tensor:
         """x (B, T, D); cos/sin: `RotaryEmbedding`'s (B, T, E) tables, or `rotary_tables`' (B, T, 1, E) ones."""
@@ -130,8 +142,8 @@ class Attention(nn.Module):
 class FeedForward(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.w13 = nn.Linear(config.dim, 2 * config.hidden_dim, bias=False)  # gate (w1) and up (w3) stacked: (2F, D)
-        self.w2 = nn.Linear(config.hidden_dim, config.dim, bias=False)  # down
+        self.w13 = Linear(config.dim, 2 * config.hidden_dim)  # gate (w1) and up (w3) stacked: (2F, D)
+        self.w2 = Linear(config.hidden_dim, config.dim)  # down
 
     def forward(self, x: Tensor) -> Tensor:  # (B, T, D) -> (B, T, D), via (B, T, F)
         return self.w2(ops.silu_mul(self.w13(x)))  # (B, T, 2F) -> (B, T, F) -> (B, T, D)
@@ -165,7 +177,7 @@ class Transformer(nn.Module):
         self.rope = RotaryEmbedding(config)
         self.layers = nn.ModuleList(Block(config, i) for i in range(config.n_layers))
         self.norm = RMSNorm(config.dim, config.norm_eps)
-        self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
+        self.output = Linear(config.dim, config.vocab_size)
         self.quantization = "none"  # model/quantize.py's quantize_model sets "int8" / "int4"
         self.tie_weights()
 

@@ -26,8 +26,11 @@ class Settings(BaseSettings):
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = Field("auto", description="auto: bfloat16 on CUDA, float32 on CPU")
     device: str | None = Field(None, description="torch device",
                                json_schema_extra={"shown_default": "cuda if available, else cpu"})
-    quantization: Literal["none", "int8", "int4"] = Field(
-        "none", description="weight-only quantized linear layers on CPU; int4 keeps a Q4_0/Q4_1 GGUF's own blocks")
+    quantization: Literal["auto", "none", "int8", "int4"] = Field(
+        "auto", description="weight-only quantized linear layers on CPU. auto: a GGUF of Q4_0/Q4_1 blocks is served "
+        "as int4 and one of Q8_0 blocks as int8, in the file's own blocks, where the native CPU kernels run; anything "
+        "else (other types, HF directories, CUDA, tensor parallelism) as none. none: the float model (weights "
+        "dequantized to --dtype). int8 / int4: quantize any checkpoint")
     kv_cache_bytes: int = Field(1 << 30, description="KV block pool budget in bytes")
     block_size: int = Field(16, description="tokens per KV block")
     max_num_seqs: int = Field(32, description="sequences decoded together")

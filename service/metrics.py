@@ -24,7 +24,7 @@ class Metrics:
         self.step = Histogram(p + "engine_step_seconds", "one engine step (schedule, forward, sample, update)", registry=r, buckets=_LATENCY)
         self.requests = Counter(p + "requests", "finished HTTP requests", ["endpoint", "status"], registry=r)
         self.steps = Counter(p + "engine_steps", "engine steps by the execution path the model runner chose "
-                             "(cuda_graph, native_decode, module)", ["path"], registry=r)
+                             "(cuda_graph, native, module)", ["path"], registry=r)
         self.finished = Counter(p + "request_finish", "finished choices by finish reason", ["finish_reason"], registry=r)
         self.prompt_tokens = Counter(p + "prompt_tokens", "prompt tokens processed", registry=r)
         self.generation_tokens = Counter(p + "generation_tokens", "tokens generated", registry=r)

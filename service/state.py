@@ -65,7 +65,7 @@ class ServingState:
                 device = s.device or ("cuda" if torch.cuda.is_available() else "cpu")
                 dtype = s.dtype if s.dtype != "auto" else ("bfloat16" if device.startswith("cuda") else "float32")
                 if s.tensor_parallel_size > 1:  # this process is rank 0: it schedules, the workers follow
-                    if s.quantization != "none":
+                    if s.quantization not in ("none", "auto"):
                         raise ValueError("--quantization and --tensor-parallel-size > 1 cannot be combined yet")
                     if not s.threads and not device.startswith("cuda"):  # N processes share the cores
                         torch.set_num_threads(max(1, (os.cpu_count() or 1) // s.tensor_parallel_size))
@@ -90,12 +90,17 @@ class ServingState:
             engine.start()
             self.loaded, self.model_name = loaded, s.served_model_name or loaded.name
             self.engine = engine
-            log.info("serving %s", self.model_name)
+            log.info("serving %s: %s", self.model_name, _precision(loaded))
         except Exception as e:  # a load failure keeps /health at 503 with the reason, and is logged once
             if loaded is not None and isinstance(loaded.model, TPModel) and self.engine is None:
                 loaded.model.close()
             self.load_error = str(e)
             log.error("model failed to load: %s", e)
+
+    @property
+    def precision(self) -> dict[str, str]:
+        """What /v1/models says the weights and activations run in."""
+        return _precision(self.loaded)
 
     def _engine_died(self, error: BaseException | None) -> None:
         """The engine thread ended while serving (its open requests end with errors right after this). Nothing in
@@ -137,3 +142,8 @@ class ServingState:
                 log.warning("engine thread still running; tensor-parallel workers exit with this process")
             else:
                 self.loaded.model.close()
+
+
+def _precision(loaded: LoadedModel) -> dict[str, str]:
+    """{"quantization": "int4" / "int8" / "none", "dtype": the activations' dtype} of a loaded model."""
+    return {"quantization": getattr(loaded, "quantization", "none"), "dtype": str(loaded.model.dtype).removeprefix("torch.")}

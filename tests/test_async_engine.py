@@ -80,8 +80,9 @@ def test_client_leaving_mid_stream_frees_blocks(engine):
 
 
 def test_step_failure_reaches_the_client_and_engine_survives(engine, monkeypatch):
-    model = engine.engine.model
-    real = type(model).forward
+    # the runner's one forward, whichever path (native, module, CUDA graph) the step takes
+    runner = engine.engine.runner
+    real = type(runner)._forward
     state = {"fail": True}
 
     def flaky(self, *a, **kw):
@@ -90,7 +91,7 @@ def test_step_failure_reaches_the_client_and_engine_survives(engine, monkeypatch
             raise RuntimeError("boom")
         return real(self, *a, **kw)
 
-    monkeypatch.setattr(type(model), "forward", flaky)
+    monkeypatch.setattr(type(runner), "_forward", flaky)
 
     async def main():
         first = await _collect(engine, [1, 2], SamplingParams(max_tokens=4))

@@ -118,16 +118,6 @@ def test_quick_streaming_benchmark(tmp_path):
     assert all(len(e["rolling_perplexity"]) == 2 and e["perplexity"] > 0 for e in text)
 
 
-def test_kernel_rows_crossover_prints_both_paths():
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.kernel_rows", "--rows", "2", "20", "--reps", "1", "--quantization", "int8"],
-        cwd=ROOT, capture_output=True, text=True, timeout=600, check=False,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    rows = [line.split() for line in proc.stdout.splitlines()[2:]]
-    assert [r[0] for r in rows] == ["2", "20"] and all(float(v) > 0 for r in rows for v in r[1:])
-
-
 def test_gpu_script_dry_run_on_cpu(tmp_path):
     """The prepared GPU script (`benchmarks/gpu.py`) on tiny stand-ins of both shapes, CPU: every path but the
     CUDA graph capture itself (the static decoder runs its step eagerly), so the script cannot rot unseen. It also

@@ -53,8 +53,8 @@ def test_sampled_and_logprob_requests_take_the_static_step_too():
 
 def test_auto_captures_only_on_cuda():
     auto = _engine("auto")
-    assert auto.runner.graphs is None  # CPU: the one-call native step serves decode instead
+    assert auto.runner.graphs is None  # CPU: the one-call native step serves every step instead
     run(auto, {"a": ([1, 2, 3], greedy(4))})
-    assert auto.stats().steps_by_path == {"cuda_graph": 0, "native_decode": 3, "module": 1}
+    assert auto.stats().steps_by_path == {"cuda_graph": 0, "native": 4, "module": 0}
     off = _engine("off")
     assert off.runner.graphs is None and off.cache.num_blocks == off.kv.num_blocks

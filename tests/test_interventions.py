@@ -212,7 +212,7 @@ def test_each_path_equals_a_hooked_forward(model, path):
     engine = _engine(model, **PATHS[path])
     got = serve(engine, {r: (prompts[int(r)], greedy(8, prompt_logprobs=0), items[r]) for r in items})
     counts = engine.runner.path_counts
-    assert counts[{"module": "module", "native": "native_decode", "graph": "cuda_graph"}[path]] > 0, counts
+    assert counts[{"module": "module", "native": "native", "graph": "cuda_graph"}[path]] > 0, counts
     for r, its in items.items():
         tokens, logprobs = hooked_greedy(model, prompts[int(r)], its, 8)
         assert got[r]["tokens"] == tokens, r
@@ -264,7 +264,7 @@ def test_batched_equals_alone_with_chunked_prefill_prefix_sharing_and_preemption
     batched = serve(engine, reqs, {r: int(r) // 2 for r in reqs})
     assert engine.scheduler.num_preemptions > 0
     assert engine.kv.num_cached_prompt_tokens > 0  # the unedited and prompt-untouched prefixes were shared
-    assert engine.runner.path_counts["native_decode" if kernels.native() else "module"] > 0
+    assert engine.runner.path_counts["native" if kernels.native() else "module"] > 0
     assert_pool_clean(engine)
     for r, req in reqs.items():
         alone = serve(_engine(model), {r: req})

@@ -136,7 +136,7 @@ def test_engine_generation_under_an_edit_follows_hf(pair):
     want = ref[torch.arange(len(seq) - 1), torch.tensor(seq[1:])]
     assert prompt_lps == pytest.approx(want[: P - 1].tolist(), abs=1e-4)
     assert lps == pytest.approx(want[P - 1 :].tolist(), abs=1e-4)
-    assert engine.runner.path_counts["native_decode"] + engine.runner.path_counts["module"] > 0
+    assert engine.runner.path_counts["native"] + engine.runner.path_counts["module"] > 0
 
 
 def hf_hidden(hf, ids: list[int]) -> torch.Tensor:

@@ -168,11 +168,13 @@ def _decode_run(model, native_decode: bool):
 @pytest.mark.parametrize("mode", ["none", "int8", "int4"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_native_decode_step_equals_the_module_path(mode, dtype):
-    """`decode_layers` composes the very ops the modules call: bitwise the same logprobs, the same greedy tokens."""
+    """`decode_layers` composes the very functions the modules' ops call: bitwise the same logprobs, the same greedy
+    tokens, for prefill steps as for decode steps (every row attends over the paged pool)."""
     model = quantize_model(tiny_model(dtype=dtype), mode)
     fast, fast_paths = _decode_run(model, native_decode=True)
     slow, slow_paths = _decode_run(model, native_decode=False)
-    assert fast_paths["native_decode"] >= 5 and slow_paths["native_decode"] == 0
+    assert fast_paths["native"] >= 6 and fast_paths["module"] == 0  # the prefill step too
+    assert slow_paths["native"] == 0 and slow_paths["module"] >= 6
     assert fast == slow
     prompts = [[5, 9, 2, 7, 1] * k for k in (1, 3, 7)]
     together = greedy_tokens(model, prompts)

@@ -99,11 +99,14 @@ class CudaGraphs:
         return mode == "eager" and backend == "native"
 
     def accepts(self, batch: StepBatch) -> bool:
+        """A pure decode step: one new token per sequence (not prefill rows that attend over the pool one by one,
+        `PagedKVCache.paged_prefill`), within the largest bucket."""
         n = batch.meta.num_tokens
         edited = batch.edits is not None
         # graphs are captured without attention telemetry: a step recording it runs another path instead
-        return (batch.meta.pure_decode and batch.meta.telemetry is None and 0 < n <= self.buckets[-1]
-                and (self._bucket(n), edited) not in self.failed and (not edited or self.edits.fits(batch.edits)))
+        return (batch.meta.pure_decode and len(batch.slices) == n and batch.meta.telemetry is None
+                and 0 < n <= self.buckets[-1] and (self._bucket(n), edited) not in self.failed
+                and (not edited or self.edits.fits(batch.edits)))
 
     def _bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)

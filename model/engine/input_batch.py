@@ -58,18 +58,20 @@ class InputBuffers:
             "positions": torch.zeros(T, dtype=torch.long, pin_memory=pin),
             "slots": torch.zeros(T, dtype=torch.long, pin_memory=pin),
             "logits_rows": torch.zeros(T + S, dtype=torch.long, pin_memory=pin),  # prompt-logprob rows + one per seq
-            "decode_rows": torch.zeros(S, dtype=torch.long, pin_memory=pin),
-            "decode_lens": torch.zeros(S, dtype=torch.long, pin_memory=pin),
-            "decode_tables": torch.zeros(S, W, dtype=torch.long, pin_memory=pin),  # (S, W)
+            # rows attending over their block tables: decode rows, and every row when prefill rows do too
+            "decode_rows": torch.zeros(T, dtype=torch.long, pin_memory=pin),
+            "decode_lens": torch.zeros(T, dtype=torch.long, pin_memory=pin),
+            "decode_tables": torch.zeros(T, W, dtype=torch.long, pin_memory=pin),  # (T, W)
         }
         self.np = {name: t.numpy() for name, t in self.host.items()}
         # Device side: the same buffers where the model runs (the host ones themselves on the CPU).
         self.dev = self.host if self.device.type == "cpu" else {n: t.to(self.device) for n, t in self.host.items()}
         self.max_num_tokens, self.max_num_seqs, self.width = T, S, W
 
-    def prepare(self, scheduled: list[ScheduledSeq], wants_prompt_logprobs) -> StepBatch:
+    def prepare(self, scheduled: list[ScheduledSeq], wants_prompt_logprobs, paged_prefill: bool = False) -> StepBatch:
         """Write the step's inputs; `wants_prompt_logprobs(seq, start, n)` -> (first, count) of prompt positions
-        to score in this chunk, or None."""
+        to score in this chunk, or None. `paged_prefill` (`PagedKVCache.paged_prefill`): prefill rows, too, attend
+        one by one over their block tables, each up to its own position, as decode rows do."""
         np_, bs = self.np, self.block_size
         slices: list[SeqSlice] = []
         sample: list[tuple[Sequence, int]] = []
@@ -94,9 +96,14 @@ class InputBuffers:
                 pos = np.arange(c0, c0 + n)
                 np_["positions"][off : off + n] = pos
                 np_["slots"][off : off + n] = np.asarray(blocks)[pos // bs] * bs + pos % bs
+                if paged_prefill:
+                    np_["decode_rows"][r : r + n] = np.arange(off, off + n)
+                    np_["decode_lens"][r : r + n] = pos + 1
+                    np_["decode_tables"][r : r + n, : len(blocks)] = blocks
+                    r += n
             sl = SeqSlice(off, n, c0 + n, blocks)
             slices.append(sl)
-            if n > 1:
+            if n > 1 and not paged_prefill:
                 prefill.append(sl)
             scored = wants_prompt_logprobs(seq, start, n)
             if scored is not None:

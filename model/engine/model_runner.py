@@ -5,8 +5,10 @@
        and the rows' interventions and hidden-state reads into one table (model/edits.py) when any row has some;
     2. chooses the execution path from the step's batch and the model's layers, and records which ran:
            cuda_graph     a pure decode step replayed as the CUDA graph of its batch-size bucket
-           native_decode  a pure decode step through every block in one native call (CPU)
-           module         the model's modules, one call each (prefill, mixed steps, tensor parallelism)
+           native         any step (decode, prefill chunks, both) through every block in one native call (CPU,
+                          where every row attends over the paged pool: `PagedKVCache.paged_prefill`)
+           module         the model's modules, one call each (CUDA prefill and mixed steps, tensor parallelism,
+                          the PyTorch reference ops)
        All three compute the same logits (the module path is the reference; tests hold the others to it);
     3. runs it, scores prompt logprobs, and samples every sequence that caught up.
 
@@ -39,7 +41,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("llamascope.engine")
 
-PATHS = ("cuda_graph", "native_decode", "module")
+PATHS = ("cuda_graph", "native", "module")
 
 
 @dataclass
@@ -77,11 +79,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSeq]) -> RunnerOutput:
-        batch = self.buffers.prepare(scheduled, _prompt_positions)
+        batch = self.buffers.prepare(scheduled, _prompt_positions, self.cache.paged_prefill)
         layouts = []
         if any(s.seq.request.interventions is not None or s.seq.request.hidden_states is not None for s in scheduled):
             batch.edits, layouts = self.tables.build(_segments(scheduled, batch))
-        tel = step_telemetry(scheduled, batch.slices, batch.sample, self.model, self.cache.device)
+        tel = step_telemetry(scheduled, batch.slices, batch.sample, self.model, self.cache.device, self.cache.paged_prefill)
         batch.meta.telemetry = tel  # None unless a sampled sequence asked: then nothing below changes
         # [structured outputs] the sampling rows' grammar masks, filled on a worker thread during the forward
         masks = self.structured.start_masks([(seq.state.grammar, seq.output_token_ids) for seq, _ in batch.sample]) \
@@ -112,13 +114,13 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.accepts(batch):
             return "cuda_graph"
         if self.native is not None and self.native.accepts(batch, self.cache):
-            return "native_decode"
+            return "native"
         return "module"
 
     def _forward(self, path: str, batch: StepBatch) -> Tensor:
         if path == "cuda_graph":
             return _rows(self.graphs.run(batch), batch.logits_rows, identity=not batch.prompt_logprobs)  # (M, V)
-        if path == "native_decode":
+        if path == "native":
             return self.native.run(batch, self.cache)
         self.cache.set_step(batch.slices, batch.meta, batch.edits)
         return self.model(batch.tokens[None], batch.positions[None], self.cache, logits_indices=batch.logits_rows)[0]

@@ -1,9 +1,11 @@
-"""The fused decode path: every block of a pure decode step in one native call (model/kernels/csrc/decode_layers.cpp).
+"""The fused native path: every block of a step in one native call (model/kernels/csrc/decode_layers.cpp).
 
-The module path runs the very same native ops (RMSNorm, the linear layers, RoPE, the KV write, paged decode
-attention, SiLU-mul) one module call at a time; at the default model's size that per-call cost is a third of a
-quantized decode step, so the runner sends pure decode steps here. The logits are bitwise the module path's (a
-test holds it to that). The runner decides when this path runs; the model knows nothing of it.
+The module path runs the very same native ops (RMSNorm, the linear layers, RoPE, the KV write, paged attention,
+SiLU-mul) one module call at a time, each its own parallel region; at the default model's size that per-call cost
+was a third of a quantized decode step, so the runner sends every step whose rows all attend over the paged pool
+here: decode steps, and on CPU prefill chunks and mixed steps too (`PagedKVCache.paged_prefill`). The logits are
+bitwise the module path's (a test holds it to that). The runner decides when this path runs; the model knows
+nothing of it.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from model.transformer import Transformer
 def _linear_spec(layer: nn.Module) -> list[Tensor] | None:
     """A linear layer as decode_layers takes it: [float weight, empty] or a quantized layer's two native buffers;
     None for anything else (a tensor-parallel row-parallel layer, say, whose output must be all-reduced)."""
-    if type(layer) is nn.Linear:
+    if isinstance(layer, nn.Linear):
         return [layer.weight.detach(), layer.weight.new_empty(0)]
     if isinstance(layer, QuantLinear):
         return layer.native_buffers()
@@ -28,8 +30,8 @@ def _linear_spec(layer: nn.Module) -> list[Tensor] | None:
 
 
 class NativeDecode:
-    def __init__(self, model: nn.Module, layers: list[list[Tensor]], quantized: list[QuantLinear]) -> None:
-        self.model, self.layers, self.quantized = model, layers, quantized
+    def __init__(self, model: nn.Module, layers: list[list[Tensor]]) -> None:
+        self.model, self.layers = model, layers
         c = model.config
         self.eps, self.H, self.K, self.E = c.norm_eps, c.n_heads, kv_config(model).n_kv_heads, c.head_dim
 
@@ -40,7 +42,6 @@ class NativeDecode:
         if not isinstance(model, Transformer) or model.device.type != "cpu" or kernels.usable(model.tok_embeddings.weight) is None:
             return None  # (a tensor-parallel model runs its blocks across processes: the module path)
         layers: list[list[Tensor]] = []
-        quantized: list[QuantLinear] = []
         for block in model.layers:
             att, ffn = block.attention, block.feed_forward
             if block.attention_norm.weight.dtype != model.dtype:
@@ -51,16 +52,15 @@ class NativeDecode:
                 if spec is None:
                     return None
                 entry += spec
-                if isinstance(linear, QuantLinear):
-                    quantized.append(linear)
             layers.append(entry)
-        return cls(model, layers, quantized)
+        return cls(model, layers)
 
     def accepts(self, batch: StepBatch, cache: PagedKVCache) -> bool:
-        """A pure decode step within the quantized kernels' row limit, over a cache of the model's dtype."""
-        rows = batch.meta.num_tokens
-        return (batch.meta.pure_decode and cache.k.dtype == self.model.dtype
-                and all(rows <= m.kernel_row_limit(True) for m in self.quantized))
+        """A step whose every row attends over the paged pool (decode rows; prefill rows too where the cache does
+        `paged_prefill`), over a cache of the model's dtype, with the kernels on."""
+        meta = batch.meta
+        return (meta.pure_decode and meta.decode_rows.numel() == meta.num_tokens and cache.k.dtype == self.model.dtype
+                and kernels.native() is not None)
 
     def run(self, batch: StepBatch, cache: PagedKVCache) -> Tensor:
         """-> logits (M, V) at the batch's logits rows."""

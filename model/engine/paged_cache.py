@@ -7,7 +7,11 @@ row (B = 1, T = N total tokens) so the linear layers run once over all of them; 
 - rows with one new token (decode) attend over their block tables in place, all in one call per layer
   (`ops.decode_attention`: the native CPU kernel, Triton on CUDA, or the PyTorch reference that gathers);
 - rows with several new tokens (prefill chunks) attend one by one through SDPA: causal over their own fresh K/V
-  when nothing precedes them, else over their gathered blocks with a causal mask offset by the cached prefix.
+  when nothing precedes them, else over their gathered blocks with a causal mask offset by the cached prefix;
+- except where the native kernel runs (`paged_prefill`): there every row, prefill rows included, attends over its
+  block table up to its own position, in the same call as decode rows. A prompt token's attention is then computed
+  by the same code whether it is prefilled alone, in chunks, beside other sequences, or recomputed after a
+  preemption, so its K/V in later layers, and every token after it, do not depend on the step (batch invariance).
 
 The model runner (model/engine/model_runner.py) builds each step's `AttentionMetadata` once, from its persistent
 buffers; every layer's `attend` reads it.
@@ -61,9 +65,9 @@ class AttentionMetadata:
     """What every layer's attention reads in one step: where each token's K/V goes, and how each row attends."""
 
     slot_mapping: Tensor  # (N,) pool slot of each packed token
-    decode_rows: Tensor  # (R,) packed rows adding one token
+    decode_rows: Tensor  # (R,) packed rows attending over their block tables: decode rows (every row with paged_prefill)
     decode_tables: Tensor  # (R, W) their block tables (padding past a row's blocks is never read)
-    decode_lens: Tensor  # (R,) their context lengths
+    decode_lens: Tensor  # (R,) their context lengths (position + 1)
     prefills: list[PrefillChunk] = field(default_factory=list)
     telemetry: StepTelemetry | None = None  # rows recording attention telemetry this step (model/engine/telemetry.py)
 
@@ -76,19 +80,21 @@ class AttentionMetadata:
         return not self.prefills
 
     @classmethod
-    def from_slices(cls, slices: list[SeqSlice], block_size: int, device: torch.device) -> "AttentionMetadata":
+    def from_slices(cls, slices: list[SeqSlice], block_size: int, device: torch.device,
+                    paged_prefill: bool = False) -> "AttentionMetadata":
         """The metadata from a step's slices alone (tensor-parallel workers, which follow rank 0's steps, and tests);
         the engine's runner writes the same into its persistent buffers instead."""
-        decode = [s for s in slices if s.num_new == 1]
+        paged = [s for s in slices if s.num_new == 1 or paged_prefill]
         slots = [slot_of(s.block_ids, p, block_size) for s in slices for p in range(s.context_len - s.num_new, s.context_len)]
-        width = max((len(s.block_ids) for s in decode), default=0)
-        tables = [(s.block_ids + [0] * width)[:width] for s in decode]
+        width = max((len(s.block_ids) for s in paged), default=0)
+        rows = [(s.start + i, s.context_len - s.num_new + i + 1, s) for s in paged for i in range(s.num_new)]
         return cls(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
-            decode_rows=torch.tensor([s.start for s in decode], dtype=torch.long, device=device),
-            decode_tables=torch.tensor(tables, dtype=torch.long, device=device).view(len(decode), width),
-            decode_lens=torch.tensor([s.context_len for s in decode], dtype=torch.long, device=device),
-            prefills=[prefill_chunk(s, block_size, device) for s in slices if s.num_new != 1],
+            decode_rows=torch.tensor([r for r, _, _ in rows], dtype=torch.long, device=device),
+            decode_tables=torch.tensor([(s.block_ids + [0] * width)[:width] for _, _, s in rows], dtype=torch.long,
+                                       device=device).view(len(rows), width),
+            decode_lens=torch.tensor([n for _, n, _ in rows], dtype=torch.long, device=device),
+            prefills=[prefill_chunk(s, block_size, device) for s in slices if s.num_new != 1 and not paged_prefill],
         )
 
 
@@ -135,10 +141,16 @@ class PagedKVCache:
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes
 
+    @property
+    def paged_prefill(self) -> bool:
+        """Prefill rows attend over the pool one by one too (module doc): where the native kernel runs."""
+        return ops.decode_attention_backend(self.k[0, 0, 0], self.k[0]) == "native"
+
     def set_step(self, seqs: list[SeqSlice], meta: AttentionMetadata | None = None, edits: StepEdits | None = None) -> None:
         """This step's sequences and metadata (built once, by the runner from its buffers, or here from `seqs`);
         every layer's `attend` reads it. `edits`: the step's interventions over its packed rows (None: none)."""
-        self.meta = meta if meta is not None else AttentionMetadata.from_slices(seqs, self.block_size, self.device)
+        self.meta = meta if meta is not None else AttentionMetadata.from_slices(seqs, self.block_size, self.device,
+                                                                                self.paged_prefill)
         self.step_seqs = seqs
         self.edits = edits
 

@@ -5,8 +5,9 @@ residual stream, all read off the forward pass that produced the token.
 Where each number comes from:
 - attention: the decode kernels record it from the softmax they compute anyway (model/kernels/attention_telemetry.py:
   native, Triton, and the PyTorch reference), for the rows that asked; a sequence's first token comes from a prefill
-  chunk, whose last row is run once more through the decode kernel for its telemetry only (its output is discarded,
-  so the SDPA output the model used is untouched);
+  chunk: where prefill rows attend over the pool row by row (CPU, `PagedKVCache.paged_prefill`) its last row is a
+  decode-kernel row like any other; elsewhere that row is run once more through the decode kernel for its telemetry
+  only (its output is discarded, so the SDPA output the model used is untouched);
 - the residual stream after each block: the fused native decode call copies the asking rows out after each block
   (decode_layers' `telemetry` list); the module path reads them with forward hooks on the blocks, installed for
   the step only.
@@ -182,9 +183,10 @@ def _sink_tokens(seq: Sequence) -> int:
 
 
 def step_telemetry(scheduled: list[ScheduledSeq], slices: list[SeqSlice], sample: list[tuple[Sequence, int]],
-                   model: torch.nn.Module, device: torch.device) -> StepTelemetry | None:
+                   model: torch.nn.Module, device: torch.device, paged_prefill: bool = False) -> StepTelemetry | None:
     """The step's telemetry, or None when no sampled sequence asked for it. `scheduled` and `slices` in step order,
-    `sample` the (sequence, logits row) pairs sampled this step."""
+    `sample` the (sequence, logits row) pairs sampled this step. `paged_prefill` (`PagedKVCache.paged_prefill`):
+    every row of the step is a decode-kernel row, prefill chunks' last rows included."""
     asking = {id(seq) for seq, _ in sample if seq.request.params.telemetry is not None}
     if not asking:
         return None
@@ -193,8 +195,8 @@ def step_telemetry(scheduled: list[ScheduledSeq], slices: list[SeqSlice], sample
         seq = s.seq
         if id(seq) in asking:
             last = seq.num_computed_tokens + s.num_new_tokens - 1
-            rows.append(TelemetryRow(seq, sl.start + sl.num_new - 1, last, r if sl.num_new == 1 else None,
-                                     list(sl.block_ids), sl.context_len))
-        r += sl.num_new == 1
+            decode_index = r + sl.num_new - 1 if paged_prefill else (r if sl.num_new == 1 else None)
+            rows.append(TelemetryRow(seq, sl.start + sl.num_new - 1, last, decode_index, list(sl.block_ids), sl.context_len))
+        r += sl.num_new if paged_prefill else sl.num_new == 1
     c = model.config
     return StepTelemetry(rows, r, c.n_layers, c.n_heads, c.dim, device, model.dtype)

@@ -43,8 +43,8 @@ log = logging.getLogger(__name__)
 ENV_VAR = "LLAMASCOPE_NATIVE_KERNELS"  # "0" turns them off (the PyTorch paths run instead)
 NAME = "llamascope_kernels"
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = ("bindings.cpp", "elementwise.cpp", "paged_attention.cpp", "quant_linear.cpp", "decode_layers.cpp",
-           "interventions.cpp")
+SOURCES = ("bindings.cpp", "elementwise.cpp", "paged_attention.cpp", "quant_linear.cpp", "float_linear.cpp",
+           "decode_layers.cpp", "interventions.cpp")
 
 STALE_LOCK_SECONDS = 600
 _lock = threading.Lock()

@@ -8,7 +8,8 @@ model/transformer.py; N packed tokens, R decode rows, W block-table width, NB po
     rms_norm          (..., D)                      Zhang & Sennrich 2019
     silu_mul          (..., 2F) -> (..., F)         SwiGLU's gate, Shazeer 2020
     rope_             (B, T, heads, E) in place     RoPE, rotate-half layout
-    quantized_linear  (M, in) @ int8 / int4 W       few rows: fused dequantize kernels; many: dequantize + GEMM
+    linear            (..., in) @ float W           one reduction order per output for any row count (native)
+    quantized_linear  (M, in) @ int8 / int4 W       integer block dot products, any row count (native)
     paged_write       k, v (N, K, E) -> pool slots
     decode_attention  q (N, H, E) rows over their block tables (PagedAttention's decode, Kwon et al. 2023),
                       optionally recording attention telemetry (attention_telemetry.py)
@@ -67,31 +68,38 @@ def rope_(x: Tensor, cos: Tensor, signed_sin: Tensor, n_rot: int) -> Tensor:
     return x
 
 
+def linear(x: Tensor, weight: Tensor) -> Tensor:
+    """x (..., in) @ weight (out, in)^T -> (..., out) for a float weight: natively with one reduction order per output
+    whatever the number of rows (model/kernels/csrc/float_linear.cpp: batch invariance), else `F.linear`."""
+    native = usable(x, weight)
+    if native is not None and x.dtype == weight.dtype and weight.is_contiguous():
+        y = native.float_linear(x.reshape(-1, x.shape[-1]).contiguous(), weight)  # (M, out)
+        return y.view(*x.shape[:-1], weight.shape[0])
+    return F.linear(x, weight)
+
+
 def quantized_linear(layer: "QuantLinear", x: Tensor) -> Tensor:
     """x (M, in) -> (M, out) in x's dtype through a weight-only quantized layer.
 
-    Up to the layer's `kernel_row_limit` rows: the few-row kernel (the native one reads the quantized format directly
-    with int8-rounded activations, llama.cpp's scheme; else PyTorch's packed CPU kernel). Above it: the weight
-    dequantized to float32 and one float32 GEMM (many-row compute), over activations rounded as the native kernel
-    rounds them when that is the decode kernel, so a row's result does not depend on how many rows share its step."""
-    from model.quantize import GROUP_SIZE, KERNEL_DTYPE, round_activations
+    Native: one kernel for any number of rows (activations rounded to int8 blocks, exact integer block sums,
+    llama.cpp's scheme), so a row's result does not depend on how many rows share its step. Without it: PyTorch's
+    packed kernel up to the layer's `kernel_row_limit`, else the weight dequantized to float32 and one float32 GEMM."""
+    from model.quantize import KERNEL_DTYPE
 
-    native = usable(x) if x.device.type == "cpu" and layer.in_features % GROUP_SIZE == 0 else None
-    if x.shape[0] <= layer.kernel_row_limit(native is not None):
-        if native is not None:
-            y = getattr(native, layer.native_op)(x.float().contiguous(), *layer.native_buffers())  # (M, out) float32
-        else:
-            y = layer.packed_matmul(x.to(KERNEL_DTYPE))
+    native = usable(x) if x.device.type == "cpu" else None
+    if native is not None:
+        y = getattr(native, layer.native_op)(x.contiguous(), *layer.native_buffers())  # (M, out) float32
+    elif x.shape[0] <= layer.kernel_row_limit(False):
+        y = layer.packed_matmul(x.to(KERNEL_DTYPE))
     else:
         # Float32 compute whatever the activation dtype (bfloat16 GEMM is several times slower on AVX2).
-        xf = round_activations(x.float()) if native is not None else x.float()
-        y = F.linear(xf, layer.dequantize(torch.float32))
+        y = F.linear(x.float(), layer.dequantize(torch.float32))
     return y.to(x.dtype)
 
 
 def dequantize(layer: "QuantLinear", dtype: torch.dtype = torch.float32) -> Tensor:
-    """A quantized layer's weight -> (out, in) in `dtype`: natively in one pass (bitwise the PyTorch values; the
-    many-row path calls this every forward), else the layer's PyTorch `reference_dequantize`."""
+    """A quantized layer's weight -> (out, in) in `dtype`: natively in one pass (bitwise the PyTorch values), else
+    the layer's PyTorch `reference_dequantize`."""
     buffers = layer.native_buffers()
     native = native_kernels() if buffers is not None and dtype == torch.float32 and buffers[0].device.type == "cpu" else None
     if native is not None:

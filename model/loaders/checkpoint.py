@@ -9,6 +9,7 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 
@@ -58,25 +59,55 @@ class LoadedModel:
     name: str
     load_seconds: float
 
+    @property
+    def quantization(self) -> str:
+        """The weights' precision as served: "int4", "int8" or "none" (the float dtype)."""
+        return getattr(self.model, "quantization", "none")
+
+    @property
+    def precision(self) -> str:
+        """One phrase for logs and /v1/models: e.g. "int4 weights, float32 activations" or "bfloat16"."""
+        dtype = str(self.model.dtype).removeprefix("torch.")
+        return dtype if self.quantization == "none" else f"{self.quantization} weights, {dtype} activations"
+
+
+def resolve_quantization(requested: str, path: Path, device: torch.device | str, reader=None) -> str:
+    """`--quantization auto`: a GGUF file whose block matrices are Q4_0 / Q4_1 is served as int4, Q8_0 as int8 (its
+    own blocks, as llama.cpp and Ollama serve them), where the native CPU kernels run; anything else (other types,
+    HF directories, CUDA, no kernels) as "none", the float model. Any other value is returned as it is."""
+    if requested != "auto":
+        return requested
+    if torch.device(device).type != "cpu" or kernels.native() is None or not path.is_file():
+        return "none"
+    from model.loaders.gguf_file import native_quantization, open_gguf
+
+    return native_quantization(reader or open_gguf(path))
+
 
 def load_model(
     path: str | Path | None = None,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
-    quantization: Quantization = "none",
+    quantization: Quantization | Literal["auto"] = "none",
     shard: ShardFor | None = None,
 ) -> LoadedModel:
     """A GGUF file or HF directory (None: the default model) -> model on `device` in `dtype`, plus its tokenizer.
-    `quantization` "int8" / "int4": weight-only quantized linear layers (CPU; model/quantize.py).
+    `quantization` "int8" / "int4": weight-only quantized linear layers (CPU; model/quantize.py); "auto": the
+    file's own block format where the native kernels can serve it (`resolve_quantization`), else "none".
     `shard`: only that tensor-parallel rank's share of the weights (model/parallel/plan.py)."""
     from model.loaders.gguf_file import load_gguf, open_gguf, read_metadata
     from model.loaders.hf import load_hf
 
     start = time.perf_counter()
-    if shard is not None and quantization != "none":
+    if shard is not None and quantization not in ("none", "auto"):
         # the quantized modules would replace the row-parallel layers that carry the all-reduce hooks
         raise CheckpointError("quantization with tensor parallelism is not supported: choose one", path=str(path))
     path = Path(path) if path is not None else default_model_path()
+    requested = quantization
+    if shard is not None:
+        quantization = "none"
+    elif path.is_dir():
+        quantization = resolve_quantization(quantization, path, device)
     if path.is_dir():
         model = quantize_model(load_hf(path, dtype, device, shard=shard), quantization)
         try:
@@ -86,6 +117,8 @@ def load_model(
         name = path.name
     elif path.is_file():
         reader = open_gguf(path)
+        if shard is None:
+            quantization = resolve_quantization(quantization, path, device, reader)
         meta = read_metadata(reader)
         try:
             tokenizer = Tokenizer.from_gguf_metadata(meta)
@@ -99,6 +132,8 @@ def load_model(
     # Load (or, the first time on this machine, build) the native CPU kernels now rather than in the first request.
     cpu_kernels = kernels.status() if torch.device(device).type == "cpu" else "not used on " + str(device)
     seconds = time.perf_counter() - start
-    log.info("loaded %s (%d parameters, %s, quantization %s, %s, CPU kernels: %s) in %.1fs", name,
-             model.config.num_parameters(), dtype, quantization, device, cpu_kernels, seconds)
-    return LoadedModel(model, tokenizer, path, name, seconds)
+    loaded = LoadedModel(model, tokenizer, path, name, seconds)
+    log.info("loaded %s (%d parameters; %s (quantization %s%s); %s; CPU kernels: %s) in %.1fs", name,
+             model.config.num_parameters(), loaded.precision, requested,
+             f": {quantization}" if requested == "auto" else "", device, cpu_kernels, seconds)
+    return loaded

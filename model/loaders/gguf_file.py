@@ -18,7 +18,7 @@ from model.config import ModelConfig
 from model.loaders.assemble import LAYER_NAMES, ModelAssembler, NameMap
 from model.loaders.config_keys import config_from_gguf
 from model.loaders.errors import CheckpointError
-from model.quantize import Int4Linear, Quantization, QuantLinear, gguf_q4_groups, quantize_model
+from model.quantize import Int4Linear, Int8Linear, Quantization, QuantLinear, gguf_q4_groups, quantize_model
 from model.loaders.shard import ShardFor, WeightShard
 from model.transformer import Transformer
 
@@ -74,6 +74,22 @@ def read_metadata(reader: GGUFReader) -> dict[str, Any]:
     return {key: field.contents() for key, field in reader.fields.items()}
 
 
+# The file's own block formats that the native kernels multiply as they are (model/quantize.py's int4 and int8).
+NATIVE_FORMATS = {"Q4_0": "int4", "Q4_1": "int4", "Q8_0": "int8"}
+
+
+def native_quantization(reader: GGUFReader) -> str:
+    """The quantization that serves this file's block matrices in their own format: "int4" for Q4_0 / Q4_1, "int8"
+    for Q8_0 (by the parameters of the blocks' 2-D weights, so a file of mixed types goes by its main one), else
+    "none" (float, K-quants and other types: dequantized, as before)."""
+    params: dict[str, int] = {}
+    for t in reader.tensors:
+        if t.name.startswith("blk.") and len(t.shape) == 2:
+            kind = NATIVE_FORMATS.get(t.tensor_type.name, "none")
+            params[kind] = params.get(kind, 0) + int(np.prod(t.shape))
+    return max(params, key=params.get) if params else "none"
+
+
 def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     """Undo the row permutation llama.cpp's converter (`convert_hf_to_gguf.py`, `LlamaModel.permute`) applies to
     wq/wk so ggml's interleaved RoPE (pairs 2i, 2i+1) matches HF's rotate-half (pairs i, i+E/2).
@@ -113,7 +129,8 @@ def load_gguf(
     shard: ShardFor | None = None,
 ) -> Transformer:
     """`reader`/`meta`: an already opened file and its metadata, so the caller's tokenizer shares one read.
-    `quantization`: weight-only int8/int4 (model/quantize.py); with int4, Q4_0/Q4_1 matrices keep their own blocks.
+    `quantization`: weight-only int8/int4 (model/quantize.py); Q4_0/Q4_1 matrices keep their own blocks with int4,
+    Q8_0 ones with int8, and a Q8_0 LM head (or tied embedding) with either.
     `shard`: load only that tensor-parallel rank's slices (not with quantization). Row slices (wq/wk/wv/w1/w3) are cut
     from the quantized data before dequantizing; column slices (wo/w2) cut across ggml blocks, so those tensors are
     dequantized whole, one at a time, and sliced at once (a transient float32 copy of one tensor, never of the
@@ -146,8 +163,9 @@ def load_gguf(
             w = unpermute_qk(w, n_head)
         if cut and cut[0] == 1:
             w = np.ascontiguousarray(w[:, cut[1] : cut[2]])  # a copy: the whole dequantized tensor is freed
-        if quantization == "int4" and t.tensor_type.name in ("Q4_0", "Q4_1") and ours.startswith("layers."):
-            prequantized[ours.removesuffix(".weight")] = _int4_from_blocks(t, w.shape, n_head)
+        layer = _native_blocks(t, ours, quantization, w.shape, n_head, config.tie_embeddings) if plan is None else None
+        if layer is not None:
+            prequantized[layer[0]] = layer[1]
         if not w.flags.writeable or not w.flags.c_contiguous:  # F32 data is a read-only view of the memory map
             w = np.ascontiguousarray(w).copy()
         asm.add(ours, torch.from_numpy(w), t.name)
@@ -156,12 +174,27 @@ def load_gguf(
     return quantize_model(asm.finish(rope_freq_factors), quantization, prequantized)
 
 
-def _int4_from_blocks(t: Any, shape: tuple[int, int], n_head: int | None) -> Int4Linear:
-    """A Q4_0/Q4_1 tensor's own 4-bit groups as an int4 layer (rows un-permuted like the float weight)."""
+def _native_blocks(t: Any, ours: str, quantization: str, shape: tuple[int, ...], n_head: int | None,
+                   tied: bool) -> tuple[str, QuantLinear] | None:
+    """A matrix whose blocks the quantized model keeps as they are: (our module name, layer), or None. The blocks'
+    Q4_0 / Q4_1 matrices with int4, Q8_0 ones with int8; and the LM head (`output`, or the tied embedding) in either
+    mode when it is Q8_0 (`quantize_model` keeps the head in int8 blocks), rows un-permuted like the float weight."""
+    kind = NATIVE_FORMATS.get(t.tensor_type.name)
+    if quantization == "none" or kind is None or len(shape) != 2:
+        return None
+    head = ours == "output.weight" or (tied and ours == "tok_embeddings.weight")
+    if ours.startswith("layers.") and kind == quantization:
+        name = ours.removesuffix(".weight")
+    elif head and kind == "int8":
+        name = "output"
+    else:
+        return None
+    if kind == "int8":
+        return name, Int8Linear.from_gguf_blocks(t.data, shape, n_head)
     q, d, m = gguf_q4_groups(t.data, t.tensor_type.name, shape)
     if n_head is not None:
         q, d, m = (unpermute_qk(a, n_head) for a in (q, d, m))
-    return Int4Linear(*(torch.from_numpy(np.ascontiguousarray(a)) for a in (q, d, m)))
+    return name, Int4Linear(*(torch.from_numpy(np.ascontiguousarray(a)) for a in (q, d, m)))
 
 
-__all__ = ["load_gguf", "open_gguf", "read_metadata", "unpermute_qk", "GGMLQuantizationType"]
+__all__ = ["load_gguf", "open_gguf", "read_metadata", "native_quantization", "unpermute_qk", "GGMLQuantizationType"]

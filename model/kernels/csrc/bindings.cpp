@@ -10,8 +10,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention_telemetry", &ls::paged_decode_attention_telemetry,
         "decode attention over the paged pool, recording sink mass and top-k keys of the rows that ask");
   m.def("paged_write", &ls::paged_write, "write k/v (N, K, E) into pool slots (N,)");
-  m.def("int4_linear", &ls::int4_linear, "x (M, K) float32 @ int4 W (N, K)^T -> (M, N)");
-  m.def("int8_linear", &ls::int8_linear, "x (M, K) float32 @ int8 W (N, K)^T -> (M, N)");
+  m.def("int4_linear", &ls::int4_linear, "x (M, K) float32/bfloat16 @ int4 W (N, K)^T -> (M, N) float32");
+  m.def("int8_linear", &ls::int8_linear, "x (M, K) float32/bfloat16 @ int8 (Q8_0 blocks) W (N, K)^T -> (M, N) float32");
+  m.def("float_linear", &ls::float_linear, "x (M, K) @ W (N, K)^T in one dtype, one reduction order for any M");
+  m.def("round_activations", &ls::round_activations, "x (M, K) float32 rounded to int8 blocks as the kernels round it");
   m.def("int4_dequantize", &ls::int4_dequantize, "int4 W -> (N, K) float32");
   m.def("int8_dequantize", &ls::int8_dequantize, "int8 W -> (N, K) float32");
   m.def("decode_layers", &ls::decode_layers, "every block of a pure decode step: h (N, D) -> (N, D)");

@@ -1,43 +1,193 @@
-// Every block of a pure decode step (each sequence adds one token) in one call: the composition of
-// model/transformer.py's `Block.forward` over the native ops, with no Python between them.
+// Every block of an engine step in one call, with one parallel region for the whole step: the composition of
+// model/transformer.py's `Block.forward` over the native ops' own per-row functions, with no Python between them.
 //
-// The Python modules run the very same ops (rms_norm, the linear layers, rope_, paged_write,
-// paged_decode_attention, silu_mul) one module call at a time; at the default model's size that per-call cost
-// (about 20 calls and 10 microseconds each per block) is a third of a quantized decode step, so the engine's
-// decode steps come here instead. Prefill and mixed steps, inspection and tensor-parallel ranks keep the modules.
+// The Python modules run the very same functions (rms_norm_row, the linear kernels, rope_head, the paged write and
+// attention, silu_mul_row) one op call at a time, each op its own parallel region: at the default model's size
+// that per-call and per-region cost was a third of a quantized decode step. Here the threads start once per step
+// and meet at a barrier between ops; each op splits its work the same way every time (rows, output columns or
+// (row, head) tasks), and no output depends on the split (qgemm.h), so the result is bitwise the modules'.
+// Every row attends over the paged pool up to its own position (paged_cache.py's `paged_prefill`), so the same
+// call serves decode rows, prefill chunks and mixed steps.
+#include <omp.h>
+
+#include <cstring>
+#include <vector>
+
+#include "attention_telemetry.h"
 #include "ops.h"
+#include "qgemm.h"
 
 namespace ls {
 
-// y = x W^T for W as model/quantize.py's `apply_linear` sees it: a float weight (N, K) (b empty), int4
-// (a = nibbles uint8, b = dm float16) or int8 (a = weight int8, b = scales), the quantized ones through the
-// few-row kernels on float32 activations, as `QuantLinear.forward` does up to its `kernel_row_limit`.
-static torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& a, const torch::Tensor& b) {
-  const bool quantized = a.scalar_type() == at::kByte || a.scalar_type() == at::kChar;
-  if (!quantized) return at::linear(x, a);
-  // float32 activations for the kernels; no conversion calls at all when they already are (the float32 model)
-  const bool as_is = x.scalar_type() == at::kFloat && x.is_contiguous();
-  const torch::Tensor xf = as_is ? x : x.to(at::kFloat).contiguous();
-  torch::Tensor y = a.scalar_type() == at::kByte ? int4_linear(xf, a, b) : int8_linear(xf, a, b);
-  return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
+// One projection as decode_layers takes it: a float weight (N, K) of the activation dtype (b empty), or a quantized
+// layer's two buffers (model/quantize.py's `native_buffers`).
+struct Projection {
+  bool quantized;
+  QWeight q;
+  const void* w;
+  int64_t N, K;
+};
+
+static Projection projection(const torch::Tensor& a, const torch::Tensor& b, at::ScalarType dtype) {
+  if (a.scalar_type() == at::kByte || a.scalar_type() == at::kChar) {
+    const QWeight q = qweight_of(a, b);
+    return Projection{true, q, nullptr, q.N, q.K};
+  }
+  TORCH_CHECK(a.scalar_type() == dtype && a.dim() == 2 && a.is_contiguous(), "decode_layers: float weights of the activation dtype");
+  return Projection{false, QWeight{}, a.data_ptr(), a.size(0), a.size(1)};
 }
 
-// hidden[slot[r]] = h[rows[r]] for the decode rows r with a telemetry slot: the residual stream after a block.
-static void keep_rows(const torch::Tensor& h, const torch::Tensor& rows, const torch::Tensor& slot, torch::Tensor hidden) {
+// Scratch for one step's activations, allocated before the parallel region.
+template <typename T>
+struct Step {
+  int64_t N, D, H, K, E, F;
+  T *h, *xn, *qkv, *att, *gu, *act, *sub;  // sub (N, D): a sub-block's output, when interventions edit it
+  const T *cos, *ssin;
+  float* y;  // (N, widest projection) float32 outputs before their epilogue
+  QActs a;   // activations rounded for the quantized kernels (rows of the widest input)
+};
+
+// Rows [0, M) of x (M, K) rounded for projection p, this thread's share of the rows.
+template <typename T>
+static void quantize_rows(const Projection& p, const T* x, int64_t M, const Step<T>& s, int tid, int nt) {
+  if (!p.quantized) return;
+  int64_t b, e;
+  split_range(M, 1, tid, nt, b, e);
+  const int64_t bytes = act_row_bytes(p.K / QK), nbp = padded_blocks(p.K / QK);
+  for (int64_t m = b; m < e; ++m)
+    quantize_act_row(x + m * p.K, p.K, p.q.fmt, s.a.q + m * bytes, s.a.dx + m * nbp, s.a.sx + m * nbp);
+}
+
+// This thread's output columns of p for every row (x: its float input, or s.a for a quantized p), then `epi(m, n, y)`.
+template <typename T, typename Epi>
+static void project(const Projection& p, const T* x, Step<T>& s, int tid, int nt, const Epi& epi) {
+  int64_t b, e;
+  split_range(p.N, 16, tid, nt, b, e);
+  QActs a = s.a;
+  a.row_bytes = act_row_bytes(p.K / QK);
+  a.nbp = padded_blocks(p.K / QK);
+  if (p.quantized)
+    qgemm_range(p.q, a, s.N, b, e, s.y, p.N);
+  else
+    float_gemm_range<T>(x, s.N, static_cast<const T*>(p.w), p.K, b, e, s.y, p.N);
+  for (int64_t m = 0; m < s.N; ++m)
+    for (int64_t n = b; n < e; ++n) epi(m, n, s.y[m * p.N + n]);
+}
+
+// hidden[slot[r]] = h[rows[r]] for the rows r with a telemetry slot: the residual stream after a block. hidden
+// (Rt, D) of h's dtype. Plain copies, no tensor ops: a pool thread is not in the caller's inference mode.
+static void keep_rows(const torch::Tensor& h, const torch::Tensor& rows, const torch::Tensor& slot, const torch::Tensor& hidden) {
   const int64_t* s = slot.data_ptr<int64_t>();
   const int64_t* rw = rows.data_ptr<int64_t>();
+  const size_t bytes = h.size(1) * h.element_size();
+  const char* src = static_cast<const char*>(h.data_ptr());
+  char* dst = static_cast<char*>(hidden.data_ptr());
   for (int64_t r = 0; r < slot.numel(); ++r)
-    if (s[r] >= 0) hidden[s[r]].copy_(h[rw[r]]);
+    if (s[r] >= 0) std::memcpy(dst + s[r] * bytes, src + rw[r] * bytes, bytes);
 }
 
-// h (N, D) the residual stream of N decode rows; layers: per block [attention_norm, ffn_norm, wqkv a, b, wo a, b,
-// w13 a, b, w2 a, b]; cos, ssin (N, E) `rotary_tables`; k_pools, v_pools (L, NB, bs, K, E); the step's slots
-// (N,) and decode metadata as `PagedKVCache.set_step` builds them (rows = 0..N-1); edits: the step's
-// interventions table (empty: none; interventions.cpp), applied at the block's three sites as `Block.forward`
-// hands them to its attention context; telemetry: empty (off), or model/engine/telemetry.py's [slot (N,),
-// sink_len (Rt,), sink_mass (L, Rt, H), top_pos (L, Rt, H, k), top_prob (L, Rt, H, k), hidden (L, Rt, D)]: the
-// attention telemetry of the rows with slot >= 0, and their residual stream after each block.
-// -> h after every block (N, D)
+// h += edit(sub) at `site`: the sub-block's output (rounded to T) edited for the rows the table names, then added.
+template <typename T>
+static void add_edited(Step<T>& s, torch::Tensor& subt, const std::vector<torch::Tensor>& edits, int64_t site) {
+  apply_site(subt, edits, site);
+  for (int64_t i = 0; i < s.N * s.D; ++i) s.h[i] = from_f<T>(to_f(s.h[i]) + to_f(s.sub[i]));
+}
+
+template <typename T>
+static void run_layers(Step<T>& s, const std::vector<std::vector<torch::Tensor>>& layers,
+                       const std::vector<std::vector<Projection>>& proj, double eps, std::vector<torch::Tensor>& k_pools,
+                       std::vector<torch::Tensor>& v_pools, const int64_t* slots, const torch::Tensor& q,
+                       torch::Tensor& att, const torch::Tensor& rows, const torch::Tensor& tables, const torch::Tensor& lens,
+                       torch::Tensor& ht, torch::Tensor& subt, const std::vector<torch::Tensor>& edits,
+                       const std::vector<torch::Tensor>& telemetry, const std::vector<Telemetry>& tel) {
+  // Interventions (interventions.cpp) and telemetry run on one thread between barriers (`omp single`, whose own
+  // barrier ends it): they touch a few rows. With edits, a sub-block's output is rounded to T into `sub`, edited,
+  // then added: the module path's h + edit(a), bit for bit; without, the add is fused into the projection.
+  const bool edited = !edits.empty();
+  const int64_t N = s.N, D = s.D, H = s.H, K = s.K, E = s.E, F = s.F, QKV = (H + 2 * K) * E, R = rows.numel();
+  const float feps = static_cast<float>(eps);
+#pragma omp parallel num_threads(at::get_num_threads())
+  {
+    const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
+    int64_t rb, re;  // this thread's rows
+    split_range(N, 1, tid, nt, rb, re);
+    for (size_t l = 0; l < layers.size(); ++l) {
+      const auto& w = layers[l];
+      const Projection &wqkv = proj[l][0], &wo = proj[l][1], &w13 = proj[l][2], &w2 = proj[l][3];
+      // attention: h + wo(attend(rope(wqkv(norm(h)))))
+      for (int64_t m = rb; m < re; ++m) rms_norm_row(s.h + m * D, w[0].data_ptr<T>(), s.xn + m * D, D, feps);
+      quantize_rows(wqkv, s.xn, N, s, tid, nt);
+#pragma omp barrier
+      project(wqkv, s.xn, s, tid, nt, [&](int64_t m, int64_t n, float y) { s.qkv[m * QKV + n] = from_f<T>(y); });
+#pragma omp barrier
+      T* kp = k_pools[l].data_ptr<T>();
+      T* vp = v_pools[l].data_ptr<T>();
+      for (int64_t m = rb; m < re; ++m) {
+        T* row = s.qkv + m * QKV;
+        for (int64_t head = 0; head < H + K; ++head) rope_head(row + head * E, s.cos + m * E, s.ssin + m * E, E);
+        std::memcpy(kp + slots[m] * K * E, row + H * E, K * E * sizeof(T));  // paged_write
+        std::memcpy(vp + slots[m] * K * E, row + (H + K) * E, K * E * sizeof(T));
+      }
+#pragma omp barrier
+      int64_t tb, te;
+      split_range(R * H, 1, tid, nt, tb, te);
+      paged_attention_range(q, k_pools[l], v_pools[l], rows, tables, lens, att, tb, te, tel.empty() ? nullptr : &tel[l]);
+#pragma omp barrier
+      quantize_rows(wo, s.att, N, s, tid, nt);
+      if (wo.quantized) {
+#pragma omp barrier
+      }
+      if (edited) {
+        project(wo, s.att, s, tid, nt, [&](int64_t m, int64_t n, float y) { s.sub[m * D + n] = from_f<T>(y); });
+#pragma omp barrier
+#pragma omp single
+        add_edited(s, subt, edits, 3 * l);  // attention_output
+      } else {
+        project(wo, s.att, s, tid, nt, [&](int64_t m, int64_t n, float y) {
+          s.h[m * D + n] = from_f<T>(to_f(s.h[m * D + n]) + round_to<T>(y));
+        });
+#pragma omp barrier
+      }
+      // feed-forward: h + w2(silu(w1 x) * w3 x), x = norm(h)
+      for (int64_t m = rb; m < re; ++m) rms_norm_row(s.h + m * D, w[1].data_ptr<T>(), s.xn + m * D, D, feps);
+      quantize_rows(w13, s.xn, N, s, tid, nt);
+#pragma omp barrier
+      project(w13, s.xn, s, tid, nt, [&](int64_t m, int64_t n, float y) { s.gu[m * 2 * F + n] = from_f<T>(y); });
+#pragma omp barrier
+      for (int64_t m = rb; m < re; ++m) silu_mul_row(s.gu + m * 2 * F, s.act + m * F, F);
+      quantize_rows(w2, s.act, N, s, tid, nt);
+#pragma omp barrier
+      if (edited) {
+        project(w2, s.act, s, tid, nt, [&](int64_t m, int64_t n, float y) { s.sub[m * D + n] = from_f<T>(y); });
+#pragma omp barrier
+#pragma omp single
+        {
+          add_edited(s, subt, edits, 3 * l + 1);  // mlp_output
+          apply_site(ht, edits, 3 * l + 2);       // block_output
+          read_site(ht, edits, l);
+        }
+      } else {
+        project(w2, s.act, s, tid, nt, [&](int64_t m, int64_t n, float y) {
+          s.h[m * D + n] = from_f<T>(to_f(s.h[m * D + n]) + round_to<T>(y));
+        });
+#pragma omp barrier
+      }
+      if (!telemetry.empty()) {
+#pragma omp single
+        keep_rows(ht, rows, telemetry[0], telemetry[5][l]);
+      }
+    }
+  }
+}
+
+// h (N, D) the residual stream of the step's N rows; layers: per block [attention_norm, ffn_norm, wqkv a, b, wo a,
+// b, w13 a, b, w2 a, b]; cos, ssin (N, E) `rotary_tables`; k_pools, v_pools (L, NB, bs, K, E); the step's slots
+// (N,); rows (N,) = 0..N-1, tables (N, W), lens (N,): every row attends over its block table up to its position
+// (`PagedKVCache.set_step` with paged_prefill); edits: the step's interventions table (empty: none;
+// interventions.cpp), applied at the block's three sites as `Block.forward` hands them to its attention context;
+// telemetry: empty (off), or model/engine/telemetry.py's [slot (N,), sink_len (Rt,), sink_mass (L, Rt, H),
+// top_pos (L, Rt, H, k), top_prob (L, Rt, H, k), hidden (L, Rt, D)]: the attention telemetry of the rows with
+// slot >= 0, and their residual stream after each block.  -> h after every block (N, D)
 torch::Tensor decode_layers(torch::Tensor h, const std::vector<std::vector<torch::Tensor>>& layers, double eps,
                             const torch::Tensor& cos, const torch::Tensor& ssin, torch::Tensor& k_pools,
                             torch::Tensor& v_pools, const torch::Tensor& slots, const torch::Tensor& rows,
@@ -45,34 +195,61 @@ torch::Tensor decode_layers(torch::Tensor h, const std::vector<std::vector<torch
                             const std::vector<torch::Tensor>& edits, const std::vector<torch::Tensor>& telemetry) {
   TORCH_CHECK(telemetry.empty() || telemetry.size() == 6, "decode_layers: telemetry is empty or 6 tensors");
   TORCH_CHECK(h.dim() == 2 && k_pools.size(0) == static_cast<int64_t>(layers.size()), "decode_layers: shapes");
-  const int64_t N = h.size(0);
-  h = h.clone();  // the residual stream is updated in place from here on; the caller's tensor stays as it was
-  for (size_t l = 0; l < layers.size(); ++l) {
+  const int64_t N = h.size(0), D = h.size(1), L = layers.size();
+  const auto dtype = h.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "decode_layers: float32 or bfloat16");
+  TORCH_CHECK(k_pools.scalar_type() == dtype && v_pools.scalar_type() == dtype && k_pools.is_contiguous() && v_pools.is_contiguous(), "decode_layers: pools");
+  TORCH_CHECK(cos.scalar_type() == dtype && ssin.scalar_type() == dtype && cos.is_contiguous() && ssin.is_contiguous() && cos.numel() == N * E && ssin.numel() == N * E, "decode_layers: rope tables");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == N, "decode_layers: slots");
+  TORCH_CHECK(rows.numel() == N && rows.scalar_type() == at::kLong && lens.scalar_type() == at::kLong && tables.scalar_type() == at::kLong && tables.is_contiguous() && tables.size(0) == N, "decode_layers: every row attends over its table");
+  TORCH_CHECK(E <= 1024 && H % K == 0 && k_pools.size(3) == K && k_pools.size(4) == E, "decode_layers: heads");
+  const int64_t n_slots = k_pools.size(1) * k_pools.size(2);
+  for (int64_t n = 0; n < N; ++n) TORCH_CHECK(slots.data_ptr<int64_t>()[n] >= 0 && slots.data_ptr<int64_t>()[n] < n_slots, "decode_layers: slot out of range");
+  std::vector<std::vector<Projection>> proj(L);
+  int64_t F = 0, widest_out = 0, widest_in = 0;
+  for (int64_t l = 0; l < L; ++l) {
     const auto& w = layers[l];
     TORCH_CHECK(w.size() == 10, "decode_layers: 10 tensors per block");
-    torch::Tensor k_pool = k_pools[l], v_pool = v_pools[l];
-    // attention: h + wo(attend(rope(wqkv(norm(h)))))
-    auto qkv = linear(rms_norm(h, w[0], eps), w[2], w[3]).view({N, H + 2 * K, E});  // (N, H + 2K, E)
-    rope_(qkv, cos, ssin, H + K);
-    auto q = qkv.narrow(1, 0, H), k = qkv.narrow(1, H, K), v = qkv.narrow(1, H + K, K);
-    paged_write(k, v, k_pool, v_pool, slots);
-    auto att = torch::empty({N, H, E}, h.options());
-    if (telemetry.empty()) {
-      paged_decode_attention(q, k_pool, v_pool, rows, tables, lens, att);
-    } else {
-      torch::Tensor sink = telemetry[2][l], pos = telemetry[3][l], prob = telemetry[4][l];
-      paged_decode_attention_telemetry(q, k_pool, v_pool, rows, tables, lens, att, telemetry[0], telemetry[1], sink, pos, prob);
+    TORCH_CHECK(w[0].scalar_type() == dtype && w[1].scalar_type() == dtype && w[0].numel() == D && w[1].numel() == D, "decode_layers: norms");
+    for (int i = 0; i < 4; ++i) proj[l].push_back(projection(w[2 + 2 * i], w[3 + 2 * i], dtype));
+    const auto& p = proj[l];
+    F = p[2].N / 2;
+    TORCH_CHECK(p[0].K == D && p[0].N == (H + 2 * K) * E && p[1].K == H * E && p[1].N == D && p[2].K == D && p[3].K == F && p[3].N == D, "decode_layers: projection shapes");
+    for (const auto& q : p) {
+      widest_out = std::max(widest_out, q.N);
+      widest_in = std::max(widest_in, q.K);
+      TORCH_CHECK(!q.quantized || q.K % QK == 0, "decode_layers: quantized inputs in blocks of 32");
     }
-    auto a = linear(att.view({N, H * E}), w[4], w[5]);
-    apply_site(a, edits, 3 * l);  // attention_output
-    h.add_(a);
-    // feed-forward: h + w2(silu(w1 x) * w3 x), x = norm(h)
-    auto m = linear(silu_mul(linear(rms_norm(h, w[1], eps), w[6], w[7])), w[8], w[9]);
-    apply_site(m, edits, 3 * l + 1);  // mlp_output
-    h.add_(m);
-    apply_site(h, edits, 3 * l + 2);  // block_output
-    read_site(h, edits, l);
-    if (!telemetry.empty()) keep_rows(h, rows, telemetry[0], telemetry[5][l]);
+  }
+  h = h.clone().contiguous();  // the residual stream is updated in place from here on; the caller's tensor stays as it was
+  auto opts = h.options();
+  auto xn = torch::empty({N, D}, opts), qkv = torch::empty({N, H + 2 * K, E}, opts), att = torch::empty({N, H, E}, opts);
+  auto gu = torch::empty({N, 2 * F}, opts), act = torch::empty({N, F}, opts);
+  auto sub = torch::empty({edits.empty() ? 0 : N, D}, opts);
+  TORCH_CHECK(telemetry.empty() || (telemetry[5].scalar_type() == dtype && telemetry[5].is_contiguous()), "decode_layers: telemetry hidden");
+  std::vector<Telemetry> tel;  // per layer, where the asking rows' attention goes (attention_telemetry.h)
+  for (int64_t l = 0; !telemetry.empty() && l < L; ++l) {
+    torch::Tensor sink = telemetry[2][l], pos = telemetry[3][l], prob = telemetry[4][l];
+    tel.push_back(Telemetry::of(telemetry[0], telemetry[1], sink, pos, prob, H, N));
+  }
+  auto y = torch::empty({N, widest_out}, opts.dtype(at::kFloat));
+  const int64_t nb = widest_in / QK;
+  std::vector<int8_t> qa(N * act_row_bytes(nb));
+  std::vector<float> dx(N * padded_blocks(nb)), sx(N * padded_blocks(nb));
+  std::vector<torch::Tensor> kp, vp;
+  for (int64_t l = 0; l < L; ++l) kp.push_back(k_pools[l]), vp.push_back(v_pools[l]);
+  const auto q = qkv.narrow(1, 0, H);
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  if (dtype == at::kFloat) {
+    Step<float> s{N, D, H, K, E, F, h.data_ptr<float>(), xn.data_ptr<float>(), qkv.data_ptr<float>(), att.data_ptr<float>(),
+                  gu.data_ptr<float>(), act.data_ptr<float>(), sub.data_ptr<float>(), cos.data_ptr<float>(), ssin.data_ptr<float>(), y.data_ptr<float>(),
+                  QActs{qa.data(), dx.data(), sx.data(), 0, 0}};
+    run_layers(s, layers, proj, eps, kp, vp, sl, q, att, rows, tables, lens, h, sub, edits, telemetry, tel);
+  } else {
+    Step<bf16> s{N, D, H, K, E, F, h.data_ptr<bf16>(), xn.data_ptr<bf16>(), qkv.data_ptr<bf16>(), att.data_ptr<bf16>(),
+                 gu.data_ptr<bf16>(), act.data_ptr<bf16>(), sub.data_ptr<bf16>(), cos.data_ptr<bf16>(), ssin.data_ptr<bf16>(), y.data_ptr<float>(),
+                 QActs{qa.data(), dx.data(), sx.data(), 0, 0}};
+    run_layers(s, layers, proj, eps, kp, vp, sl, q, att, rows, tables, lens, h, sub, edits, telemetry, tel);
   }
   return h;
 }

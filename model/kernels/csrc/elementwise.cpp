@@ -9,33 +9,36 @@ namespace ls {
 // RMSNorm (Zhang & Sennrich 2019) as model/transformer.py's RMSNorm: statistics in float32, the normalized row
 // cast to the activation dtype, then the gain in that dtype.   x (M, D), w (D,) -> (M, D)
 template <typename T>
+void rms_norm_row(const T* xr, const T* w, T* orow, int64_t D, float eps) {
+  int64_t i = 0;
+  float ss = 0.f;
+#if LS_AVX2
+  __m256 acc = _mm256_setzero_ps();
+  for (; i + 8 <= D; i += 8) {
+    __m256 v = load8(xr + i);
+    acc = _mm256_fmadd_ps(v, v, acc);
+  }
+  ss = hsum(acc);
+#endif
+  for (; i < D; ++i) ss += to_f(xr[i]) * to_f(xr[i]);
+  const float r = 1.f / std::sqrt(ss / static_cast<float>(D) + eps);
+  i = 0;
+#if LS_AVX2
+  const __m256 rv = _mm256_set1_ps(r);
+  for (; i + 8 <= D; i += 8) {
+    __m256 n = round_to8<T>(_mm256_mul_ps(load8(xr + i), rv));
+    store8(orow + i, _mm256_mul_ps(load8(w + i), n));
+  }
+#endif
+  for (; i < D; ++i) orow[i] = from_f<T>(to_f(w[i]) * round_to<T>(to_f(xr[i]) * r));
+}
+template void rms_norm_row<float>(const float*, const float*, float*, int64_t, float);
+template void rms_norm_row<bf16>(const bf16*, const bf16*, bf16*, int64_t, float);
+
+template <typename T>
 static void rms_norm_impl(const T* x, const T* w, T* out, int64_t M, int64_t D, float eps) {
   at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t m = begin; m < end; ++m) {
-      const T* xr = x + m * D;
-      T* orow = out + m * D;
-      int64_t i = 0;
-      float ss = 0.f;
-#if LS_AVX2
-      __m256 acc = _mm256_setzero_ps();
-      for (; i + 8 <= D; i += 8) {
-        __m256 v = load8(xr + i);
-        acc = _mm256_fmadd_ps(v, v, acc);
-      }
-      ss = hsum(acc);
-#endif
-      for (; i < D; ++i) ss += to_f(xr[i]) * to_f(xr[i]);
-      const float r = 1.f / std::sqrt(ss / static_cast<float>(D) + eps);
-      i = 0;
-#if LS_AVX2
-      const __m256 rv = _mm256_set1_ps(r);
-      for (; i + 8 <= D; i += 8) {
-        __m256 n = round_to8<T>(_mm256_mul_ps(load8(xr + i), rv));
-        store8(orow + i, _mm256_mul_ps(load8(w + i), n));
-      }
-#endif
-      for (; i < D; ++i) orow[i] = from_f<T>(to_f(w[i]) * round_to<T>(to_f(xr[i]) * r));
-    }
+    for (int64_t m = begin; m < end; ++m) rms_norm_row(x + m * D, w, out + m * D, D, eps);
   });
 }
 
@@ -54,30 +57,39 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double ep
 }
 
 // SwiGLU's gate (Shazeer 2020): silu(g) * u over the fused gate/up projection's output.   gu (M, 2F) -> (M, F)
+// One row at a time, every element through the same exp8 (the tail padded into a vector), so an element's value
+// never depends on how rows are split across threads.
+template <typename T>
+void silu_mul_row(const T* g, T* o, int64_t F) {
+  const T* u = g + F;
+  int64_t f = 0;
+#if LS_AVX2
+  const __m256 one = _mm256_set1_ps(1.f);
+  auto silu_mul8 = [&](__m256 gv, __m256 uv) {
+    __m256 s = round_to8<T>(_mm256_div_ps(gv, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv)))));
+    return _mm256_mul_ps(s, uv);
+  };
+  for (; f + 8 <= F; f += 8) store8(o + f, silu_mul8(load8(g + f), load8(u + f)));
+  if (f < F) {
+    float gb[8] = {0}, ub[8] = {0}, ob[8];
+    for (int64_t i = f; i < F; ++i) gb[i - f] = to_f(g[i]), ub[i - f] = to_f(u[i]);
+    _mm256_storeu_ps(ob, silu_mul8(_mm256_loadu_ps(gb), _mm256_loadu_ps(ub)));
+    for (int64_t i = f; i < F; ++i) o[i] = from_f<T>(ob[i - f]);
+  }
+#else
+  for (; f < F; ++f) {
+    const float gv = to_f(g[f]);
+    o[f] = from_f<T>(round_to<T>(gv / (1.f + std::exp(-gv))) * to_f(u[f]));
+  }
+#endif
+}
+template void silu_mul_row<float>(const float*, float*, int64_t);
+template void silu_mul_row<bf16>(const bf16*, bf16*, int64_t);
+
 template <typename T>
 static void silu_mul_impl(const T* gu, T* out, int64_t M, int64_t F) {
-  at::parallel_for(0, M * F, 2048, [&](int64_t begin, int64_t end) {
-    int64_t idx = begin;
-    while (idx < end) {
-      const int64_t m = idx / F, f0 = idx % F, f1 = std::min(F, f0 + (end - idx));
-      const T* g = gu + m * 2 * F;
-      const T* u = g + F;
-      T* o = out + m * F;
-      int64_t f = f0;
-#if LS_AVX2
-      const __m256 one = _mm256_set1_ps(1.f);
-      for (; f + 8 <= f1; f += 8) {
-        __m256 gv = load8(g + f);
-        __m256 s = round_to8<T>(_mm256_div_ps(gv, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv)))));
-        store8(o + f, _mm256_mul_ps(s, load8(u + f)));
-      }
-#endif
-      for (; f < f1; ++f) {
-        const float gv = to_f(g[f]);
-        o[f] = from_f<T>(round_to<T>(gv / (1.f + std::exp(-gv))) * to_f(u[f]));
-      }
-      idx += f1 - f0;
-    }
+  at::parallel_for(0, M, std::max<int64_t>(1, 2048 / F), [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) silu_mul_row(gu + m * 2 * F, out + m * F, F);
   });
 }
 
@@ -100,31 +112,35 @@ torch::Tensor silu_mul(const torch::Tensor& gu) {
 // x' = x * cos + swap_halves(x) * signed_sin, with model/transformer.py's `rotary_tables` (signed_sin =
 // cat(-sin_lo, sin_hi)).   x (N, n_heads, E) rows of the fused q/k/v output; cos, signed_sin (N, E)
 template <typename T>
-static void rope_impl(T* x, const T* cos, const T* ssin, int64_t N, int64_t n_heads, int64_t n_rot, int64_t E) {
+void rope_head(T* xr, const T* c, const T* s, int64_t E) {
   const int64_t half = E / 2;
+  float buf[1024];
+  for (int64_t i = 0; i < E; ++i) buf[i] = to_f(xr[i]);
+  int64_t i = 0;
+#if LS_AVX2
+  if (half % 8 == 0) {
+    for (; i < E; i += 8) {
+      const int64_t j = i < half ? i + half : i - half;
+      __m256 a = round_to8<T>(_mm256_mul_ps(_mm256_loadu_ps(buf + i), load8(c + i)));
+      __m256 b = round_to8<T>(_mm256_mul_ps(_mm256_loadu_ps(buf + j), load8(s + i)));
+      store8(xr + i, _mm256_add_ps(a, b));
+    }
+  }
+#endif
+  for (; i < E; ++i) {
+    const int64_t j = i < half ? i + half : i - half;
+    xr[i] = from_f<T>(round_to<T>(buf[i] * to_f(c[i])) + round_to<T>(buf[j] * to_f(s[i])));
+  }
+}
+template void rope_head<float>(float*, const float*, const float*, int64_t);
+template void rope_head<bf16>(bf16*, const bf16*, const bf16*, int64_t);
+
+template <typename T>
+static void rope_impl(T* x, const T* cos, const T* ssin, int64_t N, int64_t n_heads, int64_t n_rot, int64_t E) {
   at::parallel_for(0, N * n_rot, 64, [&](int64_t begin, int64_t end) {
-    float buf[1024];
     for (int64_t idx = begin; idx < end; ++idx) {
       const int64_t n = idx / n_rot, h = idx % n_rot;
-      T* xr = x + (n * n_heads + h) * E;
-      const T* c = cos + n * E;
-      const T* s = ssin + n * E;
-      for (int64_t i = 0; i < E; ++i) buf[i] = to_f(xr[i]);
-      int64_t i = 0;
-#if LS_AVX2
-      if (half % 8 == 0) {
-        for (; i < E; i += 8) {
-          const int64_t j = i < half ? i + half : i - half;
-          __m256 a = round_to8<T>(_mm256_mul_ps(_mm256_loadu_ps(buf + i), load8(c + i)));
-          __m256 b = round_to8<T>(_mm256_mul_ps(_mm256_loadu_ps(buf + j), load8(s + i)));
-          store8(xr + i, _mm256_add_ps(a, b));
-        }
-      }
-#endif
-      for (; i < E; ++i) {
-        const int64_t j = i < half ? i + half : i - half;
-        xr[i] = from_f<T>(round_to<T>(buf[i] * to_f(c[i])) + round_to<T>(buf[j] * to_f(s[i])));
-      }
+      rope_head(x + (n * n_heads + h) * E, cos + n * E, ssin + n * E, E);
     }
   });
 }

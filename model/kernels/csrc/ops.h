@@ -6,6 +6,7 @@
 #include "simd.h"
 
 namespace ls {
+struct Telemetry;  // attention_telemetry.h
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps);
 torch::Tensor silu_mul(const torch::Tensor& gu);
 void rope_(torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& ssin, int64_t n_rot);
@@ -18,10 +19,20 @@ void paged_decode_attention_telemetry(const torch::Tensor& q, const torch::Tenso
                                       torch::Tensor& sink_mass, torch::Tensor& top_pos, torch::Tensor& top_prob);
 void paged_write(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& k_pool, torch::Tensor& v_pool,
                  const torch::Tensor& slots);
-torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& nibbles, const torch::Tensor& dm);
+torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& nibbles, const torch::Tensor& scales);
 torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scales);
-torch::Tensor int4_dequantize(const torch::Tensor& nibbles, const torch::Tensor& dm);
+torch::Tensor int4_dequantize(const torch::Tensor& nibbles, const torch::Tensor& scales);
 torch::Tensor int8_dequantize(const torch::Tensor& w, const torch::Tensor& scales);
+torch::Tensor round_activations(const torch::Tensor& x);
+torch::Tensor float_linear(const torch::Tensor& x, const torch::Tensor& w);
+// One row (one head) of the elementwise ops, as the ops above apply them to every row: the fused step calls these.
+template <typename T> void rms_norm_row(const T* x, const T* w, T* out, int64_t D, float eps);
+template <typename T> void silu_mul_row(const T* gu, T* out, int64_t F);
+template <typename T> void rope_head(T* x, const T* cos, const T* ssin, int64_t E);
+// (row, head) tasks [begin, end) of paged_decode_attention, for a caller that splits them across its own threads.
+void paged_attention_range(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tensor& v_pool,
+                           const torch::Tensor& rows, const torch::Tensor& tables, const torch::Tensor& lens,
+                           torch::Tensor& out, int64_t begin, int64_t end, const Telemetry* tel = nullptr);
 torch::Tensor decode_layers(torch::Tensor h, const std::vector<std::vector<torch::Tensor>>& layers, double eps,
                             const torch::Tensor& cos, const torch::Tensor& ssin, torch::Tensor& k_pools,
                             torch::Tensor& v_pools, const torch::Tensor& slots, const torch::Tensor& rows,

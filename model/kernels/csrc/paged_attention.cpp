@@ -128,24 +128,32 @@ struct PoolRows {  // position s of one sequence, one KV head -> its K and V row
 
 // q (N, H, E) packed rows (token stride q_stride); k_pool, v_pool (NB, bs, K, E); rows (R,) which packed rows are
 // decode rows; tables (R, W) their block ids; lens (R,) their context lengths; out (N, H, E): rows `rows` are
-// written. One task per (row, query head): the 2-16 tasks of a small batch spread over every thread.
-// `tel`: where the rows that asked for it record their softmax (attention_telemetry.h); null: nobody asked.
+// written. Task idx = (row, query head): tasks [begin, end). `tel`: where the rows that asked for it record their
+// softmax (attention_telemetry.h); null: nobody asked.
+template <typename T>
+static void decode_range(const T* q, int64_t q_stride, const T* kp, const T* vp, const int64_t* rows, const int64_t* tables,
+                         const int64_t* lens, T* out, int64_t W, int64_t H, int64_t K, int64_t E, int64_t bs,
+                         int64_t begin, int64_t end, const Telemetry* tel) {
+  const int64_t G = H / K;
+  const float scale = 1.f / std::sqrt(static_cast<float>(E));
+  std::vector<float> qf(E), acc(E), scores;
+  for (int64_t idx = begin; idx < end; ++idx) {
+    const int64_t r = idx / H, h = idx % H, row = rows[r], len = lens[r];
+    for (int64_t i = 0; i < E; ++i) qf[i] = to_f(q[row * q_stride + h * E + i]) * scale;
+    scores.resize(len);
+    const PoolRows<T> at{kp, vp, tables + r * W, bs, K * E, (h / G) * E};
+    const float sum = attend_head<T>(qf.data(), len, E, at, scores.data(), out + (row * H + h) * E, acc);
+    if (tel != nullptr && tel->slot[r] >= 0) tel->record(tel->slot[r], h, scores.data(), len, sum);
+  }
+}
+
+// One task per (row, query head): the 2-16 tasks of a small batch spread over every thread.
 template <typename T>
 static void decode_impl(const T* q, int64_t q_stride, const T* kp, const T* vp, const int64_t* rows, const int64_t* tables,
                         const int64_t* lens, T* out, int64_t R, int64_t W, int64_t H, int64_t K, int64_t E,
                         int64_t bs, const Telemetry* tel) {
-  const int64_t G = H / K;
-  const float scale = 1.f / std::sqrt(static_cast<float>(E));
   at::parallel_for(0, R * H, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(E), acc(E), scores;
-    for (int64_t idx = begin; idx < end; ++idx) {
-      const int64_t r = idx / H, h = idx % H, row = rows[r], len = lens[r];
-      for (int64_t i = 0; i < E; ++i) qf[i] = to_f(q[row * q_stride + h * E + i]) * scale;
-      scores.resize(len);
-      const PoolRows<T> at{kp, vp, tables + r * W, bs, K * E, (h / G) * E};
-      const float sum = attend_head<T>(qf.data(), len, E, at, scores.data(), out + (row * H + h) * E, acc);
-      if (tel != nullptr && tel->slot[r] >= 0) tel->record(tel->slot[r], h, scores.data(), len, sum);
-    }
+    decode_range<T>(q, q_stride, kp, vp, rows, tables, lens, out, W, H, K, E, bs, begin, end, tel);
   });
 }
 
@@ -182,6 +190,18 @@ void paged_decode_attention_telemetry(const torch::Tensor& q, const torch::Tenso
                                       torch::Tensor& sink_mass, torch::Tensor& top_pos, torch::Tensor& top_prob) {
   const Telemetry tel = Telemetry::of(slot, sink_len, sink_mass, top_pos, top_prob, q.size(-2), tables.size(0));
   decode_dispatch(q, k_pool, v_pool, rows, tables, lens, out, &tel);
+}
+
+void paged_attention_range(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tensor& v_pool,
+                           const torch::Tensor& rows, const torch::Tensor& tables, const torch::Tensor& lens,
+                           torch::Tensor& out, int64_t begin, int64_t end, const Telemetry* tel) {
+  const int64_t E = q.size(-1), H = q.size(-2), bs = k_pool.size(1), K = k_pool.size(2), W = tables.size(1);
+  if (q.scalar_type() == at::kFloat)
+    decode_range<float>(q.data_ptr<float>(), q.stride(-3), k_pool.data_ptr<float>(), v_pool.data_ptr<float>(), rows.data_ptr<int64_t>(),
+                        tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<float>(), W, H, K, E, bs, begin, end, tel);
+  else
+    decode_range<bf16>(q.data_ptr<bf16>(), q.stride(-3), k_pool.data_ptr<bf16>(), v_pool.data_ptr<bf16>(), rows.data_ptr<int64_t>(),
+                       tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<bf16>(), W, H, K, E, bs, begin, end, tel);
 }
 
 // Write this step's K and V into their pool slots.   k, v (N, K, E) (views into the fused q/k/v output);

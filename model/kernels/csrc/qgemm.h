@@ -1,0 +1,74 @@
+// The raw-pointer linear kernels every native path shares (quant_linear.cpp, float_linear.cpp), so that the modules'
+// ops (bindings.cpp) and the fused step (decode_layers.cpp) compute each output with one and the same sequence of
+// float operations, whatever the number of rows, the tile a row falls in, or the thread that computes it.
+//
+// Batch invariance (Thinking Machines, "Defeating Nondeterminism in LLM Inference", 2025): a row's result must not
+// depend on the rows that share its step. Each kernel below fixes the reduction order of an output (m, n) once:
+//   float  8 lanes accumulate x[m, k] w[n, k] over k = lane (mod 8) in order, one fixed horizontal sum, the k % 8
+//          tail added last in order;
+//   int4 / int8  exact integer block dot products (32 products per block, summed in int32), one float FMA per pair
+//          of blocks into 8 lanes in block order, a fixed horizontal sum; int4's min term (m_w sx per block) in 8
+//          lanes over the blocks, summed after.
+// Tiling (several rows and several outputs per inner loop) shares loads, never arithmetic, so the one-row kernel
+// (decode) and the many-row kernel (prefill) are the same function and agree bit for bit.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+
+#include "simd.h"
+
+namespace ls {
+
+constexpr int64_t QK = 32;  // weights (and activations) per quantization block
+inline int64_t padded_blocks(int64_t nb) { return (nb + 7) / 8 * 8; }  // per-row scale arrays: whole groups of 8
+inline int64_t act_row_bytes(int64_t nb) { return (nb + 1) / 2 * 64; }  // int8 activations: whole pairs of blocks
+
+enum class QFormat { Int4, Int8 };
+
+// Weight formats (model/quantize.py), blocks of 32 along K, nb = K / 32, nbp = padded_blocks(nb):
+//   Int4  data (N, K/2) uint8, byte i of a row = w[2i] | w[2i+1] << 4;  scales (N, 2, nbp) float16: d then m,
+//         zero past nb:  w[n, k] = q d[n, b] + m[n, b], b = k / 32   (GGUF Q4_1; Q4_0 is m = -8 d)
+//   Int8  data (N, K) int8;  scales (N, nbp) float16, zero past nb:  w[n, k] = q d[n, b]   (GGUF Q8_0)
+struct QWeight {
+  QFormat fmt;
+  const uint8_t* data;
+  const uint16_t* scales;
+  int64_t N, K;
+};
+
+// Activations rounded to int8 in blocks of 32 as ggml's `quantize_row_q8_0` does (dx = max|x| / 127, q = round(x /
+// dx), ties to even), one row at a time: q (row_bytes per row, pairs of blocks, zero past nb), dx and sx = dx * sum(q)
+// (nbp floats per row, zero past nb). For Int4 weights each pair of blocks is stored as [even k of block 2g | even k
+// of 2g+1 | odd k of 2g | odd k of 2g+1], the order of a weight row's low and high nibbles; for Int8 in k order.
+struct QActs {
+  int8_t* q;
+  float* dx;
+  float* sx;
+  int64_t row_bytes, nbp;
+};
+
+template <typename T>
+void quantize_act_row(const T* x, int64_t K, QFormat fmt, int8_t* q, float* dx, float* sx);
+
+// A quantized layer's two buffers (model/quantize.py's `native_buffers`: uint8 nibbles -> Int4, int8 -> Int8).
+QWeight qweight_of(const torch::Tensor& data, const torch::Tensor& scales);
+
+// Columns n in [n_begin, n_end) of y (M, ldy) float32 for rows m in [0, M): y[m, n] = sum_k xq[m, k] w[n, k].
+void qgemm_range(const QWeight& w, const QActs& a, int64_t M, int64_t n_begin, int64_t n_end, float* y, int64_t ldy);
+
+// Columns n in [n_begin, n_end) of y (M, ldy) float32: y[m, n] = sum_k x[m, k] w[n, k] for x (M, K) and w (N, K) of
+// one dtype T (float or bfloat16), accumulated in float32.
+template <typename T>
+void float_gemm_range(const T* x, int64_t M, const T* w, int64_t K, int64_t n_begin, int64_t n_end, float* y,
+                      int64_t ldy);
+
+// The thread's share of [0, n) in whole tiles of `tile` (static: the same split in every region of a step).
+inline void split_range(int64_t n, int64_t tile, int tid, int nthreads, int64_t& begin, int64_t& end) {
+  const int64_t tiles = (n + tile - 1) / tile, per = tiles / nthreads, extra = tiles % nthreads;
+  const int64_t t0 = tid * per + (tid < extra ? tid : extra), t1 = t0 + per + (tid < extra ? 1 : 0);
+  begin = std::min(n, t0 * tile);
+  end = std::min(n, t1 * tile);
+}
+
+}  // namespace ls
