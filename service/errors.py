@@ -12,6 +12,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 log = logging.getLogger("llamascope.service")
 
@@ -65,9 +66,28 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         message = {404: f"no route {request.url.path}", 405: f"method {request.method} not allowed on {request.url.path}"}
-        return error_response(exc.status_code, message.get(exc.status_code, str(exc.detail)), headers=exc.headers)
+        headers = exc.headers
+        if exc.status_code == 405:  # Starlette's Allow names the first route of the path; a path may have several
+            headers = {**(headers or {}), "Allow": ", ".join(_allowed_methods(request))}
+        return error_response(exc.status_code, message.get(exc.status_code, str(exc.detail)), headers=headers)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error on %s", request.url.path)
         return error_response(500, "internal server error", code="internal_error")
+
+
+def _allowed_methods(request: Request) -> list[str]:
+    """Every method some route of this path takes (RFC 9110 section 15.5.6: a 405 lists them in Allow)."""
+    methods: set[str] = set()
+    routes = list(request.app.router.routes)
+    while routes:
+        route = routes.pop()
+        inner = getattr(route, "original_router", None)  # FastAPI keeps an included router whole (no prefixes here)
+        if inner is not None:
+            routes += inner.routes
+            continue
+        match, _ = route.matches(request.scope)
+        if match is not Match.NONE and getattr(route, "methods", None):
+            methods |= route.methods
+    return sorted(methods)

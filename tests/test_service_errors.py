@@ -203,6 +203,16 @@ def test_bad_request(tiny, method, path, body, status, needles, param):
     assert h.status_code == 200 and h.json()["status"] == "ok"
 
 
+def test_405_allow_lists_every_route_of_the_path(tiny):
+    """/v1/vectors has a POST route and a GET route: a 405 there names both (RFC 9110 15.5.6), not the first only."""
+    r = tiny.client.request("PUT", "/v1/vectors")
+    assert_envelope(r, 405)
+    assert {"GET", "POST"} <= {m.strip() for m in r.headers["allow"].split(",")}, r.headers
+    r = tiny.client.request("PUT", "/v1/vectors/joy")
+    assert_envelope(r, 405)
+    assert {"GET", "DELETE"} <= {m.strip() for m in r.headers["allow"].split(",")}, r.headers
+
+
 def test_at_least_25_cases():
     assert len(CASES) >= 25 and len({c[0] for c in CASES}) == len(CASES)
 
