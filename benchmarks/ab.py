@@ -42,7 +42,8 @@ def _flatten(obj, prefix: str = "") -> dict[str, float]:
 
 def _run(checkout: Path, bench: str, args: list[str], out: Path) -> dict:
     cmd = [sys.executable, "-m", f"benchmarks.{bench}", "--out", str(out), *args]
-    env = {**os.environ, "PYTHONPATH": str(checkout)}
+    # the checkout first (its own packages), then whatever the caller had (e.g. a peer such as llama-cpp-python)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(checkout), os.environ.get("PYTHONPATH")) if p)}
     subprocess.run(cmd, cwd=checkout, env=env, check=True, stdout=subprocess.DEVNULL)
     return json.loads(out.read_text())
 
