@@ -10,7 +10,8 @@
            module         the model's modules, one call each (CUDA prefill and mixed steps, tensor parallelism,
                           the PyTorch reference ops)
        All three compute the same logits (the module path is the reference; tests hold the others to it);
-    3. runs it, scores prompt logprobs, and samples every sequence that caught up.
+    3. runs it, scores prompt logprobs, and samples every sequence that caught up (a constrained one from the
+       tokens its grammar allows: the masks are started before the forward, model/engine/structured/).
 
 The model is a function (tokens, positions, attention context) -> logits and knows none of this.
 """
