@@ -2,7 +2,7 @@
 
     .venv/bin/python -m benchmarks.streaming [--text /usr/share/common-licenses/GPL-3] [--tokens 4096]
                                              [--windows 256 1024] [--sinks 4] [--generate 2048]
-                                             [--generate-sinks 4 0] [--quick]
+                                             [--generate-sinks 4 0] [--temperature 1] [--top-p 1] [--quick]
 
 1. Perplexity of a long real text (Debian's base-files installs the GPL-3 at /usr/share/common-licenses/GPL-3 on
    every Debian system, about 8,000 tokens with the default tokenizer), scored by the server itself: one
@@ -10,7 +10,7 @@
    full attention, each window with its sink tokens, and each window with `sink_tokens: 0` (the paper's control).
    Perplexity = exp(mean NLL of tokens 1..N-1).
 2. Generation past the context: a server started with `--max-model-len 512` generates `--generate` tokens (4x the
-   context) after a 64-token prompt, sampling at temperature 1 (seed 0, EOS ignored) with a window of 256 and 4
+   context) after a 64-token prompt, sampling (`--temperature`, `--top-p`; default 1 and 1; seed 0, EOS ignored) with a window of 256 and 4
    sinks, then again without sinks (`--generate-sinks`); the rolling perplexity of the sampled tokens (exp of their
    mean NLL under the model, per 256 tokens) shows whether the model stays on its feet once the context has rolled
    over many times. The same server then scores the text of part 1 (4x its context and more) with and without
@@ -78,9 +78,10 @@ def perplexity(url: str, ids: list[int], window: dict | None, every: int = 256) 
             "rolling_perplexity": _rolling(lps, every), "seconds": time.perf_counter() - t0}
 
 
-def generate(url: str, prompt: list[int], n: int, window: dict, every: int) -> dict:
-    body = {"prompt": prompt, "max_tokens": n, "temperature": 1.0, "seed": 0, "ignore_eos": True, "logprobs": 0,
-            "kv_window": window}
+def generate(url: str, prompt: list[int], n: int, window: dict, every: int, temperature: float = 1.0,
+             top_p: float = 1.0) -> dict:
+    body = {"prompt": prompt, "max_tokens": n, "temperature": temperature, "top_p": top_p, "seed": 0,
+            "ignore_eos": True, "logprobs": 0, "kv_window": window}
     t0 = time.perf_counter()
     r = httpx.post(url + "/v1/completions", json=body, timeout=7200)
     r.raise_for_status()
@@ -124,10 +125,11 @@ def run(args: argparse.Namespace) -> dict:
         server = ServedProcess(SERVER + ["--max-model-len", "512"], logs / "generate.log", SERVER_ENV)
         try:
             prompt = _tokenize(server.url, args.text.read_text())[:64]
-            out["generation"] = {"max_model_len": 512, "prompt_tokens": len(prompt), "runs": []}
+            out["generation"] = {"max_model_len": 512, "prompt_tokens": len(prompt), "temperature": args.temperature,
+                                 "top_p": args.top_p, "runs": []}
             for window in [{"sink_tokens": s, "window": 256} for s in args.generate_sinks]:
                 _progress(f"generating {args.generate} tokens with {window} (load {_load()})")
-                res = generate(server.url, prompt, args.generate, window, 256)
+                res = generate(server.url, prompt, args.generate, window, 256, args.temperature, args.top_p)
                 out["generation"]["runs"].append(res)
                 _progress("  rolling perplexity " + " ".join(f"{x:.1f}" for x in res["rolling_perplexity"]))
             # the text itself past the 512-token context: its prompt logprobs under the window, per 256 tokens
@@ -153,7 +155,8 @@ def print_report(r: dict) -> None:
     g = r.get("generation")
     if g:
         print(f"\ngeneration past the context (--max-model-len {g['max_model_len']}, {g['prompt_tokens']}-token prompt, "
-              f"temperature 1, seed 0): rolling perplexity of the sampled tokens per 256")
+              f"temperature {g.get('temperature', 1.0)}, top_p {g.get('top_p', 1.0)}, seed 0): rolling perplexity of "
+              f"the sampled tokens per 256")
         for e in g["runs"]:
             w = e["kv_window"]
             print(f"  window {w['window']}, {w['sink_tokens']} sinks: {e['tokens']} tokens, finish {e['finish_reason']}: "
@@ -174,6 +177,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--generate", type=int, default=2048, help="tokens generated past a 512 context (0: skip)")
     p.add_argument("--generate-sinks", type=int, nargs="+", default=None,
                    help="the sink counts generated with (default: --sinks, then 0, the paper's control)")
+    p.add_argument("--temperature", type=float, default=1.0, help="the generation's sampling temperature")
+    p.add_argument("--top-p", type=float, default=1.0, help="the generation's nucleus (top_p)")
     p.add_argument("--quick", action="store_true", help="512 tokens, window 128, 256 generated: a smoke test")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
