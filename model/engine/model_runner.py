@@ -80,11 +80,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSeq]) -> RunnerOutput:
-        batch = self.buffers.prepare(scheduled, _prompt_positions, self.cache.paged_prefill)
+        paged_prefill = self.cache.paged_prefill  # asked once per step: the pools' attention backend decides it
+        batch = self.buffers.prepare(scheduled, _prompt_positions, paged_prefill)
         layouts = []
         if any(s.seq.request.interventions is not None or s.seq.request.hidden_states is not None for s in scheduled):
             batch.edits, layouts = self.tables.build(_segments(scheduled, batch))
-        tel = step_telemetry(scheduled, batch.slices, batch.sample, self.model, self.cache.device, self.cache.paged_prefill)
+        tel = step_telemetry(scheduled, batch.slices, batch.sample, self.model, self.cache.device, paged_prefill)
         batch.meta.telemetry = tel  # None unless a sampled sequence asked: then nothing below changes
         # [structured outputs] the sampling rows' grammar masks, filled on a worker thread during the forward
         masks = self.structured.start_masks([(seq.state.grammar, seq.output_token_ids) for seq, _ in batch.sample]) \
