@@ -6,7 +6,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
 from service.errors import APIError
-from service.interventions import encode_hidden, merge_hidden, to_interventions, to_read
+from service.interventions import encode_hidden, merge_hidden, request_edits
 from service.routes.common import chat_logprob, now, usage
 from service.runner import RunStats, collect, start, stream_response
 from service.sampling_params import to_sampling_params
@@ -54,10 +54,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request, state: 
     params = to_sampling_params(req, state.settings, req.max_completion_tokens or req.max_tokens, top, None,
                                 default_max_tokens=max(1, max_len - len(prompt)), max_model_len=max_len,
                                 structured=plan.spec or structured)
-    c = state.config
-    interventions = to_interventions(req.interventions, state.vectors, c.n_layers, c.dim)
-    read = to_read(req.return_hidden_states, c.n_layers)
-    hidden_dtype = req.return_hidden_states.dtype if read is not None else None
+    interventions, read, hidden_dtype = request_edits(req, state.vectors, state.config)
     stats = RunStats("chat")
     messages = {c: ChoiceMessage(plan) for c in range(params.n)}  # each choice's content or tool calls, parsed
     created, rid, model = now(), f"chatcmpl-{stats.request_id}", state.model_name

@@ -9,7 +9,7 @@ from fastapi.responses import JSONResponse
 from model.engine import TelemetryOptions
 from service import inspect_format as fmt
 from service.errors import APIError
-from service.interventions import encode_hidden, merge_hidden, to_interventions, to_read
+from service.interventions import encode_hidden, merge_hidden, request_edits
 from service.routes.common import LegacyLogprobs, now, usage
 from service.routes.inspect import check_length, completion_summaries
 from service.runner import RunStats, collect, start, stream_response, until_disconnect
@@ -64,10 +64,7 @@ async def completions(req: CompletionRequest, request: Request, state: Serving =
                                 req.logprobs if req.echo and req.logprobs is not None else None,
                                 default_max_tokens=max(1, max_len - max(len(p) for p in prompts)),
                                 max_model_len=max_len, telemetry=telemetry, structured=structured)
-    c = state.config
-    interventions = to_interventions(req.interventions, state.vectors, c.n_layers, c.dim)
-    read = to_read(req.return_hidden_states, c.n_layers)
-    hidden_dtype = req.return_hidden_states.dtype if read is not None else None
+    interventions, read, hidden_dtype = request_edits(req, state.vectors, state.config)
     stats = RunStats("completions")
     tok = state.tokenizer
     n_choices = len(prompts) * params.n
