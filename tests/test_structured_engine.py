@@ -222,3 +222,43 @@ def test_stop_strings_still_end_a_constrained_choice(model, tok):
         out = res[str(i)][0]
         assert out["finish_reason"] == "stop" and out["stop_reason"] == "-"
         assert re.fullmatch(r"[a-z]{2,4}", out["text"]), out["text"]  # the regex's head, cut at the stop string
+
+
+@pytest.mark.parametrize("max_tokens", [12, 23, 40])
+def test_json_object_near_max_tokens_is_closed_in_time(model, tok, max_tokens):
+    """JSON mode bounds no string: a random model at temperature 1 opens strings, arrays and objects and closes none
+    of its own. Every reply still parses within max_tokens: its last tokens close what is open (closing.py), and it
+    says "length" (the model did not end it); a reply the grammar completed on its own says "stop"."""
+    engine = Engine(model, tok, EngineConfig(num_blocks=512, block_size=4))
+    spec = StructuredOutputSpec("json_object")
+    reqs = {str(i): ([65 + i, 32, 66], constrained(spec, seed=i, max_tokens=max_tokens, logprobs=0))
+            for i in range(16)}
+    res = run(engine, reqs)
+    reasons = set()
+    for i in range(16):
+        out = res[str(i)][0]
+        assert len(out["tokens"]) <= max_tokens
+        check(spec, out["text"])
+        reasons.add(out["finish_reason"])
+        if out["finish_reason"] == "length":  # the closing tokens were the only ones allowed: logprob 0
+            assert out["logprobs"][-1].logprob == 0.0
+    assert "length" in reasons  # the random model needed closing: the test exercised it
+    assert_pool_clean(engine)
+
+
+def test_closing_plans_close_what_is_open(tok):
+    """The plan from a cut JSON prefix, through the grammar: the prefix plus the plan parses."""
+    from model.engine.structured.closing import JsonCloser
+
+    compiled = StructuredOutputs(tok, 258, 4).compile(StructuredOutputSpec("json_object"))  # the tiny model's vocab
+    closer = JsonCloser(tok)
+    for prefix in ['{"name": "Al', '{"a": [1, 2, {"b": "x', '{"a": [1, 2, {', '{"a": tr', '{"a": 1.', '{"k',
+                   '{"a": "x", ', '{"a": [{"b": [']:
+        state = compiled.new_state()
+        state.matcher.consume_tokens(tok.encode(prefix, add_bos=False))
+        plan = closer.plan(state.matcher)
+        assert plan is not None, prefix
+        assert isinstance(json.loads(prefix + tok.decode(plan)), dict), prefix + tok.decode(plan)
+    state = compiled.new_state()
+    state.matcher.consume_tokens(tok.encode('{"a": 1}', add_bos=False))
+    assert closer.plan(state.matcher) == []  # complete already

@@ -13,7 +13,6 @@ import httpx
 import jsonschema
 import pytest
 
-from model.engine.structured import GrammarCompiler, StructuredOutputSpec
 
 openai = pytest.importorskip("openai")
 
@@ -97,36 +96,26 @@ CASES = {
 }
 
 
-def on_the_grammar(default_model, spec: StructuredOutputSpec, text: str) -> bool:
-    """Whether text is a prefix the grammar accepts (any tokenization: llguidance matches bytes)."""
-    tok = default_model.tokenizer
-    state = GrammarCompiler(tok, default_model.model.config.vocab_size).compile(spec).new_state()
-    state.matcher.consume_tokens(tok.encode(text, add_bos=False))
-    return not state.is_error
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("stream", [False, True], ids=["collected", "streamed"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_fifty_sampled_outputs_all_valid(aclient, name, default_model, case, stream):
+def test_fifty_sampled_outputs_all_valid(aclient, name, case, stream):
     fields, check = CASES[case]
     results = gather([chat_text(aclient, stream, model=name, messages=m, temperature=1.0, seed=i, max_tokens=300,
                                 **fields) for i, m in enumerate(prompts(50))])
-    bad, cut = [], []
+    bad, closed = [], 0
     for text, reason in results:
-        if case == "json_object" and reason == "length":
-            # JSON mode bounds no string: at temperature 1 this 135M model sometimes never closes one (OpenAI's docs
-            # warn of the same). What the grammar guarantees then: every token so far was on it.
-            cut.append(text)
-            assert on_the_grammar(default_model, StructuredOutputSpec("json_object"), text), text
-            continue
         try:
-            assert reason == "stop"
+            # JSON mode bounds no string: at temperature 1 this 135M model sometimes never closes one, and a reply
+            # near max_tokens is closed by the engine (model/engine/structured/closing.py): it parses and says
+            # "length". Every other kind is bounded by its grammar and ends on its own.
+            assert reason == "stop" or (case == "json_object" and reason == "length")
+            closed += reason == "length"
             check(text)
         except Exception as e:  # collect every failure, then report them all
             bad.append((text, reason, repr(e)))
     assert not bad, bad
-    assert len(cut) <= 5, cut  # measured: 2 of 50 (seeds 0-49); many more would mean the grammar cannot close
+    assert closed <= 10, closed  # measured: 2 of 50 (seeds 0-49); many more would mean the grammar cannot close
     assert len({t for t, _ in results}) > 1
 
 

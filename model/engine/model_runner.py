@@ -88,8 +88,9 @@ class ModelRunner:
         tel = step_telemetry(scheduled, batch.slices, batch.sample, self.model, self.cache.device, paged_prefill)
         batch.meta.telemetry = tel  # None unless a sampled sequence asked: then nothing below changes
         # [structured outputs] the sampling rows' grammar masks, filled on a worker thread during the forward
-        masks = self.structured.start_masks([(seq.state.grammar, seq.output_token_ids) for seq, _ in batch.sample]) \
-            if self.structured is not None else None
+        masks = self.structured.start_masks([
+            (seq.state.grammar, seq.output_token_ids, seq.request.params.max_tokens - len(seq.output_token_ids))
+            for seq, _ in batch.sample]) if self.structured is not None else None
         path = self._choose(batch)
         with tel.hidden_hooks(self.model) if tel is not None and path == "module" else contextlib.nullcontext():
             logits = self._forward(path, batch).float()  # (M, V): the batch's logits rows

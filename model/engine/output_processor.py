@@ -132,7 +132,9 @@ class OutputProcessor:
             out.text = delta
         if ending:
             out.text += state.stops.flush()
-            return out, Finish(FinishReason.STOP if grammar_done else FinishReason.LENGTH)
+            # a reply closed because max_tokens was near (structured/closing.py) ends with "length", not "stop"
+            done = grammar_done and not state.grammar.closing
+            return out, Finish(FinishReason.STOP if done else FinishReason.LENGTH)
         return out, None
 
     def output(self, seq: Sequence) -> RequestOutput:

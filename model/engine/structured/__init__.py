@@ -2,7 +2,8 @@
 
 - spec.py      `StructuredOutputSpec`: the typed field `SamplingParams.structured` carries (no grammar engine here);
 - compiler.py  spec -> llguidance grammar, compiled once per distinct spec (LRU), and each sequence's state in it;
-- masks.py     a step's allowed-token bitmask, filled on a worker thread while the forward runs.
+- masks.py     a step's allowed-token bitmask, filled on a worker thread while the forward runs;
+- closing.py   a JSON reply near max_tokens closed in time (its last tokens close what is open).
 
 `StructuredOutputs` is what the engine holds: its hooks (model/engine/engine.py) are `compile` when a request is
 added, `start_masks` before the forward, the sampler's `allowed=` argument, and `SequenceGrammar.accept` after each
@@ -32,5 +33,5 @@ class StructuredOutputs:
     def compile(self, spec: StructuredOutputSpec) -> CompiledGrammar:
         return self.compiler.compile(spec)
 
-    def start_masks(self, rows: Sequence[tuple[SequenceGrammar | None, Sequence[int]]]) -> PendingMasks | None:
+    def start_masks(self, rows: Sequence[tuple[SequenceGrammar | None, Sequence[int], int]]) -> PendingMasks | None:
         return self.masks.start(rows)

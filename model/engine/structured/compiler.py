@@ -22,6 +22,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 
+from model.engine.structured.closing import JsonCloser
 from model.engine.structured.spec import StructuredOutputSpec
 from model.text.tokenizer import Tokenizer
 
@@ -61,9 +62,10 @@ def grammar_text(spec: StructuredOutputSpec) -> str:
 class CompiledGrammar:
     """One compiled spec: a matcher at the start state that is never advanced, copied for each sequence."""
 
-    def __init__(self, spec: StructuredOutputSpec, matcher) -> None:
+    def __init__(self, spec: StructuredOutputSpec, matcher, closer: JsonCloser | None = None) -> None:
         self.spec = spec
         self._start = matcher
+        self.closer = closer  # JSON kinds: closes a reply max_tokens would cut (closing.py)
 
     def new_state(self) -> SequenceGrammar:
         return SequenceGrammar(self)
@@ -79,22 +81,33 @@ class SequenceGrammar:
     state stays valid across it; `sync` rebuilds it by replaying the output should the two ever disagree (a
     runner that trims outputs, say)."""
 
-    __slots__ = ("compiled", "matcher", "num_tokens")
+    __slots__ = ("closing", "compiled", "matcher", "num_tokens")
 
     def __init__(self, compiled: CompiledGrammar) -> None:
         self.compiled = compiled
         self.matcher = compiled.fresh_matcher()
         self.num_tokens = 0  # output tokens consumed
+        self.closing = False  # following a closing plan because max_tokens is near (closing.py)
+
+    def forced_token(self, remaining: int) -> int | None:
+        """The only token this row may take now, or None (sample from the grammar's mask). remaining: tokens left
+        to max_tokens, this one included."""
+        closer = self.compiled.closer
+        if closer is None or self.matcher.is_error():
+            return None
+        token = closer.forced_token(self.matcher, remaining, self.closing)
+        self.closing = self.closing or token is not None
+        return token
 
     def accept(self, token: int) -> bool:
         """Advance by the sampled token. True when the grammar is complete: nothing but EOS may follow, so the
-        sequence ends here (finish_reason "stop")."""
+        sequence ends here (finish_reason "stop"; "length" when `closing`), or a closing plan has closed it."""
         if not self.matcher.consume_token(token):
             # Only a token the mask forbade can fail: the sampler's no-choice fallback or a bug. The matcher stays
             # in its error state, whose mask allows only EOS, so the sequence ends at its next token.
             log.warning("structured output: token %d rejected by the grammar (%s)", token, self.matcher.get_error())
         self.num_tokens += 1
-        return self.matcher.is_stopped()
+        return self.matcher.is_stopped() or (self.closing and self.matcher.is_accepting())
 
     def sync(self, output_token_ids: Sequence[int]) -> None:
         """Make the state match the output exactly (a no-op unless they diverged)."""
@@ -120,6 +133,7 @@ class GrammarCompiler:
         self._cache: OrderedDict[StructuredOutputSpec, CompiledGrammar] = OrderedDict()
         self._lock = threading.Lock()
         self.num_compiled = 0  # cache misses, for tests and the benchmark
+        self._closer: JsonCloser | None = None
 
     @property
     def ll_tokenizer(self):
@@ -131,6 +145,12 @@ class GrammarCompiler:
                 eos = sorted(self.tokenizer.stop_ids)
                 self._ll_tokenizer = ll.LLTokenizer(backend.to_str(), n_vocab=self.vocab_size, eos_token=eos or None)
             return self._ll_tokenizer
+
+    def _json_closer(self) -> JsonCloser:
+        with self._lock:
+            if self._closer is None:
+                self._closer = JsonCloser(self.tokenizer)
+            return self._closer
 
     def compile(self, spec: StructuredOutputSpec) -> CompiledGrammar:
         """ValueError naming spec.source for anything the grammar engine refuses (an invalid schema, an unsupported
@@ -145,7 +165,8 @@ class GrammarCompiler:
         matcher = import_llguidance().LLMatcher(self.ll_tokenizer, text, log_level=0)  # drops the GIL while it compiles
         if matcher.is_error():
             raise ValueError(f"{spec.source}: {_first_line(matcher.get_error())}")
-        compiled = CompiledGrammar(spec, matcher)
+        closer = self._json_closer() if spec.kind in ("json_object", "json_schema") else None
+        compiled = CompiledGrammar(spec, matcher, closer)
         with self._lock:
             self.num_compiled += 1
             self._cache[spec] = compiled

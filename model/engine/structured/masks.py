@@ -22,6 +22,11 @@ from model.engine.sampler import AllowedTokens
 from model.engine.structured.compiler import SequenceGrammar, import_llguidance
 
 
+def _bit(b: int) -> int:
+    """int32 word with bit b set (bit 31 is the sign bit)."""
+    return (1 << b) - (1 << 32 if b == 31 else 0)
+
+
 class PendingMasks:
     """The masks of one step, being filled; `result()` waits for them (and re-raises a fill's failure)."""
 
@@ -45,11 +50,12 @@ class GrammarMasks:
         self._worker: ThreadPoolExecutor | None = None
         self._executor = None  # llguidance.LLExecutor, made on first use
 
-    def start(self, rows: Sequence[tuple[SequenceGrammar | None, Sequence[int]]]) -> PendingMasks | None:
-        """rows: (grammar or None, output token ids) per sampling row of the step, in the sampler's row order.
-        None when no row is constrained. Each grammar is synced to its output first (a no-op unless they diverged)."""
+    def start(self, rows: Sequence[tuple[SequenceGrammar | None, Sequence[int], int]]) -> PendingMasks | None:
+        """rows: (grammar or None, output token ids, tokens left to max_tokens) per sampling row of the step, in the
+        sampler's row order. None when no row is constrained. Each grammar is synced to its output first (a no-op
+        unless they diverged); a JSON row near max_tokens gets a one-token mask from its closing plan (closing.py)."""
         constrained: list[tuple[int, SequenceGrammar]] = []
-        for i, (grammar, output_token_ids) in enumerate(rows):
+        for i, (grammar, output_token_ids, _) in enumerate(rows):
             if grammar is not None:
                 grammar.sync(output_token_ids)
                 constrained.append((i, grammar))
@@ -58,7 +64,14 @@ class GrammarMasks:
         if len(constrained) > self.bitmask.shape[0]:  # more rows than max_num_seqs promised: grow once
             self.bitmask = torch.full((len(constrained), self.words), -1, dtype=torch.int32)
         bitmask = self.bitmask[: len(constrained)]  # (M, W) view: rows 0..M-1 of the persistent buffer
-        work = [(g.matcher, j) for j, (_, g) in enumerate(constrained)]
+        work = []
+        for j, (i, g) in enumerate(constrained):
+            forced = g.forced_token(rows[i][2])
+            if forced is None:
+                work.append((g.matcher, j))
+            else:  # written here, before the fill starts: the worker never touches this row
+                bitmask[j].zero_()
+                bitmask[j, forced // 32] = _bit(forced % 32)
         if self.overlap:
             if self._worker is None:
                 self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llamascope-grammar")
@@ -69,6 +82,8 @@ class GrammarMasks:
         return PendingMasks(future, bitmask, [i for i, _ in constrained])
 
     def _fill(self, work: list, bitmask: torch.Tensor) -> None:
+        if not work:
+            return
         if self._executor is None:
             # One thread: on a small CPU the forward owns the cores; the batched call is for the GIL, not for speed.
             self._executor = import_llguidance().LLExecutor(num_threads=1)
