@@ -1,7 +1,7 @@
 """Our server against llama.cpp's `llama-server` over HTTP, on the same GGUF, in the same run, with each side's
 default settings: the comparison a CPU user serving a model would make.
 
-    python -m benchmarks.vs_llama_server [--model PATH] [--llama-server PATH] [--rounds 3] [--out FILE]
+    python -m benchmarks.vs_llama_server [--model PATH] [--llama-server PATH] [--rounds 3] [--float32] [--out FILE]
 
 Not part of CI: `llama-server` is optional (benchmarks/README.md says how it was built from the llama.cpp that
 llama-cpp-python's sdist vendors). Both servers are started by this command and stay up for the whole run (an idle
@@ -9,16 +9,19 @@ server costs nothing measurable); the workloads then alternate between them, rou
 each round, so a neighbour's load on a shared machine falls on both. Medians over the rounds are reported.
 
 - ours: `python -m service --model PATH` with nothing else (a Q4_0/Q4_1 file runs as int4, `--quantization auto`);
-- peer: `llama-server -m PATH -np 32 -c 32*512 -t THREADS` (32 slots of continuous batching, each slot holding a
-  prompt of up to 140 tokens plus 64 new ones).
+- peer: `llama-server -m PATH -np 32 -c 32*640 -t THREADS` (32 slots of continuous batching, each slot holding a
+  prompt of up to 512 tokens plus the new ones).
 
 Workloads, both over `/v1/completions` with streaming, prompts as token ids (no tokenizer differences), greedy,
 EOS ignored, `max_tokens` 64 (every answer must end with finish_reason "length": exactly 64 tokens):
 - single stream: one request with a 128-token prompt; decode tok/s = 63 / (last token chunk - first token chunk);
 - 32 concurrent: 32 requests with prompts of 8-140 random tokens sent at once; throughput = 32 * 64 tokens over the
   wall time from the first send to the last answer's end.
+- prefill: one request with a 512-token prompt and 1 new token; prompt tok/s = 512 / (first token chunk - send).
 The prompts are random token ids from a seed that changes every round, so neither side's prompt cache serves one.
 
+`--float32` adds a third server, ours with `--quantization none` (the dequantized float32 model), on the same
+workloads: what serving the file at its own precision buys (issue 18 asks int4 >= 2x float32 at 32 streams).
 `--invariance` adds the batch-invariance check over HTTP on ours (issue 18): 24 greedy requests (48 tokens each, with
 logprobs) sent one at a time, then all together; every answer's text and logprob floats must be identical.
 `--invariance-peer` runs it on llama-server too, for comparison (llama.cpp makes no such promise).
@@ -48,7 +51,8 @@ from benchmarks.machine import machine_info
 NEW_TOKENS = 64
 SINGLE_PROMPT = 128
 CONCURRENT, MIN_PROMPT, MAX_PROMPT = 32, 8, 140
-SLOT_CONTEXT = 512  # llama-server's context per slot: -c is split evenly across the -np slots
+PREFILL_PROMPT = 512
+SLOT_CONTEXT = 640  # llama-server's context per slot (-c is split evenly across the -np slots): the prefill prompt + 1
 INVARIANCE_REQUESTS, INVARIANCE_TOKENS = 24, 48
 LOW_ID = 1000  # random prompt ids from here up: clear of the special and byte tokens at the start of the vocab
 
@@ -119,6 +123,17 @@ def concurrent(url: str, vocab: int, seed: int) -> dict:
     return {"throughput_tok_s": CONCURRENT * NEW_TOKENS / wall, "wall_s": wall}
 
 
+def prefill(url: str, vocab: int, seed: int, tokens: int = PREFILL_PROMPT) -> dict:
+    """One 512-token prompt, one new token: prompt tok/s = 512 / (first token's arrival - send)."""
+    async def go():
+        async with httpx.AsyncClient(timeout=600) as c:
+            t0 = time.perf_counter()
+            out = await _stream(c, url, _prompt(random.Random(seed), tokens, vocab), 1)
+            return out["marks"][0] - t0
+
+    return {"prefill_tok_s": tokens / asyncio.run(go())}
+
+
 def invariance(url: str, vocab: int, seed: int = 7) -> dict:
     """24 greedy requests alone, one after another, then all together: how many answers differ in text or in any
     logprob float."""
@@ -158,6 +173,10 @@ def run(args: argparse.Namespace) -> dict:
     ours = ServedProcess(["--model", str(model), *args.ours_args.split()], logs / "vs_llama_server.ours.log")
     peer = LlamaServer(args.llama_server, model, args.threads, logs / "vs_llama_server.peer.log")
     sides = {"ours": ours.url, "llama-server": peer.url}
+    if args.float32:  # ours dequantized, as `--quantization none` serves it: what the int4 default buys
+        f32 = ServedProcess(["--model", str(model), "--quantization", "none", *args.ours_args.split()],
+                            logs / "vs_llama_server.ours-float32.log")
+        sides["ours float32"] = f32.url
     info = httpx.get(ours.url + "/v1/models", timeout=10).json()["data"][0]
     vocab = _vocab(ours.url)
     result = {"machine": machine_info("cpu", args.threads), "model": str(model), "ours_model_card": info,
@@ -173,19 +192,25 @@ def run(args: argparse.Namespace) -> dict:
             order = list(sides) if r % 2 == 0 else list(sides)[::-1]
             rnd: dict = {"order": order}
             for name in order:
-                rnd[name] = {**single_stream(sides[name], vocab, seed=r), **concurrent(sides[name], vocab, seed=100 + r)}
+                rnd[name] = {**single_stream(sides[name], vocab, seed=r), **concurrent(sides[name], vocab, seed=100 + r),
+                             **prefill(sides[name], vocab, seed=200 + r)}
                 print(f"round {r + 1} {name:>12}: single {rnd[name]['decode_tok_s']:7.1f} tok/s   "
-                      f"32-concurrent {rnd[name]['throughput_tok_s']:7.1f} tok/s", flush=True)
+                      f"32-concurrent {rnd[name]['throughput_tok_s']:7.1f} tok/s   "
+                      f"prefill {rnd[name]['prefill_tok_s']:7.1f} tok/s", flush=True)
             result["rounds"].append(rnd)
-        for key in ("decode_tok_s", "throughput_tok_s"):
+        for key in ("decode_tok_s", "throughput_tok_s", "prefill_tok_s"):
             med = {n: statistics.median(rd[n][key] for rd in result["rounds"]) for n in sides}
             result[key] = {**med, "ratio": med["ours"] / med["llama-server"],
                            "round_ratios": [rd["ours"][key] / rd["llama-server"][key] for rd in result["rounds"]]}
+            if "ours float32" in sides:
+                result[key]["ours_over_float32"] = med["ours"] / med["ours float32"]
         if args.invariance:
             result["invariance"] = {n: invariance(u, vocab) for n, u in sides.items() if n == "ours" or args.invariance_peer}
     finally:
         result["load_average_after"] = os.getloadavg()
         result["ours_exit"] = ours.stop()
+        if args.float32:
+            result["ours_float32_exit"] = f32.stop()
         result["peer_exit"] = peer.stop(grace=0)
     return result
 
@@ -205,6 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="llama-server -t (ours: its default, all cores)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--ours-args", default="", help="extra `python -m service` arguments (default: none, our defaults)")
+    p.add_argument("--float32", action="store_true", help="also ours with --quantization none (a third server)")
     p.add_argument("--invariance", action="store_true", help="also run the 24-request batch-invariance check")
     p.add_argument("--invariance-peer", action="store_true", help="... and on llama-server")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/vs-llama-server.json"))
@@ -216,10 +242,12 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)  # this process only sends requests
     result = run(args)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
-    for key, label in (("decode_tok_s", "single stream decode"), ("throughput_tok_s", "32-concurrent throughput")):
+    for key, label in (("decode_tok_s", "single stream decode"), ("throughput_tok_s", "32-concurrent throughput"),
+                       ("prefill_tok_s", f"{PREFILL_PROMPT}-token prefill")):
         d = result[key]
+        f32 = f"; ours float32 {d['ours float32']:.1f}, ours / float32 {d['ours_over_float32']:.2f}x" if "ours float32" in d else ""
         print(f"{label}: ours {d['ours']:.1f} tok/s, llama-server {d['llama-server']:.1f} tok/s, "
-              f"ratio {d['ratio']:.2f}x (rounds: {', '.join(f'{x:.2f}' for x in d['round_ratios'])})")
+              f"ratio {d['ratio']:.2f}x (rounds: {', '.join(f'{x:.2f}' for x in d['round_ratios'])}){f32}")
     for name, inv in result.get("invariance", {}).items():
         print(f"invariance {name}: {inv['texts_differ']}/{inv['requests']} texts and {inv['logprobs_differ']} "
               f"logprob lists differ, alone vs all together")

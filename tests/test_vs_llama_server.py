@@ -24,6 +24,7 @@ def test_workloads_and_invariance_check_over_http(tmp_path):
         with LiveServer(app) as live:
             assert vs.single_stream(live.url, vocab, seed=0)["decode_tok_s"] > 0
             assert vs.concurrent(live.url, vocab, seed=1)["throughput_tok_s"] > 0
+            assert vs.prefill(live.url, vocab, seed=2, tokens=256)["prefill_tok_s"] > 0
             inv = vs.invariance(live.url, vocab)
         assert inv["logprobs_returned"], inv
         assert inv["texts_differ"] == 0 and inv["logprobs_differ"] == 0, inv

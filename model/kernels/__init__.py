@@ -59,11 +59,23 @@ def cpu_has_avx2() -> bool:
     return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
 
 
+def cpu_has_avx_vnni() -> bool:
+    """AVX-VNNI (256-bit `vpdpbusd`, Intel Alder Lake / AMD Zen 4 and later), read from the kernel's CPU flags
+    (Linux); PyTorch's capability names do not say."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("flags") and " avx_vnni" in line for line in f)
+    except OSError:
+        return False
+
+
 def compile_flags(avx2: bool) -> list[str]:
     # -fopenmp at compile time only: at::parallel_for's OpenMP regions then run on the OpenMP runtime PyTorch
     # already loaded (linking a second libgomp would start a second thread pool beside torch's).
     flags = ["-O3", "-fopenmp", "-ffp-contract=off"]
-    return flags + (["-mavx2", "-mfma", "-mf16c"] if avx2 else [])
+    if not avx2:
+        return flags
+    return flags + ["-mavx2", "-mfma", "-mf16c"] + (["-mavxvnni"] if cpu_has_avx_vnni() else [])
 
 
 def build_dir() -> Path:
@@ -137,7 +149,7 @@ def status() -> str:
     m = native()
     if m is None:
         return f"unavailable: {_error}"
-    return "native (avx2)" if m.avx2 else "native (generic)"
+    return ("native (avx2, vnni)" if getattr(m, "vnni", False) else "native (avx2)") if m.avx2 else "native (generic)"
 
 
 def set_enabled(enabled: bool) -> None:

@@ -1,21 +1,28 @@
 // Python bindings of llamascope's native CPU kernels (model/kernels/__init__.py builds and loads them).
 #include "ops.h"
 
+// Every op runs without the GIL (its arguments are converted before, its result after): a decode step's kernels
+// hold the engine thread for most of the step, and the HTTP server's event loop (another thread of the process)
+// formats and sends the previous token's chunk meanwhile instead of waiting for the step to end
+// (benchmarks/http_overhead.py). Nothing below touches a Python object.
+using nogil = py::call_guard<py::gil_scoped_release>;
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("avx2") = static_cast<bool>(LS_AVX2);
-  m.def("rms_norm", &ls::rms_norm, "RMSNorm: x (M, D), w (D,) -> (M, D)");
-  m.def("silu_mul", &ls::silu_mul, "silu(g) * u: (..., 2F) -> (..., F)");
-  m.def("rope_", &ls::rope_, "RoPE in place on the first n_rot heads: x (N, heads, E), cos/signed sin (N, E)");
-  m.def("paged_decode_attention", &ls::paged_decode_attention, "decode attention over the paged pool");
-  m.def("paged_decode_attention_telemetry", &ls::paged_decode_attention_telemetry,
+  m.attr("vnni") = static_cast<bool>(LS_VNNI);
+  m.def("rms_norm", &ls::rms_norm, nogil(), "RMSNorm: x (M, D), w (D,) -> (M, D)");
+  m.def("silu_mul", &ls::silu_mul, nogil(), "silu(g) * u: (..., 2F) -> (..., F)");
+  m.def("rope_", &ls::rope_, nogil(), "RoPE in place on the first n_rot heads: x (N, heads, E), cos/signed sin (N, E)");
+  m.def("paged_decode_attention", &ls::paged_decode_attention, nogil(), "decode attention over the paged pool");
+  m.def("paged_decode_attention_telemetry", &ls::paged_decode_attention_telemetry, nogil(),
         "decode attention over the paged pool, recording sink mass and top-k keys of the rows that ask");
-  m.def("paged_write", &ls::paged_write, "write k/v (N, K, E) into pool slots (N,)");
-  m.def("int4_linear", &ls::int4_linear, "x (M, K) float32/bfloat16 @ int4 W (N, K)^T -> (M, N) float32");
-  m.def("int8_linear", &ls::int8_linear, "x (M, K) float32/bfloat16 @ int8 (Q8_0 blocks) W (N, K)^T -> (M, N) float32");
-  m.def("float_linear", &ls::float_linear, "x (M, K) @ W (N, K)^T in one dtype, one reduction order for any M");
-  m.def("round_activations", &ls::round_activations, "x (M, K) float32 rounded to int8 blocks as the kernels round it");
-  m.def("int4_dequantize", &ls::int4_dequantize, "int4 W -> (N, K) float32");
-  m.def("int8_dequantize", &ls::int8_dequantize, "int8 W -> (N, K) float32");
-  m.def("decode_layers", &ls::decode_layers, "every block of a pure decode step: h (N, D) -> (N, D)");
-  m.def("apply_edits", &ls::apply_edits, "interventions: each op row (Q, 4) of x (N, D) gets its entry from bank (V, D)");
+  m.def("paged_write", &ls::paged_write, nogil(), "write k/v (N, K, E) into pool slots (N,)");
+  m.def("int4_linear", &ls::int4_linear, nogil(), "x (M, K) float32/bfloat16 @ int4 W (N, K)^T -> (M, N) float32");
+  m.def("int8_linear", &ls::int8_linear, nogil(), "x (M, K) float32/bfloat16 @ int8 (Q8_0 blocks) W (N, K)^T -> (M, N) float32");
+  m.def("float_linear", &ls::float_linear, nogil(), "x (M, K) @ W (N, K)^T in one dtype, one reduction order for any M");
+  m.def("round_activations", &ls::round_activations, nogil(), "x (M, K) float32 rounded to int8 blocks as the kernels round it");
+  m.def("int4_dequantize", &ls::int4_dequantize, nogil(), "int4 W -> (N, K) float32");
+  m.def("int8_dequantize", &ls::int8_dequantize, nogil(), "int8 W -> (N, K) float32");
+  m.def("decode_layers", &ls::decode_layers, nogil(), "every block of a pure decode step: h (N, D) -> (N, D)");
+  m.def("apply_edits", &ls::apply_edits, nogil(), "interventions: each op row (Q, 4) of x (N, D) gets its entry from bank (V, D)");
 }

@@ -84,7 +84,7 @@ template <QFormat F, int MR, int NR>
 static inline void q_tile(const QWeight& w, const QActs& a, int64_t m0, int64_t n0, float* y, int64_t ldy) {
   const int64_t nb = w.K / QK, nbp = padded_blocks(nb), ng = (nb + 1) / 2;
   const int64_t wrow = F == QFormat::Int4 ? w.K / 2 : w.K, srow = F == QFormat::Int4 ? 2 * nbp : nbp;
-  const __m256i ones = _mm256_set1_epi16(1);
+  [[maybe_unused]] const __m256i ones = _mm256_set1_epi16(1);
   // which of the two block scales each int32 lane of a pair's dot product takes
   const __m256i idx = F == QFormat::Int4 ? _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1) : _mm256_setr_epi32(0, 0, 1, 1, 0, 0, 1, 1);
   __m256 acc[MR][NR];
@@ -114,6 +114,17 @@ static inline void q_tile(const QWeight& w, const QActs& a, int64_t m0, int64_t 
         const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
         const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32));
         __m256i p;  // exact int32 partial sums: Int4 lanes 0-3 block 2g, 4-7 block 2g+1; Int8 lanes 0,1,4,5 / 2,3,6,7
+#if LS_VNNI
+        // AVX-VNNI's dpbusd: each int32 lane += its 4 u8 x s8 products, exactly: the very int32 sums of the
+        // maddubs + madd pairs below (no intermediate saturates there either), one instruction instead of two.
+        if (F == QFormat::Int4) {
+          p = _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w0, x0), w1, x1);
+        } else {
+          const __m256i p0 = _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w0, _mm256_sign_epi8(x0, s0));
+          const __m256i p1 = _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w1, _mm256_sign_epi8(x1, s1));
+          p = _mm256_hadd_epi32(p0, p1);
+        }
+#else
         if (F == QFormat::Int4) {
           // uint4 x int8 pairs summed to int16 (at most 4 * 15 * 127), then to int32
           p = _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(w0, x0), _mm256_maddubs_epi16(w1, x1)), ones);
@@ -122,6 +133,7 @@ static inline void q_tile(const QWeight& w, const QActs& a, int64_t m0, int64_t 
           const __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(w1, _mm256_sign_epi8(x1, s1)), ones);
           p = _mm256_hadd_epi32(p0, p1);
         }
+#endif
         const __m128 dxs = _mm_castsi128_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(a.dx + (m0 + i) * a.nbp + 2 * g)));
         const __m256 scale = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_mul_ps(dw, dxs)), idx);
         acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), scale, acc[i][j]);
