@@ -157,7 +157,7 @@ static inline void q_tile(const QWeight& w, const QActs& a, int64_t m0, int64_t 
 
 template <QFormat F, int MR>
 static void q_rows(const QWeight& w, const QActs& a, int64_t m0, int64_t n_begin, int64_t n_end, float* y, int64_t ldy) {
-  constexpr int NR = MR == 1 ? 4 : 2;
+  constexpr int NR = MR == 1 ? 8 : 2;
   int64_t n = n_begin;
   for (; n + NR <= n_end; n += NR) q_tile<F, MR, NR>(w, a, m0, n, y, ldy);
   for (; n < n_end; ++n) q_tile<F, MR, 1>(w, a, m0, n, y, ldy);
