@@ -169,6 +169,7 @@ static void q_range(const QWeight& w, const QActs& a, int64_t M, int64_t n_begin
   for (int64_t nb0 = n_begin; nb0 < n_end; nb0 += NB) {
     const int64_t nb1 = std::min(n_end, nb0 + NB);
     int64_t m = 0;
+    for (; m + 4 <= M; m += 4) q_rows<F, 4>(w, a, m, nb0, nb1, y, ldy);
     for (; m + 2 <= M; m += 2) q_rows<F, 2>(w, a, m, nb0, nb1, y, ldy);
     for (; m < M; ++m) q_rows<F, 1>(w, a, m, nb0, nb1, y, ldy);
   }
