@@ -22,6 +22,7 @@ from model.text.tokenizer import Tokenizer
 QUOTE_FIRST = ('"', "}", "]", ":", " ", "0", ",")
 BRACKET_FIRST = ("}", "]", '"', ":", " ", "0", ",")
 PLAN_LIMIT = 24  # longest plan looked for (each nesting level costs 1-6 tokens)
+RETRY_AFTER = 4  # tokens before a row whose plan search failed is searched again
 MARGIN = 8  # tokens to spare: one free token can lengthen the plan (`{"` opens a key: quote, colon, value, brace)
 
 
@@ -51,12 +52,16 @@ class JsonCloser:
                 best = p
         return best
 
-    def forced_token(self, matcher, remaining: int, closing: bool) -> int | None:
-        """The token a row must take now (None: sample freely). remaining: tokens left to max_tokens, this one
+    def forced_token(self, matcher, remaining: int, closing: bool) -> int | None | bool:
+        """The token a row must take now; None: sample freely; False: no plan was found (a schema whose required
+        keys are still missing, say), and the caller waits RETRY_AFTER tokens before looking again (a failed
+        search tries every closer at every step of PLAN_LIMIT). remaining: tokens left to max_tokens, this one
         included; closing: whether the row is closing already (then it follows the plan to its end)."""
         if not closing and remaining > PLAN_LIMIT + MARGIN:
             return None
         plan = self.plan(matcher)
+        if plan is None:
+            return False
         if not plan or (not closing and len(plan) + MARGIN < remaining):
             return None
         return plan[0]

@@ -22,7 +22,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from model.engine.structured.closing import JsonCloser
+from model.engine.structured.closing import MARGIN, RETRY_AFTER, JsonCloser
 from model.engine.structured.spec import StructuredOutputSpec
 from model.text.tokenizer import Tokenizer
 
@@ -81,21 +81,25 @@ class SequenceGrammar:
     state stays valid across it; `sync` rebuilds it by replaying the output should the two ever disagree (a
     runner that trims outputs, say)."""
 
-    __slots__ = ("closing", "compiled", "matcher", "num_tokens")
+    __slots__ = ("closing", "compiled", "matcher", "num_tokens", "retry_at")
 
     def __init__(self, compiled: CompiledGrammar) -> None:
         self.compiled = compiled
         self.matcher = compiled.fresh_matcher()
         self.num_tokens = 0  # output tokens consumed
         self.closing = False  # following a closing plan because max_tokens is near (closing.py)
+        self.retry_at = 0  # no closing plan is looked for before this many output tokens
 
     def forced_token(self, remaining: int) -> int | None:
         """The only token this row may take now, or None (sample from the grammar's mask). remaining: tokens left
         to max_tokens, this one included."""
         closer = self.compiled.closer
-        if closer is None or self.matcher.is_error():
+        if closer is None or self.matcher.is_error() or self.num_tokens < self.retry_at:
             return None
         token = closer.forced_token(self.matcher, remaining, self.closing)
+        if token is False:  # no closing found from here: look again a few tokens on (every token near the end)
+            self.retry_at = self.num_tokens + (RETRY_AFTER if remaining > 2 * MARGIN else 1)
+            return None
         self.closing = self.closing or token is not None
         return token
 
