@@ -26,6 +26,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterator
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -150,19 +151,25 @@ class StepTelemetry:
     def results(self) -> dict[Sequence, TokenTelemetry]:
         """Each asking sequence's TokenTelemetry, computed for all rows at once (CPU tensors)."""
         rows = self.rows
-        # cache positions -> token positions: a windowed sequence's keys past its sinks sit num_evicted lower
-        evicted = torch.tensor([r.seq.num_evicted for r in rows]).view(1, -1, 1, 1)
-        first = torch.tensor([r.seq.window.sink_tokens if r.seq.window is not None else 0 for r in rows]).view(1, -1, 1, 1)
         pos = self.top_pos.cpu()
-        pos = torch.where(pos >= first, pos + evicted, pos)  # -1 stays -1
+        if any(r.seq.num_evicted for r in rows):
+            # cache positions -> token positions: a windowed sequence's keys past its sinks sit num_evicted lower
+            evicted = torch.tensor([r.seq.num_evicted for r in rows]).view(1, -1, 1, 1)
+            first = torch.tensor([r.seq.window.sink_tokens if r.seq.window is not None else 0 for r in rows]).view(1, -1, 1, 1)
+            pos = torch.where(pos >= first, pos + evicted, pos)  # -1 stays -1
         h = self.hidden.float().cpu()  # (L, Rt, D)
         mag = h.abs()
-        median = mag.median(-1).values  # (L, Rt)
+        # torch.median's lower median (sorted index (D-1)//2) by selection, not a sort: a third of the time, same values
+        mid = (mag.shape[-1] - 1) // 2
+        median = torch.from_numpy(np.partition(mag.numpy(), mid, axis=-1)[..., mid])  # (L, Rt)
         m = max(r.seq.request.params.telemetry.massive_top_k for r in rows)
         top = mag.topk(min(m, mag.shape[-1]), dim=-1)
         opts = [r.seq.request.params.telemetry for r in rows]
-        thr = torch.tensor([o.massive_threshold for o in opts]).view(1, -1, 1)
-        ratio = torch.tensor([o.massive_ratio for o in opts]).view(1, -1, 1)
+        if len({(o.massive_threshold, o.massive_ratio) for o in opts}) == 1:  # the usual case: one setting, scalars
+            thr, ratio = opts[0].massive_threshold, opts[0].massive_ratio
+        else:
+            thr = torch.tensor([o.massive_threshold for o in opts]).view(1, -1, 1)
+            ratio = torch.tensor([o.massive_ratio for o in opts]).view(1, -1, 1)
         flagged = (mag > thr) & (mag >= ratio * median.unsqueeze(-1))  # (L, Rt, D)
         top_flag = flagged.gather(-1, top.indices)
         values = h.gather(-1, top.indices)

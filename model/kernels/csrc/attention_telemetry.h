@@ -33,6 +33,16 @@ struct Telemetry {
             top_prob.data_ptr<float>(), H, k};
   }
 
+  // The same record for layer l of stacked buffers: sink_mass (L, Rt, H), top_pos / top_prob (L, Rt, H, k), with
+  // `of` having checked layer 0's view (the caller checks the stacked shapes). Pointer offsets, no tensor ops.
+  Telemetry layer(int64_t l, int64_t Rt) const {
+    Telemetry t = *this;
+    t.sink_mass += l * Rt * H;
+    t.top_pos += l * Rt * H * k;
+    t.top_prob += l * Rt * H * k;
+    return t;
+  }
+
   // e (len) = exp(score - max) of head h of the row in slot j, sum their sum: p = e / sum.
   void record(int64_t j, int64_t h, const float* e, int64_t len, float sum) const {
     const float inv = 1.f / sum;
@@ -43,9 +53,9 @@ struct Telemetry {
     int64_t* pos = top_pos + (j * H + h) * k;
     float* prob = top_prob + (j * H + h) * k;
     int64_t filled = 0;
-    for (int64_t i = 0; i < len; ++i) {
+    auto offer = [&](int64_t i) {
       const float v = e[i];
-      if (filled == k && !(v > prob[k - 1])) continue;
+      if (filled == k && !(v > prob[k - 1])) return;
       int64_t at = filled < k ? filled++ : k - 1;
       while (at > 0 && v > prob[at - 1]) {
         prob[at] = prob[at - 1];
@@ -54,7 +64,21 @@ struct Telemetry {
       }
       prob[at] = v;
       pos[at] = i;
+    };
+    int64_t i = 0;
+    for (; i < len && filled < k; ++i) offer(i);
+#if LS_AVX2
+    // once the list is full, 8 keys per compare: only a lane above the k-th weight is offered, in key order, so
+    // the result is the scalar loop's
+    for (; i + 8 <= len; i += 8) {
+      int mask = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(e + i), _mm256_set1_ps(prob[k - 1]), _CMP_GT_OQ));
+      while (mask) {
+        offer(i + __builtin_ctz(mask));
+        mask &= mask - 1;
+      }
     }
+#endif
+    for (; i < len; ++i) offer(i);
     for (int64_t i = 0; i < filled; ++i) prob[i] *= inv;
     for (int64_t i = filled; i < k; ++i) {
       prob[i] = 0.f;

@@ -74,15 +74,18 @@ static void project(const Projection& p, const T* x, Step<T>& s, int tid, int nt
     for (int64_t n = b; n < e; ++n) epi(m, n, s.y[m * p.N + n]);
 }
 
-// hidden[slot[r]] = h[rows[r]] for the rows r with a telemetry slot: the residual stream after a block. hidden
-// (Rt, D) of h's dtype. Plain copies, no tensor ops: a pool thread is not in the caller's inference mode.
-static void keep_rows(const torch::Tensor& h, const torch::Tensor& rows, const torch::Tensor& slot, const torch::Tensor& hidden) {
+// hidden[l, slot[r]] = h[rows[r]] for the rows r in [rb, re) with a telemetry slot: the residual stream after
+// block l. hidden (L, Rt, D) of h's dtype, contiguous. Each thread copies its own rows, so no barrier is added: h is final once the
+// block's last barrier is passed, and no thread writes it again before two more barriers. Plain copies, no tensor
+// ops: a pool thread is not in the caller's inference mode.
+static void keep_rows(const torch::Tensor& h, const torch::Tensor& rows, const torch::Tensor& slot, const torch::Tensor& hidden,
+                      int64_t l, int64_t rb, int64_t re) {
   const int64_t* s = slot.data_ptr<int64_t>();
   const int64_t* rw = rows.data_ptr<int64_t>();
   const size_t bytes = h.size(1) * h.element_size();
   const char* src = static_cast<const char*>(h.data_ptr());
-  char* dst = static_cast<char*>(hidden.data_ptr());
-  for (int64_t r = 0; r < slot.numel(); ++r)
+  char* dst = static_cast<char*>(hidden.data_ptr()) + l * hidden.size(1) * bytes;  // hidden (L, Rt, D): layer l
+  for (int64_t r = rb; r < std::min(re, slot.numel()); ++r)
     if (s[r] >= 0) std::memcpy(dst + s[r] * bytes, src + rw[r] * bytes, bytes);
 }
 
@@ -172,10 +175,7 @@ static void run_layers(Step<T>& s, const std::vector<std::vector<torch::Tensor>>
         });
 #pragma omp barrier
       }
-      if (!telemetry.empty()) {
-#pragma omp single
-        keep_rows(ht, rows, telemetry[0], telemetry[5][l]);
-      }
+      if (!telemetry.empty()) keep_rows(ht, rows, telemetry[0], telemetry[5], static_cast<int64_t>(l), rb, re);
     }
   }
 }
@@ -228,9 +228,14 @@ torch::Tensor decode_layers(torch::Tensor h, const std::vector<std::vector<torch
   auto sub = torch::empty({edits.empty() ? 0 : N, D}, opts);
   TORCH_CHECK(telemetry.empty() || (telemetry[5].scalar_type() == dtype && telemetry[5].is_contiguous()), "decode_layers: telemetry hidden");
   std::vector<Telemetry> tel;  // per layer, where the asking rows' attention goes (attention_telemetry.h)
-  for (int64_t l = 0; !telemetry.empty() && l < L; ++l) {
-    torch::Tensor sink = telemetry[2][l], pos = telemetry[3][l], prob = telemetry[4][l];
-    tel.push_back(Telemetry::of(telemetry[0], telemetry[1], sink, pos, prob, H, N));
+  if (!telemetry.empty()) {
+    const int64_t Rt = telemetry[1].numel();
+    TORCH_CHECK(telemetry[2].dim() == 3 && telemetry[2].size(0) == L && telemetry[3].dim() == 4 && telemetry[3].size(0) == L &&
+                telemetry[4].sizes() == telemetry[3].sizes() && telemetry[5].dim() == 3 && telemetry[5].size(0) == L &&
+                telemetry[5].size(1) == Rt && telemetry[5].size(2) == D, "decode_layers: telemetry buffers (L, ...)");
+    torch::Tensor sink = telemetry[2][0], pos = telemetry[3][0], prob = telemetry[4][0];
+    const Telemetry first = Telemetry::of(telemetry[0], telemetry[1], sink, pos, prob, H, N);  // checks layer 0's view
+    for (int64_t l = 0; l < L; ++l) tel.push_back(first.layer(l, Rt));
   }
   auto y = torch::empty({N, widest_out}, opts.dtype(at::kFloat));
   const int64_t nb = widest_in / QK;
