@@ -14,7 +14,7 @@ in-process consumer is an asyncio task on the benchmark's event loop, as the ser
 mean over its streams. The sides alternate round by round (order flipped each round); medians over rounds. Only one
 side runs at a time: the idle one waits on an event and costs nothing.
 
-Ask 4 of issue 18: HTTP within 5% of in-process at 1 and 32 streams. Results, the machine and the HTTP stack in use
+The goal: HTTP within 5% of in-process at 1 and 32 streams. Results, the machine and the HTTP stack in use
 (uvicorn's event loop and HTTP parser: uvloop / httptools when installed) go to benchmarks/results/http-overhead.json.
 """
 

@@ -21,7 +21,7 @@ EOS ignored, `max_tokens` 64 (every answer must end with finish_reason "length":
 The prompts are random token ids from a seed that changes every round, so neither side's prompt cache serves one.
 
 `--float32` adds a third server, ours with `--quantization none` (the dequantized float32 model), on the same
-workloads: what serving the file at its own precision buys (issue 18 asks int4 >= 2x float32 at 32 streams).
+workloads: what serving the file at its own precision buys (the goal: int4 >= 2x float32 at 32 streams).
 `--invariance` adds the batch-invariance check over HTTP on ours (issue 18): 24 greedy requests (48 tokens each, with
 logprobs) sent one at a time, then all together; every answer's text and logprob floats must be identical.
 `--invariance-peer` runs it on llama-server too, for comparison (llama.cpp makes no such promise).
