@@ -37,10 +37,14 @@ def wait_until_ready(url: str, proc: subprocess.Popen, exit_log: Callable[[], st
 class LiveServer:
     def __init__(self, app, ready_path: str = "/health", timeout: float = 120.0) -> None:
         self.app = app
-        self.port = free_port()
+        # The listening socket is bound here and handed to uvicorn, never closed in between: a port picked free and
+        # bound later can be taken meanwhile (a tensor-parallel server's workers open connections of their own).
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
         self.ready_path, self.timeout = ready_path, timeout
 
     def __enter__(self) -> "LiveServer":
@@ -59,3 +63,4 @@ class LiveServer:
     def __exit__(self, *exc) -> None:
         self.server.should_exit = True
         self.thread.join(30)
+        self.sock.close()
