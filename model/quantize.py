@@ -8,7 +8,8 @@ Formats (ggml's blocks of 32 along the input dim, so a GGUF file's Q4_0 / Q4_1 /
     int8  w[n, k] = q[n, k] * d[n, b]               q int8 in [-127, 127], d float16, b = k // 32   (GGUF Q8_0)
     int4  w[n, k] = q[n, k] * d[n, b] + m[n, b]     q in [0, 15], two per byte (k even in the low nibble), d and m
           float16 (GGUF Q4_1; Q4_0's w = d (q - 8) is m = -8 d, so `Int4Linear.from_gguf_blocks` is exact for both)
-The per-row scales are stored padded with zeros to a multiple of 8 blocks (`padded_blocks`), as the kernels read them.
+int8's per-row scales are stored padded with zeros to a multiple of 8 blocks (`padded_blocks`), as its kernel reads
+them; int4 is stored 8 output rows interleaved (`_interleave_nibbles`), d and m beside each block of the 8.
 
 Kernels, by what the machine has:
     native  model/kernels (C++, AVX2) `int4_linear` / `int8_linear`: the weights in the formats above against
@@ -154,10 +155,9 @@ class Int4Linear(QuantLinear):
         if K % GROUP_SIZE or N % 16:
             raise ValueError(f"int4 needs in_features % {GROUP_SIZE} == 0 and out_features % 16 == 0, got ({N}, {K})")
         super().__init__(K, N)
-        q = q.to(torch.uint8)
-        self.register_buffer("nibbles", (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous())  # (N, K/2) uint8
-        dm = torch.stack([_pad_blocks(d.to(torch.float16)), _pad_blocks(m.to(torch.float16))], dim=1)
-        self.register_buffer("scales", dm.contiguous())  # (N, 2, nbp) float16: d, then m
+        self.register_buffer("nibbles", _interleave_nibbles(q.to(torch.uint8)))  # (N/8, K/32, 128) uint8
+        dm = torch.stack([d.to(torch.float16), m.to(torch.float16)], dim=1)  # (N, 2, K/32)
+        self.register_buffer("scales", dm.view(N // 8, 8, 2, K // GROUP_SIZE).permute(0, 3, 2, 1).contiguous())  # (N/8, K/32, 2, 8)
         # PyTorch's packed kernel wants its own packing (it depends on the CPU's vector width) and bfloat16
         # scales and zeros: built on first use, only where the native kernels do not run.
         self._torch_pack: tuple[Tensor, Tensor] | None = None
@@ -191,8 +191,11 @@ class Int4Linear(QuantLinear):
 
     def unpacked(self) -> tuple[Tensor, Tensor, Tensor]:
         """-> q (N, K) uint8, d (N, K/G) float32, m (N, K/G) float32."""
-        q = torch.stack([self.nibbles & 15, self.nibbles >> 4], dim=-1).reshape(self.out_features, self.in_features)
-        dm = self.scales[:, :, : self.in_features // GROUP_SIZE].float()
+        N, K = self.out_features, self.in_features
+        nib = self.nibbles.view(N // 8, K // GROUP_SIZE, 4, 8, 4)  # (g, b, p, j, t)
+        q = torch.stack([nib & 15, nib >> 4], dim=2)  # (g, b, half, p, j, t): k = 32 b + 16 half + 4 p + t
+        q = q.permute(0, 4, 1, 2, 3, 5).reshape(N, K)
+        dm = self.scales.permute(0, 3, 2, 1).reshape(N, 2, K // GROUP_SIZE).float()  # (N, 2, K/G)
         return q, dm[:, 0], dm[:, 1]
 
     native_op = "int4_linear"
@@ -221,7 +224,16 @@ class Int4Linear(QuantLinear):
     def decode_bytes(self) -> int:
         if self._torch_pack is not None:
             return sum(t.nbytes for t in self._torch_pack)
-        return self.nibbles.nbytes + self.out_features * (self.in_features // GROUP_SIZE) * 4
+        return self.nibbles.nbytes + self.scales.nbytes
+
+
+def _interleave_nibbles(q: Tensor) -> Tensor:
+    """q (N, K) uint8 in [0, 15] -> (N/8, K/32, 128) uint8, the native kernel's layout (model/kernels/csrc/qgemm.h):
+    byte (g, b, p, j, t) = q[8g + j, 32b + 4p + t] | q[8g + j, 32b + 16 + 4p + t] << 4, so that one 32-byte vector
+    holds 4 weights of each of 8 outputs (ggml-cpu's repack.cpp interleaves its Q4_0 8x8 GEMM weights alike)."""
+    N, K = q.shape
+    g = q.view(N // 8, 8, K // GROUP_SIZE, 2, 4, 4).permute(0, 2, 3, 4, 1, 5)  # (g, b, half, p, j, t)
+    return (g[:, :, 0] | (g[:, :, 1] << 4)).reshape(N // 8, K // GROUP_SIZE, 128).contiguous()
 
 
 def round_activations(x: Tensor) -> Tensor:

@@ -6,9 +6,10 @@
 // depend on the rows that share its step. Each kernel below fixes the reduction order of an output (m, n) once:
 //   float  8 lanes accumulate x[m, k] w[n, k] over k = lane (mod 8) in order, one fixed horizontal sum, the k % 8
 //          tail added last in order;
-//   int4 / int8  exact integer block dot products (32 products per block, summed in int32), one float FMA per pair
-//          of blocks into 8 lanes in block order, a fixed horizontal sum; int4's min term (m_w sx per block) in 8
-//          lanes over the blocks, summed after.
+//   int8   exact integer block dot products (32 products per block, summed in int32), one float FMA per pair of
+//          blocks into 8 lanes in block order, a fixed horizontal sum;
+//   int4   one float lane per output: for each block in order, acc = fma(isum_b, d_b dx_b, acc) with isum_b the
+//          block's exact integer dot product, then acc = fma(m_b, sx_b, acc) (the min term); no horizontal sum.
 // Tiling (several rows and several outputs per inner loop) shares loads, never arithmetic, so the one-row kernel
 // (decode) and the many-row kernel (prefill) are the same function and agree bit for bit.
 #pragma once
@@ -27,8 +28,10 @@ inline int64_t act_row_bytes(int64_t nb) { return (nb + 1) / 2 * 64; }  // int8 
 enum class QFormat { Int4, Int8 };
 
 // Weight formats (model/quantize.py), blocks of 32 along K, nb = K / 32, nbp = padded_blocks(nb):
-//   Int4  data (N, K/2) uint8, byte i of a row = w[2i] | w[2i+1] << 4;  scales (N, 2, nbp) float16: d then m,
-//         zero past nb:  w[n, k] = q d[n, b] + m[n, b], b = k / 32   (GGUF Q4_1; Q4_0 is m = -8 d)
+//   Int4  w[n, k] = q d[n, b] + m[n, b], b = k / 32 (GGUF Q4_1; Q4_0 is m = -8 d), 8 outputs interleaved:
+//         data (N/8, nb, 4, 8, 4) uint8, byte (g, b, p, j, t) = q[8g + j, 32b + 4p + t] | q[8g + j, 32b + 16 + 4p + t] << 4
+//         (one 32-byte vector per p: lane j holds output 8g + j's chunks p and p + 4 of block b);
+//         scales (N/8, nb, 2, 8) float16: the 8 outputs' d, then their m
 //   Int8  data (N, K) int8;  scales (N, nbp) float16, zero past nb:  w[n, k] = q d[n, b]   (GGUF Q8_0)
 struct QWeight {
   QFormat fmt;
@@ -39,8 +42,7 @@ struct QWeight {
 
 // Activations rounded to int8 in blocks of 32 as ggml's `quantize_row_q8_0` does (dx = max|x| / 127, q = round(x /
 // dx), ties to even), one row at a time: q (row_bytes per row, pairs of blocks, zero past nb), dx and sx = dx * sum(q)
-// (nbp floats per row, zero past nb). For Int4 weights each pair of blocks is stored as [even k of block 2g | even k
-// of 2g+1 | odd k of 2g | odd k of 2g+1], the order of a weight row's low and high nibbles; for Int8 in k order.
+// (nbp floats per row, zero past nb); q in k order.
 struct QActs {
   int8_t* q;
   float* dx;

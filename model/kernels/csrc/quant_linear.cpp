@@ -6,6 +6,11 @@
 // product is 32 int8 x int8 (or uint4 x int8) products summed exactly in integers by AVX2's maddubs, then scaled
 // once. Many rows reuse each unpacked weight block from registers (the tiles of llamafile's tinyBLAS, Tunney 2024):
 // prefill is a GEMM over the packed weights, never a float copy of them.
+//
+// Int4 weights are stored 8 output rows interleaved (qgemm.h; ggml-cpu's `repack.cpp` does the same for its
+// Q4_0 8x8 GEMM): each 32-bit lane of one vector holds 4 weights of a different output, so one maddubs against 4
+// broadcast activation bytes advances 8 outputs at once and a block's integer sum lands whole in its output's lane;
+// the float work is one convert and two FMAs per block for 8 outputs, instead of per output.
 #include <vector>
 
 #include "ops.h"
@@ -15,10 +20,8 @@ namespace ls {
 
 static inline float fp16_to_f(uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
 
-// Where element j of block b lands in its row's int8 activations (QActs): pairs of blocks, nibble order for Int4.
-static inline int64_t act_pos(int64_t b, int64_t j, QFormat fmt) {
-  return fmt == QFormat::Int4 ? (b / 2) * 64 + (j % 2) * 32 + (b % 2) * 16 + j / 2 : b * QK + j;
-}
+// Where element j of block b lands in its row's int8 activations (QActs): k order, for both formats.
+static inline int64_t act_pos(int64_t b, int64_t j, QFormat) { return b * QK + j; }
 
 template <typename T>
 void quantize_act_row(const T* x, int64_t K, QFormat fmt, int8_t* q, float* dx, float* sx) {
@@ -48,16 +51,7 @@ void quantize_act_row(const T* x, int64_t K, QFormat fmt, int8_t* q, float* dx, 
     // int32 -> int8 in k order (ggml's quantize_row_q8_0 packing: packs interleave the 128-bit lanes; undo it)
     const __m256i p16a = _mm256_packs_epi32(iv[0], iv[1]), p16b = _mm256_packs_epi32(iv[2], iv[3]);
     __m256i p8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p16a, p16b), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-    if (fmt == QFormat::Int8) {
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + b * QK), p8);
-    } else {  // evens then odds within each 16-byte lane, then [evens 0-15 | evens 16-31 | odds 0-15 | odds 16-31]
-      const __m256i deint = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,
-                                             0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
-      p8 = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(p8, deint), 0xD8);
-      int8_t* g = q + (b / 2) * 64 + (b % 2) * 16;
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(g), _mm256_castsi256_si128(p8));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(g + 32), _mm256_extracti128_si256(p8, 1));
-    }
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + b * QK), p8);
 #else
     float amax = 0.f;
     for (int64_t j = 0; j < QK; ++j) amax = std::max(amax, std::fabs(to_f(xb[j])));
@@ -76,64 +70,44 @@ void quantize_act_row(const T* x, int64_t K, QFormat fmt, int8_t* q, float* dx, 
 template void quantize_act_row<float>(const float*, int64_t, QFormat, int8_t*, float*, float*);
 template void quantize_act_row<bf16>(const bf16*, int64_t, QFormat, int8_t*, float*, float*);
 
+// ---- Int8 (Q8_0): one output per lane group -----------------------------------------------------------------------
+
 #if LS_AVX2
 // One tile: rows m0 .. m0+MR of the activations times weight rows n0 .. n0+NR. Per output the float operations are,
-// in order: acc = fma(float(p_g), [d dx of block 2g] x4 | [of 2g+1] x4, acc) for each pair of blocks g, then
-// hsum(acc) (+ hsum of the min term for Int4); MR and NR change which loads are shared, nothing else.
-template <QFormat F, int MR, int NR>
-static inline void q_tile(const QWeight& w, const QActs& a, int64_t m0, int64_t n0, float* y, int64_t ldy) {
+// in order: acc = fma(float(p_g), [d dx of block 2g] x2 | [of 2g+1] x2 (lanes 0,1,4,5 | 2,3,6,7), acc) for each pair
+// of blocks g, then hsum(acc); MR and NR change which loads are shared, nothing else.
+template <int MR, int NR>
+static inline void q8_tile(const QWeight& w, const QActs& a, int64_t m0, int64_t n0, float* y, int64_t ldy) {
   const int64_t nb = w.K / QK, nbp = padded_blocks(nb), ng = (nb + 1) / 2;
-  const int64_t wrow = F == QFormat::Int4 ? w.K / 2 : w.K, srow = F == QFormat::Int4 ? 2 * nbp : nbp;
   [[maybe_unused]] const __m256i ones = _mm256_set1_epi16(1);
-  // which of the two block scales each int32 lane of a pair's dot product takes
-  const __m256i idx = F == QFormat::Int4 ? _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1) : _mm256_setr_epi32(0, 0, 1, 1, 0, 0, 1, 1);
+  const __m256i idx = _mm256_setr_epi32(0, 0, 1, 1, 0, 0, 1, 1);  // which block scale each int32 lane takes
   __m256 acc[MR][NR];
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_setzero_ps();
   for (int64_t g = 0; g < ng; ++g) {
     const bool pair = 2 * g + 1 < nb;
     for (int j = 0; j < NR; ++j) {
-      const uint8_t* wp = w.data + (n0 + j) * wrow + g * (F == QFormat::Int4 ? 32 : 64);
-      const __m128 dw = _mm_cvtph_ps(_mm_cvtsi32_si128(*reinterpret_cast<const int32_t*>(w.scales + (n0 + j) * srow + 2 * g)));
-      __m256i w0, w1;  // Int4: low and high nibbles of both blocks; Int8: |block 2g|, |block 2g+1|
-      __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();  // Int8: the weights' signs
-      if (F == QFormat::Int4) {
-        const __m256i raw = pair ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp))
-                                 : _mm256_inserti128_si256(_mm256_setzero_si256(), _mm_loadu_si128(reinterpret_cast<const __m128i*>(wp)), 0);
-        const __m256i m4 = _mm256_set1_epi8(0x0F);
-        w0 = _mm256_and_si256(raw, m4);
-        w1 = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
-      } else {
-        s0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp));
-        s1 = pair ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + 32)) : _mm256_setzero_si256();
-        w0 = _mm256_sign_epi8(s0, s0);
-        w1 = _mm256_sign_epi8(s1, s1);
-      }
+      const uint8_t* wp = w.data + (n0 + j) * w.K + g * 64;
+      const __m128 dw = _mm_cvtph_ps(_mm_cvtsi32_si128(*reinterpret_cast<const int32_t*>(w.scales + (n0 + j) * nbp + 2 * g)));
+      const __m256i s0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp));  // the weights' signs
+      const __m256i s1 = pair ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + 32)) : _mm256_setzero_si256();
+      const __m256i w0 = _mm256_sign_epi8(s0, s0), w1 = _mm256_sign_epi8(s1, s1);  // |block 2g|, |block 2g+1|
       for (int i = 0; i < MR; ++i) {
         const int8_t* xq = a.q + (m0 + i) * a.row_bytes + g * 64;
         const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
         const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32));
-        __m256i p;  // exact int32 partial sums: Int4 lanes 0-3 block 2g, 4-7 block 2g+1; Int8 lanes 0,1,4,5 / 2,3,6,7
+        // |w| as unsigned times x carrying w's sign (|w|, |x| <= 127: no int16 saturation); exact int32 partial
+        // sums, lanes 0,1,4,5 block 2g and 2,3,6,7 block 2g+1
 #if LS_VNNI
         // AVX-VNNI's dpbusd: each int32 lane += its 4 u8 x s8 products, exactly: the very int32 sums of the
-        // maddubs + madd pairs below (no intermediate saturates there either), one instruction instead of two.
-        if (F == QFormat::Int4) {
-          p = _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w0, x0), w1, x1);
-        } else {
-          const __m256i p0 = _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w0, _mm256_sign_epi8(x0, s0));
-          const __m256i p1 = _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w1, _mm256_sign_epi8(x1, s1));
-          p = _mm256_hadd_epi32(p0, p1);
-        }
+        // maddubs + madd pairs below, one instruction instead of two.
+        const __m256i p0 = _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w0, _mm256_sign_epi8(x0, s0));
+        const __m256i p1 = _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w1, _mm256_sign_epi8(x1, s1));
 #else
-        if (F == QFormat::Int4) {
-          // uint4 x int8 pairs summed to int16 (at most 4 * 15 * 127), then to int32
-          p = _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(w0, x0), _mm256_maddubs_epi16(w1, x1)), ones);
-        } else {  // |w| as unsigned times x carrying w's sign (|w|, |x| <= 127: no int16 saturation)
-          const __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(w0, _mm256_sign_epi8(x0, s0)), ones);
-          const __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(w1, _mm256_sign_epi8(x1, s1)), ones);
-          p = _mm256_hadd_epi32(p0, p1);
-        }
+        const __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(w0, _mm256_sign_epi8(x0, s0)), ones);
+        const __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(w1, _mm256_sign_epi8(x1, s1)), ones);
 #endif
+        const __m256i p = _mm256_hadd_epi32(p0, p1);
         const __m128 dxs = _mm_castsi128_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(a.dx + (m0 + i) * a.nbp + 2 * g)));
         const __m256 scale = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_mul_ps(dw, dxs)), idx);
         acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), scale, acc[i][j]);
@@ -141,73 +115,159 @@ static inline void q_tile(const QWeight& w, const QActs& a, int64_t m0, int64_t 
     }
   }
   for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NR; ++j) {
-      float out = hsum(acc[i][j]);
-      if (F == QFormat::Int4) {  // + sum_b m_b sx_b, in 8 lanes over the blocks
-        const uint16_t* mw = w.scales + (n0 + j) * srow + nbp;
-        const float* sx = a.sx + (m0 + i) * a.nbp;
-        __m256 macc = _mm256_setzero_ps();
-        for (int64_t c = 0; c < nbp; c += 8)
-          macc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mw + c))), _mm256_loadu_ps(sx + c), macc);
-        out += hsum(macc);
-      }
-      y[(m0 + i) * ldy + n0 + j] = out;
-    }
+    for (int j = 0; j < NR; ++j) y[(m0 + i) * ldy + n0 + j] = hsum(acc[i][j]);
 }
 
-template <QFormat F, int MR>
-static void q_rows(const QWeight& w, const QActs& a, int64_t m0, int64_t n_begin, int64_t n_end, float* y, int64_t ldy) {
+template <int MR>
+static void q8_rows(const QWeight& w, const QActs& a, int64_t m0, int64_t n_begin, int64_t n_end, float* y, int64_t ldy) {
   constexpr int NR = MR == 1 ? 8 : 2;
   int64_t n = n_begin;
-  for (; n + NR <= n_end; n += NR) q_tile<F, MR, NR>(w, a, m0, n, y, ldy);
-  for (; n < n_end; ++n) q_tile<F, MR, 1>(w, a, m0, n, y, ldy);
+  for (; n + NR <= n_end; n += NR) q8_tile<MR, NR>(w, a, m0, n, y, ldy);
+  for (; n < n_end; ++n) q8_tile<MR, 1>(w, a, m0, n, y, ldy);
 }
 
-template <QFormat F>
-static void q_range(const QWeight& w, const QActs& a, int64_t M, int64_t n_begin, int64_t n_end, float* y, int64_t ldy) {
+static void q8_range(const QWeight& w, const QActs& a, int64_t M, int64_t n_begin, int64_t n_end, float* y, int64_t ldy) {
   constexpr int64_t NB = 64;  // weight rows per pass over the activations: a few KB, kept in L1 across the rows
   for (int64_t nb0 = n_begin; nb0 < n_end; nb0 += NB) {
     const int64_t nb1 = std::min(n_end, nb0 + NB);
     int64_t m = 0;
-    for (; m + 4 <= M; m += 4) q_rows<F, 4>(w, a, m, nb0, nb1, y, ldy);
-    for (; m + 2 <= M; m += 2) q_rows<F, 2>(w, a, m, nb0, nb1, y, ldy);
-    for (; m < M; ++m) q_rows<F, 1>(w, a, m, nb0, nb1, y, ldy);
+    for (; m + 4 <= M; m += 4) q8_rows<4>(w, a, m, nb0, nb1, y, ldy);
+    for (; m + 2 <= M; m += 2) q8_rows<2>(w, a, m, nb0, nb1, y, ldy);
+    for (; m < M; ++m) q8_rows<1>(w, a, m, nb0, nb1, y, ldy);
+  }
+}
+
+// ---- Int4 (Q4_0 / Q4_1), 8 outputs interleaved ----------------------------------------------------------------------
+
+// One tile: rows m0 .. m0+MR of the activations times the NG groups of 8 outputs starting at group g0. Per output
+// (one float lane) the float operations are, block after block in order: acc = fma(float(isum_b), d_b * dx_b, acc),
+// acc = fma(m_b, sx_b, acc), where isum_b is the block's exact integer dot product; MR and NG change which loads are
+// shared, nothing else. The int16 partial sums cannot saturate: one lane of maddubs adds 2 products of at most
+// 15 x 127, and a block's 8 of them add 16 (30,480 < 32,767) before madd widens them.
+template <int MR, int NG>
+static inline void q4_tile(const QWeight& w, const QActs& a, int64_t m0, int64_t g0, float* y, int64_t ldy) {
+  const int64_t nb = w.K / QK;
+  const __m256i m4 = _mm256_set1_epi8(0x0F);
+  __m256 acc[MR * NG];
+#pragma GCC unroll 8
+  for (int i = 0; i < MR * NG; ++i) acc[i] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+#pragma GCC unroll 2
+    for (int g = 0; g < NG; ++g) {
+      const uint8_t* wb = w.data + ((g0 + g) * nb + b) * 128;
+      const uint16_t* sb = w.scales + ((g0 + g) * nb + b) * 16;
+      __m256i s16[MR];
+#pragma GCC unroll 2
+      for (int h = 0; h < 2; ++h) {  // chunks 2h, 2h+1 (low nibbles) and 2h+4, 2h+5 (high nibbles)
+        const __m256i r0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 64 * h));
+        const __m256i r1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 64 * h + 32));
+        const __m256i l0 = _mm256_and_si256(r0, m4), h0 = _mm256_and_si256(_mm256_srli_epi16(r0, 4), m4);
+        const __m256i l1 = _mm256_and_si256(r1, m4), h1 = _mm256_and_si256(_mm256_srli_epi16(r1, 4), m4);
+#pragma GCC unroll 8
+        for (int i = 0; i < MR; ++i) {
+          const int8_t* x = a.q + (m0 + i) * a.row_bytes + b * QK + 8 * h;
+          const auto bc = [&](int off) { return _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(x + off)); };
+#if LS_VNNI
+          __m256i t = h == 0 ? _mm256_setzero_si256() : s16[i];  // (int32 lanes here: dpbusd widens as it adds)
+          t = _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(t, l0, bc(0)), h0, bc(16));
+          s16[i] = _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(t, l1, bc(4)), h1, bc(20));
+#else
+          const __m256i t = _mm256_add_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(l0, bc(0)), _mm256_maddubs_epi16(h0, bc(16))),
+                                             _mm256_add_epi16(_mm256_maddubs_epi16(l1, bc(4)), _mm256_maddubs_epi16(h1, bc(20))));
+          s16[i] = h == 0 ? t : _mm256_add_epi16(s16[i], t);
+#endif
+        }
+      }
+#pragma GCC unroll 8
+      for (int i = 0; i < MR; ++i) {
+#if LS_VNNI
+        const __m256 isum = _mm256_cvtepi32_ps(s16[i]);
+#else
+        const __m256 isum = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16[i], _mm256_set1_epi16(1)));
+#endif
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb)));
+        const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + 8)));
+        const int64_t r = (m0 + i) * a.nbp + b;
+        __m256& c = acc[i * NG + g];
+        c = _mm256_fmadd_ps(isum, _mm256_mul_ps(d, _mm256_broadcast_ss(a.dx + r)), c);
+        c = _mm256_fmadd_ps(m, _mm256_broadcast_ss(a.sx + r), c);
+      }
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int g = 0; g < NG; ++g) _mm256_storeu_ps(y + (m0 + i) * ldy + 8 * (g0 + g), acc[i * NG + g]);
+}
+
+// Output columns [n_begin, n_end), whole groups of 8 (Int4 layers have out_features % 16 == 0).
+static void q4_range(const QWeight& w, const QActs& a, int64_t M, int64_t n_begin, int64_t n_end, float* y, int64_t ldy) {
+  const int64_t g_begin = n_begin / 8, g_end = n_end / 8;
+  if (M < 4) {  // decode: two groups a tile, two independent FMA chains per row
+    for (int64_t m = 0; m < M; ++m) {
+      int64_t g = g_begin;
+      for (; g + 2 <= g_end; g += 2) q4_tile<1, 2>(w, a, m, g, y, ldy);
+      for (; g < g_end; ++g) q4_tile<1, 1>(w, a, m, g, y, ldy);
+    }
+    return;
+  }
+  // Rows in chunks whose int8 activations stay in L2 (128 rows x K bytes), each weight group (K / 32 x 160 bytes)
+  // kept in L1 across a chunk's tiles of 4 rows.
+  constexpr int64_t MB = 128;
+  for (int64_t m0 = 0; m0 < M; m0 += MB) {
+    const int64_t m1 = std::min(M, m0 + MB);
+    for (int64_t g = g_begin; g < g_end; ++g) {
+      int64_t m = m0;
+      for (; m + 4 <= m1; m += 4) q4_tile<4, 1>(w, a, m, g, y, ldy);
+      for (; m < m1; ++m) q4_tile<1, 1>(w, a, m, g, y, ldy);
+    }
   }
 }
 #else
-// Scalar: the same sums (exact per block), the same order per output.
-template <QFormat F>
-static void q_range(const QWeight& w, const QActs& a, int64_t M, int64_t n_begin, int64_t n_end, float* y, int64_t ldy) {
+// Scalar: the same sums (exact per block), the same order per output as the vector kernels.
+static void q8_range(const QWeight& w, const QActs& a, int64_t M, int64_t n_begin, int64_t n_end, float* y, int64_t ldy) {
   const int64_t K = w.K, nb = K / QK, nbp = padded_blocks(nb);
   for (int64_t m = 0; m < M; ++m)
     for (int64_t n = n_begin; n < n_end; ++n) {
       const int8_t* xq = a.q + m * a.row_bytes;
-      float acc = 0.f, macc = 0.f;
+      float acc = 0.f;
       for (int64_t b = 0; b < nb; ++b) {
+        const int8_t* wb = reinterpret_cast<const int8_t*>(w.data) + n * K + b * QK;
         int s = 0;
-        float d;
-        if (F == QFormat::Int4) {
-          const uint8_t* wb = w.data + n * (K / 2) + b * 16;
-          for (int64_t j = 0; j < QK; ++j) s += ((wb[j / 2] >> (4 * (j % 2))) & 15) * xq[act_pos(b, j, F)];
-          d = fp16_to_f(w.scales[n * 2 * nbp + b]);
-          macc += fp16_to_f(w.scales[n * 2 * nbp + nbp + b]) * a.sx[m * a.nbp + b];
-        } else {
-          const int8_t* wb = reinterpret_cast<const int8_t*>(w.data) + n * K + b * QK;
-          for (int64_t j = 0; j < QK; ++j) s += wb[j] * xq[act_pos(b, j, F)];
-          d = fp16_to_f(w.scales[n * nbp + b]);
-        }
-        acc += static_cast<float>(s) * (d * a.dx[m * a.nbp + b]);
+        for (int64_t j = 0; j < QK; ++j) s += wb[j] * xq[b * QK + j];
+        acc += static_cast<float>(s) * (fp16_to_f(w.scales[n * nbp + b]) * a.dx[m * a.nbp + b]);
       }
-      y[m * ldy + n] = acc + macc;
+      y[m * ldy + n] = acc;
+    }
+}
+
+static void q4_range(const QWeight& w, const QActs& a, int64_t M, int64_t n_begin, int64_t n_end, float* y, int64_t ldy) {
+  const int64_t nb = w.K / QK;
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t n = n_begin; n < n_end; ++n) {
+      const int64_t g = n / 8, j = n % 8;
+      const int8_t* xq = a.q + m * a.row_bytes;
+      float acc = 0.f;
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* wb = w.data + (g * nb + b) * 128;
+        const uint16_t* sb = w.scales + (g * nb + b) * 16;
+        int s = 0;
+        for (int64_t p = 0; p < 4; ++p)
+          for (int64_t t = 0; t < 4; ++t) {
+            const uint8_t byte = wb[32 * p + 4 * j + t];
+            s += (byte & 15) * xq[b * QK + 4 * p + t] + (byte >> 4) * xq[b * QK + 16 + 4 * p + t];
+          }
+        acc = std::fma(static_cast<float>(s), fp16_to_f(sb[j]) * a.dx[m * a.nbp + b], acc);
+        acc = std::fma(fp16_to_f(sb[8 + j]), a.sx[m * a.nbp + b], acc);
+      }
+      y[m * ldy + n] = acc;
     }
 }
 #endif
 
 void qgemm_range(const QWeight& w, const QActs& a, int64_t M, int64_t n_begin, int64_t n_end, float* y, int64_t ldy) {
   if (w.fmt == QFormat::Int4)
-    q_range<QFormat::Int4>(w, a, M, n_begin, n_end, y, ldy);
+    q4_range(w, a, M, n_begin, n_end, y, ldy);
   else
-    q_range<QFormat::Int8>(w, a, M, n_begin, n_end, y, ldy);
+    q8_range(w, a, M, n_begin, n_end, y, ldy);
 }
 
 // ---- the ops as Python calls them -------------------------------------------------------------------------------
@@ -217,10 +277,16 @@ constexpr int64_t GRAIN = 32;
 
 static QWeight as_qweight(const torch::Tensor& data, const torch::Tensor& scales, QFormat fmt) {
   TORCH_CHECK(data.is_contiguous() && scales.is_contiguous() && scales.scalar_type() == at::kHalf, "quantized weight: contiguous buffers, float16 scales");
-  const int64_t N = data.size(0), K = fmt == QFormat::Int4 ? data.size(1) * 2 : data.size(1), nbp = padded_blocks(K / QK);
-  TORCH_CHECK(K % QK == 0 && scales.numel() == N * nbp * (fmt == QFormat::Int4 ? 2 : 1), "quantized weight: shapes");
   TORCH_CHECK(data.scalar_type() == (fmt == QFormat::Int4 ? at::kByte : at::kChar), "quantized weight: dtype");
-  return QWeight{fmt, static_cast<const uint8_t*>(data.data_ptr()), reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>()), N, K};
+  const uint16_t* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
+  if (fmt == QFormat::Int4) {  // nibbles (N/8, K/32, 128), scales (N/8, K/32, 2, 8): qgemm.h
+    TORCH_CHECK(data.dim() == 3 && data.size(2) == 128 && scales.dim() == 4 && scales.size(0) == data.size(0) &&
+                scales.size(1) == data.size(1) && scales.size(2) == 2 && scales.size(3) == 8, "int4 weight: interleaved shapes");
+    return QWeight{fmt, static_cast<const uint8_t*>(data.data_ptr()), sp, data.size(0) * 8, data.size(1) * QK};
+  }
+  const int64_t N = data.size(0), K = data.size(1), nbp = padded_blocks(K / QK);
+  TORCH_CHECK(data.dim() == 2 && K % QK == 0 && scales.numel() == N * nbp, "int8 weight: shapes");
+  return QWeight{fmt, static_cast<const uint8_t*>(data.data_ptr()), sp, N, K};
 }
 
 QWeight qweight_of(const torch::Tensor& data, const torch::Tensor& scales) {
@@ -276,18 +342,23 @@ torch::Tensor round_activations(const torch::Tensor& x) {
 // `Int8Linear.reference_dequantize` (q * d + m and q * d, each product rounded before the sum).
 torch::Tensor int4_dequantize(const torch::Tensor& nibbles, const torch::Tensor& scales) {
   const QWeight w = as_qweight(nibbles, scales, QFormat::Int4);
-  const int64_t N = w.N, K = w.K, nb = K / QK, nbp = padded_blocks(nb);
+  const int64_t N = w.N, K = w.K, nb = K / QK;
   auto out = torch::empty({N, K}, nibbles.options().dtype(at::kFloat));
   float* o = out.data_ptr<float>();
-  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n)
+  at::parallel_for(0, N / 8, 2, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g)
       for (int64_t b = 0; b < nb; ++b) {
-        const float d = fp16_to_f(w.scales[n * 2 * nbp + b]), m = fp16_to_f(w.scales[n * 2 * nbp + nbp + b]);
-        const uint8_t* qb = w.data + n * (K / 2) + b * (QK / 2);
-        float* ob = o + n * K + b * QK;
-        for (int64_t i = 0; i < QK / 2; ++i) {
-          ob[2 * i] = static_cast<float>(qb[i] & 15) * d + m;
-          ob[2 * i + 1] = static_cast<float>(qb[i] >> 4) * d + m;
+        const uint8_t* qb = w.data + (g * nb + b) * 128;  // byte (p, j, t): k = 4p + t (low), 16 + 4p + t (high)
+        const uint16_t* sb = w.scales + (g * nb + b) * 16;
+        for (int64_t j = 0; j < 8; ++j) {
+          const float d = fp16_to_f(sb[j]), m = fp16_to_f(sb[8 + j]);
+          float* ob = o + (8 * g + j) * K + b * QK;
+          for (int64_t p = 0; p < 4; ++p)
+            for (int64_t t = 0; t < 4; ++t) {
+              const uint8_t byte = qb[32 * p + 4 * j + t];
+              ob[4 * p + t] = static_cast<float>(byte & 15) * d + m;
+              ob[16 + 4 * p + t] = static_cast<float>(byte >> 4) * d + m;
+            }
         }
       }
   });
