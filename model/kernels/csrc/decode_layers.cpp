@@ -74,6 +74,29 @@ static void project(const Projection& p, const T* x, Step<T>& s, int tid, int nt
     for (int64_t n = b; n < e; ++n) epi(m, n, s.y[m * p.N + n]);
 }
 
+// This thread's (row, head) attention tasks [begin, end) of R rows x H heads, contiguous, split so that every thread
+// gets about the same number of keys to attend over (a task costs its row's length, plus a fixed 16 keys' worth):
+// a prefill chunk's rows attend over 1 .. T keys, and an even split by count left the thread with the first rows
+// waiting at the next barrier for the one with the last. Which thread runs a task never changes its result.
+static void attention_share(const int64_t* lens, int64_t R, int64_t H, int tid, int nt, int64_t& begin, int64_t& end) {
+  constexpr int64_t FIXED = 16;
+  int64_t total = 0;
+  for (int64_t r = 0; r < R; ++r) total += lens[r] + FIXED;
+  const auto bound = [&](int t) {  // the first task whose cumulative cost (tasks before it) reaches t / nt of the total
+    if (t >= nt) return R * H;
+    const int64_t target = total * H * t / nt;
+    int64_t acc = 0;
+    for (int64_t r = 0; r < R; ++r) {
+      const int64_t c = lens[r] + FIXED;
+      if (acc + c * H > target) return r * H + std::min<int64_t>(H, (target - acc + c - 1) / c);
+      acc += c * H;
+    }
+    return R * H;
+  };
+  begin = bound(tid);
+  end = bound(tid + 1);
+}
+
 // hidden[l, slot[r]] = h[rows[r]] for the rows r in [rb, re) with a telemetry slot: the residual stream after
 // block l. hidden (L, Rt, D) of h's dtype, contiguous. Each thread copies its own rows, so no barrier is added: h is final once the
 // block's last barrier is passed, and no thread writes it again before two more barriers. Plain copies, no tensor
@@ -114,6 +137,8 @@ static void run_layers(Step<T>& s, const std::vector<std::vector<torch::Tensor>>
     const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
     int64_t rb, re;  // this thread's rows
     split_range(N, 1, tid, nt, rb, re);
+    int64_t tb, te;  // this thread's attention tasks
+    attention_share(lens.data_ptr<int64_t>(), R, H, tid, nt, tb, te);
     for (size_t l = 0; l < layers.size(); ++l) {
       const auto& w = layers[l];
       const Projection &wqkv = proj[l][0], &wo = proj[l][1], &w13 = proj[l][2], &w2 = proj[l][3];
@@ -132,8 +157,6 @@ static void run_layers(Step<T>& s, const std::vector<std::vector<torch::Tensor>>
         std::memcpy(vp + slots[m] * K * E, row + (H + K) * E, K * E * sizeof(T));
       }
 #pragma omp barrier
-      int64_t tb, te;
-      split_range(R * H, 1, tid, nt, tb, te);
       paged_attention_range(q, k_pools[l], v_pools[l], rows, tables, lens, att, tb, te, tel.empty() ? nullptr : &tel[l]);
 #pragma omp barrier
       quantize_rows(wo, s.att, N, s, tid, nt);
