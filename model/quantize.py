@@ -8,8 +8,9 @@ Formats (ggml's blocks of 32 along the input dim, so a GGUF file's Q4_0 / Q4_1 /
     int8  w[n, k] = q[n, k] * d[n, b]               q int8 in [-127, 127], d float16, b = k // 32   (GGUF Q8_0)
     int4  w[n, k] = q[n, k] * d[n, b] + m[n, b]     q in [0, 15], two per byte (k even in the low nibble), d and m
           float16 (GGUF Q4_1; Q4_0's w = d (q - 8) is m = -8 d, so `Int4Linear.from_gguf_blocks` is exact for both)
-int8's per-row scales are stored padded with zeros to a multiple of 8 blocks (`padded_blocks`), as its kernel reads
-them; int4 is stored 8 output rows interleaved (`_interleave_nibbles`), d and m beside each block of the 8.
+Both are stored 8 output rows interleaved, as the native kernels read them (model/kernels/csrc/qgemm.h): int4 by
+`_interleave_nibbles`, int8 in chunks of 4 weights per output (its rows padded with zeros to a multiple of 8); each
+block's scales (and int4's offsets) for the 8 outputs side by side.
 
 Kernels, by what the machine has:
     native  model/kernels (C++, AVX2) `int4_linear` / `int8_linear`: the weights in the formats above against
@@ -36,15 +37,6 @@ QUANTIZATIONS: tuple[str, ...] = ("none", "int8", "int4")
 GROUP_SIZE = 32  # weights per block along the input dim; GGUF Q4_0 / Q4_1 / Q8_0 blocks hold 32
 KERNEL_DTYPE = torch.bfloat16  # activations, scales and zeros as PyTorch's packed CPU kernel takes them fastest
 MAX_KERNEL_ROWS = 16  # rows at or below which PyTorch's packed int4 kernel runs; above, dequantize + float GEMM
-
-
-def padded_blocks(n_blocks: int) -> int:
-    """Blocks per row of a layer's scale arrays: a multiple of 8 (model/kernels/csrc/qgemm.h reads 8 at a time)."""
-    return -(-n_blocks // 8) * 8
-
-
-def _pad_blocks(t: Tensor) -> Tensor:  # (N, nb) -> (N, padded_blocks(nb)), zeros after
-    return torch.nn.functional.pad(t, (0, padded_blocks(t.shape[-1]) - t.shape[-1]))
 
 
 class QuantLinear(nn.Module):
@@ -98,8 +90,11 @@ class Int8Linear(QuantLinear):
         if K % GROUP_SIZE:
             raise ValueError(f"int8 needs in_features % {GROUP_SIZE} == 0, got ({N}, {K})")
         super().__init__(K, N)
-        self.register_buffer("weight", qweight.to(torch.int8).contiguous())  # (N, K) int8
-        self.register_buffer("scales", _pad_blocks(d.to(torch.float16)).contiguous())  # (N, nbp) float16
+        pad, nb = -N % 8, K // GROUP_SIZE  # zero rows up to whole groups of 8 (their outputs are dropped)
+        q = torch.nn.functional.pad(qweight.to(torch.int8), (0, 0, 0, pad)).view(-1, 8, nb, 8, 4)  # (g, j, b, c, t)
+        self.register_buffer("weight", q.permute(0, 2, 3, 1, 4).reshape(-1, nb, 256).contiguous())  # (N/8, K/32, 256) int8
+        dp = torch.nn.functional.pad(d.to(torch.float16), (0, 0, 0, pad)).view(-1, 8, nb)
+        self.register_buffer("scales", dp.permute(0, 2, 1).contiguous())  # (N/8, K/32, 8) float16
 
     @classmethod
     def from_float(cls, w: Tensor) -> "Int8Linear":
@@ -130,8 +125,14 @@ class Int8Linear(QuantLinear):
     @classmethod
     def cat(cls, layers: list["Int8Linear"]) -> "Int8Linear":
         """Stack layers with the same input along the output dim (fused q/k/v, gate/up)."""
-        nb = layers[0].in_features // GROUP_SIZE
-        return cls(torch.cat([m.weight for m in layers]), torch.cat([m.scales[:, :nb] for m in layers]))
+        qs, ds = zip(*(m.unpacked() for m in layers))
+        return cls(torch.cat(qs), torch.cat(ds))
+
+    def unpacked(self) -> tuple[Tensor, Tensor]:
+        """-> q (N, K) int8, d (N, K/G) float32."""
+        N, K = self.out_features, self.in_features
+        q = self.weight.view(-1, K // GROUP_SIZE, 8, 8, 4).permute(0, 3, 1, 2, 4).reshape(-1, K)[:N]  # (g, j, b, c, t)
+        return q, self.scales.permute(0, 2, 1).reshape(-1, K // GROUP_SIZE)[:N].float()
 
     native_op = "int8_linear"
 
@@ -139,13 +140,13 @@ class Int8Linear(QuantLinear):
         return [self.weight, self.scales]
 
     def reference_dequantize(self, dtype: torch.dtype) -> Tensor:
-        N, K = self.weight.shape
-        d = self.scales[:, : K // GROUP_SIZE].float()  # (N, K/G)
-        return (self.weight.float().reshape(N, K // GROUP_SIZE, GROUP_SIZE) * d[..., None]).reshape(N, K).to(dtype)
+        q, d = self.unpacked()
+        N, K = q.shape
+        return (q.float().reshape(N, K // GROUP_SIZE, GROUP_SIZE) * d[..., None]).reshape(N, K).to(dtype)
 
     @property
     def decode_bytes(self) -> int:
-        return self.weight.nbytes + self.weight.shape[0] * (self.in_features // GROUP_SIZE) * 2
+        return self.weight.nbytes + self.scales.nbytes
 
 
 class Int4Linear(QuantLinear):

@@ -145,3 +145,15 @@ def test_gpu_script_dry_run_on_cpu(tmp_path):
                       "ceiling_tok_s_hbm_spec"})
         assert set(m["engine_concurrent_tok_s"]) == set(m["graph_tok_s"]) == set(m["hf_batched_tok_s"]) == {"1", "2"}
         assert m["engine_preemptions"] == {"1": 0, "2": 0}
+
+
+def test_gemm_benchmark_reports_every_precision(tmp_path):
+    out = tmp_path / "gemm.json"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.gemm", "--rows", "1", "5", "--rounds", "1", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    r = json.loads(out.read_text())["rows"]
+    assert set(r) == {"1", "5"}
+    for row in r.values():
+        _positive(row["gmac_s"], {"int4", "int8", "float32"})
+        assert math.isfinite(row["int4_over_float32"]) and row["int4_over_float32"] > 0

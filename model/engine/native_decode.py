@@ -24,7 +24,7 @@ def _linear_spec(layer: nn.Module) -> list[Tensor] | None:
     None for anything else (a tensor-parallel row-parallel layer, say, whose output must be all-reduced)."""
     if isinstance(layer, nn.Linear):
         return [layer.weight.detach(), layer.weight.new_empty(0)]
-    if isinstance(layer, QuantLinear):
+    if isinstance(layer, QuantLinear) and layer.out_features % 8 == 0:  # (else its buffers hold zero rows past it)
         return layer.native_buffers()
     return None
 

@@ -88,7 +88,9 @@ def quantized_linear(layer: "QuantLinear", x: Tensor) -> Tensor:
 
     native = usable(x) if x.device.type == "cpu" else None
     if native is not None:
-        y = getattr(native, layer.native_op)(x.contiguous(), *layer.native_buffers())  # (M, out) float32
+        y = getattr(native, layer.native_op)(x.contiguous(), *layer.native_buffers())  # (M, out padded to 8) float32
+        if y.shape[1] != layer.out_features:  # an int8 layer's zero rows past out_features (model/quantize.py)
+            y = y[:, : layer.out_features].contiguous()
     elif x.shape[0] <= layer.kernel_row_limit(False):
         y = layer.packed_matmul(x.to(KERNEL_DTYPE))
     else:
@@ -103,7 +105,7 @@ def dequantize(layer: "QuantLinear", dtype: torch.dtype = torch.float32) -> Tens
     buffers = layer.native_buffers()
     native = native_kernels() if buffers is not None and dtype == torch.float32 and buffers[0].device.type == "cpu" else None
     if native is not None:
-        return getattr(native, layer.native_op.replace("_linear", "_dequantize"))(*buffers)
+        return getattr(native, layer.native_op.replace("_linear", "_dequantize"))(*buffers)[: layer.out_features]
     return layer.reference_dequantize(dtype)
 
 

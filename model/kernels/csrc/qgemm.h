@@ -6,10 +6,9 @@
 // depend on the rows that share its step. Each kernel below fixes the reduction order of an output (m, n) once:
 //   float  8 lanes accumulate x[m, k] w[n, k] over k = lane (mod 8) in order, one fixed horizontal sum, the k % 8
 //          tail added last in order;
-//   int8   exact integer block dot products (32 products per block, summed in int32), one float FMA per pair of
-//          blocks into 8 lanes in block order, a fixed horizontal sum;
-//   int4   one float lane per output: for each block in order, acc = fma(isum_b, d_b dx_b, acc) with isum_b the
-//          block's exact integer dot product, then acc = fma(m_b, sx_b, acc) (the min term); no horizontal sum.
+//   int8   one float lane per output: for each block in order, acc = fma(isum_b, d_b dx_b, acc) with isum_b the
+//          block's exact integer dot product (32 products summed in int32);
+//   int4   the same, then acc = fma(m_b, sx_b, acc) per block (the min term).
 // Tiling (several rows and several outputs per inner loop) shares loads, never arithmetic, so the one-row kernel
 // (decode) and the many-row kernel (prefill) are the same function and agree bit for bit.
 #pragma once
@@ -22,17 +21,19 @@
 namespace ls {
 
 constexpr int64_t QK = 32;  // weights (and activations) per quantization block
-inline int64_t padded_blocks(int64_t nb) { return (nb + 7) / 8 * 8; }  // per-row scale arrays: whole groups of 8
+inline int64_t padded_blocks(int64_t nb) { return (nb + 7) / 8 * 8; }  // per-row activation scales: whole groups of 8
 inline int64_t act_row_bytes(int64_t nb) { return (nb + 1) / 2 * 64; }  // int8 activations: whole pairs of blocks
 
 enum class QFormat { Int4, Int8 };
 
-// Weight formats (model/quantize.py), blocks of 32 along K, nb = K / 32, nbp = padded_blocks(nb):
+// Weight formats (model/quantize.py), blocks of 32 along K, nb = K / 32:
 //   Int4  w[n, k] = q d[n, b] + m[n, b], b = k / 32 (GGUF Q4_1; Q4_0 is m = -8 d), 8 outputs interleaved:
 //         data (N/8, nb, 4, 8, 4) uint8, byte (g, b, p, j, t) = q[8g + j, 32b + 4p + t] | q[8g + j, 32b + 16 + 4p + t] << 4
 //         (one 32-byte vector per p: lane j holds output 8g + j's chunks p and p + 4 of block b);
 //         scales (N/8, nb, 2, 8) float16: the 8 outputs' d, then their m
-//   Int8  data (N, K) int8;  scales (N, nbp) float16, zero past nb:  w[n, k] = q d[n, b]   (GGUF Q8_0)
+//   Int8  w[n, k] = q d[n, b] (GGUF Q8_0), 8 outputs interleaved: data (N/8, nb, 8, 8, 4) int8, byte (g, b, c, j, t)
+//         = q[8g + j, 32b + 4c + t] (one 32-byte vector per chunk c of 4 weights); scales (N/8, nb, 8) float16.
+//         N is padded with zero rows to a multiple of 8: the kernels compute whole groups (model/quantize.py).
 struct QWeight {
   QFormat fmt;
   const uint8_t* data;

@@ -70,70 +70,59 @@ void quantize_act_row(const T* x, int64_t K, QFormat fmt, int8_t* q, float* dx, 
 template void quantize_act_row<float>(const float*, int64_t, QFormat, int8_t*, float*, float*);
 template void quantize_act_row<bf16>(const bf16*, int64_t, QFormat, int8_t*, float*, float*);
 
-// ---- Int8 (Q8_0): one output per lane group -----------------------------------------------------------------------
-
 #if LS_AVX2
-// One tile: rows m0 .. m0+MR of the activations times weight rows n0 .. n0+NR. Per output the float operations are,
-// in order: acc = fma(float(p_g), [d dx of block 2g] x2 | [of 2g+1] x2 (lanes 0,1,4,5 | 2,3,6,7), acc) for each pair
-// of blocks g, then hsum(acc); MR and NR change which loads are shared, nothing else.
-template <int MR, int NR>
-static inline void q8_tile(const QWeight& w, const QActs& a, int64_t m0, int64_t n0, float* y, int64_t ldy) {
-  const int64_t nb = w.K / QK, nbp = padded_blocks(nb), ng = (nb + 1) / 2;
+// ---- Int8 (Q8_0), 8 outputs interleaved ----------------------------------------------------------------------------
+
+// One tile: rows m0 .. m0+MR times the 8 outputs of group g. Per output (one float lane), block after block in order:
+// acc = fma(float(isum_b), d_b * dx_b, acc), isum_b the block's exact integer dot product (|w| as unsigned times x
+// carrying w's sign: each maddubs lane adds 2 products of at most 127 x 127, widened to int32 at once). MR changes
+// which loads are shared, nothing else.
+template <int MR>
+static inline void q8_tile(const QWeight& w, const QActs& a, int64_t m0, int64_t g, float* y, int64_t ldy) {
+  const int64_t nb = w.K / QK;
   [[maybe_unused]] const __m256i ones = _mm256_set1_epi16(1);
-  const __m256i idx = _mm256_setr_epi32(0, 0, 1, 1, 0, 0, 1, 1);  // which block scale each int32 lane takes
-  __m256 acc[MR][NR];
-  for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_setzero_ps();
-  for (int64_t g = 0; g < ng; ++g) {
-    const bool pair = 2 * g + 1 < nb;
-    for (int j = 0; j < NR; ++j) {
-      const uint8_t* wp = w.data + (n0 + j) * w.K + g * 64;
-      const __m128 dw = _mm_cvtph_ps(_mm_cvtsi32_si128(*reinterpret_cast<const int32_t*>(w.scales + (n0 + j) * nbp + 2 * g)));
-      const __m256i s0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp));  // the weights' signs
-      const __m256i s1 = pair ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + 32)) : _mm256_setzero_si256();
-      const __m256i w0 = _mm256_sign_epi8(s0, s0), w1 = _mm256_sign_epi8(s1, s1);  // |block 2g|, |block 2g+1|
+  __m256 acc[MR];
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i) acc[i] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* wb = w.data + (g * nb + b) * 256;
+    __m256i s32[MR];
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) s32[i] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int c = 0; c < 8; ++c) {  // chunk c: lane j holds weights 4c .. 4c+3 of output 8g + j
+      const __m256i wc = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * c));
+      const __m256i aw = _mm256_sign_epi8(wc, wc);
+#pragma GCC unroll 8
       for (int i = 0; i < MR; ++i) {
-        const int8_t* xq = a.q + (m0 + i) * a.row_bytes + g * 64;
-        const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
-        const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32));
-        // |w| as unsigned times x carrying w's sign (|w|, |x| <= 127: no int16 saturation); exact int32 partial
-        // sums, lanes 0,1,4,5 block 2g and 2,3,6,7 block 2g+1
+        const int8_t* x = a.q + (m0 + i) * a.row_bytes + b * QK + 4 * c;
+        const __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(*reinterpret_cast<const int32_t*>(x)), wc);
 #if LS_VNNI
-        // AVX-VNNI's dpbusd: each int32 lane += its 4 u8 x s8 products, exactly: the very int32 sums of the
-        // maddubs + madd pairs below, one instruction instead of two.
-        const __m256i p0 = _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w0, _mm256_sign_epi8(x0, s0));
-        const __m256i p1 = _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w1, _mm256_sign_epi8(x1, s1));
+        s32[i] = _mm256_dpbusd_avx_epi32(s32[i], aw, xs);  // the same exact int32 sums, one instruction
 #else
-        const __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(w0, _mm256_sign_epi8(x0, s0)), ones);
-        const __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(w1, _mm256_sign_epi8(x1, s1)), ones);
+        s32[i] = _mm256_add_epi32(s32[i], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, xs), ones));
 #endif
-        const __m256i p = _mm256_hadd_epi32(p0, p1);
-        const __m128 dxs = _mm_castsi128_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(a.dx + (m0 + i) * a.nbp + 2 * g)));
-        const __m256 scale = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_mul_ps(dw, dxs)), idx);
-        acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), scale, acc[i][j]);
       }
     }
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.scales + (g * nb + b) * 8)));
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i)
+      acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32[i]), _mm256_mul_ps(d, _mm256_broadcast_ss(a.dx + (m0 + i) * a.nbp + b)), acc[i]);
   }
-  for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NR; ++j) y[(m0 + i) * ldy + n0 + j] = hsum(acc[i][j]);
+  for (int i = 0; i < MR; ++i) _mm256_storeu_ps(y + (m0 + i) * ldy + 8 * g, acc[i]);
 }
 
-template <int MR>
-static void q8_rows(const QWeight& w, const QActs& a, int64_t m0, int64_t n_begin, int64_t n_end, float* y, int64_t ldy) {
-  constexpr int NR = MR == 1 ? 8 : 2;
-  int64_t n = n_begin;
-  for (; n + NR <= n_end; n += NR) q8_tile<MR, NR>(w, a, m0, n, y, ldy);
-  for (; n < n_end; ++n) q8_tile<MR, 1>(w, a, m0, n, y, ldy);
-}
-
+// Output columns [n_begin, n_end), whole groups of 8 (the buffers are padded to them; model/quantize.py).
 static void q8_range(const QWeight& w, const QActs& a, int64_t M, int64_t n_begin, int64_t n_end, float* y, int64_t ldy) {
-  constexpr int64_t NB = 64;  // weight rows per pass over the activations: a few KB, kept in L1 across the rows
-  for (int64_t nb0 = n_begin; nb0 < n_end; nb0 += NB) {
-    const int64_t nb1 = std::min(n_end, nb0 + NB);
-    int64_t m = 0;
-    for (; m + 4 <= M; m += 4) q8_rows<4>(w, a, m, nb0, nb1, y, ldy);
-    for (; m + 2 <= M; m += 2) q8_rows<2>(w, a, m, nb0, nb1, y, ldy);
-    for (; m < M; ++m) q8_rows<1>(w, a, m, nb0, nb1, y, ldy);
+  const int64_t g_begin = n_begin / 8, g_end = n_end / 8;
+  constexpr int64_t MB = 128;  // rows per pass, as q4_range
+  for (int64_t m0 = 0; m0 < M; m0 += MB) {
+    const int64_t m1 = std::min(M, m0 + MB);
+    for (int64_t g = g_begin; g < g_end; ++g) {
+      int64_t m = m0;
+      for (; m + 4 <= m1; m += 4) q8_tile<4>(w, a, m, g, y, ldy);
+      for (; m < m1; ++m) q8_tile<1>(w, a, m, g, y, ldy);
+    }
   }
 }
 
@@ -224,16 +213,18 @@ static void q4_range(const QWeight& w, const QActs& a, int64_t M, int64_t n_begi
 #else
 // Scalar: the same sums (exact per block), the same order per output as the vector kernels.
 static void q8_range(const QWeight& w, const QActs& a, int64_t M, int64_t n_begin, int64_t n_end, float* y, int64_t ldy) {
-  const int64_t K = w.K, nb = K / QK, nbp = padded_blocks(nb);
+  const int64_t nb = w.K / QK;
   for (int64_t m = 0; m < M; ++m)
     for (int64_t n = n_begin; n < n_end; ++n) {
+      const int64_t g = n / 8, j = n % 8;
       const int8_t* xq = a.q + m * a.row_bytes;
       float acc = 0.f;
       for (int64_t b = 0; b < nb; ++b) {
-        const int8_t* wb = reinterpret_cast<const int8_t*>(w.data) + n * K + b * QK;
+        const int8_t* wb = reinterpret_cast<const int8_t*>(w.data) + (g * nb + b) * 256;  // (c, j, t)
         int s = 0;
-        for (int64_t j = 0; j < QK; ++j) s += wb[j] * xq[b * QK + j];
-        acc += static_cast<float>(s) * (fp16_to_f(w.scales[n * nbp + b]) * a.dx[m * a.nbp + b]);
+        for (int64_t c = 0; c < 8; ++c)
+          for (int64_t t = 0; t < 4; ++t) s += wb[32 * c + 4 * j + t] * xq[b * QK + 4 * c + t];
+        acc = std::fma(static_cast<float>(s), fp16_to_f(w.scales[(g * nb + b) * 8 + j]) * a.dx[m * a.nbp + b], acc);
       }
       y[m * ldy + n] = acc;
     }
@@ -272,7 +263,8 @@ void qgemm_range(const QWeight& w, const QActs& a, int64_t M, int64_t n_begin, i
 
 // ---- the ops as Python calls them -------------------------------------------------------------------------------
 
-// Output columns per parallel task: enough to amortize the task, few enough to split the smallest matrices.
+// Output columns per parallel task: enough to amortize the task, few enough to split the smallest matrices; tasks
+// are whole groups of 8 (the interleaved layouts).
 constexpr int64_t GRAIN = 32;
 
 static QWeight as_qweight(const torch::Tensor& data, const torch::Tensor& scales, QFormat fmt) {
@@ -284,9 +276,10 @@ static QWeight as_qweight(const torch::Tensor& data, const torch::Tensor& scales
                 scales.size(1) == data.size(1) && scales.size(2) == 2 && scales.size(3) == 8, "int4 weight: interleaved shapes");
     return QWeight{fmt, static_cast<const uint8_t*>(data.data_ptr()), sp, data.size(0) * 8, data.size(1) * QK};
   }
-  const int64_t N = data.size(0), K = data.size(1), nbp = padded_blocks(K / QK);
-  TORCH_CHECK(data.dim() == 2 && K % QK == 0 && scales.numel() == N * nbp, "int8 weight: shapes");
-  return QWeight{fmt, static_cast<const uint8_t*>(data.data_ptr()), sp, N, K};
+  // Int8: data (N/8, K/32, 256) int8, scales (N/8, K/32, 8) (qgemm.h)
+  TORCH_CHECK(data.dim() == 3 && data.size(2) == 256 && scales.dim() == 3 && scales.size(0) == data.size(0) &&
+              scales.size(1) == data.size(1) && scales.size(2) == 8, "int8 weight: interleaved shapes");
+  return QWeight{fmt, static_cast<const uint8_t*>(data.data_ptr()), sp, data.size(0) * 8, data.size(1) * QK};
 }
 
 QWeight qweight_of(const torch::Tensor& data, const torch::Tensor& scales) {
@@ -311,7 +304,7 @@ static torch::Tensor quantized_linear(const torch::Tensor& x, const QWeight& w) 
   });
   auto y = torch::empty({M, w.N}, x.options().dtype(at::kFloat));
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, w.N, GRAIN, [&](int64_t begin, int64_t end) { qgemm_range(w, a, M, begin, end, yp, w.N); });
+  at::parallel_for(0, w.N / 8, GRAIN / 8, [&](int64_t begin, int64_t end) { qgemm_range(w, a, M, 8 * begin, 8 * end, yp, w.N); });
   return y;
 }
 
@@ -367,13 +360,19 @@ torch::Tensor int4_dequantize(const torch::Tensor& nibbles, const torch::Tensor&
 
 torch::Tensor int8_dequantize(const torch::Tensor& data, const torch::Tensor& scales) {
   const QWeight w = as_qweight(data, scales, QFormat::Int8);
-  const int64_t N = w.N, K = w.K, nbp = padded_blocks(K / QK);
+  const int64_t N = w.N, K = w.K, nb = K / QK;
   auto out = torch::empty({N, K}, data.options().dtype(at::kFloat));
   const int8_t* q = reinterpret_cast<const int8_t*>(w.data);
   float* o = out.data_ptr<float>();
-  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n)
-      for (int64_t k = 0; k < K; ++k) o[n * K + k] = static_cast<float>(q[n * K + k]) * fp16_to_f(w.scales[n * nbp + k / QK]);
+  at::parallel_for(0, N / 8, 2, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g)
+      for (int64_t b = 0; b < nb; ++b)
+        for (int64_t j = 0; j < 8; ++j) {
+          const float d = fp16_to_f(w.scales[(g * nb + b) * 8 + j]);
+          for (int64_t c = 0; c < 8; ++c)
+            for (int64_t t = 0; t < 4; ++t)
+              o[(8 * g + j) * K + b * QK + 4 * c + t] = static_cast<float>(q[(g * nb + b) * 256 + 32 * c + 4 * j + t]) * d;
+        }
   });
   return out;
 }

@@ -1,0 +1,91 @@
+"""The native linear kernels alone: GMAC/s of int4, int8 and float32 on the default model's block shapes, by rows.
+
+    .venv/bin/python -m benchmarks.gemm                       # 1, 32, 128 and 512 rows, all cores
+    .venv/bin/python -m benchmarks.gemm --threads 1 --rows 128
+
+One block's four matrices (fused q/k/v 960 x 576, wo 576 x 576, fused gate/up 3072 x 576, w2 576 x 1536) from random
+weights, through the kernels every CPU step runs (model/kernels/csrc/quant_linear.cpp, float_linear.cpp): the
+activation rounding included for the quantized ones, nothing else around them (no module call). The matrices fit in
+the caches, so one row measures the kernels' arithmetic, not the memory a real decode step streams from
+(`benchmarks.bench_decode` measures that). Sides alternate within each round; medians of the rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.machine import machine_info
+from model import kernels
+from model.quantize import Int4Linear, Int8Linear
+
+SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in) of the default model's block matrices
+
+
+def _sides(native) -> dict[str, list]:
+    """Per precision, one callable per shape: x (M, in) -> (M, out) through that precision's native kernel."""
+    torch.manual_seed(0)
+    sides: dict[str, list] = {"int4": [], "int8": [], "float32": []}
+    for n, k in SHAPES:
+        w = torch.randn(n, k) * 0.05
+        for name, layer in (("int4", Int4Linear.from_float(w)), ("int8", Int8Linear.from_float(w))):
+            op, buffers = getattr(native, layer.native_op), layer.native_buffers()
+            sides[name].append((k, lambda x, op=op, buffers=buffers: op(x, *buffers)))
+        sides["float32"].append((k, lambda x, w=w: native.float_linear(x, w)))
+    return sides
+
+
+def measure(rows: list[int], rounds: int, min_seconds: float = 0.2) -> dict:
+    native = kernels.native()
+    if native is None:
+        raise SystemExit(f"native kernels unavailable: {kernels.status()}")
+    sides, macs = _sides(native), sum(n * k for n, k in SHAPES)
+    out: dict[str, dict] = {}
+    for m in rows:
+        xs = {k: torch.randn(m, k) for _, k in SHAPES}
+        reps = max(3, int(min_seconds * 50e9 / (macs * m)))  # about min_seconds a side at 50 GMAC/s
+        per: dict[str, list[float]] = {name: [] for name in sides}
+        for _ in range(rounds):
+            for name, calls in sides.items():
+                for k, f in calls:
+                    f(xs[k])  # warm
+                t = time.perf_counter()
+                for _ in range(reps):
+                    for k, f in calls:
+                        f(xs[k])
+                per[name].append(macs * m * reps / (time.perf_counter() - t) / 1e9)
+        gmac = {name: statistics.median(v) for name, v in per.items()}
+        out[str(m)] = {"gmac_s": gmac, "rounds": per, "int4_over_float32": gmac["int4"] / gmac["float32"],
+                       "int8_over_float32": gmac["int8"] / gmac["float32"]}
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 32, 128, 512])
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results/cpu-gemm.json"))
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    results = measure(args.rows, args.rounds)
+    print(f"native linear kernels, default model's block shapes, {torch.get_num_threads()} threads; GMAC/s, median of {args.rounds}")
+    print(f"{'rows':>6} {'int4':>8} {'int8':>8} {'float32':>8} {'int4/f32':>9} {'int8/f32':>9}")
+    for m, r in results.items():
+        g = r["gmac_s"]
+        print(f"{m:>6} {g['int4']:8.1f} {g['int8']:8.1f} {g['float32']:8.1f} {r['int4_over_float32']:8.2f}x {r['int8_over_float32']:8.2f}x")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    report = {"machine": machine_info("cpu", torch.get_num_threads()), "shapes": SHAPES, "rows": results}
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"results: {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
