@@ -74,8 +74,8 @@ def compile_flags(avx2: bool) -> list[str]:
     # already loaded (linking a second libgomp would start a second thread pool beside torch's).
     # -fschedule-insns -fsched-pressure: GCC's scheduling before register allocation, pressure-aware; off by
     # default on x86, and without it the int4 tile's 32 independent maddubs are issued in source order with their
-    # int16 sums spilled: 78 instead of 60 GMAC/s per core on the development machine (Zen 3), same instructions,
-    # same results (it reorders, never reassociates).
+    # int16 sums spilled, about a quarter slower on the development machine (Zen 3); same instructions, same
+    # results (it reorders, never reassociates).
     flags = ["-O3", "-fopenmp", "-ffp-contract=off", "-fschedule-insns", "-fsched-pressure"]
     if not avx2:
         return flags
