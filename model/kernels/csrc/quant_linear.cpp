@@ -7,10 +7,10 @@
 // once. Many rows reuse each unpacked weight block from registers (the tiles of llamafile's tinyBLAS, Tunney 2024):
 // prefill is a GEMM over the packed weights, never a float copy of them.
 //
-// Int4 weights are stored 8 output rows interleaved (qgemm.h; ggml-cpu's `repack.cpp` does the same for its
-// Q4_0 8x8 GEMM): each 32-bit lane of one vector holds 4 weights of a different output, so one maddubs against 4
-// broadcast activation bytes advances 8 outputs at once and a block's integer sum lands whole in its output's lane;
-// the float work is one convert and two FMAs per block for 8 outputs, instead of per output.
+// Int4 and int8 weights are stored 8 output rows interleaved (qgemm.h; ggml-cpu's `repack.cpp` does the same for
+// its Q4_0 8x8 GEMM): each 32-bit lane of one vector holds 4 weights of a different output, so one maddubs against
+// 4 broadcast activation bytes advances 8 outputs at once and a block's integer sum lands whole in its output's
+// lane; the float work is one convert and one FMA (two with int4's offset) per block for 8 outputs, not per output.
 #include <vector>
 
 #include "ops.h"
