@@ -6,7 +6,7 @@ the matmul kernels see quantized weights.
 
 Formats (ggml's blocks of 32 along the input dim, so a GGUF file's Q4_0 / Q4_1 / Q8_0 blocks map without rounding):
     int8  w[n, k] = q[n, k] * d[n, b]               q int8 in [-127, 127], d float16, b = k // 32   (GGUF Q8_0)
-    int4  w[n, k] = q[n, k] * d[n, b] + m[n, b]     q in [0, 15], two per byte (k even in the low nibble), d and m
+    int4  w[n, k] = q[n, k] * d[n, b] + m[n, b]     q in [0, 15], two per byte, d and m
           float16 (GGUF Q4_1; Q4_0's w = d (q - 8) is m = -8 d, so `Int4Linear.from_gguf_blocks` is exact for both)
 Both are stored 8 output rows interleaved, as the native kernels read them (model/kernels/csrc/qgemm.h): int4 by
 `_interleave_nibbles`, int8 in chunks of 4 weights per output (its rows padded with zeros to a multiple of 8); each
