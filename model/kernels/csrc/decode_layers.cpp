@@ -55,7 +55,7 @@ static void quantize_rows(const Projection& p, const T* x, int64_t M, const Step
   split_range(M, 1, tid, nt, b, e);
   const int64_t bytes = act_row_bytes(p.K / QK), nbp = padded_blocks(p.K / QK);
   for (int64_t m = b; m < e; ++m)
-    quantize_act_row(x + m * p.K, p.K, p.q.fmt, s.a.q + m * bytes, s.a.dx + m * nbp, s.a.sx + m * nbp);
+    quantize_act_row(x + m * p.K, p.K, s.a.q + m * bytes, s.a.dx + m * nbp, s.a.sx + m * nbp);
 }
 
 // This thread's output columns of p for every row (x: its float input, or s.a for a quantized p), then `epi(m, n, y)`.

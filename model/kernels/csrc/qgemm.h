@@ -52,7 +52,7 @@ struct QActs {
 };
 
 template <typename T>
-void quantize_act_row(const T* x, int64_t K, QFormat fmt, int8_t* q, float* dx, float* sx);
+void quantize_act_row(const T* x, int64_t K, int8_t* q, float* dx, float* sx);
 
 // A quantized layer's two buffers (model/quantize.py's `native_buffers`: uint8 nibbles -> Int4, int8 -> Int8).
 QWeight qweight_of(const torch::Tensor& data, const torch::Tensor& scales);

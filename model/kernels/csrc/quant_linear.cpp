@@ -20,11 +20,8 @@ namespace ls {
 
 static inline float fp16_to_f(uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
 
-// Where element j of block b lands in its row's int8 activations (QActs): k order, for both formats.
-static inline int64_t act_pos(int64_t b, int64_t j, QFormat) { return b * QK + j; }
-
 template <typename T>
-void quantize_act_row(const T* x, int64_t K, QFormat fmt, int8_t* q, float* dx, float* sx) {
+void quantize_act_row(const T* x, int64_t K, int8_t* q, float* dx, float* sx) {
   const int64_t nb = K / QK, nbp = padded_blocks(nb), bytes = act_row_bytes(nb);
   std::fill(q + nb * QK, q + bytes, int8_t(0));
   for (int64_t b = nb; b < nbp; ++b) dx[b] = sx[b] = 0.f;
@@ -59,7 +56,7 @@ void quantize_act_row(const T* x, int64_t K, QFormat fmt, int8_t* q, float* dx, 
     int sum = 0;
     for (int64_t j = 0; j < QK; ++j) {
       const int v = static_cast<int>(std::nearbyint(to_f(xb[j]) * id));
-      q[act_pos(b, j, fmt)] = static_cast<int8_t>(v);
+      q[b * QK + j] = static_cast<int8_t>(v);
       sum += v;
     }
 #endif
@@ -67,8 +64,8 @@ void quantize_act_row(const T* x, int64_t K, QFormat fmt, int8_t* q, float* dx, 
     sx[b] = d * static_cast<float>(sum);
   }
 }
-template void quantize_act_row<float>(const float*, int64_t, QFormat, int8_t*, float*, float*);
-template void quantize_act_row<bf16>(const bf16*, int64_t, QFormat, int8_t*, float*, float*);
+template void quantize_act_row<float>(const float*, int64_t, int8_t*, float*, float*);
+template void quantize_act_row<bf16>(const bf16*, int64_t, int8_t*, float*, float*);
 
 #if LS_AVX2
 // ---- Int8 (Q8_0), 8 outputs interleaved ----------------------------------------------------------------------------
@@ -297,9 +294,9 @@ static torch::Tensor quantized_linear(const torch::Tensor& x, const QWeight& w) 
   at::parallel_for(0, M, 8, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
       if (x.scalar_type() == at::kFloat)
-        quantize_act_row(x.data_ptr<float>() + m * K, K, w.fmt, a.q + m * a.row_bytes, a.dx + m * a.nbp, a.sx + m * a.nbp);
+        quantize_act_row(x.data_ptr<float>() + m * K, K, a.q + m * a.row_bytes, a.dx + m * a.nbp, a.sx + m * a.nbp);
       else
-        quantize_act_row(x.data_ptr<bf16>() + m * K, K, w.fmt, a.q + m * a.row_bytes, a.dx + m * a.nbp, a.sx + m * a.nbp);
+        quantize_act_row(x.data_ptr<bf16>() + m * K, K, a.q + m * a.row_bytes, a.dx + m * a.nbp, a.sx + m * a.nbp);
     }
   });
   auto y = torch::empty({M, w.N}, x.options().dtype(at::kFloat));
@@ -325,7 +322,7 @@ torch::Tensor round_activations(const torch::Tensor& x) {
   std::vector<float> dx(padded_blocks(nb)), sx(padded_blocks(nb));
   auto out = torch::empty_like(x);
   for (int64_t m = 0; m < M; ++m) {
-    quantize_act_row(x.data_ptr<float>() + m * K, K, QFormat::Int8, q.data(), dx.data(), sx.data());
+    quantize_act_row(x.data_ptr<float>() + m * K, K, q.data(), dx.data(), sx.data());
     for (int64_t k = 0; k < K; ++k) out.data_ptr<float>()[m * K + k] = static_cast<float>(q[k]) * dx[k / QK];
   }
   return out;
