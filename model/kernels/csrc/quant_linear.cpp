@@ -109,18 +109,26 @@ static inline void q8_tile(const QWeight& w, const QActs& a, int64_t m0, int64_t
   for (int i = 0; i < MR; ++i) _mm256_storeu_ps(y + (m0 + i) * ldy + 8 * g, acc[i]);
 }
 
-// Output columns [n_begin, n_end), whole groups of 8 (the buffers are padded to them; model/quantize.py).
-static void q8_range(const QWeight& w, const QActs& a, int64_t M, int64_t n_begin, int64_t n_end, float* y, int64_t ldy) {
-  const int64_t g_begin = n_begin / 8, g_end = n_end / 8;
-  constexpr int64_t MB = 128;  // rows per pass, as q4_range
+// Groups [g_begin, g_end) of 8 outputs for rows [0, M), as tiles of 4 rows (`tile4(m, g)`) and single rows
+// (`tile1(m, g)`): rows in chunks whose int8 activations stay in L2 (128 rows x K bytes), each group's weights (K / 32
+// blocks of 160 or 288 bytes) kept in L1 across a chunk's tiles.
+template <typename Tile4, typename Tile1>
+static inline void many_rows(int64_t M, int64_t g_begin, int64_t g_end, const Tile4& tile4, const Tile1& tile1) {
+  constexpr int64_t MB = 128;
   for (int64_t m0 = 0; m0 < M; m0 += MB) {
     const int64_t m1 = std::min(M, m0 + MB);
     for (int64_t g = g_begin; g < g_end; ++g) {
       int64_t m = m0;
-      for (; m + 4 <= m1; m += 4) q8_tile<4>(w, a, m, g, y, ldy);
-      for (; m < m1; ++m) q8_tile<1>(w, a, m, g, y, ldy);
+      for (; m + 4 <= m1; m += 4) tile4(m, g);
+      for (; m < m1; ++m) tile1(m, g);
     }
   }
+}
+
+// Output columns [n_begin, n_end), whole groups of 8 (the buffers are padded to them; model/quantize.py).
+static void q8_range(const QWeight& w, const QActs& a, int64_t M, int64_t n_begin, int64_t n_end, float* y, int64_t ldy) {
+  many_rows(M, n_begin / 8, n_end / 8, [&](int64_t m, int64_t g) { q8_tile<4>(w, a, m, g, y, ldy); },
+            [&](int64_t m, int64_t g) { q8_tile<1>(w, a, m, g, y, ldy); });
 }
 
 // ---- Int4 (Q4_0 / Q4_1), 8 outputs interleaved ----------------------------------------------------------------------
@@ -195,17 +203,8 @@ static void q4_range(const QWeight& w, const QActs& a, int64_t M, int64_t n_begi
     }
     return;
   }
-  // Rows in chunks whose int8 activations stay in L2 (128 rows x K bytes), each weight group (K / 32 x 160 bytes)
-  // kept in L1 across a chunk's tiles of 4 rows.
-  constexpr int64_t MB = 128;
-  for (int64_t m0 = 0; m0 < M; m0 += MB) {
-    const int64_t m1 = std::min(M, m0 + MB);
-    for (int64_t g = g_begin; g < g_end; ++g) {
-      int64_t m = m0;
-      for (; m + 4 <= m1; m += 4) q4_tile<4, 1>(w, a, m, g, y, ldy);
-      for (; m < m1; ++m) q4_tile<1, 1>(w, a, m, g, y, ldy);
-    }
-  }
+  many_rows(M, g_begin, g_end, [&](int64_t m, int64_t g) { q4_tile<4, 1>(w, a, m, g, y, ldy); },
+            [&](int64_t m, int64_t g) { q4_tile<1, 1>(w, a, m, g, y, ldy); });
 }
 #else
 // Scalar: the same sums (exact per block), the same order per output as the vector kernels.
