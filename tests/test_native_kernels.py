@@ -232,3 +232,19 @@ def test_a_stale_build_lock_is_cleared(tmp_path, monkeypatch):
     lock.touch()  # a fresh lock is another build in progress: left alone
     kernels.build()
     assert seen[-1] == (kernels.module_name(), True)
+
+
+@pytest.mark.parametrize("flags, want", [
+    ({"avx2", "avx_vnni", "avx512_vnni", "avx512vl"}, ["-mavxvnni"]),  # the VEX form first (Alder Lake, Zen 5)
+    ({"avx2", "avx512_vnni", "avx512vl"}, ["-mavx512vnni", "-mavx512vl", "-mprefer-vector-width=256"]),  # Zen 4
+    ({"avx2", "avx512_vnni"}, []),  # no 256-bit EVEX form without AVX512-VL
+    ({"avx2"}, []),
+])
+def test_vnni_flags_follow_the_cpu(monkeypatch, flags, want):
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: flags)
+    assert kernels.vnni_flags() == want
+
+
+def test_the_build_uses_vnni_where_the_cpu_has_it():
+    """The flags reach the source: simd.h turns `vpdpbusd` on for either encoding the build was given."""
+    assert bool(native.vnni) == (kernels.cpu_has_avx2() and bool(kernels.vnni_flags()))

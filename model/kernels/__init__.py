@@ -59,14 +59,28 @@ def cpu_has_avx2() -> bool:
     return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
 
 
-def cpu_has_avx_vnni() -> bool:
-    """AVX-VNNI (256-bit `vpdpbusd`, Intel Alder Lake / AMD Zen 4 and later), read from the kernel's CPU flags
-    (Linux); PyTorch's capability names do not say."""
+def cpu_flags() -> set[str]:
+    """The kernel's CPU flags (Linux /proc/cpuinfo); empty elsewhere. PyTorch's capability names do not say VNNI."""
     try:
         with open("/proc/cpuinfo") as f:
-            return any(line.startswith("flags") and " avx_vnni" in line for line in f)
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
     except OSError:
-        return False
+        pass
+    return set()
+
+
+def vnni_flags() -> list[str]:
+    """The compiler flags for 256-bit `vpdpbusd` where the CPU has it (csrc/simd.h): AVX-VNNI (VEX encoding; Intel
+    Alder Lake, AMD Zen 5), else AVX512-VNNI with AVX512-VL (EVEX encoding; Intel Ice Lake server, AMD Zen 4)."""
+    flags = cpu_flags()
+    if "avx_vnni" in flags:
+        return ["-mavxvnni"]
+    if {"avx512_vnni", "avx512vl"} <= flags:
+        # Vectors stay 256 bits wide elsewhere too: the flags only make the EVEX form of the instruction available.
+        return ["-mavx512vnni", "-mavx512vl", "-mprefer-vector-width=256"]
+    return []
 
 
 def compile_flags(avx2: bool) -> list[str]:
@@ -79,7 +93,7 @@ def compile_flags(avx2: bool) -> list[str]:
     flags = ["-O3", "-fopenmp", "-ffp-contract=off", "-fschedule-insns", "-fsched-pressure"]
     if not avx2:
         return flags
-    return flags + ["-mavx2", "-mfma", "-mf16c"] + (["-mavxvnni"] if cpu_has_avx_vnni() else [])
+    return flags + ["-mavx2", "-mfma", "-mf16c"] + vnni_flags()
 
 
 def build_dir() -> Path:

@@ -95,7 +95,7 @@ static inline void q8_tile(const QWeight& w, const QActs& a, int64_t m0, int64_t
         const int8_t* x = a.q + (m0 + i) * a.row_bytes + b * QK + 4 * c;
         const __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(*reinterpret_cast<const int32_t*>(x)), wc);
 #if LS_VNNI
-        s32[i] = _mm256_dpbusd_avx_epi32(s32[i], aw, xs);  // the same exact int32 sums, one instruction
+        s32[i] = LS_DPBUSD(s32[i], aw, xs);  // the same exact int32 sums, one instruction
 #else
         s32[i] = _mm256_add_epi32(s32[i], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, xs), ones));
 #endif
@@ -163,8 +163,8 @@ static inline void q4_tile(const QWeight& w, const QActs& a, int64_t m0, int64_t
           const auto bc = [&](int off) { return _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(x + off)); };
 #if LS_VNNI
           __m256i t = h == 0 ? _mm256_setzero_si256() : s16[i];  // (int32 lanes here: dpbusd widens as it adds)
-          t = _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(t, l0, bc(0)), h0, bc(16));
-          s16[i] = _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(t, l1, bc(4)), h1, bc(20));
+          t = LS_DPBUSD(LS_DPBUSD(t, l0, bc(0)), h0, bc(16));
+          s16[i] = LS_DPBUSD(LS_DPBUSD(t, l1, bc(4)), h1, bc(20));
 #else
           const __m256i t = _mm256_add_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(l0, bc(0)), _mm256_maddubs_epi16(h0, bc(16))),
                                              _mm256_add_epi16(_mm256_maddubs_epi16(l1, bc(4)), _mm256_maddubs_epi16(h1, bc(20))));

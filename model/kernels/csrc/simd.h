@@ -13,10 +13,17 @@
 #else
 #define LS_AVX2 0
 #endif
-// AVX-VNNI (256-bit dpbusd; built with -mavxvnni where the CPU has it, model/kernels/__init__.py): the quantized
-// kernels' integer block dot products in one instruction per 32 bytes. Same int32 sums, so the same results.
+// VNNI: the quantized kernels' integer block dot products in one `vpdpbusd` per 32 bytes (u8 x s8, 4 products
+// summed into each int32 lane, no saturation) instead of maddubs + madd. Two encodings of the same 256-bit
+// instruction, built where the CPU has one (model/kernels/__init__.py): AVX-VNNI (VEX, -mavxvnni: Intel Alder Lake,
+// AMD Zen 5) or AVX512-VNNI with AVX512-VL (EVEX, -mavx512vnni -mavx512vl: Intel Ice Lake server, AMD Zen 4). Same
+// int32 sums, so the same results.
 #if LS_AVX2 && defined(__AVXVNNI__)
 #define LS_VNNI 1
+#define LS_DPBUSD(acc, u8, s8) _mm256_dpbusd_avx_epi32(acc, u8, s8)
+#elif LS_AVX2 && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define LS_VNNI 1
+#define LS_DPBUSD(acc, u8, s8) _mm256_dpbusd_epi32(acc, u8, s8)
 #else
 #define LS_VNNI 0
 #endif
