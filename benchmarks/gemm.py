@@ -2,12 +2,18 @@
 
     .venv/bin/python -m benchmarks.gemm                       # 1, 32, 128 and 512 rows, all cores
     .venv/bin/python -m benchmarks.gemm --threads 1 --rows 128
+    .venv/bin/python -m benchmarks.gemm --stream-mb 0       # skip the from-memory measurement
 
 One block's four matrices (fused q/k/v 960 x 576, wo 576 x 576, fused gate/up 3072 x 576, w2 576 x 1536) from random
 weights, through the kernels every CPU step runs (model/kernels/csrc/quant_linear.cpp, float_linear.cpp): the
 activation rounding included for the quantized ones, nothing else around them (no module call). The matrices fit in
 the caches, so one row measures the kernels' arithmetic, not the memory a real decode step streams from
 (`benchmarks.bench_decode` measures that). Sides alternate within each round; medians of the rounds.
+
+From memory (`--stream-mb`, default 256): one row through many copies of the block's four matrices, about that many
+MB of each precision's weights in all, several times the last-level cache, in a layer's order: each matrix is read
+from memory once, as in a decode step. Reported as GB/s of weights read, beside the plain read bandwidth (a sum over
+a large tensor) measured in the same round.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.ceilings import read_bandwidth
 from benchmarks.machine import machine_info
 from model import kernels
 from model.quantize import Int4Linear, Int8Linear
@@ -38,6 +45,45 @@ def _sides(native) -> dict[str, list]:
             sides[name].append((k, lambda x, op=op, buffers=buffers: op(x, *buffers)))
         sides["float32"].append((k, lambda x, w=w: native.float_linear(x, w)))
     return sides
+
+
+def _copies(native, total_mb: int) -> dict[str, list]:
+    """Per precision, (weight bytes, one-row callables over copies of the block's four matrices totalling about
+    total_mb MB): every call reads its matrix from memory."""
+    torch.manual_seed(1)
+    out: dict[str, list] = {}
+    mats = [torch.randn(n, k) * 0.05 for n, k in SHAPES]
+    for name in ("int4", "int8", "float32"):
+        if name == "float32":
+            one = [(k, [w], native.float_linear) for (n, k), w in zip(SHAPES, mats)]
+        else:
+            cls = Int4Linear if name == "int4" else Int8Linear
+            one = [(k, cls.from_float(w).native_buffers(), getattr(native, cls.native_op)) for (n, k), w in zip(SHAPES, mats)]
+        block = sum(b.nbytes for _, bufs, _ in one for b in bufs)
+        copies = max(1, total_mb * 2**20 // block)
+        calls = [(k, op, [b.clone() for b in bufs]) for _ in range(copies) for k, bufs, op in one]
+        out[name] = [block * copies, calls]
+    return out
+
+
+def measure_stream(total_mb: int, rounds: int) -> dict:
+    """One row from memory: GB/s of weights read per precision, and the plain read bandwidth, medians of rounds."""
+    native = kernels.native()
+    sides = _copies(native, total_mb)
+    xs = {k: torch.randn(1, k) for _, k in SHAPES}
+    per: dict[str, list[float]] = {name: [] for name in [*sides, "read"]}
+    for _ in range(rounds):
+        for name, (nbytes, calls) in sides.items():
+            for k, op, bufs in calls:  # warm: the first pass faults the pages in
+                op(xs[k], *bufs)
+            t = time.perf_counter()
+            for k, op, bufs in calls:
+                op(xs[k], *bufs)
+            per[name].append(nbytes / (time.perf_counter() - t) / 1e9)
+        per["read"].append(read_bandwidth("cpu", mb=total_mb))
+    gbs = {name: statistics.median(v) for name, v in per.items()}
+    return {"mb": total_mb, "gb_s": gbs, "rounds": per,
+            "of_read": {name: gbs[name] / gbs["read"] for name in sides}}
 
 
 def measure(rows: list[int], rounds: int, min_seconds: float = 0.2) -> dict:
@@ -70,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows", type=int, nargs="+", default=[1, 32, 128, 512])
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--stream-mb", type=int, default=256, help="one row from memory over this many MB a precision (0: skip)")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/cpu-gemm.json"))
     args = p.parse_args(argv)
     if args.threads:
@@ -80,8 +127,13 @@ def main(argv: list[str] | None = None) -> int:
     for m, r in results.items():
         g = r["gmac_s"]
         print(f"{m:>6} {g['int4']:8.1f} {g['int8']:8.1f} {g['float32']:8.1f} {r['int4_over_float32']:8.2f}x {r['int8_over_float32']:8.2f}x")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     report = {"machine": machine_info("cpu", torch.get_num_threads()), "shapes": SHAPES, "rows": results}
+    if args.stream_mb:
+        report["stream"] = st = measure_stream(args.stream_mb, args.rounds)
+        g = st["gb_s"]
+        print(f"one row from memory ({args.stream_mb} MB a precision), GB/s of weights read: int4 {g['int4']:.1f}, "
+              f"int8 {g['int8']:.1f}, float32 {g['float32']:.1f}; a plain read {g['read']:.1f}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"results: {args.out}")
     return 0

@@ -149,7 +149,8 @@ def test_gpu_script_dry_run_on_cpu(tmp_path):
 
 def test_gemm_benchmark_reports_every_precision(tmp_path):
     out = tmp_path / "gemm.json"
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.gemm", "--rows", "1", "5", "--rounds", "1", "--out", str(out)],
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.gemm", "--rows", "1", "5", "--rounds", "1", "--stream-mb", "8",
+                           "--out", str(out)],
                           cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr[-4000:]
     r = json.loads(out.read_text())["rows"]
@@ -157,3 +158,5 @@ def test_gemm_benchmark_reports_every_precision(tmp_path):
     for row in r.values():
         _positive(row["gmac_s"], {"int4", "int8", "float32"})
         assert math.isfinite(row["int4_over_float32"]) and row["int4_over_float32"] > 0
+    stream = json.loads(out.read_text())["stream"]
+    _positive(stream["gb_s"], {"int4", "int8", "float32", "read"})
