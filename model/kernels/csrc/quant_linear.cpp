@@ -133,78 +133,68 @@ static void q8_range(const QWeight& w, const QActs& a, int64_t M, int64_t n_begi
 
 // ---- Int4 (Q4_0 / Q4_1), 8 outputs interleaved ----------------------------------------------------------------------
 
-// One tile: rows m0 .. m0+MR of the activations times the NG groups of 8 outputs starting at group g0. Per output
-// (one float lane) the float operations are, block after block in order: acc = fma(float(isum_b), d_b * dx_b, acc),
-// acc = fma(m_b, sx_b, acc), where isum_b is the block's exact integer dot product; MR and NG change which loads are
+// One tile: rows m0 .. m0+MR of the activations times the 8 outputs of group g. Per output (one float lane) the
+// float operations are, block after block in order: acc = fma(float(isum_b), d_b * dx_b, acc),
+// acc = fma(m_b, sx_b, acc), where isum_b is the block's exact integer dot product; MR changes which loads are
 // shared, nothing else. The int16 partial sums cannot saturate: one lane of maddubs adds 2 products of at most
 // 15 x 127, and a block's 8 of them add 16 (30,480 < 32,767) before madd widens them.
-template <int MR, int NG>
-static inline void q4_tile(const QWeight& w, const QActs& a, int64_t m0, int64_t g0, float* y, int64_t ldy) {
+// One group per tile, also for one row: a tile then reads one sequential stream of weights. Two groups a tile (two
+// streams 2.3 KB apart, for two independent FMA chains) held one-row decode to about 15-16 GB/s from memory on the
+// Zen 4 development host, where one group a tile reads 18-24 (`python -m benchmarks.gemm`'s stream figures; the
+// single-stream decode A/B: `python -m benchmarks.ab ... bench_decode`, 1.30x tok/s, 1.53x matmul-only).
+template <int MR>
+static inline void q4_tile(const QWeight& w, const QActs& a, int64_t m0, int64_t g, float* y, int64_t ldy) {
   const int64_t nb = w.K / QK;
   const __m256i m4 = _mm256_set1_epi8(0x0F);
-  __m256 acc[MR * NG];
+  __m256 acc[MR];
 #pragma GCC unroll 8
-  for (int i = 0; i < MR * NG; ++i) acc[i] = _mm256_setzero_ps();
+  for (int i = 0; i < MR; ++i) acc[i] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* wb = w.data + (g * nb + b) * 128;
+    const uint16_t* sb = w.scales + (g * nb + b) * 16;
+    __m256i s16[MR];
 #pragma GCC unroll 2
-    for (int g = 0; g < NG; ++g) {
-      const uint8_t* wb = w.data + ((g0 + g) * nb + b) * 128;
-      const uint16_t* sb = w.scales + ((g0 + g) * nb + b) * 16;
-      __m256i s16[MR];
-#pragma GCC unroll 2
-      for (int h = 0; h < 2; ++h) {  // chunks 2h, 2h+1 (low nibbles) and 2h+4, 2h+5 (high nibbles)
-        const __m256i r0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 64 * h));
-        const __m256i r1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 64 * h + 32));
-        const __m256i l0 = _mm256_and_si256(r0, m4), h0 = _mm256_and_si256(_mm256_srli_epi16(r0, 4), m4);
-        const __m256i l1 = _mm256_and_si256(r1, m4), h1 = _mm256_and_si256(_mm256_srli_epi16(r1, 4), m4);
-#pragma GCC unroll 8
-        for (int i = 0; i < MR; ++i) {
-          const int8_t* x = a.q + (m0 + i) * a.row_bytes + b * QK + 8 * h;
-          const auto bc = [&](int off) { return _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(x + off)); };
-#if LS_VNNI
-          __m256i t = h == 0 ? _mm256_setzero_si256() : s16[i];  // (int32 lanes here: dpbusd widens as it adds)
-          t = LS_DPBUSD(LS_DPBUSD(t, l0, bc(0)), h0, bc(16));
-          s16[i] = LS_DPBUSD(LS_DPBUSD(t, l1, bc(4)), h1, bc(20));
-#else
-          const __m256i t = _mm256_add_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(l0, bc(0)), _mm256_maddubs_epi16(h0, bc(16))),
-                                             _mm256_add_epi16(_mm256_maddubs_epi16(l1, bc(4)), _mm256_maddubs_epi16(h1, bc(20))));
-          s16[i] = h == 0 ? t : _mm256_add_epi16(s16[i], t);
-#endif
-        }
-      }
+    for (int h = 0; h < 2; ++h) {  // chunks 2h, 2h+1 (low nibbles) and 2h+4, 2h+5 (high nibbles)
+      const __m256i r0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 64 * h));
+      const __m256i r1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 64 * h + 32));
+      const __m256i l0 = _mm256_and_si256(r0, m4), h0 = _mm256_and_si256(_mm256_srli_epi16(r0, 4), m4);
+      const __m256i l1 = _mm256_and_si256(r1, m4), h1 = _mm256_and_si256(_mm256_srli_epi16(r1, 4), m4);
 #pragma GCC unroll 8
       for (int i = 0; i < MR; ++i) {
+        const int8_t* x = a.q + (m0 + i) * a.row_bytes + b * QK + 8 * h;
+        const auto bc = [&](int off) { return _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(x + off)); };
 #if LS_VNNI
-        const __m256 isum = _mm256_cvtepi32_ps(s16[i]);
+        __m256i t = h == 0 ? _mm256_setzero_si256() : s16[i];  // (int32 lanes here: dpbusd widens as it adds)
+        t = LS_DPBUSD(LS_DPBUSD(t, l0, bc(0)), h0, bc(16));
+        s16[i] = LS_DPBUSD(LS_DPBUSD(t, l1, bc(4)), h1, bc(20));
 #else
-        const __m256 isum = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16[i], _mm256_set1_epi16(1)));
+        const __m256i t = _mm256_add_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(l0, bc(0)), _mm256_maddubs_epi16(h0, bc(16))),
+                                           _mm256_add_epi16(_mm256_maddubs_epi16(l1, bc(4)), _mm256_maddubs_epi16(h1, bc(20))));
+        s16[i] = h == 0 ? t : _mm256_add_epi16(s16[i], t);
 #endif
-        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb)));
-        const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + 8)));
-        const int64_t r = (m0 + i) * a.nbp + b;
-        __m256& c = acc[i * NG + g];
-        c = _mm256_fmadd_ps(isum, _mm256_mul_ps(d, _mm256_broadcast_ss(a.dx + r)), c);
-        c = _mm256_fmadd_ps(m, _mm256_broadcast_ss(a.sx + r), c);
       }
     }
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb)));
+    const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + 8)));
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) {
+#if LS_VNNI
+      const __m256 isum = _mm256_cvtepi32_ps(s16[i]);
+#else
+      const __m256 isum = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16[i], _mm256_set1_epi16(1)));
+#endif
+      const int64_t r = (m0 + i) * a.nbp + b;
+      acc[i] = _mm256_fmadd_ps(isum, _mm256_mul_ps(d, _mm256_broadcast_ss(a.dx + r)), acc[i]);
+      acc[i] = _mm256_fmadd_ps(m, _mm256_broadcast_ss(a.sx + r), acc[i]);
+    }
   }
-  for (int i = 0; i < MR; ++i)
-    for (int g = 0; g < NG; ++g) _mm256_storeu_ps(y + (m0 + i) * ldy + 8 * (g0 + g), acc[i * NG + g]);
+  for (int i = 0; i < MR; ++i) _mm256_storeu_ps(y + (m0 + i) * ldy + 8 * g, acc[i]);
 }
 
 // Output columns [n_begin, n_end), whole groups of 8 (Int4 layers have out_features % 16 == 0).
 static void q4_range(const QWeight& w, const QActs& a, int64_t M, int64_t n_begin, int64_t n_end, float* y, int64_t ldy) {
-  const int64_t g_begin = n_begin / 8, g_end = n_end / 8;
-  if (M < 4) {  // decode: two groups a tile, two independent FMA chains per row
-    for (int64_t m = 0; m < M; ++m) {
-      int64_t g = g_begin;
-      for (; g + 2 <= g_end; g += 2) q4_tile<1, 2>(w, a, m, g, y, ldy);
-      for (; g < g_end; ++g) q4_tile<1, 1>(w, a, m, g, y, ldy);
-    }
-    return;
-  }
-  many_rows(M, g_begin, g_end, [&](int64_t m, int64_t g) { q4_tile<4, 1>(w, a, m, g, y, ldy); },
-            [&](int64_t m, int64_t g) { q4_tile<1, 1>(w, a, m, g, y, ldy); });
+  many_rows(M, n_begin / 8, n_end / 8, [&](int64_t m, int64_t g) { q4_tile<4>(w, a, m, g, y, ldy); },
+            [&](int64_t m, int64_t g) { q4_tile<1>(w, a, m, g, y, ldy); });
 }
 #else
 // Scalar: the same sums (exact per block), the same order per output as the vector kernels.
