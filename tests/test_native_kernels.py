@@ -128,6 +128,20 @@ def test_quantized_kernels_compute_rounded_activations_times_the_dequantized_wei
 
 
 @pytest.mark.parametrize("cls", [Int8Linear, Int4Linear])
+def test_quantized_kernels_give_each_row_bitwise_its_one_row_result(cls):
+    """Tiles of 8, 4 and 1 rows (and 128-row chunks) share loads, never arithmetic (csrc/qgemm.h): a row's outputs
+    are the same floats whatever tile it falls in."""
+    torch.manual_seed(4)
+    layer = cls.from_float(torch.randn(96, 320) * 0.05)
+    op, buffers = getattr(native, layer.native_op), layer.native_buffers()
+    x = torch.randn(141, 320) * 2
+    many = op(x, *buffers)
+    for M in (1, 3, 4, 7, 8, 13, 141):
+        assert torch.equal(op(x[:M], *buffers), many[:M])
+    assert all(torch.equal(op(x[m : m + 1], *buffers)[0], many[m]) for m in range(x.shape[0]))
+
+
+@pytest.mark.parametrize("cls", [Int8Linear, Int4Linear])
 def test_native_dequantize_is_bitwise_the_pytorch_one(cls):
     layer = cls.from_float(torch.randn(48, 96))
     with kernels.disabled():

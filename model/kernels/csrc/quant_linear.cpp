@@ -109,16 +109,27 @@ static inline void q8_tile(const QWeight& w, const QActs& a, int64_t m0, int64_t
   for (int i = 0; i < MR; ++i) _mm256_storeu_ps(y + (m0 + i) * ldy + 8 * g, acc[i]);
 }
 
-// Groups [g_begin, g_end) of 8 outputs for rows [0, M), as tiles of 4 rows (`tile4(m, g)`) and single rows
-// (`tile1(m, g)`): rows in chunks whose int8 activations stay in L2 (128 rows x K bytes), each group's weights (K / 32
-// blocks of 160 or 288 bytes) kept in L1 across a chunk's tiles.
-template <typename Tile4, typename Tile1>
-static inline void many_rows(int64_t M, int64_t g_begin, int64_t g_end, const Tile4& tile4, const Tile1& tile1) {
+// Rows a wide tile takes: 8 where the build has 32 vector registers (AVX-512VL: 8 float and 8 integer accumulators
+// stay in registers), else 4. A wider tile unpacks each weight vector, and loads each block's scales, once for more
+// rows.
+#if defined(__AVX512VL__)
+constexpr int MR_WIDE = 8;
+#else
+constexpr int MR_WIDE = 4;
+#endif
+
+// Groups [g_begin, g_end) of 8 outputs for rows [0, M), as tiles of MR_WIDE rows (`tile(m, g, wide)`), then of 4
+// and of single rows (`tile4(m, g)`, `tile1(m, g)`): rows in chunks whose int8 activations stay in L2 (128 rows x K
+// bytes), each group's weights (K / 32 blocks of 160 or 288 bytes) kept in L1 across a chunk's tiles.
+template <typename TileW, typename Tile4, typename Tile1>
+static inline void many_rows(int64_t M, int64_t g_begin, int64_t g_end, const TileW& tilew, const Tile4& tile4,
+                             const Tile1& tile1) {
   constexpr int64_t MB = 128;
   for (int64_t m0 = 0; m0 < M; m0 += MB) {
     const int64_t m1 = std::min(M, m0 + MB);
     for (int64_t g = g_begin; g < g_end; ++g) {
       int64_t m = m0;
+      for (; m + MR_WIDE <= m1; m += MR_WIDE) tilew(m, g);
       for (; m + 4 <= m1; m += 4) tile4(m, g);
       for (; m < m1; ++m) tile1(m, g);
     }
@@ -127,7 +138,8 @@ static inline void many_rows(int64_t M, int64_t g_begin, int64_t g_end, const Ti
 
 // Output columns [n_begin, n_end), whole groups of 8 (the buffers are padded to them; model/quantize.py).
 static void q8_range(const QWeight& w, const QActs& a, int64_t M, int64_t n_begin, int64_t n_end, float* y, int64_t ldy) {
-  many_rows(M, n_begin / 8, n_end / 8, [&](int64_t m, int64_t g) { q8_tile<4>(w, a, m, g, y, ldy); },
+  many_rows(M, n_begin / 8, n_end / 8, [&](int64_t m, int64_t g) { q8_tile<MR_WIDE>(w, a, m, g, y, ldy); },
+            [&](int64_t m, int64_t g) { q8_tile<4>(w, a, m, g, y, ldy); },
             [&](int64_t m, int64_t g) { q8_tile<1>(w, a, m, g, y, ldy); });
 }
 
@@ -193,7 +205,8 @@ static inline void q4_tile(const QWeight& w, const QActs& a, int64_t m0, int64_t
 
 // Output columns [n_begin, n_end), whole groups of 8 (Int4 layers have out_features % 16 == 0).
 static void q4_range(const QWeight& w, const QActs& a, int64_t M, int64_t n_begin, int64_t n_end, float* y, int64_t ldy) {
-  many_rows(M, n_begin / 8, n_end / 8, [&](int64_t m, int64_t g) { q4_tile<4>(w, a, m, g, y, ldy); },
+  many_rows(M, n_begin / 8, n_end / 8, [&](int64_t m, int64_t g) { q4_tile<MR_WIDE>(w, a, m, g, y, ldy); },
+            [&](int64_t m, int64_t g) { q4_tile<4>(w, a, m, g, y, ldy); },
             [&](int64_t m, int64_t g) { q4_tile<1>(w, a, m, g, y, ldy); });
 }
 #else
