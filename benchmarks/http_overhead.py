@@ -36,7 +36,8 @@ import httpx
 
 from benchmarks.load import ServedProcess
 from benchmarks.machine import machine_info
-from benchmarks.vs_llama_server import CONCURRENT, MAX_PROMPT, MIN_PROMPT, NEW_TOKENS, SINGLE_PROMPT, _prompt, _stream
+from benchmarks.sse_client import stream_httpx, stream_raw
+from benchmarks.vs_llama_server import CONCURRENT, MAX_PROMPT, MIN_PROMPT, NEW_TOKENS, SINGLE_PROMPT, _prompt
 
 RESULTS = Path(__file__).resolve().parent / "results" / "http-overhead.json"
 
@@ -85,46 +86,22 @@ class InProcess:
 
 
 class OverHttp:
-    """client "httpx": httpx's streaming API (what a Python user would write; its HTTP/1.1 parser, h11, is pure
-    Python); client "raw": one asyncio socket per request, the SSE lines read as they arrive and only their JSON
-    parsed. On a 2-core machine the client's own CPU time is taken from the server's cores: the raw client shows
-    what the server adds."""
+    """client "httpx" or "raw" (benchmarks/sse_client.py). On a 2-core machine the client's own CPU time is taken
+    from the server's cores: the raw client shows what the server adds."""
 
     def __init__(self, url: str, client: str) -> None:
         self.url, self.client = url, client
 
     async def stream(self, prompt: list[int], client: httpx.AsyncClient | None) -> list[float]:
         if self.client == "raw":
-            marks = await self._raw(prompt)
+            out = await stream_raw(self.url, prompt, NEW_TOKENS)
         else:
-            marks = (await _stream(client, self.url, prompt, NEW_TOKENS))["marks"]
+            out = await stream_httpx(client, self.url, prompt, NEW_TOKENS)
+        if out["finish"] != "length":
+            raise RuntimeError(f"{self.url}: finish_reason {out['finish']!r}, expected 'length'")
+        marks = out["marks"]
         # a chunk held back for an incomplete character carries two tokens: count tokens, not chunks
         return [marks[0]] * (NEW_TOKENS - len(marks)) + marks
-
-    async def _raw(self, prompt: list[int]) -> list[float]:
-        host, port = self.url.removeprefix("http://").split(":")
-        body = json.dumps({"prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0.0, "stream": True,
-                           "ignore_eos": True}).encode()
-        reader, writer = await asyncio.open_connection(host, int(port))
-        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: %d\r\nConnection: close\r\n\r\n" % (host.encode(), len(body)) + body)
-        marks, finish = [], None
-        try:
-            status = await reader.readline()
-            if b" 200 " not in status:
-                raise RuntimeError(f"{self.url}: {status!r}")
-            while (line := await reader.readline()) not in (b"", b"data: [DONE]\n"):
-                if line.startswith(b"data: "):  # chunk-size lines and blank lines between are skipped
-                    now = time.perf_counter()
-                    for choice in json.loads(line[6:]).get("choices", []):
-                        if choice.get("text"):
-                            marks.append(now)
-                        finish = choice.get("finish_reason") or finish
-        finally:
-            writer.close()
-        if finish != "length":
-            raise RuntimeError(f"{self.url}: finish_reason {finish!r}, expected 'length'")
-        return marks
 
 
 def workloads(vocab: int, seed: int) -> dict[str, list[list[int]]]:

@@ -19,6 +19,9 @@ EOS ignored, `max_tokens` 64 (every answer must end with finish_reason "length":
   wall time from the first send to the last answer's end.
 - prefill: one request with a 512-token prompt and 1 new token; prompt tok/s = 512 / (first token chunk - send).
 The prompts are random token ids from a seed that changes every round, so neither side's prompt cache serves one.
+The client (benchmarks/sse_client.py, `--client`) is the same for every server: by default raw asyncio sockets that
+parse only each event's JSON, since on a 2-core machine the client's CPU time is the servers'; `--client httpx`
+reads through httpx instead.
 
 `--float32` adds a third server, ours with `--quantization none` (the dequantized float32 model), on the same
 workloads: what serving the file at its own precision buys (the goal: int4 >= 2x float32 at 32 streams).
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -45,6 +49,7 @@ from pathlib import Path
 import httpx
 import torch
 
+from benchmarks import sse_client
 from benchmarks.load import ServedProcess
 from benchmarks.machine import machine_info
 
@@ -67,39 +72,32 @@ class LlamaServer(ServedProcess):
                    timeout=300)
 
 
-async def _stream(client: httpx.AsyncClient, url: str, prompt: list[int], max_tokens: int, logprobs: bool = False) -> dict:
-    """One streamed completion: the arrival time of every chunk carrying text, the text, the finish reason, and
-    (with `logprobs`) each token's logprob as the server printed it."""
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True, "ignore_eos": True}
-    if logprobs:
-        body["logprobs"] = 1
-    marks, text, lps, finish = [], [], [], None
-    async with client.stream("POST", url + "/v1/completions", json=body) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"{url}: HTTP {r.status_code}: {(await r.aread())[:300]!r}")
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            now = time.perf_counter()
-            for choice in json.loads(line[6:]).get("choices", []):
-                if choice.get("text"):
-                    marks.append(now)
-                    text.append(choice["text"])
-                lp = choice.get("logprobs") or {}
-                lps += lp.get("token_logprobs") or [c.get("logprob") for c in lp.get("content") or []]
-                finish = choice.get("finish_reason") or finish
-    if finish != "length":
-        raise RuntimeError(f"{url}: finish_reason {finish!r}, expected 'length' ({max_tokens} tokens)")
-    return {"marks": marks, "text": "".join(text), "logprobs": lps}
+@contextlib.asynccontextmanager
+async def _client(kind: str, connections: int = 4):
+    """The benchmark's client (benchmarks/sse_client.py): None for the raw one, else an httpx client."""
+    if kind == "raw":
+        yield None
+    else:
+        async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=connections + 4)) as c:
+            yield c
+
+
+async def _stream(client: httpx.AsyncClient | None, url: str, prompt: list[int], max_tokens: int,
+                  logprobs: bool = False) -> dict:
+    """One streamed greedy completion that must end with finish_reason "length" (exactly max_tokens tokens)."""
+    out = await sse_client.stream(client, url, prompt, max_tokens, logprobs)
+    if out["finish"] != "length":
+        raise RuntimeError(f"{url}: finish_reason {out['finish']!r}, expected 'length' ({max_tokens} tokens)")
+    return out
 
 
 def _prompt(rng: random.Random, n: int, vocab: int) -> list[int]:
     return [rng.randrange(min(LOW_ID, vocab // 2), vocab) for _ in range(n)]
 
 
-def single_stream(url: str, vocab: int, seed: int) -> dict:
+def single_stream(url: str, vocab: int, seed: int, client: str = "raw") -> dict:
     async def go():
-        async with httpx.AsyncClient(timeout=600) as c:
+        async with _client(client) as c:
             return await _stream(c, url, _prompt(random.Random(seed), SINGLE_PROMPT, vocab), NEW_TOKENS)
 
     out = asyncio.run(go())
@@ -109,12 +107,12 @@ def single_stream(url: str, vocab: int, seed: int) -> dict:
     return {"decode_tok_s": (NEW_TOKENS - 1) / (m[-1] - m[0])}
 
 
-def concurrent(url: str, vocab: int, seed: int) -> dict:
+def concurrent(url: str, vocab: int, seed: int, client: str = "raw") -> dict:
     rng = random.Random(seed)
     prompts = [_prompt(rng, rng.randint(MIN_PROMPT, MAX_PROMPT), vocab) for _ in range(CONCURRENT)]
 
     async def go():
-        async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=CONCURRENT + 4)) as c:
+        async with _client(client, CONCURRENT) as c:
             t0 = time.perf_counter()
             await asyncio.gather(*(_stream(c, url, p, NEW_TOKENS) for p in prompts))
             return time.perf_counter() - t0
@@ -123,10 +121,10 @@ def concurrent(url: str, vocab: int, seed: int) -> dict:
     return {"throughput_tok_s": CONCURRENT * NEW_TOKENS / wall, "wall_s": wall}
 
 
-def prefill(url: str, vocab: int, seed: int, tokens: int = PREFILL_PROMPT) -> dict:
+def prefill(url: str, vocab: int, seed: int, tokens: int = PREFILL_PROMPT, client: str = "raw") -> dict:
     """One 512-token prompt, one new token: prompt tok/s = 512 / (first token's arrival - send)."""
     async def go():
-        async with httpx.AsyncClient(timeout=600) as c:
+        async with _client(client) as c:
             t0 = time.perf_counter()
             out = await _stream(c, url, _prompt(random.Random(seed), tokens, vocab), 1)
             return out["marks"][0] - t0
@@ -134,14 +132,14 @@ def prefill(url: str, vocab: int, seed: int, tokens: int = PREFILL_PROMPT) -> di
     return {"prefill_tok_s": tokens / asyncio.run(go())}
 
 
-def invariance(url: str, vocab: int, seed: int = 7) -> dict:
+def invariance(url: str, vocab: int, seed: int = 7, client: str = "raw") -> dict:
     """24 greedy requests alone, one after another, then all together: how many answers differ in text or in any
     logprob float."""
     rng = random.Random(seed)
     prompts = [_prompt(rng, rng.randint(MIN_PROMPT, MAX_PROMPT), vocab) for _ in range(INVARIANCE_REQUESTS)]
 
     async def go():
-        async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=INVARIANCE_REQUESTS + 4)) as c:
+        async with _client(client, INVARIANCE_REQUESTS) as c:
             alone = [await _stream(c, url, p, INVARIANCE_TOKENS, logprobs=True) for p in prompts]
             together = await asyncio.gather(*(_stream(c, url, p, INVARIANCE_TOKENS, logprobs=True) for p in prompts))
             return alone, together
@@ -182,18 +180,21 @@ def run(args: argparse.Namespace) -> dict:
     result = {"machine": machine_info("cpu", args.threads), "model": str(model), "ours_model_card": info,
               "ours_cmd": ["python", "-m", "service", "--model", str(model), *args.ours_args.split()],
               "peer_cmd": peer.cmd, "llama_server_version": _version(args.llama_server),
+              "client": args.client,
               "workload": {"new_tokens": NEW_TOKENS, "single_prompt": SINGLE_PROMPT, "concurrent": CONCURRENT,
                            "prompt_lengths": [MIN_PROMPT, MAX_PROMPT]},
               "load_average_before": os.getloadavg(), "rounds": []}
     try:
         for name, url in sides.items():  # warm-up: one short request each, outside the figures
-            single_stream(url, vocab, seed=10_000)
+            single_stream(url, vocab, seed=10_000, client=args.client)
         for r in range(args.rounds):
             order = list(sides) if r % 2 == 0 else list(sides)[::-1]
             rnd: dict = {"order": order}
             for name in order:
-                rnd[name] = {**single_stream(sides[name], vocab, seed=r), **concurrent(sides[name], vocab, seed=100 + r),
-                             **prefill(sides[name], vocab, seed=200 + r)}
+                url = sides[name]
+                rnd[name] = {**single_stream(url, vocab, seed=r, client=args.client),
+                             **concurrent(url, vocab, seed=100 + r, client=args.client),
+                             **prefill(url, vocab, seed=200 + r, client=args.client)}
                 print(f"round {r + 1} {name:>12}: single {rnd[name]['decode_tok_s']:7.1f} tok/s   "
                       f"32-concurrent {rnd[name]['throughput_tok_s']:7.1f} tok/s   "
                       f"prefill {rnd[name]['prefill_tok_s']:7.1f} tok/s", flush=True)
@@ -205,7 +206,8 @@ def run(args: argparse.Namespace) -> dict:
             if "ours float32" in sides:
                 result[key]["ours_over_float32"] = med["ours"] / med["ours float32"]
         if args.invariance:
-            result["invariance"] = {n: invariance(u, vocab) for n, u in sides.items() if n == "ours" or args.invariance_peer}
+            result["invariance"] = {n: invariance(u, vocab, client=args.client) for n, u in sides.items()
+                                    if n == "ours" or args.invariance_peer}
     finally:
         result["load_average_after"] = os.getloadavg()
         result["ours_exit"] = ours.stop()
@@ -233,6 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--float32", action="store_true", help="also ours with --quantization none (a third server)")
     p.add_argument("--invariance", action="store_true", help="also run the 24-request batch-invariance check")
     p.add_argument("--invariance-peer", action="store_true", help="... and on llama-server")
+    p.add_argument("--client", choices=("raw", "httpx"), default="raw",
+                   help="the benchmark's HTTP client (benchmarks/sse_client.py): raw sockets (default), or httpx")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/vs-llama-server.json"))
     args = p.parse_args(argv)
     args.out.parent.mkdir(parents=True, exist_ok=True)

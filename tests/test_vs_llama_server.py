@@ -23,6 +23,7 @@ def test_workloads_and_invariance_check_over_http(tmp_path):
         vocab = loaded.model.config.vocab_size
         with LiveServer(app) as live:
             assert vs.single_stream(live.url, vocab, seed=0)["decode_tok_s"] > 0
+            assert vs.single_stream(live.url, vocab, seed=3, client="httpx")["decode_tok_s"] > 0
             assert vs.concurrent(live.url, vocab, seed=1)["throughput_tok_s"] > 0
             assert vs.prefill(live.url, vocab, seed=2, tokens=256)["prefill_tok_s"] > 0
             inv = vs.invariance(live.url, vocab)
