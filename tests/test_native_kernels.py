@@ -82,8 +82,9 @@ def _pool_and_tables(lens: list[int], bs: int, K: int, E: int, dtype, seed: int 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("H,K,E", [(6, 2, 64), (4, 1, 128), (3, 3, 64), (4, 2, 24)])  # GQA, MQA, MHA, odd E
-def test_paged_decode_attention_equals_sdpa_over_the_gathered_context(dtype, H, K, E):
-    bs, lens = 4, [1, 7, 16, 33, 100]
+@pytest.mark.parametrize("bs", [4, 6])  # a power of two (positions to blocks by shifts) and not (by division)
+def test_paged_decode_attention_equals_sdpa_over_the_gathered_context(dtype, H, K, E, bs):
+    lens = [1, 7, 16, 33, 100]
     k_pool, v_pool, tables = _pool_and_tables(lens, bs, K, E, dtype)
     N = len(lens) + 2  # two packed rows that are not decode rows: left as they were
     q = torch.randn(N, H, E).to(dtype)

@@ -116,14 +116,26 @@ static float attend_head(const float* q, int64_t len, int64_t E, At at, float* s
   return sum;
 }
 
+// Position s -> (block s / bs, row s % bs) by a shift and a mask where bs is a power of two (the default 16): a
+// division by a block size known only at run time is a hardware divide per key, as costly as the key's dot product.
+struct BlockOf {
+  int64_t bs;
+  int shift;  // log2(bs), or -1 where bs is not a power of two
+  explicit BlockOf(int64_t b) : bs(b), shift((b & (b - 1)) == 0 ? __builtin_ctzll(static_cast<unsigned long long>(b)) : -1) {}
+  int64_t block(int64_t s) const { return shift >= 0 ? s >> shift : s / bs; }
+  int64_t row(int64_t s) const { return shift >= 0 ? s & (bs - 1) : s % bs; }
+};
+
 template <typename T>
 struct PoolRows {  // position s of one sequence, one KV head -> its K and V rows in the pool
   const T* kp;
   const T* vp;
   const int64_t* table;
-  int64_t bs, stride, head;  // stride = K * E
-  const T* k(int64_t s) const { return kp + (table[s / bs] * bs + s % bs) * stride + head; }
-  const T* v(int64_t s) const { return vp + (table[s / bs] * bs + s % bs) * stride + head; }
+  BlockOf bo;
+  int64_t stride, head;  // stride = K * E
+  int64_t at(int64_t s) const { return (table[bo.block(s)] * bo.bs + bo.row(s)) * stride + head; }
+  const T* k(int64_t s) const { return kp + at(s); }
+  const T* v(int64_t s) const { return vp + at(s); }
 };
 
 // q (N, H, E) packed rows (token stride q_stride); k_pool, v_pool (NB, bs, K, E); rows (R,) which packed rows are
@@ -141,7 +153,7 @@ static void decode_range(const T* q, int64_t q_stride, const T* kp, const T* vp,
     const int64_t r = idx / H, h = idx % H, row = rows[r], len = lens[r];
     for (int64_t i = 0; i < E; ++i) qf[i] = to_f(q[row * q_stride + h * E + i]) * scale;
     scores.resize(len);
-    const PoolRows<T> at{kp, vp, tables + r * W, bs, K * E, (h / G) * E};
+    const PoolRows<T> at{kp, vp, tables + r * W, BlockOf(bs), K * E, (h / G) * E};
     const float sum = attend_head<T>(qf.data(), len, E, at, scores.data(), out + (row * H + h) * E, acc);
     if (tel != nullptr && tel->slot[r] >= 0) tel->record(tel->slot[r], h, scores.data(), len, sum);
   }
