@@ -5,8 +5,8 @@ default settings: the comparison a CPU user serving a model would make.
 
 Not part of CI: `llama-server` is optional (benchmarks/README.md says how it was built from the llama.cpp that
 llama-cpp-python's sdist vendors). Both servers are started by this command and stay up for the whole run (an idle
-server costs nothing measurable); the workloads then alternate between them, round by round, the order flipping
-each round, so a neighbour's load on a shared machine falls on both. Medians over the rounds are reported.
+server costs nothing measurable); each workload then runs on every server in turn, the order flipping each round,
+so a neighbour's load on a shared machine falls on both. Medians over the rounds are reported.
 
 - ours: `python -m service --model PATH` with nothing else (a Q4_0/Q4_1 file runs as int4, `--quantization auto`);
 - peer: `llama-server -m PATH -np 32 -c 32*640 -t THREADS` (32 slots of continuous batching, each slot holding a
@@ -189,12 +189,13 @@ def run(args: argparse.Namespace) -> dict:
             single_stream(url, vocab, seed=10_000, client=args.client)
         for r in range(args.rounds):
             order = list(sides) if r % 2 == 0 else list(sides)[::-1]
-            rnd: dict = {"order": order}
+            rnd: dict = {"order": order, **{name: {} for name in order}}
+            # workload by workload, every side in turn: a side's figure and its peer's are seconds apart, so a
+            # shared host's bandwidth, which moves by tens of percent over minutes, falls on both alike
+            for workload, seed in ((single_stream, r), (concurrent, 100 + r), (prefill, 200 + r)):
+                for name in order:
+                    rnd[name].update(workload(sides[name], vocab, seed=seed, client=args.client))
             for name in order:
-                url = sides[name]
-                rnd[name] = {**single_stream(url, vocab, seed=r, client=args.client),
-                             **concurrent(url, vocab, seed=100 + r, client=args.client),
-                             **prefill(url, vocab, seed=200 + r, client=args.client)}
                 print(f"round {r + 1} {name:>12}: single {rnd[name]['decode_tok_s']:7.1f} tok/s   "
                       f"32-concurrent {rnd[name]['throughput_tok_s']:7.1f} tok/s   "
                       f"prefill {rnd[name]['prefill_tok_s']:7.1f} tok/s", flush=True)
