@@ -12,8 +12,9 @@ the caches, so one row measures the kernels' arithmetic, not the memory a real d
 
 From memory (`--stream-mb`, default 256): one row through many copies of the block's four matrices, about that many
 MB of each precision's weights in all, several times the last-level cache, in a layer's order: each matrix is read
-from memory once, as in a decode step. Reported as GB/s of weights read, beside the plain read bandwidth (a sum over
-a large tensor) measured in the same round.
+from memory once, as in a decode step. Twice: the copies on 4 KB pages (a plain allocation) and on 2 MB pages (as
+the loader places a model's weights, model/huge_pages.py). Reported as GB/s of weights read, beside the plain read
+bandwidth (a sum over a large tensor) measured in the same round.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import torch
 
 from benchmarks.ceilings import read_bandwidth
 from benchmarks.machine import machine_info
-from model import kernels
+from model import huge_pages, kernels
 from model.quantize import Int4Linear, Int8Linear
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in) of the default model's block matrices
@@ -66,10 +67,26 @@ def _copies(native, total_mb: int) -> dict[str, list]:
     return out
 
 
+def _on_huge_pages(calls: list) -> list:
+    """The same calls with their weight buffers copied into one arena on 2 MB pages (model/huge_pages.py)."""
+    sizes = [-(-b.nbytes // 64) * 64 for _, _, bufs in calls for b in bufs]
+    base, offset, out = huge_pages.arena(sum(sizes)), 0, []
+    for k, op, bufs in calls:
+        moved = []
+        for b in bufs:
+            moved.append(base[offset : offset + b.nbytes].view(b.dtype).view(b.shape).copy_(b))
+            offset += -(-b.nbytes // 64) * 64
+        out.append((k, op, moved))
+    return out
+
+
 def measure_stream(total_mb: int, rounds: int) -> dict:
-    """One row from memory: GB/s of weights read per precision, and the plain read bandwidth, medians of rounds."""
+    """One row from memory: GB/s of weights read per precision, on 4 KB pages (as a plain allocation gets them) and
+    on 2 MB pages (as the loader places the weights), and the plain read bandwidth; medians of rounds."""
     native = kernels.native()
     sides = _copies(native, total_mb)
+    for name in list(sides):
+        sides[name + " huge pages"] = [sides[name][0], _on_huge_pages(sides[name][1])]
     xs = {k: torch.randn(1, k) for _, k in SHAPES}
     per: dict[str, list[float]] = {name: [] for name in [*sides, "read"]}
     for _ in range(rounds):
@@ -83,7 +100,8 @@ def measure_stream(total_mb: int, rounds: int) -> dict:
         per["read"].append(read_bandwidth("cpu", mb=total_mb))
     gbs = {name: statistics.median(v) for name, v in per.items()}
     return {"mb": total_mb, "gb_s": gbs, "rounds": per,
-            "of_read": {name: gbs[name] / gbs["read"] for name in sides}}
+            "of_read": {name: gbs[name] / gbs["read"] for name in sides},
+            "huge_pages_over_4k": {name: gbs[name + " huge pages"] / gbs[name] for name in ("int4", "int8", "float32")}}
 
 
 def measure(rows: list[int], rounds: int, min_seconds: float = 0.2) -> dict:
@@ -131,8 +149,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.stream_mb:
         report["stream"] = st = measure_stream(args.stream_mb, args.rounds)
         g = st["gb_s"]
-        print(f"one row from memory ({args.stream_mb} MB a precision), GB/s of weights read: int4 {g['int4']:.1f}, "
-              f"int8 {g['int8']:.1f}, float32 {g['float32']:.1f}; a plain read {g['read']:.1f}")
+        for pages in ("", " huge pages"):
+            print(f"one row from memory ({args.stream_mb} MB a precision), GB/s of weights read on "
+                  f"{'2 MB' if pages else '4 KB'} pages: int4 {g['int4' + pages]:.1f}, int8 {g['int8' + pages]:.1f}, "
+                  f"float32 {g['float32' + pages]:.1f}")
+        print(f"a plain read: {g['read']:.1f} GB/s")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"results: {args.out}")

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from model import huge_pages
 from model.attention import sdpa
 from model.config import ModelConfig
 from model.edits import StepEdits
@@ -119,8 +120,10 @@ class PagedKVCache:
         """`kv`: the config whose layers and KV heads the pool holds (`kv_config`: a tensor-parallel rank's share)."""
         shape = (kv.n_layers, num_blocks, block_size, kv.n_kv_heads, kv.head_dim)  # (L, NB, bs, K, E)
         # Zero-filled, not empty: padded gathers read unused slots, and garbage NaNs would survive the -inf mask.
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        # On CPU on 2 MB pages (model/huge_pages.py): a step's attention reads every row's keys and values.
+        zeros = (lambda: huge_pages.empty(shape, dtype)) if torch.device(device).type == "cpu" else \
+            (lambda: torch.zeros(shape, dtype=dtype, device=device))
+        self.k, self.v = zeros(), zeros()
         self.num_blocks, self.block_size = num_blocks, block_size
         self.device = torch.device(device)
         self.meta: AttentionMetadata | None = None

@@ -13,7 +13,7 @@ from typing import Literal
 
 import torch
 
-from model import kernels
+from model import huge_pages, kernels
 
 from model.loaders.errors import CheckpointError
 from model.quantize import Quantization, quantize_model
@@ -129,6 +129,11 @@ def load_model(
     else:
         raise CheckpointError("no such file or directory", path=str(path))
     _return_freed_memory()
+    if torch.device(device).type == "cpu":  # every decode step streams them: on 2 MB pages (model/huge_pages.py)
+        placed = huge_pages.place_weights(model)
+        _return_freed_memory()  # the 4 KB-page copies
+        log.info("weights: %.0f MB placed on 2 MB pages (the process holds %s MB of them)", placed / 2**20,
+                 huge_pages.granted_mb())
     # Load (or, the first time on this machine, build) the native CPU kernels now rather than in the first request.
     cpu_kernels = kernels.status() if torch.device(device).type == "cpu" else "not used on " + str(device)
     seconds = time.perf_counter() - start

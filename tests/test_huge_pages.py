@@ -1,0 +1,50 @@
+"""model/huge_pages.py: the weights and the KV pool moved onto 2 MB pages change no value, keep tied weights tied,
+and serve the same tokens; the arena starts on a 2 MB boundary and is advised for huge pages where Linux allows."""
+
+from __future__ import annotations
+
+import mmap
+
+import pytest
+import torch
+
+from model import huge_pages
+from model.engine import Engine, EngineConfig
+from model.quantize import quantize_model
+from tiny import byte_tokenizer, greedy_tokens, tiny_model
+
+
+def test_arena_is_zeroed_and_starts_on_a_huge_page():
+    a = huge_pages.arena(3 << 20)
+    assert a.shape == (3 << 20,) and a.dtype == torch.uint8 and not a.any()
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        assert a.data_ptr() % huge_pages.PAGE == 0
+    kv = huge_pages.empty((2, 3, 4), torch.bfloat16)
+    assert kv.shape == (2, 3, 4) and kv.dtype == torch.bfloat16 and not kv.any()
+
+
+@pytest.mark.parametrize("mode", ["none", "int8", "int4"])
+def test_placed_weights_serve_the_same_tokens(mode):
+    prompts = [[5, 9, 2, 7, 1], [3, 3, 8] * 4]
+    model = quantize_model(tiny_model(seed=2), mode)
+    want = greedy_tokens(model, prompts)
+    before = {name: t.clone() for name, t in model.state_dict().items()}
+    tied = model.output.weight is model.tok_embeddings.weight
+    placed = huge_pages.place_weights(model, min_bytes=1024)
+    assert placed > 0
+    after = model.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    assert (model.output.weight is model.tok_embeddings.weight) == tied
+    big = [t for t in after.values() if t.nbytes >= 1024]
+    lo = min(t.data_ptr() for t in big)
+    assert all(t.data_ptr() - lo < placed for t in big)  # one arena holds every placed tensor
+    assert greedy_tokens(model, prompts) == want
+
+
+def test_the_kv_pool_is_on_huge_pages_and_serves():
+    model = tiny_model()
+    engine = Engine(model, byte_tokenizer(), EngineConfig(num_blocks=32, block_size=4))
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        assert engine.cache.k.data_ptr() % huge_pages.PAGE == 0
+    assert not engine.cache.k.any() and not engine.cache.v.any()
+    assert greedy_tokens(model, [[1, 2, 3]], n=4)
