@@ -54,28 +54,32 @@ def empty(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
 
 def place_weights(model: nn.Module, min_bytes: int = 1 << 16) -> int:
     """Copy every CPU parameter and buffer of at least `min_bytes` into one huge-page arena and rebind the modules
-    to the copies: the same values, contiguous; a tensor two modules share (tied embeddings) stays shared. Call it
-    before anything keeps references to the weights (the native decode path, CUDA graphs). -> bytes placed."""
-    entries: list[tuple[nn.Module, str, str, Tensor]] = []
+    to the copies: the same values, contiguous; a tensor two modules share (tied embeddings) stays shared. Each
+    original is released as soon as it is copied, so the peak is the arena plus the largest tensor, not twice the
+    weights. Call it before anything keeps references to the weights (the native decode path, CUDA graphs).
+    -> bytes placed."""
+    slots: dict[int, list[tuple[nn.Module, str, str]]] = {}  # id(tensor) -> where the modules hold it
+    sizes: dict[int, int] = {}
     for module in model.modules():
         for kind in ("_parameters", "_buffers"):
             for name, t in getattr(module, kind).items():
                 if t is not None and t.device.type == "cpu" and t.nbytes >= min_bytes:
-                    entries.append((module, kind, name, t))
-    unique = {id(t): t for *_, t in entries}
-    sizes = {k: -(-t.nbytes // ALIGN) * ALIGN for k, t in unique.items()}
+                    slots.setdefault(id(t), []).append((module, kind, name))
+                    sizes[id(t)] = -(-t.nbytes // ALIGN) * ALIGN
     total = sum(sizes.values())
     if total == 0:
         return 0
-    base, offset, placed = arena(total), 0, {}
+    base, offset = arena(total), 0
     with torch.no_grad():
-        for k, t in unique.items():
-            view = base[offset : offset + t.nbytes].view(t.dtype).view(t.shape)
-            view.copy_(t)
-            placed[k] = nn.Parameter(view, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else view
-            offset += sizes[k]
-    for module, kind, name, t in entries:
-        getattr(module, kind)[name] = placed[id(t)]
+        for where in slots.values():
+            module, kind, name = where[0]
+            t = getattr(module, kind)[name]
+            view = base[offset : offset + t.nbytes].view(t.dtype).view(t.shape).copy_(t)
+            new = nn.Parameter(view, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else view
+            offset += sizes[id(t)]
+            del t
+            for module, kind, name in where:
+                getattr(module, kind)[name] = new
     return total
 
 
