@@ -3,12 +3,12 @@
 A decode step reads every weight once: 96 MB a token for the default model served as int4. On 4 KB pages that is
 24,000 pages a token, each one a TLB miss, and each one a fresh start for the hardware prefetchers, which stop at a
 4 KB page boundary. Linux backs an anonymous mapping with transparent 2 MB pages where the mapping asks for them
-(`madvise(MADV_HUGEPAGE)`; the kernel's `transparent_hugepage/enabled` is "madvise" on most distributions, and then
+(`madvise(MADV_HUGEPAGE)`; the kernel's `transparent_hugepage/enabled` is "madvise" on Debian and Ubuntu, and then
 nothing else gets them). llama.cpp leaves this to the OS (its weights are a file mapping on 4 KB pages).
 
 `python -m benchmarks.gemm` measures a one-row matmul streaming its weights from memory on both kinds of page; on
-the 2-core Zen 4 development host (one run, medians of 3 rounds) int4 read 15.9 GB/s on 4 KB pages and 18.0 on
-2 MB pages, int8 18.7 and 24.3, float32 22.3 and 24.3.
+the 2-core Zen 4 development host (benchmarks/results/cpu-gemm.json, medians of 3 rounds) int4 read 17.0 GB/s on
+4 KB pages and 23.3 on 2 MB pages, int8 25.3 and 30.0, float32 23.2 and 24.3.
 
 Where the kernel refuses (THP "never", no Linux, a failed mapping) the memory is ordinary and only the speed differs:
 nothing here changes a value.
