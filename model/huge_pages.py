@@ -44,12 +44,13 @@ def arena(nbytes: int) -> Tensor:
 
 
 def empty(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
-    """A zero-filled tensor of `shape` in its own huge-page arena (the KV pool)."""
+    """A zero-filled tensor of `shape` in its own huge-page arena (the KV pool), resident from the start as
+    `torch.zeros` leaves it: a pool the machine cannot hold fails at start-up, not under load."""
     n = 1
     for s in shape:
         n *= s
     itemsize = torch.empty((), dtype=dtype).element_size()
-    return arena(n * itemsize).view(dtype).view(shape)
+    return arena(n * itemsize).zero_().view(dtype).view(shape)  # (writing the zeros faults every page in)
 
 
 def place_weights(model: nn.Module, min_bytes: int = 1 << 16) -> int:
