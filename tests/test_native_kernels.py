@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from model import kernels
+from model.kernels import ops
 from model.attention import sdpa
 from model.engine import Engine, EngineConfig, SamplingParams
 from model.quantize import Int4Linear, Int8Linear, quantize_model, round_activations
@@ -166,10 +167,10 @@ def test_int4_q4_0_offsets_and_rounding_ties():
 # ---- the native decode step ----------------------------------------------------------------------------------
 
 
-def _decode_run(model, native_decode: bool):
-    """Three prompts' greedy tokens with every logprob, and the steps per execution path."""
+def _decode_run(model, native_decode: bool, ks=(1, 3, 7)):
+    """The prompts' greedy tokens with every logprob, and the steps per execution path."""
     engine = Engine(model, byte_tokenizer(), EngineConfig(num_blocks=64, block_size=4, native_decode=native_decode))
-    prompts = [[5, 9, 2, 7, 1] * k for k in (1, 3, 7)]
+    prompts = [[5, 9, 2, 7, 1] * k for k in ks]
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=5)
     for i, p in enumerate(prompts):
         engine.add_request(str(i), p, params)
@@ -194,6 +195,38 @@ def test_native_decode_step_equals_the_module_path(mode, dtype):
     prompts = [[5, 9, 2, 7, 1] * k for k in (1, 3, 7)]
     together = greedy_tokens(model, prompts)
     assert together == [greedy_tokens(model, [p])[0] for p in prompts]  # batched == one at a time
+
+
+@pytest.mark.parametrize("ks", [(2,), (1, 2, 3, 4), (1, 2, 3, 4, 5)])
+@pytest.mark.parametrize("mode", ["none", "int4"])
+def test_few_and_many_row_steps_equal_the_module_path(mode, ks):
+    """Decode steps of 1 and 4 rows take decode_layers' few-row path (every thread computes the row-wise ops
+    itself, 5 barriers a block), 5 rows the shared one: both bitwise the module path, on 2 threads."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        model = quantize_model(tiny_model(), mode)
+        assert _decode_run(model, True, ks)[0] == _decode_run(model, False, ks)[0]
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_greedy_pick_is_torch_argmax_and_flags_what_is_not_finite():
+    torch.manual_seed(0)
+    for V in (49152, 101, 7):  # 101, 7: the scalar tails
+        x = torch.randn(6, V)
+        x[1, V // 3] = x[1, V - 1] = 50.0  # a tie: the first index
+        x[2, V - 1] = 60.0  # in the tail
+        x[3, V // 2] = float("nan")
+        x[4] = float("-inf")
+        x[5, 0] = float("inf")
+        want = x.argmax(dim=-1).masked_fill(~torch.isfinite(x.gather(-1, x.argmax(dim=-1, keepdim=True)).squeeze(-1)), -1)
+        assert native.argmax_rows(x).tolist() == want.tolist() == [x[0].argmax().item(), V // 3, V - 1, -1, -1, -1]
+        with kernels.disabled():
+            assert ops.greedy_pick(x).tolist() == want.tolist()
+    zeros = torch.zeros(1, 64)
+    zeros[0, 5] = -0.0
+    assert native.argmax_rows(zeros).tolist() == [0]
 
 
 def test_native_and_pytorch_paths_agree_on_greedy_tokens():

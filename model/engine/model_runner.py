@@ -108,7 +108,9 @@ class ModelRunner:
         if batch.sample:
             rows = [SamplingRow(seq.request.params, seq.prompt_token_ids, seq.output_token_ids, seq.state.generator,
                                 seq.state.stop_ids) for seq, _ in batch.sample]
-            picked = _rows(logits, [r for _, r in batch.sample])
+            # without prompt-logprob rows, the logits rows are the sampling rows in order
+            picked = _rows(logits, [r for _, r in batch.sample],
+                           identity=not batch.prompt_logprobs and logits.shape[0] == len(batch.sample))
             sampled = self.sampler(picked, rows, masks.result() if masks is not None else None)
             out.sampled = [(seq, t, lp) for (seq, _), t, lp in zip(batch.sample, sampled.token_ids, sampled.logprobs)]
         return out

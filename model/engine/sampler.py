@@ -43,6 +43,7 @@ import torch
 from torch import Tensor
 
 from model.engine.sampling_params import SamplingParams
+from model.kernels import ops
 
 _NEG_INF = float("-inf")
 
@@ -237,11 +238,9 @@ class Sampler:
         if allowed is not None and allowed.rows:
             logits = _apply_allowed(logits, allowed, self._shifts)
         if all(_plain_greedy(r) for r in rows):  # nothing to process: argmax of the raw logits, no copy
-            tokens = logits.argmax(dim=-1)  # (B,)
-            # argmax prefers NaN, and picks an -inf only when all are: its own value tells (as below, one read)
-            no_choice = ~torch.isfinite(logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1))  # (B,)
-            if bool(no_choice.any()):
-                tokens = torch.where(no_choice, logits.float().nan_to_num(nan=_NEG_INF).argmax(dim=-1), tokens)
+            tokens = ops.greedy_pick(logits)  # (B,): -1 where argmax picked a NaN or an inf
+            if bool((tokens < 0).any()):
+                tokens = torch.where(tokens < 0, logits.float().nan_to_num(nan=_NEG_INF).argmax(dim=-1), tokens)
             return SamplerOutput(token_ids=tokens.tolist(), logprobs=[None] * len(rows))
         bp = _BatchParams(rows, self.vocab_size, logits.device)
         want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]

@@ -44,7 +44,7 @@ ENV_VAR = "LLAMASCOPE_NATIVE_KERNELS"  # "0" turns them off (the PyTorch paths r
 NAME = "llamascope_kernels"
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = ("bindings.cpp", "elementwise.cpp", "paged_attention.cpp", "quant_linear.cpp", "float_linear.cpp",
-           "decode_layers.cpp", "interventions.cpp")
+           "decode_layers.cpp", "interventions.cpp", "argmax.cpp")
 
 STALE_LOCK_SECONDS = 600
 _lock = threading.Lock()

@@ -11,6 +11,7 @@ model/transformer.py; N packed tokens, R decode rows, W block-table width, NB po
     linear            (..., in) @ float W           one reduction order per output for any row count (native)
     quantized_linear  (M, in) @ int8 / int4 W       integer block dot products, any row count (native)
     paged_write       k, v (N, K, E) -> pool slots
+    greedy_pick       logits (B, V) -> (B,)           torch.argmax, -1 where the pick is not finite
     decode_attention  q (N, H, E) rows over their block tables (PagedAttention's decode, Kwon et al. 2023),
                       optionally recording attention telemetry (attention_telemetry.py)
 """
@@ -107,6 +108,16 @@ def dequantize(layer: "QuantLinear", dtype: torch.dtype = torch.float32) -> Tens
     if native is not None:
         return getattr(native, layer.native_op.replace("_linear", "_dequantize"))(*buffers)[: layer.out_features]
     return layer.reference_dequantize(dtype)
+
+
+def greedy_pick(logits: Tensor) -> Tensor:  # (B, V) -> (B,) int64
+    """Each row's torch.argmax, or -1 where the value it picks is not finite (NaN, inf, or a row of -inf)."""
+    native = usable(logits)
+    if native is not None and logits.dtype == torch.float32 and logits.is_contiguous():
+        return native.argmax_rows(logits)  # one vectorized pass, the same index
+    tokens = logits.argmax(dim=-1)  # argmax prefers NaN, and picks an -inf only when all are
+    picked = logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)  # (B,)
+    return tokens.masked_fill(~torch.isfinite(picked), -1)
 
 
 def paged_write(k: Tensor, v: Tensor, k_pool: Tensor, v_pool: Tensor, slots: Tensor) -> None:

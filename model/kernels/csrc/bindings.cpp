@@ -23,6 +23,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("round_activations", &ls::round_activations, nogil(), "x (M, K) float32 rounded to int8 blocks as the kernels round it");
   m.def("int4_dequantize", &ls::int4_dequantize, nogil(), "int4 W -> (N, K) float32");
   m.def("int8_dequantize", &ls::int8_dequantize, nogil(), "int8 W -> (N, K) float32");
+  m.def("argmax_rows", &ls::argmax_rows, nogil(), "greedy: each row's torch.argmax of logits (B, V) float32, -1 where not finite -> (B,)");
   m.def("decode_layers", &ls::decode_layers, nogil(), "every block of a pure decode step: h (N, D) -> (N, D)");
   m.def("apply_edits", &ls::apply_edits, nogil(), "interventions: each op row (Q, 4) of x (N, D) gets its entry from bank (V, D)");
 }

@@ -11,6 +11,8 @@
 #include <omp.h>
 
 #include <cstring>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "attention_telemetry.h"
@@ -47,23 +49,30 @@ struct Step {
   QActs a;   // activations rounded for the quantized kernels (rows of the widest input)
 };
 
-// Rows [0, M) of x (M, K) rounded for projection p, this thread's share of the rows.
+// Rows [mb, me) of x (M, K) rounded for projection p into a.
 template <typename T>
-static void quantize_rows(const Projection& p, const T* x, int64_t M, const Step<T>& s, int tid, int nt) {
+static void quantize_rows(const Projection& p, const T* x, int64_t mb, int64_t me, const QActs& a) {
   if (!p.quantized) return;
-  int64_t b, e;
-  split_range(M, 1, tid, nt, b, e);
   const int64_t bytes = act_row_bytes(p.K / QK), nbp = padded_blocks(p.K / QK);
-  for (int64_t m = b; m < e; ++m)
-    quantize_act_row(x + m * p.K, p.K, s.a.q + m * bytes, s.a.dx + m * nbp, s.a.sx + m * nbp);
+  for (int64_t m = mb; m < me; ++m) quantize_act_row(x + m * p.K, p.K, a.q + m * bytes, a.dx + m * nbp, a.sx + m * nbp);
 }
 
-// This thread's output columns of p for every row (x: its float input, or s.a for a quantized p), then `epi(m, n, y)`.
-template <typename T, typename Epi>
-static void project(const Projection& p, const T* x, Step<T>& s, int tid, int nt, const Epi& epi) {
+// This thread's share of the rows of x (M, K), rounded into the step's shared activations s.a.
+template <typename T>
+static void quantize_share(const Projection& p, const T* x, int64_t M, const Step<T>& s, int tid, int nt) {
   int64_t b, e;
-  split_range(p.N, 16, tid, nt, b, e);
-  QActs a = s.a;
+  split_range(M, 1, tid, nt, b, e);
+  quantize_rows(p, x, b, e, s.a);
+}
+
+// This thread's output columns of p (whole tiles of `tile` columns) for every row (x: its float input, or `acts` for
+// a quantized p), then `epi(m, n, y)`; -> the columns [begin, end) it computed.
+template <typename T, typename Epi>
+static std::pair<int64_t, int64_t> project(const Projection& p, const T* x, const QActs& acts, Step<T>& s, int64_t tile,
+                                           int tid, int nt, const Epi& epi) {
+  int64_t b, e;
+  split_range(p.N, tile, tid, nt, b, e);
+  QActs a = acts;
   a.row_bytes = act_row_bytes(p.K / QK);
   a.nbp = padded_blocks(p.K / QK);
   if (p.quantized)
@@ -72,6 +81,7 @@ static void project(const Projection& p, const T* x, Step<T>& s, int tid, int nt
     float_gemm_range<T>(x, s.N, static_cast<const T*>(p.w), p.K, b, e, s.y, p.N);
   for (int64_t m = 0; m < s.N; ++m)
     for (int64_t n = b; n < e; ++n) epi(m, n, s.y[m * p.N + n]);
+  return {b, e};
 }
 
 // This thread's (row, head) attention tasks [begin, end) of R rows x H heads, contiguous, split so that every thread
@@ -119,72 +129,120 @@ static void add_edited(Step<T>& s, torch::Tensor& subt, const std::vector<torch:
   for (int64_t i = 0; i < s.N * s.D; ++i) s.h[i] = from_f<T>(to_f(s.h[i]) + to_f(s.sub[i]));
 }
 
+// Steps of at most this many rows (decode of one or a few streams) run each block with 5 barriers instead of 10:
+// every thread computes the whole of each small row-wise op (the norms, the activation rounding, SiLU-mul) into its
+// own buffers instead of its share of the rows followed by a barrier, and ropes and stores the heads of its own q/k/v
+// columns. At one row a thread's share of a row-wise op is the whole row or nothing, so the split left one thread
+// idle at each of those barriers. The same functions compute the same values, whichever thread runs them.
+constexpr int64_t FEW_ROWS = 4;
+
+// A thread's own copies of the few-row path's row-wise results.
+template <typename T>
+struct Own {
+  T *xn, *act;  // (N, D), (N, F)
+  QActs a;      // the rows rounded for the next projection
+};
+
 template <typename T>
 static void run_layers(Step<T>& s, const std::vector<std::vector<torch::Tensor>>& layers,
                        const std::vector<std::vector<Projection>>& proj, double eps, std::vector<torch::Tensor>& k_pools,
                        std::vector<torch::Tensor>& v_pools, const int64_t* slots, const torch::Tensor& q,
                        torch::Tensor& att, const torch::Tensor& rows, const torch::Tensor& tables, const torch::Tensor& lens,
                        torch::Tensor& ht, torch::Tensor& subt, const std::vector<torch::Tensor>& edits,
-                       const std::vector<torch::Tensor>& telemetry, const std::vector<Telemetry>& tel) {
+                       const std::vector<torch::Tensor>& telemetry, const std::vector<Telemetry>& tel,
+                       const std::vector<Own<T>>& own) {
   // Interventions (interventions.cpp) and telemetry run on one thread between barriers (`omp single`, whose own
   // barrier ends it): they touch a few rows. With edits, a sub-block's output is rounded to T into `sub`, edited,
   // then added: the module path's h + edit(a), bit for bit; without, the add is fused into the projection.
   const bool edited = !edits.empty();
   const int64_t N = s.N, D = s.D, H = s.H, K = s.K, E = s.E, F = s.F, QKV = (H + 2 * K) * E, R = rows.numel();
+  const bool few = !own.empty();  // the few-row path (FEW_ROWS): never with edits
   const float feps = static_cast<float>(eps);
-#pragma omp parallel num_threads(at::get_num_threads())
+#pragma omp parallel num_threads(static_cast<int>(own.empty() ? at::get_num_threads() : own.size()))
   {
     const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
     int64_t rb, re;  // this thread's rows
     split_range(N, 1, tid, nt, rb, re);
     int64_t tb, te;  // this thread's attention tasks
     attention_share(lens.data_ptr<int64_t>(), R, H, tid, nt, tb, te);
+    const Own<T>* mine = few ? &own[tid] : nullptr;
+    T* xn = few ? mine->xn : s.xn;         // the normed rows the next projection reads
+    T* act = few ? mine->act : s.act;      // SiLU-mul's rows
+    const QActs& acts = few ? mine->a : s.a;
+    // x (N, D) normed by w, then rounded for p: by every thread into its own buffers, or by each for its rows
+    const auto norm_for = [&](const Projection& p, const torch::Tensor& w) {
+      const int64_t mb = few ? 0 : rb, me = few ? N : re;
+      for (int64_t m = mb; m < me; ++m) rms_norm_row(s.h + m * D, w.data_ptr<T>(), xn + m * D, D, feps);
+      if (few) {
+        quantize_rows(p, xn, 0, N, acts);
+      } else {
+        quantize_share(p, xn, N, s, tid, nt);
+#pragma omp barrier
+      }
+    };
+    const auto round_for = [&](const Projection& p, const T* x) {  // x (N, p.K) complete: rounded for p
+      if (few) {
+        quantize_rows(p, x, 0, N, acts);
+      } else {
+        quantize_share(p, x, N, s, tid, nt);
+        if (p.quantized) {
+#pragma omp barrier
+        }
+      }
+    };
     for (size_t l = 0; l < layers.size(); ++l) {
       const auto& w = layers[l];
       const Projection &wqkv = proj[l][0], &wo = proj[l][1], &w13 = proj[l][2], &w2 = proj[l][3];
-      // attention: h + wo(attend(rope(wqkv(norm(h)))))
-      for (int64_t m = rb; m < re; ++m) rms_norm_row(s.h + m * D, w[0].data_ptr<T>(), s.xn + m * D, D, feps);
-      quantize_rows(wqkv, s.xn, N, s, tid, nt);
-#pragma omp barrier
-      project(wqkv, s.xn, s, tid, nt, [&](int64_t m, int64_t n, float y) { s.qkv[m * QKV + n] = from_f<T>(y); });
-#pragma omp barrier
       T* kp = k_pools[l].data_ptr<T>();
       T* vp = v_pools[l].data_ptr<T>();
-      for (int64_t m = rb; m < re; ++m) {
+      // rope the heads [h0, h1) of every row (q and k heads; v heads pass) and store its k and v heads in the pools
+      const auto rope_store = [&](int64_t m, int64_t h0, int64_t h1) {
         T* row = s.qkv + m * QKV;
-        for (int64_t head = 0; head < H + K; ++head) rope_head(row + head * E, s.cos + m * E, s.ssin + m * E, E);
-        std::memcpy(kp + slots[m] * K * E, row + H * E, K * E * sizeof(T));  // paged_write
-        std::memcpy(vp + slots[m] * K * E, row + (H + K) * E, K * E * sizeof(T));
+        for (int64_t head = h0; head < std::min(h1, H + K); ++head) rope_head(row + head * E, s.cos + m * E, s.ssin + m * E, E);
+        for (int64_t head = std::max(h0, H); head < h1; ++head) {  // paged_write
+          T* pool = head < H + K ? kp + (slots[m] * K + head - H) * E : vp + (slots[m] * K + head - H - K) * E;
+          std::memcpy(pool, row + head * E, E * sizeof(T));
+        }
+      };
+      // attention: h + wo(attend(rope(wqkv(norm(h)))))
+      norm_for(wqkv, w[0]);
+      const auto cols = project(wqkv, xn, acts, s, few ? E : 16, tid, nt,
+                                [&](int64_t m, int64_t n, float y) { s.qkv[m * QKV + n] = from_f<T>(y); });
+      if (few) {  // this thread's columns are whole heads
+        for (int64_t m = 0; m < N; ++m) rope_store(m, cols.first / E, cols.second / E);
+      } else {
+#pragma omp barrier
+        for (int64_t m = rb; m < re; ++m) rope_store(m, 0, H + 2 * K);
       }
 #pragma omp barrier
       paged_attention_range(q, k_pools[l], v_pools[l], rows, tables, lens, att, tb, te, tel.empty() ? nullptr : &tel[l]);
 #pragma omp barrier
-      quantize_rows(wo, s.att, N, s, tid, nt);
-      if (wo.quantized) {
-#pragma omp barrier
-      }
+      round_for(wo, s.att);
       if (edited) {
-        project(wo, s.att, s, tid, nt, [&](int64_t m, int64_t n, float y) { s.sub[m * D + n] = from_f<T>(y); });
+        project(wo, s.att, acts, s, 16, tid, nt, [&](int64_t m, int64_t n, float y) { s.sub[m * D + n] = from_f<T>(y); });
 #pragma omp barrier
 #pragma omp single
         add_edited(s, subt, edits, 3 * l);  // attention_output
       } else {
-        project(wo, s.att, s, tid, nt, [&](int64_t m, int64_t n, float y) {
+        project(wo, s.att, acts, s, 16, tid, nt, [&](int64_t m, int64_t n, float y) {
           s.h[m * D + n] = from_f<T>(to_f(s.h[m * D + n]) + round_to<T>(y));
         });
 #pragma omp barrier
       }
       // feed-forward: h + w2(silu(w1 x) * w3 x), x = norm(h)
-      for (int64_t m = rb; m < re; ++m) rms_norm_row(s.h + m * D, w[1].data_ptr<T>(), s.xn + m * D, D, feps);
-      quantize_rows(w13, s.xn, N, s, tid, nt);
+      norm_for(w13, w[1]);
+      project(w13, xn, acts, s, 16, tid, nt, [&](int64_t m, int64_t n, float y) { s.gu[m * 2 * F + n] = from_f<T>(y); });
 #pragma omp barrier
-      project(w13, s.xn, s, tid, nt, [&](int64_t m, int64_t n, float y) { s.gu[m * 2 * F + n] = from_f<T>(y); });
+      {
+        const int64_t mb = few ? 0 : rb, me = few ? N : re;
+        for (int64_t m = mb; m < me; ++m) silu_mul_row(s.gu + m * 2 * F, act + m * F, F);
+      }
+      round_for(w2, act);
+      if (!few && !w2.quantized) {
 #pragma omp barrier
-      for (int64_t m = rb; m < re; ++m) silu_mul_row(s.gu + m * 2 * F, s.act + m * F, F);
-      quantize_rows(w2, s.act, N, s, tid, nt);
-#pragma omp barrier
+      }
       if (edited) {
-        project(w2, s.act, s, tid, nt, [&](int64_t m, int64_t n, float y) { s.sub[m * D + n] = from_f<T>(y); });
+        project(w2, act, acts, s, 16, tid, nt, [&](int64_t m, int64_t n, float y) { s.sub[m * D + n] = from_f<T>(y); });
 #pragma omp barrier
 #pragma omp single
         {
@@ -193,7 +251,7 @@ static void run_layers(Step<T>& s, const std::vector<std::vector<torch::Tensor>>
           read_site(ht, edits, l);
         }
       } else {
-        project(w2, s.act, s, tid, nt, [&](int64_t m, int64_t n, float y) {
+        project(w2, act, acts, s, 16, tid, nt, [&](int64_t m, int64_t n, float y) {
           s.h[m * D + n] = from_f<T>(to_f(s.h[m * D + n]) + round_to<T>(y));
         });
 #pragma omp barrier
@@ -268,16 +326,31 @@ torch::Tensor decode_layers(torch::Tensor h, const std::vector<std::vector<torch
   for (int64_t l = 0; l < L; ++l) kp.push_back(k_pools[l]), vp.push_back(v_pools[l]);
   const auto q = qkv.narrow(1, 0, H);
   const int64_t* sl = slots.data_ptr<int64_t>();
+  // the few-row path's per-thread buffers (FEW_ROWS): xn (D), act (F), rounded activations, per row and thread
+  const bool few = edits.empty() && N <= FEW_ROWS && E % 8 == 0;
+  const int64_t threads = few ? at::get_num_threads() : 0;
+  auto own_t = torch::empty({threads, N, D + F}, opts);
+  std::vector<int8_t> own_q(threads * N * act_row_bytes(nb));
+  std::vector<float> own_dx(threads * N * padded_blocks(nb)), own_sx(threads * N * padded_blocks(nb));
+  const auto owns = [&](auto* base) {
+    using T = std::remove_pointer_t<decltype(base)>;
+    std::vector<Own<T>> out;
+    for (int64_t t = 0; t < threads; ++t)
+      out.push_back(Own<T>{base + t * N * (D + F), base + t * N * (D + F) + N * D,
+                           QActs{own_q.data() + t * N * act_row_bytes(nb), own_dx.data() + t * N * padded_blocks(nb),
+                                 own_sx.data() + t * N * padded_blocks(nb), 0, 0}});
+    return out;
+  };
   if (dtype == at::kFloat) {
     Step<float> s{N, D, H, K, E, F, h.data_ptr<float>(), xn.data_ptr<float>(), qkv.data_ptr<float>(), att.data_ptr<float>(),
                   gu.data_ptr<float>(), act.data_ptr<float>(), sub.data_ptr<float>(), cos.data_ptr<float>(), ssin.data_ptr<float>(), y.data_ptr<float>(),
                   QActs{qa.data(), dx.data(), sx.data(), 0, 0}};
-    run_layers(s, layers, proj, eps, kp, vp, sl, q, att, rows, tables, lens, h, sub, edits, telemetry, tel);
+    run_layers(s, layers, proj, eps, kp, vp, sl, q, att, rows, tables, lens, h, sub, edits, telemetry, tel, owns(own_t.data_ptr<float>()));
   } else {
     Step<bf16> s{N, D, H, K, E, F, h.data_ptr<bf16>(), xn.data_ptr<bf16>(), qkv.data_ptr<bf16>(), att.data_ptr<bf16>(),
                  gu.data_ptr<bf16>(), act.data_ptr<bf16>(), sub.data_ptr<bf16>(), cos.data_ptr<bf16>(), ssin.data_ptr<bf16>(), y.data_ptr<float>(),
                  QActs{qa.data(), dx.data(), sx.data(), 0, 0}};
-    run_layers(s, layers, proj, eps, kp, vp, sl, q, att, rows, tables, lens, h, sub, edits, telemetry, tel);
+    run_layers(s, layers, proj, eps, kp, vp, sl, q, att, rows, tables, lens, h, sub, edits, telemetry, tel, owns(own_t.data_ptr<bf16>()));
   }
   return h;
 }

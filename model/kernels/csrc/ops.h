@@ -24,6 +24,7 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& w, const 
 torch::Tensor int4_dequantize(const torch::Tensor& nibbles, const torch::Tensor& scales);
 torch::Tensor int8_dequantize(const torch::Tensor& w, const torch::Tensor& scales);
 torch::Tensor round_activations(const torch::Tensor& x);
+torch::Tensor argmax_rows(const torch::Tensor& logits);
 torch::Tensor float_linear(const torch::Tensor& x, const torch::Tensor& w);
 // One row (one head) of the elementwise ops, as the ops above apply them to every row: the fused step calls these.
 template <typename T> void rms_norm_row(const T* x, const T* w, T* out, int64_t D, float eps);

@@ -68,6 +68,18 @@ template void quantize_act_row<float>(const float*, int64_t, int8_t*, float*, fl
 template void quantize_act_row<bf16>(const bf16*, int64_t, int8_t*, float*, float*);
 
 #if LS_AVX2
+// One-row tiles (decode) stream every weight from memory once: ask for the lines PREFETCH_BLOCKS blocks ahead of the
+// one being read, weights and scales (two streams a thread; 2 KB of int4 weights, 4 KB of int8, ahead). On the Zen 1
+// development host the hardware prefetchers alone held one-row matmuls to about 60% of a plain read; single-stream
+// int4 decode, 0 / 8 / 16 / 32 blocks ahead alternating in fresh processes (3 rounds of `benchmarks.bench_decode`),
+// medians 107.2 / 114.0 / 115.9 / 113.7 tok/s. A prefetch never faults: reading past a buffer's end is harmless.
+constexpr int64_t PREFETCH_BLOCKS = 16;
+static inline void prefetch_ahead(const uint8_t* wb, int64_t w_bytes, const uint16_t* sb, int64_t s_bytes) {
+  const char* w = reinterpret_cast<const char*>(wb) + PREFETCH_BLOCKS * w_bytes;
+  for (int64_t off = 0; off < w_bytes; off += 64) _mm_prefetch(w + off, _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(sb) + PREFETCH_BLOCKS * s_bytes, _MM_HINT_T0);
+}
+
 // ---- Int8 (Q8_0), 8 outputs interleaved ----------------------------------------------------------------------------
 
 // One tile: rows m0 .. m0+MR times the 8 outputs of group g. Per output (one float lane), block after block in order:
@@ -83,6 +95,7 @@ static inline void q8_tile(const QWeight& w, const QActs& a, int64_t m0, int64_t
   for (int i = 0; i < MR; ++i) acc[i] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* wb = w.data + (g * nb + b) * 256;
+    if constexpr (MR == 1) prefetch_ahead(wb, 256, w.scales + (g * nb + b) * 8, 16);
     __m256i s32[MR];
 #pragma GCC unroll 8
     for (int i = 0; i < MR; ++i) s32[i] = _mm256_setzero_si256();
@@ -164,6 +177,7 @@ static inline void q4_tile(const QWeight& w, const QActs& a, int64_t m0, int64_t
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* wb = w.data + (g * nb + b) * 128;
     const uint16_t* sb = w.scales + (g * nb + b) * 16;
+    if constexpr (MR == 1) prefetch_ahead(wb, 128, sb, 32);
     __m256i s16[MR];
 #pragma GCC unroll 2
     for (int h = 0; h < 2; ++h) {  // chunks 2h, 2h+1 (low nibbles) and 2h+4, 2h+5 (high nibbles)
