@@ -44,7 +44,6 @@ class StepBatch:
     sample: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, logits row) to sample this step
     prompt_logprobs: list[PromptLogprobRows] = field(default_factory=list)
     edits: StepEdits | None = None  # the rows' interventions and hidden-state reads (model/edits.py), if any
-    all_rows: bool = False  # logits_rows is every row in order (a decode step sampling each): no gather needed
 
 
 class InputBuffers:
@@ -127,5 +126,4 @@ class InputBuffers:
             slot_mapping=d["slots"][:off], decode_rows=d["decode_rows"][:r], decode_tables=d["decode_tables"][:r],
             decode_lens=d["decode_lens"][:r], prefills=[prefill_chunk(p, bs, dev) for p in prefill],
         )
-        return StepBatch(d["tokens"][:off], d["positions"][:off], d["logits_rows"][:m], meta, slices, sample, prompt_rows,
-                         all_rows=m == off == len(sample))
+        return StepBatch(d["tokens"][:off], d["positions"][:off], d["logits_rows"][:m], meta, slices, sample, prompt_rows)

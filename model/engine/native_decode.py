@@ -72,4 +72,6 @@ class NativeDecode:
             batch.edits.tensors() if batch.edits is not None else [],
             meta.telemetry.native_args() if meta.telemetry is not None else [],
         )  # (N, D); the rows' interventions applied inside the block loop, their reads and telemetry taken
-        return m.head(h[None], None if batch.all_rows else batch.logits_rows)[0]  # (M, V)
+        # logits rows are distinct and in order: as many as the rows means every row (a decode step), no gather
+        every = batch.logits_rows.numel() == batch.tokens.numel()
+        return m.head(h[None], None if every else batch.logits_rows)[0]  # (M, V)

@@ -239,8 +239,9 @@ class Sampler:
             logits = _apply_allowed(logits, allowed, self._shifts)
         if all(_plain_greedy(r) for r in rows):  # nothing to process: argmax of the raw logits, no copy
             tokens = ops.greedy_pick(logits)  # (B,): -1 where argmax picked a NaN or an inf
-            if bool((tokens < 0).any()):
-                tokens = torch.where(tokens < 0, logits.float().nan_to_num(nan=_NEG_INF).argmax(dim=-1), tokens)
+            no_choice = tokens < 0
+            if bool(no_choice.any()):
+                tokens = torch.where(no_choice, logits.float().nan_to_num(nan=_NEG_INF).argmax(dim=-1), tokens)
             return SamplerOutput(token_ids=tokens.tolist(), logprobs=[None] * len(rows))
         bp = _BatchParams(rows, self.vocab_size, logits.device)
         want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]

@@ -158,21 +158,21 @@ static void run_layers(Step<T>& s, const std::vector<std::vector<torch::Tensor>>
   const int64_t N = s.N, D = s.D, H = s.H, K = s.K, E = s.E, F = s.F, QKV = (H + 2 * K) * E, R = rows.numel();
   const bool few = !own.empty();  // the few-row path (FEW_ROWS): never with edits
   const float feps = static_cast<float>(eps);
-#pragma omp parallel num_threads(static_cast<int>(own.empty() ? at::get_num_threads() : own.size()))
+#pragma omp parallel num_threads(at::get_num_threads())  // (never more threads than `own` holds)
   {
     const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
     int64_t rb, re;  // this thread's rows
     split_range(N, 1, tid, nt, rb, re);
     int64_t tb, te;  // this thread's attention tasks
     attention_share(lens.data_ptr<int64_t>(), R, H, tid, nt, tb, te);
+    const int64_t ob = few ? 0 : rb, oe = few ? N : re;  // the rows this thread runs the row-wise ops for
     const Own<T>* mine = few ? &own[tid] : nullptr;
     T* xn = few ? mine->xn : s.xn;         // the normed rows the next projection reads
     T* act = few ? mine->act : s.act;      // SiLU-mul's rows
     const QActs& acts = few ? mine->a : s.a;
     // x (N, D) normed by w, then rounded for p: by every thread into its own buffers, or by each for its rows
     const auto norm_for = [&](const Projection& p, const torch::Tensor& w) {
-      const int64_t mb = few ? 0 : rb, me = few ? N : re;
-      for (int64_t m = mb; m < me; ++m) rms_norm_row(s.h + m * D, w.data_ptr<T>(), xn + m * D, D, feps);
+      for (int64_t m = ob; m < oe; ++m) rms_norm_row(s.h + m * D, w.data_ptr<T>(), xn + m * D, D, feps);
       if (few) {
         quantize_rows(p, xn, 0, N, acts);
       } else {
@@ -233,10 +233,7 @@ static void run_layers(Step<T>& s, const std::vector<std::vector<torch::Tensor>>
       norm_for(w13, w[1]);
       project(w13, xn, acts, s, 16, tid, nt, [&](int64_t m, int64_t n, float y) { s.gu[m * 2 * F + n] = from_f<T>(y); });
 #pragma omp barrier
-      {
-        const int64_t mb = few ? 0 : rb, me = few ? N : re;
-        for (int64_t m = mb; m < me; ++m) silu_mul_row(s.gu + m * 2 * F, act + m * F, F);
-      }
+      for (int64_t m = ob; m < oe; ++m) silu_mul_row(s.gu + m * 2 * F, act + m * F, F);
       round_for(w2, act);
       if (!few && !w2.quantized) {
 #pragma omp barrier
