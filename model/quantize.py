@@ -7,7 +7,8 @@ the matmul kernels see quantized weights.
 Formats (ggml's blocks of 32 along the input dim, so a GGUF file's Q4_0 / Q4_1 / Q8_0 blocks map without rounding):
     int8  w[n, k] = q[n, k] * d[n, b]               q int8 in [-127, 127], d float16, b = k // 32   (GGUF Q8_0)
     int4  w[n, k] = q[n, k] * d[n, b] + m[n, b]     q in [0, 15], two per byte, d and m
-          float16 (GGUF Q4_1; Q4_0's w = d (q - 8) is m = -8 d, so `Int4Linear.from_gguf_blocks` is exact for both)
+          float16 (GGUF Q4_1; Q4_0's w = d (q - 8) is m = -8 d, so a GGUF file's Q4_0 and Q4_1 blocks map exactly:
+          model/loaders/gguf_blocks.py)
 Both are stored 8 output rows interleaved, as the native kernels read them (model/kernels/csrc/qgemm.h): int4 by
 `_interleave_nibbles`, int8 in chunks of 4 weights per output (its rows padded with zeros to a multiple of 8); each
 block's scales (and int4's offsets) for the 8 outputs side by side.
@@ -25,7 +26,6 @@ from __future__ import annotations
 import math
 from typing import Literal
 
-import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -91,36 +91,15 @@ class Int8Linear(QuantLinear):
             raise ValueError(f"int8 needs in_features % {GROUP_SIZE} == 0, got ({N}, {K})")
         super().__init__(K, N)
         pad, nb = -N % 8, K // GROUP_SIZE  # zero rows up to whole groups of 8 (their outputs are dropped)
-        q = torch.nn.functional.pad(qweight.to(torch.int8), (0, 0, 0, pad)).view(-1, 8, nb, 8, 4)  # (g, j, b, c, t)
+        q = qweight.to(torch.int8)
+        q = (torch.nn.functional.pad(q, (0, 0, 0, pad)) if pad else q).view(-1, 8, nb, 8, 4)  # (g, j, b, c, t)
         self.register_buffer("weight", q.permute(0, 2, 3, 1, 4).reshape(-1, nb, 256).contiguous())  # (N/8, K/32, 256) int8
         dp = torch.nn.functional.pad(d.to(torch.float16), (0, 0, 0, pad)).view(-1, 8, nb)
         self.register_buffer("scales", dp.permute(0, 2, 1).contiguous())  # (N/8, K/32, 8) float16
 
     @classmethod
     def from_float(cls, w: Tensor) -> "Int8Linear":
-        """ggml's `quantize_row_q8_0_ref`: per block d = max|w| / 127, q = round(w / d) (half away from zero)."""
-        w = w.detach().float()
-        N, K = w.shape
-        g = w.reshape(N, K // GROUP_SIZE, GROUP_SIZE)
-        d = g.abs().amax(-1) / 127  # (N, K/G)
-        inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
-        x = g * inv[..., None]
-        q = (x.sign() * (x.abs() + 0.5).floor()).clamp(-127, 127)
-        return cls(q.reshape(N, K).to(torch.int8), d)
-
-    @classmethod
-    def from_gguf_blocks(cls, raw: np.ndarray, shape: tuple[int, int], n_head: int | None = None) -> "Int8Linear":
-        """GGUF Q8_0 blocks of a (N, K) weight (ggml `block_q8_0` = {f16 d; i8 qs[32]}) -> the same weights, no
-        rounding; `n_head`: undo llama.cpp's q/k row permutation (`gguf_file.unpermute_qk`) as for the float weight."""
-        N, K = shape
-        blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(N, K // GROUP_SIZE, 2 + GROUP_SIZE)
-        d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)  # (N, K/G)
-        q = blocks[..., 2:].copy().view(np.int8).reshape(N, K)
-        if n_head is not None:
-            from model.loaders.gguf_file import unpermute_qk
-
-            q, d = unpermute_qk(q, n_head), unpermute_qk(d, n_head)
-        return cls(torch.from_numpy(np.ascontiguousarray(q)), torch.from_numpy(np.ascontiguousarray(d)))
+        return cls(*by_rows(int8_blocks, w))
 
     @classmethod
     def cat(cls, layers: list["Int8Linear"]) -> "Int8Linear":
@@ -165,25 +144,7 @@ class Int4Linear(QuantLinear):
 
     @classmethod
     def from_float(cls, w: Tensor) -> "Int4Linear":
-        """Asymmetric min/max rounding per group of 32 (gpt-fast's `group_quantize_tensor`, 4 bits; GGUF's Q4_1)."""
-        w = w.detach().float()
-        N, K = w.shape
-        g = w.reshape(N, K // GROUP_SIZE, GROUP_SIZE)
-        lo, hi = g.amin(-1), g.amax(-1)  # (N, K/G)
-        d = ((hi - lo) / 15).clamp(min=1e-6).half().float()  # rounded as the layer keeps them
-        m = lo.half().float()
-        q = torch.round((g - m[..., None]) / d[..., None]).clamp(0, 15)
-        return cls(q.reshape(N, K), d, m)
-
-    @classmethod
-    def from_gguf_blocks(cls, raw: np.ndarray, qtype: str, shape: tuple[int, int]) -> "Int4Linear":
-        """GGUF Q4_0 / Q4_1 blocks of a (N, K) weight -> the same weights as int4 groups, no rounding at all.
-
-        ggml `block_q4_0` = {f16 d; u8 qs[16]}, `block_q4_1` = {f16 d; f16 m; u8 qs[16]} (ggml-common.h); weight j of
-        a block is qs[j] & 0xF for j < 16 and qs[j - 16] >> 4 for j >= 16.
-        """
-        q, d, m = gguf_q4_groups(raw, qtype, shape)
-        return cls(torch.from_numpy(q), torch.from_numpy(d), torch.from_numpy(m))
+        return cls(*by_rows(int4_groups, w))
 
     @classmethod
     def cat(cls, layers: list["Int4Linear"]) -> "Int4Linear":
@@ -247,31 +208,93 @@ def round_activations(x: Tensor) -> Tensor:
     return (torch.round(b * inv) * d).reshape(M, K)
 
 
-def gguf_q4_groups(raw: np.ndarray, qtype: str, shape: tuple[int, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Raw Q4_0 / Q4_1 bytes of a (N, K) tensor -> q (N, K) uint8 in [0, 15], d and m (N, K/32) float32 with
-    w = q * d + m (Q4_1's own d and m; Q4_0's w = d (q - 8) is m = -8 d, exact in float16 too)."""
-    N, K = shape
-    header = {"Q4_0": 2, "Q4_1": 4}[qtype]  # bytes of f16 d (and f16 m) before the 16 bytes of nibbles
-    blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(N, K // GROUP_SIZE, header + 16)
-    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)  # (N, K/G)
-    qs = blocks[..., header:]  # (N, K/G, 16)
-    q = np.concatenate([qs & 15, qs >> 4], axis=-1).reshape(N, K)  # block j<16: low nibbles; j>=16: high nibbles
-    if qtype == "Q4_0":
-        m = -8 * d
-    else:
-        m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-    return q, d, m
+CHUNK_ELEMENTS = 1 << 22  # weights rounded at a time: a few float32 temporaries of 16 MB, whatever the matrix
+
+
+def by_rows(rounding, w: Tensor) -> tuple[Tensor, ...]:
+    """`rounding` (int8_blocks / int4_groups) applied to `CHUNK_ELEMENTS` of w (N, K) at a time, the pieces joined:
+    the same arrays as one call, without float32 temporaries the size of the matrix (a 128k x 4k embedding in
+    bfloat16 would need 2 GB per temporary)."""
+    step = max(1, CHUNK_ELEMENTS // w.shape[1])
+    parts = [rounding(w[a : a + step]) for a in range(0, w.shape[0], step)]
+    return tuple(torch.cat(p) if len(p) > 1 else p[0] for p in zip(*parts))
+
+
+def int8_blocks(w: Tensor) -> tuple[Tensor, Tensor]:
+    """w (N, K) -> q (N, K) int8, d (N, K/32) float32: ggml's `quantize_row_q8_0_ref`, per block d = max|w| / 127,
+    q = round(w / d) (half away from zero)."""
+    w = w.detach().float()
+    N, K = w.shape
+    g = w.reshape(N, K // GROUP_SIZE, GROUP_SIZE)
+    d = g.abs().amax(-1) / 127  # (N, K/G)
+    inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    x = g * inv[..., None]
+    q = (x.sign() * (x.abs() + 0.5).floor()).clamp(-127, 127)
+    return q.reshape(N, K).to(torch.int8), d
+
+
+def int4_groups(w: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """w (N, K) -> q (N, K) uint8 in [0, 15], d and m (N, K/32) float32: asymmetric min/max rounding per group of 32
+    (gpt-fast's `group_quantize_tensor`, 4 bits; GGUF's Q4_1), d and m rounded to float16 as the layer keeps them."""
+    w = w.detach().float()
+    N, K = w.shape
+    g = w.reshape(N, K // GROUP_SIZE, GROUP_SIZE)
+    lo, hi = g.amin(-1), g.amax(-1)  # (N, K/G)
+    d = ((hi - lo) / 15).clamp(min=1e-6).half().float()
+    m = lo.half().float()
+    q = torch.round((g - m[..., None]) / d[..., None]).clamp(0, 15)
+    return q.reshape(N, K).to(torch.uint8), d, m
+
+
+class QuantEmbedding(nn.Module):
+    """The token embedding table kept in a quantized layer's format (an `Int8Linear` / `Int4Linear` of shape
+    (vocab, dim)): a row is dequantized when it is gathered, so the table costs its quantized bytes. With tied
+    embeddings it is the LM head itself (llama.cpp keeps `token_embd` quantized and dequantizes the rows it gets,
+    `ggml_get_rows`). A gathered row equals the layer's `reference_dequantize` row bit for bit."""
+
+    def __init__(self, table: QuantLinear, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.table, self.dtype = table, dtype
+        self.num_embeddings, self.embedding_dim = table.out_features, table.in_features
+
+    def forward(self, tokens: Tensor) -> Tensor:  # (...) int64 -> (..., D)
+        idx = tokens.reshape(-1)
+        g, j = idx // 8, idx % 8  # 8 rows interleaved per group (qgemm.h)
+        K, nb = self.embedding_dim, self.embedding_dim // GROUP_SIZE
+        if isinstance(self.table, Int8Linear):
+            q = self.table.weight.view(-1, nb, 8, 8, 4)[g, :, :, j, :]  # (T, nb, c, t) -> k = 32 b + 4 c + t
+            d = self.table.scales[g, :, j].float()  # (T, nb)
+            w = q.reshape(-1, nb, GROUP_SIZE).float() * d[..., None]
+        else:
+            nib = self.table.nibbles.view(-1, nb, 4, 8, 4)[g, :, :, j, :]  # (T, nb, p, t)
+            q = torch.stack([nib & 15, nib >> 4], dim=2)  # (T, nb, half, p, t): k = 32 b + 16 half + 4 p + t
+            dm = self.table.scales[g, :, :, j].float()  # (T, nb, 2)
+            w = q.reshape(-1, nb, GROUP_SIZE).float() * dm[..., 0:1] + dm[..., 1:2]
+        return w.reshape(*tokens.shape, K).to(self.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, {type(self.table).__name__}"
+
+
 _QUANT_CLASSES: dict[str, type[QuantLinear]] = {"int8": Int8Linear, "int4": Int4Linear}
 
 
 def _quantized(name: str, weight: Tensor, cls: type[QuantLinear], prequantized: dict[str, QuantLinear]) -> QuantLinear:
     """The quantized form of our module `name`: mapped from the file when it has it (a fused module from its parts,
-    stacked as `transformer.FUSED_PARTS` says), else rounded from the float weight."""
+    stacked as `transformer.FUSED_PARTS` says, the parts released as they are stacked), else rounded from the float
+    weight."""
     layer_prefix, suffix = name.rsplit(".", 2)[0], ".".join(name.rsplit(".", 2)[1:])  # "layers.0", "attention.wqkv"
     parts = [f"{layer_prefix}.{p}" for p in FUSED_PARTS.get(suffix, ())]
     if parts and all(p in prequantized for p in parts):
-        return cls.cat([prequantized[p] for p in parts])
-    return prequantized[name] if name in prequantized else cls.from_float(weight)
+        layers = [prequantized.pop(p) for p in parts]
+        if len({type(m) for m in layers}) > 1:  # one kernel per module: the parts in int8, the int4 ones rounded again
+            layers = [m if isinstance(m, Int8Linear) else Int8Linear.from_float(m.dequantize()) for m in layers]
+        return type(layers[0]).cat(layers)
+    if name in prequantized:
+        return prequantized.pop(name)
+    if weight.is_meta:
+        raise ValueError(f"{name}: no weight to quantize")
+    return cls.from_float(weight)
 
 
 def quantize_model(model: nn.Module, mode: Quantization, prequantized: dict[str, QuantLinear] | None = None) -> nn.Module:
@@ -279,9 +302,10 @@ def quantize_model(model: nn.Module, mode: Quantization, prequantized: dict[str,
     `nn.Linear` the blocks hold); returns the model.
 
     Every block's projections take `mode`; the LM head takes int8 in both modes, as llama.cpp keeps the default
-    model's tied head in Q8_0: it is the largest matrix and the most sensitive to rounding. The embedding table stays
-    in the model's dtype (it is gathered, not multiplied). `prequantized` (our names of the file's matrices, e.g.
-    "layers.0.attention.wq", and "output" for the head) supplies layers mapped straight from a file's blocks.
+    model's tied head in Q8_0: it is the largest matrix and the most sensitive to rounding. The embedding table is
+    kept quantized too (`QuantEmbedding`): the head itself when the embeddings are tied, else int8 rows. `prequantized`
+    (our names of the file's matrices, e.g. "layers.0.attention.wq", "output" for the head, "tok_embeddings" for the
+    table) supplies layers mapped straight from a file's blocks; it is emptied as they are installed.
     """
     if mode == "none":
         return model
@@ -289,14 +313,19 @@ def quantize_model(model: nn.Module, mode: Quantization, prequantized: dict[str,
         raise ValueError(f"unknown quantization {mode!r}; choose one of {', '.join(QUANTIZATIONS)}")
     if model.device.type != "cpu":
         raise ValueError(f"quantization {mode!r} runs CPU kernels; the model is on {model.device}")
-    cls, pre = _QUANT_CLASSES[mode], prequantized or {}
+    cls, pre, dtype = _QUANT_CLASSES[mode], prequantized if prequantized is not None else {}, model.dtype
     # (a matrix whose input is not whole blocks of 32 stays in float)
     linears = [(name, m) for name, m in model.layers.named_modules(prefix="layers")
                if isinstance(m, nn.Linear) and m.in_features % GROUP_SIZE == 0]
     for name, module in linears:
         parent, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent), attr, _quantized(name, module.weight, cls, pre))
-    model.output = pre["output"] if "output" in pre else Int8Linear.from_float(model.output.weight)
+    head = pre.pop("output", None) or _quantized("output", model.output.weight, Int8Linear, {})
+    table = pre.pop("tok_embeddings", None)
+    if table is None:
+        tied = model.config.tie_embeddings and head.out_features == model.config.vocab_size
+        table = head if tied else _quantized("tok_embeddings", model.tok_embeddings.weight, Int8Linear, {})
+    model.output, model.tok_embeddings = head, QuantEmbedding(table, dtype)
     model.quantization = mode
     return model
 

@@ -187,11 +187,11 @@ class Transformer(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return self.tok_embeddings.weight.device
+        return self.norm.weight.device
 
     @property
-    def dtype(self) -> torch.dtype:
-        return self.tok_embeddings.weight.dtype
+    def dtype(self) -> torch.dtype:  # the activations' (a quantized model's embedding table has none of its own)
+        return self.norm.weight.dtype
 
     def forward(
         self,

@@ -27,11 +27,13 @@ class Settings(BaseSettings):
     device: str | None = Field(None, description="torch device",
                                json_schema_extra={"shown_default": "cuda if available, else cpu"})
     quantization: Literal["auto", "none", "int8", "int4"] = Field(
-        "auto", description="weight-only quantized linear layers on CPU. auto: a GGUF of Q4_0/Q4_1 blocks is served "
-        "as int4 and one of Q8_0 blocks as int8, in the file's own blocks, where the native CPU kernels run; anything "
-        "else (other types, HF directories, CUDA, tensor parallelism) as none. none: the float model (weights "
-        "dequantized to --dtype). int8 / int4: quantize any checkpoint")
-    kv_cache_bytes: int = Field(1 << 30, description="KV block pool budget in bytes")
+        "auto", description="weight-only quantized linear layers on CPU, each matrix converted as it is read. auto: a "
+        "quantized GGUF keeps each matrix at its own precision (Q4_0/Q4_1/Q4_K as int4, Q8_0/Q5_0/Q5_1/Q5_K/Q6_K as "
+        "int8, other types requantized to int8) where the native CPU kernels run; anything else (float files, HF "
+        "directories, CUDA, tensor parallelism) as none. none: the float model (weights dequantized to --dtype). "
+        "int8 / int4: quantize any checkpoint")
+    kv_cache_bytes: int = Field(1 << 30, description="KV block pool budget in bytes (with the weights, checked against "
+                                "the memory available before loading)")
     block_size: int = Field(16, description="tokens per KV block")
     max_num_seqs: int = Field(32, description="sequences decoded together")
     max_num_batched_tokens: int = Field(512, description="tokens per engine step (decode + prefill chunks)")

@@ -29,7 +29,7 @@ class Serving:
         self.metrics: Metrics = state.metrics
         self.max_model_len: int = state.max_model_len  # prompt + max_tokens, clamped to the KV pool at start-up
         self.vectors: VectorStore = state.vectors  # stored vectors interventions name (thread-safe)
-        self.precision: dict[str, str] = state.precision  # {"quantization": ..., "dtype": ...} as served
+        self.precision: dict = state.precision  # {"quantization": ..., "dtype": ...} as served
 
     @property
     def draining(self) -> bool:

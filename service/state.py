@@ -71,7 +71,8 @@ class ServingState:
                         torch.set_num_threads(max(1, (os.cpu_count() or 1) // s.tensor_parallel_size))
                     loaded = launch(s.model, s.tensor_parallel_size, DTYPES[dtype], device, threads=s.threads)
                 else:
-                    loaded = load_model(s.model, DTYPES[dtype], device, quantization=s.quantization)
+                    loaded = load_model(s.model, DTYPES[dtype], device, quantization=s.quantization,
+                                        reserve_bytes=s.kv_cache_bytes)
             config = EngineConfig(
                 block_size=s.block_size, kv_cache_bytes=s.kv_cache_bytes, max_num_seqs=s.max_num_seqs,
                 max_num_batched_tokens=s.max_num_batched_tokens, max_waiting=s.max_waiting,
@@ -98,7 +99,7 @@ class ServingState:
             log.error("model failed to load: %s", e)
 
     @property
-    def precision(self) -> dict[str, str]:
+    def precision(self) -> dict:
         """What /v1/models says the weights and activations run in."""
         return _precision(self.loaded)
 
@@ -144,6 +145,9 @@ class ServingState:
                 self.loaded.model.close()
 
 
-def _precision(loaded: LoadedModel) -> dict[str, str]:
-    """{"quantization": "int4" / "int8" / "none", "dtype": the activations' dtype} of a loaded model."""
-    return {"quantization": getattr(loaded, "quantization", "none"), "dtype": str(loaded.model.dtype).removeprefix("torch.")}
+def _precision(loaded: LoadedModel) -> dict:
+    """{"quantization": "int4" / "int8" / "none", "dtype": the activations' dtype, "weights": {"bytes": served
+    weights, "from_file": how the file's matrices are served, e.g. {"Q4_K -> int4 (float16 scales)": 154}}}."""
+    weights = {"bytes": getattr(loaded, "weight_bytes", 0), "from_file": getattr(loaded, "weight_mix", {})}
+    return {"quantization": getattr(loaded, "quantization", "none"), "dtype": str(loaded.model.dtype).removeprefix("torch."),
+            "weights": weights}

@@ -104,6 +104,41 @@ def test_paged_decode_attention_equals_sdpa_over_the_gathered_context(dtype, H, 
     assert (out[[2, 4]] == 7).all()
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("H,K,E", [(6, 2, 64), (8, 2, 128), (3, 3, 64), (4, 2, 24)])
+def test_prefill_rows_attend_in_tiles_bitwise_as_each_row_alone(dtype, H, K, E):
+    """A prefill chunk's rows share one sequence's blocks: the kernel runs them in tiles of rows x the query heads of a
+    KV head, one block of positions at a time. Every row's output, and the softmax its telemetry records, must be
+    bitwise what the row gets alone (a decode step), whatever tile it lands in: chunks crossing the 8-key groups,
+    the 64-position blocks and the 8-row tiles, beside another sequence's rows."""
+    bs, n0, T = 16, 53, 21  # the chunk: positions 53..73, so lengths 54..74
+    k_pool, v_pool, tables = _pool_and_tables([n0 + T, 40], bs, K, E, dtype)
+    width = max(map(len, tables))
+    table = tables[0] + [0] * (width - len(tables[0]))
+    other = tables[1] + [0] * (width - len(tables[1]))
+    q = torch.randn(T + 3, H, E).to(dtype)
+    rows = torch.tensor([T + 1, *range(T), T + 2])  # another sequence's rows around the chunk
+    lens = torch.tensor([40, *range(n0 + 1, n0 + T + 1), 17])
+    tabs = torch.tensor([other] + [table] * T + [other])
+    tel_args = lambda R: (torch.arange(R), torch.full((R,), 2), torch.zeros(R, H), torch.zeros(R, H, 4, dtype=torch.long),
+                          torch.zeros(R, H, 4))
+    together = torch.zeros(T + 3, H, E, dtype=dtype)
+    tel = tel_args(len(rows))
+    native.paged_decode_attention_telemetry(q, k_pool, v_pool, rows, tabs, lens, together, *tel)
+    for i in range(len(rows)):
+        alone = torch.zeros(T + 3, H, E, dtype=dtype)
+        one = tel_args(1)
+        native.paged_decode_attention_telemetry(q, k_pool, v_pool, rows[i : i + 1], tabs[i : i + 1], lens[i : i + 1],
+                                                alone, *one)
+        assert torch.equal(together[rows[i]], alone[rows[i]]), i
+        assert all(torch.equal(a[i], b[0]) for a, b in zip(tel[2:], one[2:])), i
+    kd = k_pool[tables[0]].reshape(1, -1, K, E)
+    vd = v_pool[tables[0]].reshape(1, -1, K, E)
+    for t in range(T):
+        want = sdpa(q[t][None, None], kd[:, : n0 + t + 1], vd[:, : n0 + t + 1])[0, 0]
+        _close(together[t], want, dtype)
+
+
 def test_paged_write_and_its_bounds():
     k_pool, v_pool = torch.zeros(4, 2, 2, 8), torch.zeros(4, 2, 2, 8)
     qkv = torch.randn(3, 6, 8)  # (N, H + 2K, E) with H = 2: k and v are strided views, as in the model

@@ -15,7 +15,8 @@ from gguf_writer import write_tiny_gguf
 from model.loaders.gguf_file import load_gguf
 from model.loaders.hf import load_hf
 from model import kernels
-from model.quantize import Int4Linear, Int8Linear, QuantLinear, gguf_q4_groups, linear_weights, quantize_model, round_activations
+from model.loaders.gguf_blocks import matrix_layer, q4_groups
+from model.quantize import Int4Linear, Int8Linear, QuantLinear, linear_weights, quantize_model, round_activations
 from test_parity_hf import _prompts
 from tiny import greedy_tokens, tiny_model
 
@@ -72,7 +73,7 @@ def test_q8_0_gguf_blocks_map_to_int8_exactly(n_head):
     want = dequantize(raw, Q.Q8_0).reshape(w.shape)
     if n_head is not None:
         want = unpermute_qk(want, n_head)
-    layer = Int8Linear.from_gguf_blocks(raw, w.shape, n_head)
+    layer = matrix_layer(raw, Q.Q8_0, "int8", w.shape, n_head)
     assert torch.equal(layer.dequantize(), torch.from_numpy(np.ascontiguousarray(want)))
 
 
@@ -92,10 +93,10 @@ def test_gguf_q4_blocks_map_to_int4_groups(qtype):
     w = rng.standard_normal((48, 96)).astype(np.float32)
     raw = quantize(w, qtype)
     want = dequantize(raw, qtype).reshape(w.shape)
-    q, d, m = gguf_q4_groups(raw, qtype.name, w.shape)
+    q, d, m = q4_groups(raw, qtype.name, w.shape)
     exact = q.reshape(48, 3, 32).astype(np.float32) * d[..., None] + m[..., None]
     np.testing.assert_allclose(exact.reshape(w.shape), want, rtol=1e-6, atol=1e-6)  # the mapping is exact
-    layer = Int4Linear.from_gguf_blocks(raw, qtype.name, w.shape)
+    layer = matrix_layer(raw, qtype, "int4", w.shape, None)
     x = torch.randn(1, 96)
     assert _rel(layer(x), F.linear(x, torch.from_numpy(want))) < 1e-2
 

@@ -39,7 +39,7 @@ class NativeDecode:
     def for_model(cls, model: nn.Module) -> "NativeDecode | None":
         """The path for `model` when the native kernels are available and every block is in the form the kernel
         takes (CPU, float32 or bfloat16, plain or weight-only quantized linear layers); else None."""
-        if not isinstance(model, Transformer) or model.device.type != "cpu" or kernels.usable(model.tok_embeddings.weight) is None:
+        if not isinstance(model, Transformer) or model.device.type != "cpu" or kernels.usable(model.norm.weight) is None:
             return None  # (a tensor-parallel model runs its blocks across processes: the module path)
         layers: list[list[Tensor]] = []
         for block in model.layers:

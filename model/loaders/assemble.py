@@ -15,6 +15,7 @@ from model.config import ModelConfig
 from model.loaders.errors import CheckpointError
 from model.loaders.progress import LoadProgress
 from model.loaders.shard import WeightShard
+from model.quantize import GROUP_SIZE, Int4Linear, Int8Linear, Quantization, QuantLinear, quantize_model
 from model.transformer import FUSED_PARTS, Transformer
 
 _LAYER_SHAPES = {
@@ -73,27 +74,69 @@ class NameMap:
         return None
 
 
+def quantized_kind(mode: str, name: str, rows: int, cols: int) -> str | None:
+    """The format a float matrix, our parameter `name` (rows, cols), is quantized into under `mode`: the mode for a
+    block's projection, int8 for the head and the embedding table (`quantize_model`); None: it stays in float (a
+    norm, a matrix whose input is not whole blocks of 32, or no quantization). Int4 needs whole groups of 16 rows."""
+    if mode == "none" or cols % GROUP_SIZE or not name.endswith(".weight"):
+        return None
+    if name in ("output.weight", "tok_embeddings.weight"):
+        return "int8"
+    if not name.startswith("layers.") or "_norm" in name:
+        return None
+    return "int4" if mode == "int4" and rows % 16 == 0 else "int8"
+
+
+def module_of(name: str, tied: bool) -> str:
+    """Our parameter name -> the module that serves it quantized (`quantize_model`'s `prequantized` keys): a block's
+    projection ("layers.0.attention.wq"), the head ("output"; with tied embeddings the table is the head) or the
+    embedding table ("tok_embeddings")."""
+    if name == "tok_embeddings.weight":
+        return "output" if tied else "tok_embeddings"
+    return name.removesuffix(".weight")
+
+
 class ModelAssembler:
     def __init__(self, config: ModelConfig, path: str, dtype: torch.dtype, device: torch.device | str, desc: str,
-                 plan: WeightShard | None = None) -> None:
-        """`plan`: a tensor-parallel rank's shard; tensors are then handed over already sliced, in its shapes."""
+                 plan: WeightShard | None = None, quantization: Quantization = "none") -> None:
+        """`plan`: a tensor-parallel rank's shard; tensors are then handed over already sliced, in its shapes.
+        `quantization` "int8" / "int4": every matrix is quantized as it is handed over (`add`) or handed over
+        quantized (`add_layer`), so no float copy of the model ever exists; `finish` installs them."""
         self.plan = plan
         config = plan.local_config if plan is not None else config
         self.config, self.path, self.dtype, self.device = config, path, dtype, torch.device(device)
+        self.quantization = quantization
         self.expected = expected_shapes(config)
         self.tensors: dict[str, Tensor] = {}
+        self.layers: dict[str, QuantLinear] = {}  # quantized modules by `module_of` name
         self.progress = LoadProgress(len(self.expected), desc)
 
-    def add(self, name: str, tensor: Tensor, source_name: str, source_file: str | None = None) -> None:
-        """Take `tensor` for our parameter `name`, read from tensor `source_name` of `source_file` (a shard)."""
+    def _check(self, name: str, shape: tuple[int, ...], source_name: str, source_file: str | None) -> tuple[int, ...]:
         file = source_file or self.path
         want = self.expected.get(name)
         if want is None:
             raise CheckpointError(f"unexpected tensor (maps to {name!r}, which this config does not have)", path=file, tensor=source_name)
-        if tuple(tensor.shape) != want:
-            raise CheckpointError(f"expected shape {list(want)}, found {list(tensor.shape)}", path=file, tensor=source_name)
+        if tuple(shape) != want:
+            raise CheckpointError(f"expected shape {list(want)}, found {list(shape)}", path=file, tensor=source_name)
+        return want
+
+    def add(self, name: str, tensor: Tensor, source_name: str, source_file: str | None = None) -> None:
+        """Take `tensor` for our parameter `name`, read from tensor `source_name` of `source_file` (a shard)."""
+        self._check(name, tuple(tensor.shape), source_name, source_file)
+        kind = quantized_kind(self.quantization, name, *tensor.shape) if tensor.dim() == 2 else None
+        if kind is not None:
+            cls = Int4Linear if kind == "int4" else Int8Linear
+            self.add_layer(name, cls.from_float(tensor), source_name, source_file)
+            return
         self.tensors[name] = tensor.to(device=self.device, dtype=self.dtype)
         self.progress.advance(source_name, self.tensors[name].nbytes)
+
+    def add_layer(self, name: str, layer: QuantLinear, source_name: str, source_file: str | None = None) -> None:
+        """Take an already quantized matrix for our parameter `name` (a file's own blocks, or one just rounded)."""
+        self._check(name, (layer.out_features, layer.in_features), source_name, source_file)
+        self.layers[module_of(name, self.config.tie_embeddings)] = layer
+        self.tensors[name] = torch.empty(layer.out_features, layer.in_features, device="meta", dtype=self.dtype)
+        self.progress.advance(source_name, layer.decode_bytes)
 
     def finish(self, rope_freq_factors: Tensor | None = None) -> Transformer:
         missing = [n for n in self.expected if n not in self.tensors]
@@ -103,8 +146,11 @@ class ModelAssembler:
         with torch.device("meta"):
             model = Transformer(self.config)
         model.load_state_dict(stack_fused(self.tensors, self.config.n_layers), strict=False, assign=True)
+        self.tensors.clear()
         model.tie_weights()
         model.rope.reset(self.device, rope_freq_factors)
+        if self.quantization != "none":
+            quantize_model(model, self.quantization, self.layers)
         self.progress.close()
         if self.plan is not None:
             model.tp_plan = self.plan  # the whole model's config and this rank's slices (model/parallel/plan.py)

@@ -16,7 +16,8 @@ import torch
 from model import huge_pages, kernels
 
 from model.loaders.errors import CheckpointError
-from model.quantize import Quantization, quantize_model
+from model.loaders.memory import check_fits, process_peak_bytes
+from model.quantize import Quantization
 from model.loaders.shard import ShardFor
 from model.text.tokenizer import Tokenizer
 from model.transformer import Transformer
@@ -51,6 +52,26 @@ def _return_freed_memory() -> None:
         pass
 
 
+# GGUF types with no served format of their own (gguf_blocks.OWN_FORMAT): the log names them when a file has them.
+DEQUANTIZED = {"Q2_K", "Q3_K", "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_NL",
+               "IQ4_XS", "TQ1_0", "TQ2_0"}
+
+
+def _check_fits(weights: int, reserve: int, path: Path) -> None:
+    try:
+        check_fits(weights, reserve, path.name)
+    except MemoryError as e:
+        raise CheckpointError(str(e), path=str(path)) from None
+
+
+def _weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of every parameter and buffer, each tensor once (tied and shared tables count once)."""
+    seen: dict[int, int] = {}
+    for t in list(model.parameters()) + list(model.buffers()):
+        seen[t.data_ptr()] = max(seen.get(t.data_ptr(), 0), t.nbytes)
+    return sum(seen.values())
+
+
 @dataclass
 class LoadedModel:
     model: Transformer
@@ -58,6 +79,15 @@ class LoadedModel:
     path: Path
     name: str
     load_seconds: float
+
+    weight_bytes: int = 0  # the served weights (tied tensors once)
+    peak_bytes: int | None = None  # the process's peak resident memory when loading ended (VmHWM)
+
+    @property
+    def weight_mix(self) -> dict[str, int]:
+        """How the file's matrices are served: "Q4_K -> int4 (float16 scales)" -> count, "Q6_K -> int8
+        (requantized)", "F32 -> float32", ... (GGUF files; empty for others)."""
+        return dict(getattr(self.model, "weight_mix", {}) or {})
 
     @property
     def quantization(self) -> str:
@@ -72,9 +102,10 @@ class LoadedModel:
 
 
 def resolve_quantization(requested: str, path: Path, device: torch.device | str, reader=None) -> str:
-    """`--quantization auto`: a GGUF file whose block matrices are Q4_0 / Q4_1 is served as int4, Q8_0 as int8 (its
-    own blocks, as llama.cpp and Ollama serve them), where the native CPU kernels run; anything else (other types,
-    HF directories, CUDA, no kernels) as "none", the float model. Any other value is returned as it is."""
+    """`--quantization auto`: a GGUF file whose block matrices are mostly Q4_0 / Q4_1 / Q4_K is served as int4, Q8_0
+    / Q5_* / Q6_K as int8, each matrix at its own type's precision (model/loaders/gguf_blocks.py), where the native
+    CPU kernels run; anything else (float files, HF directories, CUDA, no kernels) as "none", the float model. Any
+    other value is returned as it is."""
     if requested != "auto":
         return requested
     if torch.device(device).type != "cpu" or kernels.native() is None or not path.is_file():
@@ -90,13 +121,16 @@ def load_model(
     device: torch.device | str = "cpu",
     quantization: Quantization | Literal["auto"] = "none",
     shard: ShardFor | None = None,
+    reserve_bytes: int = 0,
 ) -> LoadedModel:
     """A GGUF file or HF directory (None: the default model) -> model on `device` in `dtype`, plus its tokenizer.
-    `quantization` "int8" / "int4": weight-only quantized linear layers (CPU; model/quantize.py); "auto": the
-    file's own block format where the native kernels can serve it (`resolve_quantization`), else "none".
-    `shard`: only that tensor-parallel rank's share of the weights (model/parallel/plan.py)."""
-    from model.loaders.gguf_file import load_gguf, open_gguf, read_metadata
-    from model.loaders.hf import load_hf
+    `quantization` "int8" / "int4": weight-only quantized linear layers (CPU; model/quantize.py), each matrix
+    converted as it is read; "auto": each GGUF matrix at its own type's precision where the native kernels can serve
+    it (`resolve_quantization`), else "none". `shard`: only that tensor-parallel rank's share of the weights
+    (model/parallel/plan.py). `reserve_bytes`: what the caller will allocate next (the KV pool): a model whose
+    weights and that do not fit in the memory available is refused before any weight is read."""
+    from model.loaders.gguf_file import load_gguf, open_gguf, read_metadata, served_bytes_gguf
+    from model.loaders.hf import load_hf, served_bytes_hf
 
     start = time.perf_counter()
     if shard is not None and quantization not in ("none", "auto"):
@@ -109,7 +143,9 @@ def load_model(
     elif path.is_dir():
         quantization = resolve_quantization(quantization, path, device)
     if path.is_dir():
-        model = quantize_model(load_hf(path, dtype, device, shard=shard), quantization)
+        if shard is None and torch.device(device).type == "cpu":
+            _check_fits(served_bytes_hf(path, quantization, dtype), reserve_bytes, path)
+        model = load_hf(path, dtype, device, shard=shard, quantization=quantization)
         try:
             tokenizer = Tokenizer.from_hf_dir(path)
         except FileNotFoundError as e:
@@ -120,11 +156,14 @@ def load_model(
         if shard is None:
             quantization = resolve_quantization(quantization, path, device, reader)
         meta = read_metadata(reader)
+        if shard is None and torch.device(device).type == "cpu":
+            _check_fits(served_bytes_gguf(reader, quantization, requested == "auto", dtype), reserve_bytes, path)
         try:
             tokenizer = Tokenizer.from_gguf_metadata(meta)
         except (KeyError, ValueError) as e:
             raise CheckpointError(f"cannot rebuild the embedded tokenizer: {e}", path=str(path)) from None
-        model = load_gguf(path, dtype, device, reader=reader, meta=meta, quantization=quantization, shard=shard)
+        model = load_gguf(path, dtype, device, reader=reader, meta=meta, quantization=quantization, shard=shard,
+                          per_tensor=requested == "auto")
         name = path.name.removesuffix(".gguf")
     else:
         raise CheckpointError("no such file or directory", path=str(path))
@@ -134,10 +173,19 @@ def load_model(
         _return_freed_memory()  # the 4 KB-page copies
         log.info("weights: %.0f MB placed on 2 MB pages (the process holds %s MB of them)", placed / 2**20,
                  huge_pages.granted_mb())
+    weight_bytes = _weight_bytes(model)
+    mix = getattr(model, "weight_mix", None)
+    if mix:
+        log.info("weights: %.0f MB as served; the file's matrices: %s", weight_bytes / 2**20,
+                 ", ".join(f"{k}: {v}" for k, v in sorted(mix.items(), key=lambda kv: -kv[1])))
+        others = sorted({k.split(" ")[0] for k in mix if k.split(" ")[0] in DEQUANTIZED})
+        if others:
+            log.warning("tensors of type %s have no format of their own here: dequantized and rounded again",
+                        ", ".join(others))
     # Load (or, the first time on this machine, build) the native CPU kernels now rather than in the first request.
     cpu_kernels = kernels.status() if torch.device(device).type == "cpu" else "not used on " + str(device)
     seconds = time.perf_counter() - start
-    loaded = LoadedModel(model, tokenizer, path, name, seconds)
+    loaded = LoadedModel(model, tokenizer, path, name, seconds, weight_bytes, process_peak_bytes())
     log.info("loaded %s (%d parameters; %s (quantization %s%s); %s; CPU kernels: %s) in %.1fs", name,
              model.config.num_parameters(), loaded.precision, requested,
              f": {quantization}" if requested == "auto" else "", device, cpu_kernels, seconds)

@@ -1,11 +1,15 @@
-"""GGUF files (ggml's single-file format): metadata -> ModelConfig, tensors dequantized to the requested dtype.
+"""GGUF files (ggml's single-file format): metadata -> ModelConfig; tensors into the served format one at a time:
+quantized matrices straight from their blocks (model/loaders/gguf_blocks.py), the rest dequantized to the dtype.
 
-Spec: ggml `docs/gguf.md`. Read with the `gguf` package (memory-mapped); dequantization of F32, F16, BF16,
-Q4_0/Q4_1/Q5_0/Q5_1/Q8_0, the K-quants and the IQ types is the package's numpy reference code.
+Spec: ggml `docs/gguf.md`. Read with the `gguf` package (memory-mapped; each tensor's pages are dropped from the
+process once it is converted); dequantization of F32, F16, BF16, Q4_0/Q4_1/Q5_0/Q5_1/Q8_0, the K-quants and the IQ
+types is the package's numpy reference code.
 """
 
 from __future__ import annotations
 
+import mmap
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -18,9 +22,11 @@ from model.config import ModelConfig
 from model.loaders.assemble import LAYER_NAMES, ModelAssembler, NameMap
 from model.loaders.config_keys import config_from_gguf
 from model.loaders.errors import CheckpointError
-from model.quantize import Int4Linear, Int8Linear, Quantization, QuantLinear, gguf_q4_groups, quantize_model
+from model.loaders.memory import served_bytes
+from model.loaders.gguf_blocks import CHUNK_ELEMENTS, conversion, matrix_layer, own_format, unpermute_qk
+from model.quantize import GROUP_SIZE, Quantization
 from model.loaders.shard import ShardFor, WeightShard
-from model.transformer import Transformer
+from model.transformer import FUSED_PARTS, Transformer
 
 gguf_to_ours = NameMap(
     top={"token_embd.weight": "tok_embeddings.weight", "output_norm.weight": "norm.weight", "output.weight": "output.weight"},
@@ -74,36 +80,79 @@ def read_metadata(reader: GGUFReader) -> dict[str, Any]:
     return {key: field.contents() for key, field in reader.fields.items()}
 
 
-# The file's own block formats that the native kernels multiply as they are (model/quantize.py's int4 and int8).
-NATIVE_FORMATS = {"Q4_0": "int4", "Q4_1": "int4", "Q8_0": "int8"}
-
-
 def native_quantization(reader: GGUFReader) -> str:
-    """The quantization that serves this file's block matrices in their own format: "int4" for Q4_0 / Q4_1, "int8"
-    for Q8_0 (by the parameters of the blocks' 2-D weights, so a file of mixed types goes by its main one), else
-    "none" (float, K-quants and other types: dequantized, as before)."""
+    """The quantization that serves this file's block matrices at their own precision (`gguf_blocks.own_format`):
+    "int4" where most of the blocks' 2-D weights are Q4_0 / Q4_1 / Q4_K, "int8" where they are Q8_0 / Q5_* / Q6_K,
+    else "none" (float files and other types: the float model). Counted in parameters, so a file of mixed types
+    (a Q4_K_M file is mostly Q4_K) goes by its main one; each tensor then keeps its own (`served_formats`)."""
     params: dict[str, int] = {}
     for t in reader.tensors:
         if t.name.startswith("blk.") and len(t.shape) == 2:
-            kind = NATIVE_FORMATS.get(t.tensor_type.name, "none")
+            kind = own_format(t.tensor_type.name) or "none"
             params[kind] = params.get(kind, 0) + int(np.prod(t.shape))
     return max(params, key=params.get) if params else "none"
 
 
-def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
-    """Undo the row permutation llama.cpp's converter (`convert_hf_to_gguf.py`, `LlamaModel.permute`) applies to
-    wq/wk so ggml's interleaved RoPE (pairs 2i, 2i+1) matches HF's rotate-half (pairs i, i+E/2).
-    w (n_head * E, D) -> (n_head * E, D). transformers' `reverse_permute_weights` is the same map."""
-    rows = w.shape[0]
-    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+def served_formats(reader: GGUFReader, mode: str, per_tensor: bool, tied: bool) -> dict[str, str]:
+    """GGUF tensor name -> "int4" / "int8", the format each matrix is served in under quantization `mode`.
+
+    `per_tensor` (`--quantization auto`): each matrix at its own type's precision (`own_format`; a type with none is
+    requantized to int8), else every block matrix in `mode`. The LM head is int8 either way, and with tied embeddings
+    the table is the head; an untied table keeps its own format. The parts of a fused module (q/k/v, gate/up) must
+    share one kernel: where their formats differ (Q4_K_M's Q6_K attn_v beside Q4_K attn_q), all take int8. Int4
+    needs whole groups of 16 rows: else int8. Matrices whose input is not whole blocks of 32 are not listed (float)."""
+    kinds: dict[str, str] = {}
+    for t in reader.tensors:
+        ours = gguf_to_ours(t.name)
+        if ours is None or len(t.shape) != 2 or int(t.shape[0]) % GROUP_SIZE:
+            continue
+        own, rows = own_format(t.tensor_type.name), int(t.shape[1])
+        if ours == "output.weight" or (tied and ours == "tok_embeddings.weight"):
+            kind = "int8"
+        elif ours == "tok_embeddings.weight":
+            kind = own or "int8"
+        elif ours.startswith("layers.") and "_norm" not in ours:
+            kind = (own or "int8") if per_tensor else mode
+        else:
+            continue
+        kinds[t.name] = "int8" if kind == "int4" and rows % 16 else kind
+    by_ours = {gguf_to_ours(name): name for name in kinds}
+    for i in {n.split(".")[1] for n in by_ours if n and n.startswith("layers.")}:
+        for parts in FUSED_PARTS.values():
+            names = [by_ours.get(f"layers.{i}.{p}.weight") for p in parts]
+            if all(names) and len({kinds[n] for n in names}) > 1:
+                kinds.update({n: "int8" for n in names})
+    return kinds
+
+
+def served_bytes_gguf(reader: GGUFReader, quantization: str, per_tensor: bool, dtype: torch.dtype) -> int:
+    """What the file's weights will take once served under `quantization` (`served_formats`), before any is read."""
+    tied = "output.weight" not in {t.name for t in reader.tensors}
+    kinds = served_formats(reader, quantization, per_tensor, tied) if quantization != "none" else {}
+    fb, total = torch.empty((), dtype=dtype).element_size(), 0
+    for t in reader.tensors:
+        dims = [int(d) for d in reversed(t.shape.tolist())]
+        rows, cols = (dims[0], dims[1]) if len(dims) == 2 else (1, int(np.prod(dims)))
+        total += served_bytes(kinds.get(t.name, "float"), rows, cols, fb)
+    return total
 
 
 def _dequantize(reader_tensor: Any, path: str, rows: slice = slice(None)) -> np.ndarray:
-    """`rows`: only those rows (the outermost dim: ggml blocks run along the innermost one, so whole rows of a
-    quantized tensor are read and dequantized without the rest)."""
+    """The tensor (or only `rows`, the outermost dim: ggml blocks run along the innermost one, so whole rows of a
+    quantized tensor are read and dequantized without the rest) as float32, dequantized `CHUNK_ELEMENTS` at a time
+    into the result (the package's dequantization makes temporaries several times its input)."""
     qtype = reader_tensor.tensor_type
+    shape = tuple(int(d) for d in reversed(reader_tensor.shape.tolist()))  # ggml lists ne0 (innermost) first
+    data = reader_tensor.data.reshape(shape[0], -1)[rows]
+    shape = (data.shape[0], *shape[1:])
+    width = int(np.prod(shape[1:], dtype=np.int64)) or 1
+    out = np.empty(shape, dtype=np.float32)
+    flat = out.reshape(shape[0], -1)
+    step = max(1, CHUNK_ELEMENTS // width)
     try:
-        data = dequantize(reader_tensor.data[rows], qtype)
+        for a in range(0, shape[0], step):
+            part = dequantize(data[a : a + step], qtype)
+            flat[a : a + step] = np.asarray(part, dtype=np.float32).reshape(-1, width)
     except NotImplementedError:
         raise CheckpointError(
             f"unsupported GGUF tensor type {qtype.name}; supported: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, "
@@ -111,12 +160,23 @@ def _dequantize(reader_tensor: Any, path: str, rows: slice = slice(None)) -> np.
             path=path,
             tensor=reader_tensor.name,
         ) from None
-    shape = tuple(int(d) for d in reversed(reader_tensor.shape.tolist()))  # ggml lists ne0 (innermost) first
-    shape = (len(range(*rows.indices(shape[0]))), *shape[1:])
-    try:
-        return np.asarray(data, dtype=np.float32).reshape(shape)
     except ValueError:
-        raise CheckpointError(f"data of {data.size} values does not fill shape {list(shape)}", path=path, tensor=reader_tensor.name) from None
+        raise CheckpointError(f"data does not fill shape {list(shape)}", path=path, tensor=reader_tensor.name) from None
+    return out
+
+
+def _release(reader: GGUFReader, t: Any) -> None:
+    """Drop a converted tensor's file pages from this process (`MADV_DONTNEED` on its range of the read-only map):
+    they stay in the page cache, but no longer count in the process's memory, so the peak while loading is what it
+    keeps, not what it kept plus every page of the file it has read."""
+    mm = getattr(reader.data, "_mmap", None)
+    if mm is None or not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    start = t.data_offset // mmap.PAGESIZE * mmap.PAGESIZE
+    try:
+        mm.madvise(mmap.MADV_DONTNEED, start, t.data_offset + t.n_bytes - start)
+    except (OSError, ValueError):
+        pass
 
 
 def load_gguf(
@@ -127,10 +187,12 @@ def load_gguf(
     meta: dict[str, Any] | None = None,
     quantization: Quantization = "none",
     shard: ShardFor | None = None,
+    per_tensor: bool = False,
 ) -> Transformer:
     """`reader`/`meta`: an already opened file and its metadata, so the caller's tokenizer shares one read.
-    `quantization`: weight-only int8/int4 (model/quantize.py); Q4_0/Q4_1 matrices keep their own blocks with int4,
-    Q8_0 ones with int8, and a Q8_0 LM head (or tied embedding) with either.
+    `quantization` "int8" / "int4": every matrix goes straight from the file's blocks into its served format, one
+    tensor at a time (`served_formats`, `gguf_blocks.matrix_layer`): no float copy of the model; `per_tensor`
+    (`--quantization auto`): each at its own type's precision. `model.weight_mix` counts the conversions.
     `shard`: load only that tensor-parallel rank's slices (not with quantization). Row slices (wq/wk/wv/w1/w3) are cut
     from the quantized data before dequantizing; column slices (wo/w2) cut across ggml blocks, so those tensors are
     dequantized whole, one at a time, and sliced at once (a transient float32 copy of one tensor, never of the
@@ -141,60 +203,52 @@ def load_gguf(
     names = {t.name for t in reader.tensors}
     config = config_from_gguf(meta, source=path).replace(tie_embeddings="output.weight" not in names)
     plan = shard(config) if shard is not None else None
-    asm = ModelAssembler(config, path, dtype, device, f"load {Path(path).name}", plan)
+    if plan is not None:
+        quantization = "none"
+    asm = ModelAssembler(config, path, dtype, device, f"load {Path(path).name}", plan, quantization)
+    kinds = served_formats(reader, quantization, per_tensor, config.tie_embeddings) if quantization != "none" else {}
     rope_freq_factors = None
-    prequantized: dict[str, QuantLinear] = {}
+    mix: Counter[str] = Counter()
     for t in reader.tensors:
         if t.name == "rope_freqs.weight":
             # Llama 3.1 scaling as per-frequency divisors of inv_freq (llama.cpp `generate_extra_tensors`).
-            rope_freq_factors = torch.from_numpy(_dequantize(t, path).copy())
+            rope_freq_factors = torch.from_numpy(_dequantize(t, path))
             continue
         ours = gguf_to_ours(t.name)
         if ours is None:
             raise CheckpointError("unknown tensor name for a llama GGUF", path=path, tensor=t.name)
+        # (asm.config: this rank's head counts when sharded)
+        n_head = (asm.config.n_heads if t.name.endswith("attn_q.weight")
+                  else asm.config.n_kv_heads if t.name.endswith("attn_k.weight") else None)
+        kind = kinds.get(t.name)
+        if kind is not None:
+            shape = (int(t.shape[1]), int(t.shape[0]))
+            asm._check(ours, shape, t.name, None)
+            try:
+                layer = matrix_layer(t.data, t.tensor_type, kind, shape, n_head)
+            except CheckpointError as e:
+                raise CheckpointError(str(e), path=path, tensor=t.name) from None
+            asm.add_layer(ours, layer, t.name)
+            mix[conversion(t.tensor_type.name, kind)] += 1
+            _release(reader, t)
+            continue
         cut = plan.slice_of(ours) if plan is not None else None
         w = _dequantize(t, path, slice(cut[1], cut[2]) if cut and cut[0] == 0 else slice(None))
         # llama.cpp's q/k permutation moves rows within a head only, so un-permuting a slice of whole heads with
         # the slice's head count is the same as un-permuting the whole tensor and then slicing it
-        # (asm.config: this rank's head counts when sharded)
-        n_head = (asm.config.n_heads if t.name.endswith("attn_q.weight")
-                  else asm.config.n_kv_heads if t.name.endswith("attn_k.weight") else None)
         if n_head is not None:
             w = unpermute_qk(w, n_head)
         if cut and cut[0] == 1:
             w = np.ascontiguousarray(w[:, cut[1] : cut[2]])  # a copy: the whole dequantized tensor is freed
-        layer = _native_blocks(t, ours, quantization, w.shape, n_head, config.tie_embeddings) if plan is None else None
-        if layer is not None:
-            prequantized[layer[0]] = layer[1]
-        if not w.flags.writeable or not w.flags.c_contiguous:  # F32 data is a read-only view of the memory map
-            w = np.ascontiguousarray(w).copy()
-        asm.add(ours, torch.from_numpy(w), t.name)
+        if w.ndim == 2:
+            mix[f"{t.tensor_type.name} -> {str(dtype).removeprefix('torch.')}"] += 1
+        asm.add(ours, torch.from_numpy(np.ascontiguousarray(w)), t.name)
+        _release(reader, t)
     if rope_freq_factors is not None and rope_freq_factors.shape != (config.head_dim // 2,):
         raise CheckpointError(f"expected shape [{config.head_dim // 2}], found {list(rope_freq_factors.shape)}", path=path, tensor="rope_freqs.weight")
-    return quantize_model(asm.finish(rope_freq_factors), quantization, prequantized)
-
-
-def _native_blocks(t: Any, ours: str, quantization: str, shape: tuple[int, ...], n_head: int | None,
-                   tied: bool) -> tuple[str, QuantLinear] | None:
-    """A matrix whose blocks the quantized model keeps as they are: (our module name, layer), or None. The blocks'
-    Q4_0 / Q4_1 matrices with int4, Q8_0 ones with int8; and the LM head (`output`, or the tied embedding) in either
-    mode when it is Q8_0 (`quantize_model` keeps the head in int8 blocks), rows un-permuted like the float weight."""
-    kind = NATIVE_FORMATS.get(t.tensor_type.name)
-    if quantization == "none" or kind is None or len(shape) != 2:
-        return None
-    head = ours == "output.weight" or (tied and ours == "tok_embeddings.weight")
-    if ours.startswith("layers.") and kind == quantization:
-        name = ours.removesuffix(".weight")
-    elif head and kind == "int8":
-        name = "output"
-    else:
-        return None
-    if kind == "int8":
-        return name, Int8Linear.from_gguf_blocks(t.data, shape, n_head)
-    q, d, m = gguf_q4_groups(t.data, t.tensor_type.name, shape)
-    if n_head is not None:
-        q, d, m = (unpermute_qk(a, n_head) for a in (q, d, m))
-    return name, Int4Linear(*(torch.from_numpy(np.ascontiguousarray(a)) for a in (q, d, m)))
+    model = asm.finish(rope_freq_factors)
+    model.weight_mix = dict(mix)
+    return model
 
 
 __all__ = ["load_gguf", "open_gguf", "read_metadata", "native_quantization", "unpermute_qk", "GGMLQuantizationType"]

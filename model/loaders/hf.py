@@ -1,5 +1,6 @@
 """Hugging Face checkpoint directories: config.json + model.safetensors, or shards listed in
-model.safetensors.index.json. Tensors are read through safetensors' memory map one at a time and cast on the way.
+model.safetensors.index.json. Tensors are read one at a time (model/loaders/safetensors_file.py), cast on the way,
+and with `quantization` rounded into their served format at once: a bfloat16 8B checkpoint never exists in float32.
 """
 
 from __future__ import annotations
@@ -9,13 +10,15 @@ import re
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
 
 from model.config import ModelConfig
-from model.loaders.assemble import LAYER_NAMES, ModelAssembler, NameMap
+from model.loaders.assemble import LAYER_NAMES, ModelAssembler, NameMap, quantized_kind
+from model.loaders.memory import served_bytes
 from model.loaders.config_keys import config_from_hf
 from model.loaders.errors import CheckpointError
+from model.loaders.safetensors_file import SafetensorsFile
 from model.loaders.shard import ShardFor, WeightShard
+from model.quantize import Quantization
 from model.transformer import Transformer
 
 # transformers' LlamaForCausalLM names -> ours (Meta's llama names).
@@ -61,41 +64,59 @@ def _weight_files(directory: Path) -> dict[str, list[str] | None]:
     )
 
 
-def _read(f, name: str, ours: str, plan: WeightShard | None) -> torch.Tensor:
+def _read(f: SafetensorsFile, name: str, ours: str, plan: WeightShard | None) -> torch.Tensor:
     s = plan.slice_of(ours) if plan is not None else None
     if s is None:
-        return f.get_tensor(name)
+        return f.read(name)
     dim, start, stop = s
-    view = f.get_slice(name)
-    return view[start:stop] if dim == 0 else view[:, start:stop]
+    if dim == 0:
+        return f.read(name, (start, stop))
+    return f.read(name)[:, start:stop].contiguous()  # a column slice: the whole tensor, one at a time
 
 
 def load_hf(
-    directory: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", shard: ShardFor | None = None
+    directory: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", shard: ShardFor | None = None,
+    quantization: Quantization = "none",
 ) -> Transformer:
-    """`shard`: load only that tensor-parallel rank's slices (read through the memory map, never the whole tensor)."""
+    """`shard`: load only that tensor-parallel rank's slices (row slices read alone, column slices cut from the one
+    tensor). `quantization` "int8" / "int4": each matrix quantized as it is read (`ModelAssembler.add`)."""
     directory = Path(directory)
     config = read_hf_config(directory)
     plan = shard(config) if shard is not None else None
-    asm = ModelAssembler(config, str(directory), dtype, device, f"load {directory.name}", plan)
+    asm = ModelAssembler(config, str(directory), dtype, device, f"load {directory.name}", plan,
+                         quantization if plan is None else "none")
     for file, names in _weight_files(directory).items():
         path = directory / file
         if not path.is_file():
             raise CheckpointError("shard listed in model.safetensors.index.json is missing", path=str(path))
-        try:
-            with safe_open(str(path), framework="pt", device="cpu") as f:
-                present = set(f.keys())
-                for name in names if names is not None else sorted(present):
-                    if name not in present:
-                        raise CheckpointError("tensor listed in the index is not in this shard", path=str(path), tensor=name)
-                    ours = hf_to_ours(name)
-                    if ours is None:
-                        if _IGNORED.fullmatch(name):
-                            continue
-                        raise CheckpointError("unknown tensor name for a LLaMA checkpoint", path=str(path), tensor=name)
-                    if ours == "output.weight" and config.tie_embeddings:
-                        continue  # tied: the embedding serves as the head
-                    asm.add(ours, _read(f, name, ours, plan), name, str(path))
-        except SafetensorError as e:
-            raise CheckpointError(f"cannot read safetensors data (truncated or corrupt file?): {e}", path=str(path)) from None
+        with SafetensorsFile(path) as f:
+            present = set(f.keys())
+            for name in names if names is not None else sorted(present):
+                if name not in present:
+                    raise CheckpointError("tensor listed in the index is not in this shard", path=str(path), tensor=name)
+                ours = hf_to_ours(name)
+                if ours is None:
+                    if _IGNORED.fullmatch(name):
+                        continue
+                    raise CheckpointError("unknown tensor name for a LLaMA checkpoint", path=str(path), tensor=name)
+                if ours == "output.weight" and config.tie_embeddings:
+                    continue  # tied: the embedding serves as the head
+                asm.add(ours, _read(f, name, ours, plan), name, str(path))
     return asm.finish()
+
+
+def served_bytes_hf(directory: Path, quantization: str, dtype: torch.dtype) -> int:
+    """What the checkpoint's weights will take once served, from the files' headers alone (`memory.served_bytes`)."""
+    config = read_hf_config(directory)
+    fb, total = torch.empty((), dtype=dtype).element_size(), 0
+    for file in _weight_files(directory):
+        if not (directory / file).is_file():
+            continue
+        with SafetensorsFile(directory / file) as f:
+            for name in f.keys():
+                ours, shape = hf_to_ours(name), f.shape(name)
+                if ours is None or (ours == "output.weight" and config.tie_embeddings):
+                    continue
+                rows, cols = (shape[0], shape[1]) if len(shape) == 2 else (1, shape[0] if shape else 1)
+                total += served_bytes(quantized_kind(quantization, ours, rows, cols) or "float", rows, cols, fb)
+    return total

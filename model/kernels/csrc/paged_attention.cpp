@@ -2,6 +2,7 @@
 // 2023): each (sequence, KV head) walks its block table, so no per-step gather of whole sequences, no padding
 // to the longest context and no mask. Softmax(q k^T / sqrt(E)) v (Vaswani et al. 2017) with grouped-query
 // heads (Ainslie et al. 2023): query head h reads KV head h / (H / K), as SDPA's enable_gqa does.
+#include <cstring>
 #include <vector>
 
 #include "attention_telemetry.h"
@@ -138,16 +139,154 @@ struct PoolRows {  // position s of one sequence, one KV head -> its K and V row
   const T* v(int64_t s) const { return vp + at(s); }
 };
 
+#if LS_AVX2
+// Several queries of one sequence and one KV head (the G query heads that share it, over up to TILE_ROWS rows of a
+// prefill chunk) against the same keys: FlashAttention's point (Dao et al. 2022) that a key block is read from
+// memory once per query tile, not once per query, without its arithmetic: every query's scores, max, exponentials,
+// sum and weighted values are computed by exactly the operations `attend_head` does, in the same order (8-key groups
+// then the scalar tail; the values accumulated position by position), only interleaved with the other queries' at
+// the granularity of a block of positions. So a row's output is bitwise the same alone (decode) or in a tile
+// (prefill), whatever its neighbours. qf (Qn, E) scaled queries; len (Qn,); sc (Qn, ld) scores -> exp(score - max),
+// sums (Qn,) their sums; acc (Qn, E) the unnormalised outputs.
+template <typename T, typename At>
+static void attend_tile(const float* qf, const int64_t* len, int64_t Qn, int64_t E, const At& at, float* sc, int64_t ld,
+                        float* sums, float* acc) {
+  const int64_t BS = E <= 64 ? 64 : 32;  // positions per block: its K (or V) rows stay in L1 across the tile's queries
+  int64_t lmax = 0;
+  for (int64_t i = 0; i < Qn; ++i) lmax = std::max(lmax, len[i]);
+  std::vector<__m256> mv(Qn, _mm256_set1_ps(-INFINITY));
+  std::vector<float> tail_max(Qn, -INFINITY);
+  for (int64_t b0 = 0; b0 < lmax; b0 += BS) {
+    for (int64_t i = 0; i < Qn; ++i) {
+      const int64_t L = len[i], vec_end = L / 8 * 8;  // groups of 8 while s + 8 <= L, as attend_head
+      if (b0 >= L) continue;
+      const float* q = qf + i * E;
+      float* si = sc + i * ld;
+      for (int64_t s = b0; s < std::min(b0 + BS, vec_end); s += 8) {
+        __m256 d[8];
+        for (int j = 0; j < 8; ++j) {
+          const T* k = at.k(s + j);
+          __m256 a = _mm256_mul_ps(_mm256_loadu_ps(q), load8(k));
+          for (int64_t e = 8; e < E; e += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + e), load8(k + e), a);
+          d[j] = a;
+        }
+        const __m256 v = hsum8x8(d);
+        _mm256_storeu_ps(si + s, v);
+        mv[i] = _mm256_max_ps(mv[i], v);
+      }
+      for (int64_t s = std::max(b0, vec_end); s < std::min(b0 + BS, L); ++s) {
+        si[s] = dot(q, at.k(s), E);
+        tail_max[i] = std::max(tail_max[i], si[s]);
+      }
+    }
+  }
+  for (int64_t i = 0; i < Qn; ++i) {  // attend_head's exponentials and sum, as they are
+    const int64_t L = len[i];
+    float* si = sc + i * ld;
+    const float mx = std::max(hmax(mv[i]), tail_max[i]);
+    const __m256 m8 = _mm256_set1_ps(mx);
+    __m256 sv = _mm256_setzero_ps();
+    int64_t s = 0;
+    for (; s + 8 <= L; s += 8) {
+      const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(si + s), m8));
+      _mm256_storeu_ps(si + s, e);
+      sv = _mm256_add_ps(sv, e);
+    }
+    float sum = hsum(sv);
+    for (; s < L; ++s) {
+      si[s] = std::exp(si[s] - mx);
+      sum += si[s];
+    }
+    sums[i] = sum;
+  }
+  std::fill(acc, acc + Qn * E, 0.f);
+  const int64_t NV = E / 8;
+  for (int64_t b0 = 0; b0 < lmax; b0 += BS) {
+    for (int64_t i = 0; i < Qn; ++i) {  // acc += p[s] v(s), position by position, one fma per lane (as axpy)
+      const int64_t end = std::min(b0 + BS, len[i]);
+      const float* p = sc + i * ld;
+      float* a = acc + i * E;
+      if (E == 64) {
+        __m256 r[8];
+        for (int v = 0; v < 8; ++v) r[v] = _mm256_loadu_ps(a + 8 * v);
+        for (int64_t s = b0; s < end; ++s) {
+          const __m256 ps = _mm256_set1_ps(p[s]);
+          const T* vs = at.v(s);
+          for (int v = 0; v < 8; ++v) r[v] = _mm256_fmadd_ps(ps, load8(vs + 8 * v), r[v]);
+        }
+        for (int v = 0; v < 8; ++v) _mm256_storeu_ps(a + 8 * v, r[v]);
+      } else {
+        for (int64_t s = b0; s < end; ++s) {
+          const __m256 ps = _mm256_set1_ps(p[s]);
+          const T* vs = at.v(s);
+          for (int64_t v = 0; v < NV; ++v) _mm256_storeu_ps(a + 8 * v, _mm256_fmadd_ps(ps, load8(vs + 8 * v), _mm256_loadu_ps(a + 8 * v)));
+        }
+      }
+    }
+  }
+}
+#endif
+
+// Rows of a prefill chunk attend over the same sequence's blocks: up to this many share a tile.
+constexpr int64_t TILE_ROWS = 8;
+
 // q (N, H, E) packed rows (token stride q_stride); k_pool, v_pool (NB, bs, K, E); rows (R,) which packed rows are
 // decode rows; tables (R, W) their block ids; lens (R,) their context lengths; out (N, H, E): rows `rows` are
 // written. Task idx = (row, query head): tasks [begin, end). `tel`: where the rows that asked for it record their
-// softmax (attention_telemetry.h); null: nobody asked.
+// softmax (attention_telemetry.h); null: nobody asked. Consecutive rows with the same block table (one sequence's
+// prefill chunk) and the query heads of one KV head run as one tile (`attend_tile`); a task's result is the same
+// in any tile or alone, so neither the split between threads nor the neighbours change it.
 template <typename T>
 static void decode_range(const T* q, int64_t q_stride, const T* kp, const T* vp, const int64_t* rows, const int64_t* tables,
                          const int64_t* lens, T* out, int64_t W, int64_t H, int64_t K, int64_t E, int64_t bs,
                          int64_t begin, int64_t end, const Telemetry* tel) {
   const int64_t G = H / K;
   const float scale = 1.f / std::sqrt(static_cast<float>(E));
+#if LS_AVX2
+  if (E % 8 == 0) {
+    std::vector<float> qf, sc, acc, sums;
+    std::vector<int64_t> qlen, qtask;
+    for (int64_t idx = begin; idx < end;) {
+      const int64_t r0 = idx / H, r_last = (end - 1) / H;
+      int64_t r1 = r0 + 1;
+      while (r1 <= r_last && r1 - r0 < TILE_ROWS && std::memcmp(tables + r1 * W, tables + r0 * W, W * sizeof(int64_t)) == 0) ++r1;
+      const int64_t t_end = std::min(end, r1 * H);
+      for (int64_t kh = 0; kh < K; ++kh) {
+        qtask.clear();
+        qlen.clear();
+        int64_t lmax = 0;
+        for (int64_t r = r0; r < r1; ++r)
+          for (int64_t h = kh * G; h < (kh + 1) * G; ++h)
+            if (r * H + h >= idx && r * H + h < t_end) {
+              qtask.push_back(r * H + h);
+              qlen.push_back(lens[r]);
+              lmax = std::max(lmax, lens[r]);
+            }
+        const int64_t Qn = static_cast<int64_t>(qtask.size());
+        if (Qn == 0) continue;
+        qf.resize(Qn * E);
+        sc.resize(Qn * std::max<int64_t>(lmax, 1));
+        acc.resize(Qn * E);
+        sums.resize(Qn);
+        for (int64_t i = 0; i < Qn; ++i) {
+          const int64_t r = qtask[i] / H, h = qtask[i] % H;
+          for (int64_t e = 0; e < E; ++e) qf[i * E + e] = to_f(q[rows[r] * q_stride + h * E + e]) * scale;
+        }
+        const PoolRows<T> at{kp, vp, tables + r0 * W, BlockOf(bs), K * E, kh * E};
+        attend_tile<T>(qf.data(), qlen.data(), Qn, E, at, sc.data(), std::max<int64_t>(lmax, 1), sums.data(), acc.data());
+        for (int64_t i = 0; i < Qn; ++i) {
+          const int64_t r = qtask[i] / H, h = qtask[i] % H;
+          T* o = out + (rows[r] * H + h) * E;
+          const float inv = 1.f / sums[i];
+          for (int64_t e = 0; e < E; ++e) o[e] = from_f<T>(acc[i * E + e] * inv);
+          if (tel != nullptr && tel->slot[r] >= 0) tel->record(tel->slot[r], h, sc.data() + i * std::max<int64_t>(lmax, 1), qlen[i], sums[i]);
+        }
+      }
+      idx = t_end;
+    }
+    return;
+  }
+#endif
   std::vector<float> qf(E), acc(E), scores;
   for (int64_t idx = begin; idx < end; ++idx) {
     const int64_t r = idx / H, h = idx % H, row = rows[r], len = lens[r];

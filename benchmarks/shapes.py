@@ -1,0 +1,233 @@
+"""Real model shapes against llama.cpp's `llama-server`, same file, same run, over HTTP: load time, peak memory,
+single-stream decode, 32 concurrent, 512-token prefill.
+
+    python -m benchmarks.shapes [--shapes 1b 8b] [--types Q4_0 Q4_K_M] [--rounds 1] [--cache DIR]
+
+Random-weight LLaMA GGUFs of the Llama-3.2-1B, Llama-3.2-3B and Llama-3.1-8B shapes (layers, widths, heads, KV
+heads, FFN width; the default model's tokenizer and so its 49,152-entry vocabulary, not Llama 3's 128k), written
+once as Q8_0 blocks of random int8 weights (std ~0.02), then `llama-quantize --allow-requantize` to Q4_0 and Q4_K_M
+(llama.cpp's own choice of per-tensor types: Q4_K_M puts Q6_K in the head and in some attn_v / ffn_down), cached in
+`--cache`. Not part of CI: it needs llama.cpp's `llama-quantize` and `llama-server` (benchmarks/README.md).
+
+Each file is served by both in turn, one server up at a time (an 8B file twice would not fit), both with the same
+context: llama-server `-np 32 -c 20480` (640 tokens a slot), ours `--kv-cache-bytes` for 20,480 tokens at its KV
+precision. Load time: process start to /health 200. Peak memory: the server process's VmHWM after the workloads.
+The workloads are benchmarks/vs_llama_server.py's (streamed /v1/completions, token-id prompts, greedy, EOS
+ignored, 64 new tokens): single stream (median of 3), 32 concurrent, one 512-token prefill.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from benchmarks import vs_llama_server as vs
+from benchmarks.load import ServedProcess
+from benchmarks.machine import machine_info
+
+# (n_layers, dim, n_heads, n_kv_heads, ffn, tied, rope theta): the published configs' shapes
+SHAPES = {
+    "1b": (16, 2048, 32, 8, 8192, True, 500000.0),
+    "3b": (28, 3072, 24, 8, 8192, True, 500000.0),
+    "8b": (32, 4096, 32, 8, 14336, False, 500000.0),
+}
+CONTEXT = vs.CONCURRENT * vs.SLOT_CONTEXT  # 20,480 tokens, both sides
+WEIGHT_STD = 0.02
+
+
+def _tokenizer_fields(default_gguf: Path):
+    from gguf import GGUFReader
+
+    r = GGUFReader(default_gguf)
+    return r, [f for name, f in r.fields.items() if name.startswith("tokenizer.")]
+
+
+def write_random(path: Path, shape: tuple, default_gguf: Path, qtype: str = "Q8_0", seed: int = 0) -> None:
+    """A random-weight llama GGUF of `shape` (a `SHAPES` entry) whose matrices are Q8_0 or Q4_0 blocks of random
+    integers (weights of std ~0.02, norms 1), the default model's tokenizer; written tensor by tensor, never the
+    whole model in memory."""
+    from gguf import GGMLQuantizationType as Q, GGUFValueType, GGUFWriter
+
+    n_layers, dim, heads, kv, ffn, tied, theta = shape
+    reader, tok_fields = _tokenizer_fields(default_gguf)
+    vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
+    w = GGUFWriter(str(path), "llama")
+    w.add_name(path.stem)
+    w.add_block_count(n_layers)
+    w.add_context_length(131072)
+    w.add_embedding_length(dim)
+    w.add_feed_forward_length(ffn)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_freq_base(theta)
+    w.add_rope_dimension_count(dim // heads)
+    w.add_vocab_size(vocab)
+    w.add_file_type({"Q8_0": 7, "Q4_0": 2}[qtype])  # llama_ftype MOSTLY_Q8_0 / MOSTLY_Q4_0
+    for f in tok_fields:  # the default model's tokenizer, as it is
+        if f.types[0] == GGUFValueType.ARRAY:
+            w.add_key_value(f.name, f.contents(), f.types[0], sub_type=f.types[-1])
+        else:
+            w.add_key_value(f.name, f.contents(), f.types[0])
+    hd = dim // heads
+    tensors: list[tuple[str, tuple[int, ...]]] = [("token_embd.weight", (vocab, dim))]
+    for i in range(n_layers):
+        tensors += [(f"blk.{i}.attn_norm.weight", (dim,)), (f"blk.{i}.attn_q.weight", (heads * hd, dim)),
+                    (f"blk.{i}.attn_k.weight", (kv * hd, dim)), (f"blk.{i}.attn_v.weight", (kv * hd, dim)),
+                    (f"blk.{i}.attn_output.weight", (dim, heads * hd)), (f"blk.{i}.ffn_norm.weight", (dim,)),
+                    (f"blk.{i}.ffn_gate.weight", (ffn, dim)), (f"blk.{i}.ffn_up.weight", (ffn, dim)),
+                    (f"blk.{i}.ffn_down.weight", (dim, ffn))]
+    tensors.append(("output_norm.weight", (dim,)))
+    if not tied:
+        tensors.append(("output.weight", (vocab, dim)))
+    block = {"Q8_0": 34, "Q4_0": 18}[qtype]
+    for name, shp in tensors:
+        if len(shp) == 1:
+            w.add_tensor_info(name, shp, np.dtype(np.float32), shp[0] * 4)
+        else:
+            nbytes = shp[0] * shp[1] // 32 * block
+            w.add_tensor_info(name, (shp[0], shp[1] // 32 * block), np.dtype(np.uint8), nbytes, raw_dtype=Q[qtype])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    rng = np.random.default_rng(seed)
+    # uniform q: Q8_0's in [-127, 127] has std 73 d; Q4_0's d (q - 8), q in [0, 15], std 4.6 d
+    d = np.frombuffer(np.float16(WEIGHT_STD / (73.3 if qtype == "Q8_0" else 4.61)).tobytes(), dtype=np.uint8)
+    for name, shp in tensors:
+        if len(shp) == 1:
+            w.write_tensor_data(np.ones(shp, dtype=np.float32))
+            continue
+        blocks = np.empty((shp[0], shp[1] // 32, block), dtype=np.uint8)
+        blocks[..., 0:2] = d
+        for a in range(0, shp[0], 4096):  # (random bytes made in row chunks: rng temporaries stay small)
+            blocks[a : a + 4096, :, 2:] = rng.integers(0, 256, size=blocks[a : a + 4096, :, 2:].shape, dtype=np.uint8)
+        if qtype == "Q8_0":
+            blocks[..., 2:] = np.where(blocks[..., 2:] == 128, 129, blocks[..., 2:])  # int8 -128 is not a Q8_0 value
+        w.write_tensor_data(blocks.reshape(shp[0], -1))
+        del blocks
+    w.close()
+
+
+def model_file(cache: Path, shape: str, qtype: str, quantize_bin: Path, default_gguf: Path) -> Path:
+    """The cached file of `shape` in `qtype` ("Q8_0", "Q4_0", "Q4_K_M"), made (and its Q8_0 source) if missing."""
+    cache.mkdir(parents=True, exist_ok=True)
+    q8 = cache / f"llama-{shape}-Q8_0.gguf"
+    if not q8.is_file():
+        print(f"writing {q8}", flush=True)
+        write_random(q8.with_suffix(".part"), SHAPES[shape], default_gguf)
+        q8.with_suffix(".part").rename(q8)
+    if qtype == "Q8_0":
+        return q8
+    out = cache / f"llama-{shape}-{qtype}.gguf"
+    if not out.is_file():
+        print(f"llama-quantize {q8.name} -> {qtype}", flush=True)
+        subprocess.run([str(quantize_bin), "--allow-requantize", str(q8), str(out.with_suffix(".part")), qtype,
+                        str(len(os.sched_getaffinity(0)))], check=True, stdout=subprocess.DEVNULL)
+        out.with_suffix(".part").rename(out)
+    return out
+
+
+def _peak_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _kv_bytes_per_token(path: Path) -> int:
+    """Our float32 KV cache: K and V, every layer, the KV heads' width, 4 bytes."""
+    from model.loaders.gguf_file import open_gguf, read_metadata
+    from model.loaders.config_keys import config_from_gguf
+
+    c = config_from_gguf(read_metadata(open_gguf(path)), source=str(path))
+    return 2 * c.n_layers * c.n_kv_heads * c.head_dim * 4
+
+
+def measure(name: str, start, vocab_hint: int, rounds: int, client: str) -> dict:
+    t0 = time.perf_counter()
+    server = start()
+    load_s = time.perf_counter() - t0
+    out: dict = {"load_s": load_s}
+    try:
+        vocab = vs._vocab(server.url) if name == "ours" else vocab_hint
+        vs.single_stream(server.url, vocab, seed=10_000, client=client)  # warm-up
+        singles, conc, pre = [], [], []
+        for r in range(rounds):
+            singles += [vs.single_stream(server.url, vocab, seed=3 * r + i, client=client)["decode_tok_s"] for i in range(3)]
+            conc.append(vs.concurrent(server.url, vocab, seed=100 + r, client=client)["throughput_tok_s"])
+            pre.append(vs.prefill(server.url, vocab, seed=200 + r, client=client)["prefill_tok_s"])
+        out.update(decode_tok_s=statistics.median(singles), throughput_tok_s=statistics.median(conc),
+                   prefill_tok_s=statistics.median(pre), peak_rss_bytes=_peak_bytes(server.proc.pid))
+        if name == "ours":
+            out["model_card"] = __import__("httpx").get(server.url + "/v1/models", timeout=10).json()["data"][0]
+    finally:
+        out["exit"] = server.stop(grace=0) if name != "ours" else server.stop()
+    print(f"  {name:>12}: load {out['load_s']:5.1f} s  peak {out.get('peak_rss_bytes', 0) / 2**30:5.2f} GiB  "
+          f"single {out.get('decode_tok_s', 0):6.1f}  32-concurrent {out.get('throughput_tok_s', 0):6.1f}  "
+          f"prefill {out.get('prefill_tok_s', 0):6.1f} tok/s", flush=True)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.shapes", description=__doc__.split("\n\n")[0])
+    p.add_argument("--shapes", nargs="+", default=["1b", "8b"], choices=sorted(SHAPES))
+    p.add_argument("--types", nargs="+", default=["Q4_0", "Q4_K_M"])
+    p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--cache", type=Path, default=Path("/work/peers/shapes"))
+    p.add_argument("--llama-server", type=Path, default=Path(shutil.which("llama-server") or "/work/peers/llama-server"))
+    p.add_argument("--llama-quantize", type=Path, default=Path(shutil.which("llama-quantize") or "/work/peers/llama-quantize"))
+    p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    p.add_argument("--ours-args", default="")
+    p.add_argument("--client", choices=("raw", "httpx"), default="raw")
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results/shapes.json"))
+    args = p.parse_args(argv)
+    for tool in (args.llama_server, args.llama_quantize):
+        if not tool.is_file():
+            print(f"{tool} not found (llama.cpp peer; see benchmarks/README.md)", file=sys.stderr)
+            return 2
+    torch.set_num_threads(1)
+    from model.loaders.checkpoint import default_model_path
+
+    logs = Path(tempfile.mkdtemp(prefix="shapes-"))
+    result = {"machine": machine_info("cpu", args.threads), "context_tokens": CONTEXT, "runs": []}
+    print(f"server logs in {logs}", flush=True)
+    for shape in args.shapes:
+        for qtype in args.types:
+            path = model_file(args.cache, shape, qtype, args.llama_quantize, default_model_path())
+            print(f"{path.name} ({path.stat().st_size / 2**20:.0f} MiB)", flush=True)
+            kv = CONTEXT * _kv_bytes_per_token(path)
+            run = {"shape": shape, "type": qtype, "file": str(path), "file_bytes": path.stat().st_size,
+                   "ours_kv_cache_bytes": kv}
+            ours_cmd = ["--model", str(path), "--kv-cache-bytes", str(kv), *args.ours_args.split()]
+            run["ours"] = measure("ours", lambda: ServedProcess(ours_cmd, logs / f"{path.stem}.ours.log"), 0,
+                                  args.rounds, args.client)
+            vocab = run["ours"]["model_card"].get("vocab_size") or 49152
+            run["llama-server"] = measure("llama-server", lambda: vs.LlamaServer(args.llama_server, path, args.threads,
+                                                                                logs / f"{path.stem}.peer.log"),
+                                          vocab, args.rounds, args.client)
+            o, pe = run["ours"], run["llama-server"]
+            run["ratios"] = {k: o[k] / pe[k] for k in ("decode_tok_s", "throughput_tok_s", "prefill_tok_s")}
+            run["ratios"]["peak_rss"] = o["peak_rss_bytes"] / pe["peak_rss_bytes"]
+            run["ratios"]["load_s"] = o["load_s"] / pe["load_s"]
+            print("  ratios: " + ", ".join(f"{k} {v:.2f}x" for k, v in run["ratios"].items()), flush=True)
+            result["runs"].append(run)
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,66 @@
+"""What a checkpoint will take once served, known from its headers before any weight is read, and what the machine
+can give: a checkpoint too large is refused with the figure it needs, not killed by the kernel half-way through."""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+from model.quantize import GROUP_SIZE
+
+# Bytes per weight of the served formats (model/quantize.py): int4 nibbles + float16 d and m per 32; int8 + float16 d.
+INT4_BYTES = 0.5 + 4 / GROUP_SIZE
+INT8_BYTES = 1 + 2 / GROUP_SIZE
+
+
+def served_bytes(kind: str, rows: int, cols: int, float_bytes: int) -> int:
+    """Bytes a (rows, cols) matrix takes served as `kind` ("int4", "int8", or a float of `float_bytes`)."""
+    if kind == "int4":
+        return math.ceil(rows * cols * INT4_BYTES)
+    if kind == "int8":
+        return math.ceil(-(-rows // 8) * 8 * cols * INT8_BYTES)
+    return rows * cols * float_bytes
+
+
+def available_bytes() -> int | None:
+    """Memory this process may still take: MemAvailable, lowered to the cgroup's limit less its usage where one is
+    set (cgroup v2 `memory.max`, as a container runtime sets it). None where neither can be read."""
+    found: list[int] = []
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    found.append(int(line.split()[1]) * 1024)
+    except (OSError, ValueError, IndexError):
+        pass
+    cg = Path("/sys/fs/cgroup")
+    try:
+        limit = (cg / "memory.max").read_text().strip()
+        if limit != "max":
+            found.append(int(limit) - int((cg / "memory.current").read_text()))
+    except (OSError, ValueError):
+        pass
+    return min(found) if found else None
+
+
+def check_fits(weights: int, reserve: int, what: str, available: int | None = None) -> None:
+    """Raise MemoryError naming the figures when `weights` + `reserve` (the KV pool) exceed what the machine has."""
+    available = available_bytes() if available is None else available
+    if available is not None and weights + reserve > available:
+        raise MemoryError(
+            f"{what} needs {(weights + reserve) / 2**30:.1f} GiB (weights {weights / 2**30:.1f} GiB + KV pool "
+            f"{reserve / 2**30:.1f} GiB) but {available / 2**30:.1f} GiB is available: choose a smaller quantization "
+            "(--quantization int4), a smaller --kv-cache-bytes, or a machine with more memory")
+
+
+def process_peak_bytes() -> int | None:
+    """This process's peak resident set so far (VmHWM), or None off Linux."""
+    try:
+        with open(f"/proc/{os.getpid()}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
