@@ -252,10 +252,11 @@ class QuantEmbedding(nn.Module):
     embeddings it is the LM head itself (llama.cpp keeps `token_embd` quantized and dequantizes the rows it gets,
     `ggml_get_rows`). A gathered row equals the layer's `reference_dequantize` row bit for bit."""
 
-    def __init__(self, table: QuantLinear, dtype: torch.dtype) -> None:
+    def __init__(self, table: QuantLinear, dtype: torch.dtype, num_embeddings: int | None = None) -> None:
+        """`num_embeddings`: the vocabulary, where the table has padding rows past it."""
         super().__init__()
         self.table, self.dtype = table, dtype
-        self.num_embeddings, self.embedding_dim = table.out_features, table.in_features
+        self.num_embeddings, self.embedding_dim = num_embeddings or table.out_features, table.in_features
 
     def forward(self, tokens: Tensor) -> Tensor:  # (...) int64 -> (..., D)
         idx = tokens.reshape(-1)
@@ -325,7 +326,7 @@ def quantize_model(model: nn.Module, mode: Quantization, prequantized: dict[str,
     if table is None:
         tied = model.config.tie_embeddings and head.out_features == model.config.vocab_size
         table = head if tied else _quantized("tok_embeddings", model.tok_embeddings.weight, Int8Linear, {})
-    model.output, model.tok_embeddings = head, QuantEmbedding(table, dtype)
+    model.output, model.tok_embeddings = head, QuantEmbedding(table, dtype, model.config.vocab_size)
     model.quantization = mode
     return model
 

@@ -10,7 +10,7 @@ import torch
 
 from model import huge_pages
 from model.engine import Engine, EngineConfig
-from model.quantize import quantize_model
+from model.quantize import QuantEmbedding, quantize_model
 from tiny import byte_tokenizer, greedy_tokens, tiny_model
 
 
@@ -23,18 +23,26 @@ def test_arena_is_zeroed_and_starts_on_a_huge_page():
     assert kv.shape == (2, 3, 4) and kv.dtype == torch.bfloat16 and not kv.any()
 
 
+def _tied(model) -> bool:
+    """The head and the embedding table are one tensor (float) or one module (quantized: `QuantEmbedding`)."""
+    emb = model.tok_embeddings
+    if isinstance(emb, QuantEmbedding):
+        return emb.table is model.output and emb.table.weight is model.output.weight
+    return model.output.weight is emb.weight
+
+
 @pytest.mark.parametrize("mode", ["none", "int8", "int4"])
 def test_placed_weights_serve_the_same_tokens(mode):
     prompts = [[5, 9, 2, 7, 1], [3, 3, 8] * 4]
     model = quantize_model(tiny_model(seed=2), mode)
     want = greedy_tokens(model, prompts)
     before = {name: t.clone() for name, t in model.state_dict().items()}
-    tied = model.output.weight is model.tok_embeddings.weight
+    tied = _tied(model)
     placed = huge_pages.place_weights(model, min_bytes=1024)
     assert placed > 0
     after = model.state_dict()
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
-    assert (model.output.weight is model.tok_embeddings.weight) == tied
+    assert _tied(model) == tied
     big = [t for t in after.values() if t.nbytes >= 1024]
     lo = min(t.data_ptr() for t in big)
     assert all(t.data_ptr() - lo < placed for t in big)  # one arena holds every placed tensor

@@ -19,9 +19,11 @@ from conftest import save_tiny_llama, tiny_llama_config
 from model.loaders import CheckpointError, default_model_path, load_model
 
 ROOT = Path(__file__).resolve().parents[1]
-MARGIN = 160 << 20  # transients: one matrix's conversion, the huge-page copy of the largest tensor, the tokenizer
-# (n_layers, dim, heads, kv heads, ffn, tied, rope theta): 221M parameters, 885 MB in float32
-SHAPE = (8, 1024, 16, 4, 4096, False, 1e4)
+# Transients beside the served weights: the GGUF reader's parse of the metadata (~160 MB for the default model's
+# vocabulary, in gguf-py), one matrix's conversion, the huge-page copy of the largest tensor, the tokenizer.
+MARGIN = 400 << 20
+# (n_layers, dim, heads, kv heads, ffn, tied, rope theta): 342M parameters, 1.4 GB in float32
+SHAPE = (16, 1024, 16, 4, 4096, False, 1e4)
 
 PROBE = textwrap.dedent("""
     import json, sys, torch
@@ -60,7 +62,7 @@ def test_q4_0_gguf_loads_within_its_served_weights_plus_a_margin(tmp_path):
     grew = r["peak"] - r["before"]
     print(f"\npeak growth {grew / 2**20:.0f} MiB for {r['weights'] / 2**20:.0f} MiB of served weights "
           f"(float32 would be {r['float32'] / 2**20:.0f} MiB)")
-    assert r["float32"] > 4 * r["weights"]  # the model is large enough for a float copy to show
+    assert r["float32"] > r["weights"] + 2 * MARGIN  # the model is large enough for a float copy to show
     assert grew <= r["weights"] + MARGIN
 
 
@@ -86,7 +88,7 @@ def test_bfloat16_safetensors_quantized_on_load_within_its_served_weights_plus_a
     grew = r["peak"] - r["before"]
     print(f"\npeak growth {grew / 2**20:.0f} MiB for {r['weights'] / 2**20:.0f} MiB of served weights "
           f"(float32 would be {r['float32'] / 2**20:.0f} MiB)")
-    assert r["float32"] > 4 * r["weights"]
+    assert r["float32"] > r["weights"] + MARGIN
     assert grew <= r["weights"] + MARGIN
 
 

@@ -16,7 +16,7 @@ from model.loaders.gguf_file import load_gguf
 from model.loaders.hf import load_hf
 from model import kernels
 from model.loaders.gguf_blocks import matrix_layer, q4_groups
-from model.quantize import Int4Linear, Int8Linear, QuantLinear, linear_weights, quantize_model, round_activations
+from model.quantize import Int4Linear, Int8Linear, QuantEmbedding, QuantLinear, linear_weights, quantize_model, round_activations
 from test_parity_hf import _prompts
 from tiny import greedy_tokens, tiny_model
 
@@ -108,7 +108,9 @@ def test_quantized_model_keeps_its_module_interface():
     for layer, out in ((att.wqkv, 64 + 2 * 32), (att.wo, 64), (ffn.w13, 2 * 128), (ffn.w2, 64), (model.output, 258)):
         assert isinstance(layer, QuantLinear) and layer(x if layer.in_features == 64 else torch.randn(1, 5, 128)).shape[-1] == out
     assert not any(type(m) is torch.nn.Linear for m in model.modules()) and model.quantization == "int8"
-    assert model.tok_embeddings.weight.dtype == torch.float32 and len(linear_weights(model)) == 2 * 4 + 1
+    assert isinstance(model.tok_embeddings, QuantEmbedding) and len(linear_weights(model)) == 2 * 4 + 1
+    tokens = torch.arange(258)
+    assert torch.equal(model.tok_embeddings(tokens), model.tok_embeddings.table.dequantize())  # rows as gathered
 
 
 def _with_weights_of(ref, quantized):
@@ -117,6 +119,7 @@ def _with_weights_of(ref, quantized):
         for name in ("attention.wqkv", "attention.wo", "feed_forward.w13", "feed_forward.w2"):
             a.get_submodule(name).weight.copy_(b.get_submodule(name).dequantize())
     ref.output.weight.copy_(quantized.output.dequantize())
+    ref.tok_embeddings.weight.copy_(quantized.tok_embeddings.table.dequantize())  # the table is kept quantized too
     return ref
 
 
@@ -174,7 +177,7 @@ def test_quantization_refuses_a_non_cpu_model_and_unknown_modes():
     with pytest.raises(ValueError, match="unknown quantization"):
         quantize_model(tiny_model(), "int3")
     model = tiny_model()
-    model.tok_embeddings.to("meta")
+    model.norm.to("meta")  # (the model's device is its final norm's)
     with pytest.raises(ValueError, match="CPU kernels"):
         quantize_model(model, "int8")
 
@@ -185,7 +188,9 @@ def test_perplexity_of_a_model():
     ids = list(range(40, 90))
     nll, ppl = perplexity(tiny_model(), ids)
     assert abs(ppl - np.exp(nll)) < 1e-6 * ppl
-    assert perplexity(quantize_model(tiny_model(), "int8"), ids)[1] == pytest.approx(ppl, rel=0.05)
+    # (int8 rounds the embedding table too: on this random model, whose N(0, 0.3) weights make every rounding count,
+    # perplexity moves about 10%; the real model's figures: benchmarks/perplexity.py)
+    assert perplexity(quantize_model(tiny_model(), "int8"), ids)[1] == pytest.approx(ppl, rel=0.15)
 
 
 # The fixed prompts of the quantized-vs-float32 comparison: every position of each is one next-token distribution

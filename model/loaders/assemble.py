@@ -131,11 +131,14 @@ class ModelAssembler:
         self.tensors[name] = tensor.to(device=self.device, dtype=self.dtype)
         self.progress.advance(source_name, self.tensors[name].nbytes)
 
-    def add_layer(self, name: str, layer: QuantLinear, source_name: str, source_file: str | None = None) -> None:
-        """Take an already quantized matrix for our parameter `name` (a file's own blocks, or one just rounded)."""
-        self._check(name, (layer.out_features, layer.in_features), source_name, source_file)
+    def add_layer(self, name: str, layer: QuantLinear, source_name: str, source_file: str | None = None,
+                  rows: int | None = None) -> None:
+        """Take an already quantized matrix for our parameter `name` (a file's own blocks, or one just rounded);
+        `rows`: its rows, where the layer holds padding rows beyond them (an embedding table)."""
+        shape = (rows or layer.out_features, layer.in_features)
+        self._check(name, shape, source_name, source_file)
         self.layers[module_of(name, self.config.tie_embeddings)] = layer
-        self.tensors[name] = torch.empty(layer.out_features, layer.in_features, device="meta", dtype=self.dtype)
+        self.tensors[name] = torch.empty(*shape, device="meta", dtype=self.dtype)
         self.progress.advance(source_name, layer.decode_bytes)
 
     def finish(self, rope_freq_factors: Tensor | None = None) -> Transformer:

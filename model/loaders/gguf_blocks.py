@@ -112,9 +112,11 @@ def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def matrix_layer(data: np.ndarray, qtype: GGMLQuantizationType, kind: str, shape: tuple[int, int],
-                 n_head: int | None) -> QuantLinear:
+                 n_head: int | None, pad_rows: bool = False) -> QuantLinear:
     """A (N, K) GGUF matrix -> an `Int4Linear` / `Int8Linear` (`kind`), converted `CHUNK_ELEMENTS` at a time;
-    `n_head`: undo llama.cpp's q/k row permutation (`unpermute_qk`) on the integer arrays."""
+    `n_head`: undo llama.cpp's q/k row permutation (`unpermute_qk`) on the integer arrays. `pad_rows`: an int4
+    matrix whose rows are not whole groups of 16 gets zero rows up to them (an embedding table, which is only
+    gathered from, keeps its own format whatever the vocabulary's size)."""
     N, K = shape
     rows = _rows(data, N)
     step = max(1, CHUNK_ELEMENTS // K)
@@ -123,6 +125,8 @@ def matrix_layer(data: np.ndarray, qtype: GGMLQuantizationType, kind: str, shape
     del parts
     if n_head is not None:
         arrays = [unpermute_qk(a, n_head) for a in arrays]
+    if pad_rows and kind == "int4" and N % 16:
+        arrays = [np.concatenate([a, np.zeros((-N % 16, *a.shape[1:]), dtype=a.dtype)]) for a in arrays]
     tensors = [torch.from_numpy(np.ascontiguousarray(a)) for a in arrays]
     if kind == "int4":
         return Int4Linear(*tensors)

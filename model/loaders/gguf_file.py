@@ -110,7 +110,8 @@ def served_formats(reader: GGUFReader, mode: str, per_tensor: bool, tied: bool) 
         if ours == "output.weight" or (tied and ours == "tok_embeddings.weight"):
             kind = "int8"
         elif ours == "tok_embeddings.weight":
-            kind = own or "int8"
+            kinds[t.name] = own or "int8"  # (only gathered from: int4 rows padded to 16 if need be)
+            continue
         elif ours.startswith("layers.") and "_norm" not in ours:
             kind = (own or "int8") if per_tensor else mode
         else:
@@ -225,10 +226,10 @@ def load_gguf(
             shape = (int(t.shape[1]), int(t.shape[0]))
             asm._check(ours, shape, t.name, None)
             try:
-                layer = matrix_layer(t.data, t.tensor_type, kind, shape, n_head)
+                layer = matrix_layer(t.data, t.tensor_type, kind, shape, n_head, pad_rows=ours == "tok_embeddings.weight")
             except CheckpointError as e:
                 raise CheckpointError(str(e), path=path, tensor=t.name) from None
-            asm.add_layer(ours, layer, t.name)
+            asm.add_layer(ours, layer, t.name, rows=shape[0])
             mix[conversion(t.tensor_type.name, kind)] += 1
             _release(reader, t)
             continue
