@@ -28,7 +28,7 @@ from service.errors import envelope
 from service.main import create_app
 from service.rayserve.call import ReplicaCall
 
-log = logging.getLogger("llamascope.service")
+log = logging.getLogger("ray.serve")  # Serve's logger: replica logs reach the `serve run` console and Ray's log files
 
 REPLICA_HEADER = "x-llamascope-replica"  # which replica answered (its Ray Serve unique id)
 _APP_EXIT_SECONDS = 10.0  # how long an abandoned call's app task gets to close before it is cancelled
