@@ -103,11 +103,14 @@ def _classify(status: int, text: str, streamed: bool) -> str:
         events = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
         if status != 200 or not events or events[-1] != "[DONE]":
             return "error" if status != 200 and _is_envelope(text) else "bad"
-        payloads = [json.loads(e) for e in events[:-1]]
+        try:
+            payloads = [json.loads(e) for e in events[:-1]]
+        except ValueError:  # an event cut in half
+            return "bad"
         errors = [p for p in payloads if "error" in p]
         if errors:
             return "error" if all(_is_envelope(json.dumps(e)) for e in errors) else "bad"
-        return "ok" if payloads and payloads[-1]["choices"] == [] or any(p["choices"] for p in payloads) else "bad"
+        return "ok" if any(p.get("choices") for p in payloads) else "bad"
     if status == 200:
         return "ok"
     return "error" if _is_envelope(text) else "bad"
