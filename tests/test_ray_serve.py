@@ -211,7 +211,7 @@ def test_ray_serve_routes_fails_over_and_recovers(tmp_path):
         print(json.dumps({k: {x: y for x, y in v.items() if x != "replicas"} for k, v in results.items()}, indent=1))
         for router in (prefix, rr):  # the responses' usage agrees with the replicas' own counters
             assert sum(c["cached_tokens"] for c in router["replicas"].values()) >= router["cached_tokens"]
-        # round-robin sends about half the next turns elsewhere (46.8% and 54.6% hit rates in two runs, against 70.9%)
+        # round-robin sends about half the next turns elsewhere (46.8%, 54.6%, 47.5% in three runs, against 70.9%)
         assert prefix["hit_rate"] > rr["hit_rate"] + 0.08, (prefix, rr)
         stayed, moves = map(int, prefix["same_replica_next_turn"].split("/"))
         assert stayed >= moves - 2, prefix
