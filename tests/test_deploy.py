@@ -183,8 +183,9 @@ def test_compose_wiring():
 
 
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed (Debian package prometheus)")
-def test_promtool_accepts_the_prometheus_config():
-    r = subprocess.run(["promtool", "check", "config", str(ROOT / "deploy/prometheus/prometheus.yml")],
+@pytest.mark.parametrize("config", ["prometheus.yml", "prometheus-ray.yml"])
+def test_promtool_accepts_the_prometheus_config(config):
+    r = subprocess.run(["promtool", "check", "config", str(ROOT / "deploy/prometheus" / config)],
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
 

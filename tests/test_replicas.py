@@ -4,12 +4,14 @@ nginx (Debian's package) using the repo's proxy settings, with one replica kille
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
 import threading
+import tomllib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -75,6 +77,66 @@ def test_kubernetes_manifests_validate():
     assert metrics == {"llamascope_num_requests_waiting", "llamascope_kv_cache_usage_ratio"}
     rules = yaml.safe_load(docs["ConfigMap"]["data"]["config.yaml"])["rules"]
     assert {r["name"]["matches"] for r in rules} == metrics  # the adapter serves exactly what the HPA asks for
+
+
+def _strict(schema):
+    """A CRD's structural schema as the API server applies it with `kubectl apply --validate=strict`: an object with
+    `properties` and no `additionalProperties` or `x-kubernetes-preserve-unknown-fields` takes no other field
+    (the server would prune it silently), and int-or-string fields take either."""
+    if isinstance(schema, list):
+        return [_strict(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _strict(v) for k, v in schema.items()}
+    if "properties" in out and "additionalProperties" not in out and not out.get("x-kubernetes-preserve-unknown-fields"):
+        out["additionalProperties"] = False
+    if out.get("x-kubernetes-int-or-string"):
+        out.pop("type", None)
+        out["anyOf"] = [{"type": "integer"}, {"type": "string"}]
+    return out
+
+
+def test_kuberay_rayservice_validates():
+    """deploy/k8s/rayservice.yaml against KubeRay v1.7.0's RayService v1 schema (tests/data/kuberay_rayservice_v1_schema.json:
+    the CRD's openAPIV3Schema from ray-operator/config/crd/bases/ray.io_rayservices.yaml, Apache-2.0, descriptions and
+    `status` dropped), strictly; its pod templates against the Kubernetes 1.34 schemas; and its Serve config against
+    deploy/ray/serve.yaml: the same application, only the engine flags and the replicas' resources differ."""
+    import jsonschema
+    import kubernetes_validate
+
+    doc = yaml.safe_load((ROOT / "deploy/k8s/rayservice.yaml").read_text())
+    schema = _strict(json.loads((ROOT / "tests/data/kuberay_rayservice_v1_schema.json").read_text()))
+    errors = [f"{list(e.path)}: {e.message}" for e in jsonschema.Draft7Validator(schema).iter_errors(doc)]
+    assert errors == []
+    assert (doc["apiVersion"], doc["kind"]) == ("ray.io/v1", "RayService")
+    cluster = doc["spec"]["rayClusterConfig"]
+    groups = [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]
+    for group in groups:
+        pod_template = {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "t"}, "template": group["template"]}
+        kubernetes_validate.validate(pod_template, "1.34.0", strict=True)
+    workers = cluster["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]["resources"]
+    assert workers["limits"]["nvidia.com/gpu"] == 1
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert project["optional-dependencies"]["ray"] == [f"ray[serve]=={cluster['rayVersion']}"]
+
+    serve = yaml.safe_load(doc["spec"]["serveConfigV2"])
+    local = yaml.safe_load((ROOT / "deploy/ray/serve.yaml").read_text())
+    [app], [local_app] = serve["applications"], local["applications"]
+    replica = next(d for d in app["deployments"] if d["name"] == "LlamascopeReplica")
+    assert replica["ray_actor_options"]["num_gpus"] == 1 and app["args"]["engine_flags"]["device"] == "cuda"
+
+    def shape(a):  # the application less what differs between one machine and a GPU cluster
+        a = json.loads(json.dumps(a))
+        a["args"].pop("engine_flags")
+        for d in a["deployments"]:
+            d.pop("ray_actor_options")
+            d.pop("max_ongoing_requests", None)
+            d.get("autoscaling_config", {}).pop("target_ongoing_requests", None)
+        return a
+
+    assert shape(app) == shape(local_app)
+    # the RayService replaces the Deployment path, it is not applied with it
+    assert "rayservice.yaml" not in yaml.safe_load((ROOT / "deploy/k8s/kustomization.yaml").read_text())["resources"]
 
 
 def _start_replica(model_dir: Path, port: int) -> subprocess.Popen:
