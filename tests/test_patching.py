@@ -235,8 +235,12 @@ def test_worked_example_on_the_default_model_equals_hf_hooks(server, hf_gguf_mod
     m_corr = hf_metric(hf_gguf_model, corrupted, answer[0], contrast[0])
     ref = (raw - m_corr) / (m_clean - m_corr)
     ours = torch.tensor(got["normalized"], dtype=torch.float64)
-    print(f"default model: max |ours - HF| {(ours - ref).abs().max():.2e}; baselines {got['baselines']}")
+    print(f"default model: max |ours - HF| {(ours - ref).abs().max():.2e}; baselines {got['baselines']}; "
+          f"{got['usage']['seconds']:.1f} s over HTTP")
+    subject = [p for p in range(len(clean)) if clean[p] != corrupted[p]]
+    for l in range(L):  # the figures docs/inspection.md quotes
+        print(f"block {l:2d}: subject tokens {[round(ours[0, l, p].item(), 3) for p in subject]}, "
+              f"last token {ours[0, l, -1].item():.3f}")
     assert (ours - ref).abs().max().item() <= 1e-4
     # where the clean answer comes back: the subject's tokens in the early blocks, the last position late
-    subject = [p for p in range(len(clean)) if clean[p] != corrupted[p]]
     assert ours[0, :4, subject].max().item() > 0.5 and ours[0, -1, -1].item() == pytest.approx(1.0, abs=1e-4)

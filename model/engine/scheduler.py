@@ -10,7 +10,8 @@ are freed and it goes back to the front of the queue to be recomputed later (vLL
 Background sequences (`Request.background`: the rows of an activation-patching sweep) yield to the others, as
 inspections do (model/engine/async_engine.py): a waiting foreground sequence is admitted before any waiting
 background one, background sequences hold at most half the sequence slots, and while any foreground sequence is
-running or waiting they compute at most `max_background_tokens` tokens a step between them.
+running or waiting they compute at most `max_background_tokens` tokens a step between them; alone, at most
+BACKGROUND_IDLE_FACTOR times that, so a request that arrives waits for one short step, not a full batch of them.
 """
 
 from __future__ import annotations
@@ -20,6 +21,9 @@ from dataclasses import dataclass, field
 
 from model.engine.kv_cache_manager import KVCacheManager
 from model.engine.request import Sequence, SequenceStatus
+
+
+BACKGROUND_IDLE_FACTOR = 8
 
 
 class QueueFullError(RuntimeError):
@@ -86,7 +90,7 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         foreground = any(not _background(q) for q in self.running) or any(not _background(q) for q in self.waiting)
-        bg_budget = self.config.max_background_tokens if foreground else budget
+        bg_budget = self.config.max_background_tokens * (1 if foreground else BACKGROUND_IDLE_FACTOR)
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
