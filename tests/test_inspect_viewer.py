@@ -223,8 +223,9 @@ def test_viewer_patching_tab_draws_the_worked_example(server, page):
         return [[...ctx.getImageData(41, y, 1, 1).data], [...ctx.getImageData(c.width - 42, y, 1, 1).data]]; }""")
     assert ends[0][2] > 200 and ends[0][0] < 100 and all(abs(a - b) <= 3 for a, b in zip(ends[1][:3], (194, 65, 12))), ends
     # hover the last block at the last token: that cell is the clean run's final residual stream, exactly 1
-    box = page.locator("#patch-panels canvas").bounding_box()
-    page.mouse.move(box["x"] + box["width"] - 3, box["y"] + box["height"] - 3)
+    panel = page.locator("#patch-panels canvas")
+    box = panel.bounding_box()
+    panel.hover(position={"x": box["width"] - 3, "y": box["height"] - 3})  # scrolls it into view first
     tip = page.text_content("#patch-tooltip")
     assert "block 29" in tip and "token 8" in tip and "normalised 1.0000" in tip, tip
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
