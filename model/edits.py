@@ -8,9 +8,10 @@ step (model/interventions.py says what an edit is):
                                    absent); a row appears at most once per site
     bank      (V, D) float32       the step's vectors (the plans' `vectors`, concatenated)
 
-and reads of the residual stream (block outputs):
+and reads (block outputs, and where a read asks, the sub-blocks' outputs), per site like the ops:
 
-    read_ptr  (L + 1,) int64       rows read after block l are read_rows[read_ptr[l] : read_ptr[l + 1]]
+    read_ptr  (3L + 1,) int64      rows read at site k = 3 layer + s (after its edits) are
+                                   read_rows[read_ptr[k] : read_ptr[k + 1]]
     read_rows (K,) int64
     read_out  (K, D) float32       filled by the forward
 
@@ -38,7 +39,7 @@ class StepEdits:
     site_ptr: Tensor  # (3L + 1,) int64
     ops: Tensor  # (Q, 4) int64
     bank: Tensor  # (V, D) float32
-    read_ptr: Tensor  # (L + 1,) int64
+    read_ptr: Tensor  # (3L + 1,) int64
     read_rows: Tensor  # (K,) int64
     read_out: Tensor  # (K, D) float32
 
@@ -50,12 +51,18 @@ class StepEdits:
     def has_edits(self) -> bool:
         return self.ops.shape[0] > 0
 
+    @property
+    def reads_sub_blocks(self) -> bool:
+        """Whether a row reads an attention or MLP output (the CUDA graphs record block outputs only)."""
+        p = self.read_ptr_host
+        return bool(((p[1::3] > p[0:-1:3]) | (p[2::3] > p[1:-1:3])).any())
+
     def tensors(self) -> list[Tensor]:
         """The native decode kernel's trailing argument (model/kernels/csrc/interventions.cpp)."""
         return [self.site_ptr, self.ops, self.bank, self.read_ptr, self.read_rows, self.read_out]
 
     def apply(self, layer: int, site: str, x: Tensor, window: tuple[int, int] | None = None) -> Tensor:
-        """Edit x (.., N, D) in place at (layer, site) and record the reads of block outputs; returns x. Its rows are
+        """Edit x (.., N, D) in place at (layer, site) and record the reads there; returns x. Its rows are
         the packed rows 0 .. N - 1, or, with `window` = (first, N), rows first .. first + N - 1 (a chunk of a
         longer sequence, as `ProbeRun` runs one)."""
         k = 3 * layer + SITE_INDEX[site]
@@ -65,16 +72,15 @@ class StepEdits:
             ops = self.ops[a:b] if window is None else _window(self.ops[a:b], *window)
             if ops.shape[0]:
                 apply_ops(x2, ops, self.bank)
-        if site == "block_output":
-            r0, r1 = int(self.read_ptr_host[layer]), int(self.read_ptr_host[layer + 1])
-            if r0 < r1:
-                rows = self.read_rows[r0:r1]
-                if window is None:
-                    self.read_out[r0:r1] = x2[rows].float()
-                else:
-                    rows = rows - window[0]
-                    idx = torch.nonzero((rows >= 0) & (rows < window[1])).squeeze(1)
-                    self.read_out[r0 + idx] = x2[rows[idx]].float()
+        r0, r1 = int(self.read_ptr_host[k]), int(self.read_ptr_host[k + 1])
+        if r0 < r1:
+            rows = self.read_rows[r0:r1]
+            if window is None:
+                self.read_out[r0:r1] = x2[rows].float()
+            else:
+                rows = rows - window[0]
+                idx = torch.nonzero((rows >= 0) & (rows < window[1])).squeeze(1)
+                self.read_out[r0 + idx] = x2[rows[idx]].float()
         return x
 
     def without_reads(self) -> "StepEdits":
@@ -187,33 +193,38 @@ class EditTables:
             ops = table[:, 1:]
         else:
             site_ptr, ops = np.zeros(3 * L + 1, dtype=np.int64), np.zeros((0, 4), dtype=np.int64)
-        # reads, layer-major: for each layer the reading segments' wanted rows
+        # reads, site-major (k = 3 layer + s): for each site the reading segments' wanted rows
         wanted: list[tuple[Segment, list[int]]] = []
         for s in reads:
             pos = [p for p in range(max(s.pos0, s.read_from), s.pos0 + s.n) if s.read.wants(p, s.num_prompt_tokens)]
             if pos:
                 wanted.append((s, pos))
-        per_layer: list[list[int]] = [[] for _ in range(L)]
+        per_site: list[list[int]] = [[] for _ in range(3 * L)]
         layouts: list[tuple[Segment, list[int], list[int]]] = []
         for s, pos in wanted:
-            for layer in s.read.layers:
-                per_layer[layer] += [s.row0 + p - s.pos0 for p in pos]
-        read_ptr = np.zeros(L + 1, dtype=np.int64)
-        read_ptr[1:] = np.cumsum([len(r) for r in per_layer])
-        cursor = {layer: int(read_ptr[layer]) for layer in range(L)}
-        for s, pos in wanted:  # where each segment's rows land in read_out, per layer
+            for k in _read_sites(s.read):
+                per_site[k] += [s.row0 + p - s.pos0 for p in pos]
+        read_ptr = np.zeros(3 * L + 1, dtype=np.int64)
+        read_ptr[1:] = np.cumsum([len(r) for r in per_site])
+        cursor = read_ptr[:-1].copy()
+        for s, pos in wanted:  # where each segment's rows land in read_out, per (layer, site) in the read's order
             starts = []
-            for layer in s.read.layers:
-                starts.append(cursor[layer])
-                cursor[layer] += len(pos)
+            for k in _read_sites(s.read):
+                starts.append(int(cursor[k]))
+                cursor[k] += len(pos)
             layouts.append((s, pos, starts))
-        read_rows = np.asarray([r for rows in per_layer for r in rows], dtype=np.int64)
+        read_rows = np.asarray([r for rows in per_site for r in rows], dtype=np.int64)
         dev = self.device
         edits = StepEdits(
             torch.from_numpy(site_ptr).to(dev), torch.from_numpy(np.ascontiguousarray(ops)).to(dev), self._bank,
             torch.from_numpy(read_ptr).to(dev), torch.from_numpy(read_rows).to(dev),
             torch.zeros(len(read_rows), self.dim, device=dev))
         return edits, layouts
+
+
+def _read_sites(read: HiddenStateRead) -> list[int]:
+    """The sites k = 3 layer + s a read takes, layer-major (its values' column order)."""
+    return [3 * layer + SITE_INDEX[site] for layer in read.layers for site in read.sites]
 
 
 def _template(pat, base: int) -> np.ndarray:
@@ -229,7 +240,7 @@ def _template(pat, base: int) -> np.ndarray:
 
 
 def gather_reads(edits: StepEdits, layout: tuple[Segment, list[int], list[int]]) -> Tensor:
-    """One segment's reads out of `read_out` -> (n_positions, n_layers, D) float32 on the CPU."""
+    """One segment's reads out of `read_out` -> (n_positions, n_layers x n_sites, D) float32 on the CPU."""
     s, pos, starts = layout
     parts = [edits.read_out[a : a + len(pos)] for a in starts]  # each (n_positions, D)
     return torch.stack(parts, dim=1).cpu()

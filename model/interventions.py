@@ -283,10 +283,14 @@ class InterventionPlan:
 class HiddenStateRead:
     """Which block outputs (residual stream) to return for a sequence, and at which positions: "last" (each
     generated token's own position p, the row its logits came from), "all" (every position the sequence
-    computes), or explicit indices."""
+    computes), or explicit indices. `sites` (default: the block output alone) may also name the sub-blocks'
+    outputs, `attention_output` and `mlp_output` (after any edit there, before their residual add): what an
+    activation-patching sweep copies (model/probes/patching.py). The values come back (positions, layers x sites,
+    D), layer-major: column j is layer layers[j // S], site sites[j % S]."""
 
     layers: list[int]
     positions: str | tuple[int, ...] = "last"
+    sites: tuple[str, ...] = ("block_output",)
     _explicit: frozenset[int] = field(default=frozenset(), repr=False)
 
     def __post_init__(self) -> None:
@@ -300,6 +304,8 @@ class HiddenStateRead:
             raise ValueError(f"{where}.layers: block indices must be in [0, {n_layers})")
         if len(set(self.layers)) != len(self.layers):
             raise ValueError(f"{where}.layers: must not repeat a block")
+        if not self.sites or any(s not in SITES for s in self.sites) or len(set(self.sites)) != len(self.sites):
+            raise ValueError(f"{where}.sites: one or more distinct sites of {list(SITES)}")
         if isinstance(self.positions, str):
             if self.positions not in ("last", "all"):
                 raise ValueError(f"{where}.positions: 'last', 'all' or a list of token indices")

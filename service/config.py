@@ -64,6 +64,11 @@ class Settings(BaseSettings):
     max_inspect_tokens: int = Field(4096, description="longest sequence /inspect accepts (413 beyond)")
     max_inspect_response_bytes: int = Field(32 << 20, description="estimated /inspect response size beyond which it is a 413 naming a cheaper mode")
     max_inspect_queued: int = Field(4, description="inspections queued or running at once (429 beyond)")
+    max_patch_cells: int = Field(
+        4096, ge=1, description="largest activation-patching sweep (sites x layers x positions) /inspect/patch "
+        "accepts (400 beyond)")
+    max_background_tokens: int = Field(
+        16, ge=1, description="tokens a step that a patching sweep's rows compute while other requests run or wait")
     control_vector: str | None = Field(
         None, description="llama.cpp control-vector GGUF files to store at start, `FILE[:SCALE]`, comma-separated: "
         "each becomes a stored vector named after its file (direction.N at block N's output) that requests name in "

@@ -400,6 +400,41 @@ class InspectRequest(BaseModel):
         return v
 
 
+class PatchRequest(BaseModel):
+    """POST /inspect/patch: an activation-patching sweep (model/probes/patching.py; docs/inspection.md)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    model: str | None = None
+    # a prompt, or chat messages rendered with the model's template; the two must have equal token counts
+    clean: NonEmptyText | Annotated[list[ChatMessage], Field(min_length=1, max_length=1024)]
+    corrupted: NonEmptyText | Annotated[list[ChatMessage], Field(min_length=1, max_length=1024)]
+    add_generation_prompt: bool = True
+    # token strings, one token each (a leading space is part of a token in most vocabularies: " Paris")
+    answer: NonEmptyText
+    contrast: NonEmptyText | None = None
+    metric: Literal["logit_diff", "logprob"] = "logit_diff"
+    sites: list[Literal["block_output", "attention_output", "mlp_output"]] | Literal["all"] = Field(
+        default_factory=lambda: ["block_output"])
+    layers: Annotated[list[LayerIndex], Field(min_length=1, max_length=1024)] | Literal["all"] = "all"
+    positions: Annotated[list[Position], Field(min_length=1, max_length=4096)] | Literal["all"] = "all"
+    direction: Literal["denoise", "noise"] = "denoise"
+
+    @field_validator("sites", "layers", "positions")
+    @classmethod
+    def _unique(cls, v):
+        if isinstance(v, list) and len(set(v)) != len(v):
+            raise ValueError("must not repeat an entry")
+        return v
+
+    @field_validator("sites")
+    @classmethod
+    def _some(cls, v):
+        if isinstance(v, list) and not v:
+            raise ValueError("give at least one site")
+        return v
+
+
 class VectorRequest(BaseModel):
     """POST /v1/vectors: a steering vector from contrastive prompt pairs (service/vectors.py)."""
 

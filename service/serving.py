@@ -42,8 +42,10 @@ class Serving:
 
     async def add_requests(self, prompts: list[tuple[str, list[int]]], params: SamplingParams,
                            interventions: list[Intervention] | None = None,
-                           hidden_states: HiddenStateRead | None = None) -> list[RequestStream]:
-        return await self._engine.add_requests(prompts, params, interventions, hidden_states)
+                           hidden_states: HiddenStateRead | None = None,
+                           each: list[list[Intervention] | None] | None = None,
+                           background: bool = False) -> list[RequestStream]:
+        return await self._engine.add_requests(prompts, params, interventions, hidden_states, each, background)
 
     async def run_job(self, job: EngineJob, max_queued: int | None = None) -> None:
         await self._engine.run_job(job, max_queued)

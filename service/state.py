@@ -76,7 +76,7 @@ class ServingState:
             config = EngineConfig(
                 block_size=s.block_size, kv_cache_bytes=s.kv_cache_bytes, max_num_seqs=s.max_num_seqs,
                 max_num_batched_tokens=s.max_num_batched_tokens, max_waiting=s.max_waiting,
-                max_model_len=s.max_model_len, enable_prefix_caching=s.enable_prefix_caching, max_logprobs=s.max_logprobs,
+                max_background_tokens=s.max_background_tokens, max_model_len=s.max_model_len, enable_prefix_caching=s.enable_prefix_caching, max_logprobs=s.max_logprobs,
                 decode_graphs="off" if s.enforce_eager else "auto",
             )
             c = loaded.model.config

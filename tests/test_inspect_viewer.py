@@ -22,6 +22,8 @@ ROOT = Path(__file__).resolve().parents[1]
 STATIC = ROOT / "service" / "static"
 SCREENSHOT = ROOT / "docs" / "images" / "viewer.png"
 SIDECAR = SCREENSHOT.with_name(SCREENSHOT.name + ".json")
+PATCH_SCREENSHOT = ROOT / "docs" / "images" / "patching.png"
+PATCH_SIDECAR = PATCH_SCREENSHOT.with_name(PATCH_SCREENSHOT.name + ".json")
 ARTIFACTS = Path(os.environ.get("LLAMASCOPE_SCREENSHOT_DIR") or ROOT / "tests" / "artifacts")
 REGENERATE = "UPDATE_SCREENSHOTS=1 .venv/bin/python -m pytest tests/test_inspect_viewer.py"
 
@@ -200,13 +202,62 @@ def test_viewer_reports_api_errors(server, page):
     assert "prompt" in page.text_content("#status")  # the 400 envelope's message, naming the field
 
 
-def test_committed_screenshot_is_current():
-    """The README's screenshot was taken from the viewer's current sources (checked without a browser, so a change
-    to the viewer cannot leave the picture stale even where chromium is missing)."""
-    assert SIDECAR.is_file(), f"{SIDECAR.relative_to(ROOT)} is missing: take the screenshot with {REGENERATE}"
-    recorded = json.loads(SIDECAR.read_text())
+@needs_chromium
+def test_viewer_patching_tab_draws_the_worked_example(server, page):
+    """The patching tab on docs/inspection.md's worked example (its default prompts and answers): one heatmap of
+    every block's output (rows) at every token (columns), the colour legend from the corrupted run (0) to the clean
+    one (1), the two baselines, and each cell's values on hover. docs/images/patching.png is taken here."""
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.goto(server.url + "/inspect/ui#patch")
+    assert page.is_visible("#patch-main") and not page.is_visible("#inspect-main")
+    assert page.input_value("#patch-clean") == "The Eiffel Tower is in the city of"
+    page.click("#patch-run")
+    page.wait_for_selector("#patch-panels[data-cells='270']", timeout=600_000)  # 30 blocks x 9 tokens
+    assert page.text_content("#patch-panels h3") == "block_output"
+    assert "clean" in page.text_content("#patch-baselines") and "corrupted" in page.text_content("#patch-baselines")
+    assert canvas_ink(page, "#patch-panels canvas") > 2000
+    # the legend's bar runs from blue (below 0) through white (0, the corrupted run) to orange (1, the clean run)
+    ends = page.evaluate("""() => {
+        const c = document.getElementById('patch-legend'), ctx = c.getContext('2d'), y = 10;
+        return [[...ctx.getImageData(41, y, 1, 1).data], [...ctx.getImageData(c.width - 42, y, 1, 1).data]]; }""")
+    assert ends[0][2] > 200 and ends[0][0] < 100 and all(abs(a - b) <= 3 for a, b in zip(ends[1][:3], (194, 65, 12))), ends
+    # hover the last block at the last token: that cell is the clean run's final residual stream, exactly 1
+    panel = page.locator("#patch-panels canvas")
+    box = panel.bounding_box()
+    panel.hover(position={"x": box["width"] - 3, "y": box["height"] - 3})  # scrolls it into view first
+    tip = page.text_content("#patch-tooltip")
+    assert "block 29" in tip and "token 8" in tip and "normalised 1.0000" in tip, tip
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    fresh = ARTIFACTS / PATCH_SCREENSHOT.name
+    page.locator("main#patch-main").screenshot(path=str(fresh))
+    assert fresh.stat().st_size > 10_000
+    if os.environ.get("UPDATE_SCREENSHOTS") == "1":
+        shutil.copyfile(fresh, PATCH_SCREENSHOT)
+        PATCH_SIDECAR.write_text(json.dumps({
+            "sources": "service/static/*", "sources_sha256": sources_sha256(), "image_sha256": file_sha256(PATCH_SCREENSHOT),
+            "taken_by": "tests/test_inspect_viewer.py", "regenerate": REGENERATE}, indent=2) + "\n")
+    assert not errors, errors
+
+
+@needs_chromium
+def test_viewer_patching_tab_reports_errors_naming_the_field(server, page):
+    page.goto(server.url + "/inspect/ui#patch")
+    page.fill("#patch-corrupted", "The Colosseum in Rome is in the city of")
+    page.click("#patch-run")
+    page.wait_for_selector("#patch-status.error", timeout=30_000)
+    assert page.text_content("#patch-status").startswith("corrupted:")
+
+
+@pytest.mark.parametrize("image,sidecar", [(SCREENSHOT, SIDECAR), (PATCH_SCREENSHOT, PATCH_SIDECAR)],
+                         ids=["viewer", "patching"])
+def test_committed_screenshot_is_current(image, sidecar):
+    """The docs' screenshots were taken from the viewer's current sources (checked without a browser, so a change
+    to the viewer cannot leave a picture stale even where chromium is missing)."""
+    assert sidecar.is_file(), f"{sidecar.relative_to(ROOT)} is missing: take the screenshot with {REGENERATE}"
+    recorded = json.loads(sidecar.read_text())
     assert recorded["sources_sha256"] == sources_sha256(), (
-        "the viewer's sources (service/static/*) changed since docs/images/viewer.png was taken: "
+        f"the viewer's sources (service/static/*) changed since {image.relative_to(ROOT)} was taken: "
         f"regenerate with {REGENERATE}, look at the image, and commit it with its sidecar")
-    assert recorded["image_sha256"] == file_sha256(SCREENSHOT), (
-        f"docs/images/viewer.png is not the image the viewer test took: regenerate with {REGENERATE}")
+    assert recorded["image_sha256"] == file_sha256(image), (
+        f"{image.relative_to(ROOT)} is not the image the viewer test took: regenerate with {REGENERATE}")

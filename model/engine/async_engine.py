@@ -97,10 +97,13 @@ class AsyncEngine:
 
     async def add_requests(self, prompts: list[tuple[str, list[int]]], params: SamplingParams,
                            interventions: list[Intervention] | None = None,
-                           hidden_states: HiddenStateRead | None = None) -> list["RequestStream"]:
+                           hidden_states: HiddenStateRead | None = None,
+                           each: list[list[Intervention] | None] | None = None,
+                           background: bool = False) -> list["RequestStream"]:
         """Submit several prompts (request id, token ids) with the same parameters (and interventions and
         hidden-state read, `Engine.add_request`), all in one inbox message, so the engine thread admits them in the
-        same drain and they prefill together. All or nothing: ValueError (an invalid prompt), QueueFullError (the
+        same drain and they prefill together. `each`: instead of `interventions`, one list per prompt (the cells
+        of an activation-patching sweep); `background`: they yield to other requests (model/engine/scheduler.py). All or nothing: ValueError (an invalid prompt), QueueFullError (the
         waiting queue is full) or EngineDeadError, and then none is queued. Returns one stream of outputs per
         prompt; closing a stream early aborts its request and frees its blocks."""
         loop = asyncio.get_running_loop()
@@ -116,7 +119,9 @@ class AsyncEngine:
             self._num_pending += n
             for stream in streams:
                 self._streams[stream.request_id] = (loop, stream.queue)
-        extras = (interventions, hidden_states)
+        if each is not None and len(each) != len(prompts):
+            raise ValueError(f"each: {len(each)} intervention lists for {len(prompts)} prompts")
+        extras = (each if each is not None else [interventions] * len(prompts), hidden_states, background)
         self._inbox.put(("add", ([(rid, list(ids)) for rid, ids in prompts], params, extras, submitted)))
         self._wake.set()
         try:
@@ -257,12 +262,12 @@ class AsyncEngine:
                 return
             drained = True
             if kind == "add":
-                prompts, params, (interventions, hidden_states), submitted = payload
+                prompts, params, (each, hidden_states, background), submitted = payload
                 added: list[str] = []
                 result: BaseException | None = None
                 try:
-                    for request_id, prompt in prompts:
-                        self.engine.add_request(request_id, prompt, params, interventions, hidden_states)
+                    for (request_id, prompt), interventions in zip(prompts, each):
+                        self.engine.add_request(request_id, prompt, params, interventions, hidden_states, background)
                         added.append(request_id)
                 except (ValueError, QueueFullError) as e:  # all or nothing: the caller sees one refusal
                     result = e

@@ -49,6 +49,7 @@ class EngineConfig:
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 512
     max_waiting: int = 256
+    max_background_tokens: int = 16  # tokens a step for background rows (patching sweeps) while others run or wait
     max_model_len: int | None = None  # default: the model's context length, clamped to the KV pool
     enable_prefix_caching: bool = True
     max_logprobs: int = 20
@@ -101,7 +102,8 @@ class Engine:
         self.cache = PagedKVCache.for_model(model, num_blocks + graphs, config.block_size)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.max_waiting), self.kv
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.max_waiting,
+                            config.max_background_tokens), self.kv
         )
         # [structured outputs] grammar compiler + cache and the step's mask buffer (nothing is built until used); masks
         # overlap the forward only off-CPU: on CPU the forward owns every core (benchmarks/bench_structured.py)
@@ -127,10 +129,12 @@ class Engine:
     # ---- requests ---------------------------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    interventions: list[Intervention] | None = None, hidden_states: HiddenStateRead | None = None) -> Request:
+                    interventions: list[Intervention] | None = None, hidden_states: HiddenStateRead | None = None,
+                    background: bool = False) -> Request:
         """Queue a request. ValueError for an invalid one, QueueFullError when the waiting queue is full.
         `interventions`: edits of the residual stream for this request's rows only (model/interventions.py);
-        `hidden_states`: the block outputs to return with its tokens."""
+        `hidden_states`: the block outputs to return with its tokens; `background`: it yields to other requests
+        (model/engine/scheduler.py)."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         if not prompt_token_ids:
@@ -154,7 +158,8 @@ class Engine:
         self.scheduler.check_capacity(1 if share_prefix else params.n)
         # [structured outputs] compiled once per request (a cache hit when the service compiled it already)
         grammar = self.structured.compile(params.structured) if params.structured is not None else None
-        req = Request(request_id, list(prompt_token_ids), params, interventions=plan, hidden_states=hidden_states)
+        req = Request(request_id, list(prompt_token_ids), params, interventions=plan, hidden_states=hidden_states,
+                      background=background)
         for i in range(params.n):
             seq = Sequence(self._next_seq_id, req, i, req.prompt_token_ids)
             self._next_seq_id += 1

@@ -76,6 +76,7 @@ class GraphEdits:
     def store_reads(self, edits: StepEdits) -> None:
         """After a replay: the step's reads from the recorded block outputs."""
         for layer in range(self.n_layers):
-            a, b = int(edits.read_ptr_host[layer]), int(edits.read_ptr_host[layer + 1])
+            k = 3 * layer + 2  # block_output (the runner sends reads of other sites to the module path)
+            a, b = int(edits.read_ptr_host[k]), int(edits.read_ptr_host[k + 1])
             if a < b:
                 edits.read_out[a:b] = self.hidden[layer, edits.read_rows[a:b]]

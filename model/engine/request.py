@@ -118,6 +118,7 @@ class Request:
     pending_siblings: list[Sequence] = field(default_factory=list)
     interventions: "InterventionPlan | None" = None  # its edits of the residual stream (model/interventions.py)
     hidden_states: "HiddenStateRead | None" = None  # the block outputs it returns
+    background: bool = False  # yields to other requests in the scheduler (an activation-patching sweep's rows)
 
     @property
     def is_finished(self) -> bool:

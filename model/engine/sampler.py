@@ -74,6 +74,7 @@ class TokenLogprobs:
     logprob: float
     rank: int  # 1 = most likely; ties count against the token (vLLM: number of tokens with logprob >= its own)
     top: list[tuple[int, float]]  # top-k (id, logprob), most likely first
+    scored: list[float] | None = None  # the logprobs of params.score_token_ids, in their order (activation patching)
 
 
 @dataclass
@@ -257,7 +258,10 @@ class Sampler:
         out: list[TokenLogprobs | None] = [None] * len(rows)
         if raw_lp is not None:
             ks = [rows[i].params.logprobs for i in want]
-            for i, tl in zip(want, _token_logprobs(raw_lp, tokens[want], ks)):
+            for j, (i, tl) in enumerate(zip(want, _token_logprobs(raw_lp, tokens[want], ks))):
+                ids = rows[i].params.score_token_ids
+                if ids:  # raw logprobs of named tokens (model/probes/patching.py's metric)
+                    tl.scored = raw_lp[j, list(ids)].tolist()
                 out[i] = tl
         return SamplerOutput(token_ids=tokens.tolist(), logprobs=out)
 

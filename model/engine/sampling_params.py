@@ -66,6 +66,9 @@ class SamplingParams:
     # Constrained decoding (model/engine/structured/): every token of each choice is sampled from the tokens its
     # grammar allows, and the choice ends when the grammar is complete
     structured: StructuredOutputSpec | None = None
+    # With logprobs set: each sampled token's TokenLogprobs also carries the raw logprobs of these token ids (the
+    # metric of an activation-patching sweep, model/probes/patching.py)
+    score_token_ids: tuple[int, ...] = ()
 
     @property
     def greedy(self) -> bool:
@@ -100,6 +103,10 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
                 _check_int(name, getattr(self, name), 0, max_logprobs, f"max_logprobs={max_logprobs}")
+        for tok in self.score_token_ids:
+            _check_int("score_token_ids", tok, 0, vocab_size - 1)
+        if self.score_token_ids and self.logprobs is None:
+            raise _bad("score_token_ids", "given with logprobs (>= 0)", self.score_token_ids)
         for name in ("ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise _bad(name, "a boolean", getattr(self, name))

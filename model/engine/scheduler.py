@@ -6,6 +6,12 @@ a step lets each catch up by some amount under a token budget. Running sequences
 unfinished prefill chunks, oldest first), then waiting ones are admitted while budget, sequence slots and free
 blocks last. When a running sequence cannot get a block, the newest running sequence is preempted: its blocks
 are freed and it goes back to the front of the queue to be recomputed later (vLLM's recompute preemption).
+
+Background sequences (`Request.background`: the rows of an activation-patching sweep) yield to the others, as
+inspections do (model/engine/async_engine.py): a waiting foreground sequence is admitted before any waiting
+background one, background sequences hold at most half the sequence slots, and while any foreground sequence is
+running or waiting they compute at most `max_background_tokens` tokens a step between them; alone, at most
+BACKGROUND_IDLE_FACTOR times that, so a request that arrives waits for one short step, not a full batch of them.
 """
 
 from __future__ import annotations
@@ -17,6 +23,9 @@ from model.engine.kv_cache_manager import KVCacheManager
 from model.engine.request import Sequence, SequenceStatus
 
 
+BACKGROUND_IDLE_FACTOR = 8
+
+
 class QueueFullError(RuntimeError):
     """Submission refused: the waiting queue is at its limit (the HTTP layer answers 429 with Retry-After)."""
 
@@ -26,9 +35,10 @@ class SchedulerConfig:
     max_num_seqs: int = 32  # running sequences at once
     max_num_batched_tokens: int = 512  # tokens in one step (decode + prefill chunks)
     max_waiting: int = 256  # queued sequences beyond which submission is refused
+    max_background_tokens: int = 16  # background tokens a step while foreground sequences run or wait
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting", "max_background_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
 
@@ -43,6 +53,10 @@ class ScheduledSeq:
 class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+
+
+def _background(seq: Sequence) -> bool:
+    return seq.request.background
 
 
 class Scheduler:
@@ -75,10 +89,16 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        foreground = any(not _background(q) for q in self.running) or any(not _background(q) for q in self.waiting)
+        bg_budget = self.config.max_background_tokens * (1 if foreground else BACKGROUND_IDLE_FACTOR)
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = self._chunk(seq, budget)
+            bg = _background(seq)
+            n = self._chunk(seq, min(budget, bg_budget) if bg else budget)
+            if n == 0:  # a background sequence waits for the next step
+                i += 1
+                continue
             while not self.kv.allocate(seq, n):
                 victim = self.running.pop()  # the newest
                 self._preempt(victim, out)
@@ -87,24 +107,34 @@ class Scheduler:
             else:
                 out.scheduled.append(ScheduledSeq(seq, n))
                 budget -= n
+                if bg:
+                    bg_budget -= n
                 i += 1
                 continue
             break  # seq itself was preempted: nothing after it is left to schedule
         if out.preempted:
             return out  # admitting new work right after running out of blocks would only thrash
+        max_bg_running = max(1, self.config.max_num_seqs // 2)
+        num_bg_running = sum(1 for q in self.running if _background(q))
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
+            seq = next((q for q in self.waiting if not _background(q)), self.waiting[0])  # foreground first
+            bg = _background(seq)
+            if bg and (bg_budget <= 0 or num_bg_running >= max_bg_running):
+                break
             if seq.num_computed_tokens == 0 and not seq.block_ids:
                 self.kv.attach_cached_prefix(seq, max_tokens=seq.max_cached_tokens())
-            n = self._chunk(seq, budget)
-            if not self.kv.allocate(seq, n):
+            n = self._chunk(seq, min(budget, bg_budget) if bg else budget)
+            if n == 0 or not self.kv.allocate(seq, n):
                 self.kv.free(seq)  # give back the cached prefix it took; retried next step
                 break
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             out.scheduled.append(ScheduledSeq(seq, n))
             budget -= n
+            if bg:
+                bg_budget -= n
+                num_bg_running += 1
         return out
 
     def _chunk(self, seq: Sequence, budget: int) -> int:

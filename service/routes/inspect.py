@@ -227,3 +227,9 @@ async def viewer_docs():
 async def viewer_script():
     return Response(resources.files("service").joinpath("static/inspect.js").read_text(encoding="utf-8"),
                     media_type="text/javascript")
+
+
+@router.get("/inspect/ui/patch.js", include_in_schema=False)
+async def viewer_patch_script():
+    return Response(resources.files("service").joinpath("static/patch.js").read_text(encoding="utf-8"),
+                    media_type="text/javascript")

@@ -126,6 +126,7 @@ static void keep_rows(const torch::Tensor& h, const torch::Tensor& rows, const t
 template <typename T>
 static void add_edited(Step<T>& s, torch::Tensor& subt, const std::vector<torch::Tensor>& edits, int64_t site) {
   apply_site(subt, edits, site);
+  read_site(subt, edits, site);
   for (int64_t i = 0; i < s.N * s.D; ++i) s.h[i] = from_f<T>(to_f(s.h[i]) + to_f(s.sub[i]));
 }
 
@@ -245,7 +246,7 @@ static void run_layers(Step<T>& s, const std::vector<std::vector<torch::Tensor>>
         {
           add_edited(s, subt, edits, 3 * l + 1);  // mlp_output
           apply_site(ht, edits, 3 * l + 2);       // block_output
-          read_site(ht, edits, l);
+          read_site(ht, edits, 3 * l + 2);
         }
       } else {
         project(w2, act, acts, s, 16, tid, nt, [&](int64_t m, int64_t n, float y) {

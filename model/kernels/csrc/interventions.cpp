@@ -3,8 +3,9 @@
 // activation dtype, exactly as model/edits.py's `apply_reference` defines it. Rows no op names are not touched.
 //
 // The table (one forward's, `StepEdits`): ops (Q, 4) int64 [row, u, keep, put] (rows of bank (V, D) float32,
-// -1: absent). decode_layers (decode_layers.cpp) calls `apply_site` at a block's three sites and `read_site` after
-// it, with the whole table as its trailing argument [site_ptr, ops, bank, read_ptr, read_rows, read_out].
+// -1: absent). decode_layers (decode_layers.cpp) calls `apply_site` and then `read_site` at a block's three sites
+// (k = 3 layer + site: attention_output, mlp_output, block_output), with the whole table as its trailing argument
+// [site_ptr, ops, bank, read_ptr (3L + 1), read_rows, read_out].
 #include "ops.h"
 
 namespace ls {
@@ -57,10 +58,10 @@ void apply_site(torch::Tensor& x, const std::vector<torch::Tensor>& edits, int64
   apply_edits(x, edits[1].narrow(0, a, b - a), edits[2]);
 }
 
-void read_site(const torch::Tensor& h, const std::vector<torch::Tensor>& edits, int64_t layer) {
+void read_site(const torch::Tensor& h, const std::vector<torch::Tensor>& edits, int64_t site) {
   if (edits.empty()) return;
   const int64_t* ptr = edits[3].data_ptr<int64_t>();
-  const int64_t a = ptr[layer], b = ptr[layer + 1];
+  const int64_t a = ptr[site], b = ptr[site + 1];
   if (a == b) return;
   const int64_t* rows = edits[4].data_ptr<int64_t>();
   float* out = edits[5].data_ptr<float>();

@@ -41,5 +41,5 @@ torch::Tensor decode_layers(torch::Tensor h, const std::vector<std::vector<torch
                             const std::vector<torch::Tensor>& edits, const std::vector<torch::Tensor>& telemetry);
 void apply_edits(torch::Tensor& x, const torch::Tensor& ops, const torch::Tensor& bank);
 void apply_site(torch::Tensor& x, const std::vector<torch::Tensor>& edits, int64_t site);
-void read_site(const torch::Tensor& h, const std::vector<torch::Tensor>& edits, int64_t layer);
+void read_site(const torch::Tensor& h, const std::vector<torch::Tensor>& edits, int64_t site);
 }  // namespace ls

@@ -1,0 +1,140 @@
+"""Activation patching (causal tracing): which activations carry the behaviour that tells a clean prompt from a
+corrupted one.
+
+Meng et al. 2022, "Locating and Editing Factual Associations in GPT" (section 2.1, causal tracing): run a clean and
+a corrupted prompt, copy one activation of the clean run into the corrupted run at one (layer, position, site) and
+measure how much of the clean behaviour comes back. Heimersheim & Nanda 2024, "How to use and interpret activation
+patching", give the practice this module follows: a logit difference (or log-probability) metric at the last
+position, normalised so that 0 is the corrupted run and 1 the clean one,
+
+    normalised(cell) = (m(patched) - m(corrupted)) / (m(clean) - m(corrupted)),
+
+"denoising" (clean into corrupted: which activations suffice to restore the behaviour) by default, "noising"
+(corrupted into clean: which are necessary) on request; a noising sweep's cells are near 1 where an activation
+does not matter and fall where it does.
+
+Here a sweep runs on the serving engine as ordinary rows (service/routes/patch.py drives it):
+
+    source run   the prompt whose activations are copied (clean when denoising), with a hidden-state read
+                 (model/interventions.py's `HiddenStateRead`) of every swept (layer, site) at every swept position
+    target run   the prompt they are copied into, unedited: its metric is the other baseline, and its KV blocks enter
+                 the prefix cache
+    cells        one request per (site, layer, position): the target prompt with one `set` intervention writing the
+                 source's value, all D dims, at that (layer, site, position); a `set` of every dim is the value
+                 itself, bitwise (model/edits.py). Positions before the patched one are the target run's, so the
+                 prefix cache serves their whole blocks.
+
+Sites: "block_output" (the residual stream after block l, what a HF forward hook on the decoder layer returns),
+"attention_output" and "mlp_output" (the sub-blocks' outputs before their residual adds).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from model.interventions import SITES, HiddenStateRead, Intervention
+
+METRICS = ("logit_diff", "logprob")
+DIRECTIONS = ("denoise", "noise")
+
+
+@dataclass(frozen=True)
+class Cell:
+    site: str
+    layer: int
+    position: int
+
+
+@dataclass
+class PatchSweep:
+    """One sweep's shape: the grid is sites x layers x positions (in the order given), over a T-token prompt pair.
+    `answer` / `contrast`: the token ids the metric reads at the last position (`contrast` only for logit_diff)."""
+
+    sites: list[str]
+    layers: list[int]
+    positions: list[int]
+    num_tokens: int
+    answer: int
+    contrast: int | None = None
+    metric: str = "logit_diff"
+    direction: str = "denoise"
+
+    def validate(self, n_layers: int) -> None:
+        """ValueError whose message starts with the field it is about ("layers: ...")."""
+        T = self.num_tokens
+        if not self.sites or any(s not in SITES for s in self.sites):
+            bad = [s for s in self.sites if s not in SITES]
+            raise ValueError(f"sites: unknown {bad[0]!r}; choose from {list(SITES)}" if bad else "sites: give at least one")
+        if len(set(self.sites)) != len(self.sites):
+            raise ValueError("sites: must not repeat a site")
+        if not self.layers or any(not 0 <= l < n_layers for l in self.layers):
+            raise ValueError(f"layers: block indices must be in [0, {n_layers}) for this model")
+        if len(set(self.layers)) != len(self.layers):
+            raise ValueError("layers: must not repeat a block")
+        if not self.positions or any(not 0 <= p < T for p in self.positions):
+            raise ValueError(f"positions: token indices must be in [-{T}, {T}) for these {T}-token prompts")
+        if len(set(self.positions)) != len(self.positions):
+            raise ValueError("positions: must not repeat a position")
+        if self.metric not in METRICS:
+            raise ValueError(f"metric: unknown {self.metric!r}; choose from {list(METRICS)}")
+        if self.direction not in DIRECTIONS:
+            raise ValueError(f"direction: unknown {self.direction!r}; choose from {list(DIRECTIONS)}")
+        if self.metric == "logit_diff" and self.contrast is None:
+            raise ValueError("contrast: logit_diff needs a contrast token")
+
+    @property
+    def num_cells(self) -> int:
+        return len(self.sites) * len(self.layers) * len(self.positions)
+
+    def cells(self) -> list[Cell]:
+        """Every cell, in the grid's order (site, then layer, then position)."""
+        return [Cell(s, l, p) for s in self.sites for l in self.layers for p in self.positions]
+
+    def source_read(self) -> HiddenStateRead:
+        """The source run's read: every swept (layer, site) at every swept position."""
+        return HiddenStateRead(list(self.layers), tuple(sorted(self.positions)), tuple(self.sites))
+
+    def score_token_ids(self) -> tuple[int, ...]:
+        return (self.answer,) if self.contrast is None else (self.answer, self.contrast)
+
+    def source_bytes(self, dim: int) -> int:
+        """What the sweep holds while it runs: the source's values (read once, then one `set` vector a cell, its
+        plan's float64 copy included), float32 values of `dim` each."""
+        return self.num_cells * dim * 4 * 3
+
+
+def metric(sweep: PatchSweep, scored: list[float]) -> float:
+    """The metric from the raw log-probabilities of sweep.score_token_ids() at the last position: logit_diff =
+    logit(answer) - logit(contrast) (the log-softmax normaliser cancels), or logprob = log p(answer)."""
+    return scored[0] - scored[1] if sweep.metric == "logit_diff" else scored[0]
+
+
+def cell_interventions(sweep: PatchSweep, source: Tensor, positions: list[int]) -> list[list[Intervention]]:
+    """One `set` of all D dims per cell, with the source's value: source (n_positions, n_layers x n_sites, D)
+    float32 as the read returns it (positions in `positions`' order, columns layer-major)."""
+    S = len(sweep.sites)
+    row = {p: i for i, p in enumerate(positions)}
+    col = {(l, s): i * S + j for i, l in enumerate(sweep.layers) for j, s in enumerate(sweep.sites)}
+    dims = tuple(range(source.shape[-1]))
+    out = []
+    for c in sweep.cells():
+        v = source[row[c.position], col[(c.layer, c.site)]]  # (D,)
+        out.append([Intervention(c.layer, c.site, "set", (c.position,), dims=dims, values=tuple(v.tolist()))])
+    return out
+
+
+def normalise(values: list[float], clean: float, corrupted: float) -> list[float]:
+    """0 at the corrupted run's metric, 1 at the clean run's (ValueError when the two are equal)."""
+    span = clean - corrupted
+    if span == 0.0:
+        raise ValueError("corrupted: the clean and corrupted runs give the same metric; there is nothing to restore")
+    return [(v - corrupted) / span for v in values]
+
+
+def grid(sweep: PatchSweep, flat: list[float]) -> list[list[list[float]]]:
+    """Cells in `cells()` order -> [site][layer][position]."""
+    L, P = len(sweep.layers), len(sweep.positions)
+    return [[flat[(s * L + l) * P : (s * L + l + 1) * P] for l in range(L)] for s in range(len(sweep.sites))]
