@@ -27,9 +27,10 @@ INTERPOLATED = yaml.safe_load(re.sub(r"\$\{(\w+):-([^}]*)\}", lambda m: m[2], (R
 DASHBOARD = json.loads((ROOT / "deploy/grafana/dashboards/llamascope.json").read_text())
 
 
-def test_dockerfile_lints_clean():
+@pytest.mark.parametrize("dockerfile", ["Dockerfile", "deploy/prometheus/Dockerfile"])
+def test_dockerfile_lints_clean(dockerfile):
     hadolint = shutil.which("hadolint") or str(Path(sys.executable).parent / "hadolint")
-    r = subprocess.run([hadolint, "--no-color", str(ROOT / "Dockerfile")], capture_output=True, text=True)
+    r = subprocess.run([hadolint, "--no-color", str(ROOT / dockerfile)], capture_output=True, text=True)
     assert r.returncode == 0 and r.stdout.strip() == "", r.stdout + r.stderr  # not even warnings or infos
 
 

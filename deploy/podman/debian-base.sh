@@ -37,7 +37,7 @@ rm -rf "$rootfs"/var/cache/apt/archives/*.deb "$rootfs"/var/lib/apt/lists/*
 : >"$rootfs/etc/resolv.conf"  # the runtime mounts its own; the host's must not travel in the image
 echo localhost >"$rootfs/etc/hostname"
 
-tar --numeric-owner -C "$rootfs" -c . | podman import \
+tar --numeric-owner -C "$rootfs" -c . | podman import --quiet \
   --change 'ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin' \
   --change 'ENV LANG=C.UTF-8' \
   --change 'CMD ["python3"]' \
