@@ -51,10 +51,10 @@ RUN mkdir -p /opt/llamascope/kernels && python -m model.kernels --allow-failure
 
 # The CUDA image never loads CPU kernels (its model runs on the GPU): an empty directory, and nothing is compiled.
 # BuildKit builds only the stages the target needs, so DEVICE=cuda skips kernels-cpu (and runtime-cpu) entirely.
-# Not FROM scratch: buildah (podman build) leaves a WORKDIR of an empty scratch stage out of its image, and the
-# final stage's COPY then fails; the python image is already the build stage's base.
+# The directory is made by a RUN: buildah (podman build) commits no layer for a stage of FROM and WORKDIR alone, and
+# the final stage's COPY then finds nothing. The python image is already the build stage's base.
 FROM ${PYTHON_IMAGE} AS kernels-cuda
-WORKDIR /opt/llamascope/kernels
+RUN mkdir -p /opt/llamascope/kernels
 
 # hadolint ignore=DL3006
 FROM kernels-${DEVICE} AS kernels
