@@ -2,7 +2,14 @@
 # llamascope server image.
 #   docker build -t llamascope .                      # CUDA (default): PyTorch's CUDA runtime image
 #   docker build -t llamascope:cpu --build-arg DEVICE=cpu .   # CPU only: python slim + the CPU build of torch
+# The defaults below are the upstream images and indexes. Where no registry can be reached, `make image` builds the
+# CPU image with podman on a base made from Debian's packages, through these same arguments (docs/deployment.md).
 ARG DEVICE=cuda
+# The project's one torch pin: the CPU image installs this release, and `make install` reads it from here.
+ARG TORCH_VERSION=2.13.0
+# Where the CPU build of torch comes from (PyTorch's own index holds the +cpu wheels)
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+# The CUDA image takes torch from its base; its tag names the torch release it brings.
 ARG CUDA_TORCH_IMAGE=pytorch/pytorch:2.7.1-cuda12.8-cudnn9-runtime
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 
@@ -25,7 +32,11 @@ FROM ${CUDA_TORCH_IMAGE} AS runtime-cuda
 RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev && rm -rf /var/lib/apt/lists/*
 
 FROM ${PYTHON_IMAGE} AS runtime-cpu
-RUN pip install --no-cache-dir torch==2.7.1 --index-url https://download.pytorch.org/whl/cpu
+ARG TORCH_VERSION
+ARG TORCH_INDEX_URL
+# pip's own setting, unset unless given: a folder of wheels to look in as well (a local copy of the torch wheel)
+ARG PIP_FIND_LINKS
+RUN pip install --no-cache-dir "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"
 
 # ---- native CPU kernels (model/kernels): compiled against the runtime's own torch, only the .so is kept ----
 FROM runtime-cpu AS kernels-cpu
@@ -40,8 +51,10 @@ RUN mkdir -p /opt/llamascope/kernels && python -m model.kernels --allow-failure
 
 # The CUDA image never loads CPU kernels (its model runs on the GPU): an empty directory, and nothing is compiled.
 # BuildKit builds only the stages the target needs, so DEVICE=cuda skips kernels-cpu (and runtime-cpu) entirely.
-FROM scratch AS kernels-cuda
-WORKDIR /opt/llamascope/kernels
+# The directory is made by a RUN: buildah (podman build) commits no layer for a stage of FROM and WORKDIR alone, and
+# the final stage's COPY then finds nothing. The python image is already the build stage's base.
+FROM ${PYTHON_IMAGE} AS kernels-cuda
+RUN mkdir -p /opt/llamascope/kernels
 
 # hadolint ignore=DL3006
 FROM kernels-${DEVICE} AS kernels

@@ -37,6 +37,23 @@ def pytest_make_collect_report(collector):
     _skip_is_failure(outcome.get_result(), False)
 
 
+def pytest_addoption(parser):
+    parser.addoption("--image", default=None, metavar="TAG",
+                     help="run the container tests (marked `image`: tests/test_image.py, tests/test_compose.py) "
+                          "against this built image; without it they are not collected (`make image-test` passes it)")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `image` need a built image and a container engine: without `--image` they are deselected (not
+    skipped: a plain `make test` has no image to run them on, and under CI=true a skip is a failure)."""
+    if config.getoption("--image"):
+        return
+    keep = [i for i in items if i.get_closest_marker("image") is None]
+    if len(keep) < len(items):
+        config.hook.pytest_deselected(items=[i for i in items if i.get_closest_marker("image") is not None])
+        items[:] = keep
+
+
 def tiny_llama_config(**overrides):
     """A transformers LlamaConfig small enough for CPU tests; overrides take HF names."""
     from transformers import LlamaConfig

