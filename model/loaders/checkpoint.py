@@ -130,10 +130,7 @@ def load_model(
     converted as it is read; "auto": each GGUF matrix at its own type's precision where the native kernels can serve
     it (`resolve_quantization`), else "none". `shard`: only that tensor-parallel rank's share of the weights
     (model/parallel/plan.py). `reserve_bytes`: what the caller will allocate next (the KV pool): a model whose
-    weights and that do not fit in the memory available is refused before any weight is read."""
-    from model.loaders.gguf_file import load_gguf, open_gguf, read_metadata, served_bytes_gguf
-    from model.loaders.hf import load_hf, served_bytes_hf
-
+    weights do not fit beside it in the memory available is refused before any weight is read."""
     with _returning_large_blocks():
         return _load_model(path, dtype, device, quantization, shard, reserve_bytes, time.perf_counter())
 
