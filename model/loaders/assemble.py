@@ -111,7 +111,8 @@ class ModelAssembler:
         self.layers: dict[str, QuantLinear] = {}  # quantized modules by `module_of` name
         self.progress = LoadProgress(len(self.expected), desc)
 
-    def _check(self, name: str, shape: tuple[int, ...], source_name: str, source_file: str | None) -> tuple[int, ...]:
+    def check(self, name: str, shape: tuple[int, ...], source_name: str, source_file: str | None = None) -> tuple[int, ...]:
+        """The shape our parameter `name` must have; a CheckpointError naming the file and tensor otherwise."""
         file = source_file or self.path
         want = self.expected.get(name)
         if want is None:
@@ -122,7 +123,7 @@ class ModelAssembler:
 
     def add(self, name: str, tensor: Tensor, source_name: str, source_file: str | None = None) -> None:
         """Take `tensor` for our parameter `name`, read from tensor `source_name` of `source_file` (a shard)."""
-        self._check(name, tuple(tensor.shape), source_name, source_file)
+        self.check(name, tuple(tensor.shape), source_name, source_file)
         kind = quantized_kind(self.quantization, name, *tensor.shape) if tensor.dim() == 2 else None
         if kind is not None:
             cls = Int4Linear if kind == "int4" else Int8Linear
@@ -136,7 +137,7 @@ class ModelAssembler:
         """Take an already quantized matrix for our parameter `name` (a file's own blocks, or one just rounded);
         `rows`: its rows, where the layer holds padding rows beyond them (an embedding table)."""
         shape = (rows or layer.out_features, layer.in_features)
-        self._check(name, shape, source_name, source_file)
+        self.check(name, shape, source_name, source_file)
         self.layers[module_of(name, self.config.tie_embeddings)] = layer
         self.tensors[name] = torch.empty(*shape, device="meta", dtype=self.dtype)
         self.progress.advance(source_name, layer.decode_bytes)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from model.loaders.errors import CheckpointError
@@ -131,8 +131,3 @@ def matrix_layer(data: np.ndarray, qtype: GGMLQuantizationType, kind: str, shape
     if kind == "int4":
         return Int4Linear(*tensors)
     return Int8Linear(*tensors)
-
-
-def tensor_bytes(qtype: GGMLQuantizationType, n: int) -> int:
-    block, size = GGML_QUANT_SIZES[qtype]
-    return n // block * size

@@ -224,7 +224,7 @@ def load_gguf(
         kind = kinds.get(t.name)
         if kind is not None:
             shape = (int(t.shape[1]), int(t.shape[0]))
-            asm._check(ours, shape, t.name, None)
+            asm.check(ours, shape, t.name)
             try:
                 layer = matrix_layer(t.data, t.tensor_type, kind, shape, n_head, pad_rows=ours == "tok_embeddings.weight")
             except CheckpointError as e:
