@@ -58,6 +58,43 @@ static inline void pv_in_registers(const float* p, int64_t len, const At& at, fl
 }
 #endif
 
+#if LS_AVX2
+// The scores of positions s .. s+7 for one query: eight dot products over E, each lane order fixed, reduced
+// together (hsum8x8). The one float order of a score, for a decode row alone and for a row in a tile.
+template <typename T, typename At>
+static inline __m256 score8(const float* q, int64_t s, int64_t E, const At& at) {
+  __m256 d[8];
+  for (int j = 0; j < 8; ++j) {
+    const T* k = at.k(s + j);
+    __m256 a = _mm256_mul_ps(_mm256_loadu_ps(q), load8(k));
+    for (int64_t i = 8; i < E; i += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), load8(k + i), a);
+    d[j] = a;
+  }
+  return hsum8x8(d);
+}
+#endif
+
+// sc[s] := exp(sc[s] - mx) for s < len; -> their sum (8 lanes, then the tail in order): one order for every caller.
+static inline float exp_and_sum(float* sc, int64_t len, float mx) {
+  float sum = 0.f;
+  int64_t s = 0;
+#if LS_AVX2
+  const __m256 m8 = _mm256_set1_ps(mx);
+  __m256 sv = _mm256_setzero_ps();
+  for (; s + 8 <= len; s += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sc + s), m8));
+    _mm256_storeu_ps(sc + s, e);
+    sv = _mm256_add_ps(sv, e);
+  }
+  sum = hsum(sv);
+#endif
+  for (; s < len; ++s) {
+    sc[s] = std::exp(sc[s] - mx);
+    sum += sc[s];
+  }
+  return sum;
+}
+
 // One query head of one decode row over its context: scores (len) in `sc`, output (E) in `o`.
 // k_at(s) / v_at(s): the pool row of position s for this head's KV head. On return sc holds exp(score - max) and
 // the function returns their sum, so sc[s] / sum is the softmax the output was weighted by (the telemetry reads it).
@@ -69,14 +106,7 @@ static float attend_head(const float* q, int64_t len, int64_t E, At at, float* s
   if (E % 8 == 0) {
     __m256 mv = _mm256_set1_ps(-INFINITY);
     for (; s + 8 <= len; s += 8) {  // eight positions' dot products at a time, reduced together
-      __m256 d[8];
-      for (int j = 0; j < 8; ++j) {
-        const T* k = at.k(s + j);
-        __m256 a = _mm256_mul_ps(_mm256_loadu_ps(q), load8(k));
-        for (int64_t i = 8; i < E; i += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), load8(k + i), a);
-        d[j] = a;
-      }
-      const __m256 v = hsum8x8(d);
+      const __m256 v = score8<T>(q, s, E, at);
       _mm256_storeu_ps(sc + s, v);
       mv = _mm256_max_ps(mv, v);
     }
@@ -87,22 +117,7 @@ static float attend_head(const float* q, int64_t len, int64_t E, At at, float* s
     sc[s] = dot(q, at.k(s), E);
     mx = std::max(mx, sc[s]);
   }
-  float sum = 0.f;
-  s = 0;
-#if LS_AVX2
-  const __m256 mv = _mm256_set1_ps(mx);
-  __m256 sv = _mm256_setzero_ps();
-  for (; s + 8 <= len; s += 8) {
-    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sc + s), mv));
-    _mm256_storeu_ps(sc + s, e);
-    sv = _mm256_add_ps(sv, e);
-  }
-  sum = hsum(sv);
-#endif
-  for (; s < len; ++s) {
-    sc[s] = std::exp(sc[s] - mx);
-    sum += sc[s];
-  }
+  const float sum = exp_and_sum(sc, len, mx);
   std::fill(acc.begin(), acc.begin() + E, 0.f);
 #if LS_AVX2
   if (E == 64)
@@ -163,14 +178,7 @@ static void attend_tile(const float* qf, const int64_t* len, int64_t Qn, int64_t
       const float* q = qf + i * E;
       float* si = sc + i * ld;
       for (int64_t s = b0; s < std::min(b0 + BS, vec_end); s += 8) {
-        __m256 d[8];
-        for (int j = 0; j < 8; ++j) {
-          const T* k = at.k(s + j);
-          __m256 a = _mm256_mul_ps(_mm256_loadu_ps(q), load8(k));
-          for (int64_t e = 8; e < E; e += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + e), load8(k + e), a);
-          d[j] = a;
-        }
-        const __m256 v = hsum8x8(d);
+        const __m256 v = score8<T>(q, s, E, at);
         _mm256_storeu_ps(si + s, v);
         mv[i] = _mm256_max_ps(mv[i], v);
       }
@@ -180,25 +188,7 @@ static void attend_tile(const float* qf, const int64_t* len, int64_t Qn, int64_t
       }
     }
   }
-  for (int64_t i = 0; i < Qn; ++i) {  // attend_head's exponentials and sum, as they are
-    const int64_t L = len[i];
-    float* si = sc + i * ld;
-    const float mx = std::max(hmax(mv[i]), tail_max[i]);
-    const __m256 m8 = _mm256_set1_ps(mx);
-    __m256 sv = _mm256_setzero_ps();
-    int64_t s = 0;
-    for (; s + 8 <= L; s += 8) {
-      const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(si + s), m8));
-      _mm256_storeu_ps(si + s, e);
-      sv = _mm256_add_ps(sv, e);
-    }
-    float sum = hsum(sv);
-    for (; s < L; ++s) {
-      si[s] = std::exp(si[s] - mx);
-      sum += si[s];
-    }
-    sums[i] = sum;
-  }
+  for (int64_t i = 0; i < Qn; ++i) sums[i] = exp_and_sum(sc + i * ld, len[i], std::max(hmax(mv[i]), tail_max[i]));
   std::fill(acc, acc + Qn * E, 0.f);
   const int64_t NV = E / 8;
   for (int64_t b0 = 0; b0 < lmax; b0 += BS) {
