@@ -16,6 +16,7 @@ import torch
 
 from benchmarks.shapes import write_random
 from conftest import save_tiny_llama, tiny_llama_config
+from tiny import byte_tokenizer
 from model.loaders import CheckpointError, default_model_path, load_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -29,21 +30,15 @@ PROBE = textwrap.dedent("""
     import json, sys, torch
     from pathlib import Path
     from model.loaders import load_model
-    from model.loaders.hf import load_hf
-    from model.quantize import linear_weights
     def status(key):
         return int(next(l for l in open("/proc/self/status") if l.startswith(key)).split()[1]) * 1024
     open("/proc/self/clear_refs", "w").write("5")  # VmHWM := VmRSS: the peak from here on
     before = status("VmRSS:")
     path, how = Path(sys.argv[1]), sys.argv[2]
-    if how == "gguf":
-        lm = load_model(path, quantization="auto")
-        model, weights = lm.model, lm.weight_bytes
-    else:
-        model = load_hf(path, torch.bfloat16, quantization="int4")
-        weights = sum(t.nbytes for t in {t.data_ptr(): t for t in [*model.parameters(), *model.buffers()]}.values())
-    print(json.dumps({"before": before, "peak": status("VmHWM:"), "weights": weights,
-                      "float32": 4 * model.config.num_parameters()}))
+    # the server's own entry point, as `serve` calls it
+    lm = load_model(path, quantization="auto") if how == "gguf" else load_model(path, torch.bfloat16, quantization="int4")
+    print(json.dumps({"before": before, "peak": status("VmHWM:"), "weights": lm.weight_bytes,
+                      "float32": 4 * lm.model.config.num_parameters()}))
 """)
 
 
@@ -84,6 +79,7 @@ def test_bfloat16_safetensors_quantized_on_load_within_its_served_weights_plus_a
                         p + "mlp.down_proj.weight": (1024, 4096)})
     save_file({n: (torch.randn(s, generator=g) * 0.02).to(torch.bfloat16) for n, s in tensors.items()},
               str(tmp_path / "model.safetensors"))
+    byte_tokenizer()._tk.save(str(tmp_path / "tokenizer.json"))
     r = _probe(tmp_path, "hf")
     grew = r["peak"] - r["before"]
     print(f"\npeak growth {grew / 2**20:.0f} MiB for {r['weights'] / 2**20:.0f} MiB of served weights "
