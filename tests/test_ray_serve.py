@@ -100,7 +100,9 @@ def _stream(client: httpx.Client, url: str, path: str, body: dict) -> tuple[int,
 def _classify(status: int, text: str, streamed: bool) -> str:
     """'ok', 'error' (a clear OpenAI-envelope error), or 'bad' (anything else: a cut stream, a bare 5xx, ...)."""
     if streamed:
-        events = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
+        # lines end at \r\n, \r or \n only (the SSE spec); str.splitlines would also split inside an event at the
+        # U+0085 or U+2028 a random model can write, which the server sends raw (ensure_ascii=False)
+        events = [line[6:] for line in re.split(r"\r\n|\r|\n", text) if line.startswith("data: ")]
         if status != 200 or not events or events[-1] != "[DONE]":
             return "error" if status != 200 and _is_envelope(text) else "bad"
         try:

@@ -92,3 +92,19 @@ def test_prompt_forms_and_models_and_tokenize(client, name, server, default_mode
     assert t["tokens"] == ids
     d = httpx.post(server.url + "/detokenize", json={"tokens": ids}).json()
     assert d["prompt"] == "Hello there"
+
+
+def test_stream_events_survive_clients_that_split_lines_like_str_splitlines():
+    """httpx's iter_lines (a common way to read SSE) also ends lines at U+0085, U+2028 and U+2029, which a token may
+    decode to; the server escapes them, so every event still arrives whole and parses to the text sent."""
+    import json
+
+    import httpx
+
+    from service.routes.common import DONE, sse
+
+    text = "a\x85b\u2028c\u2029d\x1ce\r\nf"
+    body = sse({"choices": [{"text": text}]}) + DONE
+    lines = httpx._decoders.LineDecoder().decode(body)
+    events = [line[6:] for line in lines if line.startswith("data: ")]
+    assert events[-1] == "[DONE]" and json.loads(events[0])["choices"][0]["text"] == text

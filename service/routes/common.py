@@ -12,8 +12,15 @@ from service.errors import envelope
 DONE = "data: [DONE]\n\n"
 
 
+# Characters str.splitlines (and so httpx's iter_lines, a common way to read SSE) takes for line ends, though the SSE
+# spec ends lines at \r and \n only; JSON escapes \r, \n and the other C0 ones itself. Escaped (RFC 8259 section 7
+# allows \uXXXX for any character), a token that decodes to one of them cannot split an event for such a client.
+_LINE_BREAKS = str.maketrans({c: f"\\u{ord(c):04x}" for c in "\x85\u2028\u2029"})
+
+
 def sse(payload: dict) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    text = json.dumps(payload, ensure_ascii=False, separators=(',', ':')).translate(_LINE_BREAKS)
+    return f"data: {text}\n\n"
 
 
 def sse_error(status: int, message: str) -> str:
