@@ -182,7 +182,6 @@ def _load_model(path, dtype, device, quantization, shard, reserve_bytes, start: 
         if shard is None:
             quantization = resolve_quantization(quantization, path, device, reader)
         meta = read_metadata(reader)
-        reader.fields = {}  # the parsed fields (one small array per vocabulary entry: ~90 MB) are in `meta` now
         if shard is None and torch.device(device).type == "cpu":
             _check_fits(served_bytes_gguf(reader, quantization, requested == "auto", dtype), reserve_bytes, path)
         try:

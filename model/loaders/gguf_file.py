@@ -1,21 +1,20 @@
 """GGUF files (ggml's single-file format): metadata -> ModelConfig; tensors into the served format one at a time:
 quantized matrices straight from their blocks (model/loaders/gguf_blocks.py), the rest dequantized to the dtype.
 
-Spec: ggml `docs/gguf.md`. Read with the `gguf` package (memory-mapped; each tensor's pages are dropped from the
-process once it is converted); dequantization of F32, F16, BF16, Q4_0/Q4_1/Q5_0/Q5_1/Q8_0, the K-quants and the IQ
+Spec: ggml `docs/gguf.md`. Read through a memory map (model/loaders/gguf_reader.py; each tensor's pages are dropped
+from the process once it is converted); dequantization of F32, F16, BF16, Q4_0/Q4_1/Q5_0/Q5_1/Q8_0, the K-quants and the IQ
 types is the package's numpy reference code.
 """
 
 from __future__ import annotations
 
-import mmap
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
+from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from model.config import ModelConfig
@@ -23,6 +22,7 @@ from model.loaders.assemble import LAYER_NAMES, ModelAssembler, NameMap
 from model.loaders.config_keys import config_from_gguf
 from model.loaders.errors import CheckpointError
 from model.loaders.memory import served_bytes
+from model.loaders.gguf_reader import GGUFFile
 from model.loaders.gguf_blocks import CHUNK_ELEMENTS, conversion, matrix_layer, own_format, unpermute_qk
 from model.quantize import GROUP_SIZE, Quantization
 from model.loaders.shard import ShardFor, WeightShard
@@ -35,52 +35,18 @@ gguf_to_ours = NameMap(
 )
 
 
-class _CheckedReader(GGUFReader):
-    """GGUFReader that, before viewing tensor data, checks each tensor's extent against the file's size, so a
-    truncated file is reported by tensor name and byte counts rather than as a numpy reshape error."""
-
-    def __init__(self, path: Path) -> None:
-        self._path = str(path)
-        super().__init__(path)
-
-    def _build_tensors(self, start_offs: int, fields: list) -> None:
-        size = len(self.data)
-        for field in fields:
-            _, name_data, _, dims, raw_dtype, offset = field.parts
-            try:
-                qtype = GGMLQuantizationType(int(raw_dtype[0]))
-            except ValueError:
-                raise CheckpointError(f"unknown ggml tensor type id {int(raw_dtype[0])}", path=self._path, tensor=bytes(name_data).decode(errors="replace")) from None
-            block_size, type_size = GGML_QUANT_SIZES[qtype]
-            n_bytes = int(np.prod(dims)) * type_size // block_size
-            end = int(start_offs + offset[0]) + n_bytes
-            if end > size:
-                raise CheckpointError(
-                    f"file is truncated: tensor data ends at byte {end} ({qtype.name}, shape {dims.tolist()}, "
-                    f"{n_bytes} bytes) but the file has {size} bytes",
-                    path=self._path,
-                    tensor=bytes(name_data).decode(errors="replace"),
-                )
-        super()._build_tensors(start_offs, fields)
-
-
-def open_gguf(path: str | Path) -> GGUFReader:
+def open_gguf(path: str | Path) -> GGUFFile:
     path = Path(path)
     if not path.is_file():
         raise CheckpointError("no such file", path=str(path))
-    try:
-        return _CheckedReader(path)
-    except CheckpointError:
-        raise
-    except Exception as e:  # the reader raises ValueError/IndexError/struct errors on short or foreign files
-        raise CheckpointError(f"cannot read GGUF (truncated or not a GGUF file?): {type(e).__name__}: {e}", path=str(path)) from None
+    return GGUFFile(path)
 
 
-def read_metadata(reader: GGUFReader) -> dict[str, Any]:
-    return {key: field.contents() for key, field in reader.fields.items()}
+def read_metadata(reader: GGUFFile) -> dict[str, Any]:
+    return reader.metadata
 
 
-def native_quantization(reader: GGUFReader) -> str:
+def native_quantization(reader: GGUFFile) -> str:
     """The quantization that serves this file's block matrices at their own precision (`gguf_blocks.own_format`):
     "int4" where most of the blocks' 2-D weights are Q4_0 / Q4_1 / Q4_K, "int8" where they are Q8_0 / Q5_* / Q6_K,
     else "none" (float files and other types: the float model). Counted in parameters, so a file of mixed types
@@ -93,7 +59,7 @@ def native_quantization(reader: GGUFReader) -> str:
     return max(params, key=params.get) if params else "none"
 
 
-def served_formats(reader: GGUFReader, mode: str, per_tensor: bool, tied: bool) -> dict[str, str]:
+def served_formats(reader: GGUFFile, mode: str, per_tensor: bool, tied: bool) -> dict[str, str]:
     """GGUF tensor name -> "int4" / "int8", the format each matrix is served in under quantization `mode`.
 
     `per_tensor` (`--quantization auto`): each matrix at its own type's precision (`own_format`; a type with none is
@@ -126,7 +92,7 @@ def served_formats(reader: GGUFReader, mode: str, per_tensor: bool, tied: bool) 
     return kinds
 
 
-def served_bytes_gguf(reader: GGUFReader, quantization: str, per_tensor: bool, dtype: torch.dtype) -> int:
+def served_bytes_gguf(reader: GGUFFile, quantization: str, per_tensor: bool, dtype: torch.dtype) -> int:
     """What the file's weights will take once served under `quantization` (`served_formats`), before any is read."""
     tied = "output.weight" not in {t.name for t in reader.tensors}
     kinds = served_formats(reader, quantization, per_tensor, tied) if quantization != "none" else {}
@@ -166,25 +132,11 @@ def _dequantize(reader_tensor: Any, path: str, rows: slice = slice(None)) -> np.
     return out
 
 
-def _release(reader: GGUFReader, t: Any) -> None:
-    """Drop a converted tensor's file pages from this process (`MADV_DONTNEED` on its range of the read-only map):
-    they stay in the page cache, but no longer count in the process's memory, so the peak while loading is what it
-    keeps, not what it kept plus every page of the file it has read."""
-    mm = getattr(reader.data, "_mmap", None)
-    if mm is None or not hasattr(mmap, "MADV_DONTNEED"):
-        return
-    start = t.data_offset // mmap.PAGESIZE * mmap.PAGESIZE
-    try:
-        mm.madvise(mmap.MADV_DONTNEED, start, t.data_offset + t.n_bytes - start)
-    except (OSError, ValueError):
-        pass
-
-
 def load_gguf(
     path: str | Path,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
-    reader: GGUFReader | None = None,
+    reader: GGUFFile | None = None,
     meta: dict[str, Any] | None = None,
     quantization: Quantization = "none",
     shard: ShardFor | None = None,
@@ -231,7 +183,7 @@ def load_gguf(
                 raise CheckpointError(str(e), path=path, tensor=t.name) from None
             asm.add_layer(ours, layer, t.name, rows=shape[0])
             mix[conversion(t.tensor_type.name, kind)] += 1
-            _release(reader, t)
+            reader.release(t)
             continue
         cut = plan.slice_of(ours) if plan is not None else None
         w = _dequantize(t, path, slice(cut[1], cut[2]) if cut and cut[0] == 0 else slice(None))
@@ -244,7 +196,7 @@ def load_gguf(
         if w.ndim == 2:
             mix[f"{t.tensor_type.name} -> {str(dtype).removeprefix('torch.')}"] += 1
         asm.add(ours, torch.from_numpy(np.ascontiguousarray(w)), t.name)
-        _release(reader, t)
+        reader.release(t)
     if rope_freq_factors is not None and rope_freq_factors.shape != (config.head_dim // 2,):
         raise CheckpointError(f"expected shape [{config.head_dim // 2}], found {list(rope_freq_factors.shape)}", path=path, tensor="rope_freqs.weight")
     model = asm.finish(rope_freq_factors)

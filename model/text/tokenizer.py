@@ -33,11 +33,9 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, path) -> Tokenizer:
-        from gguf import GGUFReader
+        from model.loaders.gguf_reader import GGUFFile
 
-        reader = GGUFReader(str(path))
-        return cls.from_gguf_metadata({k: f.contents() for k, f in reader.fields.items()
-                                       if k.startswith(("tokenizer.", "general."))})
+        return cls.from_gguf_metadata(GGUFFile(path).metadata)
 
     @classmethod
     def from_gguf_metadata(cls, meta: Mapping[str, Any]) -> Tokenizer:
