@@ -10,7 +10,7 @@ Formats (ggml's blocks of 32 along the input dim, so a GGUF file's Q4_0 / Q4_1 /
           float16 (GGUF Q4_1; Q4_0's w = d (q - 8) is m = -8 d, so a GGUF file's Q4_0 and Q4_1 blocks map exactly:
           model/loaders/gguf_blocks.py)
 Both are stored 8 output rows interleaved, as the native kernels read them (model/kernels/csrc/qgemm.h): int4 by
-`_interleave_nibbles`, int8 in chunks of 4 weights per output (its rows padded with zeros to a multiple of 8); each
+`int4_layout`, int8 in chunks of 4 weights per output (its rows padded with zeros to a multiple of 8); each
 block's scales (and int4's offsets) for the 8 outputs side by side.
 
 Kernels, by what the machine has:
@@ -90,12 +90,19 @@ class Int8Linear(QuantLinear):
         if K % GROUP_SIZE:
             raise ValueError(f"int8 needs in_features % {GROUP_SIZE} == 0, got ({N}, {K})")
         super().__init__(K, N)
-        pad, nb = -N % 8, K // GROUP_SIZE  # zero rows up to whole groups of 8 (their outputs are dropped)
-        q = qweight.to(torch.int8)
-        q = (torch.nn.functional.pad(q, (0, 0, 0, pad)) if pad else q).view(-1, 8, nb, 8, 4)  # (g, j, b, c, t)
-        self.register_buffer("weight", q.permute(0, 2, 3, 1, 4).reshape(-1, nb, 256).contiguous())  # (N/8, K/32, 256) int8
-        dp = torch.nn.functional.pad(d.to(torch.float16), (0, 0, 0, pad)).view(-1, 8, nb)
-        self.register_buffer("scales", dp.permute(0, 2, 1).contiguous())  # (N/8, K/32, 8) float16
+        weight, scales = int8_layout(qweight.to(torch.int8), d)
+        self.register_buffer("weight", weight.reshape(-1, K // GROUP_SIZE, 64).view(torch.int8))  # (N/8, K/32, 256)
+        self.register_buffer("scales", scales.contiguous())  # (N/8, K/32, 8) float16
+
+    @classmethod
+    def packed(cls, weight: Tensor, scales: Tensor, out_features: int) -> "Int8Linear":
+        """A layer over buffers already in the kernel's layout (`int8_layout`), e.g. written there from a file's
+        blocks; `out_features`: the rows before padding to whole groups of 8."""
+        self = cls.__new__(cls)
+        QuantLinear.__init__(self, weight.shape[1] * GROUP_SIZE, out_features)
+        self.register_buffer("weight", weight)
+        self.register_buffer("scales", scales)
+        return self
 
     @classmethod
     def from_float(cls, w: Tensor) -> "Int8Linear":
@@ -103,7 +110,11 @@ class Int8Linear(QuantLinear):
 
     @classmethod
     def cat(cls, layers: list["Int8Linear"]) -> "Int8Linear":
-        """Stack layers with the same input along the output dim (fused q/k/v, gate/up)."""
+        """Stack layers with the same input along the output dim (fused q/k/v, gate/up): the buffers themselves
+        where every part fills whole groups of 8 rows (no padding between them), else through the unpacked arrays."""
+        if all(m.out_features % 8 == 0 for m in layers):
+            return cls.packed(torch.cat([m.weight for m in layers]), torch.cat([m.scales for m in layers]),
+                              sum(m.out_features for m in layers))
         qs, ds = zip(*(m.unpacked() for m in layers))
         return cls(torch.cat(qs), torch.cat(ds))
 
@@ -135,12 +146,24 @@ class Int4Linear(QuantLinear):
         if K % GROUP_SIZE or N % 16:
             raise ValueError(f"int4 needs in_features % {GROUP_SIZE} == 0 and out_features % 16 == 0, got ({N}, {K})")
         super().__init__(K, N)
-        self.register_buffer("nibbles", _interleave_nibbles(q.to(torch.uint8)))  # (N/8, K/32, 128) uint8
-        dm = torch.stack([d.to(torch.float16), m.to(torch.float16)], dim=1)  # (N, 2, K/32)
-        self.register_buffer("scales", dm.view(N // 8, 8, 2, K // GROUP_SIZE).permute(0, 3, 2, 1).contiguous())  # (N/8, K/32, 2, 8)
+        q = q.to(torch.uint8).view(N, K // GROUP_SIZE, 2, 16)
+        nibbles, scales = int4_layout(q[:, :, 0] | (q[:, :, 1] << 4), d, m)
+        self.register_buffer("nibbles", nibbles.reshape(N // 8, K // GROUP_SIZE, 32).view(torch.uint8))  # (N/8, K/32, 128)
+        self.register_buffer("scales", scales.contiguous())  # (N/8, K/32, 2, 8) float16
         # PyTorch's packed kernel wants its own packing (it depends on the CPU's vector width) and bfloat16
         # scales and zeros: built on first use, only where the native kernels do not run.
         self._torch_pack: tuple[Tensor, Tensor] | None = None
+
+    @classmethod
+    def packed(cls, nibbles: Tensor, scales: Tensor) -> "Int4Linear":
+        """A layer over buffers already in the kernel's layout (`int4_layout`), e.g. written there from a file's
+        blocks."""
+        self = cls.__new__(cls)
+        QuantLinear.__init__(self, nibbles.shape[1] * GROUP_SIZE, nibbles.shape[0] * 8)
+        self.register_buffer("nibbles", nibbles)
+        self.register_buffer("scales", scales)
+        self._torch_pack = None
+        return self
 
     @classmethod
     def from_float(cls, w: Tensor) -> "Int4Linear":
@@ -148,8 +171,8 @@ class Int4Linear(QuantLinear):
 
     @classmethod
     def cat(cls, layers: list["Int4Linear"]) -> "Int4Linear":
-        qs, ds, ms = zip(*(m.unpacked() for m in layers))
-        return cls(torch.cat(qs), torch.cat(ds), torch.cat(ms))
+        """Stack layers with the same input along the output dim: their buffers (whole groups of 8 rows each)."""
+        return cls.packed(torch.cat([m.nibbles for m in layers]), torch.cat([m.scales for m in layers]))
 
     def unpacked(self) -> tuple[Tensor, Tensor, Tensor]:
         """-> q (N, K) uint8, d (N, K/G) float32, m (N, K/G) float32."""
@@ -189,13 +212,32 @@ class Int4Linear(QuantLinear):
         return self.nibbles.nbytes + self.scales.nbytes
 
 
-def _interleave_nibbles(q: Tensor) -> Tensor:
-    """q (N, K) uint8 in [0, 15] -> (N/8, K/32, 128) uint8, the native kernel's layout (model/kernels/csrc/qgemm.h):
-    byte (g, b, p, j, t) = q[8g + j, 32b + 4p + t] | q[8g + j, 32b + 16 + 4p + t] << 4, so that one 32-byte vector
-    holds 4 weights of each of 8 outputs (ggml-cpu's repack.cpp interleaves its Q4_0 8x8 GEMM weights alike)."""
+def int4_layout(qs: Tensor, d: Tensor, m: Tensor) -> tuple[Tensor, Tensor]:
+    """The int4 kernel's layout (model/kernels/csrc/qgemm.h), as views to copy from. qs (N, K/32, 16) uint8: byte i
+    of a group holds its weight i in the low nibble and weight i + 16 in the high one (GGUF's Q4_0 / Q4_1 `qs`);
+    d, m (N, K/32) -> nibbles (N/8, K/32, 4, 8) int32, the buffer (N/8, K/32, 128) uint8 with byte (g, b, p, j, t) =
+    qs[8g + j, b, 4p + t], so that one 32-byte vector holds 4 weights of each of 8 outputs (ggml-cpu's repack.cpp
+    interleaves its Q4_0 8x8 GEMM weights alike), and scales (N/8, K/32, 2, 8) float16: each group's d then m for the
+    8 outputs side by side. Views, so a loader copies each chunk once, straight into the buffer; the 4 bytes t move
+    together as one int32 (4x fewer elements for the strided copy than bytes)."""
+    N, nb = qs.shape[:2]
+    words = qs.contiguous().view(torch.int32)  # (N, K/32, 4): word p holds bytes 4p..4p+3 of a group
+    nibbles = words.view(N // 8, 8, nb, 4).permute(0, 2, 3, 1)  # (g, j, b, p) -> (g, b, p, j)
+    dm = torch.stack([d.to(torch.float16), m.to(torch.float16)], dim=1)  # (N, 2, K/32)
+    return nibbles, dm.view(N // 8, 8, 2, nb).permute(0, 3, 2, 1)
+
+
+def int8_layout(q: Tensor, d: Tensor) -> tuple[Tensor, Tensor]:
+    """The int8 kernel's layout, as views to copy from: q (N, K) int8, d (N, K/32) -> weight (N'/8, K/32, 8, 8)
+    int32, the buffer (N'/8, K/32, 256) int8 with byte (g, b, c, j, t) = q[8g + j, 32b + 4c + t] (4 bytes t as one
+    word), scales (N'/8, K/32, 8) float16; N' = N padded with zero rows to whole groups of 8 (outputs dropped)."""
     N, K = q.shape
-    g = q.view(N // 8, 8, K // GROUP_SIZE, 2, 4, 4).permute(0, 2, 3, 4, 1, 5)  # (g, b, half, p, j, t)
-    return (g[:, :, 0] | (g[:, :, 1] << 4)).reshape(N // 8, K // GROUP_SIZE, 128).contiguous()
+    pad, nb = -N % 8, K // GROUP_SIZE
+    q = (torch.nn.functional.pad(q, (0, 0, 0, pad)) if pad else q).contiguous().view(torch.int32)
+    q = q.view(-1, 8, nb, 8)  # (g, j, b, c)
+    dp = d.to(torch.float16)
+    dp = (torch.nn.functional.pad(dp, (0, 0, 0, pad)) if pad else dp).view(-1, 8, nb)
+    return q.permute(0, 2, 3, 1), dp.permute(0, 2, 1)
 
 
 def round_activations(x: Tensor) -> Tensor:

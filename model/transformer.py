@@ -41,7 +41,9 @@ class RMSNorm(nn.Module):
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> Tensor:
     """Per-pair inverse frequencies theta^(-2i/E), i < E/2, with the configured scaling.  -> (E/2,) float32"""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    # computed on the CPU under any default device: E/2 values, and a first arithmetic op on the meta device (a model
+    # built there by the loaders) would cost ~3 s of PyTorch imports
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim))
     if scaling.rope_type == "linear":
         return inv_freq / scaling.factor
     if scaling.rope_type == "llama3":
@@ -65,7 +67,8 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        self.register_buffer("inv_freq", rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling), persistent=False)
+        inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
+        self.register_buffer("inv_freq", inv_freq.to(torch.empty(0).device), persistent=False)
 
     def reset(self, device: torch.device | str, freq_factors: Tensor | None = None) -> None:
         """Recompute `inv_freq` on `device` (after meta-device construction); GGUF's `rope_freqs` divides it."""
@@ -173,7 +176,10 @@ class Transformer(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
+        # Built on the meta device (loaders, model/loaders/assemble.py), the table needs no initial values, and a
+        # first `normal_` on meta costs ~3 s of PyTorch imports: the empty tensor is passed as the weight.
+        table = torch.empty(config.vocab_size, config.dim)
+        self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim, _weight=table if table.is_meta else None)
         self.rope = RotaryEmbedding(config)
         self.layers = nn.ModuleList(Block(config, i) for i in range(config.n_layers))
         self.norm = RMSNorm(config.dim, config.norm_eps)

@@ -112,6 +112,25 @@ def test_each_type_loads_to_its_format_within_the_stated_error(tmp_path, qtype):
     assert key and sum(model.weight_mix[k] for k in key) == len(values)
 
 
+@pytest.mark.parametrize("qtype,mode", [(Q.Q4_0, "int4"), (Q.Q4_1, "int4"), (Q.Q8_0, "int8"), (Q.Q4_0, "int8")])
+def test_exact_mappings_serve_the_files_values_bit_for_bit(tmp_path, qtype, mode):
+    """Q4_0 / Q4_1 -> int4, Q8_0 -> int8 and Q4_0 -> int8 (q - 8 with the same d) keep every weight as the file has
+    it: block matrices (q/k rows un-permuted), the head and a table of 520 rows (int4: padded to whole groups of 16)."""
+    hf = save_tiny_llama(tmp_path / "hf", hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=520, tie_word_embeddings=False)
+    values = write_typed(tmp_path / "m.gguf", hf, lambda name: qtype)
+    model = load_gguf(tmp_path / "m.gguf", quantization=mode)
+    for name, (want, _) in values.items():
+        if name.startswith("blk."):
+            layer, rows = layer_of(model, name)
+            assert np.array_equal(layer.dequantize()[rows].numpy(), want), name
+    assert np.array_equal(model.output.dequantize().numpy(), values["output.weight"][0]) or qtype is Q.Q4_1
+    got = model.tok_embeddings(torch.arange(520)).numpy()
+    assert np.array_equal(got, values["token_embd.weight"][0])
+    assert model.weight_mix == {f"{qtype.name} -> {mode}": 7 * 2 + 1, f"{qtype.name} -> int8" + ("" if qtype is not Q.Q4_1 else " (requantized)"): 1} \
+        if mode == "int4" else {f"{qtype.name} -> int8": 7 * 2 + 2}
+
+
 def test_q4_k_m_mix_per_tensor_with_fused_parts_in_one_format(tmp_path):
     """Q4_K_M's pattern: Q4_K matrices, Q6_K attn_v and ffn_down in some layers, a Q6_K head. Under auto each keeps
     its own precision; a fused module whose parts differ (q/k Q4_K beside a Q6_K v) is int8 as a whole."""

@@ -9,29 +9,35 @@ takes (`own_format`), per tensor, under `--quantization auto`:
                     d and m. The 4-bit q are exact; the int4 format keeps d and m in float16, so d*sc (an 11-bit
                     float16 times a 6-bit integer) is rounded to 11 bits: a relative error <= 2^-11 of the group's scale
     Q8_0         -> int8, exact
+    Q4_0         -> int8 where int8 is asked for (the LM head; fused parts beside int8 ones): q - 8 with its d, exact
     Q5_0, Q5_1, Q5_K, Q6_K -> int8, requantized from the file's values (per block of 32, d = max|w| / 127)
     anything else (Q2_K, Q3_K, IQ*, TQ*, float matrices) -> none of its own: dequantized and requantized per tensor
 
-`matrix_layer` converts one tensor in row chunks (a transient of at most `CHUNK_ELEMENTS` floats), so the peak is the
-served layer plus one chunk, never a float copy of the tensor, let alone of the model.
+`matrix_layer` converts one tensor in row chunks straight into the kernel's layout (a transient of one chunk), so the
+peak is the served layer plus one chunk, never a float copy of the tensor, let alone of the model. The block formats
+get there by byte shuffles (torch views copied once); only the requantized types go through float32.
 """
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import torch
+from torch import Tensor
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from model.loaders.errors import CheckpointError
-from model.quantize import GROUP_SIZE, Int4Linear, Int8Linear, QuantLinear, int4_groups, int8_blocks
+from model.quantize import (GROUP_SIZE, Int4Linear, Int8Linear, QuantLinear, int4_groups, int4_layout, int8_blocks,
+                            int8_layout)
 
 CHUNK_ELEMENTS = 1 << 22  # weights converted at a time: 16 MB of float32 staging
 
 # The served format a file type maps to without going through float (exact, or within the stated rounding).
 OWN_FORMAT = {"Q4_0": "int4", "Q4_1": "int4", "Q4_K": "int4",
               "Q8_0": "int8", "Q5_0": "int8", "Q5_1": "int8", "Q5_K": "int8", "Q6_K": "int8"}
-EXACT = {("Q4_0", "int4"), ("Q4_1", "int4"), ("Q8_0", "int8")}
+EXACT = {("Q4_0", "int4"), ("Q4_1", "int4"), ("Q8_0", "int8"), ("Q4_0", "int8")}
 
 
 def own_format(qtype: str) -> str | None:
@@ -45,61 +51,50 @@ def conversion(qtype: str, kind: str) -> str:
     return f"{qtype} -> {kind}{how}"
 
 
-def q4_groups(raw: np.ndarray, qtype: str, shape: tuple[int, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Raw Q4_0 / Q4_1 / Q4_K bytes of a (N, K) tensor -> q (N, K) uint8 in [0, 15], d and m (N, K/32) float32 with
-    w = q * d + m per group of 32 along K.
+def _f16(blocks: Tensor, at: int) -> Tensor:
+    """The float16 at byte `at` of each block: blocks (..., block bytes) uint8 -> (...) float32."""
+    return blocks[..., at : at + 2].contiguous().view(torch.float16)[..., 0].float()
 
-    Q4_0 {f16 d; u8 qs[16]}, Q4_1 {f16 d; f16 m; u8 qs[16]}: weight j of a block is qs[j] & 0xF for j < 16 and
-    qs[j - 16] >> 4 for j >= 16; Q4_0's w = d (q - 8) is m = -8 d. Q4_K {f16 d; f16 dmin; u8 scales[12]; u8 qs[128]}
-    per 256 weights: sub-block 2i is the low nibbles of qs[32i : 32i + 32], 2i + 1 their high nibbles, with scale
-    d * sc and min dmin * m (6-bit sc, m packed as `get_scale_min_k4`), w = d sc q - dmin m.
+
+def q4_groups(blocks: Tensor, qtype: str) -> tuple[Tensor, Tensor, Tensor]:
+    """Q4_0 / Q4_1 / Q4_K blocks of n rows, (n, row bytes) uint8 -> qs (n, K/32, 16) uint8, byte i of a group of 32
+    weights holding weight i (low nibble) and i + 16 (high), and d, m (n, K/32) float32: w = q d + m per group.
+
+    Q4_0 {f16 d; u8 qs[16]}, Q4_1 {f16 d; f16 m; u8 qs[16]} hold their groups so already (weight j of a block is
+    qs[j] & 0xF for j < 16, qs[j - 16] >> 4 for j >= 16); Q4_0's w = d (q - 8) is m = -8 d. Q4_K {f16 d; f16 dmin;
+    u8 scales[12]; u8 qs[128]} per 256 weights: sub-block 2i is the low nibbles of qs[32i : 32i + 32], 2i + 1 their
+    high nibbles, with scale d * sc and min dmin * m (6-bit sc, m packed as `get_scale_min_k4`), w = d sc q - dmin m.
     """
-    N, K = shape
+    n = blocks.shape[0]
     if qtype == "Q4_K":
-        blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(-1, 144)  # (N K / 256, 144)
-        d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)  # (nb, 1)
-        dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
-        s = blocks[:, 4:16].reshape(-1, 3, 4)  # gguf.quants.Q4_K.get_scale_min
-        sc = np.concatenate([s[:, 0] & 0x3F, (s[:, 2] & 0x0F) | ((s[:, 0] >> 2) & 0x30)], axis=-1)  # (nb, 8)
-        mn = np.concatenate([s[:, 1] & 0x3F, (s[:, 2] >> 4) | ((s[:, 1] >> 2) & 0x30)], axis=-1)
-        qs = blocks[:, 16:].reshape(-1, 4, 1, 32)
-        q = np.concatenate([qs & 15, qs >> 4], axis=2).reshape(N, K)  # (nb, 4, 2, 32): sub-blocks 2i, 2i + 1
-        return q, (d * sc).reshape(N, K // GROUP_SIZE), (-(dmin * mn)).reshape(N, K // GROUP_SIZE)
+        b = blocks.reshape(-1, 144)  # (n K / 256, 144)
+        d, dmin = _f16(b, 0)[:, None], _f16(b, 2)[:, None]
+        s = b[:, 4:16].reshape(-1, 3, 4).int()  # gguf.quants.Q4_K.get_scale_min
+        sc = torch.cat([s[:, 0] & 0x3F, (s[:, 2] & 0x0F) | ((s[:, 0] >> 2) & 0x30)], dim=-1)  # (nb, 8)
+        mn = torch.cat([s[:, 1] & 0x3F, (s[:, 2] >> 4) | ((s[:, 1] >> 2) & 0x30)], dim=-1)
+        lo, hi = b[:, 16:].reshape(-1, 4, 2, 16).unbind(2)  # qs[32i + k], qs[32i + 16 + k]: (nb, 4, 16)
+        qs = torch.stack([(lo & 15) | ((hi & 15) << 4), (lo >> 4) | (hi & 0xF0)], dim=2)  # sub-blocks 2i, 2i + 1
+        return qs.reshape(n, -1, 16), (d * sc).reshape(n, -1), (-(dmin * mn)).reshape(n, -1)
     header = {"Q4_0": 2, "Q4_1": 4}[qtype]  # bytes of f16 d (and f16 m) before the 16 bytes of nibbles
-    blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(N, K // GROUP_SIZE, header + 16)
-    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)  # (N, K/G)
-    qs = blocks[..., header:]  # (N, K/G, 16)
-    q = np.concatenate([qs & 15, qs >> 4], axis=-1).reshape(N, K)
-    m = -8 * d if qtype == "Q4_0" else blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-    return q, d, m
+    b = blocks.reshape(n, -1, header + 16)
+    d = _f16(b, 0)
+    return b[..., header:], d, -8 * d if qtype == "Q4_0" else _f16(b, 2)
 
 
-def q8_0_blocks(raw: np.ndarray, shape: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
-    """Raw Q8_0 bytes {f16 d; i8 qs[32]} of a (N, K) tensor -> q (N, K) int8, d (N, K/32) float32, w = q d."""
-    N, K = shape
-    blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(N, K // GROUP_SIZE, 2 + GROUP_SIZE)
-    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-    return blocks[..., 2:].copy().view(np.int8).reshape(N, K), d
+def q8_0_blocks(blocks: Tensor) -> tuple[Tensor, Tensor]:
+    """Q8_0 blocks {f16 d; i8 qs[32]} of n rows, (n, row bytes) uint8 -> q (n, K) int8, d (n, K/32), w = q d."""
+    b = blocks.reshape(blocks.shape[0], -1, 2 + GROUP_SIZE)
+    return b[..., 2:].contiguous().view(torch.int8).reshape(blocks.shape[0], -1), _f16(b, 0)
 
 
-def _rows(data: np.ndarray, N: int) -> np.ndarray:
-    """A tensor's data as (N, bytes or values per row): ggml blocks run along the innermost dim, so a row is whole."""
-    return data.reshape(N, -1)
-
-
-def _decode(raw: np.ndarray, qtype: GGMLQuantizationType, kind: str, rows: int, K: int) -> tuple[np.ndarray, ...]:
-    """One chunk of rows -> the served format's arrays: its own blocks where `kind` keeps them, else requantized
-    from the file's values (`gguf.quants.dequantize`)."""
-    name = qtype.name
-    if kind == "int4" and name in ("Q4_0", "Q4_1", "Q4_K"):
-        return q4_groups(raw, name, (rows, K))
-    if kind == "int8" and name == "Q8_0":
-        return q8_0_blocks(raw, (rows, K))
+def _requantized(raw: np.ndarray, qtype: GGMLQuantizationType, kind: str, rows: int, K: int) -> tuple[Tensor, ...]:
+    """Rows of another type -> `kind`'s arrays (int4: q (n, K), d, m; int8: q, d), rounded again from the file's
+    values (`gguf.quants.dequantize`)."""
     try:
         w = torch.from_numpy(np.asarray(dequantize(raw, qtype), dtype=np.float32).reshape(rows, K))
     except NotImplementedError:
-        raise CheckpointError(f"unsupported GGUF tensor type {name}") from None
-    return tuple(a.numpy() for a in (int4_groups(w) if kind == "int4" else int8_blocks(w)))
+        raise CheckpointError(f"unsupported GGUF tensor type {qtype.name}") from None
+    return int4_groups(w) if kind == "int4" else int8_blocks(w)
 
 
 def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -113,21 +108,56 @@ def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
 
 def matrix_layer(data: np.ndarray, qtype: GGMLQuantizationType, kind: str, shape: tuple[int, int],
                  n_head: int | None, pad_rows: bool = False) -> QuantLinear:
-    """A (N, K) GGUF matrix -> an `Int4Linear` / `Int8Linear` (`kind`), converted `CHUNK_ELEMENTS` at a time;
-    `n_head`: undo llama.cpp's q/k row permutation (`unpermute_qk`) on the integer arrays. `pad_rows`: an int4
+    """A (N, K) GGUF matrix -> an `Int4Linear` / `Int8Linear` (`kind`), written `CHUNK_ELEMENTS` at a time into
+    the kernel's layout (`int4_layout`, `int8_layout`): a transient of one chunk, never a copy of the tensor. `n_head`:
+    undo llama.cpp's q/k row permutation (`unpermute_qk`) by reading the file's rows in that order. `pad_rows`: an int4
     matrix whose rows are not whole groups of 16 gets zero rows up to them (an embedding table, which is only
     gathered from, keeps its own format whatever the vocabulary's size)."""
     N, K = shape
-    rows = _rows(data, N)
-    step = max(1, CHUNK_ELEMENTS // K)
-    parts = [_decode(rows[a : a + step], qtype, kind, min(step, N - a), K) for a in range(0, N, step)]
-    arrays = [np.concatenate(p) if len(p) > 1 else p[0] for p in zip(*parts)]
-    del parts
-    if n_head is not None:
-        arrays = [unpermute_qk(a, n_head) for a in arrays]
-    if pad_rows and kind == "int4" and N % 16:
-        arrays = [np.concatenate([a, np.zeros((-N % 16, *a.shape[1:]), dtype=a.dtype)]) for a in arrays]
-    tensors = [torch.from_numpy(np.ascontiguousarray(a)) for a in arrays]
+    name, nb = qtype.name, K // GROUP_SIZE
+    rows = data.reshape(N, -1)  # ggml blocks run along the innermost dim: a row's blocks are whole
+    order = unpermute_qk(np.arange(N), n_head) if n_head is not None else None
+    Np = N + (-N % 16 if pad_rows and kind == "int4" else -N % 8)
     if kind == "int4":
-        return Int4Linear(*tensors)
-    return Int8Linear(*tensors)
+        if Np % 16:
+            raise ValueError(f"int4 needs out_features % 16 == 0, got ({N}, {K})")
+        out = (torch.empty(Np // 8, nb, 128, dtype=torch.uint8), torch.empty(Np // 8, nb, 2, 8, dtype=torch.float16))
+    else:
+        out = (torch.empty(Np // 8, nb, 256, dtype=torch.int8), torch.empty(Np // 8, nb, 8, dtype=torch.float16))
+    views = (out[0].view(torch.int32).view(Np // 8, nb, -1, 8), out[1])  # as `int4_layout` / `int8_layout` return
+    step = max(8, CHUNK_ELEMENTS // K // 8 * 8)  # whole groups of 8 rows
+    with warnings.catch_warnings():  # (the map is read-only; every view of it is copied from, never written)
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        for a in range(0, N, step):
+            n = min(step, N - a)
+            raw = rows[order[a : a + n]] if order is not None else rows[a : a + n]  # (n, row bytes)
+            if kind == "int4" and name in ("Q4_0", "Q4_1", "Q4_K"):
+                parts = int4_layout(*_pad8(q4_groups(torch.from_numpy(raw), name)))
+            elif kind == "int8" and name == "Q8_0":
+                parts = int8_layout(*q8_0_blocks(torch.from_numpy(raw)))
+            elif kind == "int8" and name == "Q4_0":  # w = d (q - 8): int8 q - 8 with the same d, exact
+                qs, d, _ = q4_groups(torch.from_numpy(raw), name)
+                q = torch.cat([qs & 15, qs >> 4], dim=-1).view(torch.int8) - 8
+                parts = int8_layout(q.reshape(n, K), d)
+            elif kind == "int4":
+                q, d, m = _requantized(raw, qtype, kind, n, K)
+                q = q.view(n, nb, 2, 16)
+                parts = int4_layout(*_pad8((q[:, :, 0] | (q[:, :, 1] << 4), d, m)))
+            else:
+                parts = int8_layout(*_requantized(raw, qtype, kind, n, K))
+            for o, piece in zip(views, parts):  # (a tail of fewer than 8 rows: zero rows up to 8)
+                o[a // 8 : a // 8 + piece.shape[0]] = piece
+    for o in out:
+        o[-(-N // 8) :].zero_()  # whole groups of padding rows
+    if kind == "int4":
+        return Int4Linear.packed(*out)
+    return Int8Linear.packed(*out, N)
+
+
+def _pad8(arrays: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+    """Arrays of n rows -> zero rows up to whole groups of 8 (the int4 layout's unit; only an embedding table's last
+    chunk has a tail)."""
+    pad = -arrays[0].shape[0] % 8
+    if not pad:
+        return arrays
+    return tuple(torch.cat([a, a.new_zeros(pad, *a.shape[1:])]) for a in arrays)
