@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import mmap
+import weakref
 
 import torch
 from torch import Tensor, nn
@@ -28,19 +29,55 @@ PAGE = 2 << 20  # x86-64's transparent huge page
 ALIGN = 64  # each tensor on a cache line of its own
 
 
+_mappings: dict[int, weakref.ref] = {}  # an arena's storage address -> its mapping, while the mapping lives
+
+
 def arena(nbytes: int) -> Tensor:
     """(nbytes,) uint8 zeros starting on a 2 MB boundary, in an anonymous mapping advised for 2 MB pages (Linux);
-    ordinary zeros where that is not available. The tensor keeps its mapping alive."""
+    ordinary zeros where that is not available. The tensor keeps its mapping alive; a page is resident once written
+    (or read)."""
     if nbytes > 0 and hasattr(mmap, "MADV_HUGEPAGE"):
         try:
             buf = mmap.mmap(-1, nbytes + PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
             buf.madvise(mmap.MADV_HUGEPAGE)  # before the first touch: pages are allocated at the first write
             whole = torch.frombuffer(buf, dtype=torch.uint8)
             skip = -whole.data_ptr() % PAGE
+            for dead in [p for p, ref in _mappings.items() if ref() is None]:
+                del _mappings[dead]
+            _mappings[whole.data_ptr()] = weakref.ref(buf)
             return whole[skip : skip + nbytes]
         except (OSError, ValueError) as e:
             log.debug("no huge-page arena (%s): ordinary memory", e)
     return torch.zeros(nbytes, dtype=torch.uint8)
+
+
+def on_huge_pages(t: Tensor) -> bool:
+    """Whether `t` lies in an `arena` (which `place_weights` then leaves where it is)."""
+    ref = _mappings.get(t.untyped_storage().data_ptr()) if t.device.type == "cpu" else None
+    return ref is not None and ref() is not None
+
+
+class WeightArena:
+    """Served weights written in place by a loader: tensors carved one after another out of one arena of `capacity`
+    bytes (the loader's estimate of the served weights, from the file's headers). Only written pages become
+    resident, so an overestimate costs address space, not memory; past the capacity, ordinary tensors, which
+    `place_weights` moves later. Writing the weights here once saves the copy `place_weights` would make: on a VM
+    every fresh page costs a fault the hypervisor serves (about 3 s a GB on the development host when cold)."""
+
+    def __init__(self, capacity: int) -> None:
+        self.base, self.used = arena(capacity), 0
+
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+        """An uninitialised (zero until written) tensor of `shape`, on a cache line of its own."""
+        n = 1
+        for d in shape:
+            n *= d
+        n *= torch.empty((), dtype=dtype).element_size()
+        start = -(-self.used // ALIGN) * ALIGN
+        if start + n > self.base.numel():
+            return torch.empty(shape, dtype=dtype)
+        self.used = start + n
+        return self.base[start : start + n].view(dtype).view(shape)
 
 
 def empty(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
@@ -54,8 +91,9 @@ def empty(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
 
 
 def place_weights(model: nn.Module, min_bytes: int = 1 << 16) -> int:
-    """Copy every CPU parameter and buffer of at least `min_bytes` into one huge-page arena and rebind the modules
-    to the copies: the same values, contiguous; a tensor two modules share (tied embeddings) stays shared. Each
+    """Copy every CPU parameter and buffer of at least `min_bytes` (but those already in an arena, e.g. written
+    there by a loader's `WeightArena`) into one huge-page arena and rebind the modules to the copies: the same values,
+    contiguous; a tensor two modules share (tied embeddings) stays shared. Each
     original is released as soon as it is copied, so the peak is the arena plus the largest tensor, not twice the
     weights. Call it before anything keeps references to the weights (the native decode path, CUDA graphs).
     -> bytes placed."""
@@ -64,7 +102,7 @@ def place_weights(model: nn.Module, min_bytes: int = 1 << 16) -> int:
     for module in model.modules():
         for kind in ("_parameters", "_buffers"):
             for name, t in getattr(module, kind).items():
-                if t is not None and t.device.type == "cpu" and t.nbytes >= min_bytes:
+                if t is not None and t.device.type == "cpu" and t.nbytes >= min_bytes and not on_huge_pages(t):
                     slots.setdefault(id(t), []).append((module, kind, name))
                     sizes[id(t)] = -(-t.nbytes // ALIGN) * ALIGN
     total = sum(sizes.values())

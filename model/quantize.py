@@ -113,7 +113,7 @@ class Int8Linear(QuantLinear):
         """Stack layers with the same input along the output dim (fused q/k/v, gate/up): the buffers themselves
         where every part fills whole groups of 8 rows (no padding between them), else through the unpacked arrays."""
         if all(m.out_features % 8 == 0 for m in layers):
-            return cls.packed(torch.cat([m.weight for m in layers]), torch.cat([m.scales for m in layers]),
+            return cls.packed(joined([m.weight for m in layers]), joined([m.scales for m in layers]),
                               sum(m.out_features for m in layers))
         qs, ds = zip(*(m.unpacked() for m in layers))
         return cls(torch.cat(qs), torch.cat(ds))
@@ -172,7 +172,7 @@ class Int4Linear(QuantLinear):
     @classmethod
     def cat(cls, layers: list["Int4Linear"]) -> "Int4Linear":
         """Stack layers with the same input along the output dim: their buffers (whole groups of 8 rows each)."""
-        return cls.packed(torch.cat([m.nibbles for m in layers]), torch.cat([m.scales for m in layers]))
+        return cls.packed(joined([m.nibbles for m in layers]), joined([m.scales for m in layers]))
 
     def unpacked(self) -> tuple[Tensor, Tensor, Tensor]:
         """-> q (N, K) uint8, d (N, K/G) float32, m (N, K/G) float32."""
@@ -210,6 +210,20 @@ class Int4Linear(QuantLinear):
         if self._torch_pack is not None:
             return sum(t.nbytes for t in self._torch_pack)
         return self.nibbles.nbytes + self.scales.nbytes
+
+
+def joined(parts: list[Tensor]) -> Tensor:
+    """torch.cat(parts) along dim 0, without a copy where the parts already lie back to back, in order, in one
+    storage (a loader wrote a fused module's parts so: model/loaders/gguf_file.py)."""
+    first = parts[0]
+    end = first.data_ptr()
+    for p in parts:
+        if not (p.is_contiguous() and p.data_ptr() == end and p.dtype == first.dtype and p.shape[1:] == first.shape[1:]
+                and p.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()):
+            return torch.cat(parts)
+        end += p.nbytes
+    rows = sum(p.shape[0] for p in parts)
+    return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), (rows, *first.shape[1:]))
 
 
 def int4_layout(qs: Tensor, d: Tensor, m: Tensor) -> tuple[Tensor, Tensor]:

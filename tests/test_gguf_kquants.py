@@ -3,6 +3,8 @@ each layer against `gguf.quants.dequantize` of the file within the error model/l
 
 from __future__ import annotations
 
+import mmap
+
 import numpy as np
 import pytest
 import torch
@@ -13,7 +15,8 @@ from conftest import save_tiny_llama
 from gguf_writer import write_tiny_gguf
 from model.loaders.gguf_blocks import unpermute_qk
 from model.loaders.gguf_file import load_gguf, native_quantization, open_gguf
-from model.quantize import Int4Linear, Int8Linear, QuantEmbedding
+from model import huge_pages
+from model.quantize import Int4Linear, Int8Linear, QuantEmbedding, QuantLinear
 
 # Block bytes per 256 weights (or 32 for the legacy types) and where each block's float16 super-scales sit
 # (ggml-common.h: block_q2_K {scales[16]; qs[64]; d; dmin}, block_q3_K {hmask[32]; qs[64]; scales[12]; d},
@@ -129,6 +132,16 @@ def test_exact_mappings_serve_the_files_values_bit_for_bit(tmp_path, qtype, mode
     assert np.array_equal(got, values["token_embd.weight"][0])
     assert model.weight_mix == {f"{qtype.name} -> {mode}": 7 * 2 + 1, f"{qtype.name} -> int8" + ("" if qtype is not Q.Q4_1 else " (requantized)"): 1} \
         if mode == "int4" else {f"{qtype.name} -> int8": 7 * 2 + 2}
+    # written where they are served: every matrix's buffers in the loader's 2 MB-page arena, each fused module's parts
+    # back to back in its own buffers (joined without a copy), so nothing is left for place_weights to copy
+    buffers = [b for m in model.modules() if isinstance(m, QuantLinear) for b in m.buffers()]
+    assert buffers and all(huge_pages.on_huge_pages(b) for b in buffers) == hasattr(mmap, "MADV_HUGEPAGE")
+    assert len({b.untyped_storage().data_ptr() for b in buffers}) == 1
+    fused = model.layers[0].attention.wqkv
+    weights = fused.nibbles if mode == "int4" else fused.weight
+    assert weights.shape[0] * 8 == fused.out_features == 256 + 2 * 128 and weights.is_contiguous()
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        assert huge_pages.place_weights(model) < 4096  # the norms only
 
 
 def test_q4_k_m_mix_per_tensor_with_fused_parts_in_one_format(tmp_path):

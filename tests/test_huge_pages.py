@@ -56,3 +56,15 @@ def test_the_kv_pool_is_on_huge_pages_and_serves():
         assert engine.cache.k.data_ptr() % huge_pages.PAGE == 0
     assert not engine.cache.k.any() and not engine.cache.v.any()
     assert greedy_tokens(model, [[1, 2, 3]], n=4)
+
+
+def test_weight_arena_carves_tensors_and_falls_back_past_its_capacity():
+    arena = huge_pages.WeightArena(3 << 20)
+    a = arena.empty((1000, 3), torch.float32)
+    b = arena.empty((2 << 20,), torch.uint8)
+    c = arena.empty((1 << 20,), torch.uint8)  # past the capacity: ordinary memory
+    assert not a.any() and a.shape == (1000, 3) and b.data_ptr() % huge_pages.ALIGN == 0
+    assert b.data_ptr() >= a.data_ptr() + a.nbytes and arena.used <= 3 << 20
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        assert huge_pages.on_huge_pages(a) and huge_pages.on_huge_pages(b) and not huge_pages.on_huge_pages(c)
+    assert not huge_pages.on_huge_pages(torch.zeros(4))

@@ -197,8 +197,8 @@ def _load_model(path, dtype, device, quantization, shard, reserve_bytes, start: 
     if torch.device(device).type == "cpu":  # every decode step streams them: on 2 MB pages (model/huge_pages.py)
         placed = huge_pages.place_weights(model)
         _return_freed_memory()  # the 4 KB-page copies
-        log.info("weights: %.0f MB placed on 2 MB pages (the process holds %s MB of them)", placed / 2**20,
-                 huge_pages.granted_mb())
+        log.info("weights: on 2 MB pages, %.0f MB of them copied there after loading (the rest written there as "
+                 "read; the process holds %s MB of such pages)", placed / 2**20, huge_pages.granted_mb())
     weight_bytes = _weight_bytes(model)
     mix = getattr(model, "weight_mix", None)
     if mix:

@@ -21,6 +21,7 @@ get there by byte shuffles (torch views copied once); only the requantized types
 from __future__ import annotations
 
 import warnings
+from typing import Callable
 
 import numpy as np
 import torch
@@ -37,6 +38,8 @@ CHUNK_ELEMENTS = 1 << 22  # weights converted at a time: 16 MB of float32 stagin
 # The served format a file type maps to without going through float (exact, or within the stated rounding).
 OWN_FORMAT = {"Q4_0": "int4", "Q4_1": "int4", "Q4_K": "int4",
               "Q8_0": "int8", "Q5_0": "int8", "Q5_1": "int8", "Q5_K": "int8", "Q6_K": "int8"}
+Alloc = Callable[[tuple, torch.dtype], Tensor]  # (shape, dtype) -> an uninitialised tensor, as torch.empty
+
 EXACT = {("Q4_0", "int4"), ("Q4_1", "int4"), ("Q8_0", "int8"), ("Q4_0", "int8")}
 
 
@@ -107,23 +110,22 @@ def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def matrix_layer(data: np.ndarray, qtype: GGMLQuantizationType, kind: str, shape: tuple[int, int],
-                 n_head: int | None, pad_rows: bool = False) -> QuantLinear:
+                 n_head: int | None, pad_rows: bool = False, alloc: Alloc | None = None) -> QuantLinear:
     """A (N, K) GGUF matrix -> an `Int4Linear` / `Int8Linear` (`kind`), written `CHUNK_ELEMENTS` at a time into
     the kernel's layout (`int4_layout`, `int8_layout`): a transient of one chunk, never a copy of the tensor. `n_head`:
     undo llama.cpp's q/k row permutation (`unpermute_qk`) by reading the file's rows in that order. `pad_rows`: an int4
     matrix whose rows are not whole groups of 16 gets zero rows up to them (an embedding table, which is only
-    gathered from, keeps its own format whatever the vocabulary's size)."""
+    gathered from, keeps its own format whatever the vocabulary's size). `alloc(shape, dtype)`: where the layer's two
+    buffers go, weights then scales (e.g. a loader's `huge_pages.WeightArena`, or row slices of a fused module's)."""
     N, K = shape
     name, nb = qtype.name, K // GROUP_SIZE
     rows = data.reshape(N, -1)  # ggml blocks run along the innermost dim: a row's blocks are whole
     order = unpermute_qk(np.arange(N), n_head) if n_head is not None else None
     Np = N + (-N % 16 if pad_rows and kind == "int4" else -N % 8)
-    if kind == "int4":
-        if Np % 16:
-            raise ValueError(f"int4 needs out_features % 16 == 0, got ({N}, {K})")
-        out = (torch.empty(Np // 8, nb, 128, dtype=torch.uint8), torch.empty(Np // 8, nb, 2, 8, dtype=torch.float16))
-    else:
-        out = (torch.empty(Np // 8, nb, 256, dtype=torch.int8), torch.empty(Np // 8, nb, 8, dtype=torch.float16))
+    if kind == "int4" and Np % 16:
+        raise ValueError(f"int4 needs out_features % 16 == 0, got ({N}, {K})")
+    alloc = alloc or (lambda shape, dtype: torch.empty(shape, dtype=dtype))
+    out = [alloc(shape, dtype) for shape, dtype in buffer_shapes(kind, Np, K)]
     views = (out[0].view(torch.int32).view(Np // 8, nb, -1, 8), out[1])  # as `int4_layout` / `int8_layout` return
     step = max(8, CHUNK_ELEMENTS // K // 8 * 8)  # whole groups of 8 rows
     with warnings.catch_warnings():  # (the map is read-only; every view of it is copied from, never written)
@@ -152,6 +154,13 @@ def matrix_layer(data: np.ndarray, qtype: GGMLQuantizationType, kind: str, shape
     if kind == "int4":
         return Int4Linear.packed(*out)
     return Int8Linear.packed(*out, N)
+
+
+def buffer_shapes(kind: str, rows: int, K: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    """The two buffers of a `kind` layer of `rows` (whole groups of 8) x K: (shape, dtype) of its weights, scales."""
+    if kind == "int4":
+        return [((rows // 8, K // GROUP_SIZE, 128), torch.uint8), ((rows // 8, K // GROUP_SIZE, 2, 8), torch.float16)]
+    return [((rows // 8, K // GROUP_SIZE, 256), torch.int8), ((rows // 8, K // GROUP_SIZE, 8), torch.float16)]
 
 
 def _pad8(arrays: tuple[Tensor, ...]) -> tuple[Tensor, ...]:

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType
+from torch import Tensor
 from gguf.quants import dequantize
 
 from model.config import ModelConfig
@@ -23,7 +24,9 @@ from model.loaders.config_keys import config_from_gguf
 from model.loaders.errors import CheckpointError
 from model.loaders.memory import served_bytes
 from model.loaders.gguf_reader import GGUFFile
-from model.loaders.gguf_blocks import CHUNK_ELEMENTS, conversion, matrix_layer, own_format, unpermute_qk
+from model.loaders.gguf_blocks import (CHUNK_ELEMENTS, Alloc, buffer_shapes, conversion, matrix_layer, own_format,
+                                      unpermute_qk)
+from model.huge_pages import WeightArena
 from model.quantize import GROUP_SIZE, Quantization
 from model.loaders.shard import ShardFor, WeightShard
 from model.transformer import FUSED_PARTS, Transformer
@@ -132,6 +135,48 @@ def _dequantize(reader_tensor: Any, path: str, rows: slice = slice(None)) -> np.
     return out
 
 
+class _Placement:
+    """Where the served matrices' buffers go: one `WeightArena` of `capacity` bytes (on 2 MB pages, written once),
+    and a fused module's parts (q/k/v, gate/up: `transformer.FUSED_PARTS`) as row slices of the module's own buffers,
+    back to back, so joining them (`quantize.joined`) copies nothing. Parts of differing formats, or int8 parts whose
+    rows are not whole groups of 8, get buffers of their own and are joined by copying, as before."""
+
+    def __init__(self, capacity: int, kinds: dict[str, str], tensors: dict[str, Any]) -> None:
+        self.arena = WeightArena(capacity)
+        self.kinds, self.tensors = kinds, tensors  # GGUF name -> served format; our name -> the file's tensor
+        self.fused: dict[str, list[Tensor]] = {}  # our fused module -> its buffers
+        self.part_of: dict[str, tuple[str, int]] = {}  # our part name -> (fused module, its first row)
+        for fused, parts in FUSED_PARTS.items():
+            for prefix in {".".join(n.split(".")[:2]) for n in tensors if n.startswith("layers.")}:  # "layers.0"
+                names = [f"{prefix}.{p}.weight" for p in parts]
+                if not all(n in tensors for n in names):
+                    continue
+                formats = {kinds.get(tensors[n].name) for n in names}
+                rows = [int(tensors[n].shape[1]) for n in names]
+                if len(formats) != 1 or None in formats or any(r % 8 for r in rows):
+                    continue
+                first = 0
+                for n, r in zip(names, rows):
+                    self.part_of[n] = (f"{prefix}.{fused}", first)
+                    first += r
+
+    def alloc(self, ours: str) -> Alloc:
+        """The `alloc` for `matrix_layer` of our parameter `ours`."""
+        if ours not in self.part_of:
+            return self._take
+        module, first = self.part_of[ours]
+        if module not in self.fused:
+            parts = [n for n, (m, _) in self.part_of.items() if m == module]
+            t = self.tensors[parts[0]]
+            rows, K = sum(int(self.tensors[n].shape[1]) for n in parts), int(t.shape[0])
+            self.fused[module] = [self._take(shape, dtype) for shape, dtype in buffer_shapes(self.kinds[t.name], rows, K)]
+        buffers = iter(self.fused[module])
+        return lambda shape, dtype: next(buffers)[first // 8 : first // 8 + shape[0]]
+
+    def _take(self, shape: tuple, dtype: torch.dtype) -> Tensor:
+        return self.arena.empty(shape, dtype)
+
+
 def load_gguf(
     path: str | Path,
     dtype: torch.dtype = torch.float32,
@@ -160,6 +205,10 @@ def load_gguf(
         quantization = "none"
     asm = ModelAssembler(config, path, dtype, device, f"load {Path(path).name}", plan, quantization)
     kinds = served_formats(reader, quantization, per_tensor, config.tie_embeddings) if quantization != "none" else {}
+    placement = None
+    if kinds and torch.device(device).type == "cpu":
+        capacity = served_bytes_gguf(reader, quantization, per_tensor, dtype) + 4096 * len(reader.tensors)
+        placement = _Placement(capacity, kinds, {gguf_to_ours(t.name): t for t in reader.tensors})
     rope_freq_factors = None
     mix: Counter[str] = Counter()
     for t in reader.tensors:
@@ -178,7 +227,8 @@ def load_gguf(
             shape = (int(t.shape[1]), int(t.shape[0]))
             asm.check(ours, shape, t.name)
             try:
-                layer = matrix_layer(t.data, t.tensor_type, kind, shape, n_head, pad_rows=ours == "tok_embeddings.weight")
+                layer = matrix_layer(t.data, t.tensor_type, kind, shape, n_head, pad_rows=ours == "tok_embeddings.weight",
+                                     alloc=placement.alloc(ours) if placement is not None else None)
             except CheckpointError as e:
                 raise CheckpointError(str(e), path=path, tensor=t.name) from None
             asm.add_layer(ours, layer, t.name, rows=shape[0])
