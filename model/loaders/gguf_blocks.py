@@ -34,6 +34,9 @@ from model.quantize import (GROUP_SIZE, Int4Linear, Int8Linear, QuantLinear, int
                             int8_layout)
 
 CHUNK_ELEMENTS = 1 << 22  # weights converted at a time: 16 MB of float32 staging
+# weights requantized at a time (through float32): temporaries of 512 KB, which glibc serves from its heap, reused
+# chunk after chunk, where the loader maps each allocation of 1 MB or more on its own (a fresh page fault per 4 KB)
+REQUANTIZE_ELEMENTS = 1 << 17
 
 # The served format a file type maps to without going through float (exact, or within the stated rounding).
 OWN_FORMAT = {"Q4_0": "int4", "Q4_1": "int4", "Q4_K": "int4",
@@ -127,7 +130,8 @@ def matrix_layer(data: np.ndarray, qtype: GGMLQuantizationType, kind: str, shape
     alloc = alloc or (lambda shape, dtype: torch.empty(shape, dtype=dtype))
     out = [alloc(shape, dtype) for shape, dtype in buffer_shapes(kind, Np, K)]
     views = (out[0].view(torch.int32).view(Np // 8, nb, -1, 8), out[1])  # as `int4_layout` / `int8_layout` return
-    step = max(8, CHUNK_ELEMENTS // K // 8 * 8)  # whole groups of 8 rows
+    moved = (name, kind) in EXACT or (name, kind) == ("Q4_K", "int4")  # by byte moves, else through float32
+    step = max(8, (CHUNK_ELEMENTS if moved else REQUANTIZE_ELEMENTS) // K // 8 * 8)  # whole groups of 8 rows
     with warnings.catch_warnings():  # (the map is read-only; every view of it is copied from, never written)
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
         for a in range(0, N, step):
