@@ -10,7 +10,7 @@ PIP := $(PY) -m pip
 #   make serve TORCH_SPEC="torch==$(TORCH_VERSION) --index-url https://download.pytorch.org/whl/cu128"
 TORCH_VERSION := $(shell sed -n 's/^ARG TORCH_VERSION=//p' Dockerfile)
 TORCH_SPEC ?= torch==$(TORCH_VERSION)
-PROMPT ?= What is the capital of France?
+PROMPT ?= What is the capital of Japan?
 ARGS ?=
 # The container image: `make image` builds it (docker where its daemon answers, else podman on a Debian-made base),
 # `make image-test` starts and probes it (tests/test_image.py) and brings up the compose stack's CPU profile with

@@ -35,7 +35,7 @@ import torch
 
 from benchmarks.machine import machine_info
 import model.engine.sampler as sampler_module
-from model.engine import Engine, EngineConfig, SamplingParams
+from model.engine import Engine, EngineConfig, RequestOptions, SamplingParams
 from model.engine.structured import GrammarCompiler, PendingMasks, SequenceGrammar, StructuredOutputs, StructuredOutputSpec
 
 PERSON = {
@@ -64,9 +64,9 @@ def prompts(tok, n: int) -> list[list[int]]:
             for i in range(n)]
 
 
-def params(max_tokens: int, constrained: bool) -> SamplingParams:
+def params(max_tokens: int, constrained: bool) -> tuple[SamplingParams, RequestOptions]:
     spec = StructuredOutputSpec.json_schema(SCHEMA) if constrained else None
-    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, structured=spec)
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True), RequestOptions(structured=spec)
 
 
 @contextlib.contextmanager
@@ -95,11 +95,12 @@ def timed_structured_work():
             setattr(owner, name, fn)
 
 
-def drive(engine: Engine, reqs: list[tuple[list[int], SamplingParams]], tag: str) -> tuple[float, int, list[float]]:
+def drive(engine: Engine, reqs: list[tuple[list[int], tuple[SamplingParams, RequestOptions]]],
+          tag: str) -> tuple[float, int, list[float]]:
     """(wall seconds, output tokens, per-step seconds after the first token) with every request added at t = 0."""
     t0 = time.perf_counter()
-    for i, (prompt, p) in enumerate(reqs):
-        engine.add_request(f"{tag}-{i}", prompt, p)
+    for i, (prompt, (p, options)) in enumerate(reqs):
+        engine.add_request(f"{tag}-{i}", prompt, p, options)
     n, steps, last = 0, [], None
     while engine.has_unfinished():
         outs = engine.step()

@@ -11,7 +11,7 @@ import torch
 
 from benchmarks.agreement import StepLogprobs
 from benchmarks.measure import Clock, ConcurrentResult, StreamResult
-from model.engine import Engine, RequestOutput, TelemetryOptions
+from model.engine import Engine, RequestOptions, RequestOutput, TelemetryOptions
 from model.engine.sampling_params import SamplingParams
 from model.interventions import Intervention
 
@@ -37,10 +37,9 @@ def run_single(engine: Engine, prompt: list[int], max_tokens: int, clock: Clock,
     (model/engine/telemetry.py)."""
     tokens: list[int] = []
     before = engine.stats().steps_by_path
-    params = greedy(max_tokens)
-    params.telemetry = telemetry
+    options = RequestOptions(interventions=interventions, telemetry=telemetry)
     clock.start()
-    engine.add_request("single", prompt, params, interventions)
+    engine.add_request("single", prompt, greedy(max_tokens), options)
     while engine.has_unfinished():
         outs = engine.step()
         for out in outs:
@@ -68,7 +67,8 @@ def run_concurrent(engine: Engine, prompts: list[list[int]], max_tokens: int, cl
     peak_kv_usage, num_steps = 0.0, 0
     clock.start()
     for i, prompt in enumerate(prompts):
-        engine.add_request(f"{tag}-{i}", prompt, greedy(max_tokens), interventions[i] if interventions else None)
+        engine.add_request(f"{tag}-{i}", prompt, greedy(max_tokens),
+                           RequestOptions(interventions=interventions[i] if interventions else None))
     while engine.has_unfinished():
         outs = engine.step()
         clock.mark()

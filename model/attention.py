@@ -3,7 +3,7 @@
 An attention context turns one layer's q, k, v into attention output, and may edit a block's outputs
 (`edit`: interventions, model/interventions.py). Three implement `attend`:
 `CausalAttention` (here: keys are the call's own tokens), `kv_cache.KVCache` (contiguous per-row cache, for
-`model.generate`) and `paged_kv_cache.PagedKVCache` (the engine's block pool, ragged batches).
+`model.generate`) and `model.engine.paged_cache.PagedKVCache` (the engine's block pool, ragged batches).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Contiguous KV cache: one (B, max_seq_len) slab per layer, written by index (gpt-fast's `KVCache`).
 
 Used by `model.generate` (one sequence, or rows decoding in lock-step). The engine uses the paged block pool in
-`paged_kv_cache.py`, whose memory follows the tokens actually held.
+`model/engine/paged_cache.py`, whose memory follows the tokens actually held.
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ from model.transformer import FUSED_PARTS
 Quantization = Literal["none", "int8", "int4"]
 QUANTIZATIONS: tuple[str, ...] = ("none", "int8", "int4")
 GROUP_SIZE = 32  # weights per block along the input dim; GGUF Q4_0 / Q4_1 / Q8_0 blocks hold 32
-KERNEL_DTYPE = torch.bfloat16  # activations, scales and zeros as PyTorch's packed CPU kernel takes them fastest
+KERNEL_DTYPE = ops.KERNEL_DTYPE  # activations, scales and zeros as PyTorch's packed CPU kernel takes them
 MAX_KERNEL_ROWS = 16  # rows at or below which PyTorch's packed int4 kernel runs; above, dequantize + float GEMM
 
 

@@ -7,11 +7,14 @@ functions below, so what the page says is what the server does.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from functools import lru_cache
 from typing import Literal, NoReturn, get_args, get_origin
 
 from pydantic import Field, SecretStr, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from model.engine import EngineConfig
 
 
 class Settings(BaseSettings):
@@ -32,15 +35,17 @@ class Settings(BaseSettings):
         "int8, other types requantized to int8) where the native CPU kernels run; anything else (float files, HF "
         "directories, CUDA, tensor parallelism) as none. none: the float model (weights dequantized to --dtype). "
         "int8 / int4: quantize any checkpoint")
-    kv_cache_bytes: int = Field(1 << 30, description="KV block pool budget in bytes (with the weights, checked against "
+    kv_cache_bytes: int = Field(EngineConfig.kv_cache_bytes, description="KV block pool budget in bytes (with the weights, checked against "
                                 "the memory available before loading)")
-    block_size: int = Field(16, description="tokens per KV block")
-    max_num_seqs: int = Field(32, description="sequences decoded together")
-    max_num_batched_tokens: int = Field(512, description="tokens per engine step (decode + prefill chunks)")
-    max_waiting: int = Field(256, description="queued sequences beyond which requests get 429")
-    max_model_len: int | None = Field(None, description="context limit: prompt + max_tokens",
+    block_size: int = Field(EngineConfig.block_size, description="tokens per KV block")
+    max_num_seqs: int = Field(EngineConfig.max_num_seqs, description="sequences decoded together")
+    max_num_batched_tokens: int = Field(EngineConfig.max_num_batched_tokens,
+                                        description="tokens per engine step (decode + prefill chunks)")
+    max_waiting: int = Field(EngineConfig.max_waiting, description="queued sequences beyond which requests get 429")
+    max_model_len: int | None = Field(EngineConfig.max_model_len, description="context limit: prompt + max_tokens",
                                       json_schema_extra={"shown_default": "the model's context, clamped to what the KV pool holds"})
-    enable_prefix_caching: bool = Field(True, description="share KV blocks of equal prompt prefixes")
+    enable_prefix_caching: bool = Field(EngineConfig.enable_prefix_caching,
+                                        description="share KV blocks of equal prompt prefixes")
     kv_window: int | None = Field(
         None, ge=1, description="default sink + window KV cache (StreamingLLM): keep the first --sink-tokens tokens and "
         "the most recent KV_WINDOW, so generation runs past the context; a request's `kv_window` overrides it",
@@ -59,7 +64,7 @@ class Settings(BaseSettings):
         "flag; preflights are answered before the API key check", json_schema_extra={"shown_default": "none (CORS off)"})
     max_body_bytes: int = Field(1 << 20, description="largest request body accepted (413 beyond)")
     max_n: int = Field(16, description="largest `n` accepted")
-    max_logprobs: int = Field(20, description="largest `logprobs` / `top_logprobs` accepted")
+    max_logprobs: int = Field(EngineConfig.max_logprobs, description="largest `logprobs` / `top_logprobs` accepted")
     max_prompts: int = Field(64, description="largest list of prompts in one completions request")
     max_inspect_tokens: int = Field(4096, description="longest sequence /inspect accepts (413 beyond)")
     max_inspect_response_bytes: int = Field(32 << 20, description="estimated /inspect response size beyond which it is a 413 naming a cheaper mode")
@@ -68,7 +73,7 @@ class Settings(BaseSettings):
         4096, ge=1, description="largest activation-patching sweep (sites x layers x positions) /inspect/patch "
         "accepts (400 beyond)")
     max_background_tokens: int = Field(
-        16, ge=1, description="tokens a step that a patching sweep's rows compute while other requests run or wait")
+        EngineConfig.max_background_tokens, ge=1, description="tokens a step that a patching sweep's rows compute while other requests run or wait")
     control_vector: str | None = Field(
         None, description="llama.cpp control-vector GGUF files to store at start, `FILE[:SCALE]`, comma-separated: "
         "each becomes a stored vector named after its file (direction.N at block N's output) that requests name in "
@@ -82,6 +87,13 @@ class Settings(BaseSettings):
         1, ge=1, description="processes the model is split across (one GPU each on CUDA; see docs/deployment.md)")
     shutdown_grace_seconds: float = Field(30.0, ge=0, description="on SIGTERM: 503 to new requests, in-flight ones get this "
                                           "long (less 1 s) to finish before they are ended with an error, then exit 0")
+
+
+    def engine_config(self) -> EngineConfig:
+        """The engine's configuration: the fields both have by name (the engine's defaults are these fields'),
+        and --enforce-eager as the decode-graph mode."""
+        shared = {f.name: getattr(self, f.name) for f in dataclasses.fields(EngineConfig) if f.name in type(self).model_fields}
+        return EngineConfig(**shared, decode_graphs="off" if self.enforce_eager else "auto")
 
 
 @lru_cache

@@ -69,7 +69,7 @@ Test-only variables: `LLAMASCOPE_CHROMIUM` (the chromium binary the viewer test 
 | variable | default | meaning |
 |---|---|---|
 | `ARGS` | empty | flags passed to `python -m service` (`make serve`), `python -m model.generate` (`make generate`) or pytest (`make test`) |
-| `PROMPT` | `What is the capital of France?` | the prompt of `make generate` |
+| `PROMPT` | `What is the capital of Japan?` | the prompt of `make generate` |
 | `VENV` | `.venv` | the virtual environment every target creates or reuses |
 | `PYTHON` | `python3` | the interpreter that creates it (3.11 or newer) |
 | `TORCH_SPEC` | `torch==2.13.0` | the PyTorch build installed first (the release is the Dockerfile's `TORCH_VERSION`); on a CUDA machine e.g. `"torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128"` |

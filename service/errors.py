@@ -14,6 +14,8 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
+from model.engine import EngineDeadError, QueueFullError
+
 log = logging.getLogger("llamascope.service")
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 405: "invalid_request_error",
@@ -36,6 +38,24 @@ def error_response(status: int, message: str, param: str | None = None, code: st
     return JSONResponse(envelope(status, message, param, code), status_code=status, headers=headers)
 
 
+def engine_refusal(exc: Exception) -> APIError | None:
+    """The one mapping of the engine's refusals to HTTP: its waiting queue (or the inspection queue) is full -> 429
+    with Retry-After, its thread is not running -> 503; None for anything else."""
+    if isinstance(exc, QueueFullError):
+        return APIError(429, f"server busy: {exc}", code="queue_full", headers={"Retry-After": "1"})
+    if isinstance(exc, EngineDeadError):
+        return APIError(503, f"the engine is not running: {exc}", code="engine_dead")
+    return None
+
+
+def status_of(exc: Exception) -> int:
+    """The HTTP status a failure before any response ends the request with (for metrics and the log line)."""
+    if isinstance(exc, APIError):
+        return exc.status
+    refusal = engine_refusal(exc)
+    return refusal.status if refusal is not None else 500
+
+
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     errors = exc.errors()
     if not errors:
@@ -53,6 +73,12 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
         return error_response(exc.status, exc.message, exc.param, exc.code, exc.headers)
+
+    @app.exception_handler(QueueFullError)
+    @app.exception_handler(EngineDeadError)
+    async def _engine_refusal(request: Request, exc: Exception) -> JSONResponse:
+        e = engine_refusal(exc)
+        return error_response(e.status, e.message, e.param, e.code, e.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:

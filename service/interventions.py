@@ -15,8 +15,7 @@ import torch
 from model.engine import HiddenStates
 from model.interventions import HiddenStateRead, Intervention, validate_all
 from service.errors import APIError
-from model.config import ModelConfig
-from service.schemas import HiddenStatesOptions, InterventionItem, SamplingFields
+from service.schemas import HiddenStatesOptions, InterventionItem
 from service.vectors import VectorStore
 
 
@@ -81,15 +80,6 @@ def to_read(opts: HiddenStatesOptions | None, n_layers: int, field: str = "retur
     except ValueError as e:
         raise APIError(400, str(e), param=str(e).split(":", 1)[0], code="invalid_value") from None
     return read
-
-
-def request_edits(req: SamplingFields, store: VectorStore, config: ModelConfig
-                  ) -> tuple[list[Intervention] | None, HiddenStateRead | None, str | None]:
-    """A generation request's interventions, its hidden-state read and the dtype the values go back in, checked
-    against the model (400s name the field)."""
-    interventions = to_interventions(req.interventions, store, config.n_layers, config.dim)
-    read = to_read(req.return_hidden_states, config.n_layers)
-    return interventions, read, req.return_hidden_states.dtype if read is not None else None
 
 
 def encode_hidden(hs: HiddenStates | None, dtype: str) -> dict | None:

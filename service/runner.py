@@ -14,13 +14,9 @@ from dataclasses import dataclass, field
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from model.engine import EngineDeadError, RequestStream
-from model.engine import RequestOutput
-from model.engine import SamplingParams
-from model.engine import QueueFullError
-from model.interventions import HiddenStateRead, Intervention
-from service.errors import APIError
-from service.routes.common import DONE, sse, sse_error, usage
+from model.engine import PLAIN, RequestOptions, RequestOutput, RequestStream, SamplingParams
+from service.errors import APIError, status_of
+from service.openai_format import DONE, sse, sse_error, usage
 from service.serving import Serving
 
 log = logging.getLogger("llamascope.service")
@@ -43,18 +39,16 @@ class RunStats:
     prompts: list[list[int]] = field(default_factory=list)
 
 
-async def start(
-    state: Serving, prompts: list[list[int]], params: SamplingParams, stats: RunStats,
-    interventions: list[Intervention] | None = None, hidden_states: HiddenStateRead | None = None,
-) -> AsyncIterator[tuple[int, RequestOutput]]:
+async def start(state: Serving, prompts: list[list[int]], params: SamplingParams, stats: RunStats,
+                options: RequestOptions = PLAIN) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Submit and wait for the first output, so that refusals (400 / 429 / 503) raise here, before a response
     starts. Returns the stream of (choice index, output), first one included; closing it aborts what is left.
-    `interventions` and `hidden_states` apply to every prompt of the request."""
-    stream = run(state, prompts, params, stats, interventions, hidden_states)
+    `options` apply to every prompt of the request."""
+    stream = run(state, prompts, params, stats, options)
     try:
         first = await anext(stream)
-    except APIError as e:
-        finish(state, stats, e.status)
+    except Exception as e:
+        finish(state, stats, status_of(e))
         raise
 
     async def outputs():
@@ -68,23 +62,14 @@ async def start(
     return outputs()
 
 
-async def run(
-    state: Serving, prompts: list[list[int]], params: SamplingParams, stats: RunStats,
-    interventions: list[Intervention] | None = None, hidden_states: HiddenStateRead | None = None,
-) -> AsyncIterator[tuple[int, RequestOutput]]:
+async def run(state: Serving, prompts: list[list[int]], params: SamplingParams, stats: RunStats,
+              options: RequestOptions = PLAIN) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Yield (choice index, output) for every prompt x n choice, as outputs arrive; choice index =
     prompt_index * n + choice (OpenAI's order). Engine refusals raise APIError before anything is yielded."""
     stats.prompts = prompts
     stats.prompt_tokens = sum(len(p) for p in prompts)
-    try:  # every prompt in one submission: admitted together, so they prefill in the same steps
-        streams = await state.add_requests([(f"{stats.request_id}-{i}", p) for i, p in enumerate(prompts)], params,
-                                           interventions, hidden_states)
-    except ValueError as e:
-        raise APIError(400, str(e), code="invalid_request") from None
-    except QueueFullError as e:
-        raise APIError(429, f"server busy: {e}", code="queue_full", headers={"Retry-After": "1"}) from None
-    except EngineDeadError:
-        raise APIError(503, "the engine is not running", code="not_ready") from None
+    # every prompt in one submission: admitted together, so they prefill in the same steps
+    streams = await state.add_requests([(f"{stats.request_id}-{i}", p) for i, p in enumerate(prompts)], params, options)
     queue: asyncio.Queue = asyncio.Queue()
     done = object()
 
@@ -166,12 +151,9 @@ async def collect_all(request: Request, state: Serving, stats: RunStats, coro):
     unless the client leaves, record the outcome, and raise the client's error (500 when generation failed)."""
     try:
         result = await until_disconnect(request, coro)
-    except APIError as e:
-        finish(state, stats, e.status)
+    except Exception as e:  # the client left (499), or the engine thread ended with this request open (503)
+        finish(state, stats, status_of(e))
         raise
-    except EngineDeadError as e:  # the engine thread ended with this request open
-        finish(state, stats, 503)
-        raise APIError(503, str(e), code="engine_dead") from None
     if result[-1]:
         status = 503 if state.draining else 500  # ended by the shutdown deadline, not by a fault
         finish(state, stats, status)

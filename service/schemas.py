@@ -13,6 +13,8 @@ from typing import Annotated, Any, Literal
 from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, field_validator,
                       model_validator)
 
+from model.massive import MASSIVE_RATIO, MASSIVE_THRESHOLD
+
 
 def _utf8(v: str) -> str:
     # JSON may carry lone UTF-16 surrogates ("\ud800"); no tokenizer can take them, so they are a client error.
@@ -216,8 +218,8 @@ class InspectSummaryOptions(BaseModel):
     with `stream: true` (on a streamed completion) the attention telemetry of every token in its chunk instead."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
-    massive_threshold: Float = Field(100.0, gt=0.0)
-    massive_ratio: Float = Field(1000.0, gt=0.0)
+    massive_threshold: Float = Field(MASSIVE_THRESHOLD, gt=0.0)
+    massive_ratio: Float = Field(MASSIVE_RATIO, gt=0.0)
     stream: bool = False
     top_k: Int(ge=1, le=32) = 5  # attended keys per head and layer, with stream
 
@@ -376,8 +378,8 @@ class InspectRequest(BaseModel):
     layers: list[LayerIndex] | None = Field(None, min_length=1, max_length=1024)
     heads: list[LayerIndex] | None = Field(None, min_length=1, max_length=1024)
     include: list[Literal["massive", "norms", "attention", "logit_lens", "prediction", "hidden_states"]] | None = Field(None, max_length=6)
-    massive_threshold: Float = Field(100.0, gt=0.0)
-    massive_ratio: Float = Field(1000.0, gt=0.0)
+    massive_threshold: Float = Field(MASSIVE_THRESHOLD, gt=0.0)
+    massive_ratio: Float = Field(MASSIVE_RATIO, gt=0.0)
     massive_top_k: Int(ge=1, le=100) = 3
     massive_max_entries: Int(ge=1, le=4096) = 64
     mode: Literal["auto", "none", "full", "rows", "topk", "pooled"] = "auto"

@@ -7,9 +7,10 @@ from __future__ import annotations
 from fastapi import Request
 
 from model.config import ModelConfig
-from model.engine import AsyncEngine, EngineJob, EngineStats, RequestStream, SamplingParams
+from model.engine import (PLAIN, AsyncEngine, EngineJob, EngineStats, KVWindow, RequestOptions, RequestStream,
+                          SamplingParams)
 from model.engine.structured import StructuredOutputSpec
-from model.interventions import HiddenStateRead, Intervention
+from model.interventions import Intervention
 from model.probes import ProbeOptions, ProbeRun
 from model.text import Tokenizer
 from service.config import Settings
@@ -41,11 +42,13 @@ class Serving:
         return self._engine.stats
 
     async def add_requests(self, prompts: list[tuple[str, list[int]]], params: SamplingParams,
-                           interventions: list[Intervention] | None = None,
-                           hidden_states: HiddenStateRead | None = None,
-                           each: list[list[Intervention] | None] | None = None,
-                           background: bool = False) -> list[RequestStream]:
-        return await self._engine.add_requests(prompts, params, interventions, hidden_states, each, background)
+                           options: RequestOptions | list[RequestOptions] = PLAIN) -> list[RequestStream]:
+        """Submit prompts (AsyncEngine.add_requests): an invalid one is a 400 here; a full queue or a dead engine
+        raise the engine's errors, which errors.install turns into 429 / 503."""
+        try:
+            return await self._engine.add_requests(prompts, params, options)
+        except ValueError as e:
+            raise APIError(400, str(e), code="invalid_request") from None
 
     async def run_job(self, job: EngineJob, max_queued: int | None = None) -> None:
         await self._engine.run_job(job, max_queued)
@@ -56,10 +59,17 @@ class Serving:
         out of range)."""
         return ProbeRun(self._state.loaded.model, token_ids, opts, interventions, num_prompt_tokens)
 
+    def check_window(self, window: KVWindow) -> None:
+        """400 naming `kv_window` unless the engine can serve this sink + window cache."""
+        try:
+            self._engine.check_window(window)
+        except ValueError as e:
+            raise APIError(400, str(e), param="kv_window", code="invalid_value") from None
+
     def compile_structured(self, spec: StructuredOutputSpec) -> None:
         """Compile a request's grammar into the engine's cache, so the engine thread finds it there (the compiler and
         its cache are thread-safe; called on a worker thread). ValueError when the grammar engine refuses it."""
-        self._engine.engine.structured.compile(spec)
+        self._engine.compile_structured(spec)
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from model.engine import AsyncEngine
-from model.engine import Engine, EngineConfig, KVWindow
+from model.engine import Engine, KVWindow
 from model.loaders import LoadedModel, load_model
 from model.parallel import TPModel, launch
 from model.dtypes import DTYPES
@@ -49,7 +49,7 @@ class ServingState:
     @property
     def max_model_len(self) -> int:
         """The engine's limit on prompt + max_tokens (the model's context, clamped to the KV pool at start-up)."""
-        return self.engine.engine.max_model_len
+        return self.engine.max_model_len
 
     @property
     def ready(self) -> bool:
@@ -73,12 +73,7 @@ class ServingState:
                 else:
                     loaded = load_model(s.model, DTYPES[dtype], device, quantization=s.quantization,
                                         reserve_bytes=s.kv_cache_bytes)
-            config = EngineConfig(
-                block_size=s.block_size, kv_cache_bytes=s.kv_cache_bytes, max_num_seqs=s.max_num_seqs,
-                max_num_batched_tokens=s.max_num_batched_tokens, max_waiting=s.max_waiting,
-                max_background_tokens=s.max_background_tokens, max_model_len=s.max_model_len, enable_prefix_caching=s.enable_prefix_caching, max_logprobs=s.max_logprobs,
-                decode_graphs="off" if s.enforce_eager else "auto",
-            )
+            config = s.engine_config()
             c = loaded.model.config
             for spec in control_vector_specs(s.control_vector):  # llama.cpp control vectors, stored by name
                 self.vectors.add(load_control_vector(spec, c.n_layers, c.dim))

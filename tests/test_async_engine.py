@@ -80,18 +80,15 @@ def test_client_leaving_mid_stream_frees_blocks(engine):
 
 
 def test_step_failure_reaches_the_client_and_engine_survives(engine, monkeypatch):
-    # the runner's one forward, whichever path (native, module, CUDA graph) the step takes
-    runner = engine.engine.runner
-    real = type(runner)._forward
+    # the engine's fault hook: the first step fails as a failing forward would, whichever path it was to take
     state = {"fail": True}
 
-    def flaky(self, *a, **kw):
+    def flaky(scheduled):
         if state["fail"]:
             state["fail"] = False
             raise RuntimeError("boom")
-        return real(self, *a, **kw)
 
-    monkeypatch.setattr(type(runner), "_forward", flaky)
+    monkeypatch.setattr(engine.engine, "step_fault_hook", flaky)
 
     async def main():
         first = await _collect(engine, [1, 2], SamplingParams(max_tokens=4))

@@ -92,6 +92,13 @@ def test_readme_is_a_front_page():
 # ---- the README's quick start, run as a reader would ----------------------------------------------------------
 
 
+# The quick start asks "What is the capital of Japan?": the default model answers "The capital of Japan is Tokyo."
+# at float32, int8 and int4 alike, each of its tokens ahead of the runner-up by at least 0.85 nats (greedy, Zen 2
+# host), so the docs can promise the answer. ("What is the capital of France?" is a near-tie at its first token;
+# "Name the largest planet in the solar system." leads clearly at its first token and then names Neptune.)
+ANSWER = "Tokyo"
+
+
 def readme_blocks(lang: str) -> list[str]:
     return [body for tag, body in FENCE.findall(README.read_text()) if tag == lang]
 
@@ -121,7 +128,8 @@ def test_readme_curl_requests_run(server):
         assert run.stdout.strip() and '"error"' not in run.stdout, f"{command}\n{run.stdout}"
         if "/v1/chat/completions" in command:
             choice = json.loads(run.stdout)["choices"][0]
-            assert choice["message"]["content"].strip() and choice["finish_reason"] in ("stop", "length")
+            assert choice["finish_reason"] in ("stop", "length")
+            assert ANSWER in choice["message"]["content"], choice  # every token of it leads clearly (above)
 
 
 def test_readme_openai_example_runs(server):
@@ -131,7 +139,7 @@ def test_readme_openai_example_runs(server):
     run = subprocess.run([sys.executable, "-c", on(server, examples[0])], capture_output=True, text=True, timeout=300,
                          cwd=ROOT)
     assert run.returncode == 0, run.stderr
-    assert run.stdout.strip(), "the example printed no answer"
+    assert ANSWER in run.stdout, run.stdout
 
 
 def test_viewer_docs_link_serves_the_inspection_page(server):

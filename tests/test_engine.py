@@ -9,6 +9,7 @@ import torch
 
 from model.engine import Engine, EngineConfig
 from model.generate import generate
+from model.engine.forward_context import ForwardContext
 from model.engine.paged_cache import PagedKVCache, SeqSlice
 from model.engine.sampling_params import SamplingParams
 from model.engine.scheduler import QueueFullError, SchedulerOutput
@@ -95,9 +96,9 @@ def test_paged_cache_matches_uncached_forward(model):
             tokens += seqs[name][start : start + n]
             positions += range(start, start + n)
             offset += n
-        cache.set_step(slices)
+        ctx = ForwardContext.from_slices(cache, slices)
         with torch.no_grad():
-            logits = model(torch.tensor([tokens]), torch.tensor([positions]), cache)[0]  # (N, V)
+            logits = model(torch.tensor([tokens]), torch.tensor([positions]), ctx)[0]  # (N, V)
         offset = 0
         for name, start, n in step:
             for j in range(n):
@@ -294,19 +295,17 @@ def test_queue_limit_and_invalid_requests(model, tok):
 def test_failing_step_fails_only_its_requests(model, tok, monkeypatch):
     engine = Engine(model, tok, EngineConfig(num_blocks=64, block_size=4))
     engine.add_request("doomed", [5, 6, 7], greedy(8))
-    real_forward = engine.runner._forward
     calls = {"n": 0}
 
-    def flaky(*a, **kw):  # the second step's forward raises, whichever execution path it took
+    def flaky(scheduled):  # the engine's fault hook: the second step fails as a failing forward would
         calls["n"] += 1
         if calls["n"] == 2:
             raise RuntimeError("injected")
-        return real_forward(*a, **kw)
 
-    monkeypatch.setattr(engine.runner, "_forward", flaky)
+    engine.step_fault_hook = flaky
     outs = engine.step() + engine.step()
     assert outs[-1].finish_reason == "error" and "RuntimeError" in outs[-1].error
-    monkeypatch.setattr(engine.runner, "_forward", real_forward)
+    engine.step_fault_hook = None
     res = run(engine, {"fine": ([5, 6, 7], greedy(8))})
     assert res["fine"][0]["tokens"] == list(generate(model, [5, 6, 7], 8))
     assert_pool_clean(engine)

@@ -136,7 +136,7 @@ def test_a_step_failing_after_some_sequences_finished_still_delivers_their_outpu
     engine = Engine(tiny_model(seed=2), byte_tokenizer(), EngineConfig(num_blocks=64, block_size=4))
     engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=1, ignore_eos=True))
     engine.add_request("b", [4, 5, 6], SamplingParams(max_tokens=5, ignore_eos=True))
-    b_detok = engine.requests["b"].seqs[0].state.detok
+    b_detok = engine.requests["b"].seqs[0].output.detok
 
     def broken(_token):
         raise RuntimeError("injected: detokenizer failure")

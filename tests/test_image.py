@@ -73,14 +73,14 @@ def test_it_runs_as_the_non_root_user(served):
 
 
 def test_chat(served):
-    body = {"messages": [{"role": "user", "content": "Name the largest planet in the solar system."}],
+    body = {"messages": [{"role": "user", "content": "What is the capital of Japan?"}],
             "max_tokens": 24, "temperature": 0}
     r = httpx.post(served.url + "/v1/chat/completions", json=body, timeout=120)
     assert r.status_code == 200, r.text
     body = r.json()
     [choice] = body["choices"]
-    # the words are the model's (int4 weights); what the image must do is serve them whole
-    assert choice["message"]["role"] == "assistant" and choice["message"]["content"].strip(), body
+    # every token of the default model's answer leads clearly at each precision (tests/test_docs.py's ANSWER)
+    assert choice["message"]["role"] == "assistant" and "Tokyo" in choice["message"]["content"], body
     assert choice["finish_reason"] in ("length", "stop") and 0 < body["usage"]["completion_tokens"] <= 24, body
 
 

@@ -13,7 +13,7 @@ import torch
 
 from model import kernels
 from model.edits import apply_reference
-from model.engine import Engine, EngineConfig
+from model.engine import Engine, EngineConfig, RequestOptions
 from model.engine.sampling_params import SamplingParams
 from model.interventions import HiddenStateRead, Intervention, InterventionPlan
 from test_engine import assert_pool_clean
@@ -113,7 +113,10 @@ def serve(engine: Engine, requests: dict[str, tuple], arrive_at: dict[str, int] 
     pending, step = dict(requests), 0
     while pending or engine.has_unfinished():
         for rid in [r for r in pending if (arrive_at or {}).get(r, 0) <= step]:
-            engine.add_request(rid, *pending.pop(rid))
+            prompt, params, *extra = pending.pop(rid)
+            options = RequestOptions(interventions=extra[0] if extra else None,
+                                     hidden_states=extra[1] if len(extra) > 1 else None)
+            engine.add_request(rid, prompt, params, options)
         for o in engine.step():
             r = out.setdefault(o.request_id, {"tokens": [], "lp": [], "prompt_lp": None, "hidden": [], "cached": 0})
             r["tokens"] += o.token_ids

@@ -14,7 +14,8 @@ import torch
 
 from conftest import save_tiny_llama
 from model.edits import EditTables, Segment
-from model.engine import Engine, EngineConfig
+from model.engine import Engine, EngineConfig, RequestOptions
+from model.engine.forward_context import ForwardContext
 from model.engine.paged_cache import PagedKVCache, SeqSlice
 from model.engine.sampling_params import SamplingParams
 from model.interventions import HiddenStateRead, Intervention, InterventionPlan
@@ -83,9 +84,9 @@ def our_logits(model, ids: list[int], items: list[Intervention] | None) -> torch
     if items:
         plan = InterventionPlan(items, T, model.config.n_layers, model.config.dim)
         edits, _ = EditTables(model.config.n_layers, model.config.dim, model.device).build([Segment(0, 0, T, plan)])
-    cache.set_step([SeqSlice(0, T, T, list(range(-(-T // bs))))], edits=edits)
+    ctx = ForwardContext.from_slices(cache, [SeqSlice(0, T, T, list(range(-(-T // bs))))], edits)
     with torch.inference_mode():
-        return model(torch.tensor([ids]), torch.arange(T)[None], cache)[0]
+        return model(torch.tensor([ids]), torch.arange(T)[None], ctx)[0]
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -115,7 +116,7 @@ def test_engine_generation_under_an_edit_follows_hf(pair):
     prompt = [7, 1, 44, 9, 12, 80, 5]
     engine = Engine(ours, byte_tokenizer(), EngineConfig(num_blocks=16, block_size=4))
     engine.add_request("r", prompt, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=0,
-                                                   prompt_logprobs=0), [it])
+                                                   prompt_logprobs=0), RequestOptions(interventions=[it]))
     tokens, lps, prompt_lps = [], [], None
     while engine.has_unfinished():
         for o in engine.step():
@@ -161,7 +162,7 @@ def test_hidden_states_equal_hf_output_hidden_states(pair):
     read = HiddenStateRead([0, 1, 2], "all")
     for i, p in enumerate(prompts):
         engine.add_request(str(i), p, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True),
-                           None, read if i != 1 else None)
+                           RequestOptions(hidden_states=read if i != 1 else None))
     out = {str(i): ([], []) for i in range(3)}
     while engine.has_unfinished():
         for o in engine.step():

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from model import kernels
-from model.engine import Engine, EngineConfig, KVWindow, SamplingParams
+from model.engine import Engine, EngineConfig, KVWindow, RequestOptions, SamplingParams
 from streaming_reference import StreamingReference
 from test_engine import assert_pool_clean, run
 from tiny import byte_tokenizer, tiny_model
@@ -34,8 +34,8 @@ def _prompt(n: int, seed: int) -> list[int]:
     return [rng.randrange(256) for _ in range(n)]
 
 
-def _params(window: KVWindow, max_tokens: int, **kw) -> SamplingParams:
-    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, kv_window=window, **kw)
+def _params(window: KVWindow, max_tokens: int, **kw) -> tuple[SamplingParams, RequestOptions]:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kw), RequestOptions(kv_window=window)
 
 
 def _reference(model, window: KVWindow, prompt: list[int], tokens: list[int]) -> tuple[list[int], list[float], list[float]]:
@@ -68,7 +68,7 @@ def test_windowed_generation_is_the_papers_streaming_attention(model, sinks, win
     w = KVWindow(sinks, window)
     prompt = _prompt(23, seed=sinks)
     engine = _engine(model)
-    got = run(engine, {"a": (prompt, _params(w, 70, logprobs=0, prompt_logprobs=0))})["a"][0]
+    got = run(engine, {"a": (prompt, *_params(w, 70, logprobs=0, prompt_logprobs=0))})["a"][0]
     tokens = got["tokens"]
     assert len(tokens) == 70 and got["finish_reason"] == "length" and len(prompt) + 70 > engine.max_model_len
     greedy, lps, plps = _reference(model, w, prompt, tokens)
@@ -82,7 +82,7 @@ def test_windowed_generation_is_the_papers_streaming_attention(model, sinks, win
 def test_blocks_held_stay_within_the_bound(model):
     w = KVWindow(3, 9)
     engine = _engine(model, max_num_batched_tokens=12)  # long prompt in chunks, then decode
-    engine.add_request("a", _prompt(50, 1), _params(w, 60))
+    engine.add_request("a", _prompt(50, 1), *_params(w, 60))
     most = 0
     while engine.has_unfinished():
         engine.step()
@@ -98,7 +98,7 @@ def test_batched_with_others_prefix_cache_and_paths_give_the_same_tokens(model):
     ones and never the windowed), on every decode path: the windowed tokens are those of the request alone."""
     w = KVWindow(2, 6)
     shared = _prompt(12, 7)
-    reqs = {"w1": (shared + [5], _params(w, 40)), "w2": (shared + [9, 4], _params(w, 33)),
+    reqs = {"w1": (shared + [5], *_params(w, 40)), "w2": (shared + [9, 4], *_params(w, 33)),
             "plain": (shared + [5], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)),
             "plain2": (shared, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, n=2))}
     alone = {r: run(_engine(model), {r: reqs[r]})[r][0]["tokens"] for r in ("w1", "w2")}
@@ -118,7 +118,7 @@ def test_preempted_windowed_sequence_recomputes_the_same_cache(model):
     """A pool too small for everyone: windowed sequences are preempted (their blocks freed, evictions forgotten)
     and recomputed in chunks, which land on the same keys at the same cache positions as before."""
     w = KVWindow(2, 6)
-    reqs = {str(i): (_prompt(2 + i, 20 + i), _params(w, 45)) for i in range(5)}
+    reqs = {str(i): (_prompt(2 + i, 20 + i), *_params(w, 45)) for i in range(5)}
     alone = {r: run(_engine(model), {r: p})[r][0]["tokens"] for r, p in reqs.items()}
     tight = _engine(model, num_blocks=8, max_model_len=32)  # short prompts start in 1-2 blocks and grow to 3: not all five fit
     got = run(tight, reqs)
@@ -130,11 +130,11 @@ def test_preempted_windowed_sequence_recomputes_the_same_cache(model):
 def test_window_must_fit_the_context(model):
     engine = _engine(model)
     with pytest.raises(ValueError, match="kv_window.*exceeds the context length of 40"):
-        engine.add_request("a", [1, 2], _params(KVWindow(4, 33), 5))
+        engine.add_request("a", [1, 2], *_params(KVWindow(4, 33), 5))
     # without a window the usual limit holds; with one, a prompt longer than the context streams through
     with pytest.raises(ValueError, match="exceeds the context length"):
         engine.add_request("b", _prompt(60, 1), SamplingParams(max_tokens=5))
-    engine.add_request("c", _prompt(60, 1), _params(KVWindow(4, 8), 5))
+    engine.add_request("c", _prompt(60, 1), *_params(KVWindow(4, 8), 5))
 
 
 def test_eviction_rotates_keys_with_the_models_rope(model):

@@ -129,10 +129,10 @@ def test_window_attention_needs_the_sink_tokens(hf_gguf_model, default_model):
 
 def engine_perplexity(model, tok, ids: list[int], window) -> float:
     """What `echo` + `logprobs` scores over HTTP: the engine's prompt logprobs of ids[1:], under `window`."""
-    from model.engine import Engine, EngineConfig, SamplingParams
+    from model.engine import Engine, EngineConfig, RequestOptions, SamplingParams
 
     engine = Engine(model, tok, EngineConfig(kv_cache_bytes=256 << 20))
-    engine.add_request("ppl", ids, SamplingParams(max_tokens=1, prompt_logprobs=0, kv_window=window))
+    engine.add_request("ppl", ids, SamplingParams(max_tokens=1, prompt_logprobs=0), RequestOptions(kv_window=window))
     lps = None
     while engine.has_unfinished():
         for out in engine.step():

@@ -12,7 +12,7 @@ import jsonschema
 import pytest
 import torch
 
-from model.engine import Engine, EngineConfig, SamplingParams
+from model.engine import PLAIN, Engine, EngineConfig, RequestOptions, SamplingParams
 from model.engine.sampler import AllowedTokens, Sampler, SamplingRow
 from model.engine.structured import StructuredOutputSpec, StructuredOutputs
 from test_engine import assert_pool_clean, model, run, tok  # noqa: F401 - model, tok: the tiny fixtures
@@ -35,8 +35,8 @@ REGEX = r"[a-z]{2,4}-[0-9]{3}"
 CHOICES = ["yes", "no", "perhaps not"]
 
 
-def constrained(spec: StructuredOutputSpec, **kw) -> SamplingParams:
-    return SamplingParams(**{"max_tokens": 250, "temperature": 1.0, **kw}, structured=spec)
+def constrained(spec: StructuredOutputSpec, **kw) -> tuple[SamplingParams, RequestOptions]:
+    return SamplingParams(**{"max_tokens": 250, "temperature": 1.0, **kw}), RequestOptions(structured=spec)
 
 
 def check(spec: StructuredOutputSpec, text: str) -> None:
@@ -58,7 +58,7 @@ SPECS = [StructuredOutputSpec.json_schema(SCHEMA), StructuredOutputSpec("regex",
 def test_random_model_samples_match_the_grammar(model, tok, spec):
     """A random model at temperature 1 has no idea of JSON: every valid output is the mask's doing."""
     engine = Engine(model, tok, EngineConfig(num_blocks=512, block_size=4))
-    reqs = {str(i): ([65 + i, 32, 66], constrained(spec, seed=i)) for i in range(8)}
+    reqs = {str(i): ([65 + i, 32, 66], *constrained(spec, seed=i)) for i in range(8)}
     res = run(engine, reqs)
     for i in range(8):
         out = res[str(i)][0]
@@ -76,16 +76,16 @@ def test_constrained_alone_equals_in_a_mixed_batch_and_free_rows_are_untouched(m
 
     def params(i):
         if i in specs:
-            return SamplingParams(max_tokens=250, temperature=0.0, logprobs=2, structured=specs[i])
-        return SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)
+            return SamplingParams(max_tokens=250, temperature=0.0, logprobs=2), RequestOptions(structured=specs[i])
+        return SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2), PLAIN
 
     cfg = EngineConfig(num_blocks=1024, block_size=4)
-    mixed = run(Engine(model, tok, cfg), {str(i): (p, params(i)) for i, p in enumerate(prompts)})
+    mixed = run(Engine(model, tok, cfg), {str(i): (p, *params(i)) for i, p in enumerate(prompts)})
     for i in specs:
-        alone = run(Engine(model, tok, cfg), {"a": (prompts[i], params(i))})["a"][0]
+        alone = run(Engine(model, tok, cfg), {"a": (prompts[i], *params(i))})["a"][0]
         assert mixed[str(i)][0]["tokens"] == alone["tokens"]
         check(specs[i], mixed[str(i)][0]["text"])
-    free = run(Engine(model, tok, cfg), {str(i): (p, params(i)) for i, p in enumerate(prompts) if i not in specs})
+    free = run(Engine(model, tok, cfg), {str(i): (p, *params(i)) for i, p in enumerate(prompts) if i not in specs})
     for i in range(1, 24, 2):
         got, ref = mixed[str(i)][0], free[str(i)][0]
         assert got["tokens"] == ref["tokens"]
@@ -98,7 +98,7 @@ def test_preemption_keeps_the_grammar_state(model, tok):
     prompts = [[(11 * i + j) % 250 + 1 for j in range(6)] for i in range(6)]
     spec = StructuredOutputSpec.json_schema({"type": "array", "minItems": 8, "maxItems": 8,
                                              "items": {"type": "integer", "minimum": 0, "maximum": 999}})
-    reqs = {str(i): (p, constrained(spec, temperature=0.0, max_tokens=100)) for i, p in enumerate(prompts)}
+    reqs = {str(i): (p, *constrained(spec, temperature=0.0, max_tokens=100)) for i, p in enumerate(prompts)}
     roomy = run(Engine(model, tok, EngineConfig(num_blocks=512, block_size=4)), reqs)
     tight = Engine(model, tok, EngineConfig(num_blocks=40, block_size=4, max_num_batched_tokens=32))
     res = run(tight, reqs)
@@ -113,8 +113,8 @@ def test_preemption_keeps_the_grammar_state(model, tok):
 def test_n_choices_and_seeds_are_independent_of_neighbours(model, tok):
     cfg = EngineConfig(num_blocks=512, block_size=4)
     p = constrained(SPECS[1], n=3, seed=123)
-    alone = run(Engine(model, tok, cfg), {"s": ([70, 71], p)})["s"]
-    crowd = {"s": ([70, 71], p)} | {str(i): ([i + 1, 2], constrained(SPECS[i % 3], seed=i)) for i in range(6)}
+    alone = run(Engine(model, tok, cfg), {"s": ([70, 71], *p)})["s"]
+    crowd = {"s": ([70, 71], *p)} | {str(i): ([i + 1, 2], *constrained(SPECS[i % 3], seed=i)) for i in range(6)}
     crowded = run(Engine(model, tok, cfg), crowd)["s"]
     assert [alone[c]["tokens"] for c in range(3)] == [crowded[c]["tokens"] for c in range(3)]
     for c in range(3):
@@ -124,7 +124,7 @@ def test_n_choices_and_seeds_are_independent_of_neighbours(model, tok):
 def test_logprobs_are_of_the_masked_distribution(model, tok):
     """Each reported logprob is the model's log-probability renormalised over the tokens the grammar allowed."""
     engine = Engine(model, tok, EngineConfig(num_blocks=256, block_size=4))
-    res = run(engine, {"c": ([65, 66], constrained(StructuredOutputSpec.choice(CHOICES), logprobs=3))})["c"][0]
+    res = run(engine, {"c": ([65, 66], *constrained(StructuredOutputSpec.choice(CHOICES), logprobs=3))})["c"][0]
     assert res["text"] in CHOICES
     first = res["logprobs"][0]
     allowed_first = {ord(c[0]) for c in CHOICES}  # the byte vocabulary: token id = byte value for ASCII
@@ -165,7 +165,7 @@ def test_compile_errors_name_the_field_and_the_cache_is_keyed_by_spec(tok):
     b = so.compile(StructuredOutputSpec.json_schema(json.dumps(SCHEMA), source="b"))  # same spec, other field
     assert a is b and so.compiler.num_compiled == 1
     with pytest.raises(ValueError, match="structured"):
-        SamplingParams(structured="not a spec").validate(258)
+        RequestOptions(structured="not a spec").validate(2)
 
 
 def test_grammar_state_rebuilds_from_the_output(tok):
@@ -196,16 +196,16 @@ def test_default_model_mixed_batch_of_32(default_model):
 
     def params(i):
         if i in specs:
-            return SamplingParams(max_tokens=32, temperature=0.0, logprobs=1, structured=specs[i])
-        return SamplingParams(max_tokens=16, temperature=0.0, logprobs=1)
+            return SamplingParams(max_tokens=32, temperature=0.0, logprobs=1), RequestOptions(structured=specs[i])
+        return SamplingParams(max_tokens=16, temperature=0.0, logprobs=1), PLAIN
 
     cfg = EngineConfig(num_blocks=1024, block_size=16, max_num_seqs=32, max_num_batched_tokens=2048)
-    mixed = run(Engine(model, tok, cfg), {str(i): (p, params(i)) for i, p in enumerate(prompts)})
-    free = run(Engine(model, tok, cfg), {str(i): (p, params(i)) for i, p in enumerate(prompts) if i not in specs})
+    mixed = run(Engine(model, tok, cfg), {str(i): (p, *params(i)) for i, p in enumerate(prompts)})
+    free = run(Engine(model, tok, cfg), {str(i): (p, *params(i)) for i, p in enumerate(prompts) if i not in specs})
     for i in range(32):
         got = mixed[str(i)][0]
         if i in specs:
-            alone = run(Engine(model, tok, cfg), {"a": (prompts[i], params(i))})["a"][0]
+            alone = run(Engine(model, tok, cfg), {"a": (prompts[i], *params(i))})["a"][0]
             assert got["tokens"] == alone["tokens"], i
             if got["finish_reason"] == "stop":
                 check(specs[i], got["text"])
@@ -217,7 +217,7 @@ def test_default_model_mixed_batch_of_32(default_model):
 
 def test_stop_strings_still_end_a_constrained_choice(model, tok):
     engine = Engine(model, tok, EngineConfig(num_blocks=256, block_size=4))
-    res = run(engine, {str(i): ([66 + i, 67], constrained(SPECS[1], seed=i, stop=["-"])) for i in range(4)})
+    res = run(engine, {str(i): ([66 + i, 67], *constrained(SPECS[1], seed=i, stop=["-"])) for i in range(4)})
     for i in range(4):
         out = res[str(i)][0]
         assert out["finish_reason"] == "stop" and out["stop_reason"] == "-"
@@ -231,7 +231,7 @@ def test_json_object_near_max_tokens_is_closed_in_time(model, tok, max_tokens):
     says "length" (the model did not end it); a reply the grammar completed on its own says "stop"."""
     engine = Engine(model, tok, EngineConfig(num_blocks=512, block_size=4))
     spec = StructuredOutputSpec("json_object")
-    reqs = {str(i): ([65 + i, 32, 66], constrained(spec, seed=i, max_tokens=max_tokens, logprobs=0))
+    reqs = {str(i): ([65 + i, 32, 66], *constrained(spec, seed=i, max_tokens=max_tokens, logprobs=0))
             for i in range(16)}
     res = run(engine, reqs)
     reasons = set()

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from model import kernels
-from model.engine import Engine, EngineConfig, KVWindow, SamplingParams, TelemetryOptions
+from model.engine import Engine, EngineConfig, KVWindow, RequestOptions, SamplingParams, TelemetryOptions
 from model.kernels import attention_telemetry
 from model.kernels.attention_telemetry import AttentionTelemetry
 from model.probes import ProbeOptions, inspect
@@ -86,9 +86,9 @@ def _generate(model, prompt, n, tel: TelemetryOptions | None, window=None, **cfg
     config = dict(num_blocks=64, block_size=4, max_num_batched_tokens=64)
     config.update(cfg)
     engine = Engine(model, byte_tokenizer(), EngineConfig(**config))
-    params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=3, telemetry=tel, kv_window=window)
+    params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=3)
     outs = []
-    engine.add_request("a", prompt, params)
+    engine.add_request("a", prompt, params, RequestOptions(telemetry=tel, kv_window=window))
     while engine.has_unfinished():
         outs += engine.step()
     assert_pool_clean(engine)

@@ -13,7 +13,7 @@ import torch
 from conftest import save_tiny_llama
 from gguf_writer import write_tiny_gguf
 from model.config import ModelConfig
-from model.engine import Engine, EngineConfig, FatalEngineError
+from model.engine import Engine, EngineConfig, FatalEngineError, RequestOptions
 from model.loaders.checkpoint import load_model
 from model.loaders.errors import CheckpointError
 from model.loaders.gguf_file import load_gguf
@@ -192,7 +192,7 @@ def test_interventions_apply_once_after_the_all_reduce(pair):
         engine = Engine(model, one.tokenizer, config)
         for i, p in enumerate(prompts):
             engine.add_request(str(i), p, SamplingParams(max_tokens=8, temperature=0, logprobs=2, ignore_eos=True),
-                               _edits(model.config.dim, i) if i % 2 == 0 else None)
+                               RequestOptions(interventions=_edits(model.config.dim, i) if i % 2 == 0 else None))
         out: dict[str, list] = {}
         while engine.has_unfinished():
             for o in engine.step():

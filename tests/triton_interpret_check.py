@@ -15,7 +15,7 @@ import torch  # noqa: E402
 from model import kernels  # noqa: E402
 from model.attention import sdpa  # noqa: E402
 from model.kernels import triton_attention  # noqa: E402
-from model.engine import Engine, EngineConfig, KVWindow, SamplingParams, TelemetryOptions  # noqa: E402
+from model.engine import Engine, EngineConfig, KVWindow, RequestOptions, SamplingParams, TelemetryOptions  # noqa: E402
 from model.kernels import attention_telemetry  # noqa: E402
 from model.kernels.attention_telemetry import AttentionTelemetry  # noqa: E402
 from tiny import byte_tokenizer, greedy_tokens, tiny_model  # noqa: E402
@@ -89,8 +89,8 @@ def windowed_engine(model) -> list:
     """A sink + window sequence long past its window, with telemetry: (tokens, telemetry) per step."""
     engine = Engine(model, byte_tokenizer(), EngineConfig(num_blocks=64, block_size=4, max_num_batched_tokens=64,
                                                           max_model_len=40))
-    engine.add_request("w", [5, 9, 2, 7, 1] * 3, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True,
-                                                                kv_window=KVWindow(2, 6), telemetry=TelemetryOptions()))
+    engine.add_request("w", [5, 9, 2, 7, 1] * 3, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True),
+                       RequestOptions(kv_window=KVWindow(2, 6), telemetry=TelemetryOptions()))
     outs = []
     while engine.has_unfinished():
         outs += engine.step()

@@ -6,13 +6,16 @@ from model.engine.async_engine import AsyncEngine, EngineDeadError, EngineJob, R
 from model.engine.engine import Engine, EngineConfig, EngineStats, FatalEngineError, RequestOutput
 from model.engine.kv_window import KVWindow
 from model.engine.output_processor import HiddenStates
+from model.engine.request_options import PLAIN, RequestOptions
 from model.engine.sampler import TokenLogprobs
 from model.engine.sampling_params import SamplingParams
 from model.engine.scheduler import QueueFullError
-from model.engine.telemetry import TelemetryOptions, TokenTelemetry
+from model.engine.telemetry import TokenTelemetry
+from model.engine.telemetry_options import TelemetryOptions
 
 __all__ = [
     "AsyncEngine", "Engine", "EngineConfig", "EngineDeadError", "EngineJob", "EngineStats", "FatalEngineError",
-    "HiddenStates", "KVWindow", "QueueFullError", "RequestOutput", "RequestStream", "SamplingParams",
+    "HiddenStates", "KVWindow", "PLAIN", "QueueFullError", "RequestOptions", "RequestOutput", "RequestStream",
+    "SamplingParams",
     "TelemetryOptions", "TokenLogprobs", "TokenTelemetry",
 ]

@@ -14,12 +14,17 @@ import time
 import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Callable
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
 from model.engine.engine import Engine, EngineStats, FatalEngineError, RequestOutput
 from model.engine.sampling_params import SamplingParams
 from model.engine.scheduler import QueueFullError
-from model.interventions import HiddenStateRead, Intervention
+from model.engine.kv_window import KVWindow
+from model.engine.request_options import PLAIN, RequestOptions
+
+if TYPE_CHECKING:
+    from model.engine.structured.spec import StructuredOutputSpec
 
 log = logging.getLogger("llamascope.engine")
 
@@ -47,6 +52,28 @@ MAX_JOB_CREDIT_STEPS = 4
 IDLE_JOB_BUDGET_S = 0.05
 
 
+# ---- the inbox's messages (asyncio side -> engine thread) ---------------------------------------------------
+
+@dataclass
+class _Submit:
+    """New requests, admitted together: (request id, prompt) pairs, their sampling, one options record each."""
+
+    prompts: list[tuple[str, list[int]]]
+    params: SamplingParams
+    options: list[RequestOptions]
+    submitted: asyncio.Future  # resolved by the engine thread: None, or the refusal
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+@dataclass
+class _AbortAll:
+    error: str  # each open choice ends with finish_reason "abort" and this error
+
+
 class _QueuedJob:
     def __init__(self, job: EngineJob, loop: asyncio.AbstractEventLoop, done: asyncio.Future) -> None:
         self.job, self.loop, self.done = job, loop, done
@@ -56,7 +83,7 @@ class _QueuedJob:
 class AsyncEngine:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[_Submit | _Abort | _AbortAll | _QueuedJob] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._lock = threading.Lock()  # guards _streams and _num_pending
@@ -96,16 +123,16 @@ class AsyncEngine:
     # ---- requests -----------------------------------------------------------------------------------------
 
     async def add_requests(self, prompts: list[tuple[str, list[int]]], params: SamplingParams,
-                           interventions: list[Intervention] | None = None,
-                           hidden_states: HiddenStateRead | None = None,
-                           each: list[list[Intervention] | None] | None = None,
-                           background: bool = False) -> list["RequestStream"]:
-        """Submit several prompts (request id, token ids) with the same parameters (and interventions and
-        hidden-state read, `Engine.add_request`), all in one inbox message, so the engine thread admits them in the
-        same drain and they prefill together. `each`: instead of `interventions`, one list per prompt (the cells
-        of an activation-patching sweep); `background`: they yield to other requests (model/engine/scheduler.py). All or nothing: ValueError (an invalid prompt), QueueFullError (the
-        waiting queue is full) or EngineDeadError, and then none is queued. Returns one stream of outputs per
+                           options: RequestOptions | list[RequestOptions] = PLAIN) -> list["RequestStream"]:
+        """Submit several prompts (request id, token ids) with the same sampling, all in one inbox message, so the
+        engine thread admits them in the same drain and they prefill together. `options` (what each carries beside
+        prompt and sampling, model/engine/request_options.py): one for every prompt, or a list of one per prompt
+        (the cells of an activation-patching sweep). All or nothing: ValueError (an invalid prompt), QueueFullError
+        (the waiting queue is full) or EngineDeadError, and then none is queued. Returns one stream of outputs per
         prompt; closing a stream early aborts its request and frees its blocks."""
+        each = options if isinstance(options, list) else [options] * len(prompts)
+        if len(each) != len(prompts):
+            raise ValueError(f"options: {len(each)} for {len(prompts)} prompts")
         loop = asyncio.get_running_loop()
         submitted: asyncio.Future = loop.create_future()  # resolved by the engine thread: None or an exception
         streams = [RequestStream(self, rid, params.n, loop) for rid, _ in prompts]
@@ -119,10 +146,7 @@ class AsyncEngine:
             self._num_pending += n
             for stream in streams:
                 self._streams[stream.request_id] = (loop, stream.queue)
-        if each is not None and len(each) != len(prompts):
-            raise ValueError(f"each: {len(each)} intervention lists for {len(prompts)} prompts")
-        extras = (each if each is not None else [interventions] * len(prompts), hidden_states, background)
-        self._inbox.put(("add", ([(rid, list(ids)) for rid, ids in prompts], params, extras, submitted)))
+        self._inbox.put(_Submit([(rid, list(ids)) for rid, ids in prompts], params, each, submitted))
         self._wake.set()
         try:
             await submitted  # re-raises the engine's ValueError / QueueFullError here
@@ -131,6 +155,21 @@ class AsyncEngine:
                 stream.close()
             raise
         return streams
+
+    @property
+    def max_model_len(self) -> int:
+        """The longest prompt + max_tokens the engine serves (the model's context, clamped to the KV pool)."""
+        return self.engine.max_model_len
+
+    def check_window(self, window: KVWindow) -> None:
+        """ValueError unless the engine can serve this sink + window cache (`Engine.check_window`: reads only its
+        fixed configuration, so any thread may ask)."""
+        self.engine.check_window(window)
+
+    def compile_structured(self, spec: StructuredOutputSpec) -> None:
+        """Compile a request's grammar into the engine's cache, so the engine thread finds it there (the compiler
+        and its cache are thread-safe: call it on a worker thread). ValueError when the grammar engine refuses it."""
+        self.engine.structured.compile(spec)
 
     async def generate(
         self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None
@@ -161,7 +200,7 @@ class AsyncEngine:
             self._num_jobs += 1
         loop = asyncio.get_running_loop()
         queued = _QueuedJob(job, loop, loop.create_future())
-        self._inbox.put(("job", queued))
+        self._inbox.put(queued)
         self._wake.set()
         try:
             await queued.done
@@ -171,13 +210,13 @@ class AsyncEngine:
                 self._num_jobs -= 1
 
     def abort(self, request_id: str) -> None:
-        self._inbox.put(("abort", request_id))
+        self._inbox.put(_Abort(request_id))
         self._wake.set()
 
     def abort_all(self, error: str) -> None:
         """End every request in the engine now (graceful shutdown's deadline): each open choice finishes with
         finish_reason "abort" and `error`, so its stream ends cleanly instead of being cut."""
-        self._inbox.put(("abort_all", error))
+        self._inbox.put(_AbortAll(error))
         self._wake.set()
 
     # ---- engine thread ------------------------------------------------------------------------------------
@@ -240,13 +279,13 @@ class AsyncEngine:
             _call_soon(loop, stream.put_nowait, EngineDeadError(reason))
         while True:
             try:
-                kind, payload = self._inbox.get_nowait()
+                message = self._inbox.get_nowait()
             except queue.Empty:
                 break
-            if kind == "add":
-                _call_soon(payload[-1].get_loop(), _resolve, payload[-1], EngineDeadError(reason))
-            elif kind == "job":
-                self._jobs.append(payload)
+            if isinstance(message, _Submit):
+                _call_soon(message.submitted.get_loop(), _resolve, message.submitted, EngineDeadError(reason))
+            elif isinstance(message, _QueuedJob):
+                self._jobs.append(message)
         for queued in self._jobs:
             _call_soon(queued.loop, _resolve, queued.done, EngineDeadError(reason))
         self._jobs.clear()
@@ -255,39 +294,41 @@ class AsyncEngine:
         drained = False
         while True:
             try:
-                kind, payload = self._inbox.get_nowait()
+                message = self._inbox.get_nowait()
             except queue.Empty:
                 if drained:
                     self.stats = self.engine.stats()
                 return
             drained = True
-            if kind == "add":
-                prompts, params, (each, hidden_states, background), submitted = payload
-                added: list[str] = []
-                result: BaseException | None = None
-                try:
-                    for (request_id, prompt), interventions in zip(prompts, each):
-                        self.engine.add_request(request_id, prompt, params, interventions, hidden_states, background)
-                        added.append(request_id)
-                except (ValueError, QueueFullError) as e:  # all or nothing: the caller sees one refusal
-                    result = e
-                    for request_id in added:
-                        self.engine.abort(request_id)
-                with self._lock:
-                    self._num_pending -= params.n * len(prompts)
-                    gone = [rid for rid in added if rid not in self._streams]
-                _call_soon(submitted.get_loop(), _resolve, submitted, result)
-                for request_id in gone:  # the client left before we got to it
-                    self.engine.abort(request_id)
-            elif kind == "abort":
-                self._dispatch(self.engine.abort(payload))
-            elif kind == "abort_all":
+            if isinstance(message, _Submit):
+                self._submit(message)
+            elif isinstance(message, _Abort):
+                self._dispatch(self.engine.abort(message.request_id))
+            elif isinstance(message, _AbortAll):
                 outs = [out for rid in list(self.engine.requests) for out in self.engine.abort(rid)]
                 for out in outs:
-                    out.error = payload
+                    out.error = message.error
                 self._dispatch(outs)
-            elif kind == "job":
-                self._jobs.append(payload)
+            else:
+                self._jobs.append(message)
+
+    def _submit(self, message: _Submit) -> None:
+        added: list[str] = []
+        result: BaseException | None = None
+        try:
+            for (request_id, prompt), options in zip(message.prompts, message.options):
+                self.engine.add_request(request_id, prompt, message.params, options)
+                added.append(request_id)
+        except (ValueError, QueueFullError) as e:  # all or nothing: the caller sees one refusal
+            result = e
+            for request_id in added:
+                self.engine.abort(request_id)
+        with self._lock:
+            self._num_pending -= message.params.n * len(message.prompts)
+            gone = [rid for rid in added if rid not in self._streams]
+        _call_soon(message.submitted.get_loop(), _resolve, message.submitted, result)
+        for request_id in gone:  # the client left before we got to it
+            self.engine.abort(request_id)
 
     def _advance_job(self) -> bool:
         """One step of the oldest job; False when there was none to run."""

@@ -30,6 +30,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from model.engine.forward_context import ForwardContext
 from model.engine.graph_edits import GraphEdits
 from model.engine.input_batch import InputBuffers, StepBatch
 from model.engine.paged_cache import AttentionMetadata, PagedKVCache
@@ -44,28 +45,6 @@ BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 def buckets(max_num_seqs: int) -> list[int]:
     """The batch sizes graphs are captured for: every bucket below max_num_seqs and the first at or above it."""
     return [b for b in BUCKETS if b < max_num_seqs] + [next((b for b in BUCKETS if b >= max_num_seqs), max_num_seqs)]
-
-
-class _StaticContext:
-    """The attention context the captured forward sees: the cache's pools, the static buffers' metadata, and for the
-    edited variant the static interventions (graph_edits.py)."""
-
-    def __init__(self, cache: PagedKVCache, meta: AttentionMetadata, edits: GraphEdits | None = None) -> None:
-        self.cache, self.meta, self.edits = cache, meta, edits
-
-    def begin_forward(self, positions: Tensor) -> None:
-        pass
-
-    def edit(self, layer: int, site: str, x: Tensor) -> Tensor:
-        return x if self.edits is None else self.edits.apply(layer, site, x)
-
-    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        """q (1, B, H, E), k/v (1, B, K, E) -> (1, B, H, E), writing k/v into their slots first."""
-        k_pool, v_pool, m = self.cache.k[layer], self.cache.v[layer], self.meta  # (NB, bs, K, E)
-        ops.paged_write(k[0], v[0], k_pool, v_pool, m.slot_mapping)
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        ops.decode_attention(q[0], k_pool, v_pool, m.decode_rows, m.decode_tables, m.decode_lens, out[0])
-        return out
 
 
 class CudaGraphs:
@@ -98,13 +77,13 @@ class CudaGraphs:
             return backend == "triton"
         return mode == "eager" and backend == "native"
 
-    def accepts(self, batch: StepBatch) -> bool:
+    def accepts(self, batch: StepBatch, ctx: ForwardContext) -> bool:
         """A pure decode step: one new token per sequence (not prefill rows that attend over the pool one by one,
         `PagedKVCache.paged_prefill`), within the largest bucket."""
         n = batch.meta.num_tokens
         edited = batch.edits is not None
         # graphs are captured without attention telemetry: a step recording it runs another path instead
-        return (batch.meta.pure_decode and len(batch.slices) == n and batch.meta.telemetry is None
+        return (batch.meta.pure_decode and len(batch.slices) == n and ctx.telemetry is None
                 and 0 < n <= self.buckets[-1] and (self._bucket(n), edited) not in self.failed
                 and (not edited or (self.edits.fits(batch.edits) and not batch.edits.reads_sub_blocks)))
 
@@ -162,7 +141,9 @@ class CudaGraphs:
 
     def _forward(self, b: int, edited: bool = False) -> Tensor:  # -> (1, b, V)
         tokens, positions, meta = self._static(b)
-        return self.model(tokens, positions, _StaticContext(self.cache, meta, self.edits if edited else None))
+        # the captured step's context: the static buffers' metadata, and the static interventions when edited
+        ctx = ForwardContext(self.cache, meta, [], self.edits if edited else None)
+        return self.model(tokens, positions, ctx)
 
     def _capture(self, b: int, edited: bool = False) -> None:
         key = (b, edited)

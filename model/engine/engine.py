@@ -21,11 +21,13 @@ from model.engine.model_runner import ModelRunner, RunnerOutput
 from model.engine.output_processor import OutputProcessor, RequestOutput
 from model.engine.paged_cache import PagedKVCache, kv_config
 from model.engine.request import FinishReason, Request, Sequence, SequenceStatus
+from model.engine.request_options import PLAIN, RequestOptions
 from model.engine.sampler import Sampler
 from model.engine.sampling_params import SamplingParams
 from model.engine.scheduler import QueueFullError, ScheduledSeq, Scheduler, SchedulerConfig
+from model.engine.sequence_state import SamplingState
 from model.engine.structured import StructuredOutputs
-from model.interventions import HiddenStateRead, Intervention, InterventionPlan
+from model.interventions import InterventionPlan
 from model.text.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -43,6 +45,9 @@ class FatalEngineError(RuntimeError):
 
 @dataclass
 class EngineConfig:
+    """The engine's capacity and paths. Each default is written here only: the server's Settings take theirs from
+    these fields (service/config.py), and `Settings.engine_config()` builds this from them."""
+
     block_size: int = 16
     kv_cache_bytes: int = 1 << 30  # the block pool's budget; num_blocks, when set, wins
     num_blocks: int | None = None
@@ -129,12 +134,10 @@ class Engine:
     # ---- requests ---------------------------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    interventions: list[Intervention] | None = None, hidden_states: HiddenStateRead | None = None,
-                    background: bool = False) -> Request:
+                    options: RequestOptions = PLAIN) -> Request:
         """Queue a request. ValueError for an invalid one, QueueFullError when the waiting queue is full.
-        `interventions`: edits of the residual stream for this request's rows only (model/interventions.py);
-        `hidden_states`: the block outputs to return with its tokens; `background`: it yields to other requests
-        (model/engine/scheduler.py)."""
+        `options`: what it carries beside prompt and sampling (interventions, hidden-state reads, telemetry, a
+        kv window, a grammar, background priority: model/engine/request_options.py)."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         if not prompt_token_ids:
@@ -143,28 +146,29 @@ class Engine:
         if any(not 0 <= t < V for t in prompt_token_ids):
             raise ValueError(f"prompt token ids must be in [0, {V})")
         params.validate(V, self.config.max_logprobs)
-        self._check_extensions(params)
+        c = self.model.config
+        options.validate(c.n_layers)
+        self._check_extensions(options)
         P, total = len(prompt_token_ids), len(prompt_token_ids) + params.max_tokens
-        if total > self.max_model_len and params.kv_window is None:  # a window's cache stays within the context
+        if total > self.max_model_len and options.kv_window is None:  # a window's cache stays within the context
             raise ValueError(
                 f"prompt ({P} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds the context length of {self.max_model_len}"
             )
-        c = self.model.config
-        plan = InterventionPlan(interventions, P, c.n_layers, c.dim) if interventions else None
-        if hidden_states is not None:
-            hidden_states.validate(c.n_layers)
+        plan = InterventionPlan(list(options.interventions), P, c.n_layers, c.dim) if options.interventions else None
         # n > 1 choices share the first one's cached prompt blocks; windowed choices own theirs (kv_cache_manager.py)
-        share_prefix = params.n > 1 and self.config.enable_prefix_caching and params.kv_window is None
+        share_prefix = params.n > 1 and self.config.enable_prefix_caching and options.kv_window is None
         self.scheduler.check_capacity(1 if share_prefix else params.n)
         # [structured outputs] compiled once per request (a cache hit when the service compiled it already)
-        grammar = self.structured.compile(params.structured) if params.structured is not None else None
-        req = Request(request_id, list(prompt_token_ids), params, interventions=plan, hidden_states=hidden_states,
-                      background=background)
+        grammar = self.structured.compile(options.structured) if options.structured is not None else None
+        req = Request(request_id, list(prompt_token_ids), params, options=options, interventions=plan)
         for i in range(params.n):
             seq = Sequence(self._next_seq_id, req, i, req.prompt_token_ids)
             self._next_seq_id += 1
-            seq.state = self.output.new_state(params, i)
-            seq.state.grammar = grammar.new_state() if grammar is not None else None  # [structured outputs]
+            seq.sampling = SamplingState(
+                generator=params.make_generator(self.model.device, offset=i),  # choice i of a seeded request: seed + i
+                stop_ids=frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.tokenizer.stop_ids),
+                grammar=grammar.new_state() if grammar is not None else None)  # [structured outputs]
+            seq.output = self.output.new_state(params)
             req.seqs.append(seq)
         self.requests[request_id] = req
         self.scheduler.add(req.seqs[0])
@@ -184,11 +188,11 @@ class Engine:
             raise ValueError(f"kv_window: sink_tokens ({w.sink_tokens}) + window ({w.window}) + block_size "
                              f"({self.config.block_size}) = {need} exceeds the context length of {self.max_model_len}")
 
-    def _check_extensions(self, params: SamplingParams) -> None:
+    def _check_extensions(self, options: RequestOptions) -> None:
         """ValueError for a kv_window or telemetry this engine cannot serve."""
-        if params.kv_window is not None:
-            self.check_window(params.kv_window)
-        if params.telemetry is not None and self.distributed:
+        if options.kv_window is not None:
+            self.check_window(options.kv_window)
+        if options.telemetry is not None and self.distributed:
             raise ValueError("attention telemetry is not supported with tensor parallelism")
 
     def abort(self, request_id: str) -> list[RequestOutput]:

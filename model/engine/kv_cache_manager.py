@@ -1,6 +1,6 @@
 """Paged KV-cache bookkeeping (torch-free): the block pool, per-sequence block tables, prefix caching.
 
-The K/V tensors themselves live in `paged_kv_cache.PagedKVCache`; this decides which block ids hold what.
+The K/V tensors themselves live in `model.engine.paged_cache.PagedKVCache`; this decides which block ids hold what.
 Design after vLLM (Kwon et al. 2023, "Efficient Memory Management for LLM Serving with PagedAttention", and
 `vllm/v1/core/kv_cache_manager.py` / `block_pool.py`):
 

@@ -29,6 +29,7 @@ from torch import Tensor
 
 from model.edits import EditTables, Segment, gather_reads
 from model.engine.cuda_graphs import CudaGraphs, buckets
+from model.engine.forward_context import ForwardContext
 from model.engine.input_batch import InputBuffers, StepBatch
 from model.engine.native_decode import NativeDecode
 from model.engine.paged_cache import PagedKVCache
@@ -86,14 +87,15 @@ class ModelRunner:
         if any(s.seq.request.interventions is not None or s.seq.request.hidden_states is not None for s in scheduled):
             batch.edits, layouts = self.tables.build(_segments(scheduled, batch))
         tel = step_telemetry(scheduled, batch.slices, batch.sample, self.model, self.cache.device, paged_prefill)
-        batch.meta.telemetry = tel  # None unless a sampled sequence asked: then nothing below changes
+        # the step as every path reads it; telemetry None unless a sampled sequence asked: then nothing changes
+        ctx = ForwardContext(self.cache, batch.meta, batch.slices, batch.edits, tel)
         # [structured outputs] the sampling rows' grammar masks, filled on a worker thread during the forward
         masks = self.structured.start_masks([
-            (seq.state.grammar, seq.output_token_ids, seq.request.params.max_tokens - len(seq.output_token_ids))
+            (seq.sampling.grammar, seq.output_token_ids, seq.request.params.max_tokens - len(seq.output_token_ids))
             for seq, _ in batch.sample]) if self.structured is not None else None
-        path = self._choose(batch)
+        path = self._choose(batch, ctx)
         with tel.hidden_hooks(self.model) if tel is not None and path == "module" else contextlib.nullcontext():
-            logits = self._forward(path, batch).float()  # (M, V): the batch's logits rows
+            logits = self._forward(path, batch, ctx).float()  # (M, V): the batch's logits rows
         self.path_counts[path] += 1
         out = RunnerOutput(path, telemetry=tel.results() if tel is not None else {})
         if batch.edits is not None:
@@ -106,8 +108,8 @@ class ModelRunner:
             out.prompt_logprobs.append(
                 (p.seq, prompt_logprobs(logits[p.row : p.row + p.count], targets, p.seq.request.params.prompt_logprobs)))
         if batch.sample:
-            rows = [SamplingRow(seq.request.params, seq.prompt_token_ids, seq.output_token_ids, seq.state.generator,
-                                seq.state.stop_ids) for seq, _ in batch.sample]
+            rows = [SamplingRow(seq.request.params, seq.prompt_token_ids, seq.output_token_ids, seq.sampling.generator,
+                                seq.sampling.stop_ids) for seq, _ in batch.sample]
             # without prompt-logprob rows, the logits rows are the sampling rows in order
             picked = _rows(logits, [r for _, r in batch.sample],
                            identity=not batch.prompt_logprobs and logits.shape[0] == len(batch.sample))
@@ -115,20 +117,19 @@ class ModelRunner:
             out.sampled = [(seq, t, lp) for (seq, _), t, lp in zip(batch.sample, sampled.token_ids, sampled.logprobs)]
         return out
 
-    def _choose(self, batch: StepBatch) -> str:
-        if self.graphs is not None and self.graphs.accepts(batch):
+    def _choose(self, batch: StepBatch, ctx: ForwardContext) -> str:
+        if self.graphs is not None and self.graphs.accepts(batch, ctx):
             return "cuda_graph"
-        if self.native is not None and self.native.accepts(batch, self.cache):
+        if self.native is not None and self.native.accepts(ctx):
             return "native"
         return "module"
 
-    def _forward(self, path: str, batch: StepBatch) -> Tensor:
+    def _forward(self, path: str, batch: StepBatch, ctx: ForwardContext) -> Tensor:
         if path == "cuda_graph":
             return _rows(self.graphs.run(batch), batch.logits_rows, identity=not batch.prompt_logprobs)  # (M, V)
         if path == "native":
-            return self.native.run(batch, self.cache)
-        self.cache.set_step(batch.slices, batch.meta, batch.edits)
-        return self.model(batch.tokens[None], batch.positions[None], self.cache, logits_indices=batch.logits_rows)[0]
+            return self.native.run(batch, ctx)
+        return self.model(batch.tokens[None], batch.positions[None], ctx, logits_indices=batch.logits_rows)[0]
 
 
 def _segments(scheduled: list[ScheduledSeq], batch: StepBatch) -> list[Segment]:
@@ -151,7 +152,7 @@ def _prompt_positions(seq: Sequence, start: int, n: int) -> tuple[int, int] | No
     """The prompt positions this chunk scores for prompt logprobs: (first, count), or None. Logits at position j
     score prompt token j + 1; positions scored before a preemption are skipped (and the scheduler never lets the
     prefix cache skip past the ones not scored yet)."""
-    state = seq.state
+    state = seq.output
     if state.prompt_logprobs is None or len(state.prompt_logprobs) >= seq.num_prompt_tokens:
         return None
     assert start <= seq.num_scored_prompt_positions, "prompt logprobs would skip positions"

@@ -14,7 +14,8 @@ from torch import Tensor, nn
 
 from model import kernels
 from model.engine.input_batch import StepBatch
-from model.engine.paged_cache import PagedKVCache, kv_config
+from model.engine.forward_context import ForwardContext
+from model.engine.paged_cache import kv_config
 from model.quantize import QuantLinear
 from model.transformer import Transformer
 
@@ -55,22 +56,22 @@ class NativeDecode:
             layers.append(entry)
         return cls(model, layers)
 
-    def accepts(self, batch: StepBatch, cache: PagedKVCache) -> bool:
+    def accepts(self, ctx: ForwardContext) -> bool:
         """A step whose every row attends over the paged pool (decode rows; prefill rows too where the cache does
         `paged_prefill`), over a cache of the model's dtype, with the kernels on."""
-        meta = batch.meta
-        return (meta.pure_decode and meta.decode_rows.numel() == meta.num_tokens and cache.k.dtype == self.model.dtype
-                and kernels.native() is not None)
+        meta = ctx.meta
+        return (meta.pure_decode and meta.decode_rows.numel() == meta.num_tokens
+                and ctx.cache.k.dtype == self.model.dtype and kernels.native() is not None)
 
-    def run(self, batch: StepBatch, cache: PagedKVCache) -> Tensor:
+    def run(self, batch: StepBatch, ctx: ForwardContext) -> Tensor:
         """-> logits (M, V) at the batch's logits rows."""
-        m, meta, E = self.model, batch.meta, self.E
+        m, meta, cache, E = self.model, ctx.meta, ctx.cache, self.E
         h, cos, sin = m.embed(batch.tokens[None], batch.positions[None])  # (1, N, D), (1, N, 1, E) x 2
         h = kernels.native().decode_layers(
             h[0], self.layers, self.eps, cos.view(-1, E), sin.view(-1, E), cache.k, cache.v, meta.slot_mapping,
             meta.decode_rows, meta.decode_tables, meta.decode_lens, self.H, self.K, E,
-            batch.edits.tensors() if batch.edits is not None else [],
-            meta.telemetry.native_args() if meta.telemetry is not None else [],
+            ctx.edits.tensors() if ctx.edits is not None else [],
+            ctx.telemetry.native_args() if ctx.telemetry is not None else [],
         )  # (N, D); the rows' interventions applied inside the block loop, their reads and telemetry taken
         # logits rows are distinct and in order: as many as the rows means every row (a decode step), no gather
         every = batch.logits_rows.numel() == batch.tokens.numel()

@@ -7,7 +7,6 @@ It decides when a sequence ends and why; the engine then takes it out of the sch
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -15,12 +14,11 @@ from model.engine.request import FinishReason, Sequence
 from model.engine.sampler import TokenLogprobs
 from model.engine.sampling_params import SamplingParams
 from model.engine.telemetry import TokenTelemetry
+from model.engine.sequence_state import OutputState
 from model.text.detokenizer import IncrementalDetokenizer
 from model.text.stop_strings import StopStringMatcher
 from model.text.tokenizer import Tokenizer
 
-if TYPE_CHECKING:
-    from model.engine.structured.compiler import SequenceGrammar
 
 
 @dataclass
@@ -57,24 +55,6 @@ class HiddenStates:
 
 
 @dataclass
-class SequenceState:
-    """One choice's state beside its tokens: the streaming detokenizer, stop-string matcher, seeded generator,
-    the ids that end it, and its prompt logprobs so far (`Sequence.state`)."""
-
-    detok: IncrementalDetokenizer
-    stops: StopStringMatcher
-    generator: torch.Generator | None
-    # ids that end this choice (min_tokens aside): its stop_token_ids, plus the checkpoint's EOS set unless
-    # ignore_eos; fixed for the request's life, so built once rather than per generated token
-    stop_ids: frozenset[int]
-    prompt_logprobs: list[TokenLogprobs | None] | None  # [None] for token 0, then one per scored prompt token
-    prompt_logprobs_sent: bool = False
-    # hidden states read and not yet delivered (prompt positions wait for the first token's delta)
-    pending_hidden: list[tuple[list[int], torch.Tensor]] = field(default_factory=list)
-    grammar: SequenceGrammar | None = None  # structured outputs: its grammar's state, set by Engine.add_request
-
-
-@dataclass
 class Finish:
     reason: FinishReason
     stop_reason: int | str | None = None
@@ -84,25 +64,23 @@ class OutputProcessor:
     def __init__(self, tokenizer: Tokenizer, device: torch.device, max_model_len: int) -> None:
         self.tokenizer, self.device, self.max_model_len = tokenizer, device, max_model_len
 
-    def new_state(self, params: SamplingParams, index: int) -> SequenceState:
-        return SequenceState(
+    def new_state(self, params: SamplingParams) -> OutputState:
+        return OutputState(
             detok=IncrementalDetokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens),
             stops=StopStringMatcher(params.stop),
-            generator=params.make_generator(self.device, offset=index),  # choice i of a seeded request: seed + i
-            stop_ids=frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.tokenizer.stop_ids),
             prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
         )
 
     def add_prompt_logprobs(self, seq: Sequence, logprobs: list[TokenLogprobs]) -> None:
-        seq.state.prompt_logprobs += logprobs
-        seq.num_scored_prompt_positions = len(seq.state.prompt_logprobs) - 1
+        seq.output.prompt_logprobs += logprobs
+        seq.num_scored_prompt_positions = len(seq.output.prompt_logprobs) - 1
 
     def add_hidden_states(self, seq: Sequence, positions: list[int], values: torch.Tensor) -> None:
-        seq.state.pending_hidden.append((positions, values))
+        seq.output.pending_hidden.append((positions, values))
 
     def append(self, seq: Sequence, token: int, lp: TokenLogprobs | None) -> tuple[RequestOutput, Finish | None]:
         """Append a sampled token: the output delta, and how the sequence ends if it does."""
-        p, state = seq.request.params, seq.state
+        p, state, sampling = seq.request.params, seq.output, seq.sampling
         seq.output_token_ids.append(token)
         out = self.output(seq)
         out.token_ids = [token]
@@ -114,15 +92,15 @@ class OutputProcessor:
             state.pending_hidden = []
         n_out = len(seq.output_token_ids)
         may_stop = n_out >= p.min_tokens  # neither stop tokens nor stop strings end it before min_tokens
-        if may_stop and token in state.stop_ids:
+        if may_stop and token in sampling.stop_ids:
             # The stop token's own text is not part of the completion (OpenAI / vLLM); text held back as a
             # possible stop-string start turned out not to be one.
             out.text = state.stops.flush()
             return out, Finish(FinishReason.STOP, token if token in p.stop_token_ids else None)
         # [structured outputs] advance the grammar; a complete grammar ends the choice like a stop (min_tokens aside)
-        grammar_done = state.grammar is not None and state.grammar.accept(token)
+        grammar_done = sampling.grammar is not None and sampling.grammar.accept(token)
         # a windowed sequence's cache stays within the context however long it runs: only max_tokens ends it
-        ending = grammar_done or n_out >= p.max_tokens or (seq.num_tokens >= self.max_model_len and p.kv_window is None)
+        ending = grammar_done or n_out >= p.max_tokens or (seq.num_tokens >= self.max_model_len and seq.window is None)
         delta = state.detok.feed(token) + (state.detok.flush() if ending else "")
         if may_stop:
             out.text, matched = state.stops.feed(delta)
@@ -133,13 +111,13 @@ class OutputProcessor:
         if ending:
             out.text += state.stops.flush()
             # a reply closed because max_tokens was near (structured/closing.py) ends with "length", not "stop"
-            done = grammar_done and not state.grammar.closing
+            done = grammar_done and not sampling.grammar.closing
             return out, Finish(FinishReason.STOP if done else FinishReason.LENGTH)
         return out, None
 
     def output(self, seq: Sequence) -> RequestOutput:
         """A delta with the sequence's counts (and its prompt logprobs, the first time); tokens and text empty."""
-        state = seq.state
+        state = seq.output
         out = RequestOutput(
             seq.request.request_id, seq.index,
             num_prompt_tokens=seq.num_prompt_tokens,

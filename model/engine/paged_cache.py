@@ -1,4 +1,4 @@
-"""The engine's KV cache: a pool of fixed-size blocks per layer, and attention over a ragged batch through it.
+"""The engine's KV cache: a pool of fixed-size blocks per layer, and how a ragged batch attends through it.
 
 Memory follows the tokens held: a sequence of L tokens owns ceil(L / block_size) blocks, listed in its block
 table (PagedAttention, Kwon et al. 2023). One engine step packs every scheduled sequence's new tokens into one
@@ -14,25 +14,20 @@ row (B = 1, T = N total tokens) so the linear layers run once over all of them; 
   preemption, so its K/V in later layers, and every token after it, do not depend on the step (batch invariance).
 
 The model runner (model/engine/model_runner.py) builds each step's `AttentionMetadata` once, from its persistent
-buffers; every layer's `attend` reads it.
+buffers, into the step's `ForwardContext` (model/engine/forward_context.py), whose `attend` every layer calls.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from model import huge_pages
-from model.attention import sdpa
 from model.config import ModelConfig
-from model.edits import StepEdits
 from model.kernels import ops
 
-if TYPE_CHECKING:
-    from model.engine.telemetry import StepTelemetry
 
 
 @dataclass
@@ -70,7 +65,6 @@ class AttentionMetadata:
     decode_tables: Tensor  # (R, W) their block tables (padding past a row's blocks is never read)
     decode_lens: Tensor  # (R,) their context lengths (position + 1)
     prefills: list[PrefillChunk] = field(default_factory=list)
-    telemetry: StepTelemetry | None = None  # rows recording attention telemetry this step (model/engine/telemetry.py)
 
     @property
     def num_tokens(self) -> int:
@@ -116,6 +110,8 @@ def kv_config(model):
 
 
 class PagedKVCache:
+    """The pools: K and V of every layer, (L, NB, bs, K, E) each. A step's view of them is its ForwardContext."""
+
     def __init__(self, kv: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device | str) -> None:
         """`kv`: the config whose layers and KV heads the pool holds (`kv_config`: a tensor-parallel rank's share)."""
         shape = (kv.n_layers, num_blocks, block_size, kv.n_kv_heads, kv.head_dim)  # (L, NB, bs, K, E)
@@ -126,9 +122,6 @@ class PagedKVCache:
         self.k, self.v = zeros(), zeros()
         self.num_blocks, self.block_size = num_blocks, block_size
         self.device = torch.device(device)
-        self.meta: AttentionMetadata | None = None
-        self.step_seqs: list[SeqSlice] = []  # what tensor-parallel ranks rebuild the same metadata from
-        self.edits: StepEdits | None = None  # the step's interventions (model/edits.py), applied by `edit`
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, num_blocks: int, block_size: int) -> "PagedKVCache":
@@ -148,40 +141,3 @@ class PagedKVCache:
     def paged_prefill(self) -> bool:
         """Prefill rows attend over the pool one by one too (module doc): where the native kernel runs."""
         return ops.decode_attention_backend(self.k[0, 0, 0], self.k[0]) == "native"
-
-    def set_step(self, seqs: list[SeqSlice], meta: AttentionMetadata | None = None, edits: StepEdits | None = None) -> None:
-        """This step's sequences and metadata (built once, by the runner from its buffers, or here from `seqs`);
-        every layer's `attend` reads it. `edits`: the step's interventions over its packed rows (None: none)."""
-        self.meta = meta if meta is not None else AttentionMetadata.from_slices(seqs, self.block_size, self.device,
-                                                                                self.paged_prefill)
-        self.step_seqs = seqs
-        self.edits = edits
-
-    def begin_forward(self, positions: Tensor) -> None:
-        if positions.shape != (1, self.meta.num_tokens):
-            raise ValueError(f"paged forward expects positions (1, {self.meta.num_tokens}) as set_step said, got {tuple(positions.shape)}")
-
-    def edit(self, layer: int, site: str, x: Tensor) -> Tensor:
-        """x (1, N, D): each packed row gets its own sequence's edits at (layer, site); rows without any are untouched."""
-        return x if self.edits is None else self.edits.apply(layer, site, x)
-
-    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        """q (1, N, H, E), k/v (1, N, K, E) -> (1, N, H, E); writes k/v into their slots first."""
-        meta, K, E = self.meta, k.shape[2], k.shape[3]
-        k_pool, v_pool = self.k[layer], self.v[layer]  # (NB, bs, K, E)
-        ops.paged_write(k[0], v[0], k_pool, v_pool, meta.slot_mapping)
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # (1, N, H, E)
-        tel = meta.telemetry
-        ops.decode_attention(q[0], k_pool, v_pool, meta.decode_rows, meta.decode_tables, meta.decode_lens, out[0],
-                             tel.layer(layer) if tel is not None else None)
-        if tel is not None:
-            tel.attend_prefill_rows(layer, q, k_pool, v_pool)
-        for p in meta.prefills:
-            qp = q[:, p.start : p.end]  # (1, n, H, E)
-            if p.blocks is None:
-                out[:, p.start : p.end] = sdpa(qp, k[:, p.start : p.end], v[:, p.start : p.end], is_causal=True)
-            else:
-                kp = k_pool.index_select(0, p.blocks).view(1, -1, K, E)[:, : p.context_len]  # (1, ctx, K, E)
-                vp = v_pool.index_select(0, p.blocks).view(1, -1, K, E)[:, : p.context_len]
-                out[:, p.start : p.end] = sdpa(qp, kp, vp, p.mask)
-        return out

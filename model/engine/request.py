@@ -12,9 +12,11 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from model.engine.request_options import PLAIN, RequestOptions
+
 if TYPE_CHECKING:
     from model.engine.kv_window import KVWindow
-    from model.engine.output_processor import SequenceState
+    from model.engine.sequence_state import OutputState, SamplingState
     from model.engine.sampling_params import SamplingParams
     from model.interventions import HiddenStateRead, InterventionPlan
 
@@ -56,8 +58,10 @@ class Sequence:
     num_read_positions: int = 0
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
-    # the output processor's per-choice state (detokenizer, stop matcher, seeded generator, prompt logprobs)
-    state: SequenceState | None = None
+    # its state beside its tokens (model/engine/sequence_state.py): the sampler's side (seeded generator, stop ids,
+    # grammar) and the output processor's (detokenizer, stop strings, prompt logprobs and hidden states to deliver)
+    sampling: SamplingState | None = None
+    output: OutputState | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -83,7 +87,7 @@ class Sequence:
     @property
     def window(self) -> "KVWindow | None":
         """The request's sink + window cache, or None (the whole sequence stays cached)."""
-        return getattr(self.request.params, "kv_window", None)
+        return self.request.options.kv_window
 
     @property
     def cache_len(self) -> int:
@@ -116,9 +120,13 @@ class Request:
     seqs: list[Sequence] = field(default_factory=list)
     # n > 1: choices after the first wait here until the first's prompt is in the cache, then share its blocks
     pending_siblings: list[Sequence] = field(default_factory=list)
-    interventions: "InterventionPlan | None" = None  # its edits of the residual stream (model/interventions.py)
-    hidden_states: "HiddenStateRead | None" = None  # the block outputs it returns
-    background: bool = False  # yields to other requests in the scheduler (an activation-patching sweep's rows)
+    # everything it carries beside prompt and sampling (model/engine/request_options.py)
+    options: RequestOptions = PLAIN
+    interventions: "InterventionPlan | None" = None  # its options' edits, planned against its prompt
+
+    @property
+    def hidden_states(self) -> "HiddenStateRead | None":
+        return self.options.hidden_states
 
     @property
     def is_finished(self) -> bool:

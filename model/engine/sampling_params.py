@@ -1,19 +1,14 @@
-"""`SamplingParams`: the engine-facing form of an OpenAI request's sampling fields, validated with ranges named."""
+"""`SamplingParams`: the engine-facing form of an OpenAI request's sampling fields, validated with ranges named.
+What a request carries beside its sampling (interventions, reads, telemetry, kv window, grammar) is its
+`RequestOptions` (model/engine/request_options.py)."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
 from numbers import Integral, Real
-from typing import TYPE_CHECKING
 
 import torch
-
-from model.engine.kv_window import KVWindow
-from model.engine.telemetry import TelemetryOptions
-
-if TYPE_CHECKING:  # imported where used: the structured package imports the sampler, which imports this module
-    from model.engine.structured.spec import StructuredOutputSpec
 
 # vLLM's `_SAMPLING_EPS`: temperatures below it are greedy, since dividing by them overflows float32.
 SAMPLING_EPS = 1e-5
@@ -59,13 +54,6 @@ class SamplingParams:
     logprobs: int | None = None  # None: none; k >= 0: the chosen token's logprob and top-k alternatives
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
-    # not sampling, but per sequence all the same: the sink + window KV cache (model/engine/kv_window.py) and the
-    # attention telemetry each sampled token carries (model/engine/telemetry.py)
-    kv_window: KVWindow | None = None
-    telemetry: TelemetryOptions | None = None
-    # Constrained decoding (model/engine/structured/): every token of each choice is sampled from the tokens its
-    # grammar allows, and the choice ends when the grammar is complete
-    structured: StructuredOutputSpec | None = None
     # With logprobs set: each sampled token's TokenLogprobs also carries the raw logprobs of these token ids (the
     # metric of an activation-patching sweep, model/probes/patching.py)
     score_token_ids: tuple[int, ...] = ()
@@ -110,16 +98,6 @@ class SamplingParams:
         for name in ("ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise _bad(name, "a boolean", getattr(self, name))
-        if self.kv_window is not None:
-            self.kv_window.validate()
-        if self.telemetry is not None:
-            self.telemetry.validate()
-        if self.structured is not None:
-            from model.engine.structured.spec import StructuredOutputSpec
-
-            if not isinstance(self.structured, StructuredOutputSpec):
-                raise _bad("structured", "a StructuredOutputSpec or None", self.structured)
-            self.structured.validate()  # its errors name the request field it came from
 
     def make_generator(self, device: torch.device | str, offset: int = 0) -> torch.Generator | None:
         """The per-sequence generator the engine creates once (None when unseeded); it must live on the

@@ -7,7 +7,7 @@ unfinished prefill chunks, oldest first), then waiting ones are admitted while b
 blocks last. When a running sequence cannot get a block, the newest running sequence is preempted: its blocks
 are freed and it goes back to the front of the queue to be recomputed later (vLLM's recompute preemption).
 
-Background sequences (`Request.background`: the rows of an activation-patching sweep) yield to the others, as
+Background sequences (`RequestOptions.background`: the rows of an activation-patching sweep) yield to the others, as
 inspections do (model/engine/async_engine.py): a waiting foreground sequence is admitted before any waiting
 background one, background sequences hold at most half the sequence slots, and while any foreground sequence is
 running or waiting they compute at most `max_background_tokens` tokens a step between them; alone, at most
@@ -32,10 +32,11 @@ class QueueFullError(RuntimeError):
 
 @dataclass
 class SchedulerConfig:
-    max_num_seqs: int = 32  # running sequences at once
-    max_num_batched_tokens: int = 512  # tokens in one step (decode + prefill chunks)
-    max_waiting: int = 256  # queued sequences beyond which submission is refused
-    max_background_tokens: int = 16  # background tokens a step while foreground sequences run or wait
+    # no defaults here: the engine passes its EngineConfig's (model/engine/engine.py), which Settings' are
+    max_num_seqs: int  # running sequences at once
+    max_num_batched_tokens: int  # tokens in one step (decode + prefill chunks)
+    max_waiting: int  # queued sequences beyond which submission is refused
+    max_background_tokens: int  # background tokens a step while foreground sequences run or wait
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting", "max_background_tokens"):
@@ -56,7 +57,7 @@ class SchedulerOutput:
 
 
 def _background(seq: Sequence) -> bool:
-    return seq.request.background
+    return seq.request.options.background
 
 
 class Scheduler:

@@ -32,33 +32,13 @@ from torch import Tensor
 
 from model.kernels import ops
 from model.kernels.attention_telemetry import AttentionTelemetry
+from model.engine.telemetry_options import TelemetryOptions
 
 if TYPE_CHECKING:
     from model.engine.paged_cache import SeqSlice
     from model.engine.request import Sequence
     from model.engine.scheduler import ScheduledSeq
 
-MAX_TOP_K = 32
-
-
-@dataclass(frozen=True)
-class TelemetryOptions:
-    """What a request's tokens carry (`inspect: {"stream": true}` on a streamed completion)."""
-
-    top_k: int = 5  # attended keys per head and layer
-    massive_threshold: float = 100.0  # Sun et al.'s: |x| > 100 ...
-    massive_ratio: float = 1000.0  # ... and |x| >= 1000 x the median |x|
-    massive_top_k: int = 3  # largest |x| listed per layer, flagged or not
-
-    def validate(self) -> None:
-        for name, hi in (("top_k", MAX_TOP_K), ("massive_top_k", 64)):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= hi:
-                raise ValueError(f"telemetry.{name} must be an integer in [1, {hi}], got {v!r}")
-        for name in ("massive_threshold", "massive_ratio"):
-            v = getattr(self, name)
-            if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v <= 0:
-                raise ValueError(f"telemetry.{name} must be a positive finite number, got {v!r}")
 
 
 @dataclass
@@ -97,7 +77,7 @@ class StepTelemetry:
                  device: torch.device, dtype: torch.dtype) -> None:
         self.rows = rows
         Rt, L, H = len(rows), n_layers, n_heads
-        self.k = max(r.seq.request.params.telemetry.top_k for r in rows)
+        self.k = max(r.seq.request.options.telemetry.top_k for r in rows)
         self.sink_tokens = [_sink_tokens(r.seq) for r in rows]
         slot = [-1] * num_decode
         for j, r in enumerate(rows):
@@ -162,9 +142,9 @@ class StepTelemetry:
         # torch.median's lower median (sorted index (D-1)//2) by selection, not a sort: a third of the time, same values
         mid = (mag.shape[-1] - 1) // 2
         median = torch.from_numpy(np.partition(mag.numpy(), mid, axis=-1)[..., mid])  # (L, Rt)
-        m = max(r.seq.request.params.telemetry.massive_top_k for r in rows)
+        m = max(r.seq.request.options.telemetry.massive_top_k for r in rows)
         top = mag.topk(min(m, mag.shape[-1]), dim=-1)
-        opts = [r.seq.request.params.telemetry for r in rows]
+        opts = [r.seq.request.options.telemetry for r in rows]
         if len({(o.massive_threshold, o.massive_ratio) for o in opts}) == 1:  # the usual case: one setting, scalars
             thr, ratio = opts[0].massive_threshold, opts[0].massive_ratio
         else:
@@ -176,7 +156,7 @@ class StepTelemetry:
         sink, prob = self.sink_mass.cpu(), self.top_prob.cpu()
         out = {}
         for j, r in enumerate(rows):
-            o, k = opts[j], r.seq.request.params.telemetry.top_k
+            o, k = opts[j], r.seq.request.options.telemetry.top_k
             out[r.seq] = TokenTelemetry(
                 r.position, self.sink_tokens[j], sink[:, j], pos[:, j, :, :k], prob[:, j, :, :k],
                 top.values[:, j, 0], median[:, j], top.indices[:, j, : o.massive_top_k],
@@ -194,7 +174,7 @@ def step_telemetry(scheduled: list[ScheduledSeq], slices: list[SeqSlice], sample
     """The step's telemetry, or None when no sampled sequence asked for it. `scheduled` and `slices` in step order,
     `sample` the (sequence, logits row) pairs sampled this step. `paged_prefill` (`PagedKVCache.paged_prefill`):
     every row of the step is a decode-kernel row, prefill chunks' last rows included."""
-    asking = {id(seq) for seq, _ in sample if seq.request.params.telemetry is not None}
+    asking = {id(seq) for seq, _ in sample if seq.request.options.telemetry is not None}
     if not asking:
         return None
     rows, r = [], 0

@@ -18,7 +18,7 @@ model/transformer.py; N packed tokens, R decode rows, W block-table width, NB po
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -29,8 +29,25 @@ from model.kernels import attention_telemetry, triton_attention, usable
 from model.kernels import native as native_kernels
 from model.kernels.attention_telemetry import AttentionTelemetry
 
-if TYPE_CHECKING:
-    from model.quantize import QuantLinear
+KERNEL_DTYPE = torch.bfloat16  # activations, scales and zeros as PyTorch's packed CPU kernel takes them fastest
+
+
+class QuantLinear(Protocol):
+    """What these ops read of a weight-only quantized layer (model/quantize.py's modules); a Protocol, so the kernels
+    do not import the modules that call them."""
+
+    out_features: int
+    native_op: str  # the native kernel's name: "int8_linear" / "int4_linear"
+
+    def native_buffers(self) -> list[Tensor] | None: ...
+
+    def kernel_row_limit(self, native: bool) -> float: ...
+
+    def packed_matmul(self, x: Tensor) -> Tensor: ...
+
+    def reference_dequantize(self, dtype: torch.dtype) -> Tensor: ...
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor: ...
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:  # (..., D) -> (..., D)
@@ -85,8 +102,6 @@ def quantized_linear(layer: "QuantLinear", x: Tensor) -> Tensor:
     Native: one kernel for any number of rows (activations rounded to int8 blocks, exact integer block sums,
     llama.cpp's scheme), so a row's result does not depend on how many rows share its step. Without it: PyTorch's
     packed kernel up to the layer's `kernel_row_limit`, else the weight dequantized to float32 and one float32 GEMM."""
-    from model.quantize import KERNEL_DTYPE
-
     native = usable(x) if x.device.type == "cpu" else None
     if native is not None:
         y = getattr(native, layer.native_op)(x.contiguous(), *layer.native_buffers())  # (M, out padded to 8) float32

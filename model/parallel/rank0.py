@@ -27,7 +27,7 @@ from torch import Tensor
 from model.loaders.checkpoint import LoadedModel, default_model_path, load_model
 from model.loaders.errors import CheckpointError
 from model.dtypes import dtype_name
-from model.engine.paged_cache import PagedKVCache
+from model.engine.forward_context import ForwardContext
 from model.parallel.plan import ShardPlan, TPRank, cuda_device, install_row_parallel, parameter_bytes
 from model.parallel.worker import STOP, BlockMsg, CacheSpec, Channel, StepMsg, init_group, run_block, run_step
 from model.transformer import Transformer
@@ -80,31 +80,33 @@ class TPModel:
         return self.plan.tp.world_size
 
     def __call__(
-        self, tokens: Tensor, positions: Tensor | None = None, cache: PagedKVCache | None = None,
+        self, tokens: Tensor, positions: Tensor | None = None, ctx: ForwardContext | None = None,
         logits_indices: Tensor | None = None,
     ) -> Tensor:
-        """As `Transformer.forward`; the cache, if any, must be a `PagedKVCache` (each worker mirrors it)."""
+        """As `Transformer.forward`; the context, if any, must be an engine step's `ForwardContext` (each worker
+        mirrors its cache and rebuilds the same context from its slices and edits)."""
         if self.closed:
             raise RuntimeError("the tensor-parallel workers have been stopped")
         for rank, p in enumerate(self.workers, 1):  # a lost rank fails this step at once rather than in a collective
             if p.poll() is not None:
                 raise RuntimeError(f"tensor-parallel rank {rank} exited (code {p.returncode})")
         spec = None
-        if cache is not None:
-            if not isinstance(cache, PagedKVCache):
-                raise TypeError(f"tensor parallelism serves from a PagedKVCache, not {type(cache).__name__}")
+        if ctx is not None:
+            if not isinstance(ctx, ForwardContext):
+                raise TypeError(f"tensor parallelism serves engine steps (a ForwardContext), not {type(ctx).__name__}")
+            cache = ctx.cache
             if self._cache() is not cache:  # a new engine: the workers build a pool of the same blocks
                 self._generation += 1
                 self._cache = weakref.ref(cache)
                 spec = CacheSpec(self._generation, cache.num_blocks, cache.block_size)
-        edits = cache.edits if cache is not None else None
+        edits = ctx.edits if ctx is not None else None
         msg = StepMsg(tokens.tolist(), positions.tolist() if positions is not None else None,
-                      cache.step_seqs if cache is not None else None, spec,
+                      ctx.slices if ctx is not None else None, spec,
                       edits.without_reads() if edits is not None and edits.has_edits else None)
         self.channel.send(msg)
-        if cache is None:
+        if ctx is None:
             return run_step(self.shard, msg, None, logits_indices)
-        return self.shard(tokens, positions, cache, logits_indices=logits_indices)
+        return self.shard(tokens, positions, ctx, logits_indices=logits_indices)
 
     def memory(self) -> dict[str, int]:
         """Parameter bytes on this rank (the workers' are equal but for an untied output head, which they hold too)."""

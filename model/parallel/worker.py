@@ -4,7 +4,7 @@ One scheduler (rank 0's engine) decides every step. Per step rank 0 broadcasts o
 positions and the step's `SeqSlice`s (start, num_new, context_len, block ids: the paged-cache metadata), the step's
 interventions table when a row has one (model/edits.py: every rank applies the same edits to the residual stream,
 which the row-parallel all-reduces keep equal on all of them), plus, when the engine's cache is new, its size. Every rank then builds the same attention metadata from the same slices
-(`PagedKVCache.set_step`), runs the same forward on its shard of heads and FFN columns (the all-reduces inside keep
+(`ForwardContext.from_slices`), runs the same forward on its shard of heads and FFN columns (the all-reduces inside keep
 them in lockstep), and only rank 0 computes logits and samples: workers ask for no logits rows, so their head
 costs nothing. Aborts, preemptions and prefix reuse are block-table decisions made on rank 0 alone, so they need no
 message: the next step's slices carry their effect.
@@ -35,6 +35,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from model.edits import StepEdits
+from model.engine.forward_context import ForwardContext
 from model.engine.paged_cache import PagedKVCache, SeqSlice
 from model.parallel.plan import ShardPlan, TPRank, cuda_device, install_row_parallel
 from model.transformer import Transformer
@@ -118,8 +119,8 @@ def run_step(model: Transformer, msg: StepMsg, cache: PagedKVCache | None, logit
     tokens = torch.tensor(msg.tokens, device=dev)
     positions = torch.tensor(msg.positions, device=dev) if msg.positions is not None else None
     if msg.slices is not None:
-        cache.set_step(msg.slices, edits=msg.edits)  # the same attention metadata rank 0's runner built
-        return model(tokens, positions, cache, logits_indices=logits_indices)
+        ctx = ForwardContext.from_slices(cache, msg.slices, msg.edits)  # the same metadata rank 0's runner built
+        return model(tokens, positions, ctx, logits_indices=logits_indices)
     return model(tokens, positions, logits_indices=logits_indices)
 
 

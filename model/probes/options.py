@@ -9,6 +9,8 @@ from typing import Literal
 
 from torch import Tensor
 
+from model.massive import MASSIVE_RATIO, MASSIVE_THRESHOLD
+
 AttentionMode = Literal["none", "full", "rows", "topk", "pooled"]
 # What an inspection can report; the default leaves out the two whose size or cost grows with the vocabulary or
 # the width: "prediction" (the next-token distribution at every position: perplexity and the top next tokens)
@@ -22,8 +24,8 @@ class ProbeOptions:
     layers: list[int] | None = None  # 0-indexed blocks to report; None = all
     heads: list[int] | None = None  # 0-indexed query heads to report; None = all
     include: frozenset[str] = DEFAULT_INCLUDES
-    massive_threshold: float = 100.0
-    massive_ratio: float = 1000.0
+    massive_threshold: float = MASSIVE_THRESHOLD  # Sun et al.'s criterion (model/massive.py)
+    massive_ratio: float = MASSIVE_RATIO
     massive_top_k: int = 3  # largest magnitudes listed per layer, flagged or not (the paper's layer-wise figure)
     massive_max_entries: int = 64  # flagged entries listed per layer (the count is always exact)
     mode: AttentionMode = "none"

@@ -23,7 +23,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from service.errors import envelope
 from service.rayserve.call import ReplicaCall
-from service.routes.common import DONE, sse_error
+from service.openai_format import DONE, sse_error
 
 log = logging.getLogger("llamascope.service")
 

@@ -7,7 +7,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from service.errors import APIError, error_response
-from service.routes.chat import render_chat
+from service.prepare import check_token_ids, render_chat
 from service.schemas import DetokenizeRequest, TokenizeRequest
 from service.serving import Serving, serving
 from service.state import ServingState
@@ -57,7 +57,5 @@ async def tokenize(req: TokenizeRequest, state: Serving = Depends(serving)):
 @router.post("/detokenize")
 async def detokenize(req: DetokenizeRequest, state: Serving = Depends(serving)):
     state.check_model(req.model)
-    V = state.config.vocab_size
-    if any(t >= V for t in req.tokens):
-        raise APIError(400, f"token ids must be below the vocabulary size {V}", param="tokens", code="invalid_token")
+    check_token_ids(req.tokens, state, "tokens")
     return JSONResponse({"prompt": state.tokenizer.decode(req.tokens)})

@@ -17,18 +17,17 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import HTMLResponse, Response
 
-from model.engine import EngineDeadError
+from model.engine import RequestOptions, SamplingParams
 from model.interventions import Intervention
-from model.probes import DEFAULT_INCLUDES, ProbeOptions, ProbeRun
-from model.engine import SamplingParams
-from model.engine import QueueFullError
+from model.probes import DEFAULT_INCLUDES, ProbeOptions
 from service import inspect_format as fmt
 from service.errors import APIError
 from service.interventions import to_interventions
-from service.routes.chat import render_chat
-from service.routes.common import now
+from service.prepare import check_inspect_length, check_token_ids, render_chat
+from service.probing import run_probe
+from service.openai_format import now
 from service.runner import RunStats, start, until_disconnect
-from service.schemas import InspectRequest, InspectSummaryOptions
+from service.schemas import InspectRequest
 from service.serving import Serving, serving
 
 router = APIRouter()
@@ -40,23 +39,13 @@ def _sequence(state: Serving, req: InspectRequest) -> list[int]:
     if len(given) != 1:
         raise APIError(400, "give exactly one of prompt, input_ids or messages" + (f" (got {', '.join(given)})" if given else ""),
                        param="prompt", code="invalid_value")
-    tok = state.tokenizer
     if req.messages is not None:
         return render_chat(state, req.messages, req.add_generation_prompt)
-    ids = tok.encode(req.prompt) if req.prompt is not None else list(req.input_ids)
+    ids = state.tokenizer.encode(req.prompt) if req.prompt is not None else list(req.input_ids)
     if not ids:
         raise APIError(400, "prompt must not be empty", param=given[0], code="empty_prompt")
-    V = state.config.vocab_size
-    if any(t >= V for t in ids):
-        raise APIError(400, f"token ids must be below the vocabulary size {V}", param="input_ids", code="invalid_token")
+    check_token_ids(ids, state, "input_ids")
     return ids
-
-
-def check_length(state: Serving, T: int, param: str = "prompt") -> None:
-    limit = state.settings.max_inspect_tokens
-    if T > limit:
-        raise APIError(413, f"inspecting {T} tokens exceeds the limit of {limit} (max_inspect_tokens)",
-                       param=param, code="inspect_too_long")
 
 
 def _options(state: Serving, req: InspectRequest, T: int) -> ProbeOptions:
@@ -104,34 +93,13 @@ def _absolute(positions: list[int] | None, T: int, param: str) -> list[int] | No
     return out
 
 
-async def run_probe(state: Serving, request: Request | None, ids: list[int], opts: ProbeOptions,
-                    interventions: list[Intervention] | None = None, num_prompt_tokens: int | None = None) -> ProbeRun:
-    """Step a ProbeRun on the engine thread to its end; cancelled if the client of `request` leaves (without a
-    request, the caller's own cancellation is the only stop)."""
-    try:
-        run = state.new_probe(ids, opts, interventions, num_prompt_tokens)
-    except ValueError as e:
-        raise APIError(400, str(e), code="invalid_value") from None
-    t0 = time.perf_counter()
-    try:
-        job = state.run_job(run, state.settings.max_inspect_queued)
-        await (until_disconnect(request, job) if request is not None else job)
-    except QueueFullError as e:
-        raise APIError(429, f"server busy: {e}", code="queue_full", headers={"Retry-After": "1"}) from None
-    except EngineDeadError:
-        raise APIError(503, "the engine is not running", code="not_ready") from None
-    state.metrics.inspect_seconds.observe(time.perf_counter() - t0)
-    state.metrics.inspect_tokens.inc(len(ids))
-    return run
-
-
 async def _generate(state: Serving, request: Request, ids: list[int], req: InspectRequest,
                     interventions: list[Intervention] | None) -> dict:
     """The completion to inspect with the prompt (generated under the same interventions): its tokens, text and
     finish reason."""
     params = SamplingParams(max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p, seed=req.seed)
     stats = RunStats("inspect")
-    outputs = await start(state, [ids], params, stats, interventions)
+    outputs = await start(state, [ids], params, stats, RequestOptions(interventions=interventions))
 
     async def collect():
         tokens, text, reason, error = [], "", None, None
@@ -160,7 +128,7 @@ async def inspect(req: InspectRequest, request: Request, state: Serving = Depend
     if len(ids) + req.max_tokens > max_len:
         raise APIError(400, f"prompt ({len(ids)} tokens) + max_tokens ({req.max_tokens}) exceeds the context of {max_len}",
                        param="max_tokens", code="context_length_exceeded")
-    check_length(state, len(ids) + req.max_tokens, "max_tokens" if req.max_tokens else "prompt")
+    check_inspect_length(state, len(ids) + req.max_tokens, "max_tokens" if req.max_tokens else "prompt")
     opts = _options(state, req, len(ids) + req.max_tokens)
     interventions = to_interventions(req.interventions, state.vectors, c.n_layers, c.dim)
     completion = None
@@ -186,23 +154,6 @@ async def inspect(req: InspectRequest, request: Request, state: Serving = Depend
     log.info("inspect tokens=%d mode=%s layers=%d compute_ms=%.0f latency_ms=%.0f bytes=%d", len(sequence), opts.mode,
              len(result.layers), result.compute_ms, (time.perf_counter() - started) * 1e3, len(data))
     return Response(data, media_type="application/json")
-
-
-async def completion_summaries(state: Serving, prompts: list[list[int]], options: bool | InspectSummaryOptions,
-                               interventions: list[Intervention] | None = None) -> list[dict]:
-    """The `inspect` extension of /v1/completions: each prompt's inspection summary (no maps), under the request's
-    interventions. Runs beside the generation as a task the route cancels if the client leaves."""
-    o = options if isinstance(options, InspectSummaryOptions) else InspectSummaryOptions()
-    out = []
-    for i, ids in enumerate(prompts):
-        # the summary covers every block whatever `layers` says; one layer keeps the per-layer part small
-        opts = ProbeOptions(include=frozenset({"massive", "attention"}), massive_threshold=o.massive_threshold,
-                            massive_ratio=o.massive_ratio, layers=[0])
-        result = (await run_probe(state, None, ids, opts, interventions)).result()
-        tokens = fmt.token_list(state.tokenizer, ids)
-        out.append({"prompt_index": i, "summary": fmt.summary(result, tokens, state.config.n_layers),
-                    "compute_ms": round(result.compute_ms, 1)})
-    return out
 
 
 @router.get("/inspect/ui", response_class=HTMLResponse, include_in_schema=False)

@@ -16,14 +16,13 @@ import uuid
 
 from fastapi import APIRouter, Depends, Request
 
-from model.engine import EngineDeadError, QueueFullError, SamplingParams
+from model.engine import RequestOptions, SamplingParams
 from model.interventions import HiddenStateRead, Intervention
 from model.probes.patching import PatchSweep, cell_interventions, grid, metric, normalise
 from service import inspect_format as fmt
 from service.errors import APIError
-from service.routes.chat import render_chat
-from service.routes.common import now
-from service.routes.inspect import check_length
+from service.prepare import check_inspect_length, render_chat
+from service.openai_format import now
 from service.runner import until_disconnect
 from service.schemas import PatchRequest
 from service.serving import Serving, serving
@@ -97,15 +96,8 @@ def _sweep(state: Serving, req: PatchRequest, clean: list[int], corrupted: list[
 async def _run(state: Serving, rid: str, prompts: list[list[int]], params: SamplingParams,
                each: list[list[Intervention] | None], read: HiddenStateRead | None = None) -> list[tuple[list[float], object]]:
     """Submit prompts as background rows; -> per prompt (scored logprobs, hidden states or None)."""
-    try:
-        streams = await state.add_requests([(f"{rid}-{i}", p) for i, p in enumerate(prompts)], params, None, read,
-                                           each=each, background=True)
-    except ValueError as e:
-        raise APIError(400, str(e), code="invalid_request") from None
-    except QueueFullError as e:
-        raise APIError(429, f"server busy: {e}", code="queue_full", headers={"Retry-After": "1"}) from None
-    except EngineDeadError:
-        raise APIError(503, "the engine is not running", code="not_ready") from None
+    options = [RequestOptions(interventions=cell, hidden_states=read, background=True) for cell in each]
+    streams = await state.add_requests([(f"{rid}-{i}", p) for i, p in enumerate(prompts)], params, options)
 
     async def one(stream) -> tuple[list[float], object]:
         scored, hidden, error = None, None, None
@@ -163,7 +155,7 @@ async def patch(req: PatchRequest, request: Request, state: Serving = Depends(se
     started = time.perf_counter()
     clean = _tokens(state, req.clean, req, "clean")
     corrupted = _tokens(state, req.corrupted, req, "corrupted")
-    check_length(state, len(clean), "clean")
+    check_inspect_length(state, len(clean), "clean")
     sweep = _sweep(state, req, clean, corrupted)
     source, target = (clean, corrupted) if sweep.direction == "denoise" else (corrupted, clean)
     result = await until_disconnect(request, sweep_grid(state, sweep, source, target))

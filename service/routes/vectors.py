@@ -14,7 +14,8 @@ from fastapi import APIRouter, Depends, Request
 
 from model.probes import ProbeOptions
 from service.errors import APIError
-from service.routes.inspect import check_length, run_probe
+from service.prepare import check_inspect_length
+from service.probing import run_probe
 from service.schemas import VectorRequest
 from service.serving import Serving, serving
 from service.vectors import StoredVector, contrastive_mean
@@ -57,7 +58,7 @@ async def create_vector(req: VectorRequest, request: Request, state: Serving = D
             ids = tok.encode(text)
             if not ids:
                 raise APIError(400, f"{side}: a prompt encodes to no tokens", param=side, code="empty_prompt")
-            check_length(state, len(ids), side)
+            check_inspect_length(state, len(ids), side)
             T = len(ids)
             opts = ProbeOptions(layers=list(req.layers), include=frozenset({"hidden_states"}),
                                 hidden_positions=[T - 1] if req.position == "last" else None)

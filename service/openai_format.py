@@ -1,4 +1,4 @@
-"""Pieces both generation routes use: SSE framing, logprob formatting, usage, error events."""
+"""OpenAI wire formats the generation routes share: SSE framing, legacy and chat logprobs, usage, error events."""
 
 from __future__ import annotations
 

@@ -1,0 +1,82 @@
+"""`ForwardContext`: one step's forward as every execution path reads it (vLLM's `set_forward_context`, from
+vllm/forward_context.py: the per-step attention metadata beside the model call rather than inside the cache).
+
+The runner builds one per step from its input batch: the cache's pools, the step's attention metadata and slices,
+its edits of the residual stream (interventions and reads, model/edits.py, or the graphs' static copy of them,
+graph_edits.py) and the rows recording attention telemetry. The module path hands it to the model as its attention
+context (model/attention.py: `begin_forward`, `attend`, `edit`); the native path passes its tensors to the fused
+call; the CUDA graphs capture a static one; tensor parallelism sends its slices and edits to the other ranks, which
+rebuild the same context (`from_slices`). Nothing of a step is left on the cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+from torch import Tensor
+
+from model.attention import sdpa
+from model.engine.paged_cache import AttentionMetadata, PagedKVCache, SeqSlice
+from model.kernels import ops
+
+if TYPE_CHECKING:
+    from model.engine.telemetry import StepTelemetry
+
+
+class Edits(Protocol):
+    """A step's edits of the residual stream over its packed rows: `StepEdits` (model/edits.py) or the CUDA graphs'
+    static copy (`GraphEdits`)."""
+
+    def apply(self, layer: int, site: str, x: Tensor) -> Tensor: ...
+
+
+@dataclass
+class ForwardContext:
+    cache: PagedKVCache
+    meta: AttentionMetadata
+    slices: list[SeqSlice]  # the step's sequences as plain data (what tensor-parallel ranks rebuild `meta` from)
+    edits: Edits | None = None
+    telemetry: StepTelemetry | None = None  # rows recording attention telemetry (model/engine/telemetry.py)
+
+    @classmethod
+    def from_slices(cls, cache: PagedKVCache, slices: list[SeqSlice], edits: Edits | None = None) -> "ForwardContext":
+        """The context of a step known by its slices alone (tensor-parallel workers, which follow rank 0's steps, and
+        tests); the runner writes the same metadata into its persistent buffers instead."""
+        meta = AttentionMetadata.from_slices(slices, cache.block_size, cache.device, cache.paged_prefill)
+        return cls(cache, meta, slices, edits)
+
+    # ---- the attention context the model's modules call (model/attention.py) ---------------------------------
+
+    def begin_forward(self, positions: Tensor) -> None:
+        if positions.shape != (1, self.meta.num_tokens):
+            raise ValueError(f"paged forward expects positions (1, {self.meta.num_tokens}) as the step's metadata says, "
+                             f"got {tuple(positions.shape)}")
+
+    def edit(self, layer: int, site: str, x: Tensor) -> Tensor:
+        """x (1, N, D): each packed row gets its own sequence's edits at (layer, site); rows without any are untouched."""
+        return x if self.edits is None else self.edits.apply(layer, site, x)
+
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """q (1, N, H, E), k/v (1, N, K, E) -> (1, N, H, E); writes k/v into their slots first. Rows attending over
+        their block tables go through the decode kernel (recording telemetry where asked); prefill chunks through
+        SDPA over their cached prefix and themselves."""
+        meta, K, E = self.meta, k.shape[2], k.shape[3]
+        k_pool, v_pool = self.cache.k[layer], self.cache.v[layer]  # (NB, bs, K, E)
+        ops.paged_write(k[0], v[0], k_pool, v_pool, meta.slot_mapping)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # (1, N, H, E)
+        tel = self.telemetry
+        ops.decode_attention(q[0], k_pool, v_pool, meta.decode_rows, meta.decode_tables, meta.decode_lens, out[0],
+                             tel.layer(layer) if tel is not None else None)
+        if tel is not None:
+            tel.attend_prefill_rows(layer, q, k_pool, v_pool)
+        for p in meta.prefills:
+            qp = q[:, p.start : p.end]  # (1, n, H, E)
+            if p.blocks is None:
+                out[:, p.start : p.end] = sdpa(qp, k[:, p.start : p.end], v[:, p.start : p.end], is_causal=True)
+            else:
+                kp = k_pool.index_select(0, p.blocks).view(1, -1, K, E)[:, : p.context_len]  # (1, ctx, K, E)
+                vp = v_pool.index_select(0, p.blocks).view(1, -1, K, E)[:, : p.context_len]
+                out[:, p.start : p.end] = sdpa(qp, kp, vp, p.mask)
+        return out

@@ -1,0 +1,62 @@
+"""`RequestOptions`: everything a request carries beside its prompt and its sampling, in one typed record that
+travels unchanged from the route to the runner (`AsyncEngine.add_requests` -> the inbox -> `Engine.add_request` ->
+`Request.options`, where the scheduler, the runner and the output processor read it).
+
+A new per-row feature adds its field here, reads it where its rows are built (model/engine/model_runner.py) and,
+if it changes the forward, adds one op per backend (docs/engine.md, "Adding a per-row feature").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from model.engine.kv_window import KVWindow
+from model.engine.telemetry_options import TelemetryOptions
+from model.interventions import HiddenStateRead, Intervention
+
+if TYPE_CHECKING:
+    from model.engine.structured.spec import StructuredOutputSpec
+
+
+@dataclass(frozen=True)
+class RequestOptions:
+    """Per request, for each of its choices. All optional: `RequestOptions()` is a plain completion."""
+
+    # edits of the residual stream for this request's rows only (model/interventions.py)
+    interventions: tuple[Intervention, ...] | None = None
+    # the block outputs returned with its tokens
+    hidden_states: HiddenStateRead | None = None
+    # the attention telemetry each sampled token carries (model/engine/telemetry.py)
+    telemetry: TelemetryOptions | None = None
+    # the sink + window KV cache (model/engine/kv_window.py)
+    kv_window: KVWindow | None = None
+    # constrained decoding (model/engine/structured/): every token from those its grammar allows
+    structured: StructuredOutputSpec | None = None
+    # yields to other requests in the scheduler (an activation-patching sweep's rows, model/engine/scheduler.py)
+    background: bool = False
+
+    def __post_init__(self) -> None:
+        if self.interventions is not None and not isinstance(self.interventions, tuple):
+            object.__setattr__(self, "interventions", tuple(self.interventions) or None)
+
+    def validate(self, n_layers: int) -> None:
+        """Raise ValueError naming the first bad field (the interventions are checked against the prompt where the
+        engine plans them, `model.interventions.InterventionPlan`)."""
+        if self.hidden_states is not None:
+            self.hidden_states.validate(n_layers)
+        if self.kv_window is not None:
+            self.kv_window.validate()
+        if self.telemetry is not None:
+            self.telemetry.validate()
+        if self.structured is not None:
+            from model.engine.structured.spec import StructuredOutputSpec  # the grammar package is loaded when used
+
+            if not isinstance(self.structured, StructuredOutputSpec):
+                raise ValueError(f"structured must be a StructuredOutputSpec or None, got {self.structured!r}")
+            self.structured.validate()  # its errors name the request field it came from
+        if not isinstance(self.background, bool):
+            raise ValueError(f"background must be a boolean, got {self.background!r}")
+
+
+PLAIN = RequestOptions()

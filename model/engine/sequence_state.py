@@ -1,0 +1,37 @@
+"""A choice's state beside its tokens, split by who reads it: the sampling side (`SamplingState`: its seeded
+generator, the ids that end it, its grammar; the runner hands these to the sampler and the grammar masks) and the
+output side (`OutputState`: the streaming detokenizer, the stop-string matcher, prompt logprobs and hidden states
+not yet delivered; the output processor's alone). `Sequence.sampling` and `Sequence.output` hold them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from model.text.detokenizer import IncrementalDetokenizer
+from model.text.stop_strings import StopStringMatcher
+
+if TYPE_CHECKING:
+    from model.engine.sampler import TokenLogprobs
+    from model.engine.structured.compiler import SequenceGrammar
+
+
+@dataclass
+class SamplingState:
+    generator: torch.Generator | None  # a seeded request's per-choice stream (None: the global one)
+    # ids that end this choice (min_tokens aside): its stop_token_ids, plus the checkpoint's EOS set unless
+    # ignore_eos; fixed for the request's life, so built once rather than per generated token
+    stop_ids: frozenset[int]
+    grammar: SequenceGrammar | None = None  # structured outputs: its grammar's state
+
+
+@dataclass
+class OutputState:
+    detok: IncrementalDetokenizer
+    stops: StopStringMatcher
+    prompt_logprobs: list[TokenLogprobs | None] | None  # [None] for token 0, then one per scored prompt token
+    prompt_logprobs_sent: bool = False
+    # hidden states read and not yet delivered (prompt positions wait for the first token's delta)
+    pending_hidden: list[tuple[list[int], torch.Tensor]] = field(default_factory=list)

@@ -1,0 +1,65 @@
+"""The choices of one /v1/chat/completions response, streamed chunk by chunk or collected whole: each choice's content
+or tool calls (parsed as they arrive, service/tool_calls.py), chat logprobs, hidden states."""
+
+from __future__ import annotations
+
+from model.engine import RequestOutput
+from model.text import Tokenizer
+from service.interventions import encode_hidden, merge_hidden
+from service.openai_format import chat_logprob, now, usage
+from service.tool_calls import ChoiceMessage, ToolPlan
+
+
+class ChatChoices:
+    def __init__(self, tok: Tokenizer, n: int, plan: ToolPlan, logprobs: bool, rid: str, model: str,
+                 hidden_dtype: str | None) -> None:
+        self.tok, self.n, self.plan, self.logprobs, self.hidden_dtype = tok, n, plan, logprobs, hidden_dtype
+        self.rid, self.created, self.model = rid, now(), model
+        self._messages = {c: ChoiceMessage(plan) for c in range(n)}  # each choice's content or tool calls, parsed
+        self._lps: dict[int, list] = {c: [] for c in range(n)}
+        self._hidden: dict[int, list] = {c: [] for c in range(n)}
+
+    def envelope(self, choices: list[dict], **extra) -> dict:
+        return {"id": self.rid, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
+                "choices": choices, **extra}
+
+    # ---- streamed -------------------------------------------------------------------------------------------
+
+    def head(self) -> list[dict]:
+        """The role first, as OpenAI sends it: one chunk per choice."""
+        content = "" if self.plan.mode == "none" else None
+        return [self.envelope([{"index": c, "delta": {"role": "assistant", "content": content}, "logprobs": None,
+                                "finish_reason": None}]) for c in range(self.n)]
+
+    def chunk(self, choice: int, out: RequestOutput) -> dict | None:
+        """One output's chunk choice, or None when it carries nothing to send."""
+        lp = {"content": [chat_logprob(self.tok, l) for l in out.logprobs]} if out.logprobs else None
+        delta = self._messages[choice].delta(out.text, out.finished)  # content, or tool-call deltas once parsed
+        if delta is None and not out.finished and lp is None and out.hidden_states is None:
+            return None
+        c = {"index": choice, "delta": delta or {}, "logprobs": lp,
+             "finish_reason": self._messages[choice].finish_reason(out.finish_reason)}
+        if self.hidden_dtype is not None:
+            c["hidden_states"] = encode_hidden(out.hidden_states, self.hidden_dtype)
+        return c
+
+    # ---- collected ------------------------------------------------------------------------------------------
+
+    def add(self, choice: int, out: RequestOutput) -> None:
+        self._messages[choice].delta(out.text, out.finished)
+        self._lps[choice] += [chat_logprob(self.tok, l) for l in out.logprobs or []]
+        if out.hidden_states is not None:
+            self._hidden[choice].append(out.hidden_states)
+
+    def response(self, reasons: dict[int, str | None], prompt_tokens: int, completion_tokens: int,
+                 cached_tokens: int) -> dict:
+        choices = []
+        for c in range(self.n):
+            choice = {"index": c, "message": self._messages[c].message(),
+                      "logprobs": {"content": self._lps[c]} if self.logprobs else None,
+                      "finish_reason": self._messages[c].finish_reason(reasons.get(c))}
+            if self.hidden_dtype is not None:
+                choice["hidden_states"] = encode_hidden(merge_hidden(self._hidden[c]), self.hidden_dtype)
+            choices.append(choice)
+        return {"id": self.rid, "object": "chat.completion", "created": self.created, "model": self.model,
+                "choices": choices, "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
