@@ -241,3 +241,35 @@ def test_worker_imports_no_http_stack():
     code = "import sys, model.parallel.worker; print(sorted(m for m in ('fastapi', 'uvicorn', 'pydantic') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_rows_of_several_tokens_under_tensor_parallelism(pair):
+    """Drafted rows (the engine's `drafter`: 1 + 2 or 4 tokens a step, half of them rejected and rolled back) on the
+    TP=2 engine: every rank computes the same rows from the step's slices, and the tokens and logprobs are those of
+    decoding one token at a time on the same engine."""
+    _, two = pair
+    prompts = _prompts(3, 5)
+    config = EngineConfig(num_blocks=48, block_size=4, max_num_batched_tokens=24, max_num_seqs=4)
+
+    def serve(drafter=None) -> dict[str, list]:
+        engine = Engine(two.model, two.tokenizer, config)
+        engine.drafter = drafter
+        for i, p in enumerate(prompts):
+            engine.add_request(str(i), p, SamplingParams(max_tokens=12, temperature=0, logprobs=2, ignore_eos=True))
+        out: dict[str, list] = {}
+        while engine.has_unfinished():
+            for o in engine.step():
+                out.setdefault(o.request_id, []).extend((t, lp.logprob, lp.top) for t, lp in zip(o.token_ids, o.logprobs))
+        assert engine.kv.num_free_blocks == engine.kv.num_blocks
+        return out
+
+    ref = serve()
+    calls = [0]
+
+    def drafter(seq) -> list[int]:  # the true continuation, every other time with its second half wrong
+        calls[0] += 1
+        n = len(seq.output_token_ids)
+        right = [t for t, _, _ in ref[seq.request.request_id][n : n + 4]]
+        return right if calls[0] % 2 else right[:2] + [(t + 1) % 256 for t in right[2:]]
+
+    assert serve(drafter) == ref and calls[0] > 3

@@ -22,7 +22,7 @@ from model.engine.output_processor import OutputProcessor, RequestOutput
 from model.engine.paged_cache import PagedKVCache, kv_config
 from model.engine.request import FinishReason, Request, Sequence, SequenceStatus
 from model.engine.request_options import PLAIN, RequestOptions
-from model.engine.sampler import Sampler
+from model.engine.sampler import Sampler, TokenLogprobs
 from model.engine.sampling_params import SamplingParams
 from model.engine.scheduler import QueueFullError, ScheduledSeq, Scheduler, SchedulerConfig
 from model.engine.sequence_state import SamplingState
@@ -127,6 +127,10 @@ class Engine:
         # Test hook (fault injection): called with each step's scheduled sequences before the forward; whatever
         # it raises fails that step's requests exactly as a failing forward would.
         self.step_fault_hook: Callable[[list[ScheduledSeq]], None] | None = None
+        # Rows of several new tokens: called before each step with every decoding sequence that has no drafts, it
+        # returns tokens to verify after the sequence's last one (speculative decoding's proposer); None: one token
+        # a row. Drafts change no output: a draft is kept only where it equals the token sampled at its position.
+        self.drafter: Callable[[Sequence], list[int]] | None = None
         log.info("engine: %d KV blocks of %d tokens (%.0f MB), max_model_len %d", num_blocks, config.block_size,
                  self.cache.nbytes / 1e6, self.max_model_len)
         self.runner.capture_graphs()
@@ -228,6 +232,8 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         self._admit_siblings()
+        if self.drafter is not None:
+            self._propose_drafts()
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             if self.scheduler.waiting and not self.scheduler.running:
@@ -242,6 +248,8 @@ class Engine:
             result = self.runner.execute(sched.scheduled)
             for s in sched.scheduled:
                 s.seq.num_computed_tokens += s.num_new_tokens
+                if s.seq.draft_token_ids:
+                    continue  # committed once its drafts are resolved (`_update`): rejected ones are rolled back
                 self.kv.commit(s.seq)
                 eviction = self.kv.evict(s.seq)  # a windowed sequence slid past a block: give it back
                 if eviction is not None:
@@ -269,14 +277,44 @@ class Engine:
             self.output.add_hidden_states(seq, positions, values)
         for seq, upto in result.read_upto:
             seq.num_read_positions = max(seq.num_read_positions, upto)
-        for seq, token, lp in result.sampled:
-            out, finish = self.output.append(seq, token, lp)
+        for seq, sampled in _by_sequence(result.sampled):
+            if seq.draft_token_ids:
+                sampled = self._resolve_drafts(seq, sampled)
+            out, finish = self.output.append_all(seq, sampled)
             out.telemetry = result.telemetry.get(seq)
             if finish is not None:
                 self._finish(seq, finish.reason, finish.stop_reason)
                 out.finish_reason, out.stop_reason = seq.finish_reason.value, seq.stop_reason
             outs.append(out)
         self._drop_finished_requests()
+
+    def _propose_drafts(self) -> None:
+        """Ask the drafter for tokens to verify after each decoding sequence's last one (rows of several tokens).
+        Not for sequences whose extras are per token (telemetry, hidden-state reads, a grammar) or that evict (a kv
+        window): those decode one token a step."""
+        for seq in self.scheduler.running:
+            o = seq.request.options
+            if seq.draft_token_ids or seq.num_computed_tokens != seq.num_tokens - 1 or o.telemetry is not None \
+                    or o.hidden_states is not None or o.structured is not None or o.kv_window is not None:
+                continue
+            room = min(seq.request.params.max_tokens - len(seq.output_token_ids), self.max_model_len - seq.num_tokens) - 1
+            if room > 0:
+                seq.draft_token_ids = list(self.drafter(seq))[:room]
+
+    def _resolve_drafts(self, seq: Sequence, sampled: list[tuple[int, TokenLogprobs | None]]
+                        ) -> list[tuple[int, TokenLogprobs | None]]:
+        """A drafting sequence's rows were sampled each as if the drafts before it were accepted: keep the drafts
+        the samples agree with and the sample after them (a draft accepted only when it equals the token sampled
+        at its position, so the output is what decoding one token at a time samples), roll back the K/V of the
+        rest, then commit its newly full blocks. -> the tokens to append, in order."""
+        drafts = seq.draft_token_ids
+        j = 0
+        while j < len(drafts) and sampled[j][0] == drafts[j]:
+            j += 1
+        self.kv.rollback(seq, len(drafts) - j)
+        seq.draft_token_ids = []
+        self.kv.commit(seq)
+        return sampled[: j + 1]
 
     def _finish(self, seq: Sequence, reason: FinishReason, stop_reason: int | str | None = None) -> None:
         seq.finish_reason, seq.stop_reason = reason, stop_reason
@@ -295,3 +333,15 @@ class Engine:
     def _drop_finished_requests(self) -> None:
         for rid in [rid for rid, r in self.requests.items() if r.is_finished]:
             del self.requests[rid]
+
+
+def _by_sequence(sampled: list[tuple[Sequence, int, TokenLogprobs | None]]
+                 ) -> list[tuple[Sequence, list[tuple[int, TokenLogprobs | None]]]]:
+    """The runner's sampled rows grouped by sequence (a drafting sequence's rows are consecutive), in order."""
+    out: list[tuple[Sequence, list[tuple[int, TokenLogprobs | None]]]] = []
+    for seq, token, lp in sampled:
+        if out and out[-1][0] is seq:
+            out[-1][1].append((token, lp))
+        else:
+            out.append((seq, [(token, lp)]))
+    return out

@@ -41,7 +41,8 @@ class StepBatch:
     logits_rows: Tensor  # (M,) packed rows whose logits are computed
     meta: AttentionMetadata
     slices: list[SeqSlice]  # the same, as plain data (tensor-parallel ranks rebuild the metadata from it)
-    sample: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, logits row) to sample this step
+    # (sequence, logits row) to sample this step: one per sequence that caught up, 1 + its drafts for a drafting one
+    sample: list[tuple[Sequence, int]] = field(default_factory=list)
     prompt_logprobs: list[PromptLogprobRows] = field(default_factory=list)
     edits: StepEdits | None = None  # the rows' interventions and hidden-state reads (model/edits.py), if any
 
@@ -111,10 +112,12 @@ class InputBuffers:
                 prompt_rows.append(PromptLogprobRows(seq, m, first, count))
                 np_["logits_rows"][m : m + count] = np.arange(off + first - start, off + first - start + count)
                 m += count
-            if start + n == seq.num_tokens:  # caught up: its next token is sampled from this step's last row
-                sample.append((seq, m))
-                np_["logits_rows"][m] = off + n - 1
-                m += 1
+            if start + n == seq.num_tokens:  # caught up: its next token is sampled from this step's last row, and
+                # with drafts each draft is checked against the row before it: the last 1 + drafts rows are sampled
+                for i in range(n - 1 - len(seq.draft_token_ids), n):
+                    sample.append((seq, m))
+                    np_["logits_rows"][m] = off + i
+                    m += 1
             off += n
         dev = self.device
         if dev.type != "cpu":

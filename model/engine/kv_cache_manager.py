@@ -159,6 +159,18 @@ class KVCacheManager:
             self.pool.register(seq.block_ids[i], seq.block_hashes[i])
         seq.num_committed_blocks = max(seq.num_committed_blocks, num_full)
 
+    def rollback(self, seq: Sequence, num_tokens: int) -> None:
+        """Forget the K/V of `seq`'s last `num_tokens` computed tokens (drafts a step rejected): they count as not
+        computed, their slots are written again by the tokens that take their positions, and tail blocks no longer
+        needed go back to the pool. Only uncommitted tokens may be rolled back (the engine commits a drafting
+        sequence's blocks after its drafts are resolved), so no block of the prefix cache ever held them."""
+        assert 0 <= num_tokens <= seq.num_computed_tokens and seq.window is None
+        seq.num_computed_tokens -= num_tokens
+        assert seq.num_committed_blocks * self.block_size <= seq.num_computed_tokens, "rolled back committed tokens"
+        keep = -(-seq.num_computed_tokens // self.block_size)
+        while len(seq.block_ids) > keep:
+            self.pool.release(seq.block_ids.pop())
+
     def free(self, seq: Sequence) -> None:
         for block in reversed(seq.block_ids):  # tail first: the prefix's head stays cached longest
             self.pool.release(block)

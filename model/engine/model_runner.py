@@ -48,9 +48,9 @@ PATHS = ("cuda_graph", "native", "module")
 
 @dataclass
 class RunnerOutput:
-    """What one step computed: the path it took, each sampled sequence's token, prompt logprobs scored, and the
-    hidden states read: (sequence, positions, (n_positions, n_layers, D) float32), and how far each reading
-    sequence has now been read."""
+    """What one step computed: the path it took, each sampled row's token (one per sequence that caught up; a
+    drafting sequence's 1 + drafts rows in order), prompt logprobs scored, and the hidden states read: (sequence,
+    positions, (n_positions, n_layers, D) float32), and how far each reading sequence has now been read."""
 
     path: str
     sampled: list[tuple[Sequence, int, TokenLogprobs | None]] = field(default_factory=list)
@@ -108,8 +108,7 @@ class ModelRunner:
             out.prompt_logprobs.append(
                 (p.seq, prompt_logprobs(logits[p.row : p.row + p.count], targets, p.seq.request.params.prompt_logprobs)))
         if batch.sample:
-            rows = [SamplingRow(seq.request.params, seq.prompt_token_ids, seq.output_token_ids, seq.sampling.generator,
-                                seq.sampling.stop_ids) for seq, _ in batch.sample]
+            rows = _sampling_rows(batch.sample)
             # without prompt-logprob rows, the logits rows are the sampling rows in order
             picked = _rows(logits, [r for _, r in batch.sample],
                            identity=not batch.prompt_logprobs and logits.shape[0] == len(batch.sample))
@@ -130,6 +129,19 @@ class ModelRunner:
         if path == "native":
             return self.native.run(batch, ctx)
         return self.model(batch.tokens[None], batch.positions[None], ctx, logits_indices=batch.logits_rows)[0]
+
+
+def _sampling_rows(sample: list[tuple[Sequence, int]]) -> list[SamplingRow]:
+    """One sampling row per sampled logits row. A drafting sequence's rows are sampled as if the drafts before each
+    were accepted (their tokens count as output for penalties): the only case in which that row's token is kept."""
+    rows, prev, i = [], None, 0
+    for seq, _ in sample:
+        i = i + 1 if seq is prev else 0
+        prev = seq
+        output = seq.output_token_ids + seq.draft_token_ids[:i] if i else seq.output_token_ids
+        rows.append(SamplingRow(seq.request.params, seq.prompt_token_ids, output, seq.sampling.generator,
+                                seq.sampling.stop_ids))
+    return rows
 
 
 def _segments(scheduled: list[ScheduledSeq], batch: StepBatch) -> list[Segment]:

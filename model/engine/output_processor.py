@@ -115,6 +115,25 @@ class OutputProcessor:
             return out, Finish(FinishReason.STOP if done else FinishReason.LENGTH)
         return out, None
 
+    def append_all(self, seq: Sequence, sampled: list[tuple[int, TokenLogprobs | None]]
+                   ) -> tuple[RequestOutput, Finish | None]:
+        """Append the tokens one step produced for `seq` (a drafting sequence's accepted drafts and the token after
+        them) as one delta, stopping at the first that ends it: what follows a stop is never appended or sent."""
+        merged, finish = None, None
+        for token, lp in sampled:
+            out, finish = self.append(seq, token, lp)
+            if merged is None:
+                merged = out
+            else:
+                merged.token_ids += out.token_ids
+                merged.text += out.text
+                if out.logprobs is not None:
+                    merged.logprobs = (merged.logprobs or []) + out.logprobs
+                merged.num_output_tokens = out.num_output_tokens
+            if finish is not None:
+                break
+        return merged, finish
+
     def output(self, seq: Sequence) -> RequestOutput:
         """A delta with the sequence's counts (and its prompt logprobs, the first time); tokens and text empty."""
         state = seq.output

@@ -41,6 +41,10 @@ class Sequence:
     index: int  # choice index within the request
     prompt_token_ids: list[int]
     output_token_ids: list[int] = field(default_factory=list)
+    # tokens proposed after the output and not verified yet (`Engine.drafter`): computed in the same step as the
+    # last output token, each of their rows sampled; the step keeps those the samples agree with and rolls back the
+    # K/V of the rest (`Engine._resolve_drafts`)
+    draft_token_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
@@ -65,20 +69,27 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        """Prompt + output + drafts: the tokens whose K/V the sequence computes."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + len(self.draft_token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 
     def token_ids(self, start: int, end: int) -> list[int]:
-        """Tokens [start, end) of prompt + output, without concatenating the whole list."""
-        P = len(self.prompt_token_ids)
-        if end <= P:
+        """Tokens [start, end) of prompt + output + drafts, without concatenating the whole list."""
+        P, O = len(self.prompt_token_ids), len(self.output_token_ids)
+        if end <= P:  # a prompt chunk
             return self.prompt_token_ids[start:end]
-        if start >= P:
+        if start >= P and end <= P + O:  # a decode row
             return self.output_token_ids[start - P : end - P]
-        return self.prompt_token_ids[start:] + self.output_token_ids[: end - P]
+        out: list[int] = []
+        for part in (self.prompt_token_ids, self.output_token_ids, self.draft_token_ids):
+            n = len(part)
+            if start < n and end > 0:
+                out += part[max(0, start) : min(n, end)]
+            start, end = start - n, end - n
+        return out
 
     @property
     def is_finished(self) -> bool:

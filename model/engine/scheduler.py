@@ -143,10 +143,14 @@ class Scheduler:
         further than its next eviction point (model/engine/kv_window.py: the attended keys then never depend on
         how a sequence was chunked)."""
         n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+        excess = seq.num_tokens - seq.num_computed_tokens - n
+        if seq.draft_token_ids and excess > 0:  # verifying drafts takes every row's logits in one step: trim them
+            del seq.draft_token_ids[max(0, len(seq.draft_token_ids) - excess):]
         window = seq.window
         return n if window is None else min(n, window.chunk_limit(seq.num_computed_tokens, self.kv.block_size))
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        seq.draft_token_ids.clear()  # proposals only: recomputing the sequence starts from its verified tokens
         self.kv.free(seq)
         seq.num_preemptions += 1
         self.num_preemptions += 1
