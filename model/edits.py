@@ -118,21 +118,30 @@ def apply_ops(x: Tensor, ops: Tensor, bank: Tensor) -> None:
 
 
 def apply_reference(x: Tensor, ops: Tensor, bank: Tensor) -> None:
-    """The PyTorch definition of `apply_ops`."""
+    """The PyTorch definition of `apply_ops`: the ragged table as dense per-row indices, then `apply_dense`."""
+    if ops.shape[0] == 0:
+        return
     rows = ops[:, 0]
-    y = x[rows].float()  # (n, D)
-    u_idx, keep_idx, put_idx = ops[:, 1], ops[:, 2], ops[:, 3]
-    if bool((u_idx >= 0).any()):
-        has = (u_idx >= 0).unsqueeze(1)
-        u = bank[u_idx.clamp(min=0)].double()
-        yd = y.double()
-        projected = (yd - (yd * u).sum(-1, keepdim=True) * u).float()
-        y = torch.where(has, projected, y)
-    if bool((keep_idx >= 0).any()):
-        y = torch.where((keep_idx >= 0).unsqueeze(1), y * bank[keep_idx.clamp(min=0)], y)
-    if bool((put_idx >= 0).any()):
-        y = torch.where((put_idx >= 0).unsqueeze(1), y + bank[put_idx.clamp(min=0)], y)
-    x[rows] = y.to(x.dtype)
+    dense_bank = torch.cat([torch.zeros(1, bank.shape[1], device=bank.device),
+                            torch.ones(1, bank.shape[1], device=bank.device), bank])  # rows 0, 1: no u / put, no keep
+    identity = torch.tensor([0, 1, 0], device=ops.device)
+    idx = torch.where(ops[:, 1:] >= 0, ops[:, 1:] + 2, identity)  # (n, 3)
+    y = x[rows]  # (n, D)
+    apply_dense(y, idx, None, dense_bank)
+    x[rows] = y
+
+
+def apply_dense(x: Tensor, idx: Tensor, on: Tensor | None, bank: Tensor) -> None:
+    """x (n, D) in place, row i edited by bank rows idx[i] = (u, keep, put), where `on` (n,) says (None: every row):
+    x -= (x . u) u with the dot product in float64, then x = x * keep + put in float32, rounded once to x's dtype
+    (the native kernel's arithmetic, csrc/interventions.cpp). Fixed shapes, no host sync: what a captured CUDA graph
+    runs too (model/engine/graph_edits.py). Bank rows 0 (zeros) and 1 (ones) stand for an absent u / put and keep."""
+    y = x.float()
+    u = bank[idx[:, 0]].double()
+    yd = y.double()
+    y = (yd - (yd * u).sum(-1, keepdim=True) * u).float()
+    y = (y * bank[idx[:, 1]] + bank[idx[:, 2]]).to(x.dtype)
+    x.copy_(y if on is None else torch.where(on.unsqueeze(1), y, x))
 
 
 @dataclass

@@ -9,8 +9,8 @@ length) is rewritten before each replay into dense per-site, per-row indices int
     bank   (2 + C, D) float32  row 0 zeros (no u, no put), row 1 ones (no keep), then the step's vectors
     hidden (L, B, D) float32   every block's output, for the step's hidden-state reads
 
-The captured forward applies, at every site, x -= (x . u) u; x = x * keep + put on the rows that are `on`: the
-definition model/edits.py's `apply_reference` gives, as a handful of fixed-shape kernels. Graphs with these ops are
+The captured forward applies, at every site, x -= (x . u) u; x = x * keep + put on the rows that are `on`:
+model/edits.py's `apply_dense`, the PyTorch definition of an edit, a handful of fixed-shape kernels. Graphs with these ops are
 a second variant per bucket, replayed only for steps that edit or read something; the plain variant stays as it
 was. A step whose vectors exceed the bank's C rows runs on the module path.
 """
@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from model.edits import StepEdits
+from model.edits import StepEdits, apply_dense
 from model.interventions import SITE_INDEX
 
 
@@ -62,13 +62,7 @@ class GraphEdits:
         """x (1, b, D) in place, the first b rows of the buffers; records block outputs."""
         b = x.shape[1]
         k = 3 * layer + SITE_INDEX[site]
-        idx = self.idx[k, :b]  # (b, 3)
-        y = x[0].float()  # (b, D)
-        u = self.bank[idx[:, 0]].double()
-        yd = y.double()
-        y = (yd - (yd * u).sum(-1, keepdim=True) * u).float()
-        y = y * self.bank[idx[:, 1]] + self.bank[idx[:, 2]]
-        x[0] = torch.where(self.on[k, :b].unsqueeze(1), y.to(x.dtype), x[0])
+        apply_dense(x[0], self.idx[k, :b], self.on[k, :b], self.bank)  # (b, D), the rows that are `on`
         if site == "block_output":
             self.hidden[layer, :b] = x[0].float()
         return x
