@@ -13,8 +13,8 @@ TORCH_SPEC ?= torch==$(TORCH_VERSION)
 PROMPT ?= What is the capital of Japan?
 ARGS ?=
 # The container image: `make image` builds it (docker where its daemon answers, else podman on a Debian-made base),
-# `make image-test` starts and probes it (tests/test_image.py) and brings up the compose stack's CPU profile with
-# Prometheus built from Debian's package (tests/test_compose.py, `make prometheus-image`).
+# `make image-test` starts and probes it (tests/deploy/test_image.py) and brings up the compose stack's CPU profile with
+# Prometheus built from Debian's package (tests/deploy/test_compose.py, `make prometheus-image`).
 IMAGE ?= llamascope:cpu
 PROMETHEUS_IMAGE ?= localhost/llamascope-prometheus:debian
 # podman's settings for VMs like the project's (runc, rlimits the VM allows); CONTAINERS_CONF=... overrides them
@@ -66,7 +66,7 @@ image-cuda-standin:
 
 image-test: install-test prometheus-image image-cuda-standin
 	CONTAINERS_CONF=$(CONTAINERS_CONF) PROMETHEUS_IMAGE=$(PROMETHEUS_IMAGE) \
-	  $(PY) -m pytest -q --durations=0 --image $(IMAGE) -m image tests/test_image.py tests/test_compose.py $(ARGS)
+	  $(PY) -m pytest -q --durations=0 --image $(IMAGE) -m image tests/deploy/test_image.py tests/deploy/test_compose.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache

@@ -12,7 +12,7 @@ Llama-2-7B's (a 16-token block is 2 (K, V) x 32 layers x 16 tokens x 32 KV heads
 
 `check` holds an engine as built against its plan, asking the engine itself (`add_request`) to accept each phase's
 longest request. `preflight` builds every engine of a run on the meta device (the real shapes, nothing allocated)
-and checks it: `--dry-run` and tests/test_gpu_sizing.py do that for the 7B shape before a GPU ever sees it.
+and checks it: `--dry-run` and tests/benchmarks/test_gpu_sizing.py do that for the 7B shape before a GPU ever sees it.
 """
 
 from __future__ import annotations

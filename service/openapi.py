@@ -1,5 +1,5 @@
 """The OpenAPI document says what the server does, so that a schema-driven client or fuzzer (schemathesis, in
-tests/test_schemathesis.py) can hold it to that:
+tests/service/test_schemathesis.py) can hold it to that:
 
 - every error status a route can answer (400, 401, 404, 409, 413, 429, 500, 503) is declared with the OpenAI envelope
   as its schema; FastAPI's default 422 is dropped, since validation failures are answered 400 (errors.py);

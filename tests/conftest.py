@@ -39,7 +39,7 @@ def pytest_make_collect_report(collector):
 
 def pytest_addoption(parser):
     parser.addoption("--image", default=None, metavar="TAG",
-                     help="run the container tests (marked `image`: tests/test_image.py, tests/test_compose.py) "
+                     help="run the container tests (marked `image`: tests/deploy/test_image.py, tests/deploy/test_compose.py) "
                           "against this built image; without it they are not collected (`make image-test` passes it)")
 
 
@@ -52,39 +52,6 @@ def pytest_collection_modifyitems(config, items):
     if len(keep) < len(items):
         config.hook.pytest_deselected(items=[i for i in items if i.get_closest_marker("image") is not None])
         items[:] = keep
-
-
-def tiny_llama_config(**overrides):
-    """A transformers LlamaConfig small enough for CPU tests; overrides take HF names."""
-    from transformers import LlamaConfig
-
-    kw = dict(
-        vocab_size=101,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=4096,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=False,
-    )
-    kw.update(overrides)
-    return LlamaConfig(**kw)
-
-
-def save_tiny_llama(directory: Path, seed: int = 0, max_shard_size: str | None = None, **overrides):
-    """Random-weight LlamaForCausalLM saved as safetensors in `directory`; returns the HF model (float32, eval)."""
-    from transformers import LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(tiny_llama_config(**overrides)).eval()
-    with torch.no_grad():  # HF init gives ~N(0, 0.02): too flat to tell a wrong attention from a right one
-        for p in model.parameters():
-            p.normal_(0, 0.3 if p.ndim > 1 else 1.0)
-    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
-    model.save_pretrained(directory, safe_serialization=True, **kwargs)
-    return model
 
 
 @pytest.fixture(scope="session")
@@ -121,6 +88,15 @@ def default_model(default_gguf):
     from model.loaders.checkpoint import load_model
 
     return load_model(default_gguf, torch.float32, "cpu")
+
+
+@pytest.fixture(scope="session")
+def tiny_live():
+    """The factory of live servers over a tiny random model: `with tiny_live(Settings(...), model) as live:`
+    (tests/live_server.py's `tiny_live_server`)."""
+    from live_server import tiny_live_server
+
+    return tiny_live_server
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,4 @@
-"""Containers for the image tests (tests/test_image.py, tests/test_compose.py): started with the machine's container
+"""Containers for the image tests (tests/deploy/test_image.py, tests/deploy/test_compose.py): started with the machine's container
 engine (podman, or docker with CONTAINER_ENGINE=docker), waited on through the image's own HEALTHCHECK, and always
 removed. Every wait has a deadline; every failure says what the container logged."""
 

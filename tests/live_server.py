@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import subprocess
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import httpx
 import uvicorn
@@ -64,3 +66,20 @@ class LiveServer:
         self.server.should_exit = True
         self.thread.join(30)
         self.sock.close()
+
+
+@contextlib.contextmanager
+def tiny_live_server(settings=None, model=None, **live_kw) -> Iterator[LiveServer]:
+    """The service over a tiny random model and the byte tokenizer (tests/tiny.py), live on loopback: what most
+    service tests run against (`tiny_live` in tests/conftest.py hands this out). `model`: another tiny model;
+    `settings`: the server's (default `Settings()`). The LiveServer carries `app` and `model`."""
+    from model.loaders.checkpoint import LoadedModel
+    from service.config import Settings
+    from service.main import create_app
+    from tiny import byte_tokenizer, tiny_model
+
+    loaded = LoadedModel(model if model is not None else tiny_model(), byte_tokenizer(), Path("tiny"), "tiny", 0.0)
+    app = create_app(settings if settings is not None else Settings(), loaded=loaded, wait_ready=True)
+    with LiveServer(app, **live_kw) as live:
+        live.model = loaded.model
+        yield live

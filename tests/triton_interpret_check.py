@@ -1,4 +1,4 @@
-"""Run by tests/test_triton_attention.py in a subprocess with TRITON_INTERPRET=1 (set before triton is imported):
+"""Run by tests/model/test_triton_attention.py in a subprocess with TRITON_INTERPRET=1 (set before triton is imported):
 the CUDA decode-attention kernel, executed by Triton's interpreter on CPU tensors."""
 
 from __future__ import annotations

@@ -22,7 +22,6 @@ ratio is taken against the median |h| of this token's own hidden state, where /i
 from __future__ import annotations
 
 import contextlib
-import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterator
 
@@ -32,7 +31,6 @@ from torch import Tensor
 
 from model.kernels import ops
 from model.kernels.attention_telemetry import AttentionTelemetry
-from model.engine.telemetry_options import TelemetryOptions
 
 if TYPE_CHECKING:
     from model.engine.paged_cache import SeqSlice

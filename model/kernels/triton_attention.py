@@ -9,7 +9,7 @@ et al. 2023). Same contract as the native CPU kernel (`model/kernels/csrc/paged_
     decode rows; tables (R, W) their block ids; lens (R,) their context lengths; out (N, H, E): rows `rows` written.
 
 It needs Triton (shipped with PyTorch's CUDA builds) and a power-of-two block size. The test suite runs it on CPU
-through Triton's interpreter (`TRITON_INTERPRET=1`, tests/test_triton_attention.py) against SDPA; no GPU has run
+through Triton's interpreter (`TRITON_INTERPRET=1`, tests/model/test_triton_attention.py) against SDPA; no GPU has run
 it yet in this project (see the README's performance section).
 
 Importing Triton proves little: the first launch on a device compiles the kernel (ptxas) and builds a small C

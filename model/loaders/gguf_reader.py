@@ -11,7 +11,7 @@ per merge), which took 5-7 s and ~160 MB for the default model's 49k-entry token
 subclass costs a Python call per slice. Here numeric arrays are read with one `np.frombuffer` each and strings with
 one decode each; `metadata` holds the same values as `{key: field.contents()}` of `GGUFReader`, and `tensors` the
 same fields as its `ReaderTensor` (name, tensor_type, shape, n_elements, n_bytes, data_offset, data), `data` a plain
-ndarray over the map in the same dtype and shape. The `gguf` package stays the reference: tests/test_gguf_reader.py.
+ndarray over the map in the same dtype and shape. The `gguf` package stays the reference: tests/model/test_gguf_reader.py.
 """
 
 from __future__ import annotations

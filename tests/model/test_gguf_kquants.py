@@ -1,0 +1,188 @@
+"""GGUF K-quants and the other block types served at their own precision (`--quantization auto`), per tensor:
+each layer against `gguf.quants.dequantize` of the file within the error model/loaders/gguf_blocks.py states."""
+
+from __future__ import annotations
+
+import mmap
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize, quantize
+
+from hf_checkpoints import save_tiny_llama
+from gguf_writer import write_tiny_gguf
+from model.loaders.gguf_blocks import unpermute_qk
+from model.loaders.gguf_file import load_gguf, native_quantization, open_gguf
+from model import huge_pages
+from model.quantize import Int4Linear, Int8Linear, QuantEmbedding, QuantLinear
+
+# Block bytes per 256 weights (or 32 for the legacy types) and where each block's float16 super-scales sit
+# (ggml-common.h: block_q2_K {scales[16]; qs[64]; d; dmin}, block_q3_K {hmask[32]; qs[64]; scales[12]; d},
+# block_q4_K {d; dmin; scales[12]; qs[128]}, block_q5_K {d; dmin; scales[12]; qh[32]; qs[128]},
+# block_q6_K {ql[128]; qh[64]; scales[16]; d}, block_iq4_xs {d; scales_h; scales_l[4]; qs[128]}).
+K_BLOCKS = {Q.Q2_K: (84, (80, 82)), Q.Q3_K: (110, (108,)), Q.Q4_K: (144, (0, 2)), Q.Q5_K: (176, (0, 2)),
+            Q.Q6_K: (210, (208,)), Q.IQ4_XS: (136, (0,))}
+SERVED = {Q.Q4_K: Int4Linear, Q.Q5_K: Int8Linear, Q.Q6_K: Int8Linear, Q.Q5_0: Int8Linear, Q.Q5_1: Int8Linear,
+          Q.Q2_K: Int8Linear, Q.Q3_K: Int8Linear, Q.IQ4_XS: Int8Linear, Q.Q4_0: Int4Linear, Q.Q8_0: Int8Linear}
+
+
+def random_blocks(qtype, rows: int, cols: int, seed: int = 0, scale: float = 0.01) -> np.ndarray:
+    """Random blocks of a type gguf cannot write, with sane float16 super-scales: (rows, bytes per row) uint8."""
+    size, scale_at = K_BLOCKS[qtype]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(rows, cols // 256, size), dtype=np.uint8)
+    for at in scale_at:
+        raw[..., at : at + 2] = np.frombuffer(np.float16(scale).tobytes(), dtype=np.uint8)
+    return raw.reshape(rows, -1)
+
+
+def encode(qtype, w: np.ndarray, seed: int) -> np.ndarray:
+    return random_blocks(qtype, *w.shape, seed=seed) if qtype in K_BLOCKS else quantize(w, qtype)
+
+
+def write_typed(path, hf, qtype_of) -> dict[str, tuple[np.ndarray, object]]:
+    """A GGUF of `hf`'s shapes whose 2-D tensors are `qtype_of(name)` blocks -> {name: (the file's values, type)},
+    values as our loader sees them (q/k rows un-permuted)."""
+    raw: dict[str, tuple[np.ndarray, object]] = {}
+    cfg = hf.config
+    for i, (name, t) in enumerate(hf.state_dict().items()):
+        if t.dim() != 2 or (name == "lm_head.weight" and cfg.tie_word_embeddings):
+            continue
+        from gguf_writer import gguf_name
+
+        qtype = qtype_of(gguf_name(name))
+        raw[gguf_name(name)] = (encode(qtype, t.float().numpy(), i), qtype)
+    write_tiny_gguf(path, hf, raw_tensors=raw)
+    values = {}
+    for name, (blocks, qtype) in raw.items():
+        w = dequantize(blocks, qtype).reshape(blocks.shape[0], -1)
+        heads = {"attn_q": cfg.num_attention_heads, "attn_k": cfg.num_key_value_heads}.get(name.split(".")[-2])
+        values[name] = (unpermute_qk(w, heads) if heads else w, qtype)
+    return values
+
+
+def bound(qtype, want: np.ndarray) -> np.ndarray:
+    """The stated error of each weight (gguf_blocks.py): Q4_K -> int4 rounds each group's scale and min to float16
+    (2^-11 relative: <= 2^-11 of |d sc| 15 + |dmin m|, bounded by the group's largest magnitude times 2^-10);
+    requantized int8 is within half a step of max|w| / 127 per block of 32 plus the float16 rounding of that step."""
+    g = np.abs(want).reshape(want.shape[0], -1, 32).max(-1, keepdims=True)  # (N, K/32, 1)
+    if SERVED[qtype] is Int4Linear:
+        per = g * 2.0**-10 * 2  # (q d + m: both terms rounded, each at most the group's magnitude)
+    else:
+        per = g * (1 / 254 + 2.0**-11) if qtype not in (Q.Q8_0,) else g * 0
+    return np.broadcast_to(per, (*per.shape[:2], 32)).reshape(want.shape) + 1e-7
+
+
+def layer_of(model, name: str):
+    """Our module serving GGUF tensor `name` and its rows' slice of it."""
+    i, part = name.split(".")[1], name.split(".")[2]
+    block = model.layers[int(i)]
+    c = model.config
+    q, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+    return {"attn_q": (block.attention.wqkv, slice(0, q)), "attn_k": (block.attention.wqkv, slice(q, q + kv)),
+            "attn_v": (block.attention.wqkv, slice(q + kv, q + 2 * kv)), "attn_output": (block.attention.wo, slice(None)),
+            "ffn_gate": (block.feed_forward.w13, slice(0, c.hidden_dim)),
+            "ffn_up": (block.feed_forward.w13, slice(c.hidden_dim, 2 * c.hidden_dim)),
+            "ffn_down": (block.feed_forward.w2, slice(None))}[part]
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.IQ4_XS])
+def test_each_type_loads_to_its_format_within_the_stated_error(tmp_path, qtype):
+    hf = save_tiny_llama(tmp_path / "hf", hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=512, tie_word_embeddings=False)
+    values = write_typed(tmp_path / "m.gguf", hf, lambda name: qtype)
+    model = load_gguf(tmp_path / "m.gguf", quantization="int4" if SERVED[qtype] is Int4Linear else "int8",
+                      per_tensor=True)
+    for name, (want, _) in values.items():
+        if not name.startswith("blk."):
+            continue
+        layer, rows = layer_of(model, name)
+        assert type(layer) is SERVED[qtype], name
+        got = layer.dequantize()[rows].numpy()
+        err = np.abs(got - want)
+        assert (err <= bound(qtype, want)).all(), (name, float(err.max()))
+    head = model.output
+    assert isinstance(head, Int8Linear)
+    emb = model.tok_embeddings
+    assert isinstance(emb, QuantEmbedding)
+    tokens = torch.arange(hf.config.vocab_size)
+    table = values["token_embd.weight"][0]
+    got = emb(tokens).numpy()
+    assert (np.abs(got - table) <= bound(qtype, table)).all()
+    key = [k for k in model.weight_mix if k.startswith(qtype.name)]
+    assert key and sum(model.weight_mix[k] for k in key) == len(values)
+
+
+@pytest.mark.parametrize("qtype,mode", [(Q.Q4_0, "int4"), (Q.Q4_1, "int4"), (Q.Q8_0, "int8"), (Q.Q4_0, "int8")])
+def test_exact_mappings_serve_the_files_values_bit_for_bit(tmp_path, qtype, mode):
+    """Q4_0 / Q4_1 -> int4, Q8_0 -> int8 and Q4_0 -> int8 (q - 8 with the same d) keep every weight as the file has
+    it: block matrices (q/k rows un-permuted), the head and a table of 520 rows (int4: padded to whole groups of 16)."""
+    hf = save_tiny_llama(tmp_path / "hf", hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=520, tie_word_embeddings=False)
+    values = write_typed(tmp_path / "m.gguf", hf, lambda name: qtype)
+    model = load_gguf(tmp_path / "m.gguf", quantization=mode)
+    for name, (want, _) in values.items():
+        if name.startswith("blk."):
+            layer, rows = layer_of(model, name)
+            assert np.array_equal(layer.dequantize()[rows].numpy(), want), name
+    assert np.array_equal(model.output.dequantize().numpy(), values["output.weight"][0]) or qtype is Q.Q4_1
+    got = model.tok_embeddings(torch.arange(520)).numpy()
+    assert np.array_equal(got, values["token_embd.weight"][0])
+    assert model.weight_mix == {f"{qtype.name} -> {mode}": 7 * 2 + 1, f"{qtype.name} -> int8" + ("" if qtype is not Q.Q4_1 else " (requantized)"): 1} \
+        if mode == "int4" else {f"{qtype.name} -> int8": 7 * 2 + 2}
+    # written where they are served: every matrix's buffers in the loader's 2 MB-page arena, each fused module's parts
+    # back to back in its own buffers (joined without a copy), so nothing is left for place_weights to copy
+    buffers = [b for m in model.modules() if isinstance(m, QuantLinear) for b in m.buffers()]
+    assert buffers and all(huge_pages.on_huge_pages(b) for b in buffers) == hasattr(mmap, "MADV_HUGEPAGE")
+    assert len({b.untyped_storage().data_ptr() for b in buffers}) == 1
+    fused = model.layers[0].attention.wqkv
+    weights = fused.nibbles if mode == "int4" else fused.weight
+    assert weights.shape[0] * 8 == fused.out_features == 256 + 2 * 128 and weights.is_contiguous()
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        assert huge_pages.place_weights(model) < 4096  # the norms only
+
+
+def test_q4_k_m_mix_per_tensor_with_fused_parts_in_one_format(tmp_path):
+    """Q4_K_M's pattern: Q4_K matrices, Q6_K attn_v and ffn_down in some layers, a Q6_K head. Under auto each keeps
+    its own precision; a fused module whose parts differ (q/k Q4_K beside a Q6_K v) is int8 as a whole."""
+    hf = save_tiny_llama(tmp_path / "hf", hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=512, num_hidden_layers=2, tie_word_embeddings=False)
+
+    def q4_k_m(name: str):
+        if name == "output.weight" or name in ("blk.0.attn_v.weight", "blk.0.ffn_down.weight"):
+            return Q.Q6_K
+        return Q.Q4_K
+
+    values = write_typed(tmp_path / "m.gguf", hf, q4_k_m)
+    assert native_quantization(open_gguf(tmp_path / "m.gguf")) == "int4"  # what `auto` picks: the main type's
+    m = load_gguf(tmp_path / "m.gguf", quantization="int4", per_tensor=True)
+    assert isinstance(m.layers[0].attention.wqkv, Int8Linear) and isinstance(m.layers[1].attention.wqkv, Int4Linear)
+    assert isinstance(m.layers[0].feed_forward.w2, Int8Linear) and isinstance(m.layers[1].feed_forward.w2, Int4Linear)
+    assert isinstance(m.layers[0].feed_forward.w13, Int4Linear)
+    mix = m.weight_mix
+    assert mix["Q6_K -> int8 (requantized)"] == 3  # attn_v and ffn_down of block 0, the head
+    assert mix["Q4_K -> int8 (requantized)"] == 2  # block 0's attn_q and attn_k, beside their Q6_K attn_v
+    assert mix["Q4_K -> int4 (float16 scales)"] == 2 * 7 - 4 + 1  # the other block matrices and the untied table
+    for name, (want, qtype) in values.items():
+        if name.startswith("blk."):
+            layer, rows = layer_of(m, name)
+            kind = Q.Q6_K if isinstance(layer, Int8Linear) else Q.Q4_K
+            assert (np.abs(layer.dequantize()[rows].numpy() - want) <= bound(kind, want) + bound(Q.Q6_K, want)).all()
+    tokens = torch.tensor([[1, 5, 9, 200, 7]])
+    with torch.no_grad():
+        ref = load_gguf(tmp_path / "m.gguf")(tokens)  # the file's values in float32
+        got = m(tokens)
+    assert ((got - ref).abs().max() / ref.abs().max()).item() < 0.1  # (activations rounded to int8 by the kernels)
+
+
+def test_tied_quantized_table_is_the_head(tmp_path):
+    hf = save_tiny_llama(tmp_path / "hf", tie_word_embeddings=True)
+    write_tiny_gguf(tmp_path / "m.gguf", hf, qtype_for=lambda n, w: Q.Q8_0)
+    m = load_gguf(tmp_path / "m.gguf", quantization="int8", per_tensor=True)
+    assert isinstance(m.tok_embeddings, QuantEmbedding) and m.tok_embeddings.table is m.output
+    tokens = torch.arange(hf.config.vocab_size)
+    assert torch.equal(m.tok_embeddings(tokens), m.output.dequantize())  # gathered rows: the head's, bit for bit
+    ref = load_gguf(tmp_path / "m.gguf")
+    assert torch.equal(m.tok_embeddings(tokens), ref.tok_embeddings(tokens))  # Q8_0: the file's exact values

@@ -1,0 +1,96 @@
+"""The CUDA decode-attention kernel (model/kernels/triton_attention.py) on CPU, through Triton's interpreter: in a
+subprocess, because TRITON_INTERPRET must be set before triton is imported (tests/triton_interpret_check.py)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton", reason="triton (a test dependency, shipped with PyTorch's CUDA builds) is not installed")
+
+
+def test_triton_paged_decode_attention_in_the_interpreter():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    script = Path(__file__).parents[1] / "triton_interpret_check.py"
+    r = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
+    print(r.stdout)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "Triton path == gather path" in r.stdout
+    assert "Triton's TELEMETRY variant == the reference" in r.stdout
+    assert "kv_window engine with telemetry: Triton path == gather path" in r.stdout
+
+
+def _fresh(monkeypatch):
+    """triton_attention with no launch checked yet, and CPU tensors eligible (as under the interpreter)."""
+    from model.kernels import triton_attention as ta
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(ta, "_checked", {})
+    return ta
+
+
+def test_a_failing_first_launch_falls_back_to_gather_with_one_log_line(monkeypatch, caplog):
+    """What PyTorch's CUDA runtime image did on the first decode step (no C compiler for Triton's launcher): now the
+    one-off launch in `available` meets it, logs once, and the gather + SDPA path serves."""
+    import torch
+
+    from model import kernels
+    from model.kernels import ops
+
+    ta = _fresh(monkeypatch)
+    launches = []
+
+    def no_compiler(*args):
+        launches.append(args)
+        raise RuntimeError("Failed to find C compiler. Please specify via CC environment variable.")
+
+    monkeypatch.setattr(ta, "_launch", no_compiler)
+    q, pool = torch.zeros(3, 4, 16), torch.zeros(8, 16, 2, 16)  # (N, H, E), (NB, bs, K, E)
+    with caplog.at_level(logging.INFO, logger=ta.__name__):
+        assert not ta.available(q, 16)
+        assert not ta.available(q, 16)  # once per process, device and dtype: no second launch, no second line
+        with kernels.disabled():  # the engine's choice (native CPU kernel off): no in-place kernel, so gather + SDPA
+            assert ops.decode_attention_backend(q, pool) == "torch"
+    assert len(launches) == 1
+    [record] = caplog.records
+    assert record.levelno == logging.WARNING
+    assert "failed its first launch" in record.message and "Failed to find C compiler" in record.message
+    assert record.message.endswith("decode attention uses gather + SDPA")
+    assert not ta.available(q.bfloat16(), 16) and len(launches) == 2  # another dtype: its own launch
+
+
+def test_a_first_launch_with_wrong_numbers_falls_back(monkeypatch, caplog):
+    ta = _fresh(monkeypatch)
+    monkeypatch.setattr(ta, "_launch", lambda *args: None)  # "runs", writes nothing: out stays zeros
+    import torch
+
+    with caplog.at_level(logging.WARNING, logger=ta.__name__):
+        assert not ta.available(torch.zeros(1, 2, 16), 16)
+    assert "differs from SDPA" in caplog.records[0].message
+
+
+def test_triton_is_pointed_at_a_linkable_libcuda(tmp_path, monkeypatch):
+    """Triton links its launcher with -lcuda: it needs libcuda.so, not just the driver's libcuda.so.1."""
+    from model.kernels import triton_attention as ta
+
+    driver = tmp_path / "driver"
+    driver.mkdir()
+    (driver / "libcuda.so.1").write_bytes(b"")
+    monkeypatch.setenv("LD_LIBRARY_PATH", str(driver))
+    monkeypatch.setenv("TRITON_LIBCUDA_PATH", "")
+    assert str(driver) in ta._libcuda_dirs()  # found as Triton finds it (the linker cache, then LD_LIBRARY_PATH)
+    monkeypatch.setattr(ta, "_libcuda_dirs", lambda: [str(driver)])
+    ta._point_triton_at_libcuda()  # only libcuda.so.1 there: a private directory with the symlink
+    link = Path(os.environ["TRITON_LIBCUDA_PATH"]) / "libcuda.so"
+    assert link.is_symlink() and os.readlink(link) == str(driver / "libcuda.so.1")
+    (driver / "libcuda.so").symlink_to("libcuda.so.1")  # as driver installs and the NVIDIA container toolkit do
+    monkeypatch.setenv("TRITON_LIBCUDA_PATH", "")
+    ta._point_triton_at_libcuda()
+    assert os.environ["TRITON_LIBCUDA_PATH"] == str(driver)
+    ta._point_triton_at_libcuda()  # set already (by the user or before): left alone
+    assert os.environ["TRITON_LIBCUDA_PATH"] == str(driver)

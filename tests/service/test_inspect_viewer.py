@@ -1,0 +1,263 @@
+"""The inspect viewer in a real headless browser (Debian's chromium driven by Playwright), on the default model:
+type the prompt, run it, and read the heatmap, its colour legend, the massive-activation table and the plots off
+the page.
+
+The README's screenshot (docs/images/viewer.png) is taken here. Every run writes a fresh one to the artifacts
+folder; UPDATE_SCREENSHOTS=1 also replaces the committed image and its sidecar (viewer.png.json), which records a
+hash of the viewer's sources that produced it. `test_committed_screenshot_is_current` (no browser needed) fails when
+those sources changed and the image was not taken again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+STATIC = ROOT / "service" / "static"
+SCREENSHOT = ROOT / "docs" / "images" / "viewer.png"
+SIDECAR = SCREENSHOT.with_name(SCREENSHOT.name + ".json")
+PATCH_SCREENSHOT = ROOT / "docs" / "images" / "patching.png"
+PATCH_SIDECAR = PATCH_SCREENSHOT.with_name(PATCH_SCREENSHOT.name + ".json")
+ARTIFACTS = Path(os.environ.get("LLAMASCOPE_SCREENSHOT_DIR") or ROOT / "tests" / "artifacts")
+REGENERATE = "UPDATE_SCREENSHOTS=1 .venv/bin/python -m pytest tests/service/test_inspect_viewer.py"
+
+CHROMIUM = os.environ.get("LLAMASCOPE_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
+# Flags for a closed network: without the background-networking ones chromium keeps dialing out and stalls.
+ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+        "--disable-component-update", "--disable-sync", "--disable-dev-shm-usage"]
+
+needs_chromium = pytest.mark.skipif(
+    CHROMIUM is None, reason="no chromium on PATH: install Debian's `chromium` package (.ci/run does) to run the viewer test")
+
+
+def sources_sha256() -> str:
+    """What the viewer looks like is decided by service/static/*: one hash over their names and bytes."""
+    h = hashlib.sha256()
+    for f in sorted(STATIC.iterdir()):
+        h.update(f.name.encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def file_sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.fixture
+def page():
+    sync_api = pytest.importorskip("playwright.sync_api", reason="the `playwright` package is in the test extra")
+    with sync_api.sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=ARGS)
+        try:
+            yield browser.new_page(viewport={"width": 1280, "height": 1100})
+        finally:
+            browser.close()
+
+
+def open_and_run(server, page) -> list[str]:
+    """Open the viewer, inspect the Summer prompt, wait for the table; -> the page's errors (filled as they come)."""
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.goto(server.url + "/inspect/ui")
+    page.fill("#prompt", "Summer is warm. Winter is cold.\n")
+    page.click("#run")
+    page.wait_for_selector("#massive tbody tr[data-dim]", timeout=60_000)
+    return errors
+
+
+@needs_chromium
+def test_viewer_shows_heatmap_and_massive_activations(server, page):
+    errors = open_and_run(server, page)
+
+    # the massive-activation table: token 0 ("Summer"), dim 507, in blocks 11..27
+    rows = page.eval_on_selector_all("#massive tbody tr", "rs => rs.map(r => [...r.cells].map(c => c.textContent))")
+    assert {int(r[0]) for r in rows} == set(range(11, 28))
+    assert all(r[1] == "0" and r[2] == '"Summer"' and r[3] == "507" and abs(float(r[4])) > 2e4 for r in rows)
+
+    # the heatmap canvas was drawn, with ink in it: count non-white pixels
+    assert page.get_attribute("#heatmap", "data-drawn") == "1"
+    ink = page.evaluate("""() => {
+        const c = document.getElementById('heatmap'), d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
+        let n = 0; for (let i = 0; i < d.length; i += 4) if (d[i] < 250 || d[i + 1] < 250 || d[i + 2] < 250) n++;
+        return n; }""")
+    assert ink > 1000
+
+    # the colour legend: its bar runs from white (weight 0) to the heatmap's deep orange (the map's largest weight,
+    # its last tick)
+    assert page.get_attribute("#heatmap-legend", "data-max") in page.text_content("#map-info")
+    ends = page.evaluate("""() => {
+        const c = document.getElementById('heatmap-legend'), ctx = c.getContext('2d'), y = 21;
+        return [[...ctx.getImageData(11, y, 1, 1).data], [...ctx.getImageData(c.width - 12, y, 1, 1).data]]; }""")
+    white, orange = ends[0][:3], ends[1][:3]
+    assert min(white) >= 250 and all(abs(a - b) <= 2 for a, b in zip(orange, (194, 65, 12))), ends
+    # the page links to the definitions
+    docs = page.get_attribute("#docs-link", "href")
+    assert docs == "/inspect/ui/docs" and "Massive activation" in page.request.get(server.url + docs).text()
+
+    assert "9 tokens" in page.text_content("#status")
+
+    # one click re-runs the prompt with the block-11 entry set to zero: before / after side by side
+    intervene(page, 11, "zero")
+    before, after = ppl(page, "before"), ppl(page, "after")
+    assert after > 1000 * before, (before, after)  # Sun et al.: zeroing the massive activation wrecks the model
+    assert page.get_attribute("#after", "data-massive") == "0" and page.get_attribute("#before", "data-massive") == "17"
+    assert len(page.query_selector_all("#before ol.top5 li")) == 5 == len(page.query_selector_all("#after ol.top5 li"))
+    sinks = {side: json.loads(page.get_attribute(f"#{side}", "data-sinks")) for side in ("before", "after")}
+    assert sinks["before"][:12] == pytest.approx(sinks["after"][:12], abs=1e-6)  # untouched up to the edited block
+    assert max(abs(a - b) for a, b in zip(sinks["before"][12:], sinks["after"][12:])) > 0.3
+    for side in ("before", "after"):
+        assert canvas_ink(page, f"#{side} canvas.magnitudes") > 500 and canvas_ink(page, f"#{side} canvas.sinks") > 200
+
+    # the README's picture: the default view (last block, head 0) and the zero ablation's before / after
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    fresh = ARTIFACTS / SCREENSHOT.name
+    page.screenshot(path=str(fresh), full_page=True)
+    assert fresh.stat().st_size > 10_000
+    if os.environ.get("UPDATE_SCREENSHOTS") == "1":
+        shutil.copyfile(fresh, SCREENSHOT)
+        SIDECAR.write_text(json.dumps({
+            "sources": "service/static/*", "sources_sha256": sources_sha256(), "image_sha256": file_sha256(SCREENSHOT),
+            "taken_by": "tests/service/test_inspect_viewer.py", "regenerate": REGENERATE}, indent=2) + "\n")
+
+    # choosing another layer and head redraws; hovering a cell reads its value
+    page.select_option("#layer", "3")
+    page.select_option("#head", "2")
+    assert "sink" in page.text_content("#map-info")
+    box = page.locator("#heatmap").bounding_box()
+    page.mouse.move(box["x"] + box["width"] * 0.5, box["y"] + box["width"] * 0.45)
+    assert "weight" in page.text_content("#tooltip")
+    assert "perplexity" in page.text_content("#status")
+
+    page.screenshot(path=str(ARTIFACTS / "viewer-hover.png"), full_page=True)
+    assert not errors, errors
+
+
+def intervene(page, layer: int, kind: str) -> None:
+    page.evaluate("() => { document.getElementById('compare').dataset.kind = ''; }")
+    page.click(f"#massive tbody tr[data-layer='{layer}'] button.{kind}")
+    page.wait_for_function(f"() => document.getElementById('compare').dataset.kind === '{kind}'", timeout=120_000)
+
+
+def ppl(page, side: str) -> float:
+    return float(page.get_attribute(f"#{side} .ppl-value", "data-value"))
+
+
+def canvas_ink(page, selector: str) -> int:
+    return page.evaluate("""(sel) => {
+        const c = document.querySelector(sel), d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
+        let n = 0; for (let i = 0; i < d.length; i += 4) if (d[i + 3] > 0 && (d[i] < 240 || d[i + 1] < 240 || d[i + 2] < 240)) n++;
+        return n; }""", selector)
+
+
+@needs_chromium
+def test_viewer_mean_ablation_keeps_the_model(server, page):
+    """"mean" sets the entry to its mean over the reference sentences (read through /inspect's hidden states): the
+    prompt's perplexity barely moves and the massive activation stays."""
+    errors = open_and_run(server, page)
+    intervene(page, 11, "mean")
+    before, after = ppl(page, "before"), ppl(page, "after")
+    assert abs(after / before - 1) < 0.05, (before, after)
+    assert "its mean" in page.text_content("#compare-what")
+    assert page.get_attribute("#after", "data-massive") == "17"
+    assert not errors, errors
+
+
+@needs_chromium
+def test_viewer_live_mode_streams_tokens_with_their_sink_mass(server, page):
+    """Live mode: type a prompt, generate, and watch the tokens arrive each with its per-layer sink mass (the
+    telemetry the decode kernels record, `inspect: {"stream": true}`), drawn as a layers x tokens strip."""
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.goto(server.url + "/inspect/ui")
+    page.fill("#prompt", "Summer is warm. Winter is cold.\n")
+    page.fill("#max-tokens", "12")
+    page.click("#live")
+    page.wait_for_selector("#live-sinks[data-tokens='12']", timeout=120_000)
+    assert page.get_attribute("#live-sinks", "data-layers") == "30"
+    sinks = page.eval_on_selector_all("#live-tokens span:not(.prompt)", "s => s.map(e => e.dataset.sinks.split(',').map(Number))")
+    assert len(sinks) == 12 and all(len(s) == 30 and all(0 <= v <= 1 for v in s) for s in sinks)
+    assert min(sinks[0][3:10]) > 0.5, sinks[0]  # the default model's sink: blocks 3-9 look mostly at token 0
+    ink = page.evaluate("""() => {
+        const c = document.getElementById('live-sinks'), d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
+        let n = 0; for (let i = 0; i < d.length; i += 4) if (d[i] < 250 || d[i + 1] < 250 || d[i + 2] < 250) n++;
+        return n; }""")
+    assert ink > 1000
+    assert "12 tokens streamed" in page.text_content("#status")
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "viewer-live.png"), full_page=True)
+    assert not errors, errors
+
+
+@needs_chromium
+def test_viewer_reports_api_errors(server, page):
+    page.goto(server.url + "/inspect/ui")
+    page.fill("#prompt", "")
+    page.click("#run")
+    page.wait_for_selector("#status.error", timeout=30_000)
+    assert "prompt" in page.text_content("#status")  # the 400 envelope's message, naming the field
+
+
+@needs_chromium
+def test_viewer_patching_tab_draws_the_worked_example(server, page):
+    """The patching tab on docs/inspection.md's worked example (its default prompts and answers): one heatmap of
+    every block's output (rows) at every token (columns), the colour legend from the corrupted run (0) to the clean
+    one (1), the two baselines, and each cell's values on hover. docs/images/patching.png is taken here."""
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.goto(server.url + "/inspect/ui#patch")
+    assert page.is_visible("#patch-main") and not page.is_visible("#inspect-main")
+    assert page.input_value("#patch-clean") == "The Eiffel Tower is in the city of"
+    page.click("#patch-run")
+    page.wait_for_selector("#patch-panels[data-cells='270']", timeout=600_000)  # 30 blocks x 9 tokens
+    assert page.text_content("#patch-panels h3") == "block_output"
+    assert "clean" in page.text_content("#patch-baselines") and "corrupted" in page.text_content("#patch-baselines")
+    assert canvas_ink(page, "#patch-panels canvas") > 2000
+    # the legend's bar runs from blue (below 0) through white (0, the corrupted run) to orange (1, the clean run)
+    ends = page.evaluate("""() => {
+        const c = document.getElementById('patch-legend'), ctx = c.getContext('2d'), y = 10;
+        return [[...ctx.getImageData(41, y, 1, 1).data], [...ctx.getImageData(c.width - 42, y, 1, 1).data]]; }""")
+    assert ends[0][2] > 200 and ends[0][0] < 100 and all(abs(a - b) <= 3 for a, b in zip(ends[1][:3], (194, 65, 12))), ends
+    # hover the last block at the last token: that cell is the clean run's final residual stream, exactly 1
+    panel = page.locator("#patch-panels canvas")
+    box = panel.bounding_box()
+    panel.hover(position={"x": box["width"] - 3, "y": box["height"] - 3})  # scrolls it into view first
+    tip = page.text_content("#patch-tooltip")
+    assert "block 29" in tip and "token 8" in tip and "normalised 1.0000" in tip, tip
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    fresh = ARTIFACTS / PATCH_SCREENSHOT.name
+    page.locator("main#patch-main").screenshot(path=str(fresh))
+    assert fresh.stat().st_size > 10_000
+    if os.environ.get("UPDATE_SCREENSHOTS") == "1":
+        shutil.copyfile(fresh, PATCH_SCREENSHOT)
+        PATCH_SIDECAR.write_text(json.dumps({
+            "sources": "service/static/*", "sources_sha256": sources_sha256(), "image_sha256": file_sha256(PATCH_SCREENSHOT),
+            "taken_by": "tests/service/test_inspect_viewer.py", "regenerate": REGENERATE}, indent=2) + "\n")
+    assert not errors, errors
+
+
+@needs_chromium
+def test_viewer_patching_tab_reports_errors_naming_the_field(server, page):
+    page.goto(server.url + "/inspect/ui#patch")
+    page.fill("#patch-corrupted", "The Colosseum in Rome is in the city of")
+    page.click("#patch-run")
+    page.wait_for_selector("#patch-status.error", timeout=30_000)
+    assert page.text_content("#patch-status").startswith("corrupted:")
+
+
+@pytest.mark.parametrize("image,sidecar", [(SCREENSHOT, SIDECAR), (PATCH_SCREENSHOT, PATCH_SIDECAR)],
+                         ids=["viewer", "patching"])
+def test_committed_screenshot_is_current(image, sidecar):
+    """The docs' screenshots were taken from the viewer's current sources (checked without a browser, so a change
+    to the viewer cannot leave a picture stale even where chromium is missing)."""
+    assert sidecar.is_file(), f"{sidecar.relative_to(ROOT)} is missing: take the screenshot with {REGENERATE}"
+    recorded = json.loads(sidecar.read_text())
+    assert recorded["sources_sha256"] == sources_sha256(), (
+        f"the viewer's sources (service/static/*) changed since {image.relative_to(ROOT)} was taken: "
+        f"regenerate with {REGENERATE}, look at the image, and commit it with its sidecar")
+    assert recorded["image_sha256"] == file_sha256(image), (
+        f"{image.relative_to(ROOT)} is not the image the viewer test took: regenerate with {REGENERATE}")
