@@ -19,6 +19,7 @@ from torch import Tensor
 from model.edits import StepEdits
 from model.engine.paged_cache import AttentionMetadata, SeqSlice, prefill_chunk
 from model.engine.request import Sequence
+from model.engine.sampler import SamplingRow
 from model.engine.scheduler import ScheduledSeq
 
 
@@ -43,6 +44,9 @@ class StepBatch:
     slices: list[SeqSlice]  # the same, as plain data (tensor-parallel ranks rebuild the metadata from it)
     # (sequence, logits row) to sample this step: one per sequence that caught up, 1 + its drafts for a drafting one
     sample: list[tuple[Sequence, int]] = field(default_factory=list)
+    # what the sampler reads of each of those rows (its parameters, the tokens so far, the seeded generator, the ids
+    # that end it): the rows' sampling state, the runner's to hand to the sampler
+    sampling: list[SamplingRow] = field(default_factory=list)
     prompt_logprobs: list[PromptLogprobRows] = field(default_factory=list)
     edits: StepEdits | None = None  # the rows' interventions and hidden-state reads (model/edits.py), if any
 
@@ -76,6 +80,7 @@ class InputBuffers:
         np_, bs = self.np, self.block_size
         slices: list[SeqSlice] = []
         sample: list[tuple[Sequence, int]] = []
+        sampling: list[SamplingRow] = []
         prompt_rows: list[PromptLogprobRows] = []
         prefill: list[SeqSlice] = []
         off = m = r = 0
@@ -114,8 +119,10 @@ class InputBuffers:
                 m += count
             if start + n == seq.num_tokens:  # caught up: its next token is sampled from this step's last row, and
                 # with drafts each draft is checked against the row before it: the last 1 + drafts rows are sampled
-                for i in range(n - 1 - len(seq.draft_token_ids), n):
+                d = len(seq.draft_token_ids)
+                for i in range(n - 1 - d, n):
                     sample.append((seq, m))
+                    sampling.append(_sampling_row(seq, i - (n - 1 - d)))
                     np_["logits_rows"][m] = off + i
                     m += 1
             off += n
@@ -129,4 +136,13 @@ class InputBuffers:
             slot_mapping=d["slots"][:off], decode_rows=d["decode_rows"][:r], decode_tables=d["decode_tables"][:r],
             decode_lens=d["decode_lens"][:r], prefills=[prefill_chunk(p, bs, dev) for p in prefill],
         )
-        return StepBatch(d["tokens"][:off], d["positions"][:off], d["logits_rows"][:m], meta, slices, sample, prompt_rows)
+        return StepBatch(d["tokens"][:off], d["positions"][:off], d["logits_rows"][:m], meta, slices, sample, sampling,
+                         prompt_rows)
+
+
+def _sampling_row(seq: Sequence, i: int) -> SamplingRow:
+    """The sampling row of `seq`'s i-th sampled row this step. A drafting sequence's rows are sampled as if the drafts
+    before each were accepted (their tokens count as output for penalties): the only case in which that row's token
+    is kept (`Engine._resolve_drafts`)."""
+    output = seq.output_token_ids + seq.draft_token_ids[:i] if i else seq.output_token_ids
+    return SamplingRow(seq.request.params, seq.prompt_token_ids, output, seq.sampling.generator, seq.sampling.stop_ids)

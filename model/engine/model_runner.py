@@ -34,7 +34,7 @@ from model.engine.input_batch import InputBuffers, StepBatch
 from model.engine.native_decode import NativeDecode
 from model.engine.paged_cache import PagedKVCache
 from model.engine.request import Sequence
-from model.engine.sampler import Sampler, SamplingRow, TokenLogprobs, prompt_logprobs
+from model.engine.sampler import Sampler, TokenLogprobs, prompt_logprobs
 from model.engine.scheduler import ScheduledSeq
 from model.engine.telemetry import TokenTelemetry, step_telemetry
 
@@ -108,7 +108,7 @@ class ModelRunner:
             out.prompt_logprobs.append(
                 (p.seq, prompt_logprobs(logits[p.row : p.row + p.count], targets, p.seq.request.params.prompt_logprobs)))
         if batch.sample:
-            rows = _sampling_rows(batch.sample)
+            rows = batch.sampling
             # without prompt-logprob rows, the logits rows are the sampling rows in order
             picked = _rows(logits, [r for _, r in batch.sample],
                            identity=not batch.prompt_logprobs and logits.shape[0] == len(batch.sample))
@@ -129,19 +129,6 @@ class ModelRunner:
         if path == "native":
             return self.native.run(batch, ctx)
         return self.model(batch.tokens[None], batch.positions[None], ctx, logits_indices=batch.logits_rows)[0]
-
-
-def _sampling_rows(sample: list[tuple[Sequence, int]]) -> list[SamplingRow]:
-    """One sampling row per sampled logits row. A drafting sequence's rows are sampled as if the drafts before each
-    were accepted (their tokens count as output for penalties): the only case in which that row's token is kept."""
-    rows, prev, i = [], None, 0
-    for seq, _ in sample:
-        i = i + 1 if seq is prev else 0
-        prev = seq
-        output = seq.output_token_ids + seq.draft_token_ids[:i] if i else seq.output_token_ids
-        rows.append(SamplingRow(seq.request.params, seq.prompt_token_ids, output, seq.sampling.generator,
-                                seq.sampling.stop_ids))
-    return rows
 
 
 def _segments(scheduled: list[ScheduledSeq], batch: StepBatch) -> list[Segment]:
