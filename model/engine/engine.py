@@ -54,7 +54,7 @@ class EngineConfig:
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 512
     max_waiting: int = 256
-    max_background_tokens: int = 16  # tokens a step for background rows (patching sweeps) while others run or wait
+    max_background_tokens: int = 4  # tokens a step for background rows (patching sweeps) while others run or wait
     max_model_len: int | None = None  # default: the model's context length, clamped to the KV pool
     enable_prefix_caching: bool = True
     max_logprobs: int = 20

@@ -23,7 +23,9 @@ from model.engine.kv_cache_manager import KVCacheManager
 from model.engine.request import Sequence, SequenceStatus
 
 
-BACKGROUND_IDLE_FACTOR = 8
+# 4 (and max_background_tokens 4): completions beside a patching sweep stay within 1.7x of their latency alone while
+# the sweep keeps its speed (docs/performance.md, "Activation patching")
+BACKGROUND_IDLE_FACTOR = 4
 
 
 class QueueFullError(RuntimeError):
