@@ -20,7 +20,7 @@ class CompletionChoices:
         self.rid, self.created, self.model = rid, now(), model
         self.count = len(prompts) * n  # choice index = prompt index * n + choice (OpenAI's order)
         self._started: set[int] = set()  # streamed choices whose first chunk went out
-        self._texts = {c: self._echo_text(c) for c in range(self.count)}
+        self._texts: dict[int, str] = {}  # collected: each choice's text so far, its echoed prompt first
         self._lps: dict[int, LegacyLogprobs | None] = {}
         self._hidden: dict[int, list] = {c: [] for c in range(self.count)}
 
@@ -50,6 +50,8 @@ class CompletionChoices:
     # ---- collected ------------------------------------------------------------------------------------------
 
     def add(self, choice: int, out: RequestOutput) -> None:
+        if choice not in self._texts:
+            self._texts[choice] = self._echo_text(choice)
         self._texts[choice] += out.text
         if choice not in self._lps:
             self._lps[choice] = self._echo_logprobs(choice, out)
@@ -61,7 +63,8 @@ class CompletionChoices:
         choices = []
         for c in range(self.count):
             lp = self._lps.get(c)
-            choice = {"index": c, "text": self._texts[c], "logprobs": lp.as_dict() if lp else None,
+            text = self._texts[c] if c in self._texts else self._echo_text(c)
+            choice = {"index": c, "text": text, "logprobs": lp.as_dict() if lp else None,
                       "finish_reason": reasons.get(c)}
             if self.hidden_dtype is not None:
                 choice["hidden_states"] = encode_hidden(merge_hidden(self._hidden[c]), self.hidden_dtype)

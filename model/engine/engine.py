@@ -120,7 +120,7 @@ class Engine:
             scratch_block=num_blocks if graphs else None, structured=self.structured,
         )
         self.context_shift = ContextShift(model, self.cache)  # windowed sequences' evictions (kv_window.py)
-        self.output = OutputProcessor(tokenizer, model.device, self.max_model_len)
+        self.output = OutputProcessor(tokenizer, self.max_model_len)
         self.requests: dict[str, Request] = {}
         self._next_seq_id = 0
         self.distributed = getattr(model, "world_size", 1) > 1  # tensor parallelism: step failures are fatal

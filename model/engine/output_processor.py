@@ -61,8 +61,8 @@ class Finish:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Tokenizer, device: torch.device, max_model_len: int) -> None:
-        self.tokenizer, self.device, self.max_model_len = tokenizer, device, max_model_len
+    def __init__(self, tokenizer: Tokenizer, max_model_len: int) -> None:
+        self.tokenizer, self.max_model_len = tokenizer, max_model_len
 
     def new_state(self, params: SamplingParams) -> OutputState:
         return OutputState(
