@@ -11,10 +11,10 @@ import dataclasses
 from functools import lru_cache
 from typing import Literal, NoReturn, get_args, get_origin
 
-from pydantic import Field, SecretStr, ValidationError
+from pydantic import Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from model.engine import EngineConfig
+from model.engine import EngineConfig, SpeculativeConfig
 
 
 class Settings(BaseSettings):
@@ -54,6 +54,13 @@ class Settings(BaseSettings):
     max_window_tokens: int = Field(
         1 << 17, ge=1, description="largest max_tokens of a request with a kv_window: its cache stays bounded, its "
         "run time does not")
+    speculative_config: str | None = Field(
+        None, description="speculative decoding, as a JSON object shaped like vLLM's: "
+        '{"method": "ngram", "num_speculative_tokens": 4} (prompt lookup; prompt_lookup_max / prompt_lookup_min) or '
+        '{"method": "draft_model", "model": "self" or a path, "quantization": "int4", "num_speculative_tokens": 4}; '
+        "disable_by_batch_size: no drafting from that many running sequences (default 8). Output is unchanged: "
+        "drafts are verified in the engine's own step (docs/engine.md)",
+        json_schema_extra={"shown_default": "none (off)"})
     enforce_eager: bool = Field(False, description="never capture decode steps as CUDA graphs, as CUDA otherwise does")
     api_key: SecretStr | None = Field(
         None, description="require `Authorization: Bearer <key>` on every endpoint but /health, the viewer page and, "
@@ -87,13 +94,19 @@ class Settings(BaseSettings):
         1, ge=1, description="processes the model is split across (one GPU each on CUDA; see docs/deployment.md)")
     shutdown_grace_seconds: float = Field(30.0, ge=0, description="on SIGTERM: 503 to new requests, in-flight ones get this "
                                           "long (less 1 s) to finish before they are ended with an error, then exit 0")
-
+    @field_validator("speculative_config")
+    @classmethod
+    def _speculative(cls, v: str | None) -> str | None:
+        if v is not None:
+            SpeculativeConfig.parse(v)  # a bad configuration stops the server at start, with the reason
+        return v
 
     def engine_config(self) -> EngineConfig:
         """The engine's configuration: the fields both have by name (the engine's defaults are these fields'),
-        and --enforce-eager as the decode-graph mode."""
+        --enforce-eager as the decode-graph mode and --speculative-config parsed."""
         shared = {f.name: getattr(self, f.name) for f in dataclasses.fields(EngineConfig) if f.name in type(self).model_fields}
-        return EngineConfig(**shared, decode_graphs="off" if self.enforce_eager else "auto")
+        speculative = SpeculativeConfig.parse(self.speculative_config) if self.speculative_config else None
+        return EngineConfig(**shared, decode_graphs="off" if self.enforce_eager else "auto", speculative=speculative)
 
 
 @lru_cache

@@ -37,6 +37,18 @@ class Metrics:
         self.waiting = Gauge(p + "num_requests_waiting", "sequences waiting to run", registry=r)
         self.kv_usage = Gauge(p + "kv_cache_usage_ratio", "fraction of KV blocks held by live sequences", registry=r)
         self.kv_blocks = Gauge(p + "kv_cache_blocks_in_use", "KV blocks held by live sequences", registry=r)
+        # speculative decoding (vLLM's vllm:spec_decode_* counters), counted when --speculative-config is on
+        self.spec_drafts = Counter(p + "spec_decode_num_drafts", "engine-step rows that verified drafts", registry=r)
+        self.spec_draft_tokens = Counter(p + "spec_decode_num_draft_tokens", "draft tokens verified", registry=r)
+        self.spec_accepted = Counter(p + "spec_decode_num_accepted_tokens", "draft tokens accepted", registry=r)
+        self.spec_emitted = Counter(p + "spec_decode_num_emitted_tokens", "tokens emitted by verifying rows "
+                                    "(accepted drafts + the token sampled after them)", registry=r)
+        self.spec_accepted_pos = Counter(p + "spec_decode_num_accepted_tokens_per_pos", "draft tokens accepted by "
+                                         "position in the row's drafts (0: the first)", ["position"], registry=r)
+        self.spec_drafted_pos = Counter(p + "spec_decode_num_draft_tokens_per_pos", "draft tokens verified by "
+                                        "position in the row's drafts; accepted / verified is the acceptance rate "
+                                        "per position", ["position"], registry=r)
+        self._last_spec = None
         self._last_preemptions = 0
         self._last_steps: dict[str, int] = {}
         # llamascope_process_resident_memory_bytes and friends (Linux /proc): the load harness reads RSS growth here
@@ -51,6 +63,18 @@ class Metrics:
         for path, n in stats.steps_by_path.items():
             self.steps.labels(path).inc(n - self._last_steps.get(path, 0))
         self._last_steps = dict(stats.steps_by_path)
+        if stats.spec_decode is not None:
+            self._count_speculation(stats.spec_decode)
+
+    def _count_speculation(self, now) -> None:
+        last = self._last_spec
+        for counter, name in ((self.spec_drafts, "num_drafts"), (self.spec_draft_tokens, "num_draft_tokens"),
+                              (self.spec_accepted, "num_accepted_tokens"), (self.spec_emitted, "num_emitted_tokens")):
+            counter.inc(getattr(now, name) - (getattr(last, name) if last is not None else 0))
+        for pos, (acc, drafted) in enumerate(zip(now.accepted_per_position, now.drafted_per_position)):
+            self.spec_accepted_pos.labels(str(pos)).inc(acc - (last.accepted_per_position[pos] if last else 0))
+            self.spec_drafted_pos.labels(str(pos)).inc(drafted - (last.drafted_per_position[pos] if last else 0))
+        self._last_spec = now
 
     def set_gauges(self, stats) -> None:
         """The gauges from an engine stats snapshot (a scrape refreshes them too: aborts move them between steps)."""

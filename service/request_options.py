@@ -35,7 +35,24 @@ def to_options(req: SamplingFields, state: Serving, params: SamplingParams, tele
     return RequestOptions(
         interventions=to_interventions(req.interventions, state.vectors, c.n_layers, c.dim),
         hidden_states=to_read(req.return_hidden_states, c.n_layers),
-        telemetry=telemetry, kv_window=kv_window(req, state, params.max_tokens), structured=structured)
+        telemetry=telemetry, kv_window=kv_window(req, state, params.max_tokens), structured=structured,
+        num_speculative_tokens=speculative_tokens(req, state))
+
+
+def speculative_tokens(req: SamplingFields, state: Serving) -> int | None:
+    """The request's cap on speculative drafts: 400 naming the field when the server does not speculate or drafts
+    fewer."""
+    k = req.num_speculative_tokens
+    if not k:
+        return k
+    spec = state.speculative
+    if spec is None:
+        raise APIError(400, "num_speculative_tokens: speculative decoding is not configured on this server "
+                            "(--speculative-config)", param="num_speculative_tokens", code="invalid_value")
+    if k > spec["num_speculative_tokens"]:
+        raise APIError(400, f"num_speculative_tokens must be at most {spec['num_speculative_tokens']} (the server's "
+                            f"--speculative-config), got {k}", param="num_speculative_tokens", code="invalid_value")
+    return k
 
 
 def hidden_dtype(req: SamplingFields) -> str | None:

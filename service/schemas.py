@@ -180,6 +180,9 @@ class SamplingFields(BaseModel):
     return_hidden_states: HiddenStatesOptions | None = None
     # llamascope extension
     kv_window: KVWindowOptions | None = None
+    # llamascope extension: at most this many speculative drafts a step for this request (0: none); the server's
+    # --speculative-config when absent
+    num_speculative_tokens: Annotated[int, Field(ge=0, le=16)] | None = None
     # structured outputs: OpenAI's field, vLLM's, and vLLM's older guided_* (at most one constraint per request)
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsParams | None = None

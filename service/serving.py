@@ -31,6 +31,7 @@ class Serving:
         self.max_model_len: int = state.max_model_len  # prompt + max_tokens, clamped to the KV pool at start-up
         self.vectors: VectorStore = state.vectors  # stored vectors interventions name (thread-safe)
         self.precision: dict = state.precision  # {"quantization": ..., "dtype": ...} as served
+        self.speculative: dict | None = state.speculative  # --speculative-config as served, or None
 
     @property
     def draining(self) -> bool:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from model.engine import AsyncEngine
-from model.engine import Engine, KVWindow
+from model.engine import Engine, KVWindow, SpeculativeConfig
 from model.loaders import LoadedModel, load_model
 from model.parallel import TPModel, launch
 from model.dtypes import DTYPES
@@ -36,6 +36,7 @@ class ServingState:
     on_fatal: Callable[[], None] | None = None  # set by the real server (service/shutdown.py): stop with exit code 1
     view: Any = None  # the routes' narrow view of this state (service/serving.py), made once the engine runs
     vectors: VectorStore = field(default=None)  # named steering vectors (service/vectors.py)
+    speculative: dict | None = None  # --speculative-config as served (/v1/models), None when off
 
     def __post_init__(self) -> None:
         if self.vectors is None:
@@ -77,7 +78,8 @@ class ServingState:
             c = loaded.model.config
             for spec in control_vector_specs(s.control_vector):  # llama.cpp control vectors, stored by name
                 self.vectors.add(load_control_vector(spec, c.n_layers, c.dim))
-            core = Engine(loaded.model, loaded.tokenizer, config)
+            draft = _load_draft(config.speculative, loaded, s) if config.speculative is not None else None
+            core = Engine(loaded.model, loaded.tokenizer, config, draft_model=draft)
             if s.kv_window is not None:  # the default window must fit this engine: refuse to start, not every request
                 core.check_window(KVWindow(s.sink_tokens, s.kv_window))
             engine = AsyncEngine(core)
@@ -85,8 +87,11 @@ class ServingState:
             engine.on_dead = self._engine_died
             engine.start()
             self.loaded, self.model_name = loaded, s.served_model_name or loaded.name
+            self.speculative = config.speculative.to_dict() if config.speculative is not None else None
             self.engine = engine
             log.info("serving %s: %s", self.model_name, _precision(loaded))
+            if self.speculative is not None:
+                log.info("speculative decoding: %s", self.speculative)
         except Exception as e:  # a load failure keeps /health at 503 with the reason, and is logged once
             if loaded is not None and isinstance(loaded.model, TPModel) and self.engine is None:
                 loaded.model.close()
@@ -138,6 +143,26 @@ class ServingState:
                 log.warning("engine thread still running; tensor-parallel workers exit with this process")
             else:
                 self.loaded.model.close()
+
+
+def _load_draft(spec: SpeculativeConfig, target: LoadedModel, s: Settings) -> torch.nn.Module:
+    """The draft model of a draft_model speculative configuration: the served checkpoint again at another
+    quantization ("self"), or another checkpoint, which must tokenize as the served one does (ValueError)."""
+    if s.tensor_parallel_size > 1:
+        raise ValueError("--speculative-config: a draft model with --tensor-parallel-size > 1 is not supported "
+                         "(the ngram method is)")
+    path = s.model if spec.model == "self" else spec.model
+    model = target.model
+    draft = load_model(path, model.dtype, model.device, quantization=spec.quantization or "auto")
+    V, Vd = model.config.vocab_size, draft.model.config.vocab_size
+    probe = "Speculative decoding checks 12 tokens, ünïcödé and <|im_end|> too."
+    if Vd != V or draft.tokenizer.encode(probe) != target.tokenizer.encode(probe) \
+            or draft.tokenizer.stop_ids != target.tokenizer.stop_ids:
+        raise ValueError(f"--speculative-config: the draft model {spec.model!r} has another tokenizer or vocabulary "
+                         f"({Vd} tokens, the served model {V}): its drafts would mean other tokens")
+    log.info("draft model %s: %s, %.0f MB of weights, loaded in %.1f s", spec.model, _precision(draft)["quantization"],
+             draft.weight_bytes / 1e6, draft.load_seconds)
+    return draft.model
 
 
 def _precision(loaded: LoadedModel) -> dict:

@@ -22,10 +22,12 @@ from model.engine.output_processor import OutputProcessor, RequestOutput
 from model.engine.paged_cache import PagedKVCache, kv_config
 from model.engine.request import FinishReason, Request, Sequence, SequenceStatus
 from model.engine.request_options import PLAIN, RequestOptions
-from model.engine.sampler import Sampler, TokenLogprobs
+from model.engine.sampler import Sampler, TokenLogprobs, replay_noise
 from model.engine.sampling_params import SamplingParams
 from model.engine.scheduler import QueueFullError, ScheduledSeq, Scheduler, SchedulerConfig
 from model.engine.sequence_state import SamplingState
+from model.engine.speculative import Drafter, SpecDecodeStats, SpeculativeConfig
+from model.engine.speculative.build import build_speculator
 from model.engine.structured import StructuredOutputs
 from model.interventions import InterventionPlan
 from model.text.tokenizer import Tokenizer
@@ -64,6 +66,8 @@ class EngineConfig:
     # Pure decode steps through every block in one native call on CPU (model/engine/native_decode.py); False runs
     # them through the modules (tests compare the two).
     native_decode: bool = True
+    # Speculative decoding (model/engine/speculative/): drafts verified in the engine's own step; None: off
+    speculative: SpeculativeConfig | None = None
 
 
 @dataclass
@@ -77,6 +81,7 @@ class EngineStats:
     prefix_cache_queries: int  # prompt tokens admitted
     prefix_cache_hits: int  # of which served from cache
     steps_by_path: dict[str, int] = field(default_factory=dict)  # engine steps per execution path
+    spec_decode: SpecDecodeStats | None = None  # speculative decoding's counters, when configured
 
 
 def resolve_max_model_len(requested: int | None, model_len: int, pool_tokens: int) -> int:
@@ -95,7 +100,9 @@ def resolve_max_model_len(requested: int | None, model_len: int, pool_tokens: in
 
 
 class Engine:
-    def __init__(self, model: Transformer, tokenizer: Tokenizer, config: EngineConfig | None = None) -> None:
+    def __init__(self, model: Transformer, tokenizer: Tokenizer, config: EngineConfig | None = None,
+                 draft_model: Transformer | None = None) -> None:
+        """`draft_model`: the proposer's model when `config.speculative` is a draft_model method (same vocabulary)."""
         self.model, self.tokenizer = model, tokenizer
         self.config = config = config or EngineConfig()
         per_block = PagedKVCache.bytes_per_block(kv_config(model), config.block_size, model.dtype)  # per rank under TP
@@ -127,10 +134,17 @@ class Engine:
         # Test hook (fault injection): called with each step's scheduled sequences before the forward; whatever
         # it raises fails that step's requests exactly as a failing forward would.
         self.step_fault_hook: Callable[[list[ScheduledSeq]], None] | None = None
-        # Rows of several new tokens: called before each step with every decoding sequence that has no drafts, it
-        # returns tokens to verify after the sequence's last one (speculative decoding's proposer); None: one token
-        # a row. Drafts change no output: a draft is kept only where it equals the token sampled at its position.
-        self.drafter: Callable[[Sequence], list[int]] | None = None
+        # Rows of several new tokens: asked before each step for tokens to verify after each decoding sequence's
+        # last one (model/engine/speculative/drafter.py); None: one token a row. Drafts change no output: a draft is
+        # kept only where it equals the token sampled at its position.
+        self.drafter: Drafter | None = None
+        self._noise_states: dict[Sequence, torch.Tensor] = {}  # seeded drafting rows' generator before the step
+        if config.speculative is not None:
+            self.drafter = build_speculator(
+                config.speculative, draft_model, vocab_size=model.config.vocab_size, distributed=self.distributed,
+                num_blocks=num_blocks, block_size=config.block_size,
+                max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
+                max_model_len=self.max_model_len)
         log.info("engine: %d KV blocks of %d tokens (%.0f MB), max_model_len %d", num_blocks, config.block_size,
                  self.cache.nbytes / 1e6, self.max_model_len)
         self.runner.capture_graphs()
@@ -153,6 +167,7 @@ class Engine:
         c = self.model.config
         options.validate(c.n_layers)
         self._check_extensions(options)
+        self._check_speculation(options)
         P, total = len(prompt_token_ids), len(prompt_token_ids) + params.max_tokens
         if total > self.max_model_len and options.kv_window is None:  # a window's cache stays within the context
             raise ValueError(
@@ -199,6 +214,18 @@ class Engine:
         if options.telemetry is not None and self.distributed:
             raise ValueError("attention telemetry is not supported with tensor parallelism")
 
+    def _check_speculation(self, options: RequestOptions) -> None:
+        k = options.num_speculative_tokens
+        if k is None or k == 0:
+            return
+        spec = self.config.speculative
+        if spec is None:
+            raise ValueError("num_speculative_tokens: speculative decoding is not configured on this server "
+                             "(--speculative-config)")
+        if k > spec.num_speculative_tokens:
+            raise ValueError(f"num_speculative_tokens must be at most {spec.num_speculative_tokens} (the server's "
+                             f"--speculative-config), got {k}")
+
     def abort(self, request_id: str) -> list[RequestOutput]:
         """Cancel a request at any moment; its blocks return to the pool at once."""
         req = self.requests.pop(request_id, None)
@@ -226,6 +253,7 @@ class Engine:
             prefix_cache_queries=self.kv.num_prompt_tokens,
             prefix_cache_hits=self.kv.num_cached_prompt_tokens,
             steps_by_path=dict(self.runner.path_counts),
+            spec_decode=self.drafter.stats.copy() if isinstance(getattr(self.drafter, "stats", None), SpecDecodeStats) else None,
         )
 
     # ---- the step ---------------------------------------------------------------------------------------------
@@ -290,16 +318,28 @@ class Engine:
 
     def _propose_drafts(self) -> None:
         """Ask the drafter for tokens to verify after each decoding sequence's last one (rows of several tokens).
-        Not for sequences whose extras are per token (telemetry, hidden-state reads, a grammar) or that evict (a kv
-        window): those decode one token a step."""
+        Not for sequences whose extras are per token (telemetry, hidden-state reads, a grammar), that evict (a kv
+        window) or whose request turned speculation off: those decode one token a step, as they would anyway."""
+        seqs, rooms = [], []
         for seq in self.scheduler.running:
             o = seq.request.options
             if seq.draft_token_ids or seq.num_computed_tokens != seq.num_tokens - 1 or o.telemetry is not None \
-                    or o.hidden_states is not None or o.structured is not None or o.kv_window is not None:
+                    or o.hidden_states is not None or o.structured is not None or o.kv_window is not None \
+                    or o.num_speculative_tokens == 0:
                 continue
             room = min(seq.request.params.max_tokens - len(seq.output_token_ids), self.max_model_len - seq.num_tokens) - 1
+            if o.num_speculative_tokens is not None:
+                room = min(room, o.num_speculative_tokens)
             if room > 0:
-                seq.draft_token_ids = list(self.drafter(seq))[:room]
+                seqs.append(seq)
+                rooms.append(room)
+        if not seqs:
+            return
+        for seq, room, drafts in zip(seqs, rooms, self.drafter.propose(seqs, rooms, len(self.scheduler.running))):
+            seq.draft_token_ids = list(drafts)[:room]
+            g = seq.sampling.generator
+            if seq.draft_token_ids and g is not None:
+                self._noise_states[seq] = g.get_state()
 
     def _resolve_drafts(self, seq: Sequence, sampled: list[tuple[int, TokenLogprobs | None]]
                         ) -> list[tuple[int, TokenLogprobs | None]]:
@@ -314,10 +354,18 @@ class Engine:
         self.kv.rollback(seq, len(drafts) - j)
         seq.draft_token_ids = []
         self.kv.commit(seq)
+        state = self._noise_states.pop(seq, None)
+        if state is not None and j < len(drafts):  # a seeded row drew noise for rows it did not keep: replay the kept
+            seq.sampling.generator.set_state(state)
+            replay_noise(seq.sampling.generator, seq.request.params, self.model.config.vocab_size, j + 1)
+        self.drafter.resolved(seq, len(drafts), j)
         return sampled[: j + 1]
 
     def _finish(self, seq: Sequence, reason: FinishReason, stop_reason: int | str | None = None) -> None:
         seq.finish_reason, seq.stop_reason = reason, stop_reason
+        if self.drafter is not None:
+            self.drafter.release(seq)
+            self._noise_states.pop(seq, None)
         self.scheduler.remove(seq)
         seq.status = SequenceStatus.FINISHED
 

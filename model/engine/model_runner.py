@@ -150,9 +150,10 @@ def _rows(x: Tensor, rows, identity: bool = False) -> Tensor:
 def _prompt_positions(seq: Sequence, start: int, n: int) -> tuple[int, int] | None:
     """The prompt positions this chunk scores for prompt logprobs: (first, count), or None. Logits at position j
     score prompt token j + 1; positions scored before a preemption are skipped (and the scheduler never lets the
-    prefix cache skip past the ones not scored yet)."""
+    prefix cache skip past the ones not scored yet). A sequence with no output side (a draft model's shadow,
+    model/engine/speculative/draft_model.py) scores none."""
     state = seq.output
-    if state.prompt_logprobs is None or len(state.prompt_logprobs) >= seq.num_prompt_tokens:
+    if state is None or state.prompt_logprobs is None or len(state.prompt_logprobs) >= seq.num_prompt_tokens:
         return None
     assert start <= seq.num_scored_prompt_positions, "prompt logprobs would skip positions"
     first = max(start, seq.num_scored_prompt_positions)

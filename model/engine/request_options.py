@@ -35,6 +35,9 @@ class RequestOptions:
     structured: StructuredOutputSpec | None = None
     # yields to other requests in the scheduler (an activation-patching sweep's rows, model/engine/scheduler.py)
     background: bool = False
+    # speculative decoding (model/engine/speculative/): at most this many drafts a step for its rows, 0: none;
+    # None: the server's --speculative-config
+    num_speculative_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.interventions is not None and not isinstance(self.interventions, tuple):
@@ -57,6 +60,9 @@ class RequestOptions:
             self.structured.validate()  # its errors name the request field it came from
         if not isinstance(self.background, bool):
             raise ValueError(f"background must be a boolean, got {self.background!r}")
+        k = self.num_speculative_tokens
+        if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < 0):
+            raise ValueError(f"num_speculative_tokens must be a non-negative integer, got {k!r}")
 
 
 PLAIN = RequestOptions()

@@ -225,6 +225,18 @@ def prompt_logprobs(logits: Tensor, next_token_ids: Tensor, k: int) -> list[Toke
     return _token_logprobs(lp, next_token_ids.to(lp.device, torch.long), [k] * logits.shape[0])
 
 
+def replay_noise(generator: torch.Generator, params: SamplingParams, vocab_size: int, num_rows: int) -> None:
+    """Advance a seeded sequence's generator as `num_rows` sampled rows of it would (`Sampler._sample` draws one
+    (V,) uniform vector per seeded, non-greedy row). Speculative decoding restores the generator to its state before
+    a drafting step and replays the rows it kept, so that a seeded request draws the same noise for each token as it
+    would decoding one token at a time, whatever was drafted."""
+    if params.seed is None or params.greedy:
+        return
+    u = torch.empty(vocab_size, dtype=torch.float32, device=generator.device)
+    for _ in range(num_rows):
+        u.uniform_(generator=generator)
+
+
 class Sampler:
     def __init__(self, vocab_size: int, device: torch.device | str = "cpu") -> None:
         self.vocab_size = vocab_size

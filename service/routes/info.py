@@ -30,7 +30,7 @@ async def health(request: Request):
 async def models(state: Serving = Depends(serving)):
     return {"object": "list", "data": [{
         "id": state.model_name, "object": "model", "created": 0, "owned_by": "llamascope",
-        "max_model_len": state.max_model_len, **state.precision,
+        "max_model_len": state.max_model_len, **state.precision, "speculative_config": state.speculative,
     }]}
 
 

@@ -15,6 +15,7 @@ import pytest
 from model import kernels
 from model.engine import Engine, EngineConfig
 from model.engine.sampling_params import SamplingParams
+from drafting import PerSequence
 from tiny import byte_tokenizer
 
 pytestmark = pytest.mark.skipif(kernels.native() is None, reason=f"native kernels: {kernels.status()}")
@@ -85,7 +86,7 @@ def test_rows_of_several_tokens_equal_one_token_at_a_time(precision_model, path)
         proposed.append((len(drafts), sum(a != b for a, b in zip(drafts, right))))
         return drafts
 
-    engine.drafter = drafter
+    engine.drafter = PerSequence(drafter)
     rows = Counter()
     real_execute = engine.runner.execute
 
@@ -121,7 +122,7 @@ def test_a_rejected_draft_never_reaches_the_prefix_cache(precision_model):
         calls.append(bad)
         return bad  # always rejected
 
-    engine.drafter = drafter
+    engine.drafter = PerSequence(drafter)
     got = _serve(engine, {"d": prompt}, {"d": 0})["d"]
     assert got == reference and calls[0] and len(calls[0]) == 4
     engine.drafter = None

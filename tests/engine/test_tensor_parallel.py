@@ -9,6 +9,7 @@ import random
 import pytest
 import torch
 
+from drafting import PerSequence
 from hf_checkpoints import save_tiny_checkpoint, save_tiny_llama
 from gguf_writer import write_tiny_gguf
 from model.config import ModelConfig
@@ -219,7 +220,7 @@ def test_rows_of_several_tokens_under_tensor_parallelism(tp_pair):
 
     def serve(drafter=None) -> dict[str, list]:
         engine = Engine(two.model, two.tokenizer, config)
-        engine.drafter = drafter
+        engine.drafter = PerSequence(drafter) if drafter is not None else None
         for i, p in enumerate(prompts):
             engine.add_request(str(i), p, SamplingParams(max_tokens=12, temperature=0, logprobs=2, ignore_eos=True))
         out: dict[str, list] = {}

@@ -1,0 +1,33 @@
+"""The engine's speculator for a `SpeculativeConfig`: its proposer built over the engine's sizes."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from model.engine.speculative.config import SpeculativeConfig
+from model.engine.speculative.draft_model import DraftModelProposer
+from model.engine.speculative.ngram import NgramProposer
+from model.engine.speculative.speculator import Speculator
+
+if TYPE_CHECKING:
+    from model.transformer import Transformer
+
+
+def build_speculator(config: SpeculativeConfig, draft_model: Transformer | None, *, vocab_size: int,
+                     distributed: bool, num_blocks: int, block_size: int, max_num_batched_tokens: int,
+                     max_num_seqs: int, max_model_len: int) -> Speculator:
+    """The speculator for an engine of these sizes (the draft model's KV pool holds as many tokens as the engine's).
+    ValueError when the configuration does not fit the engine (a draft model missing or of another vocabulary)."""
+    if config.method == "ngram":
+        ngram = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        return Speculator(config, lambda seqs, ks: [ngram.propose(s, k) for s, k in zip(seqs, ks)], ngram.release)
+    if draft_model is None:
+        raise ValueError("speculative method 'draft_model' needs the draft model loaded (Engine(draft_model=...))")
+    Vd = draft_model.config.vocab_size
+    if Vd != vocab_size:
+        raise ValueError(f"the draft model's vocabulary ({Vd} tokens) differs from the served model's ({vocab_size})")
+    if distributed:
+        raise ValueError("a draft model with tensor parallelism is not supported (the ngram method is)")
+    proposer = DraftModelProposer(draft_model, num_blocks, block_size, max_num_batched_tokens, max_num_seqs,
+                                  max_model_len)
+    return Speculator(config, proposer.propose, proposer.release)
