@@ -1,0 +1,277 @@
+"""Speculative decoding (model/engine/speculative/) changes no output: with n-gram prompt lookup or a draft model
+(the same tiny model quantized to int8 or int4, as `"model": "self"` does), every request's tokens, logprobs, top
+logprobs, text and finish reason are those of the same engine without speculation, whatever the request carries
+(stop strings and ids, max_tokens, n > 1, seeds, penalties, interventions, per-request K, preemption, prefix
+caching); seeded sampling draws the same noise; sampled (T > 0) tokens keep the target's distribution (a
+chi-squared test against the model's own probabilities); bad configurations are refused with the reason."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from model import kernels
+from model.engine import Engine, EngineConfig, RequestOptions, SpeculativeConfig
+from model.engine.sampling_params import SamplingParams
+from model.engine.speculative.ngram import lookup
+from model.interventions import Intervention
+from model.quantize import quantize_model
+from tiny import byte_tokenizer, tiny_model
+
+pytestmark = pytest.mark.skipif(kernels.native() is None, reason=f"native kernels: {kernels.status()}")
+
+NGRAM = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
+                                 "disable_by_batch_size": None})
+
+
+def _draft_config(k: int = 4) -> SpeculativeConfig:
+    return SpeculativeConfig.parse({"method": "draft_model", "model": "self", "quantization": "int8",
+                                    "num_speculative_tokens": k, "disable_by_batch_size": None})
+
+
+@pytest.fixture(scope="module")
+def draft():
+    return quantize_model(tiny_model(), "int8")  # the `model` fixture's weights (seed 0) at int8
+
+
+def _prompts(n: int, seed: int = 5) -> list[list[int]]:
+    """Prompts that repeat a phrase: a random model's greedy output soon repeats too, so n-grams find drafts."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        phrase = [rng.randrange(32, 127) for _ in range(rng.randrange(3, 7))]
+        out.append((phrase * 4)[: rng.randrange(9, 24)] + [rng.randrange(32, 127) for _ in range(rng.randrange(0, 5))])
+    return out
+
+
+def _serve(engine: Engine, requests: list[tuple], max_steps: int = 4000) -> dict:
+    """requests: (rid, prompt, params, options, arrive_step) -> {rid: {choice: (tokens, logprobs, tops, text,
+    finish, stop_reason)}}; stepping until done."""
+    got: dict = {}
+    pending = sorted(requests, key=lambda r: r[4])
+    step = 0
+    while pending or engine.has_unfinished():
+        while pending and pending[0][4] <= step:
+            rid, prompt, params, options, _ = pending.pop(0)
+            engine.add_request(rid, prompt, params, options)
+        for o in engine.step():
+            c = got.setdefault(o.request_id, {}).setdefault(o.index, [[], [], [], "", None, None])
+            c[0] += o.token_ids
+            if o.logprobs:
+                c[1] += [lp.logprob for lp in o.logprobs]
+                c[2] += [lp.top for lp in o.logprobs]
+            c[3] += o.text
+            if o.finish_reason is not None:
+                c[4], c[5] = o.finish_reason, o.stop_reason
+        step += 1
+        assert step < max_steps
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks
+    return got
+
+
+def _engine(model, spec=None, draft_model=None, **kw) -> Engine:
+    cfg = dict(num_blocks=128, block_size=4, max_num_batched_tokens=32, max_num_seqs=8)
+    cfg.update(kw)
+    return Engine(model, byte_tokenizer(), EngineConfig(speculative=spec, **cfg), draft_model=draft_model)
+
+
+def _mixed_requests(n_layers: int, dim: int) -> list[tuple]:
+    ps = _prompts(10)
+    greedy = dict(max_tokens=40, temperature=0.0, ignore_eos=True)
+    steer = torch.zeros(dim)
+    steer[3] = 4.0
+    return [
+        ("plain", ps[0], SamplingParams(**greedy, logprobs=3), RequestOptions(), 0),
+        ("stop-str", ps[1], SamplingParams(max_tokens=40, temperature=0.0, stop=["q", "e"]), RequestOptions(), 0),
+        ("stop-id", ps[2], SamplingParams(max_tokens=40, temperature=0.0, stop_token_ids=[101, 33]), RequestOptions(), 1),
+        ("short", ps[3], SamplingParams(max_tokens=3, temperature=0.0, logprobs=1), RequestOptions(), 1),
+        ("n3", ps[4], SamplingParams(**greedy, n=3), RequestOptions(), 2),
+        ("seeded", ps[5], SamplingParams(max_tokens=40, temperature=0.8, top_k=20, seed=11, n=2, logprobs=2), RequestOptions(), 2),
+        ("penalty", ps[6], SamplingParams(**greedy, repetition_penalty=1.3, presence_penalty=0.5), RequestOptions(), 3),
+        ("steered", ps[7], SamplingParams(**greedy, logprobs=2), RequestOptions(interventions=(
+            Intervention(layer=1, op="add", vector=steer, positions="generated"),)), 3),
+        ("k1", ps[8], SamplingParams(**greedy), RequestOptions(num_speculative_tokens=1), 4),
+        ("off", ps[9], SamplingParams(**greedy), RequestOptions(num_speculative_tokens=0), 4),
+        ("repeat", ps[0], SamplingParams(**greedy), RequestOptions(), 30),  # the prefix cache serves its prompt
+    ]
+
+
+def _unspeculated(request: tuple) -> tuple:
+    """The request without its own num_speculative_tokens (an engine without speculation refuses one)."""
+    rid, prompt, params, options, arrive = request
+    return rid, prompt, params, dataclasses.replace(options, num_speculative_tokens=None), arrive
+
+
+def test_ngram_lookup():
+    t = np.array([1, 2, 3, 9, 1, 2, 3, 7, 8, 1, 2, 3])
+    assert lookup(t, 3, 1, 3) == [7, 8, 1]  # the latest earlier "1 2 3" was followed by 7 8 1
+    assert lookup(t, 9, 1, 3) == [7, 8, 1, 2, 3]  # no further than the sequence goes
+    assert lookup(np.array([5, 6, 7, 8]), 3, 1, 3) == []  # no earlier occurrence of any suffix
+    assert lookup(np.array([4, 1, 4, 2, 3, 4]), 2, 1, 2) == [2, 3]  # longest n first: "3 4" is new, then "4"
+    assert lookup(np.array([4, 1, 4, 2, 3, 4]), 2, 2, 2) == []
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_int8", "draft_int4"])
+def test_speculation_changes_no_output(model, method):
+    """Every request of a mixed batch (arriving over several steps) gets exactly what the engine gives without
+    speculation, and drafts were verified, accepted and rejected along the way."""
+    c = model.config
+    reqs = _mixed_requests(c.n_layers, c.dim)
+    reference = _serve(_engine(model), [_unspeculated(r) for r in reqs])
+    if method == "ngram":
+        engine = _engine(model, NGRAM)
+    else:
+        engine = _engine(model, _draft_config(), draft_model=quantize_model(tiny_model(), method.split("_")[1]))
+    got = _serve(engine, reqs)
+    assert got == reference
+    st = engine.stats().spec_decode
+    # a random model rarely repeats itself: n-grams find few drafts that hold, the int8 / int4 copy many
+    assert st.num_accepted_tokens > (5 if method == "ngram" else 40), st
+    assert st.num_draft_tokens > st.num_accepted_tokens, st
+    assert {"seeded", "steered", "penalty", "n3", "stop-str", "k1"} <= set(got)
+
+
+def test_preemption_under_speculation(model, draft):
+    """A KV pool too small for the batch: sequences are preempted and recomputed while drafting (their drafts
+    dropped, the draft model's own cache kept), and the output is still the one without speculation."""
+    reqs = [(str(i), p, SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True, logprobs=1), RequestOptions(), 0)
+            for i, p in enumerate(_prompts(6, seed=9))]
+    reference = _serve(_engine(model, num_blocks=40), reqs)
+    for spec, dm in ((NGRAM, None), (_draft_config(), draft)):
+        engine = _engine(model, spec, dm, num_blocks=40)
+        assert _serve(engine, reqs) == reference
+        assert engine.scheduler.num_preemptions > 0 and engine.stats().spec_decode.num_accepted_tokens > 0
+
+
+def test_extras_that_are_per_token_decode_one_token_at_a_time(model):
+    """Telemetry, hidden-state reads, a grammar and a kv window are not drafted (their rows keep one token a
+    step, so their output is as without speculation)."""
+    from model.engine import KVWindow, TelemetryOptions
+    from model.interventions import HiddenStateRead
+
+    ps = _prompts(4, seed=3)
+    greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    reqs = [("tel", ps[0], greedy, RequestOptions(telemetry=TelemetryOptions()), 0),
+            ("hid", ps[1], greedy, RequestOptions(hidden_states=HiddenStateRead(layers=[1])), 0),
+            ("win", ps[2], greedy, RequestOptions(kv_window=KVWindow(4, 16)), 0)]
+    engine = _engine(model, NGRAM)
+    proposed = []
+    real = engine.drafter.propose
+    engine.drafter.propose = lambda seqs, m, n: proposed.extend(s.request.request_id for s in seqs) or real(seqs, m, n)
+    _serve(engine, reqs)
+    assert not proposed
+
+
+def test_back_off_by_batch_size(model):
+    spec = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": 3})
+    engine = _engine(model, spec)
+    reqs = [(str(i), p, SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True), RequestOptions(), 0)
+            for i, p in enumerate(_prompts(4, seed=1))]
+    _serve(engine, reqs)
+    assert engine.stats().spec_decode.num_drafts == 0  # four running: never drafted
+    _serve(engine, reqs[:2])
+    assert engine.stats().spec_decode.num_drafts > 0
+
+
+def _verified_samples(model) -> tuple[list[int], dict[int, float], list[int], dict[int, float], list]:
+    """T > 0 with drafts that are often wrong: the second generated token (a verified row: the draft d2 is the
+    target's second most likely token) and, where d2 was kept, the third, with the target's top-k distributions at
+    those prefixes (from the model itself), and the drafter's (drafts, accepted) log."""
+    from drafting import PerSequence
+
+    prompt, top_k, N = [40, 41, 42, 43, 44, 45], 6, 1500
+    params = SamplingParams(max_tokens=3, temperature=1.0, top_k=top_k, ignore_eos=True)
+    engine = _engine(model, max_num_seqs=32, num_blocks=512)
+
+    def probs(prefix: list[int]) -> dict[int, float]:  # the target's sampling distribution after prefix
+        with torch.no_grad():
+            logits = model(torch.tensor([prefix]))[0, -1].float()
+        top = logits.topk(top_k)
+        return dict(zip(top.indices.tolist(), top.values.softmax(-1).tolist()))
+
+    p1 = probs(prompt)
+    t1 = max(p1, key=p1.get)  # condition on the most likely first token
+    p2 = probs(prompt + [t1])
+    d2 = sorted(p2, key=p2.get)[-2]  # accepted about p2[d2] of the time
+    p3 = probs(prompt + [t1, d2])
+    d3 = max(p3, key=p3.get)
+    engine.drafter = PerSequence(lambda seq: [d2, d3] if seq.output_token_ids == [t1] else [])
+    seconds, thirds = [], []
+    for batch in range(N // 30):
+        reqs = [(f"{batch}-{i}", prompt, params, RequestOptions(), 0) for i in range(30)]
+        for r in _serve(engine, reqs).values():
+            toks = r[0][0]
+            if toks[0] == t1:
+                seconds.append(toks[1])
+                if toks[1] == d2:
+                    thirds.append(toks[2])
+    return seconds, p2, thirds, p3, engine.drafter.resolutions
+
+
+def test_rejection_sampling_keeps_the_target_distribution(model):
+    """Verified rows' tokens follow the target's distribution: chi-squared against the model's probabilities."""
+    seconds, p2, thirds, p3, resolutions = _verified_samples(model)
+    assert {a for _, a in resolutions} == {0, 1}  # drafts rejected and accepted (max_tokens leaves room for one)
+    for observed, p in ((seconds, p2), (thirds, p3)):
+        assert len(observed) > 150
+        keys = sorted(p)
+        counts = [observed.count(k) for k in keys]
+        assert sum(counts) == len(observed)  # nothing outside the target's top-k
+        assert _chi_squared_p(counts, [p[k] * len(observed) for k in keys]) > 1e-3, counts
+
+
+def _chi_squared_p(observed: list[int], expected: list[float]) -> float:
+    """Pearson's chi-squared goodness-of-fit p-value (k - 1 degrees of freedom): P(X > stat) = Q(df/2, stat/2)."""
+    stat = sum((o - e) ** 2 / e for o, e in zip(observed, expected))
+    df = len(observed) - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64)))
+
+
+def test_a_wrong_acceptance_rule_fails_the_chi_squared_test(model, monkeypatch):
+    """The statistical test above can fail: an engine that keeps every draft skews the verified tokens."""
+    from model.engine import engine as engine_module
+
+    def keep_all(self, seq, sampled):
+        drafts = seq.draft_token_ids
+        seq.draft_token_ids = []
+        self.kv.commit(seq)
+        self.drafter.resolved(seq, len(drafts), len(drafts))
+        return [(d, lp) for d, (_, lp) in zip(drafts, sampled)] + [sampled[len(drafts)]]
+
+    monkeypatch.setattr(engine_module.Engine, "_resolve_drafts", keep_all)
+    seconds, p2, _, _, _ = _verified_samples(model)
+    keys = sorted(p2)
+    assert _chi_squared_p([seconds.count(k) for k in keys], [p2[k] * len(seconds) for k in keys]) < 1e-6
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({"method": "eagle", "num_speculative_tokens": 2}, "unknown method"),
+    ({"method": "ngram", "num_speculative_tokens": 0}, r"num_speculative_tokens must be an integer in \[1, 16\]"),
+    ({"method": "ngram", "num_speculative_tokens": 17}, r"\[1, 16\]"),
+    ({"method": "ngram"}, "needs 'num_speculative_tokens'"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}, "exceeds"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "speculative_model": "x"}, "unknown keys"),
+    ({"method": "draft_model", "num_speculative_tokens": 2}, "needs 'model'"),
+    ({"method": "draft_model", "model": "self", "num_speculative_tokens": 2}, "needs a 'quantization'"),
+    ({"method": "draft_model", "model": "self", "quantization": "fp8", "num_speculative_tokens": 2}, "quantization must"),
+    ("{not json", "not JSON"),
+])
+def test_bad_configurations_are_refused(bad, message):
+    with pytest.raises(ValueError, match=message):
+        SpeculativeConfig.parse(bad)
+
+
+def test_engine_refusals(model):
+    with pytest.raises(ValueError, match="vocabulary"):
+        _engine(model, _draft_config(), draft_model=tiny_model(vocab_size=300))
+    with pytest.raises(ValueError, match="needs the draft model"):
+        _engine(model, _draft_config())
+    plain, spec = _engine(model), _engine(model, NGRAM)
+    with pytest.raises(ValueError, match="not configured"):
+        plain.add_request("a", [1, 2], SamplingParams(max_tokens=2), RequestOptions(num_speculative_tokens=2))
+    with pytest.raises(ValueError, match="at most 4"):
+        spec.add_request("a", [1, 2], SamplingParams(max_tokens=2), RequestOptions(num_speculative_tokens=5))
