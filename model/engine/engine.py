@@ -141,7 +141,7 @@ class Engine:
         self._noise_states: dict[Sequence, torch.Tensor] = {}  # seeded drafting rows' generator before the step
         if config.speculative is not None:
             self.drafter = build_speculator(
-                config.speculative, draft_model, vocab_size=model.config.vocab_size, distributed=self.distributed,
+                config.speculative, model, draft_model, distributed=self.distributed,
                 num_blocks=num_blocks, block_size=config.block_size,
                 max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
                 max_model_len=self.max_model_len)

@@ -73,10 +73,15 @@ def _serve(engine: Engine, requests: list[tuple], max_steps: int = 4000) -> dict
     return got
 
 
-def _engine(model, spec=None, draft_model=None, **kw) -> Engine:
+def _engine(model, spec=None, draft_model=None, eager=True, **kw) -> Engine:
+    """eager: the speculator's cost model off (every row drafts what it may), so that a random model's rows draft
+    as much as possible; the cost model has tests of its own."""
     cfg = dict(num_blocks=128, block_size=4, max_num_batched_tokens=32, max_num_seqs=8)
     cfg.update(kw)
-    return Engine(model, byte_tokenizer(), EngineConfig(speculative=spec, **cfg), draft_model=draft_model)
+    engine = Engine(model, byte_tokenizer(), EngineConfig(speculative=spec, **cfg), draft_model=draft_model)
+    if eager and spec is not None:
+        engine.drafter.row_cost = engine.drafter.draft_cost = 0.0
+    return engine
 
 
 def _mixed_requests(n_layers: int, dim: int) -> list[tuple]:
@@ -167,7 +172,8 @@ def test_extras_that_are_per_token_decode_one_token_at_a_time(model):
 
 
 def test_back_off_by_batch_size(model):
-    spec = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": 3})
+    spec = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": 3,
+                                    "prompt_lookup_min": 1})
     engine = _engine(model, spec)
     reqs = [(str(i), p, SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True), RequestOptions(), 0)
             for i, p in enumerate(_prompts(4, seed=1))]
@@ -210,6 +216,19 @@ def _verified_samples(model) -> tuple[list[int], dict[int, float], list[int], di
                 if toks[1] == d2:
                     thirds.append(toks[2])
     return seconds, p2, thirds, p3, engine.drafter.resolutions
+
+
+def test_the_cost_model_backs_off_as_the_batch_grows():
+    """The drafts a row gets by acceptance rate: more for a row that keeps its drafts, none below break-even, fewer
+    in a larger batch (where a row costs about a token), none for a costly draft model in a batch of 8."""
+    from model.engine.speculative.speculator import ROW_COST, best_k_table
+
+    one = best_k_table(8, 1, ROW_COST, 0.0)
+    assert one[10] == 0 and one[60] >= 1 and one[95] > one[60] and one[100] == 8
+    assert all(a <= b for a, b in zip(one, one[1:]))  # more drafts the more of them are kept
+    for B in (2, 4, 8):
+        assert all(k <= k1 for k, k1 in zip(best_k_table(8, B, ROW_COST, 0.0), one))
+    assert sum(best_k_table(8, 8, ROW_COST, 0.14)) == 0
 
 
 def test_rejection_sampling_keeps_the_target_distribution(model):

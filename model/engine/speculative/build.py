@@ -13,7 +13,7 @@ if TYPE_CHECKING:
     from model.transformer import Transformer
 
 
-def build_speculator(config: SpeculativeConfig, draft_model: Transformer | None, *, vocab_size: int,
+def build_speculator(config: SpeculativeConfig, target: Transformer, draft_model: Transformer | None, *,
                      distributed: bool, num_blocks: int, block_size: int, max_num_batched_tokens: int,
                      max_num_seqs: int, max_model_len: int) -> Speculator:
     """The speculator for an engine of these sizes (the draft model's KV pool holds as many tokens as the engine's).
@@ -23,11 +23,17 @@ def build_speculator(config: SpeculativeConfig, draft_model: Transformer | None,
         return Speculator(config, lambda seqs, ks: [ngram.propose(s, k) for s, k in zip(seqs, ks)], ngram.release)
     if draft_model is None:
         raise ValueError("speculative method 'draft_model' needs the draft model loaded (Engine(draft_model=...))")
-    Vd = draft_model.config.vocab_size
-    if Vd != vocab_size:
-        raise ValueError(f"the draft model's vocabulary ({Vd} tokens) differs from the served model's ({vocab_size})")
+    V, Vd = target.config.vocab_size, draft_model.config.vocab_size
+    if Vd != V:
+        raise ValueError(f"the draft model's vocabulary ({Vd} tokens) differs from the served model's ({V})")
     if distributed:
         raise ValueError("a draft model with tensor parallelism is not supported (the ngram method is)")
     proposer = DraftModelProposer(draft_model, num_blocks, block_size, max_num_batched_tokens, max_num_seqs,
                                   max_model_len)
-    return Speculator(config, proposer.propose, proposer.release)
+    # a one-row decode step reads every weight once: the draft's step costs about its share of the bytes
+    return Speculator(config, proposer.propose, proposer.release,
+                      draft_cost=_weight_bytes(draft_model) / max(1, _weight_bytes(target)))
+
+
+def _weight_bytes(model) -> int:
+    return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))

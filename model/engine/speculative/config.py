@@ -17,7 +17,7 @@ from typing import Any
 METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16  # rows beyond this are nearly always rejected and cost a row each
 # measured on the default model (benchmarks/speculative.py, docs/performance.md "Speculative decoding")
-DEFAULT_PROMPT_LOOKUP = 3
+DEFAULT_PROMPT_LOOKUP = (2, 5)  # (min, max) when neither is given
 DEFAULT_DISABLE_BY_BATCH_SIZE = 8
 DRAFT_QUANTIZATIONS = ("auto", "none", "int8", "int4")
 
@@ -91,7 +91,7 @@ class SpeculativeConfig:
             return self
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
         if lo is None and hi is None:
-            lo, hi = 1, DEFAULT_PROMPT_LOOKUP
+            lo, hi = DEFAULT_PROMPT_LOOKUP
         lo, hi = (hi if lo is None else lo), (lo if hi is None else hi)
         return SpeculativeConfig(**{**asdict(self), "prompt_lookup_min": lo, "prompt_lookup_max": hi})
 

@@ -45,6 +45,10 @@ class _Shadow:
         self.base = 0
 
 
+# a sequence starts drafting only if the draft has fewer than this many tokens of its history to compute per token
+# it still has to generate (a sequence admitted while the batch was too large to draft, now in its last tokens, has
+# its whole prompt to catch up)
+CATCH_UP_PER_TOKEN = 4
 _GREEDY = SamplingParams(max_tokens=1 << 30, temperature=0.0, ignore_eos=True)
 
 
@@ -66,6 +70,9 @@ class DraftModelProposer:
         first: list[ScheduledSeq] = []
         budget = self.budget
         for seq, k in zip(seqs, ks):
+            behind = seq.num_prompt_tokens + len(seq.output_token_ids) - self._computed(seq)
+            if behind > CATCH_UP_PER_TOKEN * (seq.request.params.max_tokens - len(seq.output_token_ids)):
+                continue  # near its end: computing its whole history in the draft would cost more than drafting gains
             shadow = self._sync(seq)
             s = shadow.seq
             n = s.num_tokens - s.num_computed_tokens  # >= 1: the target's last token at least
@@ -82,6 +89,10 @@ class DraftModelProposer:
                 break
             self._step(rows, drafts)
         return [drafts.get(self.shadows[seq].seq, []) if seq in self.shadows else [] for seq in seqs]
+
+    def _computed(self, seq: Sequence) -> int:
+        shadow = self.shadows.get(seq)
+        return shadow.seq.num_computed_tokens if shadow is not None else 0
 
     def release(self, seq: Sequence) -> None:
         shadow = self.shadows.pop(seq, None)

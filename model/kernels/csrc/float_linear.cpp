@@ -56,7 +56,10 @@ void float_gemm_range(const T* x, int64_t M, const T* w, int64_t K, int64_t n_be
       const int64_t nb1 = std::min(n_end, nb0 + NB);
       int64_t m = m0;
       for (; m + 3 <= m1; m += 3) f_rows<T, 3>(x + m * K, K, w, K, nb0, nb1, y + m * ldy, ldy);
-      for (; m < m1; ++m) f_rows<T, 1>(x + m * K, K, w, K, nb0, nb1, y + m * ldy, ldy);
+      if (m + 2 == m1)  // two rows left (a step of 2 or 5 rows: a speculative row's drafts) share their loads too
+        f_rows<T, 2>(x + m * K, K, w, K, nb0, nb1, y + m * ldy, ldy);
+      else if (m < m1)
+        f_rows<T, 1>(x + m * K, K, w, K, nb0, nb1, y + m * ldy, ldy);
     }
   }
 #else

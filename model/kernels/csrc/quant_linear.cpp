@@ -11,6 +11,7 @@
 // its Q4_0 8x8 GEMM): each 32-bit lane of one vector holds 4 weights of a different output, so one maddubs against
 // 4 broadcast activation bytes advances 8 outputs at once and a block's integer sum lands whole in its output's
 // lane; the float work is one convert and one FMA (two with int4's offset) per block for 8 outputs, not per output.
+#include <type_traits>
 #include <vector>
 
 #include "ops.h"
@@ -95,7 +96,7 @@ static inline void q8_tile(const QWeight& w, const QActs& a, int64_t m0, int64_t
   for (int i = 0; i < MR; ++i) acc[i] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* wb = w.data + (g * nb + b) * 256;
-    if constexpr (MR == 1) prefetch_ahead(wb, 256, w.scales + (g * nb + b) * 8, 16);
+    if constexpr (MR <= 4) prefetch_ahead(wb, 256, w.scales + (g * nb + b) * 8, 16);
     __m256i s32[MR];
 #pragma GCC unroll 8
     for (int i = 0; i < MR; ++i) s32[i] = _mm256_setzero_si256();
@@ -131,29 +132,34 @@ constexpr int MR_WIDE = 8;
 constexpr int MR_WIDE = 4;
 #endif
 
-// Groups [g_begin, g_end) of 8 outputs for rows [0, M), as tiles of MR_WIDE rows (`tile(m, g, wide)`), then of 4
-// and of single rows (`tile4(m, g)`, `tile1(m, g)`): rows in chunks whose int8 activations stay in L2 (128 rows x K
-// bytes), each group's weights (K / 32 blocks of 160 or 288 bytes) kept in L1 across a chunk's tiles.
-template <typename TileW, typename Tile4, typename Tile1>
-static inline void many_rows(int64_t M, int64_t g_begin, int64_t g_end, const TileW& tilew, const Tile4& tile4,
-                             const Tile1& tile1) {
+// Groups [g_begin, g_end) of 8 outputs for rows [0, M), as tiles of MR_WIDE rows, then of 4, then one tile of the
+// 3, 2 or 1 rows left (`tile(std::integral_constant<int, MR>, m, g)`): rows in chunks whose int8 activations stay in
+// L2 (128 rows x K bytes), each group's weights (K / 32 blocks of 160 or 288 bytes) kept in L1 across a chunk's
+// tiles. The tiles of 2 and 3 rows serve the steps of a few rows (2-3 streams, or a speculative row of 1 + a few
+// drafts): with only tiles of 4 and 1, each of those rows unpacked every weight again (on the Zen 2 development host
+// a 5-row step cost 1.8x a 1-row one).
+template <typename Tile>
+static inline void many_rows(int64_t M, int64_t g_begin, int64_t g_end, const Tile& tile) {
   constexpr int64_t MB = 128;
   for (int64_t m0 = 0; m0 < M; m0 += MB) {
     const int64_t m1 = std::min(M, m0 + MB);
     for (int64_t g = g_begin; g < g_end; ++g) {
       int64_t m = m0;
-      for (; m + MR_WIDE <= m1; m += MR_WIDE) tilew(m, g);
-      for (; m + 4 <= m1; m += 4) tile4(m, g);
-      for (; m < m1; ++m) tile1(m, g);
+      for (; m + MR_WIDE <= m1; m += MR_WIDE) tile(std::integral_constant<int, MR_WIDE>{}, m, g);
+      for (; m + 4 <= m1; m += 4) tile(std::integral_constant<int, 4>{}, m, g);
+      switch (m1 - m) {
+        case 3: tile(std::integral_constant<int, 3>{}, m, g); break;
+        case 2: tile(std::integral_constant<int, 2>{}, m, g); break;
+        case 1: tile(std::integral_constant<int, 1>{}, m, g); break;
+        default: break;
+      }
     }
   }
 }
 
 // Output columns [n_begin, n_end), whole groups of 8 (the buffers are padded to them; model/quantize.py).
 static void q8_range(const QWeight& w, const QActs& a, int64_t M, int64_t n_begin, int64_t n_end, float* y, int64_t ldy) {
-  many_rows(M, n_begin / 8, n_end / 8, [&](int64_t m, int64_t g) { q8_tile<MR_WIDE>(w, a, m, g, y, ldy); },
-            [&](int64_t m, int64_t g) { q8_tile<4>(w, a, m, g, y, ldy); },
-            [&](int64_t m, int64_t g) { q8_tile<1>(w, a, m, g, y, ldy); });
+  many_rows(M, n_begin / 8, n_end / 8, [&](auto mr, int64_t m, int64_t g) { q8_tile<decltype(mr)::value>(w, a, m, g, y, ldy); });
 }
 
 // ---- Int4 (Q4_0 / Q4_1), 8 outputs interleaved ----------------------------------------------------------------------
@@ -177,7 +183,7 @@ static inline void q4_tile(const QWeight& w, const QActs& a, int64_t m0, int64_t
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* wb = w.data + (g * nb + b) * 128;
     const uint16_t* sb = w.scales + (g * nb + b) * 16;
-    if constexpr (MR == 1) prefetch_ahead(wb, 128, sb, 32);
+    if constexpr (MR <= 4) prefetch_ahead(wb, 128, sb, 32);
     __m256i s16[MR];
 #pragma GCC unroll 2
     for (int h = 0; h < 2; ++h) {  // chunks 2h, 2h+1 (low nibbles) and 2h+4, 2h+5 (high nibbles)
@@ -219,9 +225,7 @@ static inline void q4_tile(const QWeight& w, const QActs& a, int64_t m0, int64_t
 
 // Output columns [n_begin, n_end), whole groups of 8 (Int4 layers have out_features % 16 == 0).
 static void q4_range(const QWeight& w, const QActs& a, int64_t M, int64_t n_begin, int64_t n_end, float* y, int64_t ldy) {
-  many_rows(M, n_begin / 8, n_end / 8, [&](int64_t m, int64_t g) { q4_tile<MR_WIDE>(w, a, m, g, y, ldy); },
-            [&](int64_t m, int64_t g) { q4_tile<4>(w, a, m, g, y, ldy); },
-            [&](int64_t m, int64_t g) { q4_tile<1>(w, a, m, g, y, ldy); });
+  many_rows(M, n_begin / 8, n_end / 8, [&](auto mr, int64_t m, int64_t g) { q4_tile<decltype(mr)::value>(w, a, m, g, y, ldy); });
 }
 #else
 // Scalar: the same sums (exact per block), the same order per output as the vector kernels.
