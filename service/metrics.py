@@ -68,6 +68,8 @@ class Metrics:
 
     def _count_speculation(self, now) -> None:
         last = self._last_spec
+        if last is not None and now.num_drafts == last.num_drafts:
+            return  # nothing verified since the last step
         for counter, name in ((self.spec_drafts, "num_drafts"), (self.spec_draft_tokens, "num_draft_tokens"),
                               (self.spec_accepted, "num_accepted_tokens"), (self.spec_emitted, "num_emitted_tokens")):
             counter.inc(getattr(now, name) - (getattr(last, name) if last is not None else 0))
