@@ -1,6 +1,6 @@
 """Speculative decoding over HTTP: the same server with and without --speculative-config, greedy, on the default model.
 
-    python -m benchmarks.speculative [--rounds 2] [--max-tokens 200] [--out FILE]
+    python -m benchmarks.speculative [--rounds 3] [--max-tokens 200] [--out FILE]
 
 Each phase starts one server at a time (`python -m service ...` on loopback, torch's threads) and sends the prompts
 of benchmarks/data/speculative_prompts.json through `/v1/chat/completions` (streamed, `logprobs` with the top
@@ -9,13 +9,15 @@ logprob), one at a time, then 32 at once:
   `{"method": "ngram", "num_speculative_tokens": 6}`, on the 8 input-grounded prompts and the 4 open-ended ones;
 - self-draft: `--quantization none` (float32) without speculation and with an int4 copy of the same checkpoint
   drafting (`{"method": "draft_model", "model": "self", "quantization": "int4", "num_speculative_tokens": 8}`);
-- concurrent: 32 requests at once (the 12 prompts in turn, --concurrent-tokens new tokens each) on each pair.
+- concurrent: 32 requests at once (16 of the prompts in turn, --concurrent-tokens new tokens each) on each pair.
 
-Single stream: decode tokens/s = (tokens - 1) / (last chunk - first chunk), summed over the prompts (prefill is
-timed apart, as time to first token); end to end = tokens / request time. Concurrent: every request's tokens / the
-wall time of the 32. Every answer with speculation is compared with the one without: text, each token and its
-logprob and top logprob, finish reason; a difference is printed and recorded. Rounds alternate the servers; the
-ratio of medians is reported. Results and the machine go to benchmarks/results/speculative.json.
+Both servers of a pair run at once, each idle while the other computes, and every prompt goes to one and then the
+other (the order alternating by round), so a drift in the host's speed reaches both alike. Single stream: decode
+tokens/s = tokens after the first chunk / (last chunk - first chunk), summed over a set's prompts (prefill apart).
+Concurrent: every request's tokens / the wall time of the 32. Every answer with speculation is compared with the
+one without: text, each token and its logprob and top logprob, finish reason; a difference is printed and recorded.
+The ratio reported is the median over rounds of each round's on / off. Results and the machine go to
+benchmarks/results/speculative.json.
 """
 
 from __future__ import annotations
@@ -138,9 +140,19 @@ def _cpu_family() -> str:
     return f"{fields.get('vendor_id')} family {fields.get('cpu family')} model {fields.get('model')} ({', '.join(isa)})"
 
 
+def _sum_rounds(answers_by_round: list[list[dict]]) -> dict:
+    """Decode tok/s of each round's answers (tokens after the first chunk / first-to-last chunk time, summed)."""
+    out = []
+    for answers in answers_by_round:
+        decode_s = sum(a["marks"][-1][0] - a["marks"][0][0] for a in answers)
+        decode_tokens = sum(len(a["tokens"]) - a["marks"][0][1] for a in answers)
+        out.append(decode_tokens / decode_s)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.speculative", description=__doc__.split("\n\n")[0])
-    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=200)
     p.add_argument("--concurrent", type=int, default=32)
     p.add_argument("--concurrent-tokens", type=int, default=64)
@@ -149,41 +161,43 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     sets = {"input_grounded": PROMPTS["input_grounded"], "open_ended": PROMPTS["open_ended"]}
     mixed = [q for pair in zip(sets["input_grounded"], sets["open_ended"] * 2) for q in pair]
+    logs = Path(tempfile.mkdtemp(prefix="speculative-"))
+    summary: dict = {}
     runs: dict = {}
     differences: list[str] = []
-    logs = Path(tempfile.mkdtemp(prefix="speculative-"))
     for name in args.pairs.split(","):
         flags, spec = PAIRS[name]
-        for r in range(args.rounds):
-            reference: dict[str, list[dict]] = {}
-            for side, cfg in (("off", None), ("on", spec)):
-                _progress(f"{name} round {r + 1}: speculation {side}")
-                server = _serve(flags, cfg, logs / f"{name}-{side}-{r}.log")
-                try:
-                    row = runs.setdefault(name, {}).setdefault(side, {"rounds": []})
-                    got: dict = {}
-                    for set_name, prompts in sets.items():
-                        figures, answers = single_stream(server.url, prompts, args.max_tokens)
-                        got[set_name] = figures
-                        if side == "off":
-                            reference[set_name] = answers
-                        else:
-                            differences += [f"{name} {set_name} round {r + 1}: {d}"
-                                            for d in _differences(reference[set_name], answers)]
-                        _progress(f"  {set_name}: {figures['decode_tok_s']:.1f} tok/s decode")
-                    got["concurrent"] = concurrent(server.url, mixed, args.concurrent, args.concurrent_tokens)
-                    _progress(f"  {args.concurrent} concurrent: {got['concurrent']['tok_s']:.1f} tok/s")
-                    if cfg:
-                        got["spec_decode"] = _speculation_metrics(server.url)
-                    row["rounds"].append(got)
-                finally:
-                    server.stop()
-    summary = {}
-    for name, sides in runs.items():
-        med = {side: {k: statistics.median(rd[k]["decode_tok_s" if k != "concurrent" else "tok_s"] for rd in v["rounds"])
-                      for k in (*sets, "concurrent")} for side, v in sides.items()}
-        summary[name] = {k: {"off": med["off"][k], "on": med["on"][k], "ratio": med["on"][k] / med["off"][k]}
-                         for k in med["off"]}
+        # both servers up at once, each idle while the other computes; every prompt goes to one then the other
+        # (the order alternating by round), so a drift in the host's speed (other tenants) reaches both alike
+        servers = {"off": _serve(flags, None, logs / f"{name}-off.log"), "on": _serve(flags, spec, logs / f"{name}-on.log")}
+        try:
+            per = {side: {k: [] for k in (*sets, "concurrent")} for side in servers}
+            for r in range(args.rounds):
+                order = ("off", "on") if r % 2 == 0 else ("on", "off")
+                for set_name, prompts in sets.items():
+                    got: dict = {side: [] for side in servers}
+                    for prompt in prompts:
+                        for side in order:
+                            _, answers = single_stream(servers[side].url, [prompt], args.max_tokens)
+                            got[side] += answers
+                    differences += [f"{name} {set_name} round {r + 1}: {d}" for d in _differences(got["off"], got["on"])]
+                    for side in servers:
+                        per[side][set_name] += _sum_rounds([got[side]])
+                    _progress(f"{name} round {r + 1} {set_name}: off {per['off'][set_name][-1]:.1f}, "
+                              f"on {per['on'][set_name][-1]:.1f} tok/s decode")
+                for side in order:
+                    per[side]["concurrent"].append(
+                        concurrent(servers[side].url, mixed, args.concurrent, args.concurrent_tokens)["tok_s"])
+                _progress(f"{name} round {r + 1} {args.concurrent} concurrent: off {per['off']['concurrent'][-1]:.1f}, "
+                          f"on {per['on']['concurrent'][-1]:.1f} tok/s")
+            runs[name] = {**per, "spec_decode": _speculation_metrics(servers["on"].url)}
+        finally:
+            for server in servers.values():
+                server.stop()
+        summary[name] = {k: {"off": statistics.median(per["off"][k]), "on": statistics.median(per["on"][k]),
+                             "ratio": statistics.median(b / a for a, b in zip(per["off"][k], per["on"][k])),
+                             "ratios": [b / a for a, b in zip(per["off"][k], per["on"][k])]}
+                         for k in per["off"]}
     result = {"command": "python -m benchmarks.speculative " + " ".join(argv if argv is not None else sys.argv[1:]),
               "machine": {**machine_info("cpu", torch.get_num_threads()), "cpu": _cpu_family()},
               "configs": {n: {"flags": PAIRS[n][0], "speculative_config": PAIRS[n][1]} for n in runs},
@@ -194,7 +208,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"host: {result['machine']['cpu']}")
     for name, rows in summary.items():
         for k, v in rows.items():
-            print(f"{name:10s} {k:15s} off {v['off']:7.1f}  on {v['on']:7.1f} tok/s  {v['ratio']:.2f}x")
+            print(f"{name:10s} {k:15s} off {v['off']:7.1f}  on {v['on']:7.1f} tok/s  median ratio {v['ratio']:.2f}x "
+                  f"(rounds {', '.join(f'{x:.2f}' for x in v['ratios'])})")
     print("answers identical with and without speculation" if not differences else
           f"{len(differences)} answers differ: {differences[:5]}")
     return 0 if not differences else 1

@@ -318,13 +318,14 @@ class Engine:
 
     def _propose_drafts(self) -> None:
         """Ask the drafter for tokens to verify after each decoding sequence's last one (rows of several tokens).
-        Not for sequences whose extras are per token (telemetry, hidden-state reads, a grammar), that evict (a kv
+        A grammar's sequence keeps the drafts its grammar accepts (the verification rows are masked as it stands
+        after each). Not for sequences whose extras are per token (telemetry, hidden-state reads), that evict (a kv
         window) or whose request turned speculation off: those decode one token a step, as they would anyway."""
         seqs, rooms = [], []
         for seq in self.scheduler.running:
             o = seq.request.options
             if seq.draft_token_ids or seq.num_computed_tokens != seq.num_tokens - 1 or o.telemetry is not None \
-                    or o.hidden_states is not None or o.structured is not None or o.kv_window is not None \
+                    or o.hidden_states is not None or o.kv_window is not None \
                     or o.num_speculative_tokens == 0:
                 continue
             room = min(seq.request.params.max_tokens - len(seq.output_token_ids), self.max_model_len - seq.num_tokens) - 1
@@ -337,6 +338,10 @@ class Engine:
             return
         for seq, room, drafts in zip(seqs, rooms, self.drafter.propose(seqs, rooms, len(self.scheduler.running))):
             seq.draft_token_ids = list(drafts)[:room]
+            grammar = seq.sampling.grammar
+            if grammar is not None and seq.draft_token_ids:
+                seq.draft_token_ids = grammar.valid_drafts(seq.draft_token_ids, seq.request.params.max_tokens
+                                                           - len(seq.output_token_ids))
             g = seq.sampling.generator
             if seq.draft_token_ids and g is not None:
                 self._noise_states[seq] = g.get_state()

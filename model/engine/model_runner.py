@@ -90,9 +90,7 @@ class ModelRunner:
         # the step as every path reads it; telemetry None unless a sampled sequence asked: then nothing changes
         ctx = ForwardContext(self.cache, batch.meta, batch.slices, batch.edits, tel)
         # [structured outputs] the sampling rows' grammar masks, filled on a worker thread during the forward
-        masks = self.structured.start_masks([
-            (seq.sampling.grammar, seq.output_token_ids, seq.request.params.max_tokens - len(seq.output_token_ids))
-            for seq, _ in batch.sample]) if self.structured is not None else None
+        masks = self.structured.start_masks(_mask_rows(batch.sample)) if self.structured is not None else None
         path = self._choose(batch, ctx)
         with tel.hidden_hooks(self.model) if tel is not None and path == "module" else contextlib.nullcontext():
             logits = self._forward(path, batch, ctx).float()  # (M, V): the batch's logits rows
@@ -145,6 +143,21 @@ def _segments(scheduled: list[ScheduledSeq], batch: StepBatch) -> list[Segment]:
 def _rows(x: Tensor, rows, identity: bool = False) -> Tensor:
     """x[rows], without a copy when the rows are 0..len-1 in order (the common decode case)."""
     return x if identity else x[rows]
+
+
+def _mask_rows(sample: list[tuple[Sequence, int]]) -> list[tuple]:
+    """[structured outputs] One entry per sampling row: (grammar, output token ids, tokens left, drafts) for a
+    sequence's first row (drafts: the rows after it verify them, masked as the grammar stands after each draft),
+    (None, (), 0, ()) for those rows."""
+    rows, prev = [], None
+    for seq, _ in sample:
+        if seq is prev:
+            rows.append((None, (), 0, ()))
+        else:
+            rows.append((seq.sampling.grammar, seq.output_token_ids,
+                         seq.request.params.max_tokens - len(seq.output_token_ids), seq.draft_token_ids))
+        prev = seq
+    return rows
 
 
 def _prompt_positions(seq: Sequence, start: int, n: int) -> tuple[int, int] | None:

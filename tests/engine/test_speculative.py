@@ -152,9 +152,43 @@ def test_preemption_under_speculation(model, draft):
         assert engine.scheduler.num_preemptions > 0 and engine.stats().spec_decode.num_accepted_tokens > 0
 
 
+@pytest.mark.parametrize("method", ["ngram", "draft_int8"])
+def test_structured_outputs_under_speculation(model, draft, method):
+    """Grammar-constrained requests draft too: only drafts their grammar accepts are verified, each verification
+    row masked as the grammar stands after the drafts before it, and the output is the one without speculation
+    (greedy and sampled), every answer still matching its grammar."""
+    import json
+    import re
+
+    from model.engine.structured.spec import StructuredOutputSpec
+
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                               "tags": {"type": "array", "items": {"enum": ["ab", "cd"]}}},
+              "required": ["name", "tags"]}
+    regex = "(ab|cd|efg)+x"
+    specs = [StructuredOutputSpec("regex", regex), StructuredOutputSpec.json_schema(schema)]
+    ps = _prompts(4, seed=4)
+    reqs = []
+    for i, spec in enumerate(specs):
+        for j, params in enumerate((SamplingParams(max_tokens=60, temperature=0.0, logprobs=2),
+                                    SamplingParams(max_tokens=60, temperature=0.9, seed=3))):
+            reqs.append((f"{spec.kind}-{j}", ps[2 * i + j], params, RequestOptions(structured=spec), 0))
+    reference = _serve(_engine(model), reqs)
+    engine = _engine(model, NGRAM) if method == "ngram" else _engine(model, _draft_config(), draft_model=draft)
+    got = _serve(engine, reqs)
+    assert got == reference
+    assert engine.stats().spec_decode.num_accepted_tokens > 10, engine.stats().spec_decode
+    for rid, choices in got.items():
+        text = choices[0][3]
+        if rid.startswith("regex"):
+            assert re.fullmatch(regex, text), text
+        elif choices[0][4] == "stop":
+            json.loads(text)
+
+
 def test_extras_that_are_per_token_decode_one_token_at_a_time(model):
-    """Telemetry, hidden-state reads, a grammar and a kv window are not drafted (their rows keep one token a
-    step, so their output is as without speculation)."""
+    """Telemetry, hidden-state reads and a kv window are not drafted (their rows keep one token a step, so their
+    output is as without speculation)."""
     from model.engine import KVWindow, TelemetryOptions
     from model.interventions import HiddenStateRead
 

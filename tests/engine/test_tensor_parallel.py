@@ -242,6 +242,33 @@ def test_rows_of_several_tokens_under_tensor_parallelism(tp_pair):
     assert serve(drafter) == ref and calls[0] > 3
 
 
+def test_ngram_speculation_under_tensor_parallelism(tp_pair):
+    """--speculative-config's n-gram method on the TP=2 engine (a draft model is refused there): greedy tokens and
+    logprobs equal to the same engine without speculation, with drafts verified and accepted."""
+    from model.engine import SpeculativeConfig
+
+    _, two = tp_pair
+    prompts = [(p * 3)[:14] for p in _prompts(3, 5)]  # repeated phrases: their n-grams recur
+    spec = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1})
+
+    def serve(speculative) -> tuple[dict, Engine]:
+        engine = Engine(two.model, two.tokenizer, EngineConfig(num_blocks=48, block_size=4, max_num_seqs=4,
+                                                               speculative=speculative))
+        if speculative is not None:
+            engine.drafter.row_cost = 0.0  # draft whatever is found
+        for i, p in enumerate(prompts):
+            engine.add_request(str(i), p, SamplingParams(max_tokens=16, temperature=0, logprobs=2, ignore_eos=True))
+        out: dict = {}
+        while engine.has_unfinished():
+            for o in engine.step():
+                out.setdefault(o.request_id, []).extend((t, lp.logprob, lp.top) for t, lp in zip(o.token_ids, o.logprobs))
+        return out, engine
+
+    ref, _ = serve(None)
+    got, engine = serve(spec)
+    assert got == ref and engine.stats().spec_decode.num_drafts > 0
+
+
 def test_lost_worker_makes_the_next_step_fatal(tp_pair):
     """Runs last for each group: a killed worker makes the next step fail at once (no hang) with FatalEngineError,
     which ends the engine (the service then fails its clients and exits to be restarted: a group with a lost rank

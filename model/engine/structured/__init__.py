@@ -33,5 +33,5 @@ class StructuredOutputs:
     def compile(self, spec: StructuredOutputSpec) -> CompiledGrammar:
         return self.compiler.compile(spec)
 
-    def start_masks(self, rows: Sequence[tuple[SequenceGrammar | None, Sequence[int], int]]) -> PendingMasks | None:
+    def start_masks(self, rows: Sequence[tuple[SequenceGrammar | None, Sequence[int], int, Sequence[int]]]) -> PendingMasks | None:
         return self.masks.start(rows)

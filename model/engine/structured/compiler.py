@@ -22,7 +22,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from model.engine.structured.closing import MARGIN, RETRY_AFTER, JsonCloser
+from model.engine.structured.closing import MARGIN, PLAN_LIMIT, RETRY_AFTER, JsonCloser
 from model.engine.structured.spec import StructuredOutputSpec
 from model.text.tokenizer import Tokenizer
 
@@ -124,6 +124,14 @@ class SequenceGrammar:
     @property
     def is_error(self) -> bool:
         return self.matcher.is_error()
+
+    def valid_drafts(self, drafts: list[int], remaining: int) -> list[int]:
+        """[speculative decoding] The drafts this grammar accepts from its state, up to the first it rejects;
+        none while a closing plan may force tokens (within reach of max_tokens: `remaining` tokens left)."""
+        if self.closing or self.matcher.is_error() or (
+                self.compiled.closer is not None and remaining - len(drafts) <= PLAN_LIMIT + MARGIN):
+            return []
+        return drafts[: self.matcher.validate_tokens(drafts)]
 
 
 class GrammarCompiler:

@@ -50,24 +50,34 @@ class GrammarMasks:
         self._worker: ThreadPoolExecutor | None = None
         self._executor = None  # llguidance.LLExecutor, made on first use
 
-    def start(self, rows: Sequence[tuple[SequenceGrammar | None, Sequence[int], int]]) -> PendingMasks | None:
-        """rows: (grammar or None, output token ids, tokens left to max_tokens) per sampling row of the step, in the
-        sampler's row order. None when no row is constrained. Each grammar is synced to its output first (a no-op
-        unless they diverged); a JSON row near max_tokens gets a one-token mask from its closing plan (closing.py)."""
-        constrained: list[tuple[int, SequenceGrammar]] = []
-        for i, (grammar, output_token_ids, _) in enumerate(rows):
+    def start(self, rows: Sequence[tuple[SequenceGrammar | None, Sequence[int], int, Sequence[int]]]) -> PendingMasks | None:
+        """rows: (grammar or None, output token ids, tokens left to max_tokens, drafts) per sampling row of the
+        step, in the sampler's row order; a row with d drafts (speculative decoding) is followed by the d rows that
+        verify them, whose masks are the grammar's after each draft (llguidance's draft-token masks; the engine
+        drafts only tokens the grammar accepts, and never near max_tokens, where a closing plan may force tokens).
+        None when no row is constrained. Each grammar is synced to its output first (a no-op unless they
+        diverged); a JSON row near max_tokens gets a one-token mask from its closing plan (closing.py)."""
+        constrained: list[tuple[int, SequenceGrammar | None]] = []  # (sampler row, grammar; None: a draft's row)
+        for i, (grammar, output_token_ids, _, drafts) in enumerate(rows):
             if grammar is not None:
                 grammar.sync(output_token_ids)
                 constrained.append((i, grammar))
+                constrained += [(i + 1 + t, None) for t in range(len(drafts))]
         if not constrained:
             return None
         if len(constrained) > self.bitmask.shape[0]:  # more rows than max_num_seqs promised: grow once
             self.bitmask = torch.full((len(constrained), self.words), -1, dtype=torch.int32)
         bitmask = self.bitmask[: len(constrained)]  # (M, W) view: rows 0..M-1 of the persistent buffer
-        work = []
+        work, drafted = [], []
         for j, (i, g) in enumerate(constrained):
-            forced = g.forced_token(rows[i][2])
-            if forced is None:
+            if g is None:
+                bitmask[j].fill_(-1)  # a draft's row: written by the fill (left open should a draft end the grammar)
+                continue
+            drafts = list(rows[i][3])
+            forced = g.forced_token(rows[i][2]) if not drafts else None
+            if drafts:
+                drafted.append((g.matcher, j, drafts))
+            elif forced is None:
                 work.append((g.matcher, j))
             else:  # written here, before the fill starts: the worker never touches this row
                 bitmask[j].zero_()
@@ -75,20 +85,24 @@ class GrammarMasks:
         if self.overlap:
             if self._worker is None:
                 self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llamascope-grammar")
-            future = self._worker.submit(self._fill, work, bitmask)
+            future = self._worker.submit(self._fill, work, bitmask, drafted)
         else:
-            self._fill(work, bitmask)
+            self._fill(work, bitmask, drafted)
             future = None
         return PendingMasks(future, bitmask, [i for i, _ in constrained])
 
-    def _fill(self, work: list, bitmask: torch.Tensor) -> None:
-        if not work:
+    def _fill(self, work: list, bitmask: torch.Tensor, drafted: list = ()) -> None:
+        if not work and not drafted:
             return
         if self._executor is None:
             # One thread: on a small CPU the forward owns the cores; the batched call is for the GIL, not for speed.
             self._executor = import_llguidance().LLExecutor(num_threads=1)
         # A matcher in an error state or past its end writes the EOS-only mask (llguidance's contract).
-        self._executor.unsafe_compute_mask_ptr(work, bitmask.data_ptr(), self.words * 4, bitmask.shape[0])
+        if work:
+            self._executor.unsafe_compute_mask_ptr(work, bitmask.data_ptr(), self.words * 4, bitmask.shape[0])
+        if drafted:  # row j and, after each draft, row j + 1 + t; the matcher is left as it was
+            self._executor.unsafe_compute_mask_ptr_with_draft_token(drafted, bitmask.data_ptr(), self.words * 4,
+                                                                    bitmask.shape[0])
 
     def close(self) -> None:
         if self._worker is not None:
