@@ -301,13 +301,17 @@ class Engine:
         """The runner's tokens -> outputs; sequences that end are finished and their blocks freed."""
         for seq, logprobs in result.prompt_logprobs:
             self.output.add_prompt_logprobs(seq, logprobs)
-        for seq, positions, values in result.hidden_states:
-            self.output.add_hidden_states(seq, positions, values)
-        for seq, upto in result.read_upto:
-            seq.num_read_positions = max(seq.num_read_positions, upto)
+        rows = []  # each sequence's tokens to append: a drafting one's resolved first (its rejected K/V rolled back)
         for seq, sampled in _by_sequence(result.sampled):
-            if seq.draft_token_ids:
-                sampled = self._resolve_drafts(seq, sampled)
+            rows.append((seq, self._resolve_drafts(seq, sampled) if seq.draft_token_ids else sampled))
+        for seq, positions, values in result.hidden_states:  # not the positions of rejected drafts
+            keep = [i for i, p in enumerate(positions) if p < seq.num_computed_tokens]
+            if keep:
+                self.output.add_hidden_states(seq, [positions[i] for i in keep],
+                                              values if len(keep) == len(positions) else values[keep])
+        for seq, upto in result.read_upto:
+            seq.num_read_positions = max(seq.num_read_positions, min(upto, seq.num_computed_tokens))
+        for seq, sampled in rows:
             out, finish = self.output.append_all(seq, sampled)
             out.telemetry = result.telemetry.get(seq)
             if finish is not None:
@@ -319,13 +323,14 @@ class Engine:
     def _propose_drafts(self) -> None:
         """Ask the drafter for tokens to verify after each decoding sequence's last one (rows of several tokens).
         A grammar's sequence keeps the drafts its grammar accepts (the verification rows are masked as it stands
-        after each). Not for sequences whose extras are per token (telemetry, hidden-state reads), that evict (a kv
-        window) or whose request turned speculation off: those decode one token a step, as they would anyway."""
+        after each); a hidden-state read gets the positions of the kept tokens only. Not for sequences with
+        attention telemetry (recorded per sampled row), that evict (a kv window) or whose request turned
+        speculation off: those decode one token a step, as they would anyway."""
         seqs, rooms = [], []
         for seq in self.scheduler.running:
             o = seq.request.options
             if seq.draft_token_ids or seq.num_computed_tokens != seq.num_tokens - 1 or o.telemetry is not None \
-                    or o.hidden_states is not None or o.kv_window is not None \
+                    or o.kv_window is not None \
                     or o.num_speculative_tokens == 0:
                 continue
             room = min(seq.request.params.max_tokens - len(seq.output_token_ids), self.max_model_len - seq.num_tokens) - 1

@@ -132,6 +132,12 @@ class OutputProcessor:
                 merged.num_output_tokens = out.num_output_tokens
             if finish is not None:
                 break
+        if finish is not None and len(merged.token_ids) < len(sampled) and merged.hidden_states is not None:
+            # drafts verified after the one that ended it: their positions' reads go with them (one token at a
+            # time would never have computed those positions)
+            h = merged.hidden_states
+            keep = [i for i, p in enumerate(h.positions) if p < seq.num_tokens - 1]
+            merged.hidden_states = HiddenStates(h.layers, [h.positions[i] for i in keep], h.values[keep]) if keep else None
         return merged, finish
 
     def output(self, seq: Sequence) -> RequestOutput:

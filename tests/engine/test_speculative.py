@@ -186,16 +186,49 @@ def test_structured_outputs_under_speculation(model, draft, method):
             json.loads(text)
 
 
-def test_extras_that_are_per_token_decode_one_token_at_a_time(model):
-    """Telemetry, hidden-state reads and a kv window are not drafted (their rows keep one token a step, so their
-    output is as without speculation)."""
-    from model.engine import KVWindow, TelemetryOptions
+@pytest.mark.parametrize("positions", ["last", "all"])
+def test_hidden_state_reads_under_speculation(model, draft, positions):
+    """Hidden-state reads of drafting rows return the positions of kept tokens only, each once, with the values
+    of decoding one token at a time (a stop string ending the choice inside a run of accepted drafts included)."""
     from model.interventions import HiddenStateRead
+
+    ps = _prompts(3, seed=8)
+    read = RequestOptions(hidden_states=HiddenStateRead(layers=[0, 1], positions=positions))
+    reqs = [("a", ps[0], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True), read, 0),
+            ("b", ps[1], SamplingParams(max_tokens=40, temperature=0.0, stop=["e", "o"]), read, 0),
+            ("c", ps[2], SamplingParams(max_tokens=40, temperature=0.8, seed=5), read, 1)]
+
+    def serve(engine) -> dict:
+        got: dict = {}
+        for rid, prompt, params, options, _ in reqs:
+            engine.add_request(rid, prompt, params, options)
+        while engine.has_unfinished():
+            for o in engine.step():
+                r = got.setdefault(o.request_id, {"tokens": [], "positions": [], "values": []})
+                r["tokens"] += o.token_ids
+                if o.hidden_states is not None:
+                    r["positions"] += o.hidden_states.positions
+                    r["values"].append(o.hidden_states.values)
+        return {rid: (r["tokens"], r["positions"], torch.cat(r["values"]).tolist()) for rid, r in got.items()}
+
+    reference = serve(_engine(model))
+    engine = _engine(model, _draft_config(), draft_model=draft)
+    got = serve(engine)
+    assert got == reference
+    assert engine.stats().spec_decode.num_accepted_tokens > 10 and engine.stats().spec_decode.num_draft_tokens > \
+        engine.stats().spec_decode.num_accepted_tokens
+    for tokens, seen, _ in got.values():
+        assert len(seen) == len(set(seen))
+
+
+def test_extras_that_are_per_token_decode_one_token_at_a_time(model):
+    """Attention telemetry (recorded per sampled row) and a kv window (its evictions) are not drafted: their rows
+    keep one token a step, so their output is as without speculation."""
+    from model.engine import KVWindow, TelemetryOptions
 
     ps = _prompts(4, seed=3)
     greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     reqs = [("tel", ps[0], greedy, RequestOptions(telemetry=TelemetryOptions()), 0),
-            ("hid", ps[1], greedy, RequestOptions(hidden_states=HiddenStateRead(layers=[1])), 0),
             ("win", ps[2], greedy, RequestOptions(kv_window=KVWindow(4, 16)), 0)]
     engine = _engine(model, NGRAM)
     proposed = []
