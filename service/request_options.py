@@ -41,18 +41,9 @@ def to_options(req: SamplingFields, state: Serving, params: SamplingParams, tele
 
 def speculative_tokens(req: SamplingFields, state: Serving) -> int | None:
     """The request's cap on speculative drafts: 400 naming the field when the server does not speculate or drafts
-    fewer."""
-    k = req.num_speculative_tokens
-    if not k:
-        return k
-    spec = state.speculative
-    if spec is None:
-        raise APIError(400, "num_speculative_tokens: speculative decoding is not configured on this server "
-                            "(--speculative-config)", param="num_speculative_tokens", code="invalid_value")
-    if k > spec["num_speculative_tokens"]:
-        raise APIError(400, f"num_speculative_tokens must be at most {spec['num_speculative_tokens']} (the server's "
-                            f"--speculative-config), got {k}", param="num_speculative_tokens", code="invalid_value")
-    return k
+    fewer (the engine's check)."""
+    state.check_speculation(req.num_speculative_tokens)
+    return req.num_speculative_tokens
 
 
 def hidden_dtype(req: SamplingFields) -> str | None:

@@ -67,6 +67,13 @@ class Serving:
         except ValueError as e:
             raise APIError(400, str(e), param="kv_window", code="invalid_value") from None
 
+    def check_speculation(self, k: int | None) -> None:
+        """400 naming `num_speculative_tokens` unless the engine can serve it."""
+        try:
+            self._engine.check_speculation(k)
+        except ValueError as e:
+            raise APIError(400, str(e), param="num_speculative_tokens", code="invalid_value") from None
+
     def compile_structured(self, spec: StructuredOutputSpec) -> None:
         """Compile a request's grammar into the engine's cache, so the engine thread finds it there (the compiler and
         its cache are thread-safe; called on a worker thread). ValueError when the grammar engine refuses it."""

@@ -166,6 +166,11 @@ class AsyncEngine:
         fixed configuration, so any thread may ask)."""
         self.engine.check_window(window)
 
+    def check_speculation(self, k: int | None) -> None:
+        """ValueError unless the engine can serve a request's `num_speculative_tokens` (`Engine.check_speculation`:
+        reads only its fixed configuration, so any thread may ask)."""
+        self.engine.check_speculation(k)
+
     def compile_structured(self, spec: StructuredOutputSpec) -> None:
         """Compile a request's grammar into the engine's cache, so the engine thread finds it there (the compiler
         and its cache are thread-safe: call it on a worker thread). ValueError when the grammar engine refuses it."""

@@ -167,7 +167,7 @@ class Engine:
         c = self.model.config
         options.validate(c.n_layers)
         self._check_extensions(options)
-        self._check_speculation(options)
+        self.check_speculation(options.num_speculative_tokens)
         P, total = len(prompt_token_ids), len(prompt_token_ids) + params.max_tokens
         if total > self.max_model_len and options.kv_window is None:  # a window's cache stays within the context
             raise ValueError(
@@ -214,8 +214,8 @@ class Engine:
         if options.telemetry is not None and self.distributed:
             raise ValueError("attention telemetry is not supported with tensor parallelism")
 
-    def _check_speculation(self, options: RequestOptions) -> None:
-        k = options.num_speculative_tokens
+    def check_speculation(self, k: int | None) -> None:
+        """ValueError unless this engine can serve a request's `num_speculative_tokens` (None or 0: always)."""
         if k is None or k == 0:
             return
         spec = self.config.speculative
@@ -253,7 +253,7 @@ class Engine:
             prefix_cache_queries=self.kv.num_prompt_tokens,
             prefix_cache_hits=self.kv.num_cached_prompt_tokens,
             steps_by_path=dict(self.runner.path_counts),
-            spec_decode=self.drafter.stats.copy() if isinstance(getattr(self.drafter, "stats", None), SpecDecodeStats) else None,
+            spec_decode=self.drafter.stats.copy() if self.config.speculative is not None else None,
         )
 
     # ---- the step ---------------------------------------------------------------------------------------------
