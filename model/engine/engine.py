@@ -276,12 +276,8 @@ class Engine:
             result = self.runner.execute(sched.scheduled)
             for s in sched.scheduled:
                 s.seq.num_computed_tokens += s.num_new_tokens
-                if s.seq.draft_token_ids:
-                    continue  # committed once its drafts are resolved (`_update`): rejected ones are rolled back
-                self.kv.commit(s.seq)
-                eviction = self.kv.evict(s.seq)  # a windowed sequence slid past a block: give it back
-                if eviction is not None:
-                    self.context_shift.apply(eviction)
+                if not s.seq.draft_token_ids:  # else settled once its drafts are resolved (`_update`)
+                    self._settle(s.seq)
             self._update(result, outs)
             return outs
         except Exception as e:  # a failing step fails its own requests; the engine keeps serving the rest
@@ -296,6 +292,14 @@ class Engine:
                     outs.append(out)
             self._drop_finished_requests()
             return outs
+
+    def _settle(self, seq: Sequence) -> None:
+        """After a step computed tokens of `seq` (a drafting one's rejected drafts rolled back): its newly full
+        blocks go to the prefix cache, and a windowed sequence that slid past a block gives it back."""
+        self.kv.commit(seq)
+        eviction = self.kv.evict(seq)
+        if eviction is not None:
+            self.context_shift.apply(eviction)
 
     def _update(self, result: RunnerOutput, outs: list[RequestOutput]) -> None:
         """The runner's tokens -> outputs; sequences that end are finished and their blocks freed."""
@@ -323,17 +327,21 @@ class Engine:
     def _propose_drafts(self) -> None:
         """Ask the drafter for tokens to verify after each decoding sequence's last one (rows of several tokens).
         A grammar's sequence keeps the drafts its grammar accepts (the verification rows are masked as it stands
-        after each); a hidden-state read gets the positions of the kept tokens only. Not for sequences with
-        attention telemetry (recorded per sampled row), that evict (a kv window) or whose request turned
-        speculation off: those decode one token a step, as they would anyway."""
+        after each); a hidden-state read gets the positions of the kept tokens only; a windowed sequence drafts no
+        further than its next eviction point (kv_window.py's chunk_limit: its K/V is evicted, and its keys shifted,
+        only once its drafts are resolved, so a rollback never meets an eviction) and, its cache being bounded, past
+        the context too. Not for sequences with attention telemetry (recorded per sampled row) or whose request
+        turned speculation off: those decode one token a step, as they would anyway."""
         seqs, rooms = [], []
+        bs = self.kv.block_size
         for seq in self.scheduler.running:
             o = seq.request.options
             if seq.draft_token_ids or seq.num_computed_tokens != seq.num_tokens - 1 or o.telemetry is not None \
-                    or o.kv_window is not None \
                     or o.num_speculative_tokens == 0:
                 continue
-            room = min(seq.request.params.max_tokens - len(seq.output_token_ids), self.max_model_len - seq.num_tokens) - 1
+            w = o.kv_window
+            reach = self.max_model_len - seq.num_tokens - 1 if w is None else w.chunk_limit(seq.num_computed_tokens, bs) - 1
+            room = min(seq.request.params.max_tokens - len(seq.output_token_ids) - 1, reach)
             if o.num_speculative_tokens is not None:
                 room = min(room, o.num_speculative_tokens)
             if room > 0:
@@ -356,14 +364,15 @@ class Engine:
         """A drafting sequence's rows were sampled each as if the drafts before it were accepted: keep the drafts
         the samples agree with and the sample after them (a draft accepted only when it equals the token sampled
         at its position, so the output is what decoding one token at a time samples), roll back the K/V of the
-        rest, then commit its newly full blocks. -> the tokens to append, in order."""
+        rest, then settle it (commit its newly full blocks; a windowed one's eviction). -> the tokens to append,
+        in order."""
         drafts = seq.draft_token_ids
         j = 0
         while j < len(drafts) and sampled[j][0] == drafts[j]:
             j += 1
         self.kv.rollback(seq, len(drafts) - j)
         seq.draft_token_ids = []
-        self.kv.commit(seq)
+        self._settle(seq)
         state = self._noise_states.pop(seq, None)
         if state is not None and j < len(drafts):  # a seeded row drew noise for rows it did not keep: replay the kept
             seq.sampling.generator.set_state(state)

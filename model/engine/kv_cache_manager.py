@@ -163,11 +163,13 @@ class KVCacheManager:
         """Forget the K/V of `seq`'s last `num_tokens` computed tokens (drafts a step rejected): they count as not
         computed, their slots are written again by the tokens that take their positions, and tail blocks no longer
         needed go back to the pool. Only uncommitted tokens may be rolled back (the engine commits a drafting
-        sequence's blocks after its drafts are resolved), so no block of the prefix cache ever held them."""
-        assert 0 <= num_tokens <= seq.num_computed_tokens and seq.window is None
+        sequence's blocks after its drafts are resolved), so no block of the prefix cache ever held them. A windowed
+        sequence's rolled-back tokens are its cache's last (drafts never cross an eviction point, and the engine
+        evicts only after resolving them), so the blocks kept are those of its cache length."""
+        assert 0 <= num_tokens <= seq.cache_len
         seq.num_computed_tokens -= num_tokens
         assert seq.num_committed_blocks * self.block_size <= seq.num_computed_tokens, "rolled back committed tokens"
-        keep = -(-seq.num_computed_tokens // self.block_size)
+        keep = -(-seq.cache_len // self.block_size)
         while len(seq.block_ids) > keep:
             self.pool.release(seq.block_ids.pop())
 

@@ -221,21 +221,55 @@ def test_hidden_state_reads_under_speculation(model, draft, positions):
         assert len(seen) == len(set(seen))
 
 
-def test_extras_that_are_per_token_decode_one_token_at_a_time(model):
-    """Attention telemetry (recorded per sampled row) and a kv window (its evictions) are not drafted: their rows
-    keep one token a step, so their output is as without speculation."""
-    from model.engine import KVWindow, TelemetryOptions
+def test_telemetry_rows_decode_one_token_at_a_time(model):
+    """Attention telemetry (recorded per sampled row) is not drafted: its rows keep one token a step, so its output
+    is as without speculation."""
+    from model.engine import TelemetryOptions
 
     ps = _prompts(4, seed=3)
     greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    reqs = [("tel", ps[0], greedy, RequestOptions(telemetry=TelemetryOptions()), 0),
-            ("win", ps[2], greedy, RequestOptions(kv_window=KVWindow(4, 16)), 0)]
+    reqs = [("tel", ps[0], greedy, RequestOptions(telemetry=TelemetryOptions()), 0)]
     engine = _engine(model, NGRAM)
     proposed = []
     real = engine.drafter.propose
     engine.drafter.propose = lambda seqs, m, n: proposed.extend(s.request.request_id for s in seqs) or real(seqs, m, n)
     _serve(engine, reqs)
     assert not proposed
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_kv_window_rows_speculate_up_to_each_eviction(model, draft, method):
+    """Sink + window sequences draft, never past their next eviction point, and give the output of decoding one
+    token at a time: rejected drafts are rolled back before the eviction and key shift that follow them, with sinks
+    a whole block (4) and not (6), and past the model's context (max_model_len 64)."""
+    from model.engine import KVWindow
+
+    ps = _prompts(4, seed=3)
+    greedy = SamplingParams(max_tokens=90, temperature=0.0, ignore_eos=True, logprobs=2)
+    reqs = [("w4", ps[0], greedy, RequestOptions(kv_window=KVWindow(4, 16)), 0),
+            ("w6", ps[1], greedy, RequestOptions(kv_window=KVWindow(6, 13)), 0),
+            ("seeded", ps[2], SamplingParams(max_tokens=70, temperature=0.8, seed=3),
+             RequestOptions(kv_window=KVWindow(4, 9)), 1)]
+    reference_engine = _engine(model, max_model_len=64)
+    reference = _serve(reference_engine, reqs)
+    engine = _engine(model, NGRAM if method == "ngram" else _draft_config(),
+                     draft_model=draft if method == "draft" else None, max_model_len=64)
+    crossed = []
+    real = engine.kv.rollback
+
+    def rollback(seq, n):  # a drafting row ends at its next eviction point at the latest
+        start = seq.num_computed_tokens - len(seq.draft_token_ids) - 1
+        crossed.append(seq.num_computed_tokens - start > seq.window.chunk_limit(start, engine.kv.block_size))
+        real(seq, n)
+
+    engine.kv.rollback = rollback
+    assert _serve(engine, reqs) == reference
+    spec = engine.stats().spec_decode
+    assert spec.num_draft_tokens > 50 and spec.num_draft_tokens > spec.num_accepted_tokens
+    if method == "draft":  # (a random model's windowed text repeats too little for n-grams to be kept often; the
+        assert spec.num_accepted_tokens > 10  # draft, which sees the whole history, agrees with it now and then)
+    assert engine.context_shift.num_evictions == reference_engine.context_shift.num_evictions > 20
+    assert not any(crossed) and len(crossed) > 10
 
 
 def test_back_off_by_batch_size(model):

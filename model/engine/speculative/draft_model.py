@@ -57,6 +57,7 @@ class DraftModelProposer:
                  max_num_seqs: int, max_model_len: int) -> None:
         self.model = model
         self.budget = max_num_batched_tokens
+        self.max_model_len = max_model_len  # the draft holds a sequence's whole history (no window)
         self.cache = PagedKVCache.for_model(model, num_blocks, block_size)
         self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False)
         self.runner = ModelRunner(model, self.cache, Sampler(model.config.vocab_size, model.device),
@@ -70,6 +71,9 @@ class DraftModelProposer:
         first: list[ScheduledSeq] = []
         budget = self.budget
         for seq, k in zip(seqs, ks):
+            k = min(k, self.max_model_len - seq.num_tokens)  # a windowed sequence nears the context: the draft's
+            if k <= 0:  # cache holds the whole history (no window), so it stops drafting there
+                continue
             behind = seq.num_prompt_tokens + len(seq.output_token_ids) - self._computed(seq)
             if behind > CATCH_UP_PER_TOKEN * (seq.request.params.max_tokens - len(seq.output_token_ids)):
                 continue  # near its end: computing its whole history in the draft would cost more than drafting gains
@@ -77,7 +81,7 @@ class DraftModelProposer:
             s = shadow.seq
             n = s.num_tokens - s.num_computed_tokens  # >= 1: the target's last token at least
             n = min(n, budget)
-            if k <= 0 or n <= 0 or not self.kv.allocate(s, n):
+            if n <= 0 or not self.kv.allocate(s, n):
                 continue
             budget -= n
             first.append(ScheduledSeq(s, n))
