@@ -316,12 +316,14 @@ class Engine:
         for seq, upto in result.read_upto:
             seq.num_read_positions = max(seq.num_read_positions, min(upto, seq.num_computed_tokens))
         for seq, sampled in rows:
-            out, finish = self.output.append_all(seq, sampled)
-            out.telemetry = result.telemetry.get(seq)
+            telemetry = result.telemetry.get(seq)  # per sampled row: each kept token's goes out with it, alone
+            deltas, finish = self.output.append_all(seq, sampled, each=telemetry is not None)
+            for out, tel in zip(deltas, telemetry or [None] * len(deltas)):
+                out.telemetry = tel
             if finish is not None:
                 self._finish(seq, finish.reason, finish.stop_reason)
-                out.finish_reason, out.stop_reason = seq.finish_reason.value, seq.stop_reason
-            outs.append(out)
+                deltas[-1].finish_reason, deltas[-1].stop_reason = seq.finish_reason.value, seq.stop_reason
+            outs += deltas
         self._drop_finished_requests()
 
     def _propose_drafts(self) -> None:
@@ -330,14 +332,13 @@ class Engine:
         after each); a hidden-state read gets the positions of the kept tokens only; a windowed sequence drafts no
         further than its next eviction point (kv_window.py's chunk_limit: its K/V is evicted, and its keys shifted,
         only once its drafts are resolved, so a rollback never meets an eviction) and, its cache being bounded, past
-        the context too. Not for sequences with attention telemetry (recorded per sampled row) or whose request
-        turned speculation off: those decode one token a step, as they would anyway."""
+        the context too. Attention telemetry is recorded for every verification row, and each kept token's goes
+        out with it. Not for sequences whose request turned speculation off."""
         seqs, rooms = [], []
         bs = self.kv.block_size
         for seq in self.scheduler.running:
             o = seq.request.options
-            if seq.draft_token_ids or seq.num_computed_tokens != seq.num_tokens - 1 or o.telemetry is not None \
-                    or o.num_speculative_tokens == 0:
+            if seq.draft_token_ids or seq.num_computed_tokens != seq.num_tokens - 1 or o.num_speculative_tokens == 0:
                 continue
             w = o.kv_window
             reach = self.max_model_len - seq.num_tokens - 1 if w is None else w.chunk_limit(seq.num_computed_tokens, bs) - 1

@@ -57,7 +57,7 @@ class RunnerOutput:
     prompt_logprobs: list[tuple[Sequence, list[TokenLogprobs]]] = field(default_factory=list)
     hidden_states: list[tuple[Sequence, list[int], Tensor]] = field(default_factory=list)
     read_upto: list[tuple[Sequence, int]] = field(default_factory=list)
-    telemetry: dict[Sequence, TokenTelemetry] = field(default_factory=dict)  # the sampled tokens that asked for it
+    telemetry: dict[Sequence, list[TokenTelemetry]] = field(default_factory=dict)  # per sampled row, where asked
 
 
 class ModelRunner:

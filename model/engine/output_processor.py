@@ -115,16 +115,19 @@ class OutputProcessor:
             return out, Finish(FinishReason.STOP if done else FinishReason.LENGTH)
         return out, None
 
-    def append_all(self, seq: Sequence, sampled: list[tuple[int, TokenLogprobs | None]]
-                   ) -> tuple[RequestOutput, Finish | None]:
+    def append_all(self, seq: Sequence, sampled: list[tuple[int, TokenLogprobs | None]], each: bool = False
+                   ) -> tuple[list[RequestOutput], Finish | None]:
         """Append the tokens one step produced for `seq` (a drafting sequence's accepted drafts and the token after
-        them) as one delta, stopping at the first that ends it: what follows a stop is never appended or sent."""
-        merged, finish = None, None
+        them), stopping at the first that ends it: what follows a stop is never appended or sent. One delta for them
+        all, or with `each` one per token (attention telemetry: every token its own chunk)."""
+        outs: list[RequestOutput] = []
+        finish = None
         for token, lp in sampled:
             out, finish = self.append(seq, token, lp)
-            if merged is None:
-                merged = out
+            if each or not outs:
+                outs.append(out)
             else:
+                merged = outs[0]
                 merged.token_ids += out.token_ids
                 merged.text += out.text
                 if out.logprobs is not None:
@@ -132,13 +135,14 @@ class OutputProcessor:
                 merged.num_output_tokens = out.num_output_tokens
             if finish is not None:
                 break
-        if finish is not None and len(merged.token_ids) < len(sampled) and merged.hidden_states is not None:
+        first = outs[0]
+        if finish is not None and sum(len(o.token_ids) for o in outs) < len(sampled) and first.hidden_states is not None:
             # drafts verified after the one that ended it: their positions' reads go with them (one token at a
             # time would never have computed those positions)
-            h = merged.hidden_states
+            h = first.hidden_states
             keep = [i for i, p in enumerate(h.positions) if p < seq.num_tokens - 1]
-            merged.hidden_states = HiddenStates(h.layers, [h.positions[i] for i in keep], h.values[keep]) if keep else None
-        return merged, finish
+            first.hidden_states = HiddenStates(h.layers, [h.positions[i] for i in keep], h.values[keep]) if keep else None
+        return outs, finish
 
     def output(self, seq: Sequence) -> RequestOutput:
         """A delta with the sequence's counts (and its prompt logprobs, the first time); tokens and text empty."""

@@ -126,8 +126,9 @@ class StepTelemetry:
             for h in handles:
                 h.remove()
 
-    def results(self) -> dict[Sequence, TokenTelemetry]:
-        """Each asking sequence's TokenTelemetry, computed for all rows at once (CPU tensors)."""
+    def results(self) -> dict[Sequence, list[TokenTelemetry]]:
+        """Each asking sequence's TokenTelemetry per sampled row, in row order (one, or a drafting sequence's
+        verification rows), computed for all rows at once (CPU tensors)."""
         rows = self.rows
         pos = self.top_pos.cpu()
         if any(r.seq.num_evicted for r in rows):
@@ -152,13 +153,13 @@ class StepTelemetry:
         top_flag = flagged.gather(-1, top.indices)
         values = h.gather(-1, top.indices)
         sink, prob = self.sink_mass.cpu(), self.top_prob.cpu()
-        out = {}
+        out: dict[Sequence, list[TokenTelemetry]] = {}
         for j, r in enumerate(rows):
             o, k = opts[j], r.seq.request.options.telemetry.top_k
-            out[r.seq] = TokenTelemetry(
+            out.setdefault(r.seq, []).append(TokenTelemetry(
                 r.position, self.sink_tokens[j], sink[:, j], pos[:, j, :, :k], prob[:, j, :, :k],
                 top.values[:, j, 0], median[:, j], top.indices[:, j, : o.massive_top_k],
-                values[:, j, : o.massive_top_k], top_flag[:, j, : o.massive_top_k], flagged[:, j].sum(-1))
+                values[:, j, : o.massive_top_k], top_flag[:, j, : o.massive_top_k], flagged[:, j].sum(-1)))
         return out
 
 
@@ -170,18 +171,24 @@ def _sink_tokens(seq: Sequence) -> int:
 def step_telemetry(scheduled: list[ScheduledSeq], slices: list[SeqSlice], sample: list[tuple[Sequence, int]],
                    model: torch.nn.Module, device: torch.device, paged_prefill: bool = False) -> StepTelemetry | None:
     """The step's telemetry, or None when no sampled sequence asked for it. `scheduled` and `slices` in step order,
-    `sample` the (sequence, logits row) pairs sampled this step. `paged_prefill` (`PagedKVCache.paged_prefill`):
-    every row of the step is a decode-kernel row, prefill chunks' last rows included."""
-    asking = {id(seq) for seq, _ in sample if seq.request.options.telemetry is not None}
+    `sample` the (sequence, logits row) pairs sampled this step: a sequence's last row, or each of a drafting
+    sequence's verification rows (its chunk's last 1 + drafts rows), each of which gets a record. `paged_prefill`
+    (`PagedKVCache.paged_prefill`): every row of the step is a decode-kernel row, prefill chunks' last rows included;
+    otherwise a sampled row of a chunk of several is run once more through the decode kernel (attend_prefill_rows)."""
+    asking: dict[int, int] = {}  # id(seq) -> its sampled rows
+    for seq, _ in sample:
+        if seq.request.options.telemetry is not None:
+            asking[id(seq)] = asking.get(id(seq), 0) + 1
     if not asking:
         return None
     rows, r = [], 0
     for s, sl in zip(scheduled, slices):
         seq = s.seq
-        if id(seq) in asking:
-            last = seq.num_computed_tokens + s.num_new_tokens - 1
-            decode_index = r + sl.num_new - 1 if paged_prefill else (r if sl.num_new == 1 else None)
-            rows.append(TelemetryRow(seq, sl.start + sl.num_new - 1, last, decode_index, list(sl.block_ids), sl.context_len))
+        for i in range(sl.num_new - asking.get(id(seq), 0), sl.num_new):  # its sampled rows: the chunk's last
+            decode_index = r + i if paged_prefill else (r if sl.num_new == 1 else None)
+            keys = sl.context_len - (sl.num_new - 1 - i)  # the row attends to the keys up to its own
+            rows.append(TelemetryRow(seq, sl.start + i, seq.num_computed_tokens + i, decode_index, list(sl.block_ids),
+                                     keys))
         r += sl.num_new if paged_prefill else sl.num_new == 1
     c = model.config
     return StepTelemetry(rows, r, c.n_layers, c.n_heads, c.dim, device, model.dtype)

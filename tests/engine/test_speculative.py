@@ -221,20 +221,62 @@ def test_hidden_state_reads_under_speculation(model, draft, positions):
         assert len(seen) == len(set(seen))
 
 
-def test_telemetry_rows_decode_one_token_at_a_time(model):
-    """Attention telemetry (recorded per sampled row) is not drafted: its rows keep one token a step, so its output
-    is as without speculation."""
-    from model.engine import TelemetryOptions
+TELEMETRY_FIELDS = ("position", "sink_tokens", "sink_mass", "top_positions", "top_probs", "max_abs", "median_abs",
+                    "top_dims", "top_values", "top_massive", "num_massive")
 
-    ps = _prompts(4, seed=3)
-    greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    reqs = [("tel", ps[0], greedy, RequestOptions(telemetry=TelemetryOptions()), 0)]
-    engine = _engine(model, NGRAM)
-    proposed = []
-    real = engine.drafter.propose
-    engine.drafter.propose = lambda seqs, m, n: proposed.extend(s.request.request_id for s in seqs) or real(seqs, m, n)
-    _serve(engine, reqs)
-    assert not proposed
+
+@pytest.mark.parametrize("method,cfg", [("ngram", {}), ("draft", {}), ("draft", {"native_decode": False}),
+                                        ("draft", {"native_decode": False, "paged_prefill": False})],
+                         ids=["ngram", "draft", "draft-module", "draft-sdpa-prefill"])
+def test_telemetry_of_kept_tokens_under_speculation(model, draft, method, cfg, monkeypatch):
+    """Rows with attention telemetry draft like any: every verification row records its own, and each kept token
+    arrives in its own delta with the record of decoding one token at a time (equal, field by field), none of a
+    rejected draft's; with a kv window and a stop string too. Where prefill chunks run through SDPA (the GPU's
+    way; here forced), each verification row goes once more through the decode kernel over its own keys: the same
+    records within float tolerance."""
+    from model.engine import KVWindow, TelemetryOptions
+    from model.engine.paged_cache import PagedKVCache
+
+    cfg = dict(cfg)
+    exact = cfg.pop("paged_prefill", True)
+    if not exact:
+        monkeypatch.setattr(PagedKVCache, "paged_prefill", property(lambda self: False))
+
+    ps = _prompts(3, seed=7)
+    tel = TelemetryOptions(top_k=3, massive_top_k=2)
+    reqs = [("tel", ps[0], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, logprobs=1),
+             RequestOptions(telemetry=tel)),
+            ("stop", ps[1], SamplingParams(max_tokens=40, temperature=0.0, stop=["e", "o"]), RequestOptions(telemetry=tel)),
+            ("win", ps[2], SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True),
+             RequestOptions(telemetry=tel, kv_window=KVWindow(4, 12)))]
+
+    def serve(engine) -> dict:
+        got: dict = {}
+        for rid, prompt, params, options in reqs:
+            engine.add_request(rid, prompt, params, options)
+        while engine.has_unfinished():
+            for o in engine.step():
+                assert len(o.token_ids) == 1 and o.telemetry is not None  # one delta per token, with its record
+                got.setdefault(o.request_id, []).append(
+                    (o.token_ids, o.text, o.finish_reason, [getattr(o.telemetry, f) for f in TELEMETRY_FIELDS]))
+        return got
+
+    reference = serve(_engine(model, **cfg))
+    engine = _engine(model, NGRAM if method == "ngram" else _draft_config(),
+                     draft_model=draft if method == "draft" else None, **cfg)
+    got = serve(engine)
+    spec = engine.stats().spec_decode  # (n-grams of a random model's text are seldom kept: a few here)
+    assert spec.num_accepted_tokens > (10 if method == "draft" else 2) and spec.num_draft_tokens > spec.num_accepted_tokens
+    assert got.keys() == reference.keys()
+    for rid in reference:
+        assert len(got[rid]) == len(reference[rid])
+        for (tokens, text, finish, fields), (rtokens, rtext, rfinish, rfields) in zip(got[rid], reference[rid]):
+            assert (tokens, text, finish) == (rtokens, rtext, rfinish)
+            for name, a, b in zip(TELEMETRY_FIELDS, fields, rfields):
+                if isinstance(a, int) or a.dtype != torch.float32:
+                    assert (a == b if isinstance(a, int) else torch.equal(a, b)), (rid, name)
+                else:
+                    assert torch.equal(a, b) if exact else torch.allclose(a, b, atol=1e-5), (rid, name)
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft"])

@@ -13,19 +13,28 @@
 namespace ls {
 
 #if LS_AVX2
-// `ahead`: rows of w to prefetch, `ahead` rows after this tile's own, as the tile reads its own (0: none). The first
-// row tile of each block of weight rows asks for the next block's, so that its weights stream from memory while this
-// block computes instead of after it (a few rows are compute-bound, and without it the two did not overlap).
+// Prefetch: `ahead` > 0 asks for the rows of w `ahead` rows after this tile's own (the next block's), part `part` of
+// `parts` of their columns, one 64-byte line of each of the NR rows every 16 * parts floats of the tile's own loop.
+// Each of a block's `parts` row tiles asks for its share, so that the next block's weights stream from memory evenly
+// while this block computes instead of after it (a few rows are compute-bound; with the whole next block asked for
+// by the first row tile, the line fill buffers filled up and it waited on them, and memory and compute did not
+// overlap).
 template <typename T, int MR, int NR>
 static inline void f_tile(const T* x, int64_t ldx, const T* w, int64_t K, int64_t n0, float* y, int64_t ldy,
-                          int64_t ahead = 0) {
+                          int64_t ahead = 0, int part = 0, int parts = 1) {
   __m256 acc[MR][NR];
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_setzero_ps();
   const int64_t K8 = K / 8 * 8;
+  // the next line to ask for (a column), the last one's end, and the loop's k at which to ask
+  int64_t pf = (K * part / parts) & ~int64_t(15), next = 0;
+  const int64_t pf_end = part + 1 == parts ? K : (K * (part + 1) / parts) & ~int64_t(15), step = 16 * parts;
   for (int64_t k = 0; k < K8; k += 8) {
-    if (ahead && (k & 15) == 0)  // one 64-byte line of each of the NR rows every 16 floats
-      for (int j = 0; j < NR; ++j) _mm_prefetch(reinterpret_cast<const char*>(w + (n0 + ahead + j) * K + k), _MM_HINT_T0);
+    if (ahead && k == next && pf < pf_end) {
+      for (int j = 0; j < NR; ++j) _mm_prefetch(reinterpret_cast<const char*>(w + (n0 + ahead + j) * K + pf), _MM_HINT_T0);
+      pf += 16;
+      next += step;
+    }
     __m256 xv[MR];
     for (int i = 0; i < MR; ++i) xv[i] = load8(x + i * ldx + k);
     for (int j = 0; j < NR; ++j) {
@@ -43,11 +52,11 @@ static inline void f_tile(const T* x, int64_t ldx, const T* w, int64_t K, int64_
 
 template <typename T, int MR>
 static void f_rows(const T* x, int64_t ldx, const T* w, int64_t K, int64_t n_begin, int64_t n_end, float* y, int64_t ldy,
-                   int64_t ahead = 0) {
-  constexpr int NR = MR == 1 ? 4 : 4;
+                   int64_t ahead = 0, int part = 0, int parts = 1) {
+  constexpr int NR = 4;
   int64_t n = n_begin;
-  for (; n + NR <= n_end; n += NR) f_tile<T, MR, NR>(x, ldx, w, K, n, y, ldy, ahead);
-  for (; n < n_end; ++n) f_tile<T, MR, 1>(x, ldx, w, K, n, y, ldy, ahead);
+  for (; n + NR <= n_end; n += NR) f_tile<T, MR, NR>(x, ldx, w, K, n, y, ldy, ahead, part, parts);
+  for (; n < n_end; ++n) f_tile<T, MR, 1>(x, ldx, w, K, n, y, ldy, ahead, part, parts);
 }
 #endif
 
@@ -61,14 +70,17 @@ void float_gemm_range(const T* x, int64_t M, const T* w, int64_t K, int64_t n_be
     const int64_t m1 = std::min(M, m0 + MB);
     for (int64_t nb0 = n_begin; nb0 < n_end; nb0 += NB) {
       const int64_t nb1 = std::min(n_end, nb0 + NB);
-      // the first row tile of a block, when more follow it (4 rows or more), prefetches the next block's weights
+      // with more than one row tile (4 rows or more), the row tiles of a block prefetch the next block's weights,
+      // each its share of their columns
       const int64_t ahead = (m1 - m0 > 3 && nb1 + NB <= n_end) ? NB : 0;
+      const int parts = static_cast<int>((m1 - m0 + 2) / 3);  // row tiles: 3 rows each, the last 1 or 2
       int64_t m = m0;
-      for (; m + 3 <= m1; m += 3) f_rows<T, 3>(x + m * K, K, w, K, nb0, nb1, y + m * ldy, ldy, m == m0 ? ahead : 0);
+      int part = 0;
+      for (; m + 3 <= m1; m += 3) f_rows<T, 3>(x + m * K, K, w, K, nb0, nb1, y + m * ldy, ldy, ahead, part++, parts);
       if (m + 2 == m1)  // two rows left (a step of 2 or 5 rows: a speculative row's drafts) share their loads too
-        f_rows<T, 2>(x + m * K, K, w, K, nb0, nb1, y + m * ldy, ldy, m == m0 ? ahead : 0);
+        f_rows<T, 2>(x + m * K, K, w, K, nb0, nb1, y + m * ldy, ldy, ahead, part, parts);
       else if (m < m1)
-        f_rows<T, 1>(x + m * K, K, w, K, nb0, nb1, y + m * ldy, ldy, m == m0 ? ahead : 0);
+        f_rows<T, 1>(x + m * K, K, w, K, nb0, nb1, y + m * ldy, ldy, ahead, part, parts);
     }
   }
 #else
