@@ -37,6 +37,7 @@ class ServingState:
     view: Any = None  # the routes' narrow view of this state (service/serving.py), made once the engine runs
     vectors: VectorStore = field(default=None)  # named steering vectors (service/vectors.py)
     speculative: dict | None = None  # --speculative-config as served (/v1/models), None when off
+    kv_cache_dtype: str = ""  # the KV cache's dtype as served (--kv-cache-dtype resolved)
 
     def __post_init__(self) -> None:
         if self.vectors is None:
@@ -88,6 +89,7 @@ class ServingState:
             engine.start()
             self.loaded, self.model_name = loaded, s.served_model_name or loaded.name
             self.speculative = config.speculative.to_dict() if config.speculative is not None else None
+            self.kv_cache_dtype = str(core.cache.k.dtype).removeprefix("torch.")
             self.engine = engine
             log.info("serving %s: %s", self.model_name, _precision(loaded))
             if self.speculative is not None:
@@ -100,8 +102,8 @@ class ServingState:
 
     @property
     def precision(self) -> dict:
-        """What /v1/models says the weights and activations run in."""
-        return _precision(self.loaded)
+        """What /v1/models says the weights, activations and KV cache run in."""
+        return {**_precision(self.loaded), "kv_cache_dtype": self.kv_cache_dtype}
 
     def _engine_died(self, error: BaseException | None) -> None:
         """The engine thread ended while serving (its open requests end with errors right after this). Nothing in

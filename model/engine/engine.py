@@ -19,7 +19,7 @@ from model.engine.kv_cache_manager import KVCacheManager
 from model.engine.kv_window import KVWindow
 from model.engine.model_runner import ModelRunner, RunnerOutput
 from model.engine.output_processor import OutputProcessor, RequestOutput
-from model.engine.paged_cache import PagedKVCache, kv_config
+from model.engine.paged_cache import PagedKVCache, cache_dtype, kv_config
 from model.engine.request import FinishReason, Request, Sequence, SequenceStatus
 from model.engine.request_options import PLAIN, RequestOptions
 from model.engine.sampler import Sampler, TokenLogprobs, replay_noise
@@ -68,6 +68,9 @@ class EngineConfig:
     native_decode: bool = True
     # Speculative decoding (model/engine/speculative/): drafts verified in the engine's own step; None: off
     speculative: SpeculativeConfig | None = None
+    # The KV cache's dtype: "auto" (the model's), or "float16" / "bfloat16" under a float32 model on CPU
+    # (paged_cache.cache_dtype): half the bytes per token
+    kv_cache_dtype: str = "auto"
 
 
 @dataclass
@@ -105,13 +108,14 @@ class Engine:
         """`draft_model`: the proposer's model when `config.speculative` is a draft_model method (same vocabulary)."""
         self.model, self.tokenizer = model, tokenizer
         self.config = config = config or EngineConfig()
-        per_block = PagedKVCache.bytes_per_block(kv_config(model), config.block_size, model.dtype)  # per rank under TP
+        kv_dtype = cache_dtype(config.kv_cache_dtype, model.dtype, model.device)
+        per_block = PagedKVCache.bytes_per_block(kv_config(model), config.block_size, kv_dtype)  # per rank under TP
         num_blocks = config.num_blocks or max(1, config.kv_cache_bytes // per_block)
         self.max_model_len = resolve_max_model_len(config.max_model_len, model.config.max_seq_len,
                                                    num_blocks * config.block_size)
         graphs = CudaGraphs.enabled(config.decode_graphs, model, config.block_size)
         # with decode graphs, one block more than the manager hands out: the padding rows' scratch block
-        self.cache = PagedKVCache.for_model(model, num_blocks + graphs, config.block_size)
+        self.cache = PagedKVCache.for_model(model, num_blocks + graphs, config.block_size, kv_dtype)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.max_waiting,
@@ -145,8 +149,8 @@ class Engine:
                 num_blocks=num_blocks, block_size=config.block_size,
                 max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
                 max_model_len=self.max_model_len)
-        log.info("engine: %d KV blocks of %d tokens (%.0f MB), max_model_len %d", num_blocks, config.block_size,
-                 self.cache.nbytes / 1e6, self.max_model_len)
+        log.info("engine: %d KV blocks of %d tokens (%.0f MB, %s), max_model_len %d", num_blocks, config.block_size,
+                 self.cache.nbytes / 1e6, str(kv_dtype).removeprefix("torch."), self.max_model_len)
         self.runner.capture_graphs()
 
     # ---- requests ---------------------------------------------------------------------------------------------

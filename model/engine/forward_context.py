@@ -73,10 +73,11 @@ class ForwardContext:
             tel.attend_prefill_rows(layer, q, k_pool, v_pool)
         for p in meta.prefills:
             qp = q[:, p.start : p.end]  # (1, n, H, E)
-            if p.blocks is None:
-                out[:, p.start : p.end] = sdpa(qp, k[:, p.start : p.end], v[:, p.start : p.end], is_causal=True)
+            if p.blocks is None:  # (a 16-bit cache's chunk attends to its keys as the cache holds them)
+                kc, vc = (x[:, p.start : p.end].to(k_pool.dtype).to(q.dtype) for x in (k, v))
+                out[:, p.start : p.end] = sdpa(qp, kc, vc, is_causal=True)
             else:
-                kp = k_pool.index_select(0, p.blocks).view(1, -1, K, E)[:, : p.context_len]  # (1, ctx, K, E)
-                vp = v_pool.index_select(0, p.blocks).view(1, -1, K, E)[:, : p.context_len]
+                kp = k_pool.index_select(0, p.blocks).view(1, -1, K, E)[:, : p.context_len].to(q.dtype)  # (1, ctx, K, E)
+                vp = v_pool.index_select(0, p.blocks).view(1, -1, K, E)[:, : p.context_len].to(q.dtype)
                 out[:, p.start : p.end] = sdpa(qp, kp, vp, p.mask)
         return out

@@ -13,6 +13,7 @@ from __future__ import annotations
 from torch import Tensor, nn
 
 from model import kernels
+from model.kernels import ops
 from model.engine.input_batch import StepBatch
 from model.engine.forward_context import ForwardContext
 from model.engine.paged_cache import kv_config
@@ -58,10 +59,10 @@ class NativeDecode:
 
     def accepts(self, ctx: ForwardContext) -> bool:
         """A step whose every row attends over the paged pool (decode rows; prefill rows too where the cache does
-        `paged_prefill`), over a cache of the model's dtype, with the kernels on."""
+        `paged_prefill`), over a cache of the model's dtype (or a 16-bit one under float32), with the kernels on."""
         meta = ctx.meta
         return (meta.pure_decode and meta.decode_rows.numel() == meta.num_tokens
-                and ctx.cache.k.dtype == self.model.dtype and kernels.native() is not None)
+                and ops.native_pool(self.model.dtype, ctx.cache.k.dtype) and kernels.native() is not None)
 
     def run(self, batch: StepBatch, ctx: ForwardContext) -> Tensor:
         """-> logits (M, V) at the batch's logits rows."""

@@ -112,8 +112,10 @@ def kv_config(model):
 class PagedKVCache:
     """The pools: K and V of every layer, (L, NB, bs, K, E) each. A step's view of them is its ForwardContext."""
 
-    def __init__(self, kv: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device | str) -> None:
-        """`kv`: the config whose layers and KV heads the pool holds (`kv_config`: a tensor-parallel rank's share)."""
+    def __init__(self, kv: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device | str,
+                 act_dtype: torch.dtype | None = None) -> None:
+        """`kv`: the config whose layers and KV heads the pool holds (`kv_config`: a tensor-parallel rank's share).
+        `dtype`: the pools'; `act_dtype`: the queries' (the model's; None: `dtype`)."""
         shape = (kv.n_layers, num_blocks, block_size, kv.n_kv_heads, kv.head_dim)  # (L, NB, bs, K, E)
         # Zero-filled, not empty: padded gathers read unused slots, and garbage NaNs would survive the -inf mask.
         # On CPU on 2 MB pages (model/huge_pages.py): a step's attention reads every row's keys and values.
@@ -122,10 +124,13 @@ class PagedKVCache:
         self.k, self.v = zeros(), zeros()
         self.num_blocks, self.block_size = num_blocks, block_size
         self.device = torch.device(device)
+        self.act_dtype = act_dtype or dtype
 
     @classmethod
-    def for_model(cls, model: torch.nn.Module, num_blocks: int, block_size: int) -> "PagedKVCache":
-        return cls(kv_config(model), num_blocks, block_size, model.dtype, model.device)
+    def for_model(cls, model: torch.nn.Module, num_blocks: int, block_size: int,
+                  dtype: torch.dtype | None = None) -> "PagedKVCache":
+        """`dtype`: the cache's (`cache_dtype`); None: the model's."""
+        return cls(kv_config(model), num_blocks, block_size, dtype or model.dtype, model.device, model.dtype)
 
     @staticmethod
     def bytes_per_block(config, block_size: int, dtype: torch.dtype) -> int:
@@ -140,4 +145,29 @@ class PagedKVCache:
     @property
     def paged_prefill(self) -> bool:
         """Prefill rows attend over the pool one by one too (module doc): where the native kernel runs."""
-        return ops.decode_attention_backend(self.k[0, 0, 0], self.k[0]) == "native"
+        q = torch.empty(0, dtype=self.act_dtype, device=self.device)  # what a step's queries are
+        return ops.decode_attention_backend(q, self.k[0]) == "native"
+
+
+KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
+
+
+def cache_dtype(name: str, model_dtype: torch.dtype, device: torch.device | str) -> torch.dtype:
+    """The KV cache's dtype for `--kv-cache-dtype` (vLLM's flag): "auto" is the model's. A float32 model may keep a
+    16-bit cache, float16 (llama.cpp's default, `--cache-type-k f16`: 10 mantissa bits) or bfloat16, on CPU, where
+    the native kernels round each key and value once when they write it and widen it exactly when they read it:
+    half the bytes a long context's attention reads, and twice the tokens in the same pool. Any other pair is
+    refused (ValueError): a bfloat16 model's cache is bfloat16 already, and the GPU kernels read the model's dtype."""
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {name!r}")
+    if name == "auto":
+        return model_dtype
+    dtype = getattr(torch, name)
+    if dtype == model_dtype:
+        return dtype
+    if model_dtype != torch.float32 or torch.device(device).type != "cpu":
+        raise ValueError(f"kv_cache_dtype {name} with a {str(model_dtype).removeprefix('torch.')} model on "
+                         f"{torch.device(device).type}: a cache of another dtype than the model's is a 16-bit cache "
+                         "under a float32 model on CPU")
+    return dtype
+

@@ -138,18 +138,26 @@ def greedy_pick(logits: Tensor) -> Tensor:  # (B, V) -> (B,) int64
 def paged_write(k: Tensor, v: Tensor, k_pool: Tensor, v_pool: Tensor, slots: Tensor) -> None:
     """Write one step's k, v (N, K, E) into their pool slots (N,) (block * bs + offset) of pools (NB, bs, K, E)."""
     native = usable(k)
-    if native is not None and k.dtype == k_pool.dtype:
+    if native is not None and native_pool(k.dtype, k_pool.dtype):
         native.paged_write(k, v, k_pool, v_pool, slots)
     else:
         K, E = k.shape[-2], k.shape[-1]
-        k_pool.view(-1, K, E)[slots] = k
-        v_pool.view(-1, K, E)[slots] = v
+        k_pool.view(-1, K, E)[slots] = k.to(k_pool.dtype)  # a 16-bit cache: rounded once, here
+        v_pool.view(-1, K, E)[slots] = v.to(v_pool.dtype)
+
+
+KV16 = (torch.float16, torch.bfloat16)
+
+
+def native_pool(act: torch.dtype, pool: torch.dtype) -> bool:
+    """The native kernels' (activations, cache) pairs: one dtype, or float32 over a 16-bit cache."""
+    return act == pool or (act == torch.float32 and pool in KV16)
 
 
 def decode_attention_backend(q: Tensor, k_pool: Tensor) -> str:
     """Which implementation `decode_attention` runs for q's device and dtype: "native", "triton" or "torch"."""
     native = usable(q)
-    if native is not None and q.dtype == k_pool.dtype:
+    if native is not None and native_pool(q.dtype, k_pool.dtype):
         return "native"
     if triton_attention.available(q, k_pool.shape[1]):
         return "triton"
@@ -176,8 +184,8 @@ def decode_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, rows: Tensor, ta
         R, (_, bs, K, E) = tables.shape[0], k_pool.shape
         W = -(-int(lens.max()) // bs)  # the blocks the longest row uses: the rest of the table is never read
         ids = tables[:, :W].reshape(-1)  # (R * W,)
-        kd = k_pool.index_select(0, ids).view(R, W * bs, K, E)  # (R, S, K, E)
-        vd = v_pool.index_select(0, ids).view(R, W * bs, K, E)
+        kd = k_pool.index_select(0, ids).view(R, W * bs, K, E).to(q.dtype)  # (R, S, K, E)
+        vd = v_pool.index_select(0, ids).view(R, W * bs, K, E).to(q.dtype)
         mask = (torch.arange(W * bs, device=q.device) < lens.unsqueeze(1))[:, None, None, :]  # (R, 1, 1, S)
         out[rows] = sdpa(q[rows].unsqueeze(1), kd, vd, mask).squeeze(1)  # (R, H, E)
         if telemetry is not None:

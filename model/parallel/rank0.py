@@ -98,7 +98,7 @@ class TPModel:
             if self._cache() is not cache:  # a new engine: the workers build a pool of the same blocks
                 self._generation += 1
                 self._cache = weakref.ref(cache)
-                spec = CacheSpec(self._generation, cache.num_blocks, cache.block_size)
+                spec = CacheSpec(self._generation, cache.num_blocks, cache.block_size, cache.k.dtype)
         edits = ctx.edits if ctx is not None else None
         msg = StepMsg(tokens.tolist(), positions.tolist() if positions is not None else None,
                       ctx.slices if ctx is not None else None, spec,

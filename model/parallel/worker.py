@@ -54,6 +54,7 @@ class CacheSpec:
     generation: int  # a new engine (cache) on rank 0 -> a new cache on every rank
     num_blocks: int
     block_size: int
+    dtype: torch.dtype  # the cache's: the model's, or a 16-bit cache under float32 (EngineConfig.kv_cache_dtype)
 
 
 @dataclass
@@ -206,7 +207,7 @@ def serve(model: Transformer, plan: ShardPlan, channel: Channel) -> None:
         if isinstance(msg, StepMsg):
             if msg.cache is not None:
                 cache = None  # free the old pool before allocating the new one
-                cache = PagedKVCache.for_model(model, msg.cache.num_blocks, msg.cache.block_size)
+                cache = PagedKVCache.for_model(model, msg.cache.num_blocks, msg.cache.block_size, msg.cache.dtype)
             run_step(model, msg, cache, no_logits)
         elif isinstance(msg, BlockMsg):
             h = channel.broadcast(torch.empty(msg.shape, dtype=model.dtype, device=model.device))

@@ -2,7 +2,8 @@
 
 Alone, among 24 concurrent requests, with its prompt prefilled in small chunks beside other sequences' decode rows,
 and preempted and recomputed (its prompt and generated tokens prefilled again): the same tokens, the same logprob
-floats, the same prompt logprobs, on float32, bfloat16, int8 and int4. What makes it hold (qgemm.h, paged_cache.py):
+floats, the same prompt logprobs, on float32, bfloat16, int8 and int4, and for the float32-activation precisions
+over a 16-bit KV cache too (float16, bfloat16: each key and value rounded once when written). What makes it hold (qgemm.h, paged_cache.py):
 one linear kernel per precision whose per-output arithmetic does not depend on the number of rows, and every row,
 prefill rows included, attending over the paged pool through the same per-row kernel. Without the native kernels
 (PyTorch's GEMM, SDPA for prefill) none of this is promised, so the test needs them."""
@@ -12,6 +13,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from model import kernels
 from model.engine import Engine, EngineConfig
@@ -51,10 +53,17 @@ def _engine(precision_model, **kw) -> Engine:
     return Engine(precision_model, byte_tokenizer(), EngineConfig(**{"num_blocks": 256, "block_size": 4, **kw}))
 
 
+@pytest.fixture(scope="module", params=["auto", "float16", "bfloat16"], ids=["kv-auto", "kv-f16", "kv-bf16"])
+def kv(request, precision_model) -> dict:
+    if request.param != "auto" and precision_model.dtype != torch.float32:
+        pytest.skip("a 16-bit KV cache is for float32 activations (a bfloat16 model's cache is bfloat16)")
+    return {"kv_cache_dtype": request.param}
+
+
 @pytest.fixture(scope="module")
-def alone(precision_model):
+def alone(precision_model, kv):
     """Each request on its own, one after another (the prefix cache stays cold: random prompts share nothing)."""
-    engine = _engine(precision_model)
+    engine = _engine(precision_model, **kv)
     out = {}
     for i, p in enumerate(_prompts()):
         out.update({str(i): v for v in _run(engine, [p]).values()})
@@ -62,19 +71,20 @@ def alone(precision_model):
 
 
 @pytest.mark.parametrize("scenario", ["24-concurrent", "chunked-prefill", "preempted"])
-def test_requests_are_bitwise_the_same_whatever_shares_their_steps(precision_model, alone, scenario):
+def test_requests_are_bitwise_the_same_whatever_shares_their_steps(precision_model, kv, alone, scenario):
     prompts = _prompts()
     if scenario == "24-concurrent":  # all at once: prefills of up to 24 prompts packed into 512-token steps
-        engine = _engine(precision_model)
+        engine = _engine(precision_model, **kv)
         got = _run(engine, prompts)
     elif scenario == "chunked-prefill":  # 7-token budget: prompts in chunks, beside other sequences' decode rows
-        engine = _engine(precision_model, max_num_batched_tokens=7)
+        engine = _engine(precision_model, max_num_batched_tokens=7, **kv)
         got = _run(engine, prompts, arrive_every=2)
     else:  # a pool too small for everyone: the newest are preempted and recomputed from their tokens
-        engine = _engine(precision_model, num_blocks=40, max_num_batched_tokens=64)
+        engine = _engine(precision_model, num_blocks=40, max_num_batched_tokens=64, **kv)
         got = _run(engine, prompts)
         assert engine.scheduler.num_preemptions > 0
     assert engine.stats().steps_by_path["native"] > 0
+    assert engine.cache.k.dtype == (precision_model.dtype if kv["kv_cache_dtype"] == "auto" else getattr(torch, kv["kv_cache_dtype"]))
     assert got.keys() == alone.keys()
     for r in alone:
         assert got[r] == alone[r], r  # tokens, logprob floats and prompt logprob floats, compared exactly

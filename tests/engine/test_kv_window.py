@@ -88,34 +88,37 @@ def test_blocks_held_stay_within_the_bound(model):
     assert_pool_clean(engine)
 
 
-def test_batched_with_others_prefix_cache_and_paths_give_the_same_tokens(model):
+@pytest.mark.parametrize("kv", ["auto", "float16"])
+def test_batched_with_others_prefix_cache_and_paths_give_the_same_tokens(model, kv):
     """Windowed and ordinary requests in one batch, sharing prompt prefixes (the prefix cache serves the ordinary
-    ones and never the windowed), on every decode path: the windowed tokens are those of the request alone."""
+    ones and never the windowed), on every decode path: the windowed tokens are those of the request alone; over a
+    float16 cache too (its keys re-rotated in float32 and rounded once to float16 at each eviction)."""
     w = KVWindow(2, 6)
     shared = _prompt(12, 7)
     reqs = {"w1": (shared + [5], *_params(w, 40)), "w2": (shared + [9, 4], *_params(w, 33)),
             "plain": (shared + [5], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)),
             "plain2": (shared, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, n=2))}
-    alone = {r: run(_engine(model), {r: reqs[r]})[r][0]["tokens"] for r in ("w1", "w2")}
+    alone = {r: run(_engine(model, kv_cache_dtype=kv), {r: reqs[r]})[r][0]["tokens"] for r in ("w1", "w2")}
     configs = [{}, {"native_decode": False}, {"decode_graphs": "eager"}]
     for cfg in configs:
-        engine = _engine(model, **cfg)
+        engine = _engine(model, kv_cache_dtype=kv, **cfg)
         got = run(engine, reqs, arrive_at={"w2": 3, "plain2": 5})
         assert {r: got[r][0]["tokens"] for r in alone} == alone, cfg
         assert_pool_clean(engine)
     assert engine.kv.num_cached_prompt_tokens > 0  # the ordinary requests did share their prefix
     with kernels.disabled():  # the PyTorch reference decode attention (gather + SDPA)
-        got = run(_engine(model), reqs, arrive_at={"w2": 3, "plain2": 5})
+        got = run(_engine(model, kv_cache_dtype=kv), reqs, arrive_at={"w2": 3, "plain2": 5})
     assert {r: got[r][0]["tokens"] for r in alone} == alone
 
 
-def test_preempted_windowed_sequence_recomputes_the_same_cache(model):
+@pytest.mark.parametrize("kv", ["auto", "float16"])
+def test_preempted_windowed_sequence_recomputes_the_same_cache(model, kv):
     """A pool too small for everyone: windowed sequences are preempted (their blocks freed, evictions forgotten)
     and recomputed in chunks, which land on the same keys at the same cache positions as before."""
     w = KVWindow(2, 6)
     reqs = {str(i): (_prompt(2 + i, 20 + i), *_params(w, 45)) for i in range(5)}
-    alone = {r: run(_engine(model), {r: p})[r][0]["tokens"] for r, p in reqs.items()}
-    tight = _engine(model, num_blocks=8, max_model_len=32)  # short prompts start in 1-2 blocks and grow to 3: not all five fit
+    alone = {r: run(_engine(model, kv_cache_dtype=kv), {r: p})[r][0]["tokens"] for r, p in reqs.items()}
+    tight = _engine(model, num_blocks=8, max_model_len=32, kv_cache_dtype=kv)  # short prompts start in 1-2 blocks and grow to 3: not all five fit
     got = run(tight, reqs)
     assert tight.scheduler.num_preemptions > 0
     assert {r: c[0]["tokens"] for r, c in got.items()} == alone

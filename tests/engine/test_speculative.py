@@ -120,17 +120,19 @@ def test_ngram_lookup():
     assert lookup(np.array([4, 1, 4, 2, 3, 4]), 2, 2, 2) == []
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft_int8", "draft_int4"])
-def test_speculation_changes_no_output(model, method):
+@pytest.mark.parametrize("method,kv", [("ngram", "auto"), ("draft_int8", "auto"), ("draft_int4", "auto"),
+                                       ("draft_int4", "float16")])
+def test_speculation_changes_no_output(model, method, kv):
     """Every request of a mixed batch (arriving over several steps) gets exactly what the engine gives without
-    speculation, and drafts were verified, accepted and rejected along the way."""
+    speculation, and drafts were verified, accepted and rejected along the way (over a float16 KV cache too)."""
     c = model.config
     reqs = _mixed_requests(c.n_layers, c.dim)
-    reference = _serve(_engine(model), [_unspeculated(r) for r in reqs])
+    reference = _serve(_engine(model, kv_cache_dtype=kv), [_unspeculated(r) for r in reqs])
     if method == "ngram":
-        engine = _engine(model, NGRAM)
+        engine = _engine(model, NGRAM, kv_cache_dtype=kv)
     else:
-        engine = _engine(model, _draft_config(), draft_model=quantize_model(tiny_model(), method.split("_")[1]))
+        engine = _engine(model, _draft_config(), draft_model=quantize_model(tiny_model(), method.split("_")[1]),
+                         kv_cache_dtype=kv)
     got = _serve(engine, reqs)
     assert got == reference
     st = engine.stats().spec_decode

@@ -151,6 +151,34 @@ def test_paged_write_and_its_bounds():
         native.paged_write(k, v, k_pool, v_pool, torch.tensor([0, 1, 8]))
 
 
+@pytest.mark.parametrize("cache", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("E", [16, 64])
+def test_a_16_bit_cache_is_the_float32_cache_of_its_rounded_values(cache, E):
+    """float32 rows written into a float16 / bfloat16 pool are rounded once (torch's rounding); attention over that
+    pool, with telemetry, is bitwise attention over a float32 pool holding the same rounded values (widened exactly
+    on load); a 16-bit cache under bfloat16 activations is refused."""
+    torch.manual_seed(4)
+    NB, bs, H, K = 12, 4, 6, 2
+    k_pool, v_pool = torch.zeros(NB, bs, K, E, dtype=cache), torch.zeros(NB, bs, K, E, dtype=cache)
+    qkv = torch.randn(40, H + 2 * K, E) * 3
+    slots = torch.randperm(NB * bs)[:40]
+    native.paged_write(qkv[:, H : H + K], qkv[:, H + K :], k_pool, v_pool, slots)
+    assert torch.equal(k_pool.view(-1, K, E)[slots], qkv[:, H : H + K].to(cache))
+    assert torch.equal(v_pool.view(-1, K, E)[slots], qkv[:, H + K :].to(cache))
+    q = torch.randn(5, H, E)
+    rows, lens = torch.tensor([0, 2, 4]), torch.tensor([33, 9, 48])
+    tables = torch.stack([torch.randperm(NB)[:12] for _ in range(3)])
+    outs = []
+    for kp, vp in ((k_pool, v_pool), (k_pool.float(), v_pool.float())):
+        out, tel = torch.zeros(5, H, E), [torch.tensor([0, -1, 1]), torch.tensor([1, 1]), torch.zeros(2, H),
+                                          torch.zeros(2, H, 3, dtype=torch.long), torch.zeros(2, H, 3)]
+        native.paged_decode_attention_telemetry(q, kp, vp, rows, tables, lens, out, *tel)
+        outs.append((out, tel[2:]))
+    assert torch.equal(outs[0][0], outs[1][0]) and all(torch.equal(a, b) for a, b in zip(outs[0][1], outs[1][1]))
+    with pytest.raises(RuntimeError, match="float32 over a 16-bit cache"):
+        native.paged_decode_attention(q.bfloat16(), k_pool.half(), v_pool.half(), rows, tables, lens, out.bfloat16())
+
+
 @pytest.mark.parametrize("cls", [Int8Linear, Int4Linear])
 @pytest.mark.parametrize("M", [1, 5, 16])
 def test_quantized_kernels_compute_rounded_activations_times_the_dequantized_weight(cls, M):

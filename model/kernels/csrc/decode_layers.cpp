@@ -194,15 +194,17 @@ static void run_layers(Step<T>& s, const std::vector<std::vector<torch::Tensor>>
     for (size_t l = 0; l < layers.size(); ++l) {
       const auto& w = layers[l];
       const Projection &wqkv = proj[l][0], &wo = proj[l][1], &w13 = proj[l][2], &w2 = proj[l][3];
-      T* kp = k_pools[l].data_ptr<T>();
-      T* vp = v_pools[l].data_ptr<T>();
+      char* kp = static_cast<char*>(k_pools[l].data_ptr());
+      char* vp = static_cast<char*>(v_pools[l].data_ptr());
+      const at::ScalarType pool_t = k_pools[l].scalar_type();  // T's, or a 16-bit cache under float32
+      const int64_t el = k_pools[l].element_size();
       // rope the heads [h0, h1) of every row (q and k heads; v heads pass) and store its k and v heads in the pools
       const auto rope_store = [&](int64_t m, int64_t h0, int64_t h1) {
         T* row = s.qkv + m * QKV;
         for (int64_t head = h0; head < std::min(h1, H + K); ++head) rope_head(row + head * E, s.cos + m * E, s.ssin + m * E, E);
         for (int64_t head = std::max(h0, H); head < h1; ++head) {  // paged_write
-          T* pool = head < H + K ? kp + (slots[m] * K + head - H) * E : vp + (slots[m] * K + head - H - K) * E;
-          std::memcpy(pool, row + head * E, E * sizeof(T));
+          char* pool = head < H + K ? kp + (slots[m] * K + head - H) * E * el : vp + (slots[m] * K + head - H - K) * E * el;
+          store_kv_row(pool, pool_t, row + head * E, E);
         }
       };
       // attention: h + wo(attend(rope(wqkv(norm(h)))))
@@ -277,7 +279,8 @@ torch::Tensor decode_layers(torch::Tensor h, const std::vector<std::vector<torch
   const int64_t N = h.size(0), D = h.size(1), L = layers.size();
   const auto dtype = h.scalar_type();
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "decode_layers: float32 or bfloat16");
-  TORCH_CHECK(k_pools.scalar_type() == dtype && v_pools.scalar_type() == dtype && k_pools.is_contiguous() && v_pools.is_contiguous(), "decode_layers: pools");
+  const bool kv16 = dtype == at::kFloat && (k_pools.scalar_type() == at::kHalf || k_pools.scalar_type() == at::kBFloat16);
+  TORCH_CHECK((k_pools.scalar_type() == dtype || kv16) && v_pools.scalar_type() == k_pools.scalar_type() && k_pools.is_contiguous() && v_pools.is_contiguous(), "decode_layers: pools of the activation dtype, or 16-bit under float32");
   TORCH_CHECK(cos.scalar_type() == dtype && ssin.scalar_type() == dtype && cos.is_contiguous() && ssin.is_contiguous() && cos.numel() == N * E && ssin.numel() == N * E, "decode_layers: rope tables");
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == N, "decode_layers: slots");
   TORCH_CHECK(rows.numel() == N && rows.scalar_type() == at::kLong && lens.scalar_type() == at::kLong && tables.scalar_type() == at::kLong && tables.is_contiguous() && tables.size(0) == N, "decode_layers: every row attends over its table");

@@ -31,6 +31,10 @@ template <typename T> void rms_norm_row(const T* x, const T* w, T* out, int64_t 
 template <typename T> void silu_mul_row(const T* gu, T* out, int64_t F);
 template <typename T> void rope_head(T* x, const T* cos, const T* ssin, int64_t E);
 // (row, head) tasks [begin, end) of paged_decode_attention, for a caller that splits them across its own threads.
+// One row of n values into a KV pool row of dtype `pool` (the row's own dtype: copied; float16 / bfloat16 from
+// float32: rounded once). paged_attention.cpp.
+template <typename T>
+void store_kv_row(void* dst, at::ScalarType pool, const T* src, int64_t n);
 void paged_attention_range(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tensor& v_pool,
                            const torch::Tensor& rows, const torch::Tensor& tables, const torch::Tensor& lens,
                            torch::Tensor& out, int64_t begin, int64_t end, const Telemetry* tel = nullptr);

@@ -2,7 +2,13 @@
 // 2023): each (sequence, KV head) walks its block table, so no per-step gather of whole sequences, no padding
 // to the longest context and no mask. Softmax(q k^T / sqrt(E)) v (Vaswani et al. 2017) with grouped-query
 // heads (Ainslie et al. 2023): query head h reads KV head h / (H / K), as SDPA's enable_gqa does.
+//
+// The pools hold the activation dtype (float32, bfloat16) or, for float32 activations, a 16-bit cache (float16 as
+// llama.cpp's default `--cache-type-k f16`, or bfloat16): each key and value was rounded once when written
+// (paged_write, decode_layers) and is widened exactly on load (load8), so every read of it, by any row in any step,
+// sees the same number, and the arithmetic is the float32 cache's. T: q and out; C: the pools.
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "attention_telemetry.h"
@@ -96,9 +102,10 @@ static inline float exp_and_sum(float* sc, int64_t len, float mx) {
 }
 
 // One query head of one decode row over its context: scores (len) in `sc`, output (E) in `o`.
-// k_at(s) / v_at(s): the pool row of position s for this head's KV head. On return sc holds exp(score - max) and
-// the function returns their sum, so sc[s] / sum is the softmax the output was weighted by (the telemetry reads it).
-template <typename T, typename At>
+// k_at(s) / v_at(s): the pool row (of type C) of position s for this head's KV head. On return sc holds
+// exp(score - max) and the function returns their sum, so sc[s] / sum is the softmax the output was weighted by
+// (the telemetry reads it).
+template <typename T, typename C, typename At>
 static float attend_head(const float* q, int64_t len, int64_t E, At at, float* sc, T* o, std::vector<float>& acc) {
   int64_t s = 0;
   float mx = -INFINITY;
@@ -106,7 +113,7 @@ static float attend_head(const float* q, int64_t len, int64_t E, At at, float* s
   if (E % 8 == 0) {
     __m256 mv = _mm256_set1_ps(-INFINITY);
     for (; s + 8 <= len; s += 8) {  // eight positions' dot products at a time, reduced together
-      const __m256 v = score8<T>(q, s, E, at);
+      const __m256 v = score8<C>(q, s, E, at);
       _mm256_storeu_ps(sc + s, v);
       mv = _mm256_max_ps(mv, v);
     }
@@ -121,9 +128,9 @@ static float attend_head(const float* q, int64_t len, int64_t E, At at, float* s
   std::fill(acc.begin(), acc.begin() + E, 0.f);
 #if LS_AVX2
   if (E == 64)
-    pv_in_registers<T, 8>(sc, len, at, acc.data());
+    pv_in_registers<C, 8>(sc, len, at, acc.data());
   else if (E == 128)
-    pv_in_registers<T, 16>(sc, len, at, acc.data());
+    pv_in_registers<C, 16>(sc, len, at, acc.data());
   else
 #endif
     for (s = 0; s < len; ++s) axpy(sc[s], at.v(s), acc.data(), E);
@@ -226,8 +233,8 @@ constexpr int64_t TILE_ROWS = 8;
 // softmax (attention_telemetry.h); null: nobody asked. Consecutive rows with the same block table (one sequence's
 // prefill chunk) and the query heads of one KV head run as one tile (`attend_tile`); a task's result is the same
 // in any tile or alone, so neither the split between threads nor the neighbours change it.
-template <typename T>
-static void decode_range(const T* q, int64_t q_stride, const T* kp, const T* vp, const int64_t* rows, const int64_t* tables,
+template <typename T, typename C>
+static void decode_range(const T* q, int64_t q_stride, const C* kp, const C* vp, const int64_t* rows, const int64_t* tables,
                          const int64_t* lens, T* out, int64_t W, int64_t H, int64_t K, int64_t E, int64_t bs,
                          int64_t begin, int64_t end, const Telemetry* tel) {
   const int64_t G = H / K;
@@ -262,8 +269,8 @@ static void decode_range(const T* q, int64_t q_stride, const T* kp, const T* vp,
           const int64_t r = qtask[i] / H, h = qtask[i] % H;
           for (int64_t e = 0; e < E; ++e) qf[i * E + e] = to_f(q[rows[r] * q_stride + h * E + e]) * scale;
         }
-        const PoolRows<T> at{kp, vp, tables + r0 * W, BlockOf(bs), K * E, kh * E};
-        attend_tile<T>(qf.data(), qlen.data(), Qn, E, at, sc.data(), std::max<int64_t>(lmax, 1), sums.data(), acc.data());
+        const PoolRows<C> at{kp, vp, tables + r0 * W, BlockOf(bs), K * E, kh * E};
+        attend_tile<C>(qf.data(), qlen.data(), Qn, E, at, sc.data(), std::max<int64_t>(lmax, 1), sums.data(), acc.data());
         for (int64_t i = 0; i < Qn; ++i) {
           const int64_t r = qtask[i] / H, h = qtask[i] % H;
           T* o = out + (rows[r] * H + h) * E;
@@ -282,20 +289,36 @@ static void decode_range(const T* q, int64_t q_stride, const T* kp, const T* vp,
     const int64_t r = idx / H, h = idx % H, row = rows[r], len = lens[r];
     for (int64_t i = 0; i < E; ++i) qf[i] = to_f(q[row * q_stride + h * E + i]) * scale;
     scores.resize(len);
-    const PoolRows<T> at{kp, vp, tables + r * W, BlockOf(bs), K * E, (h / G) * E};
-    const float sum = attend_head<T>(qf.data(), len, E, at, scores.data(), out + (row * H + h) * E, acc);
+    const PoolRows<C> at{kp, vp, tables + r * W, BlockOf(bs), K * E, (h / G) * E};
+    const float sum = attend_head<T, C>(qf.data(), len, E, at, scores.data(), out + (row * H + h) * E, acc);
     if (tel != nullptr && tel->slot[r] >= 0) tel->record(tel->slot[r], h, scores.data(), len, sum);
   }
 }
 
 // One task per (row, query head): the 2-16 tasks of a small batch spread over every thread.
-template <typename T>
-static void decode_impl(const T* q, int64_t q_stride, const T* kp, const T* vp, const int64_t* rows, const int64_t* tables,
+template <typename T, typename C>
+static void decode_impl(const T* q, int64_t q_stride, const C* kp, const C* vp, const int64_t* rows, const int64_t* tables,
                         const int64_t* lens, T* out, int64_t R, int64_t W, int64_t H, int64_t K, int64_t E,
                         int64_t bs, const Telemetry* tel) {
   at::parallel_for(0, R * H, 1, [&](int64_t begin, int64_t end) {
-    decode_range<T>(q, q_stride, kp, vp, rows, tables, lens, out, W, H, K, E, bs, begin, end, tel);
+    decode_range<T, C>(q, q_stride, kp, vp, rows, tables, lens, out, W, H, K, E, bs, begin, end, tel);
   });
+}
+
+// Calls f(T*, C*) with q's and the pools' element types: (float32, float32), (bfloat16, bfloat16), or float32
+// activations over a 16-bit cache (float16, bfloat16).
+template <typename F>
+static void with_types(at::ScalarType q, at::ScalarType pool, const char* who, F&& f) {
+  if (q == at::kFloat && pool == at::kFloat)
+    f(static_cast<float*>(nullptr), static_cast<float*>(nullptr));
+  else if (q == at::kBFloat16 && pool == at::kBFloat16)
+    f(static_cast<bf16*>(nullptr), static_cast<bf16*>(nullptr));
+  else if (q == at::kFloat && pool == at::kHalf)
+    f(static_cast<float*>(nullptr), static_cast<f16*>(nullptr));
+  else if (q == at::kFloat && pool == at::kBFloat16)
+    f(static_cast<float*>(nullptr), static_cast<bf16*>(nullptr));
+  else
+    TORCH_CHECK(false, who, ": activations and cache float32/float32, bfloat16/bfloat16 or float32 over a 16-bit cache");
 }
 
 static void decode_dispatch(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tensor& v_pool,
@@ -305,17 +328,15 @@ static void decode_dispatch(const torch::Tensor& q, const torch::Tensor& k_pool,
   TORCH_CHECK(rows.scalar_type() == at::kLong && tables.scalar_type() == at::kLong && lens.scalar_type() == at::kLong, "paged_decode_attention: int64 metadata");
   TORCH_CHECK(tables.is_contiguous() && tables.dim() == 2 && rows.numel() == tables.size(0) && lens.numel() == tables.size(0), "paged_decode_attention: metadata shapes");
   const int64_t E = q.size(-1), H = q.size(-2), bs = k_pool.size(1), K = k_pool.size(2);
-  TORCH_CHECK(k_pool.size(3) == E && H % K == 0 && q.scalar_type() == k_pool.scalar_type() && out.sizes() == q.sizes(), "paged_decode_attention: shapes");
+  TORCH_CHECK(k_pool.size(3) == E && H % K == 0 && k_pool.scalar_type() == v_pool.scalar_type() && out.sizes() == q.sizes() && out.scalar_type() == q.scalar_type(), "paged_decode_attention: shapes");
   const int64_t q_stride = q.stride(-3);  // q may be a view into the fused q/k/v output
   const int64_t R = tables.size(0), W = tables.size(1);
-  if (q.scalar_type() == at::kFloat)
-    decode_impl<float>(q.data_ptr<float>(), q_stride, k_pool.data_ptr<float>(), v_pool.data_ptr<float>(), rows.data_ptr<int64_t>(),
-                       tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<float>(), R, W, H, K, E, bs, tel);
-  else if (q.scalar_type() == at::kBFloat16)
-    decode_impl<bf16>(q.data_ptr<bf16>(), q_stride, k_pool.data_ptr<bf16>(), v_pool.data_ptr<bf16>(), rows.data_ptr<int64_t>(),
-                      tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<bf16>(), R, W, H, K, E, bs, tel);
-  else
-    TORCH_CHECK(false, "paged_decode_attention: float32 or bfloat16");
+  with_types(q.scalar_type(), k_pool.scalar_type(), "paged_decode_attention", [&](auto* t, auto* c) {
+    using T = std::remove_pointer_t<decltype(t)>;
+    using C = std::remove_pointer_t<decltype(c)>;
+    decode_impl<T, C>(q.data_ptr<T>(), q_stride, k_pool.data_ptr<C>(), v_pool.data_ptr<C>(), rows.data_ptr<int64_t>(),
+                      tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<T>(), R, W, H, K, E, bs, tel);
+  });
 }
 
 void paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tensor& v_pool,
@@ -337,13 +358,30 @@ void paged_attention_range(const torch::Tensor& q, const torch::Tensor& k_pool, 
                            const torch::Tensor& rows, const torch::Tensor& tables, const torch::Tensor& lens,
                            torch::Tensor& out, int64_t begin, int64_t end, const Telemetry* tel) {
   const int64_t E = q.size(-1), H = q.size(-2), bs = k_pool.size(1), K = k_pool.size(2), W = tables.size(1);
-  if (q.scalar_type() == at::kFloat)
-    decode_range<float>(q.data_ptr<float>(), q.stride(-3), k_pool.data_ptr<float>(), v_pool.data_ptr<float>(), rows.data_ptr<int64_t>(),
-                        tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<float>(), W, H, K, E, bs, begin, end, tel);
-  else
-    decode_range<bf16>(q.data_ptr<bf16>(), q.stride(-3), k_pool.data_ptr<bf16>(), v_pool.data_ptr<bf16>(), rows.data_ptr<int64_t>(),
-                       tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<bf16>(), W, H, K, E, bs, begin, end, tel);
+  with_types(q.scalar_type(), k_pool.scalar_type(), "decode_layers", [&](auto* t, auto* c) {
+    using T = std::remove_pointer_t<decltype(t)>;
+    using C = std::remove_pointer_t<decltype(c)>;
+    decode_range<T, C>(q.data_ptr<T>(), q.stride(-3), k_pool.data_ptr<C>(), v_pool.data_ptr<C>(), rows.data_ptr<int64_t>(),
+                       tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<T>(), W, H, K, E, bs, begin, end, tel);
+  });
 }
+
+// Row `src` (n values of T) into a pool row of type `pool` at `dst`: copied, or rounded once to a 16-bit cache.
+template <typename T>
+void store_kv_row(void* dst, at::ScalarType pool, const T* src, int64_t n) {
+  if (pool == c10::CppTypeToScalarType<T>::value) {
+    std::memcpy(dst, src, n * sizeof(T));
+  } else if (pool == at::kHalf) {
+    f16* d = static_cast<f16*>(dst);
+    for (int64_t i = 0; i < n; ++i) d[i] = from_f<f16>(to_f(src[i]));
+  } else {
+    TORCH_CHECK(pool == at::kBFloat16, "paged_write: a float32, float16 or bfloat16 cache");
+    bf16* d = static_cast<bf16*>(dst);
+    for (int64_t i = 0; i < n; ++i) d[i] = from_f<bf16>(to_f(src[i]));
+  }
+}
+template void store_kv_row<float>(void*, at::ScalarType, const float*, int64_t);
+template void store_kv_row<bf16>(void*, at::ScalarType, const bf16*, int64_t);
 
 // Write this step's K and V into their pool slots.   k, v (N, K, E) (views into the fused q/k/v output);
 // pools (NB, bs, K, E), slot = block * bs + offset; slots (N,)
@@ -351,7 +389,7 @@ void paged_write(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& 
                  const torch::Tensor& slots) {
   const int64_t N = slots.numel(), KE = k_pool.size(2) * k_pool.size(3);
   TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous() && slots.scalar_type() == at::kLong && slots.is_contiguous(), "paged_write: pools and slots");
-  TORCH_CHECK(k.scalar_type() == k_pool.scalar_type() && v.scalar_type() == k_pool.scalar_type(), "paged_write: dtype");
+  TORCH_CHECK(k.scalar_type() == v.scalar_type() && k_pool.scalar_type() == v_pool.scalar_type(), "paged_write: dtype");
   TORCH_CHECK(k.numel() == N * KE && v.numel() == N * KE, "paged_write: shapes");
   const int64_t n_slots = k_pool.size(0) * k_pool.size(1);
   const int64_t* s = slots.data_ptr<int64_t>();
@@ -360,6 +398,18 @@ void paged_write(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& 
   auto kc = k.reshape({N, KE}), vc = v.reshape({N, KE});
   TORCH_CHECK(kc.stride(1) == 1 && vc.stride(1) == 1, "paged_write: token rows must be contiguous");
   const int64_t ks = kc.stride(0), vs = vc.stride(0);
+  if (k.scalar_type() != k_pool.scalar_type()) {  // float32 rows into a 16-bit cache: rounded once, here
+    TORCH_CHECK(k.scalar_type() == at::kFloat, "paged_write: only float32 rows go into a cache of another dtype");
+    const float *kd = kc.data_ptr<float>(), *vd = vc.data_ptr<float>();
+    const size_t row = KE * k_pool.element_size();
+    char* kp = static_cast<char*>(k_pool.data_ptr());
+    char* vp = static_cast<char*>(v_pool.data_ptr());
+    for (int64_t n = 0; n < N; ++n) {
+      store_kv_row(kp + s[n] * row, k_pool.scalar_type(), kd + n * ks, KE);
+      store_kv_row(vp + s[n] * row, v_pool.scalar_type(), vd + n * vs, KE);
+    }
+    return;
+  }
   const size_t bytes = KE * k.element_size();
   char* kp = static_cast<char*>(k_pool.data_ptr());
   char* vp = static_cast<char*>(v_pool.data_ptr());

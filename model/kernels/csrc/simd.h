@@ -31,10 +31,12 @@
 namespace ls {
 
 using bf16 = at::BFloat16;
+using f16 = at::Half;  // IEEE half: a 16-bit KV cache's type (paged_attention.cpp), never an activation dtype
 
-// Scalar conversions (torch's own: bfloat16 rounds to nearest even).
+// Scalar conversions (torch's own: bfloat16 and half round to nearest even).
 inline float to_f(float x) { return x; }
 inline float to_f(bf16 x) { return static_cast<float>(x); }
+inline float to_f(f16 x) { return static_cast<float>(x); }
 template <typename T> inline T from_f(float x) { return static_cast<T>(x); }
 // Rounding an intermediate to the activation dtype, as a chain of torch ops in that dtype does.
 template <typename T> inline float round_to(float x) { return to_f(from_f<T>(x)); }
@@ -45,6 +47,7 @@ inline __m256 load8(const bf16* p) {
   __m256i i = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   return _mm256_castsi256_ps(_mm256_slli_epi32(i, 16));
 }
+inline __m256 load8(const f16* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }  // F16C: exact
 inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
 // float32 -> bfloat16, round to nearest even (NaN is not produced by these kernels' finite inputs).
 inline __m256 round_bf16(__m256 v) {
