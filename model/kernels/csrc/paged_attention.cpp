@@ -162,6 +162,15 @@ struct PoolRows {  // position s of one sequence, one KV head -> its K and V row
 };
 
 #if LS_AVX2
+struct Widened {  // a block's rows widened to float32: position s (in [b0, b0 + BS)) -> its row
+  const float* rows;
+  int64_t b0, E;
+  const float* k(int64_t s) const { return rows + (s - b0) * E; }
+  const float* v(int64_t s) const { return rows + (s - b0) * E; }
+};
+#endif
+
+#if LS_AVX2
 // Several queries of one sequence and one KV head (the G query heads that share it, over up to TILE_ROWS rows of a
 // prefill chunk) against the same keys: FlashAttention's point (Dao et al. 2022) that a key block is read from
 // memory once per query tile, not once per query, without its arithmetic: every query's scores, max, exponentials,
@@ -176,30 +185,53 @@ static void attend_tile(const float* qf, const int64_t* len, int64_t Qn, int64_t
   const int64_t BS = E <= 64 ? 64 : 32;  // positions per block: its K (or V) rows stay in L1 across the tile's queries
   int64_t lmax = 0;
   for (int64_t i = 0; i < Qn; ++i) lmax = std::max(lmax, len[i]);
+  // A 16-bit cache (T not float) under a prefill tile: each block's key, then value, rows are widened once into
+  // `wide` for all the tile's queries (up to TILE_ROWS x G) instead of once per query; a decode row's G <= 4 queries
+  // widen on load as attend_head does (the scratch's store and reload cost more there). Widening is exact, so the
+  // numbers, and the arithmetic on them, are the same either way.
+  const bool widen = !std::is_same_v<T, float> && Qn > 4;
+  std::vector<float> wide(widen ? BS * E : 0);
+  const auto widened = [&](int64_t b0, int64_t b1, bool keys) {  // rows [b0, b1) -> a float accessor over `wide`
+    for (int64_t s = b0; s < b1; ++s) {
+      const T* src = keys ? at.k(s) : at.v(s);
+      float* dst = wide.data() + (s - b0) * E;
+      int64_t e = 0;
+      for (; e + 8 <= E; e += 8) _mm256_storeu_ps(dst + e, load8(src + e));
+      for (; e < E; ++e) dst[e] = to_f(src[e]);
+    }
+    return Widened{wide.data(), b0, E};
+  };
   std::vector<__m256> mv(Qn, _mm256_set1_ps(-INFINITY));
   std::vector<float> tail_max(Qn, -INFINITY);
-  for (int64_t b0 = 0; b0 < lmax; b0 += BS) {
+  const auto scores = [&](int64_t b0, const auto& rows) {  // every query's scores of positions [b0, b0 + BS)
+    using R = std::remove_cv_t<std::remove_pointer_t<decltype(rows.k(0))>>;
     for (int64_t i = 0; i < Qn; ++i) {
       const int64_t L = len[i], vec_end = L / 8 * 8;  // groups of 8 while s + 8 <= L, as attend_head
       if (b0 >= L) continue;
       const float* q = qf + i * E;
       float* si = sc + i * ld;
       for (int64_t s = b0; s < std::min(b0 + BS, vec_end); s += 8) {
-        const __m256 v = score8<T>(q, s, E, at);
+        const __m256 v = score8<R>(q, s, E, rows);
         _mm256_storeu_ps(si + s, v);
         mv[i] = _mm256_max_ps(mv[i], v);
       }
       for (int64_t s = std::max(b0, vec_end); s < std::min(b0 + BS, L); ++s) {
-        si[s] = dot(q, at.k(s), E);
+        si[s] = dot(q, rows.k(s), E);
         tail_max[i] = std::max(tail_max[i], si[s]);
       }
     }
+  };
+  for (int64_t b0 = 0; b0 < lmax; b0 += BS) {
+    if (widen)
+      scores(b0, widened(b0, std::min(b0 + BS, lmax), true));
+    else
+      scores(b0, at);
   }
   for (int64_t i = 0; i < Qn; ++i) sums[i] = exp_and_sum(sc + i * ld, len[i], std::max(hmax(mv[i]), tail_max[i]));
   std::fill(acc, acc + Qn * E, 0.f);
   const int64_t NV = E / 8;
-  for (int64_t b0 = 0; b0 < lmax; b0 += BS) {
-    for (int64_t i = 0; i < Qn; ++i) {  // acc += p[s] v(s), position by position, one fma per lane (as axpy)
+  const auto values = [&](int64_t b0, const auto& rows) {  // acc += p[s] v(s), position by position (as axpy)
+    for (int64_t i = 0; i < Qn; ++i) {
       const int64_t end = std::min(b0 + BS, len[i]);
       const float* p = sc + i * ld;
       float* a = acc + i * E;
@@ -208,18 +240,24 @@ static void attend_tile(const float* qf, const int64_t* len, int64_t Qn, int64_t
         for (int v = 0; v < 8; ++v) r[v] = _mm256_loadu_ps(a + 8 * v);
         for (int64_t s = b0; s < end; ++s) {
           const __m256 ps = _mm256_set1_ps(p[s]);
-          const T* vs = at.v(s);
+          const auto* vs = rows.v(s);
           for (int v = 0; v < 8; ++v) r[v] = _mm256_fmadd_ps(ps, load8(vs + 8 * v), r[v]);
         }
         for (int v = 0; v < 8; ++v) _mm256_storeu_ps(a + 8 * v, r[v]);
       } else {
         for (int64_t s = b0; s < end; ++s) {
           const __m256 ps = _mm256_set1_ps(p[s]);
-          const T* vs = at.v(s);
+          const auto* vs = rows.v(s);
           for (int64_t v = 0; v < NV; ++v) _mm256_storeu_ps(a + 8 * v, _mm256_fmadd_ps(ps, load8(vs + 8 * v), _mm256_loadu_ps(a + 8 * v)));
         }
       }
     }
+  };
+  for (int64_t b0 = 0; b0 < lmax; b0 += BS) {
+    if (widen)
+      values(b0, widened(b0, std::min(b0 + BS, lmax), false));
+    else
+      values(b0, at);
   }
 }
 #endif
