@@ -30,6 +30,7 @@ from model.engine.speculative import Drafter, SpecDecodeStats, SpeculativeConfig
 from model.engine.speculative.build import build_speculator
 from model.engine.structured import StructuredOutputs
 from model.interventions import InterventionPlan
+from model.quantize import QuantLinear
 from model.text.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -68,8 +69,8 @@ class EngineConfig:
     native_decode: bool = True
     # Speculative decoding (model/engine/speculative/): drafts verified in the engine's own step; None: off
     speculative: SpeculativeConfig | None = None
-    # The KV cache's dtype: "auto" (the model's), or "float16" / "bfloat16" under a float32 model on CPU
-    # (paged_cache.cache_dtype): half the bytes per token
+    # The KV cache's dtype: "auto" (float16 under quantized weights on CPU with the native kernels, else the
+    # model's), "float32", or "float16" / "bfloat16" under a float32 model on CPU (paged_cache.cache_dtype)
     kv_cache_dtype: str = "auto"
 
 
@@ -102,13 +103,19 @@ def resolve_max_model_len(requested: int | None, model_len: int, pool_tokens: in
     return limit
 
 
+def _quantized_weights(model) -> bool:
+    """Whether any of the model's matmuls is int8 / int4 (a tensor-parallel model: rank 0's shard, like every rank's)."""
+    return any(isinstance(m, QuantLinear) for m in getattr(model, "shard", model).modules())
+
+
 class Engine:
     def __init__(self, model: Transformer, tokenizer: Tokenizer, config: EngineConfig | None = None,
                  draft_model: Transformer | None = None) -> None:
         """`draft_model`: the proposer's model when `config.speculative` is a draft_model method (same vocabulary)."""
         self.model, self.tokenizer = model, tokenizer
         self.config = config = config or EngineConfig()
-        kv_dtype = cache_dtype(config.kv_cache_dtype, model.dtype, model.device)
+        kv_dtype = cache_dtype(config.kv_cache_dtype, model.dtype, model.device,
+                               quantized=_quantized_weights(model))
         per_block = PagedKVCache.bytes_per_block(kv_config(model), config.block_size, kv_dtype)  # per rank under TP
         num_blocks = config.num_blocks or max(1, config.kv_cache_bytes // per_block)
         self.max_model_len = resolve_max_model_len(config.max_model_len, model.config.max_seq_len,

@@ -26,6 +26,7 @@ from torch import Tensor
 
 from model import huge_pages
 from model.config import ModelConfig
+from model.kernels import native as native_kernels
 from model.kernels import ops
 
 
@@ -152,16 +153,20 @@ class PagedKVCache:
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
 
 
-def cache_dtype(name: str, model_dtype: torch.dtype, device: torch.device | str) -> torch.dtype:
-    """The KV cache's dtype for `--kv-cache-dtype` (vLLM's flag): "auto" is the model's. A float32 model may keep a
-    16-bit cache, float16 (llama.cpp's default, `--cache-type-k f16`: 10 mantissa bits) or bfloat16, on CPU, where
-    the native kernels round each key and value once when they write it and widen it exactly when they read it:
-    half the bytes a long context's attention reads, and twice the tokens in the same pool. Any other pair is
-    refused (ValueError): a bfloat16 model's cache is bfloat16 already, and the GPU kernels read the model's dtype."""
+def cache_dtype(name: str, model_dtype: torch.dtype, device: torch.device | str, quantized: bool = False) -> torch.dtype:
+    """The KV cache's dtype for `--kv-cache-dtype` (vLLM's flag). A float32 model may keep a 16-bit cache, float16
+    (llama.cpp's default, `--cache-type-k f16`: 10 mantissa bits) or bfloat16, on CPU, where the native kernels round
+    each key and value once when they write it and widen it exactly when they read it: half the bytes a long
+    context's attention reads, and twice the tokens in the same pool. "auto": float16 under quantized (int8 / int4)
+    weights on CPU where the native kernels run (they keep every row batch invariant over it), whose own rounding is
+    far coarser (the default model's perplexity moves by 0.002%: benchmarks/perplexity.py --kv-cache-dtypes), else
+    the model's dtype, so a float32 model's keys and values stay HF's. Any other pair is refused (ValueError): a bfloat16 model's cache is bfloat16 already, and the GPU kernels
+    read the model's dtype."""
     if name not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {name!r}")
     if name == "auto":
-        return model_dtype
+        cpu_float32 = model_dtype == torch.float32 and torch.device(device).type == "cpu"
+        return torch.float16 if quantized and cpu_float32 and native_kernels() is not None else model_dtype
     dtype = getattr(torch, name)
     if dtype == model_dtype:
         return dtype
