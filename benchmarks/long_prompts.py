@@ -1,12 +1,13 @@
 """Long prompts against llama.cpp's `llama-server`, same file, same run, over HTTP, one stream: prefill speed and the
 decode speed after the prompt, at each prompt length.
 
-    python -m benchmarks.long_prompts [--model PATH] [--lengths 1024 2048 4096 8192] [--rounds 2]
+    python -m benchmarks.long_prompts [--model PATH] [--lengths 1024 2048 4096 8000] [--rounds 2]
 
 Both servers are up for the whole run, each sized for the longest prompt: llama-server `-np 1 -c LONGEST+64`
-(its default f16 KV cache), ours `--kv-cache-bytes` for LONGEST+64 tokens (float32 KV) and `--max-model-len`
-to match. Per length and round, on each side in turn (the order flipping each round): one streamed
-`/v1/completions` request with a prompt of random token ids (a fresh seed each time, so no prompt cache serves it),
+(its default f16 KV cache), ours `--kv-cache-bytes` for LONGEST+64 float32 tokens and `--max-model-len` to match;
+`--ours-args` given several times runs one of ours per value beside the same llama-server (e.g. the float32 and
+the float16 KV cache, `--ours-args '' --ours-args '--kv-cache-dtype float16'`). Per length and round, on each side
+in turn (the order flipping each round): one streamed `/v1/completions` request with a prompt of random token ids (a fresh seed each time, so no prompt cache serves it),
 greedy, EOS ignored, 32 new tokens. Prefill tok/s = prompt length / time to the first token; decode tok/s = 31 /
 (last token - first). Medians over rounds. Not part of CI (llama-server is an optional peer; benchmarks/README.md).
 """
@@ -61,12 +62,15 @@ def one(url: str, length: int, vocab: int, seed: int) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.long_prompts", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", type=Path, default=None)
-    p.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
+    # (8000, not 8192: the prompt and its new tokens must fit the default model's context of 8192)
+    p.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8000])
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--vocab", type=int, default=49152, help="prompt ids are drawn below this")
     p.add_argument("--llama-server", type=Path, default=Path(shutil.which("llama-server") or "/work/peers/llama-server"))
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
-    p.add_argument("--ours-args", default="")
+    p.add_argument("--ours-args", action="append", default=None,
+                   help="flags for our server; given again, one more of our servers in the same run (e.g. '' and "
+                        "'--kv-cache-dtype float16'), each compared with llama-server")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/long-prompts.json"))
     args = p.parse_args(argv)
     if not args.llama_server.is_file():
@@ -78,13 +82,15 @@ def main(argv: list[str] | None = None) -> int:
     model = args.model or default_model_path()
     context = max(args.lengths) + 64
     logs = Path(tempfile.mkdtemp(prefix="long-prompts-"))
-    ours_cmd = ["--model", str(model), "--kv-cache-bytes", str(context * _kv_bytes_per_token(model)),
-                "--max-model-len", str(context), *args.ours_args.split()]
-    ours = ServedProcess(ours_cmd, logs / "ours.log")
+    base = ["--model", str(model), "--kv-cache-bytes", str(context * _kv_bytes_per_token(model)),
+            "--max-model-len", str(context)]
+    ours = {("ours " + a).strip(): ServedProcess(base + a.split(), logs / f"ours{i}.log")
+            for i, a in enumerate(args.ours_args or [""])}  # "ours", "ours --kv-cache-dtype float16", ...
     peer = LongLlamaServer(args.llama_server, model, args.threads, context, logs / "peer.log")
-    sides = {"ours": ours.url, "llama-server": peer.url}
+    sides = {**{n: o.url for n, o in ours.items()}, "llama-server": peer.url}
     result: dict = {"machine": machine_info("cpu", args.threads), "model": str(model), "context": context,
-                    "ours_cmd": ours.cmd, "peer_cmd": peer.cmd, "new_tokens": NEW_TOKENS, "lengths": {}}
+                    "ours_cmd": {n: o.cmd for n, o in ours.items()}, "peer_cmd": peer.cmd, "new_tokens": NEW_TOKENS,
+                    "lengths": {}}
     try:
         for url in sides.values():
             one(url, 64, args.vocab, seed=99)  # warm-up
@@ -95,16 +101,19 @@ def main(argv: list[str] | None = None) -> int:
                     runs[name].append(one(sides[name], length, args.vocab, seed=1000 * length + r))
             entry = {n: {k: statistics.median(x[k] for x in v) for k in ("prefill_tok_s", "decode_tok_s")}
                      for n, v in runs.items()}
-            entry["ratio"] = {k: entry["ours"][k] / entry["llama-server"][k] for k in ("prefill_tok_s", "decode_tok_s")}
+            peer_s = entry["llama-server"]
+            entry["ratio"] = {n: {k: entry[n][k] / peer_s[k] for k in ("prefill_tok_s", "decode_tok_s")} for n in ours}
             result["lengths"][length] = entry
-            print(f"{length:6d} tokens: prefill ours {entry['ours']['prefill_tok_s']:7.1f} vs "
-                  f"{entry['llama-server']['prefill_tok_s']:7.1f} tok/s ({entry['ratio']['prefill_tok_s']:.2f}x); "
-                  f"decode after it {entry['ours']['decode_tok_s']:6.1f} vs {entry['llama-server']['decode_tok_s']:6.1f} "
-                  f"({entry['ratio']['decode_tok_s']:.2f}x)", flush=True)
+            for n in ours:
+                x, ratio = entry[n], entry["ratio"][n]
+                print(f"{length:6d} tokens, {n}: prefill {x['prefill_tok_s']:7.1f} vs {peer_s['prefill_tok_s']:7.1f} "
+                      f"tok/s ({ratio['prefill_tok_s']:.2f}x); decode after it {x['decode_tok_s']:6.1f} vs "
+                      f"{peer_s['decode_tok_s']:6.1f} ({ratio['decode_tok_s']:.2f}x)", flush=True)
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(json.dumps(result, indent=2) + "\n")
     finally:
-        result["ours_exit"], result["peer_exit"] = ours.stop(), peer.stop(grace=0)
+        result["ours_exit"] = {n: o.stop() for n, o in ours.items()}
+        result["peer_exit"] = peer.stop(grace=0)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")
     return 0
