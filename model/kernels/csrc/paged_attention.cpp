@@ -80,6 +80,71 @@ static inline __m256 score8(const float* q, int64_t s, int64_t E, const At& at) 
 }
 #endif
 
+#if LS_AVX2
+// Register tiles of attend_tile: NQ queries against the same keys (or values) share each key's (value's) load, so
+// the kernel does an FMA per load or better instead of two loads per FMA (score8 reloads q for every key). Where the
+// build has 32 vector registers (AVX-512VL) a score tile holds 3 queries x 8 keys (24 accumulators) and a value
+// tile 3 queries x 8 vectors of the output; with AVX2's 16, 2 queries x 4 keys and 2 x 4 vectors. Each (query, key)
+// product chain and each (query, output lane) sum is the one score8 / the position loop computes, in the same order:
+// tiling shares loads, never arithmetic.
+#if defined(__AVX512VL__)
+constexpr int SQ = 3, SK = 8, VQ = 3, VV = 8;
+#else
+constexpr int SQ = 2, SK = 4, VQ = 2, VV = 4;
+#endif
+
+// d[i][j0 + j] := score8's per-key lane sums of query i (q + i * E) and position s + j0 + j, j < NK
+template <typename R, int NQ, int NK, typename At>
+static inline void key_products(const float* q, int64_t s, int64_t E, const At& at, int j0, __m256 (&d)[NQ][8]) {
+  const R* k[NK];
+  for (int j = 0; j < NK; ++j) k[j] = at.k(s + j0 + j);
+  __m256 a[NQ][NK];
+  __m256 qv[NQ];
+  for (int i = 0; i < NQ; ++i) qv[i] = _mm256_loadu_ps(q + i * E);
+  for (int j = 0; j < NK; ++j) {
+    const __m256 kv = load8(k[j]);
+    for (int i = 0; i < NQ; ++i) a[i][j] = _mm256_mul_ps(qv[i], kv);
+  }
+  for (int64_t e = 8; e < E; e += 8) {
+    for (int i = 0; i < NQ; ++i) qv[i] = _mm256_loadu_ps(q + i * E + e);
+    for (int j = 0; j < NK; ++j) {
+      const __m256 kv = load8(k[j] + e);
+      for (int i = 0; i < NQ; ++i) a[i][j] = _mm256_fmadd_ps(qv[i], kv, a[i][j]);
+    }
+  }
+  for (int i = 0; i < NQ; ++i)
+    for (int j = 0; j < NK; ++j) d[i][j0 + j] = a[i][j];
+}
+
+// Scores of positions s .. s+7 for NQ queries (q + i * E): out[i] = score8(q + i * E, s, E, at), bitwise.
+template <typename R, int NQ, typename At>
+static inline void score8_tile(const float* q, int64_t s, int64_t E, const At& at, __m256* out) {
+  __m256 d[NQ][8];
+  for (int j0 = 0; j0 < 8; j0 += SK) key_products<R, NQ, SK>(q, s, E, at, j0, d);
+  for (int i = 0; i < NQ; ++i) out[i] = hsum8x8(d[i]);
+}
+
+// acc[i] (E) += p[i][s] v(s) for s in [s0, s1), output lanes [e0, e0 + 8 NV), for NQ queries: per query and lane the
+// position loop's FMAs in order (a value tile loads each value vector once for its NQ queries).
+template <int NQ, int NV, typename At>
+static inline void values_tile(const float* const* p, float* const* acc, int64_t s0, int64_t s1, int64_t e0, const At& at) {
+  __m256 r[NQ][NV];
+  for (int i = 0; i < NQ; ++i)
+    for (int v = 0; v < NV; ++v) r[i][v] = _mm256_loadu_ps(acc[i] + e0 + 8 * v);
+  for (int64_t s = s0; s < s1; ++s) {
+    const auto* vs = at.v(s) + e0;
+    __m256 ps[NQ];
+    for (int i = 0; i < NQ; ++i) ps[i] = _mm256_set1_ps(p[i][s]);
+    for (int v = 0; v < NV; ++v) {
+      const __m256 x = load8(vs + 8 * v);
+      for (int i = 0; i < NQ; ++i) r[i][v] = _mm256_fmadd_ps(ps[i], x, r[i][v]);
+    }
+  }
+  for (int i = 0; i < NQ; ++i)
+    for (int v = 0; v < NV; ++v) _mm256_storeu_ps(acc[i] + e0 + 8 * v, r[i][v]);
+}
+#endif
+
 // sc[s] := exp(sc[s] - mx) for s < len; -> their sum (8 lanes, then the tail in order): one order for every caller.
 static inline float exp_and_sum(float* sc, int64_t len, float mx) {
   float sum = 0.f;
@@ -203,19 +268,36 @@ static void attend_tile(const float* qf, const int64_t* len, int64_t Qn, int64_t
   };
   std::vector<__m256> mv(Qn, _mm256_set1_ps(-INFINITY));
   std::vector<float> tail_max(Qn, -INFINITY);
+  std::vector<int64_t> done(Qn);  // per query: where a block's register tiles stopped (its own loop goes on from there)
   const auto scores = [&](int64_t b0, const auto& rows) {  // every query's scores of positions [b0, b0 + BS)
     using R = std::remove_cv_t<std::remove_pointer_t<decltype(rows.k(0))>>;
-    for (int64_t i = 0; i < Qn; ++i) {
+    const int64_t b1 = b0 + BS;
+    int64_t i = 0;
+    for (; i + SQ <= Qn; i += SQ) {  // SQ queries at a time over the groups of 8 they all have (register tiles)
+      int64_t common = b1;
+      for (int u = 0; u < SQ; ++u) common = std::min(common, len[i + u] / 8 * 8);
+      for (int64_t s = b0; s < common; s += 8) {
+        __m256 v[SQ];
+        score8_tile<R, SQ>(qf + i * E, s, E, rows, v);
+        for (int u = 0; u < SQ; ++u) {
+          _mm256_storeu_ps(sc + (i + u) * ld + s, v[u]);
+          mv[i + u] = _mm256_max_ps(mv[i + u], v[u]);
+        }
+      }
+      for (int u = 0; u < SQ; ++u) done[i + u] = std::max(b0, common);
+    }
+    for (; i < Qn; ++i) done[i] = b0;
+    for (i = 0; i < Qn; ++i) {
       const int64_t L = len[i], vec_end = L / 8 * 8;  // groups of 8 while s + 8 <= L, as attend_head
       if (b0 >= L) continue;
       const float* q = qf + i * E;
       float* si = sc + i * ld;
-      for (int64_t s = b0; s < std::min(b0 + BS, vec_end); s += 8) {
+      for (int64_t s = done[i]; s < std::min(b1, vec_end); s += 8) {
         const __m256 v = score8<R>(q, s, E, rows);
         _mm256_storeu_ps(si + s, v);
         mv[i] = _mm256_max_ps(mv[i], v);
       }
-      for (int64_t s = std::max(b0, vec_end); s < std::min(b0 + BS, L); ++s) {
+      for (int64_t s = std::max(b0, vec_end); s < std::min(b1, L); ++s) {
         si[s] = dot(q, rows.k(s), E);
         tail_max[i] = std::max(tail_max[i], si[s]);
       }
@@ -231,21 +313,36 @@ static void attend_tile(const float* qf, const int64_t* len, int64_t Qn, int64_t
   std::fill(acc, acc + Qn * E, 0.f);
   const int64_t NV = E / 8;
   const auto values = [&](int64_t b0, const auto& rows) {  // acc += p[s] v(s), position by position (as axpy)
-    for (int64_t i = 0; i < Qn; ++i) {
+    int64_t i = 0;
+    for (; E % (8 * VV) == 0 && i + VQ <= Qn; i += VQ) {  // VQ queries at a time over the positions they all have (register tiles)
+      int64_t common = b0 + BS;
+      const float* p[VQ];
+      float* a[VQ];
+      for (int u = 0; u < VQ; ++u) {
+        common = std::min(common, len[i + u]);
+        p[u] = sc + (i + u) * ld;
+        a[u] = acc + (i + u) * E;
+      }
+      if (common > b0)
+        for (int64_t e0 = 0; e0 < E; e0 += 8 * VV) values_tile<VQ, VV>(p, a, b0, common, e0, rows);
+      for (int u = 0; u < VQ; ++u) done[i + u] = std::max(b0, common);
+    }
+    for (; i < Qn; ++i) done[i] = b0;
+    for (i = 0; i < Qn; ++i) {
       const int64_t end = std::min(b0 + BS, len[i]);
       const float* p = sc + i * ld;
       float* a = acc + i * E;
       if (E == 64) {
         __m256 r[8];
         for (int v = 0; v < 8; ++v) r[v] = _mm256_loadu_ps(a + 8 * v);
-        for (int64_t s = b0; s < end; ++s) {
+        for (int64_t s = done[i]; s < end; ++s) {
           const __m256 ps = _mm256_set1_ps(p[s]);
           const auto* vs = rows.v(s);
           for (int v = 0; v < 8; ++v) r[v] = _mm256_fmadd_ps(ps, load8(vs + 8 * v), r[v]);
         }
         for (int v = 0; v < 8; ++v) _mm256_storeu_ps(a + 8 * v, r[v]);
       } else {
-        for (int64_t s = b0; s < end; ++s) {
+        for (int64_t s = done[i]; s < end; ++s) {
           const __m256 ps = _mm256_set1_ps(p[s]);
           const auto* vs = rows.v(s);
           for (int64_t v = 0; v < NV; ++v) _mm256_storeu_ps(a + 8 * v, _mm256_fmadd_ps(ps, load8(vs + 8 * v), _mm256_loadu_ps(a + 8 * v)));
