@@ -15,6 +15,11 @@ def byte_tokenizer() -> Tokenizer:
     return Tokenizer(byte_backend(), bos_id=BOS, eos_id=EOS, stop_ids={EOS}, add_bos=False)
 
 
+# (name, dtype, quantization) of the precisions the engine tests run at (tests/engine/conftest.py's `precision_model`)
+PRECISIONS = [("float32", torch.float32, "none"), ("bfloat16", torch.bfloat16, "none"),
+              ("int8", torch.float32, "int8"), ("int4", torch.float32, "int4")]
+
+
 def tiny_model(seed: int = 0, dtype=torch.float32, **overrides) -> Transformer:
     cfg = dict(vocab_size=258, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=128, max_seq_len=512)
     cfg.update(overrides)

@@ -4,13 +4,9 @@ shape at each precision the batch-invariant kernels serve."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from model.quantize import quantize_model
-from tiny import byte_tokenizer, tiny_model
-
-PRECISIONS = [("float32", torch.float32, "none"), ("bfloat16", torch.bfloat16, "none"),
-              ("int8", torch.float32, "int8"), ("int4", torch.float32, "int4")]
+from tiny import PRECISIONS, byte_tokenizer, tiny_model
 
 
 @pytest.fixture(scope="session")

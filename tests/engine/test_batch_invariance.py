@@ -18,8 +18,8 @@ import torch
 from model import kernels
 from model.engine import Engine, EngineConfig
 from model.engine.sampling_params import SamplingParams
-from model.quantize import QuantLinear
-from tiny import byte_tokenizer
+from model.quantize import QuantLinear, quantize_model
+from tiny import PRECISIONS, byte_tokenizer, tiny_model
 
 pytestmark = pytest.mark.skipif(kernels.native() is None, reason=f"native kernels: {kernels.status()}")
 
@@ -54,11 +54,25 @@ def _engine(precision_model, **kw) -> Engine:
     return Engine(precision_model, byte_tokenizer(), EngineConfig(**{"num_blocks": 256, "block_size": 4, **kw}))
 
 
-@pytest.fixture(scope="module", params=["auto", "float16", "bfloat16"], ids=["kv-auto", "kv-f16", "kv-bf16"])
-def kv(request, precision_model) -> dict:
-    if request.param != "auto" and precision_model.dtype != torch.float32:
-        pytest.skip("a 16-bit KV cache is for float32 activations (a bfloat16 model's cache is bfloat16)")
-    return {"kv_cache_dtype": request.param}
+# Each precision with its default cache, and the float32 ones also over a 16-bit cache (a 16-bit KV cache is for
+# float32 activations: a bfloat16 model's cache is bfloat16 already)
+CASES = [(p, kv) for p in PRECISIONS for kv in ("auto", "float16", "bfloat16") if kv == "auto" or p[1] == torch.float32]
+
+
+@pytest.fixture(scope="module", params=CASES, ids=[f"{p[0]}-kv-{kv}" for p, kv in CASES])
+def case(request):
+    (_, dtype, mode), kv = request.param
+    return quantize_model(tiny_model(seed=3, dtype=dtype), mode), {"kv_cache_dtype": kv}
+
+
+@pytest.fixture(scope="module")
+def precision_model(case):  # (this module's: one per case, overriding the conftest's one per precision)
+    return case[0]
+
+
+@pytest.fixture(scope="module")
+def kv(case) -> dict:
+    return case[1]
 
 
 @pytest.fixture(scope="module")
