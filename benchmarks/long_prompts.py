@@ -7,8 +7,8 @@ Both servers are up for the whole run, each sized for the longest prompt: llama-
 (its default f16 KV cache), ours `--kv-cache-bytes` for LONGEST+64 float32 tokens and `--max-model-len` to match;
 `--ours-args` given several times runs one of ours per value beside the same llama-server (e.g. the float32 and
 the float16 KV cache, `--ours-args '' --ours-args '--kv-cache-dtype float16'`). Per length and round, on each side
-in turn (the order flipping each round): one streamed `/v1/completions` request with a prompt of random token ids (a fresh seed each time, so no prompt cache serves it),
-greedy, EOS ignored, 32 new tokens. Prefill tok/s = prompt length / time to the first token; decode tok/s = 31 /
+in turn (the order flipping each round): one streamed `/v1/completions` request with a prompt of random token ids
+(a fresh seed each time, so no prompt cache serves it), greedy, EOS ignored, 32 new tokens. Prefill tok/s = prompt length / time to the first token; decode tok/s = 31 /
 (last token - first). Medians over rounds. Not part of CI (llama-server is an optional peer; benchmarks/README.md).
 """
 

@@ -30,7 +30,6 @@ from model.engine.speculative import Drafter, SpecDecodeStats, SpeculativeConfig
 from model.engine.speculative.build import build_speculator
 from model.engine.structured import StructuredOutputs
 from model.interventions import InterventionPlan
-from model.quantize import QuantLinear
 from model.text.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -104,8 +103,8 @@ def resolve_max_model_len(requested: int | None, model_len: int, pool_tokens: in
 
 
 def _quantized_weights(model) -> bool:
-    """Whether any of the model's matmuls is int8 / int4 (a tensor-parallel model: rank 0's shard, like every rank's)."""
-    return any(isinstance(m, QuantLinear) for m in getattr(model, "shard", model).modules())
+    """Whether the model's matmuls are int8 / int4 (quantize_model's mark; a tensor-parallel model: rank 0's shard)."""
+    return getattr(model, "shard", model).quantization != "none"
 
 
 class Engine:
