@@ -4,12 +4,14 @@ decode speed after the prompt, at each prompt length.
     python -m benchmarks.long_prompts [--model PATH] [--lengths 1024 2048 4096 8000] [--rounds 2]
 
 Both servers are up for the whole run, each sized for the longest prompt: llama-server `-np 1 -c LONGEST+64`
-(its default f16 KV cache), ours `--kv-cache-bytes` for LONGEST+64 float32 tokens and `--max-model-len` to match;
-`--ours-args` given several times runs one of ours per value beside the same llama-server (e.g. the float32 and
-the float16 KV cache, `--ours-args '' --ours-args '--kv-cache-dtype float16'`). Per length and round, on each side
-in turn (the order flipping each round): one streamed `/v1/completions` request with a prompt of random token ids
-(a fresh seed each time, so no prompt cache serves it), greedy, EOS ignored, 32 new tokens. Prefill tok/s = prompt length / time to the first token; decode tok/s = 31 /
-(last token - first). Medians over rounds. Not part of CI (llama-server is an optional peer; benchmarks/README.md).
+(its default f16 KV cache), ours `--kv-cache-bytes` for LONGEST+64 tokens at its cache dtype (float16 like the
+peer's, unless its args name another: `shapes.kv_cache_args`) and `--max-model-len` to match. `--ours-args` given
+several times runs one of ours per value beside the same llama-server (e.g. the float16 and the float32 KV cache,
+`--ours-args '' --ours-args '--kv-cache-dtype float32'`). Per length and round, on each side in turn (the order
+flipping each round): one streamed `/v1/completions` request with a prompt of random token ids (a fresh seed each
+time, so no prompt cache serves it), greedy, EOS ignored, 32 new tokens. Prefill tok/s = prompt length / time to
+the first token; decode tok/s = 31 / (last token - first). Medians over rounds. Not part of CI (llama-server is an
+optional peer; benchmarks/README.md).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import torch
 from benchmarks import sse_client
 from benchmarks.load import ServedProcess
 from benchmarks.machine import machine_info
-from benchmarks.shapes import _kv_bytes_per_token
+from benchmarks.shapes import kv_cache_args
 
 NEW_TOKENS = 32
 
@@ -70,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     p.add_argument("--ours-args", action="append", default=None,
                    help="flags for our server; given again, one more of our servers in the same run (e.g. '' and "
-                        "'--kv-cache-dtype float16'), each compared with llama-server")
+                        "'--kv-cache-dtype float32'), each compared with llama-server")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/long-prompts.json"))
     args = p.parse_args(argv)
     if not args.llama_server.is_file():
@@ -82,9 +84,9 @@ def main(argv: list[str] | None = None) -> int:
     model = args.model or default_model_path()
     context = max(args.lengths) + 64
     logs = Path(tempfile.mkdtemp(prefix="long-prompts-"))
-    base = ["--model", str(model), "--kv-cache-bytes", str(context * _kv_bytes_per_token(model)),
-            "--max-model-len", str(context)]
-    ours = {("ours " + a).strip(): ServedProcess(base + a.split(), logs / f"ours{i}.log")
+    base = ["--model", str(model), "--max-model-len", str(context)]
+    ours = {("ours " + a).strip(): ServedProcess(base + kv_cache_args(model, context, a.split()) + a.split(),
+                                                 logs / f"ours{i}.log")
             for i, a in enumerate(args.ours_args or [""])}  # "ours", "ours --kv-cache-dtype float16", ...
     peer = LongLlamaServer(args.llama_server, model, args.threads, context, logs / "peer.log")
     sides = {**{n: o.url for n, o in ours.items()}, "llama-server": peer.url}

@@ -10,8 +10,8 @@ once as Q8_0 blocks of random int8 weights (std ~0.02), then `llama-quantize --a
 `--cache`. Not part of CI: it needs llama.cpp's `llama-quantize` and `llama-server` (benchmarks/README.md).
 
 Each file is served by both in turn, one server up at a time (an 8B file twice would not fit), both with the same
-context: llama-server `-np 32 -c 20480` (640 tokens a slot), ours `--kv-cache-bytes` for 20,480 tokens at its KV
-precision. Load time: process start to /health 200. Peak memory: the server process's VmHWM after the workloads.
+context: llama-server `-np 32 -c 20480` (640 tokens a slot), ours `--kv-cache-bytes` for 20,480 tokens in a float16
+cache like llama-server's (or the `--kv-cache-dtype` that `--ours-args` name). Load time: process start to /health 200. Peak memory: the server process's VmHWM after the workloads.
 The workloads are benchmarks/vs_llama_server.py's (streamed /v1/completions, token-id prompts, greedy, EOS
 ignored, 64 new tokens): single stream (median of 3), 32 concurrent, one 512-token prefill.
 """
@@ -146,13 +146,21 @@ def _peak_bytes(pid: int) -> int:
     return 0
 
 
-def _kv_bytes_per_token(path: Path) -> int:
-    """Our float32 KV cache: K and V, every layer, the KV heads' width, 4 bytes."""
+def _kv_bytes_per_token(path: Path, itemsize: int = 4) -> int:
+    """Our KV cache per token: K and V, every layer, the KV heads' width, `itemsize` bytes each."""
     from model.loaders.gguf_file import open_gguf, read_metadata
     from model.loaders.config_keys import config_from_gguf
 
     c = config_from_gguf(read_metadata(open_gguf(path)), source=str(path))
-    return 2 * c.n_layers * c.n_kv_heads * c.head_dim * 4
+    return 2 * c.n_layers * c.n_kv_heads * c.head_dim * itemsize
+
+
+def kv_cache_args(path: Path, tokens: int, ours_args: list[str]) -> list[str]:
+    """Our flags for a KV pool of `tokens` tokens: the cache dtype `ours_args` name, else float16 (llama-server's f16
+    default, and ours' `auto` under quantized weights, said here so the pool's size cannot depend on it)."""
+    dtype = ours_args[ours_args.index("--kv-cache-dtype") + 1] if "--kv-cache-dtype" in ours_args else "float16"
+    itemsize = 4 if dtype == "float32" else 2
+    return ["--kv-cache-bytes", str(tokens * _kv_bytes_per_token(path, itemsize)), "--kv-cache-dtype", dtype]
 
 
 def measure(name: str, start, vocab_hint: int, rounds: int, client: str) -> dict:
@@ -207,10 +215,10 @@ def main(argv: list[str] | None = None) -> int:
         for qtype in args.types:
             path = model_file(args.cache, shape, qtype, args.llama_quantize, default_model_path())
             print(f"{path.name} ({path.stat().st_size / 2**20:.0f} MiB)", flush=True)
-            kv = CONTEXT * _kv_bytes_per_token(path)
+            kv = kv_cache_args(path, CONTEXT, args.ours_args.split())
             run = {"shape": shape, "type": qtype, "file": str(path), "file_bytes": path.stat().st_size,
-                   "ours_kv_cache_bytes": kv}
-            ours_cmd = ["--model", str(path), "--kv-cache-bytes", str(kv), *args.ours_args.split()]
+                   "ours_kv_cache_bytes": int(kv[1]), "ours_kv_cache_dtype": kv[3]}
+            ours_cmd = ["--model", str(path), *kv, *args.ours_args.split()]
             run["ours"] = measure("ours", lambda: ServedProcess(ours_cmd, logs / f"{path.stem}.ours.log"), 0,
                                   args.rounds, args.client)
             vocab = run["ours"]["model_card"].get("vocab_size") or 49152
