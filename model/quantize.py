@@ -149,7 +149,7 @@ class Int4Linear(QuantLinear):
         q = q.to(torch.uint8).view(N, K // GROUP_SIZE, 2, 16)
         nibbles, scales = int4_layout(q[:, :, 0] | (q[:, :, 1] << 4), d, m)
         self.register_buffer("nibbles", nibbles.reshape(N // 8, K // GROUP_SIZE, 32).view(torch.uint8))  # (N/8, K/32, 128)
-        self.register_buffer("scales", scales.contiguous())  # (N/8, K/32, 2, 8) float16
+        self.register_buffer("scales", scales.contiguous())  # (N/8, K/32, 2, 8) float16; symmetric: (N/8, K/32, 1, 8)
         # PyTorch's packed kernel wants its own packing (it depends on the CPU's vector width) and bfloat16
         # scales and zeros: built on first use, only where the native kernels do not run.
         self._torch_pack: tuple[Tensor, Tensor] | None = None
@@ -171,8 +171,22 @@ class Int4Linear(QuantLinear):
 
     @classmethod
     def cat(cls, layers: list["Int4Linear"]) -> "Int4Linear":
-        """Stack layers with the same input along the output dim: their buffers (whole groups of 8 rows each)."""
+        """Stack layers with the same input along the output dim: their buffers (whole groups of 8 rows each); a
+        symmetric layer beside one that is not gets its m written out (-8 d, exact in float16)."""
+        if len({m.symmetric for m in layers}) > 1:
+            return cls.packed(torch.cat([m.nibbles for m in layers]), torch.cat([m.asymmetric_scales() for m in layers]))
         return cls.packed(joined([m.nibbles for m in layers]), joined([m.scales for m in layers]))
+
+    @property
+    def symmetric(self) -> bool:
+        """Scales of d alone, m = -8 d (GGUF Q4_0 as the file holds it: `int4_layout` with m None)."""
+        return self.scales.shape[2] == 1
+
+    def asymmetric_scales(self) -> Tensor:
+        """(N/8, K/32, 2, 8) float16: d then m, whichever layout the layer has."""
+        if not self.symmetric:
+            return self.scales
+        return torch.cat([self.scales, (self.scales.float() * -8).to(torch.float16)], dim=2)
 
     def unpacked(self) -> tuple[Tensor, Tensor, Tensor]:
         """-> q (N, K) uint8, d (N, K/G) float32, m (N, K/G) float32."""
@@ -180,8 +194,9 @@ class Int4Linear(QuantLinear):
         nib = self.nibbles.view(N // 8, K // GROUP_SIZE, 4, 8, 4)  # (g, b, p, j, t)
         q = torch.stack([nib & 15, nib >> 4], dim=2)  # (g, b, half, p, j, t): k = 32 b + 16 half + 4 p + t
         q = q.permute(0, 4, 1, 2, 3, 5).reshape(N, K)
-        dm = self.scales.permute(0, 3, 2, 1).reshape(N, 2, K // GROUP_SIZE).float()  # (N, 2, K/G)
-        return q, dm[:, 0], dm[:, 1]
+        S = self.scales.shape[2]
+        dm = self.scales.permute(0, 3, 2, 1).reshape(N, S, K // GROUP_SIZE).float()  # (N, S, K/G)
+        return q, dm[:, 0], dm[:, 1] if S == 2 else -8 * dm[:, 0]
 
     native_op = "int4_linear"
 
@@ -226,19 +241,22 @@ def joined(parts: list[Tensor]) -> Tensor:
     return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), (rows, *first.shape[1:]))
 
 
-def int4_layout(qs: Tensor, d: Tensor, m: Tensor) -> tuple[Tensor, Tensor]:
+def int4_layout(qs: Tensor, d: Tensor, m: Tensor | None) -> tuple[Tensor, Tensor]:
     """The int4 kernel's layout (model/kernels/csrc/qgemm.h), as views to copy from. qs (N, K/32, 16) uint8: byte i
     of a group holds its weight i in the low nibble and weight i + 16 in the high one (GGUF's Q4_0 / Q4_1 `qs`);
     d, m (N, K/32) -> nibbles (N/8, K/32, 4, 8) int32, the buffer (N/8, K/32, 128) uint8 with byte (g, b, p, j, t) =
     qs[8g + j, b, 4p + t], so that one 32-byte vector holds 4 weights of each of 8 outputs (ggml-cpu's repack.cpp
     interleaves its Q4_0 8x8 GEMM weights alike), and scales (N/8, K/32, 2, 8) float16: each group's d then m for the
-    8 outputs side by side. Views, so a loader copies each chunk once, straight into the buffer; the 4 bytes t move
-    together as one int32 (4x fewer elements for the strided copy than bytes)."""
+    8 outputs side by side; m None (GGUF Q4_0, w = d (q - 8)): the symmetric layout, scales (N/8, K/32, 1, 8) of d
+    alone, the kernels taking m = -8 d (0.5 bits a weight less to read). Views, so a loader copies each chunk once,
+    straight into the buffer; the 4 bytes t move together as one int32 (4x fewer elements for the strided copy than
+    bytes)."""
     N, nb = qs.shape[:2]
     words = qs.contiguous().view(torch.int32)  # (N, K/32, 4): word p holds bytes 4p..4p+3 of a group
     nibbles = words.view(N // 8, 8, nb, 4).permute(0, 2, 3, 1)  # (g, j, b, p) -> (g, b, p, j)
-    dm = torch.stack([d.to(torch.float16), m.to(torch.float16)], dim=1)  # (N, 2, K/32)
-    return nibbles, dm.view(N // 8, 8, 2, nb).permute(0, 3, 2, 1)
+    parts = [d] if m is None else [d, m]
+    dm = torch.stack([t.to(torch.float16) for t in parts], dim=1)  # (N, S, K/32), S = 1 or 2
+    return nibbles, dm.view(N // 8, 8, len(parts), nb).permute(0, 3, 2, 1)
 
 
 def int8_layout(q: Tensor, d: Tensor) -> tuple[Tensor, Tensor]:
@@ -325,8 +343,9 @@ class QuantEmbedding(nn.Module):
         else:
             nib = self.table.nibbles.view(-1, nb, 4, 8, 4)[g, :, :, j, :]  # (T, nb, p, t)
             q = torch.stack([nib & 15, nib >> 4], dim=2)  # (T, nb, half, p, t): k = 32 b + 16 half + 4 p + t
-            dm = self.table.scales[g, :, :, j].float()  # (T, nb, 2)
-            w = q.reshape(-1, nb, GROUP_SIZE).float() * dm[..., 0:1] + dm[..., 1:2]
+            dm = self.table.scales[g, :, :, j].float()  # (T, nb, 2), or (T, nb, 1) symmetric: m = -8 d
+            m = dm[..., 1:2] if dm.shape[-1] == 2 else -8 * dm[..., 0:1]
+            w = q.reshape(-1, nb, GROUP_SIZE).float() * dm[..., 0:1] + m
         return w.reshape(*tokens.shape, K).to(self.dtype)
 
     def extra_repr(self) -> str:

@@ -4,7 +4,8 @@ Block layouts: ggml `ggml-common.h` (`block_q4_0`, `block_q4_1`, `block_q8_0`, `
 dequantization is the `gguf` package's `gguf.quants` (ggml `ggml-quants.c` in numpy). Which served format a file type
 takes (`own_format`), per tensor, under `--quantization auto`:
 
-    Q4_0, Q4_1   -> int4, exact: their d (and m) are float16, as the int4 format keeps them (Q4_0: m = -8 d)
+    Q4_0, Q4_1   -> int4, exact: their d (and m) are float16, as the int4 format keeps them; Q4_0 in the symmetric
+                    layout (d alone, the kernels take m = -8 d: 4.5 bits a weight, as the file), Q4_1 with its m
     Q4_K         -> int4: each 32-weight sub-block's scale d*sc and min -dmin*m (`get_scale_min_k4`) as that group's
                     d and m. The 4-bit q are exact; the int4 format keeps d and m in float16, so d*sc (an 11-bit
                     float16 times a 6-bit integer) is rounded to 11 bits: a relative error <= 2^-11 of the group's scale
@@ -44,6 +45,12 @@ OWN_FORMAT = {"Q4_0": "int4", "Q4_1": "int4", "Q4_K": "int4",
 Alloc = Callable[[tuple, torch.dtype], Tensor]  # (shape, dtype) -> an uninitialised tensor, as torch.empty
 
 EXACT = {("Q4_0", "int4"), ("Q4_1", "int4"), ("Q8_0", "int8"), ("Q4_0", "int8")}
+
+
+def symmetric(qtype: str, kind: str | None) -> bool:
+    """Whether a `qtype` matrix served as `kind` takes int4's symmetric layout (`quantize.int4_layout` with m None):
+    Q4_0's w = d (q - 8), d alone per group."""
+    return qtype == "Q4_0" and kind == "int4"
 
 
 def own_format(qtype: str) -> str | None:
@@ -127,8 +134,9 @@ def matrix_layer(data: np.ndarray, qtype: GGMLQuantizationType, kind: str, shape
     Np = N + (-N % 16 if pad_rows and kind == "int4" else -N % 8)
     if kind == "int4" and Np % 16:
         raise ValueError(f"int4 needs out_features % 16 == 0, got ({N}, {K})")
+    sym = symmetric(name, kind)
     alloc = alloc or (lambda shape, dtype: torch.empty(shape, dtype=dtype))
-    out = [alloc(shape, dtype) for shape, dtype in buffer_shapes(kind, Np, K)]
+    out = [alloc(shape, dtype) for shape, dtype in buffer_shapes(kind, Np, K, sym)]
     views = (out[0].view(torch.int32).view(Np // 8, nb, -1, 8), out[1])  # as `int4_layout` / `int8_layout` return
     moved = (name, kind) in EXACT or (name, kind) == ("Q4_K", "int4")  # by byte moves, else through float32
     step = max(8, (CHUNK_ELEMENTS if moved else REQUANTIZE_ELEMENTS) // K // 8 * 8)  # whole groups of 8 rows
@@ -138,7 +146,8 @@ def matrix_layer(data: np.ndarray, qtype: GGMLQuantizationType, kind: str, shape
             n = min(step, N - a)
             raw = rows[order[a : a + n]] if order is not None else rows[a : a + n]  # (n, row bytes)
             if kind == "int4" and name in ("Q4_0", "Q4_1", "Q4_K"):
-                parts = int4_layout(*_pad8(q4_groups(torch.from_numpy(raw), name)))
+                qs, d, m = _pad8(q4_groups(torch.from_numpy(raw), name))
+                parts = int4_layout(qs, d, None if sym else m)
             elif kind == "int8" and name == "Q8_0":
                 parts = int8_layout(*q8_0_blocks(torch.from_numpy(raw)))
             elif kind == "int8" and name == "Q4_0":  # w = d (q - 8): int8 q - 8 with the same d, exact
@@ -160,10 +169,12 @@ def matrix_layer(data: np.ndarray, qtype: GGMLQuantizationType, kind: str, shape
     return Int8Linear.packed(*out, N)
 
 
-def buffer_shapes(kind: str, rows: int, K: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
-    """The two buffers of a `kind` layer of `rows` (whole groups of 8) x K: (shape, dtype) of its weights, scales."""
+def buffer_shapes(kind: str, rows: int, K: int, sym: bool = False) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    """The two buffers of a `kind` layer of `rows` (whole groups of 8) x K: (shape, dtype) of its weights, scales.
+    `sym`: int4's symmetric layout (`symmetric`)."""
     if kind == "int4":
-        return [((rows // 8, K // GROUP_SIZE, 128), torch.uint8), ((rows // 8, K // GROUP_SIZE, 2, 8), torch.float16)]
+        return [((rows // 8, K // GROUP_SIZE, 128), torch.uint8),
+                ((rows // 8, K // GROUP_SIZE, 1 if sym else 2, 8), torch.float16)]
     return [((rows // 8, K // GROUP_SIZE, 256), torch.int8), ((rows // 8, K // GROUP_SIZE, 8), torch.float16)]
 
 

@@ -25,7 +25,7 @@ from model.loaders.errors import CheckpointError
 from model.loaders.memory import served_bytes
 from model.loaders.gguf_reader import GGUFFile
 from model.loaders.gguf_blocks import (CHUNK_ELEMENTS, Alloc, buffer_shapes, conversion, matrix_layer, own_format,
-                                      unpermute_qk)
+                                      symmetric, unpermute_qk)
 from model.huge_pages import WeightArena
 from model.quantize import GROUP_SIZE, Quantization
 from model.loaders.shard import ShardFor, WeightShard
@@ -103,7 +103,8 @@ def served_bytes_gguf(reader: GGUFFile, quantization: str, per_tensor: bool, dty
     for t in reader.tensors:
         dims = [int(d) for d in reversed(t.shape.tolist())]
         rows, cols = (dims[0], dims[1]) if len(dims) == 2 else (1, int(np.prod(dims)))
-        total += served_bytes(kinds.get(t.name, "float"), rows, cols, fb)
+        kind = kinds.get(t.name, "float")
+        total += served_bytes(kind, rows, cols, fb, symmetric(t.tensor_type.name, kind))
     return total
 
 
@@ -151,9 +152,10 @@ class _Placement:
                 names = [f"{prefix}.{p}.weight" for p in parts]
                 if not all(n in tensors for n in names):
                     continue
-                formats = {kinds.get(tensors[n].name) for n in names}
+                formats = {(kinds.get(tensors[n].name), symmetric(tensors[n].tensor_type.name, kinds.get(tensors[n].name)))
+                           for n in names}
                 rows = [int(tensors[n].shape[1]) for n in names]
-                if len(formats) != 1 or None in formats or any(r % 8 for r in rows):
+                if len(formats) != 1 or (None, False) in formats or any(r % 8 for r in rows):
                     continue
                 first = 0
                 for n, r in zip(names, rows):
@@ -169,7 +171,9 @@ class _Placement:
             parts = [n for n, (m, _) in self.part_of.items() if m == module]
             t = self.tensors[parts[0]]
             rows, K = sum(int(self.tensors[n].shape[1]) for n in parts), int(t.shape[0])
-            self.fused[module] = [self._take(shape, dtype) for shape, dtype in buffer_shapes(self.kinds[t.name], rows, K)]
+            kind = self.kinds[t.name]
+            self.fused[module] = [self._take(shape, dtype)
+                                  for shape, dtype in buffer_shapes(kind, rows, K, symmetric(t.tensor_type.name, kind))]
         buffers = iter(self.fused[module])
         return lambda shape, dtype: next(buffers)[first // 8 : first // 8 + shape[0]]
 

@@ -9,15 +9,18 @@ from pathlib import Path
 
 from model.quantize import GROUP_SIZE
 
-# Bytes per weight of the served formats (model/quantize.py): int4 nibbles + float16 d and m per 32; int8 + float16 d.
+# Bytes per weight of the served formats (model/quantize.py): int4 nibbles + float16 d and m per 32 (symmetric: d
+# alone); int8 + float16 d.
 INT4_BYTES = 0.5 + 4 / GROUP_SIZE
+INT4_SYMMETRIC_BYTES = 0.5 + 2 / GROUP_SIZE
 INT8_BYTES = 1 + 2 / GROUP_SIZE
 
 
-def served_bytes(kind: str, rows: int, cols: int, float_bytes: int) -> int:
-    """Bytes a (rows, cols) matrix takes served as `kind` ("int4", "int8", or a float of `float_bytes`)."""
+def served_bytes(kind: str, rows: int, cols: int, float_bytes: int, sym: bool = False) -> int:
+    """Bytes a (rows, cols) matrix takes served as `kind` ("int4", "int8", or a float of `float_bytes`); `sym`: int4's
+    symmetric layout."""
     if kind == "int4":
-        return math.ceil(rows * cols * INT4_BYTES)
+        return math.ceil(rows * cols * (INT4_SYMMETRIC_BYTES if sym else INT4_BYTES))
     if kind == "int8":
         return math.ceil(-(-rows // 8) * 8 * cols * INT8_BYTES)
     return rows * cols * float_bytes

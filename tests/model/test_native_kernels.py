@@ -13,7 +13,7 @@ from model import kernels
 from model.kernels import ops
 from model.attention import sdpa
 from model.engine import Engine, EngineConfig, SamplingParams
-from model.quantize import Int4Linear, Int8Linear, quantize_model, round_activations
+from model.quantize import Int4Linear, Int8Linear, int4_layout, quantize_model, round_activations
 from model.transformer import RMSNorm, apply_rotary_tables, rotary_tables
 from tiny import byte_tokenizer, greedy_tokens, tiny_model
 
@@ -225,6 +225,28 @@ def test_int4_q4_0_offsets_and_rounding_ties():
     want = F.linear(round_activations(x), layer.dequantize())
     assert round_activations(x)[0, 1] == 0 and round_activations(x)[0, 2] == 2
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+
+
+def test_int4_symmetric_layout_is_bitwise_the_one_holding_m():
+    """Q4_0 served as the file holds it, d alone (`int4_layout` with m None; the kernels take m = -8 d): every output
+    the same float as the layout that stores m = float16(-8 d), in tiles of any size, dequantized natively or not,
+    and joined with a layer that keeps its m."""
+    torch.manual_seed(6)
+    q = torch.randint(0, 16, (32, 320), dtype=torch.uint8).view(32, 10, 2, 16)
+    d = (torch.rand(32, 10) * 0.1 + 0.001).half().float()
+    full = Int4Linear(q.reshape(32, 320), d, -8 * d)
+    nibbles, scales = int4_layout(q[:, :, 0] | (q[:, :, 1] << 4), d, None)  # views: (4, 10, 4, 8) int32, (4, 10, 1, 8)
+    sym = Int4Linear.packed(nibbles.reshape(4, 10, 32).view(torch.uint8), scales.contiguous())
+    assert sym.symmetric and not full.symmetric and sym.scales.nbytes * 2 == full.scales.nbytes
+    assert torch.equal(sym.asymmetric_scales(), full.scales)
+    x = torch.randn(141, 320) * 2
+    for M in (1, 3, 8, 141):
+        assert torch.equal(native.int4_linear(x[:M], *sym.native_buffers()), native.int4_linear(x[:M], *full.native_buffers()))
+    assert torch.equal(sym.dequantize(), full.dequantize())
+    with kernels.disabled():
+        assert torch.equal(sym.dequantize(), full.dequantize()) and torch.equal(sym(x[:5]), full(x[:5]))
+    other = Int4Linear.from_float(torch.randn(16, 320))
+    assert torch.equal(Int4Linear.cat([sym, other]).dequantize(), torch.cat([full.dequantize(), other.dequantize()]))
 
 
 # ---- the native decode step ----------------------------------------------------------------------------------

@@ -102,6 +102,7 @@ def test_gguf_q4_blocks_map_to_int4_groups(qtype):
     exact = (q * d[..., None] + m[..., None]).reshape(w.shape)
     np.testing.assert_allclose(exact.numpy(), want, rtol=1e-6, atol=1e-6)  # the mapping is exact
     layer = matrix_layer(raw, qtype, "int4", w.shape, None)
+    assert layer.symmetric == (qtype == Q.Q4_0)  # Q4_0: d alone, as the file (m = -8 d in the kernels)
     np.testing.assert_allclose(layer.dequantize().numpy(), want, rtol=1e-6, atol=1e-6)  # and so is the layer
     x = torch.randn(1, 96)
     assert _rel(layer(x), F.linear(x, torch.from_numpy(want))) < 1e-2

@@ -30,7 +30,9 @@ enum class QFormat { Int4, Int8 };
 //   Int4  w[n, k] = q d[n, b] + m[n, b], b = k / 32 (GGUF Q4_1; Q4_0 is m = -8 d), 8 outputs interleaved:
 //         data (N/8, nb, 4, 8, 4) uint8, byte (g, b, p, j, t) = q[8g + j, 32b + 4p + t] | q[8g + j, 32b + 16 + 4p + t] << 4
 //         (one 32-byte vector per p: lane j holds output 8g + j's chunks p and p + 4 of block b);
-//         scales (N/8, nb, 2, 8) float16: the 8 outputs' d, then their m
+//         scales (N/8, nb, 2, 8) float16: the 8 outputs' d, then their m; or, symmetric (GGUF Q4_0 as it is),
+//         (N/8, nb, 1, 8): d alone, m = -8 d computed in float32 (exact: a float16 d times 8), so the same products
+//         and sums as the (N/8, nb, 2, 8) layout holding m = float16(-8 d), 0.5 bits a weight less to read
 //   Int8  w[n, k] = q d[n, b] (GGUF Q8_0), 8 outputs interleaved: data (N/8, nb, 8, 8, 4) int8, byte (g, b, c, j, t)
 //         = q[8g + j, 32b + 4c + t] (one 32-byte vector per chunk c of 4 weights); scales (N/8, nb, 8) float16.
 //         N is padded with zero rows to a multiple of 8: the kernels compute whole groups (model/quantize.py).
@@ -39,6 +41,7 @@ struct QWeight {
   const uint8_t* data;
   const uint16_t* scales;
   int64_t N, K;
+  bool sym = false;  // Int4 only: scales hold d alone (m = -8 d)
 };
 
 // Activations rounded to int8 in blocks of 32 as ggml's `quantize_row_q8_0` does (dx = max|x| / 127, q = round(x /

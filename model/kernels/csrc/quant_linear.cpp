@@ -173,17 +173,20 @@ static void q8_range(const QWeight& w, const QActs& a, int64_t M, int64_t n_begi
 // streams 2.3 KB apart, for two independent FMA chains) held one-row decode to about 15-16 GB/s from memory on the
 // Zen 4 development host, where one group a tile reads 18-24 (`python -m benchmarks.gemm`'s stream figures; the
 // single-stream decode A/B: `python -m benchmarks.ab ... bench_decode`, 1.30x tok/s, 1.53x matmul-only).
-template <int MR>
+// SYM: the symmetric layout (qgemm.h), m = -8 d computed from d: the same float values as the stored m, so the same
+// outputs bit for bit.
+template <int MR, bool SYM>
 static inline void q4_tile(const QWeight& w, const QActs& a, int64_t m0, int64_t g, float* y, int64_t ldy) {
   const int64_t nb = w.K / QK;
+  constexpr int64_t SB = SYM ? 8 : 16;  // float16 scales a block of 8 outputs
   const __m256i m4 = _mm256_set1_epi8(0x0F);
   __m256 acc[MR];
 #pragma GCC unroll 8
   for (int i = 0; i < MR; ++i) acc[i] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* wb = w.data + (g * nb + b) * 128;
-    const uint16_t* sb = w.scales + (g * nb + b) * 16;
-    if constexpr (MR <= 4) prefetch_ahead(wb, 128, sb, 32);
+    const uint16_t* sb = w.scales + (g * nb + b) * SB;
+    if constexpr (MR <= 4) prefetch_ahead(wb, 128, sb, 2 * SB);
     __m256i s16[MR];
 #pragma GCC unroll 2
     for (int h = 0; h < 2; ++h) {  // chunks 2h, 2h+1 (low nibbles) and 2h+4, 2h+5 (high nibbles)
@@ -207,7 +210,8 @@ static inline void q4_tile(const QWeight& w, const QActs& a, int64_t m0, int64_t
       }
     }
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb)));
-    const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + 8)));
+    const __m256 m = SYM ? _mm256_mul_ps(d, _mm256_set1_ps(-8.f))
+                         : _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + 8)));
 #pragma GCC unroll 8
     for (int i = 0; i < MR; ++i) {
 #if LS_VNNI
@@ -225,7 +229,10 @@ static inline void q4_tile(const QWeight& w, const QActs& a, int64_t m0, int64_t
 
 // Output columns [n_begin, n_end), whole groups of 8 (Int4 layers have out_features % 16 == 0).
 static void q4_range(const QWeight& w, const QActs& a, int64_t M, int64_t n_begin, int64_t n_end, float* y, int64_t ldy) {
-  many_rows(M, n_begin / 8, n_end / 8, [&](auto mr, int64_t m, int64_t g) { q4_tile<decltype(mr)::value>(w, a, m, g, y, ldy); });
+  if (w.sym)
+    many_rows(M, n_begin / 8, n_end / 8, [&](auto mr, int64_t m, int64_t g) { q4_tile<decltype(mr)::value, true>(w, a, m, g, y, ldy); });
+  else
+    many_rows(M, n_begin / 8, n_end / 8, [&](auto mr, int64_t m, int64_t g) { q4_tile<decltype(mr)::value, false>(w, a, m, g, y, ldy); });
 }
 #else
 // Scalar: the same sums (exact per block), the same order per output as the vector kernels.
@@ -256,7 +263,7 @@ static void q4_range(const QWeight& w, const QActs& a, int64_t M, int64_t n_begi
       float acc = 0.f;
       for (int64_t b = 0; b < nb; ++b) {
         const uint8_t* wb = w.data + (g * nb + b) * 128;
-        const uint16_t* sb = w.scales + (g * nb + b) * 16;
+        const uint16_t* sb = w.scales + (g * nb + b) * (w.sym ? 8 : 16);
         int s = 0;
         for (int64_t p = 0; p < 4; ++p)
           for (int64_t t = 0; t < 4; ++t) {
@@ -264,7 +271,7 @@ static void q4_range(const QWeight& w, const QActs& a, int64_t M, int64_t n_begi
             s += (byte & 15) * xq[b * QK + 4 * p + t] + (byte >> 4) * xq[b * QK + 16 + 4 * p + t];
           }
         acc = std::fma(static_cast<float>(s), fp16_to_f(sb[j]) * a.dx[m * a.nbp + b], acc);
-        acc = std::fma(fp16_to_f(sb[8 + j]), a.sx[m * a.nbp + b], acc);
+        acc = std::fma(w.sym ? -8.f * fp16_to_f(sb[j]) : fp16_to_f(sb[8 + j]), a.sx[m * a.nbp + b], acc);
       }
       y[m * ldy + n] = acc;
     }
@@ -288,10 +295,12 @@ static QWeight as_qweight(const torch::Tensor& data, const torch::Tensor& scales
   TORCH_CHECK(data.is_contiguous() && scales.is_contiguous() && scales.scalar_type() == at::kHalf, "quantized weight: contiguous buffers, float16 scales");
   TORCH_CHECK(data.scalar_type() == (fmt == QFormat::Int4 ? at::kByte : at::kChar), "quantized weight: dtype");
   const uint16_t* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
-  if (fmt == QFormat::Int4) {  // nibbles (N/8, K/32, 128), scales (N/8, K/32, 2, 8): qgemm.h
+  if (fmt == QFormat::Int4) {  // nibbles (N/8, K/32, 128), scales (N/8, K/32, 2, 8) or symmetric (N/8, K/32, 1, 8)
     TORCH_CHECK(data.dim() == 3 && data.size(2) == 128 && scales.dim() == 4 && scales.size(0) == data.size(0) &&
-                scales.size(1) == data.size(1) && scales.size(2) == 2 && scales.size(3) == 8, "int4 weight: interleaved shapes");
-    return QWeight{fmt, static_cast<const uint8_t*>(data.data_ptr()), sp, data.size(0) * 8, data.size(1) * QK};
+                scales.size(1) == data.size(1) && (scales.size(2) == 2 || scales.size(2) == 1) && scales.size(3) == 8,
+                "int4 weight: interleaved shapes");
+    return QWeight{fmt, static_cast<const uint8_t*>(data.data_ptr()), sp, data.size(0) * 8, data.size(1) * QK,
+                   scales.size(2) == 1};
   }
   // Int8: data (N/8, K/32, 256) int8, scales (N/8, K/32, 8) (qgemm.h)
   TORCH_CHECK(data.dim() == 3 && data.size(2) == 256 && scales.dim() == 3 && scales.size(0) == data.size(0) &&
@@ -359,9 +368,9 @@ torch::Tensor int4_dequantize(const torch::Tensor& nibbles, const torch::Tensor&
     for (int64_t g = begin; g < end; ++g)
       for (int64_t b = 0; b < nb; ++b) {
         const uint8_t* qb = w.data + (g * nb + b) * 128;  // byte (p, j, t): k = 4p + t (low), 16 + 4p + t (high)
-        const uint16_t* sb = w.scales + (g * nb + b) * 16;
+        const uint16_t* sb = w.scales + (g * nb + b) * (w.sym ? 8 : 16);
         for (int64_t j = 0; j < 8; ++j) {
-          const float d = fp16_to_f(sb[j]), m = fp16_to_f(sb[8 + j]);
+          const float d = fp16_to_f(sb[j]), m = w.sym ? -8.f * d : fp16_to_f(sb[8 + j]);
           float* ob = o + (8 * g + j) * K + b * QK;
           for (int64_t p = 0; p < 4; ++p)
             for (int64_t t = 0; t < 4; ++t) {
