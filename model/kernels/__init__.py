@@ -11,6 +11,8 @@ dispatch and a temporary. These kernels do each of those in one call, on the sam
                                                                 int8-activation scheme)
     int4_dequantize, int8_dequantize      quant_linear.cpp     whole weights to float32 in one pass (many rows)
     apply_edits                           interventions.cpp    a step's interventions on chosen rows (model/edits.py)
+    gguf_convert                          gguf_convert.cpp     a GGUF matrix's blocks into the int4 / int8 layout,
+                                                                on every thread (model/loaders/gguf_blocks.py)
 
 `native()` returns the loaded module, or None where the kernels are off (`LLAMASCOPE_NATIVE_KERNELS=0`,
 `disabled()`) or could not be built; every caller then keeps its plain PyTorch path, which is also the reference
@@ -44,7 +46,7 @@ ENV_VAR = "LLAMASCOPE_NATIVE_KERNELS"  # "0" turns them off (the PyTorch paths r
 NAME = "llamascope_kernels"
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = ("bindings.cpp", "elementwise.cpp", "paged_attention.cpp", "quant_linear.cpp", "float_linear.cpp",
-           "decode_layers.cpp", "interventions.cpp", "argmax.cpp")
+           "decode_layers.cpp", "interventions.cpp", "argmax.cpp", "gguf_convert.cpp")
 
 STALE_LOCK_SECONDS = 600
 _lock = threading.Lock()

@@ -14,9 +14,11 @@ takes (`own_format`), per tensor, under `--quantization auto`:
     Q5_0, Q5_1, Q5_K, Q6_K -> int8, requantized from the file's values (per block of 32, d = max|w| / 127)
     anything else (Q2_K, Q3_K, IQ*, TQ*, float matrices) -> none of its own: dequantized and requantized per tensor
 
-`matrix_layer` converts one tensor in row chunks straight into the kernel's layout (a transient of one chunk), so the
-peak is the served layer plus one chunk, never a float copy of the tensor, let alone of the model. The block formats
-get there by byte shuffles (torch views copied once); only the requantized types go through float32.
+`matrix_layer` converts one tensor straight into the kernel's layout, so the peak is the served layer plus a
+transient, never a float copy of the tensor, let alone of the model: with the native kernels in one pass over the
+rows on every thread (kernels/csrc/gguf_convert.cpp: a row's float32 weights at most), else in PyTorch a chunk of
+rows at a time, the block formats by byte shuffles (torch views copied once), the requantized types through float32.
+Both write the same bytes (tests/model/test_gguf_kquants.py).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from torch import Tensor
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
+from model import kernels
 from model.loaders.errors import CheckpointError
 from model.quantize import (GROUP_SIZE, Int4Linear, Int8Linear, QuantLinear, int4_groups, int4_layout, int8_blocks,
                             int8_layout)
@@ -45,6 +48,10 @@ OWN_FORMAT = {"Q4_0": "int4", "Q4_1": "int4", "Q4_K": "int4",
 Alloc = Callable[[tuple, torch.dtype], Tensor]  # (shape, dtype) -> an uninitialised tensor, as torch.empty
 
 EXACT = {("Q4_0", "int4"), ("Q4_1", "int4"), ("Q8_0", "int8"), ("Q4_0", "int8")}
+
+
+# What the native converter (kernels/csrc/gguf_convert.cpp) writes: every served int4 type, and int8 from these
+NATIVE = {"int4": {"Q4_0", "Q4_1", "Q4_K"}, "int8": {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"}}
 
 
 def symmetric(qtype: str, kind: str | None) -> bool:
@@ -121,14 +128,16 @@ def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
 
 def matrix_layer(data: np.ndarray, qtype: GGMLQuantizationType, kind: str, shape: tuple[int, int],
                  n_head: int | None, pad_rows: bool = False, alloc: Alloc | None = None) -> QuantLinear:
-    """A (N, K) GGUF matrix -> an `Int4Linear` / `Int8Linear` (`kind`), written `CHUNK_ELEMENTS` at a time into
-    the kernel's layout (`int4_layout`, `int8_layout`): a transient of one chunk, never a copy of the tensor. `n_head`:
+    """A (N, K) GGUF matrix -> an `Int4Linear` / `Int8Linear` (`kind`), written straight into the kernel's layout
+    (`int4_layout`, `int8_layout`): by the native converter in one pass on every thread (`NATIVE`: kernels/csrc/
+    gguf_convert.cpp), else in PyTorch `CHUNK_ELEMENTS` at a time; a transient of one row or one chunk, never a
+    copy of the tensor. `n_head`:
     undo llama.cpp's q/k row permutation (`unpermute_qk`) by reading the file's rows in that order. `pad_rows`: an int4
     matrix whose rows are not whole groups of 16 gets zero rows up to them (an embedding table, which is only
     gathered from, keeps its own format whatever the vocabulary's size). `alloc(shape, dtype)`: where the layer's two
     buffers go, weights then scales (e.g. a loader's `huge_pages.WeightArena`, or row slices of a fused module's)."""
     N, K = shape
-    name, nb = qtype.name, K // GROUP_SIZE
+    name = qtype.name
     rows = data.reshape(N, -1)  # ggml blocks run along the innermost dim: a row's blocks are whole
     order = unpermute_qk(np.arange(N), n_head) if n_head is not None else None
     Np = N + (-N % 16 if pad_rows and kind == "int4" else -N % 8)
@@ -137,36 +146,50 @@ def matrix_layer(data: np.ndarray, qtype: GGMLQuantizationType, kind: str, shape
     sym = symmetric(name, kind)
     alloc = alloc or (lambda shape, dtype: torch.empty(shape, dtype=dtype))
     out = [alloc(shape, dtype) for shape, dtype in buffer_shapes(kind, Np, K, sym)]
-    views = (out[0].view(torch.int32).view(Np // 8, nb, -1, 8), out[1])  # as `int4_layout` / `int8_layout` return
-    moved = (name, kind) in EXACT or (name, kind) == ("Q4_K", "int4")  # by byte moves, else through float32
-    step = max(8, (CHUNK_ELEMENTS if moved else REQUANTIZE_ELEMENTS) // K // 8 * 8)  # whole groups of 8 rows
+    native = kernels.native()
     with warnings.catch_warnings():  # (the map is read-only; every view of it is copied from, never written)
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-        for a in range(0, N, step):
-            n = min(step, N - a)
-            raw = rows[order[a : a + n]] if order is not None else rows[a : a + n]  # (n, row bytes)
-            if kind == "int4" and name in ("Q4_0", "Q4_1", "Q4_K"):
-                qs, d, m = _pad8(q4_groups(torch.from_numpy(raw), name))
-                parts = int4_layout(qs, d, None if sym else m)
-            elif kind == "int8" and name == "Q8_0":
-                parts = int8_layout(*q8_0_blocks(torch.from_numpy(raw)))
-            elif kind == "int8" and name == "Q4_0":  # w = d (q - 8): int8 q - 8 with the same d, exact
-                qs, d, _ = q4_groups(torch.from_numpy(raw), name)
-                q = torch.cat([qs & 15, qs >> 4], dim=-1).view(torch.int8) - 8
-                parts = int8_layout(q.reshape(n, K), d)
-            elif kind == "int4":
-                q, d, m = _requantized(raw, qtype, kind, n, K)
-                q = q.view(n, nb, 2, 16)
-                parts = int4_layout(*_pad8((q[:, :, 0] | (q[:, :, 1] << 4), d, m)))
-            else:
-                parts = int8_layout(*_requantized(raw, qtype, kind, n, K))
-            for o, piece in zip(views, parts):  # (a tail of fewer than 8 rows: zero rows up to 8)
-                o[a // 8 : a // 8 + piece.shape[0]] = piece
+        if native is not None and name in NATIVE[kind]:  # the whole tensor in one pass on every thread
+            ordered = torch.from_numpy(order) if order is not None else torch.empty(0, dtype=torch.long)
+            native.gguf_convert(torch.from_numpy(rows), int(qtype), ordered, out[0], out[1])
+        else:
+            _convert_in_chunks(rows, qtype, kind, N, K, order, sym, out)
     for o in out:
         o[-(-N // 8) :].zero_()  # whole groups of padding rows
     if kind == "int4":
         return Int4Linear.packed(*out)
     return Int8Linear.packed(*out, N)
+
+
+def _convert_in_chunks(rows: np.ndarray, qtype: GGMLQuantizationType, kind: str, N: int, K: int,
+                       order: np.ndarray | None, sym: bool, out: list[Tensor]) -> None:
+    """`matrix_layer`'s conversion in PyTorch, `CHUNK_ELEMENTS` weights at a time (where the native kernels do not
+    run): the same bytes as `gguf_convert`."""
+    name, nb = qtype.name, K // GROUP_SIZE
+    Np = out[0].shape[0] * 8
+    views = (out[0].view(torch.int32).view(Np // 8, nb, -1, 8), out[1])  # as `int4_layout` / `int8_layout` return
+    moved = (name, kind) in EXACT or (name, kind) == ("Q4_K", "int4")  # by byte moves, else through float32
+    step = max(8, (CHUNK_ELEMENTS if moved else REQUANTIZE_ELEMENTS) // K // 8 * 8)  # whole groups of 8 rows
+    for a in range(0, N, step):
+        n = min(step, N - a)
+        raw = rows[order[a : a + n]] if order is not None else rows[a : a + n]  # (n, row bytes)
+        if kind == "int4" and name in ("Q4_0", "Q4_1", "Q4_K"):
+            qs, d, m = _pad8(q4_groups(torch.from_numpy(raw), name))
+            parts = int4_layout(qs, d, None if sym else m)
+        elif kind == "int8" and name == "Q8_0":
+            parts = int8_layout(*q8_0_blocks(torch.from_numpy(raw)))
+        elif kind == "int8" and name == "Q4_0":  # w = d (q - 8): int8 q - 8 with the same d, exact
+            qs, d, _ = q4_groups(torch.from_numpy(raw), name)
+            q = torch.cat([qs & 15, qs >> 4], dim=-1).view(torch.int8) - 8
+            parts = int8_layout(q.reshape(n, K), d)
+        elif kind == "int4":
+            q, d, m = _requantized(raw, qtype, kind, n, K)
+            q = q.view(n, nb, 2, 16)
+            parts = int4_layout(*_pad8((q[:, :, 0] | (q[:, :, 1] << 4), d, m)))
+        else:
+            parts = int8_layout(*_requantized(raw, qtype, kind, n, K))
+        for o, piece in zip(views, parts):  # (a tail of fewer than 8 rows: zero rows up to 8)
+            o[a // 8 : a // 8 + piece.shape[0]] = piece
 
 
 def buffer_shapes(kind: str, rows: int, K: int, sym: bool = False) -> list[tuple[tuple[int, ...], torch.dtype]]:

@@ -186,3 +186,28 @@ def test_tied_quantized_table_is_the_head(tmp_path):
     assert torch.equal(m.tok_embeddings(tokens), m.output.dequantize())  # gathered rows: the head's, bit for bit
     ref = load_gguf(tmp_path / "m.gguf")
     assert torch.equal(m.tok_embeddings(tokens), ref.tok_embeddings(tokens))  # Q8_0: the file's exact values
+
+
+NATIVE_CASES = [("int4", q) for q in (Q.Q4_0, Q.Q4_1, Q.Q4_K)] + \
+    [("int8", q) for q in (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K)]
+
+
+@pytest.mark.parametrize("kind,qtype", NATIVE_CASES)
+def test_native_conversion_writes_the_bytes_of_the_pytorch_one(kind, qtype):
+    """kernels/csrc/gguf_convert.cpp against `matrix_layer`'s PyTorch path (the kernels off): the same int4 / int8
+    buffers byte for byte, rows read in a permuted order (q/k un-permuting), a last group of 8 only partly filled,
+    and an embedding table's int4 rows padded to 16."""
+    from model import kernels
+    from model.loaders.gguf_blocks import matrix_layer
+
+    if kernels.native() is None:
+        pytest.skip("no native kernels on this machine")
+    N, K = 44, 512
+    w = np.random.default_rng(1).standard_normal((N, K)).astype(np.float32) * 0.02
+    raw = encode(qtype, w, seed=2)
+    for n_head, pad in ((None, False), (2, False), (None, True)):  # (n_head 2: 44 rows as 2 heads of 22)
+        native = matrix_layer(raw, qtype, kind, (N, K), n_head, pad_rows=pad)
+        with kernels.disabled():
+            ref = matrix_layer(raw, qtype, kind, (N, K), n_head, pad_rows=pad)
+        for a, b in zip(native.buffers(), ref.buffers()):
+            assert a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8)), (qtype.name, kind, n_head, pad)

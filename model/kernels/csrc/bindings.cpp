@@ -25,5 +25,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_dequantize", &ls::int8_dequantize, nogil(), "int8 W -> (N, K) float32");
   m.def("argmax_rows", &ls::argmax_rows, nogil(), "greedy: each row's torch.argmax of logits (B, V) float32, -1 where not finite -> (B,)");
   m.def("decode_layers", &ls::decode_layers, nogil(), "every block of a pure decode step: h (N, D) -> (N, D)");
+  m.def("gguf_convert", &ls::gguf_convert, nogil(), "a GGUF matrix's rows (N, row bytes) -> an int4 / int8 layer's buffers");
   m.def("apply_edits", &ls::apply_edits, nogil(), "interventions: each op row (Q, 4) of x (N, D) gets its entry from bank (V, D)");
 }

@@ -43,6 +43,8 @@ torch::Tensor decode_layers(torch::Tensor h, const std::vector<std::vector<torch
                             torch::Tensor& v_pools, const torch::Tensor& slots, const torch::Tensor& rows,
                             const torch::Tensor& tables, const torch::Tensor& lens, int64_t H, int64_t K, int64_t E,
                             const std::vector<torch::Tensor>& edits, const std::vector<torch::Tensor>& telemetry);
+void gguf_convert(const torch::Tensor& raw, int64_t type, const torch::Tensor& order, torch::Tensor& data,
+                  torch::Tensor& scales);
 void apply_edits(torch::Tensor& x, const torch::Tensor& ops, const torch::Tensor& bank);
 void apply_site(torch::Tensor& x, const std::vector<torch::Tensor>& edits, int64_t site);
 void read_site(const torch::Tensor& h, const std::vector<torch::Tensor>& edits, int64_t site);

@@ -1,0 +1,247 @@
+// A GGUF matrix's blocks -> the served int4 / int8 layouts (qgemm.h), on every thread, with no float copy of the
+// matrix: what model/loaders/gguf_blocks.py's `matrix_layer` does in PyTorch a chunk at a time, in one pass.
+//
+// Block layouts: ggml `ggml-common.h`. Dequantization: ggml `ggml-quants.c` (`dequantize_row_q4_0` ..
+// `dequantize_row_q6_K`) in the `gguf` package's order of float operations (`gguf.quants`: e.g. Q4_K's
+// (d sc) q - dmin m, each product rounded), so a weight is the float `gguf.quants.dequantize` gives. Requantization
+// to int8: `model.quantize.int8_blocks` (ggml's `quantize_row_q8_0_ref`). Every float operation is the one the PyTorch
+// path performs, in its order (and, as every kernel here, built with -ffp-contract=off: no FMA contraction), so both
+// paths write the same bytes (tested).
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "ops.h"
+#include "qgemm.h"
+
+namespace ls {
+namespace {
+
+// ggml_type ids (ggml.h) of the types converted here
+enum GgmlType : int64_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+
+inline float h2f(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
+}
+inline uint16_t f2h(float x) {
+  const at::Half h(x);  // round to nearest even, as torch's .to(float16)
+  uint16_t u;
+  std::memcpy(&u, &h, 2);
+  return u;
+}
+
+int64_t block_bytes(int64_t type) {
+  switch (type) {
+    case Q4_0: return 18;
+    case Q4_1: return 20;
+    case Q5_0: return 22;
+    case Q5_1: return 24;
+    case Q8_0: return 34;
+    case Q4_K: return 144;
+    case Q5_K: return 176;
+    case Q6_K: return 210;
+  }
+  return 0;
+}
+int64_t block_weights(int64_t type) { return type >= Q4_K ? 256 : 32; }
+
+// Q4_K / Q5_K: the 6-bit scale and min of sub-block j (`get_scale_min_k4`; gguf.quants.Q4_K.get_scale_min).
+inline void scale_min_k4(const uint8_t* s, int j, int& sc, int& mn) {
+  if (j < 4) {
+    sc = s[j] & 0x3F;
+    mn = s[j + 4] & 0x3F;
+  } else {
+    sc = (s[j + 4] & 0x0F) | ((s[j - 4] >> 2) & 0x30);
+    mn = (s[j + 4] >> 4) | ((s[j] >> 2) & 0x30);
+  }
+}
+
+// One block of `type` -> its weights as float32 (gguf.quants' dequantize_blocks, operation for operation).
+void dequantize_block(int64_t type, const uint8_t* b, float* y) {
+  switch (type) {
+    case Q4_0: {  // {f16 d; u8 qs[16]}: d (q - 8)
+      const float d = h2f(b);
+      for (int i = 0; i < 16; ++i) {
+        y[i] = d * static_cast<float>((b[2 + i] & 15) - 8);
+        y[i + 16] = d * static_cast<float>((b[2 + i] >> 4) - 8);
+      }
+      return;
+    }
+    case Q4_1: {  // {f16 d; f16 m; u8 qs[16]}: d q + m
+      const float d = h2f(b), m = h2f(b + 2);
+      for (int i = 0; i < 16; ++i) {
+        y[i] = d * static_cast<float>(b[4 + i] & 15) + m;
+        y[i + 16] = d * static_cast<float>(b[4 + i] >> 4) + m;
+      }
+      return;
+    }
+    case Q5_0:    // {f16 d; u8 qh[4]; u8 qs[16]}: d (q - 16), q's fifth bit from qh
+    case Q5_1: {  // {f16 d; f16 m; u8 qh[4]; u8 qs[16]}: d q + m
+      const bool one = type == Q5_1;
+      const float d = h2f(b), m = one ? h2f(b + 2) : 0.f;
+      uint32_t qh;
+      std::memcpy(&qh, b + (one ? 4 : 2), 4);
+      const uint8_t* qs = b + (one ? 8 : 6);
+      for (int i = 0; i < 32; ++i) {
+        const int q = ((i < 16 ? qs[i] & 15 : qs[i - 16] >> 4)) | (((qh >> i) & 1) << 4);
+        y[i] = one ? d * static_cast<float>(q) + m : d * static_cast<float>(q - 16);
+      }
+      return;
+    }
+    case Q8_0: {  // {f16 d; i8 qs[32]}
+      const float d = h2f(b);
+      for (int i = 0; i < 32; ++i) y[i] = d * static_cast<float>(static_cast<int8_t>(b[2 + i]));
+      return;
+    }
+    case Q4_K:    // {f16 d; f16 dmin; u8 scales[12]; u8 qs[128]}: (d sc) q - dmin m per sub-block of 32
+    case Q5_K: {  // {f16 d; f16 dmin; u8 scales[12]; u8 qh[32]; u8 qs[128]}: q's fifth bit j of qh[k]
+      const bool five = type == Q5_K;
+      const float d = h2f(b), dmin = h2f(b + 2);
+      const uint8_t* qh = b + 16;
+      const uint8_t* qs = b + (five ? 48 : 16);
+      for (int j = 0; j < 8; ++j) {  // sub-block j: nibbles (j even: low, odd: high) of qs[32 (j / 2) + k]
+        int sc, mn;
+        scale_min_k4(b + 4, j, sc, mn);
+        const float dl = d * static_cast<float>(sc), ml = dmin * static_cast<float>(mn);
+        for (int k = 0; k < 32; ++k) {
+          int q = (qs[32 * (j / 2) + k] >> (4 * (j % 2))) & 15;
+          if (five) q |= ((qh[k] >> j) & 1) << 4;
+          y[32 * j + k] = dl * static_cast<float>(q) - ml;
+        }
+      }
+      return;
+    }
+    case Q6_K: {  // {u8 ql[128]; u8 qh[64]; i8 scales[16]; f16 d}: (d sc) (q - 32) per 16 weights
+      const uint8_t *ql = b, *qh = b + 128;
+      const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+      const float d = h2f(b + 208);
+      for (int w = 0; w < 256; ++w) {
+        const int h = w / 128, r = w % 128;
+        const int lo = (ql[64 * h + r % 64] >> (4 * (r / 64))) & 15;
+        const int hi = (qh[32 * h + r % 32] >> (2 * (r / 32))) & 3;
+        y[w] = (d * static_cast<float>(sc[w / 16])) * static_cast<float>((lo | (hi << 4)) - 32);
+      }
+      return;
+    }
+  }
+  TORCH_CHECK(false, "gguf_convert: unsupported type ", type);
+}
+
+// A row of K float32 weights -> int8 q and float16 d per block of 32 (`int8_blocks`: d = max|w| / 127, q = round
+// half away from zero of w (1 / d)).
+void int8_blocks_row(const float* w, int64_t K, int8_t* q, uint16_t* d) {
+  for (int64_t b = 0; b < K / QK; ++b) {
+    const float* g = w + b * QK;
+    float amax = 0.f;
+    for (int i = 0; i < QK; ++i) amax = std::max(amax, std::fabs(g[i]));
+    const float db = amax / 127.f, inv = db > 0.f ? 1.f / db : 0.f;
+    for (int i = 0; i < QK; ++i) {
+      const float x = g[i] * inv;
+      const float r = std::floor(std::fabs(x) + 0.5f);
+      q[b * QK + i] = static_cast<int8_t>(std::max(-127.f, std::min(127.f, x > 0.f ? r : x < 0.f ? -r : 0.f)));
+    }
+    d[b] = f2h(db);
+  }
+}
+
+}  // namespace
+
+// raw (N, row bytes) uint8: the file's rows; order (N,) int64: which file row each output row reads (q/k
+// un-permuted), or empty; data/scales: the layer's buffers (model/loaders/gguf_blocks.py `buffer_shapes`), int4
+// (uint8 data, scales (N'/8, nb, S, 8), S = 1: symmetric) or int8 (int8 data). Rows past N in the last group of 8
+// are written as zeros; whole groups past it are the caller's.
+void gguf_convert(const torch::Tensor& raw, int64_t type, const torch::Tensor& order, torch::Tensor& data,
+                  torch::Tensor& scales) {
+  const int64_t bb = block_bytes(type), bw = block_weights(type);
+  TORCH_CHECK(bb > 0, "gguf_convert: unsupported type ", type);
+  TORCH_CHECK(raw.dim() == 2 && raw.is_contiguous() && raw.scalar_type() == at::kByte, "gguf_convert: raw (N, row bytes) uint8");
+  TORCH_CHECK(data.is_contiguous() && scales.is_contiguous() && scales.scalar_type() == at::kHalf, "gguf_convert: buffers");
+  const int64_t N = raw.size(0), K = raw.size(1) / bb * bw, nb = K / QK;
+  TORCH_CHECK(raw.size(1) % bb == 0 && data.size(1) == nb && data.size(0) * 8 >= N, "gguf_convert: shapes");
+  TORCH_CHECK(order.numel() == 0 || (order.numel() == N && order.scalar_type() == at::kLong && order.is_contiguous()), "gguf_convert: order");
+  const bool int4 = data.scalar_type() == at::kByte;
+  TORCH_CHECK(int4 ? (type == Q4_0 || type == Q4_1 || type == Q4_K) && data.size(2) == 128 : data.scalar_type() == at::kChar && data.size(2) == 256,
+              "gguf_convert: int4 takes Q4_0, Q4_1 and Q4_K; int8 takes any type here");
+  const int64_t S = int4 ? scales.size(2) : 1;
+  TORCH_CHECK(!int4 || S == 2 || type == Q4_0, "gguf_convert: the symmetric layout holds Q4_0 only");
+  const uint8_t* src = raw.data_ptr<uint8_t>();
+  const int64_t* ord = order.numel() ? order.data_ptr<int64_t>() : nullptr;
+  uint8_t* out = static_cast<uint8_t*>(data.data_ptr());
+  uint16_t* sc = reinterpret_cast<uint16_t*>(scales.data_ptr<at::Half>());
+  const int64_t rb = raw.size(1), groups = (N + 7) / 8;
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    std::vector<float> w(K);
+    std::vector<int8_t> q(K);
+    std::vector<uint16_t> d(nb);
+    std::vector<uint8_t> qs(16 * nb);  // int4: a row's groups, byte i = weight i | weight i + 16 << 4
+    std::vector<float> dm(2 * nb);
+    for (int64_t g = g0; g < g1; ++g)
+      for (int64_t j = 0; j < 8; ++j) {
+        const int64_t n = 8 * g + j;
+        const uint8_t* row = n < N ? src + (ord ? ord[n] : n) * rb : nullptr;
+        if (int4) {
+          if (row == nullptr) {
+            std::fill(qs.begin(), qs.end(), 0);
+            std::fill(dm.begin(), dm.end(), 0.f);
+          } else if (type == Q4_K) {
+            for (int64_t B = 0; B < K / 256; ++B) {
+              const uint8_t* b = row + B * 144;
+              const float dd = h2f(b), dmin = h2f(b + 2);
+              for (int s = 0; s < 8; ++s) {  // sub-block s: nibble s % 2 of qs[32 (s / 2) + k]
+                int scale, mn;
+                scale_min_k4(b + 4, s, scale, mn);
+                const int64_t grp = 8 * B + s;
+                dm[2 * grp] = dd * static_cast<float>(scale);
+                dm[2 * grp + 1] = -(dmin * static_cast<float>(mn));
+                const uint8_t* src_q = b + 16 + 32 * (s / 2);
+                const int sh = 4 * (s % 2);
+                for (int i = 0; i < 16; ++i)
+                  qs[16 * grp + i] = static_cast<uint8_t>(((src_q[i] >> sh) & 15) | (((src_q[16 + i] >> sh) & 15) << 4));
+              }
+            }
+          } else {
+            const int64_t head = type == Q4_0 ? 2 : 4;
+            for (int64_t b = 0; b < nb; ++b) {
+              const uint8_t* blk = row + b * bb;
+              const float dd = h2f(blk);
+              dm[2 * b] = dd;
+              dm[2 * b + 1] = type == Q4_0 ? -8 * dd : h2f(blk + 2);
+              std::memcpy(&qs[16 * b], blk + head, 16);
+            }
+          }
+          for (int64_t b = 0; b < nb; ++b) {
+            uint8_t* ob = out + (g * nb + b) * 128;  // byte (p, j, t) = qs[b, 4p + t]
+            for (int p = 0; p < 4; ++p) std::memcpy(ob + 32 * p + 4 * j, &qs[16 * b + 4 * p], 4);
+            uint16_t* sb = sc + (g * nb + b) * 8 * S;
+            sb[j] = f2h(dm[2 * b]);
+            if (S == 2) sb[8 + j] = f2h(dm[2 * b + 1]);
+          }
+        } else {
+          if (row == nullptr) {
+            std::fill(q.begin(), q.end(), 0);
+            std::fill(d.begin(), d.end(), 0);
+          } else if (type == Q8_0 || type == Q4_0) {  // exact: the file's q (Q4_0: q - 8) and d
+            for (int64_t b = 0; b < nb; ++b) {
+              const uint8_t* blk = row + b * bb;
+              std::memcpy(&d[b], blk, 2);
+              for (int i = 0; i < 32; ++i)
+                q[b * QK + i] = type == Q8_0 ? static_cast<int8_t>(blk[2 + i])
+                                             : static_cast<int8_t>((i < 16 ? blk[2 + i] & 15 : blk[2 + i - 16] >> 4) - 8);
+            }
+          } else {
+            for (int64_t B = 0; B < K / bw; ++B) dequantize_block(type, row + B * bb, w.data() + B * bw);
+            int8_blocks_row(w.data(), K, q.data(), d.data());
+          }
+          for (int64_t b = 0; b < nb; ++b) {
+            int8_t* ob = reinterpret_cast<int8_t*>(out) + (g * nb + b) * 256;  // byte (c, j, t) = q[32b + 4c + t]
+            for (int c = 0; c < 8; ++c) std::memcpy(ob + 32 * c + 4 * j, &q[b * QK + 4 * c], 4);
+            sc[(g * nb + b) * 8 + j] = d[b];
+          }
+        }
+      }
+  });
+}
+
+}  // namespace ls
