@@ -164,10 +164,15 @@ void gguf_convert(const torch::Tensor& raw, int64_t type, const torch::Tensor& o
   const bool int4 = data.scalar_type() == at::kByte;
   TORCH_CHECK(int4 ? (type == Q4_0 || type == Q4_1 || type == Q4_K) && data.size(2) == 128 : data.scalar_type() == at::kChar && data.size(2) == 256,
               "gguf_convert: int4 takes Q4_0, Q4_1 and Q4_K; int8 takes any type here");
+  TORCH_CHECK(scales.size(0) == data.size(0) && scales.size(1) == nb &&
+                  (int4 ? scales.dim() == 4 && (scales.size(2) == 1 || scales.size(2) == 2) && scales.size(3) == 8
+                        : scales.dim() == 3 && scales.size(2) == 8),
+              "gguf_convert: scales (N'/8, nb, S, 8) for int4, (N'/8, nb, 8) for int8");
   const int64_t S = int4 ? scales.size(2) : 1;
   TORCH_CHECK(!int4 || S == 2 || type == Q4_0, "gguf_convert: the symmetric layout holds Q4_0 only");
   const uint8_t* src = raw.data_ptr<uint8_t>();
   const int64_t* ord = order.numel() ? order.data_ptr<int64_t>() : nullptr;
+  for (int64_t n = 0; ord != nullptr && n < N; ++n) TORCH_CHECK(ord[n] >= 0 && ord[n] < N, "gguf_convert: order out of range");
   uint8_t* out = static_cast<uint8_t*>(data.data_ptr());
   uint16_t* sc = reinterpret_cast<uint16_t*>(scales.data_ptr<at::Half>());
   const int64_t rb = raw.size(1), groups = (N + 7) / 8;
