@@ -11,8 +11,8 @@ once as Q8_0 blocks of random int8 weights (std ~0.02), then `llama-quantize --a
 
 Each file is served by both in turn, one server up at a time (an 8B file twice would not fit), both with the same
 context: llama-server `-np 32 -c 20480` (640 tokens a slot), ours `--kv-cache-bytes` for 20,480 tokens in a float16
-cache like llama-server's (or the `--kv-cache-dtype` that `--ours-args` name). Load time: process start to /health 200. Peak memory: the server process's VmHWM after the workloads.
-The workloads are benchmarks/vs_llama_server.py's (streamed /v1/completions, token-id prompts, greedy, EOS
+cache like llama-server's (or the `--kv-cache-dtype` that `--ours-args` name). Load time: process start to /health
+200. Peak memory: the server process's VmHWM after the workloads. The workloads are benchmarks/vs_llama_server.py's (streamed /v1/completions, token-id prompts, greedy, EOS
 ignored, 64 new tokens): single stream (median of 3), 32 concurrent, one 512-token prefill.
 """
 

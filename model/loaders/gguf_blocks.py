@@ -131,11 +131,11 @@ def matrix_layer(data: np.ndarray, qtype: GGMLQuantizationType, kind: str, shape
     """A (N, K) GGUF matrix -> an `Int4Linear` / `Int8Linear` (`kind`), written straight into the kernel's layout
     (`int4_layout`, `int8_layout`): by the native converter in one pass on every thread (`NATIVE`: kernels/csrc/
     gguf_convert.cpp), else in PyTorch `CHUNK_ELEMENTS` at a time; a transient of one row or one chunk, never a
-    copy of the tensor. `n_head`:
-    undo llama.cpp's q/k row permutation (`unpermute_qk`) by reading the file's rows in that order. `pad_rows`: an int4
-    matrix whose rows are not whole groups of 16 gets zero rows up to them (an embedding table, which is only
-    gathered from, keeps its own format whatever the vocabulary's size). `alloc(shape, dtype)`: where the layer's two
-    buffers go, weights then scales (e.g. a loader's `huge_pages.WeightArena`, or row slices of a fused module's)."""
+    copy of the tensor. `n_head`: undo llama.cpp's q/k row permutation (`unpermute_qk`) by reading the file's rows in
+    that order. `pad_rows`: an int4 matrix whose rows are not whole groups of 16 gets zero rows up to them (an
+    embedding table, which is only gathered from, keeps its own format whatever the vocabulary's size).
+    `alloc(shape, dtype)`: where the layer's two buffers go, weights then scales (e.g. a loader's
+    `huge_pages.WeightArena`, or row slices of a fused module's)."""
     N, K = shape
     name = qtype.name
     rows = data.reshape(N, -1)  # ggml blocks run along the innermost dim: a row's blocks are whole

@@ -152,8 +152,9 @@ class _Placement:
                 names = [f"{prefix}.{p}.weight" for p in parts]
                 if not all(n in tensors for n in names):
                     continue
-                formats = {(kinds.get(tensors[n].name), symmetric(tensors[n].tensor_type.name, kinds.get(tensors[n].name)))
-                           for n in names}
+                # (format, symmetric) of each part: one layout for the module's buffers
+                formats = {(kinds.get(t.name), symmetric(t.tensor_type.name, kinds.get(t.name)))
+                           for t in (tensors[n] for n in names)}
                 rows = [int(tensors[n].shape[1]) for n in names]
                 if len(formats) != 1 or (None, False) in formats or any(r % 8 for r in rows):
                     continue
