@@ -84,7 +84,8 @@ static inline __m256 score8(const float* q, int64_t s, int64_t E, const At& at) 
 // Register tiles of attend_tile: NQ queries against the same keys (or values) share each key's (value's) load, so
 // the kernel does an FMA per load or better instead of two loads per FMA (score8 reloads q for every key). Where the
 // build has 32 vector registers (AVX-512VL) a score tile holds 3 queries x 8 keys (24 accumulators) and a value
-// tile 3 queries x 8 vectors of the output; with AVX2's 16, 2 queries x 4 keys and 2 x 4 vectors. Each (query, key)
+// tile 3 queries x 8 vectors of the output; with AVX2's 16, 2 queries x 4 keys and 2 x 4 vectors. (4 x 4 tiles for a
+// group of 4 queries, Llama 3's G, were no faster from cache on the Zen 4 host and slower from memory: not kept.) Each (query, key)
 // product chain and each (query, output lane) sum is the one score8 / the position loop computes, in the same order:
 // tiling shares loads, never arithmetic.
 #if defined(__AVX512VL__)
@@ -116,22 +117,59 @@ static inline void key_products(const float* q, int64_t s, int64_t E, const At& 
     for (int j = 0; j < NK; ++j) d[i][j0 + j] = a[i][j];
 }
 
+// Asks for the key (or value) row of position s, if s < end, into L2 ahead of its use. A head's rows are E elements
+// out of every K * E, in blocks that lie anywhere in the pool, and the hardware prefetchers alone held one decode
+// row's attention to about 10 GB/s from memory on the Zen 4 host (against ~21 from cache). Measured there
+// (benchmarks/attention_memory.py: 30 or 16 layers' pools, 4k and 8k positions, float16, 2 threads), prefetcht1
+// 64 positions ahead: 14-15 GB/s on the default model's shape, 19-21 on the 1B's; prefetcht0 at 16-256 ahead: 10-14.
+// A prefetch changes no number. An asm statement, not _mm_prefetch: GCC 12 deletes a __builtin_prefetch whose address
+// needs a load (here the block table's entry), and the object code had none.
+template <typename At>
+static inline void prefetch_row(const At& at, int64_t s, int64_t end, int64_t E, bool keys) {
+  if (s >= end) return;
+  const char* row = reinterpret_cast<const char*>(keys ? at.k(s) : at.v(s));
+  const int64_t bytes = E * static_cast<int64_t>(sizeof(*at.k(0)));
+  for (int64_t off = 0; off < bytes; off += 64) asm volatile("prefetcht1 %0" : : "m"(row[off]));
+}
+constexpr int64_t PREFETCH_POSITIONS = 64;  // how far ahead of its use a row is asked for
+
 // Scores of positions s .. s+7 for NQ queries (q + i * E): out[i] = score8(q + i * E, s, E, at), bitwise.
-template <typename R, int NQ, typename At>
+template <typename R, int NQ, int NK, typename At>
 static inline void score8_tile(const float* q, int64_t s, int64_t E, const At& at, __m256* out) {
   __m256 d[NQ][8];
-  for (int j0 = 0; j0 < 8; j0 += SK) key_products<R, NQ, SK>(q, s, E, at, j0, d);
+  for (int j0 = 0; j0 < 8; j0 += NK) key_products<R, NQ, NK>(q, s, E, at, j0, d);
   for (int i = 0; i < NQ; ++i) out[i] = hsum8x8(d[i]);
+}
+
+// Queries [i, i + NQ) (qf, len, sc rows of ld, running max mv): their scores of the groups of 8 in [b0, b1) that all
+// of them have, by register tiles; done[i + u] := where that stopped.
+template <typename R, int NQ, int NK, typename At>
+static inline void score_tiles(const float* qf, const int64_t* len, int64_t i, int64_t b0, int64_t b1, int64_t E,
+                               const At& rows, float* sc, int64_t ld, __m256* mv, int64_t* done, int64_t pf_end) {
+  int64_t common = b1;
+  for (int u = 0; u < NQ; ++u) common = std::min(common, len[i + u] / 8 * 8);
+  for (int64_t s = b0; s < common; s += 8) {
+    for (int j = 0; j < 8; ++j) prefetch_row(rows, s + PREFETCH_POSITIONS + j, pf_end, E, true);
+    __m256 v[NQ];
+    score8_tile<R, NQ, NK>(qf + i * E, s, E, rows, v);
+    for (int u = 0; u < NQ; ++u) {
+      _mm256_storeu_ps(sc + (i + u) * ld + s, v[u]);
+      mv[i + u] = _mm256_max_ps(mv[i + u], v[u]);
+    }
+  }
+  for (int u = 0; u < NQ; ++u) done[i + u] = std::max(b0, common);
 }
 
 // acc[i] (E) += p[i][s] v(s) for s in [s0, s1), output lanes [e0, e0 + 8 NV), for NQ queries: per query and lane the
 // position loop's FMAs in order (a value tile loads each value vector once for its NQ queries).
 template <int NQ, int NV, typename At>
-static inline void values_tile(const float* const* p, float* const* acc, int64_t s0, int64_t s1, int64_t e0, const At& at) {
+static inline void values_tile(const float* const* p, float* const* acc, int64_t s0, int64_t s1, int64_t e0, const At& at,
+                               int64_t pf_end) {
   __m256 r[NQ][NV];
   for (int i = 0; i < NQ; ++i)
     for (int v = 0; v < NV; ++v) r[i][v] = _mm256_loadu_ps(acc[i] + e0 + 8 * v);
   for (int64_t s = s0; s < s1; ++s) {
+    prefetch_row(at, s + PREFETCH_POSITIONS, pf_end, 8 * NV, false);
     const auto* vs = at.v(s) + e0;
     __m256 ps[NQ];
     for (int i = 0; i < NQ; ++i) ps[i] = _mm256_set1_ps(p[i][s]);
@@ -142,6 +180,24 @@ static inline void values_tile(const float* const* p, float* const* acc, int64_t
   }
   for (int i = 0; i < NQ; ++i)
     for (int v = 0; v < NV; ++v) _mm256_storeu_ps(acc[i] + e0 + 8 * v, r[i][v]);
+}
+
+// Queries [i, i + NQ) (probabilities in sc rows of ld, outputs in acc rows of E): acc += p[s] v(s) over the positions
+// of [b0, b1) that all of them have, by value tiles of NV vectors; done[i + u] := where that stopped.
+template <int NQ, int NV, typename At>
+static inline void value_tiles(const float* sc, int64_t ld, float* acc, const int64_t* len, int64_t i, int64_t b0,
+                               int64_t b1, int64_t E, const At& rows, int64_t* done, int64_t pf_end) {
+  int64_t common = b1;
+  const float* p[NQ];
+  float* a[NQ];
+  for (int u = 0; u < NQ; ++u) {
+    common = std::min(common, len[i + u]);
+    p[u] = sc + (i + u) * ld;
+    a[u] = acc + (i + u) * E;
+  }
+  if (common > b0)
+    for (int64_t e0 = 0; e0 < E; e0 += 8 * NV) values_tile<NQ, NV>(p, a, b0, common, e0, rows, e0 == 0 ? pf_end : 0);
+  for (int u = 0; u < NQ; ++u) done[i + u] = std::max(b0, common);
 }
 #endif
 
@@ -236,29 +292,36 @@ struct Widened {  // a block's rows widened to float32: position s (in [b0, b0 +
 #endif
 
 #if LS_AVX2
-// Several queries of one sequence and one KV head (the G query heads that share it, over up to TILE_ROWS rows of a
-// prefill chunk) against the same keys: FlashAttention's point (Dao et al. 2022) that a key block is read from
-// memory once per query tile, not once per query, without its arithmetic: every query's scores, max, exponentials,
-// sum and weighted values are computed by exactly the operations `attend_head` does, in the same order (8-key groups
-// then the scalar tail; the values accumulated position by position), only interleaved with the other queries' at
-// the granularity of a block of positions. So a row's output is bitwise the same alone (decode) or in a tile
-// (prefill), whatever its neighbours. qf (Qn, E) scaled queries; len (Qn,); sc (Qn, ld) scores -> exp(score - max),
-// sums (Qn,) their sums; acc (Qn, E) the unnormalised outputs.
+// Several queries of one sequence against its keys, in groups that each read one KV head (the G query heads that
+// share it, over up to TILE_ROWS rows of a prefill chunk): FlashAttention's point (Dao et al. 2022) that a key block
+// is read from memory once per query tile, not once per query, without its arithmetic: every query's scores, max,
+// exponentials, sum and weighted values are computed by exactly the operations `attend_head` does, in the same
+// order (8-key groups then the scalar tail; the values accumulated position by position), only interleaved with
+// the other queries' at the granularity of a block of positions. So a row's output is bitwise the same alone
+// (decode) or in a tile (prefill), whatever its neighbours. The groups walk the positions together, block by block,
+// so the pool is read as it lies (a position's rows of every KV head side by side) rather than one head's E
+// elements out of every K * E, a strided walk the memory system serves at a third of the rate (measured: 16k
+// positions of the 1B shape, float16, one thread on the Zen 4 host, 4.9 GB/s one head at a time). qf (Qn, E) scaled
+// queries; len (Qn,); group (NG + 1,): queries [group[g], group[g + 1]) read `at[g]`; sc (Qn, ld) scores ->
+// exp(score - max), sums (Qn,) their sums; acc (Qn, E) the unnormalised outputs.
 template <typename T, typename At>
-static void attend_tile(const float* qf, const int64_t* len, int64_t Qn, int64_t E, const At& at, float* sc, int64_t ld,
-                        float* sums, float* acc) {
+static void attend_tile(const float* qf, const int64_t* len, int64_t Qn, int64_t E, const At* at, const int64_t* group,
+                        int64_t NG, float* sc, int64_t ld, float* sums, float* acc) {
   const int64_t BS = E <= 64 ? 64 : 32;  // positions per block: its K (or V) rows stay in L1 across the tile's queries
   int64_t lmax = 0;
-  for (int64_t i = 0; i < Qn; ++i) lmax = std::max(lmax, len[i]);
+  std::vector<int64_t> glen(NG, 0);  // per group: its longest query's length
+  for (int64_t g = 0; g < NG; ++g)
+    for (int64_t i = group[g]; i < group[g + 1]; ++i) glen[g] = std::max(glen[g], len[i]);
+  for (int64_t g = 0; g < NG; ++g) lmax = std::max(lmax, glen[g]);
   // A 16-bit cache (T not float) under a prefill tile: each block's key, then value, rows are widened once into
-  // `wide` for all the tile's queries (up to TILE_ROWS x G) instead of once per query; a decode row's G <= 4 queries
+  // `wide` for all the group's queries (up to TILE_ROWS x G) instead of once per query; a decode row's G <= 4 queries
   // widen on load as attend_head does (the scratch's store and reload cost more there). Widening is exact, so the
   // numbers, and the arithmetic on them, are the same either way.
-  const bool widen = !std::is_same_v<T, float> && Qn > 4;
-  std::vector<float> wide(widen ? BS * E : 0);
-  const auto widened = [&](int64_t b0, int64_t b1, bool keys) {  // rows [b0, b1) -> a float accessor over `wide`
+  const auto widens = [&](int64_t g) { return !std::is_same_v<T, float> && group[g + 1] - group[g] > 4; };
+  std::vector<float> wide(std::is_same_v<T, float> ? 0 : BS * E);
+  const auto widened = [&](const At& rows, int64_t b0, int64_t b1, bool keys) {  // rows [b0, b1) -> an accessor over `wide`
     for (int64_t s = b0; s < b1; ++s) {
-      const T* src = keys ? at.k(s) : at.v(s);
+      const T* src = keys ? rows.k(s) : rows.v(s);
       float* dst = wide.data() + (s - b0) * E;
       int64_t e = 0;
       for (; e + 8 <= E; e += 8) _mm256_storeu_ps(dst + e, load8(src + e));
@@ -269,30 +332,22 @@ static void attend_tile(const float* qf, const int64_t* len, int64_t Qn, int64_t
   std::vector<__m256> mv(Qn, _mm256_set1_ps(-INFINITY));
   std::vector<float> tail_max(Qn, -INFINITY);
   std::vector<int64_t> done(Qn);  // per query: where a block's register tiles stopped (its own loop goes on from there)
-  const auto scores = [&](int64_t b0, const auto& rows) {  // every query's scores of positions [b0, b0 + BS)
+  // queries [qa, qb): their scores of positions [b0, b0 + BS)
+  const auto scores = [&](int64_t b0, int64_t qa, int64_t qb, const auto& rows) {
     using R = std::remove_cv_t<std::remove_pointer_t<decltype(rows.k(0))>>;
     const int64_t b1 = b0 + BS;
-    int64_t i = 0;
-    for (; i + SQ <= Qn; i += SQ) {  // SQ queries at a time over the groups of 8 they all have (register tiles)
-      int64_t common = b1;
-      for (int u = 0; u < SQ; ++u) common = std::min(common, len[i + u] / 8 * 8);
-      for (int64_t s = b0; s < common; s += 8) {
-        __m256 v[SQ];
-        score8_tile<R, SQ>(qf + i * E, s, E, rows, v);
-        for (int u = 0; u < SQ; ++u) {
-          _mm256_storeu_ps(sc + (i + u) * ld + s, v[u]);
-          mv[i + u] = _mm256_max_ps(mv[i + u], v[u]);
-        }
-      }
-      for (int u = 0; u < SQ; ++u) done[i + u] = std::max(b0, common);
-    }
-    for (; i < Qn; ++i) done[i] = b0;
-    for (i = 0; i < Qn; ++i) {
+    const int64_t pf = std::is_same_v<std::decay_t<decltype(rows)>, Widened> ? 0 : len[qa];  // positions to prefetch
+    int64_t i = qa;
+    for (; i + SQ <= qb; i += SQ) score_tiles<R, SQ, SK>(qf, len, i, b0, b1, E, rows, sc, ld, mv.data(), done.data(), i == qa ? pf : 0);
+    for (; i < qb; ++i) done[i] = b0;
+    for (i = qa; i < qb; ++i) {
       const int64_t L = len[i], vec_end = L / 8 * 8;  // groups of 8 while s + 8 <= L, as attend_head
       if (b0 >= L) continue;
       const float* q = qf + i * E;
       float* si = sc + i * ld;
       for (int64_t s = done[i]; s < std::min(b1, vec_end); s += 8) {
+        if (i == qa)  // a group too small for a tile: its first query asks for the keys
+          for (int j = 0; j < 8; ++j) prefetch_row(rows, s + PREFETCH_POSITIONS + j, pf, E, true);
         const __m256 v = score8<R>(q, s, E, rows);
         _mm256_storeu_ps(si + s, v);
         mv[i] = _mm256_max_ps(mv[i], v);
@@ -303,32 +358,24 @@ static void attend_tile(const float* qf, const int64_t* len, int64_t Qn, int64_t
       }
     }
   };
-  for (int64_t b0 = 0; b0 < lmax; b0 += BS) {
-    if (widen)
-      scores(b0, widened(b0, std::min(b0 + BS, lmax), true));
-    else
-      scores(b0, at);
-  }
+  for (int64_t b0 = 0; b0 < lmax; b0 += BS)
+    for (int64_t g = 0; g < NG; ++g) {
+      if (b0 >= glen[g]) continue;
+      if (widens(g))
+        scores(b0, group[g], group[g + 1], widened(at[g], b0, std::min(b0 + BS, glen[g]), true));
+      else
+        scores(b0, group[g], group[g + 1], at[g]);
+    }
   for (int64_t i = 0; i < Qn; ++i) sums[i] = exp_and_sum(sc + i * ld, len[i], std::max(hmax(mv[i]), tail_max[i]));
   std::fill(acc, acc + Qn * E, 0.f);
   const int64_t NV = E / 8;
-  const auto values = [&](int64_t b0, const auto& rows) {  // acc += p[s] v(s), position by position (as axpy)
-    int64_t i = 0;
-    for (; E % (8 * VV) == 0 && i + VQ <= Qn; i += VQ) {  // VQ queries at a time over the positions they all have (register tiles)
-      int64_t common = b0 + BS;
-      const float* p[VQ];
-      float* a[VQ];
-      for (int u = 0; u < VQ; ++u) {
-        common = std::min(common, len[i + u]);
-        p[u] = sc + (i + u) * ld;
-        a[u] = acc + (i + u) * E;
-      }
-      if (common > b0)
-        for (int64_t e0 = 0; e0 < E; e0 += 8 * VV) values_tile<VQ, VV>(p, a, b0, common, e0, rows);
-      for (int u = 0; u < VQ; ++u) done[i + u] = std::max(b0, common);
-    }
-    for (; i < Qn; ++i) done[i] = b0;
-    for (i = 0; i < Qn; ++i) {
+  // queries [qa, qb): acc += p[s] v(s) for positions [b0, b0 + BS), position by position (as axpy)
+  const auto values = [&](int64_t b0, int64_t qa, int64_t qb, const auto& rows) {
+    const int64_t pf = std::is_same_v<std::decay_t<decltype(rows)>, Widened> ? 0 : len[qa];  // positions to prefetch
+    int64_t i = qa;
+    for (; E % (8 * VV) == 0 && i + VQ <= qb; i += VQ) value_tiles<VQ, VV>(sc, ld, acc, len, i, b0, b0 + BS, E, rows, done.data(), i == qa ? pf : 0);
+    for (; i < qb; ++i) done[i] = b0;
+    for (i = qa; i < qb; ++i) {
       const int64_t end = std::min(b0 + BS, len[i]);
       const float* p = sc + i * ld;
       float* a = acc + i * E;
@@ -336,6 +383,7 @@ static void attend_tile(const float* qf, const int64_t* len, int64_t Qn, int64_t
         __m256 r[8];
         for (int v = 0; v < 8; ++v) r[v] = _mm256_loadu_ps(a + 8 * v);
         for (int64_t s = done[i]; s < end; ++s) {
+          if (i == qa) prefetch_row(rows, s + PREFETCH_POSITIONS, pf, E, false);
           const __m256 ps = _mm256_set1_ps(p[s]);
           const auto* vs = rows.v(s);
           for (int v = 0; v < 8; ++v) r[v] = _mm256_fmadd_ps(ps, load8(vs + 8 * v), r[v]);
@@ -350,12 +398,14 @@ static void attend_tile(const float* qf, const int64_t* len, int64_t Qn, int64_t
       }
     }
   };
-  for (int64_t b0 = 0; b0 < lmax; b0 += BS) {
-    if (widen)
-      values(b0, widened(b0, std::min(b0 + BS, lmax), false));
-    else
-      values(b0, at);
-  }
+  for (int64_t b0 = 0; b0 < lmax; b0 += BS)
+    for (int64_t g = 0; g < NG; ++g) {
+      if (b0 >= glen[g]) continue;
+      if (widens(g))
+        values(b0, group[g], group[g + 1], widened(at[g], b0, std::min(b0 + BS, glen[g]), false));
+      else
+        values(b0, group[g], group[g + 1], at[g]);
+    }
 }
 #endif
 
@@ -366,7 +416,7 @@ constexpr int64_t TILE_ROWS = 8;
 // decode rows; tables (R, W) their block ids; lens (R,) their context lengths; out (N, H, E): rows `rows` are
 // written. Task idx = (row, query head): tasks [begin, end). `tel`: where the rows that asked for it record their
 // softmax (attention_telemetry.h); null: nobody asked. Consecutive rows with the same block table (one sequence's
-// prefill chunk) and the query heads of one KV head run as one tile (`attend_tile`); a task's result is the same
+// prefill chunk) run as one tile (`attend_tile`), its queries grouped by KV head; a task's result is the same
 // in any tile or alone, so neither the split between threads nor the neighbours change it.
 template <typename T, typename C>
 static void decode_range(const T* q, int64_t q_stride, const C* kp, const C* vp, const int64_t* rows, const int64_t* tables,
@@ -377,16 +427,45 @@ static void decode_range(const T* q, int64_t q_stride, const C* kp, const C* vp,
 #if LS_AVX2
   if (E % 8 == 0) {
     std::vector<float> qf, sc, acc, sums;
-    std::vector<int64_t> qlen, qtask;
+    std::vector<int64_t> qlen, qtask, group{0};  // group: the tile's queries by KV head (attend_tile)
+    std::vector<PoolRows<C>> ats;
+    int64_t lmax = 0;
     for (int64_t idx = begin; idx < end;) {
       const int64_t r0 = idx / H, r_last = (end - 1) / H;
       int64_t r1 = r0 + 1;
       while (r1 <= r_last && r1 - r0 < TILE_ROWS && std::memcmp(tables + r1 * W, tables + r0 * W, W * sizeof(int64_t)) == 0) ++r1;
       const int64_t t_end = std::min(end, r1 * H);
-      for (int64_t kh = 0; kh < K; ++kh) {
+      // One row's queries (a decode row) run as one tile over every KV head, block by block (attend_tile says why);
+      // a prefill chunk's rows, one tile per KV head: up to TILE_ROWS x G queries share each key there, and their
+      // scores (TILE_ROWS x G x the context) stay in cache between the scores' pass and the values'.
+      const auto run = [&]() {  // the queries gathered so far, then a fresh tile
+        const int64_t Qn = static_cast<int64_t>(qtask.size()), ld = std::max<int64_t>(lmax, 1);
+        if (Qn > 0) {
+          qf.resize(Qn * E);
+          sc.resize(Qn * ld);
+          acc.resize(Qn * E);
+          sums.resize(Qn);
+          for (int64_t i = 0; i < Qn; ++i) {
+            const int64_t r = qtask[i] / H, h = qtask[i] % H;
+            for (int64_t e = 0; e < E; ++e) qf[i * E + e] = to_f(q[rows[r] * q_stride + h * E + e]) * scale;
+          }
+          attend_tile<C>(qf.data(), qlen.data(), Qn, E, ats.data(), group.data(), static_cast<int64_t>(ats.size()),
+                         sc.data(), ld, sums.data(), acc.data());
+          for (int64_t i = 0; i < Qn; ++i) {
+            const int64_t r = qtask[i] / H, h = qtask[i] % H;
+            T* o = out + (rows[r] * H + h) * E;
+            const float inv = 1.f / sums[i];
+            for (int64_t e = 0; e < E; ++e) o[e] = from_f<T>(acc[i * E + e] * inv);
+            if (tel != nullptr && tel->slot[r] >= 0) tel->record(tel->slot[r], h, sc.data() + i * ld, qlen[i], sums[i]);
+          }
+        }
         qtask.clear();
         qlen.clear();
-        int64_t lmax = 0;
+        group.assign(1, 0);
+        ats.clear();
+        lmax = 0;
+      };
+      for (int64_t kh = 0; kh < K; ++kh) {  // the tile's queries, grouped by the KV head they read
         for (int64_t r = r0; r < r1; ++r)
           for (int64_t h = kh * G; h < (kh + 1) * G; ++h)
             if (r * H + h >= idx && r * H + h < t_end) {
@@ -394,26 +473,13 @@ static void decode_range(const T* q, int64_t q_stride, const C* kp, const C* vp,
               qlen.push_back(lens[r]);
               lmax = std::max(lmax, lens[r]);
             }
-        const int64_t Qn = static_cast<int64_t>(qtask.size());
-        if (Qn == 0) continue;
-        qf.resize(Qn * E);
-        sc.resize(Qn * std::max<int64_t>(lmax, 1));
-        acc.resize(Qn * E);
-        sums.resize(Qn);
-        for (int64_t i = 0; i < Qn; ++i) {
-          const int64_t r = qtask[i] / H, h = qtask[i] % H;
-          for (int64_t e = 0; e < E; ++e) qf[i * E + e] = to_f(q[rows[r] * q_stride + h * E + e]) * scale;
+        if (static_cast<int64_t>(qtask.size()) > group.back()) {
+          group.push_back(static_cast<int64_t>(qtask.size()));
+          ats.push_back(PoolRows<C>{kp, vp, tables + r0 * W, BlockOf(bs), K * E, kh * E});
         }
-        const PoolRows<C> at{kp, vp, tables + r0 * W, BlockOf(bs), K * E, kh * E};
-        attend_tile<C>(qf.data(), qlen.data(), Qn, E, at, sc.data(), std::max<int64_t>(lmax, 1), sums.data(), acc.data());
-        for (int64_t i = 0; i < Qn; ++i) {
-          const int64_t r = qtask[i] / H, h = qtask[i] % H;
-          T* o = out + (rows[r] * H + h) * E;
-          const float inv = 1.f / sums[i];
-          for (int64_t e = 0; e < E; ++e) o[e] = from_f<T>(acc[i * E + e] * inv);
-          if (tel != nullptr && tel->slot[r] >= 0) tel->record(tel->slot[r], h, sc.data() + i * std::max<int64_t>(lmax, 1), qlen[i], sums[i]);
-        }
+        if (r1 - r0 > 1) run();
       }
+      run();
       idx = t_end;
     }
     return;
