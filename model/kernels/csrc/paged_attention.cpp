@@ -164,12 +164,12 @@ static inline void score_tiles(const float* qf, const int64_t* len, int64_t i, i
 // position loop's FMAs in order (a value tile loads each value vector once for its NQ queries).
 template <int NQ, int NV, typename At>
 static inline void values_tile(const float* const* p, float* const* acc, int64_t s0, int64_t s1, int64_t e0, const At& at,
-                               int64_t pf_end) {
+                               int64_t pf_end, int64_t E) {
   __m256 r[NQ][NV];
   for (int i = 0; i < NQ; ++i)
     for (int v = 0; v < NV; ++v) r[i][v] = _mm256_loadu_ps(acc[i] + e0 + 8 * v);
   for (int64_t s = s0; s < s1; ++s) {
-    prefetch_row(at, s + PREFETCH_POSITIONS, pf_end, 8 * NV, false);
+    prefetch_row(at, s + PREFETCH_POSITIONS, pf_end, E, false);  // the whole row (E), in the first lane pass
     const auto* vs = at.v(s) + e0;
     __m256 ps[NQ];
     for (int i = 0; i < NQ; ++i) ps[i] = _mm256_set1_ps(p[i][s]);
@@ -196,7 +196,7 @@ static inline void value_tiles(const float* sc, int64_t ld, float* acc, const in
     a[u] = acc + (i + u) * E;
   }
   if (common > b0)
-    for (int64_t e0 = 0; e0 < E; e0 += 8 * NV) values_tile<NQ, NV>(p, a, b0, common, e0, rows, e0 == 0 ? pf_end : 0);
+    for (int64_t e0 = 0; e0 < E; e0 += 8 * NV) values_tile<NQ, NV>(p, a, b0, common, e0, rows, e0 == 0 ? pf_end : 0, E);
   for (int u = 0; u < NQ; ++u) done[i + u] = std::max(b0, common);
 }
 #endif
