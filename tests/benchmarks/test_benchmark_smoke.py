@@ -160,3 +160,18 @@ def test_gemm_benchmark_reports_every_precision(tmp_path):
         assert math.isfinite(row["int4_over_float32"]) and row["int4_over_float32"] > 0
     stream = json.loads(out.read_text())["stream"]
     _positive(stream["gb_s"], {"int4", "int8", "float32", "read"})
+
+
+def test_attention_memory_benchmark_times_every_shape(tmp_path):
+    out = tmp_path / "attention.json"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.attention_memory", "--shapes", "default", "8b", "--lengths", "40",
+                           "100", "--reps", "1", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(out.read_text())
+    runs = {(r["shape"], r["positions"]): r for r in result["runs"]}
+    assert set(runs) == {("default", 40), ("default", 100), ("8b", 40), ("8b", 100)}
+    assert runs[("default", 100)]["layers"] == 30 and runs[("8b", 40)]["layers"] == 32
+    for r in runs.values():
+        assert r["ms_per_step"] > 0 and r["gbs"] > 0
+    assert result["read_bandwidth_gbs"] > 0 and result["kv_dtype"] == "float16"
