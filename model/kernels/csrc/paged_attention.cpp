@@ -84,10 +84,10 @@ static inline __m256 score8(const float* q, int64_t s, int64_t E, const At& at) 
 // Register tiles of attend_tile: NQ queries against the same keys (or values) share each key's (value's) load, so
 // the kernel does an FMA per load or better instead of two loads per FMA (score8 reloads q for every key). Where the
 // build has 32 vector registers (AVX-512VL) a score tile holds 3 queries x 8 keys (24 accumulators) and a value
-// tile 3 queries x 8 vectors of the output; with AVX2's 16, 2 queries x 4 keys and 2 x 4 vectors. (4 x 4 tiles for a
-// group of 4 queries, Llama 3's G, were no faster from cache on the Zen 4 host and slower from memory: not kept.) Each (query, key)
+// tile 3 queries x 8 vectors of the output; with AVX2's 16, 2 queries x 4 keys and 2 x 4 vectors. Each (query, key)
 // product chain and each (query, output lane) sum is the one score8 / the position loop computes, in the same order:
-// tiling shares loads, never arithmetic.
+// tiling shares loads, never arithmetic. (4 x 4 tiles for a group of 4 queries, Llama 3's G, were no faster from
+// cache on the Zen 4 host and slower from memory: not kept.)
 #if defined(__AVX512VL__)
 constexpr int SQ = 3, SK = 8, VQ = 3, VV = 8;
 #else
@@ -119,9 +119,9 @@ static inline void key_products(const float* q, int64_t s, int64_t E, const At& 
 
 // Asks for the key (or value) row of position s, if s < end, into L2 ahead of its use. A head's rows are E elements
 // out of every K * E, in blocks that lie anywhere in the pool, and the hardware prefetchers alone held one decode
-// row's attention to about 10 GB/s from memory on the Zen 4 host (against ~21 from cache). Measured there
-// (benchmarks/attention_memory.py: 30 or 16 layers' pools, 4k and 8k positions, float16, 2 threads), prefetcht1
-// 64 positions ahead: 14-15 GB/s on the default model's shape, 19-21 on the 1B's; prefetcht0 at 16-256 ahead: 10-14.
+// row's attention to 5-10 GB/s from memory on the Zen 4 host (against ~21 from cache). Measured there (the loop of
+// benchmarks/attention_memory.py: 30 or 16 layers' pools, 4k and 8k positions, float16, 2 threads), prefetcht1 64
+// positions ahead: 14-16 GB/s on the default model's shape, 19-21 on the 1B's; prefetcht0 at 16-256 ahead: 10-14.
 // A prefetch changes no number. An asm statement, not _mm_prefetch: GCC 12 deletes a __builtin_prefetch whose address
 // needs a load (here the block table's entry), and the object code had none.
 template <typename At>
@@ -299,11 +299,12 @@ struct Widened {  // a block's rows widened to float32: position s (in [b0, b0 +
 // order (8-key groups then the scalar tail; the values accumulated position by position), only interleaved with
 // the other queries' at the granularity of a block of positions. So a row's output is bitwise the same alone
 // (decode) or in a tile (prefill), whatever its neighbours. The groups walk the positions together, block by block,
-// so the pool is read as it lies (a position's rows of every KV head side by side) rather than one head's E
-// elements out of every K * E, a strided walk the memory system serves at a third of the rate (measured: 16k
-// positions of the 1B shape, float16, one thread on the Zen 4 host, 4.9 GB/s one head at a time). qf (Qn, E) scaled
-// queries; len (Qn,); group (NG + 1,): queries [group[g], group[g + 1]) read `at[g]`; sc (Qn, ld) scores ->
-// exp(score - max), sums (Qn,) their sums; acc (Qn, E) the unnormalised outputs.
+// so a thread reads its KV heads' parts of each pool row side by side rather than one head's E elements out of
+// every K * E at a time (before the prefetch below, one thread over 16k positions on the Zen 4 host read 4.9 GB/s
+// walking the 1B's 8 heads one at a time, 12.7 walking a pool of one head; with the prefetch the grouping's own
+// share was not measured apart). qf (Qn, E) scaled queries; len (Qn,); group (NG + 1,): queries
+// [group[g], group[g + 1]) read `at[g]`; sc (Qn, ld) scores -> exp(score - max), sums (Qn,) their sums; acc (Qn, E)
+// the unnormalised outputs.
 template <typename T, typename At>
 static void attend_tile(const float* qf, const int64_t* len, int64_t Qn, int64_t E, const At* at, const int64_t* group,
                         int64_t NG, float* sc, int64_t ld, float* sums, float* acc) {
@@ -319,7 +320,7 @@ static void attend_tile(const float* qf, const int64_t* len, int64_t Qn, int64_t
   // numbers, and the arithmetic on them, are the same either way.
   const auto widens = [&](int64_t g) { return !std::is_same_v<T, float> && group[g + 1] - group[g] > 4; };
   std::vector<float> wide(std::is_same_v<T, float> ? 0 : BS * E);
-  const auto widened = [&](const At& rows, int64_t b0, int64_t b1, bool keys) {  // rows [b0, b1) -> an accessor over `wide`
+  const auto widened = [&](const At& rows, int64_t b0, int64_t b1, bool keys) {  // rows [b0, b1) -> over `wide`
     for (int64_t s = b0; s < b1; ++s) {
       const T* src = keys ? rows.k(s) : rows.v(s);
       float* dst = wide.data() + (s - b0) * E;
@@ -338,7 +339,8 @@ static void attend_tile(const float* qf, const int64_t* len, int64_t Qn, int64_t
     const int64_t b1 = b0 + BS;
     const int64_t pf = std::is_same_v<std::decay_t<decltype(rows)>, Widened> ? 0 : len[qa];  // positions to prefetch
     int64_t i = qa;
-    for (; i + SQ <= qb; i += SQ) score_tiles<R, SQ, SK>(qf, len, i, b0, b1, E, rows, sc, ld, mv.data(), done.data(), i == qa ? pf : 0);
+    for (; i + SQ <= qb; i += SQ)  // the first tile of the group asks for the rows ahead
+      score_tiles<R, SQ, SK>(qf, len, i, b0, b1, E, rows, sc, ld, mv.data(), done.data(), i == qa ? pf : 0);
     for (; i < qb; ++i) done[i] = b0;
     for (i = qa; i < qb; ++i) {
       const int64_t L = len[i], vec_end = L / 8 * 8;  // groups of 8 while s + 8 <= L, as attend_head
@@ -373,7 +375,8 @@ static void attend_tile(const float* qf, const int64_t* len, int64_t Qn, int64_t
   const auto values = [&](int64_t b0, int64_t qa, int64_t qb, const auto& rows) {
     const int64_t pf = std::is_same_v<std::decay_t<decltype(rows)>, Widened> ? 0 : len[qa];  // positions to prefetch
     int64_t i = qa;
-    for (; E % (8 * VV) == 0 && i + VQ <= qb; i += VQ) value_tiles<VQ, VV>(sc, ld, acc, len, i, b0, b0 + BS, E, rows, done.data(), i == qa ? pf : 0);
+    for (; E % (8 * VV) == 0 && i + VQ <= qb; i += VQ)
+      value_tiles<VQ, VV>(sc, ld, acc, len, i, b0, b0 + BS, E, rows, done.data(), i == qa ? pf : 0);
     for (; i < qb; ++i) done[i] = b0;
     for (i = qa; i < qb; ++i) {
       const int64_t end = std::min(b0 + BS, len[i]);
