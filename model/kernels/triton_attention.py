@@ -180,7 +180,9 @@ if triton is not None:
                     # strictly greater: an equal weight keeps the earlier key
                     lane = tl.where(cv > worst, lane, TOP_PAD)  # no lane when it does not beat the worst
                     best_v = tl.where(offs_t == lane, cv, best_v)
-                    best_i = tl.where(offs_t == lane, b * BS + ci, best_i)
+                    # int32 like best_i: b counts up to lens' int64, and compiled Triton (not its interpreter)
+                    # refuses a loop-carried value that changes type
+                    best_i = tl.where(offs_t == lane, (b * BS + ci).to(tl.int32), best_i)
                     cand = tl.where(offs_s == ci, float("-inf"), cand)
         out = acc / l_i
         tl.store(out_ptr + (row * H + h) * E + offs_e, out.to(out_ptr.dtype.element_ty), mask=e_mask)

@@ -94,3 +94,28 @@ def test_triton_is_pointed_at_a_linkable_libcuda(tmp_path, monkeypatch):
     assert os.environ["TRITON_LIBCUDA_PATH"] == str(driver)
     ta._point_triton_at_libcuda()  # set already (by the user or before): left alone
     assert os.environ["TRITON_LIBCUDA_PATH"] == str(driver)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("telemetry", [False, True])
+def test_the_kernel_compiles_for_hopper(dtype, telemetry):
+    """Compiled ahead of time for sm_90 (Triton's own ptxas, no GPU needed): the interpreter above runs the kernel
+    but does not type-check it, and an H200 run found the TELEMETRY variant refused at compile time (a loop-carried
+    int32 re-assigned an int64)."""
+    import inspect
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from model.kernels.triton_attention import _paged_decode_kernel as kernel
+
+    names = list(inspect.signature(kernel.fn).parameters)
+    ptrs = dict(q_ptr=f"*{dtype}", k_ptr=f"*{dtype}", v_ptr=f"*{dtype}", out_ptr=f"*{dtype}", rows_ptr="*i64",
+                tables_ptr="*i64", lens_ptr="*i64", q_stride="i32", W="i32", scale="fp32", slot_ptr="*i64",
+                sink_len_ptr="*i64", sink_ptr="*fp32", top_pos_ptr="*i64", top_prob_ptr="*fp32")
+    consts = dict(H=8, K=2, E=64, E_PAD=64, BS=16, TELEMETRY=telemetry, TOP_K=5, TOP_PAD=8)
+    signature = {n: ptrs.get(n, "constexpr") for n in names}
+    src = ASTSource(fn=kernel, signature=signature, constexprs={(names.index(n),): v for n, v in consts.items()})
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32))
+    assert compiled.asm["cubin"]
