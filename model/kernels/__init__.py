@@ -75,14 +75,15 @@ def cpu_flags() -> set[str]:
 
 def vnni_flags() -> list[str]:
     """The compiler flags for 256-bit `vpdpbusd` where the CPU has it (csrc/simd.h): AVX-VNNI (VEX encoding; Intel
-    Alder Lake, AMD Zen 5), else AVX512-VNNI with AVX512-VL (EVEX encoding; Intel Ice Lake server, AMD Zen 4)."""
+    Alder Lake, AMD Zen 5), else AVX512-VNNI with AVX512-VL (EVEX encoding; Intel Ice Lake server, AMD Zen 4); and
+    with AVX512-VNNI, -VL and -BW, the quantized kernels' 512-bit pair tiles (csrc/quant_linear.cpp)."""
     flags = cpu_flags()
-    if "avx_vnni" in flags:
-        return ["-mavxvnni"]
+    out = ["-mavxvnni"] if "avx_vnni" in flags else []
     if {"avx512_vnni", "avx512vl"} <= flags:
-        # Vectors stay 256 bits wide elsewhere too: the flags only make the EVEX form of the instruction available.
-        return ["-mavx512vnni", "-mavx512vl", "-mprefer-vector-width=256"]
-    return []
+        # The compiler's own vectors stay 256 bits wide: the flags make the EVEX form of the instruction available,
+        # and (with AVX512-BW) the explicit 512-bit pair tiles.
+        out += ["-mavx512vnni", "-mavx512vl", "-mprefer-vector-width=256"] + (["-mavx512bw"] if "avx512bw" in flags else [])
+    return out
 
 
 def compile_flags(avx2: bool) -> list[str]:
@@ -171,7 +172,9 @@ def status() -> str:
     m = native()
     if m is None:
         return f"unavailable: {_error}"
-    return ("native (avx2, vnni)" if getattr(m, "vnni", False) else "native (avx2)") if m.avx2 else "native (generic)"
+    if not m.avx2:
+        return "native (generic)"
+    return "native (" + ", ".join(["avx2"] + [f for f in ("vnni", "zmm") if getattr(m, f, False)]) + ")"
 
 
 def set_enabled(enabled: bool) -> None:

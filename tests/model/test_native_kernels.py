@@ -192,16 +192,19 @@ def test_quantized_kernels_compute_rounded_activations_times_the_dequantized_wei
     torch.testing.assert_close(layer(x), got, rtol=0, atol=0)  # the layer's own dispatch takes that kernel
 
 
-@pytest.mark.parametrize("cls", [Int8Linear, Int4Linear])
-def test_quantized_kernels_give_each_row_bitwise_its_one_row_result(cls):
-    """Tiles of 8, 4 and 1 rows (and 128-row chunks) share loads, never arithmetic (csrc/qgemm.h): a row's outputs
-    are the same floats whatever tile it falls in."""
+# 12 and 13 groups of 8 outputs (int4 layers have whole pairs): pair tiles only, and an odd one left alone; 14
+# groups are split between the threads as 4 + 4 + 4 + 2
+@pytest.mark.parametrize("cls, N", [(Int8Linear, 96), (Int8Linear, 104), (Int4Linear, 96), (Int4Linear, 112)])
+def test_quantized_kernels_give_each_row_bitwise_its_one_row_result(cls, N):
+    """Tiles of 8, 4 and 1 rows (and 128-row chunks), one group of 8 outputs or (512-bit builds, 2 rows and more) a
+    pair of groups, share loads, never arithmetic (csrc/qgemm.h): a row's outputs are the same floats whatever tile
+    it falls in."""
     torch.manual_seed(4)
-    layer = cls.from_float(torch.randn(96, 320) * 0.05)
+    layer = cls.from_float(torch.randn(N, 320) * 0.05)
     op, buffers = getattr(native, layer.native_op), layer.native_buffers()
     x = torch.randn(141, 320) * 2
     many = op(x, *buffers)
-    for M in (1, 3, 4, 7, 8, 13, 141):
+    for M in (1, 2, 3, 4, 7, 8, 13, 141):
         assert torch.equal(op(x[:M], *buffers), many[:M])
     assert all(torch.equal(op(x[m : m + 1], *buffers)[0], many[m]) for m in range(x.shape[0]))
 
@@ -368,8 +371,12 @@ def test_a_stale_build_lock_is_cleared(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("flags, want", [
-    ({"avx2", "avx_vnni", "avx512_vnni", "avx512vl"}, ["-mavxvnni"]),  # the VEX form first (Alder Lake, Zen 5)
-    ({"avx2", "avx512_vnni", "avx512vl"}, ["-mavx512vnni", "-mavx512vl", "-mprefer-vector-width=256"]),  # Zen 4
+    ({"avx2", "avx_vnni"}, ["-mavxvnni"]),  # Alder Lake
+    ({"avx2", "avx_vnni", "avx512_vnni", "avx512vl", "avx512bw"},  # Zen 5, Sapphire Rapids: the VEX form used first
+     ["-mavxvnni", "-mavx512vnni", "-mavx512vl", "-mprefer-vector-width=256", "-mavx512bw"]),
+    ({"avx2", "avx512_vnni", "avx512vl"}, ["-mavx512vnni", "-mavx512vl", "-mprefer-vector-width=256"]),
+    ({"avx2", "avx512_vnni", "avx512vl", "avx512bw"},  # Zen 4, Ice Lake server: and the 512-bit pair tiles
+     ["-mavx512vnni", "-mavx512vl", "-mprefer-vector-width=256", "-mavx512bw"]),
     ({"avx2", "avx512_vnni"}, []),  # no 256-bit EVEX form without AVX512-VL
     ({"avx2"}, []),
 ])
@@ -379,5 +386,7 @@ def test_vnni_flags_follow_the_cpu(monkeypatch, flags, want):
 
 
 def test_the_build_uses_vnni_where_the_cpu_has_it():
-    """The flags reach the source: simd.h turns `vpdpbusd` on for either encoding the build was given."""
+    """The flags reach the source: simd.h turns `vpdpbusd` on for either encoding the build was given, and the
+    512-bit pair tiles on where it was given AVX512-VNNI and -BW."""
     assert bool(native.vnni) == (kernels.cpu_has_avx2() and bool(kernels.vnni_flags()))
+    assert bool(native.zmm) == (kernels.cpu_has_avx2() and {"-mavx512vnni", "-mavx512bw"} <= set(kernels.vnni_flags()))

@@ -10,6 +10,7 @@ using nogil = py::call_guard<py::gil_scoped_release>;
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("avx2") = static_cast<bool>(LS_AVX2);
   m.attr("vnni") = static_cast<bool>(LS_VNNI);
+  m.attr("zmm") = static_cast<bool>(LS_ZMM);
   m.def("rms_norm", &ls::rms_norm, nogil(), "RMSNorm: x (M, D), w (D,) -> (M, D)");
   m.def("silu_mul", &ls::silu_mul, nogil(), "silu(g) * u: (..., 2F) -> (..., F)");
   m.def("rope_", &ls::rope_, nogil(), "RoPE in place on the first n_rot heads: x (N, heads, E), cos/signed sin (N, E)");

@@ -138,28 +138,108 @@ constexpr int MR_WIDE = 4;
 // tiles. The tiles of 2 and 3 rows serve the steps of a few rows (2-3 streams, or a speculative row of 1 + a few
 // drafts): with only tiles of 4 and 1, each of those rows unpacked every weight again (on the Zen 2 development host
 // a 5-row step cost 1.8x a 1-row one).
+constexpr int64_t MB = 128;  // rows a chunk: their int8 activations stay in L2
+
+// Rows [m0, m1) of group g (or of the pair g, g + 1 for a pair tile) as tiles of MR_WIDE, 4, then 3, 2 or 1 rows.
 template <typename Tile>
-static inline void many_rows(int64_t M, int64_t g_begin, int64_t g_end, const Tile& tile) {
-  constexpr int64_t MB = 128;
-  for (int64_t m0 = 0; m0 < M; m0 += MB) {
-    const int64_t m1 = std::min(M, m0 + MB);
-    for (int64_t g = g_begin; g < g_end; ++g) {
-      int64_t m = m0;
-      for (; m + MR_WIDE <= m1; m += MR_WIDE) tile(std::integral_constant<int, MR_WIDE>{}, m, g);
-      for (; m + 4 <= m1; m += 4) tile(std::integral_constant<int, 4>{}, m, g);
-      switch (m1 - m) {
-        case 3: tile(std::integral_constant<int, 3>{}, m, g); break;
-        case 2: tile(std::integral_constant<int, 2>{}, m, g); break;
-        case 1: tile(std::integral_constant<int, 1>{}, m, g); break;
-        default: break;
-      }
-    }
+static inline void row_tiles(int64_t m0, int64_t m1, int64_t g, const Tile& tile) {
+  int64_t m = m0;
+  for (; m + MR_WIDE <= m1; m += MR_WIDE) tile(std::integral_constant<int, MR_WIDE>{}, m, g);
+  for (; m + 4 <= m1; m += 4) tile(std::integral_constant<int, 4>{}, m, g);
+  switch (m1 - m) {
+    case 3: tile(std::integral_constant<int, 3>{}, m, g); break;
+    case 2: tile(std::integral_constant<int, 2>{}, m, g); break;
+    case 1: tile(std::integral_constant<int, 1>{}, m, g); break;
+    default: break;
   }
 }
 
+template <typename Tile>
+static inline void many_rows(int64_t M, int64_t g_begin, int64_t g_end, const Tile& tile) {
+  for (int64_t m0 = 0; m0 < M; m0 += MB) {
+    const int64_t m1 = std::min(M, m0 + MB);
+    for (int64_t g = g_begin; g < g_end; ++g) row_tiles(m0, m1, g, tile);
+  }
+}
+
+// The same with groups in pairs (`pair` takes groups g and g + 1 at once), an odd last group alone (`tile`).
+template <typename Pair, typename Tile>
+static inline void many_rows_paired(int64_t M, int64_t g_begin, int64_t g_end, const Pair& pair, const Tile& tile) {
+  for (int64_t m0 = 0; m0 < M; m0 += MB) {
+    const int64_t m1 = std::min(M, m0 + MB);
+    int64_t g = g_begin;
+    for (; g + 1 < g_end; g += 2) row_tiles(m0, m1, g, pair);
+    if (g < g_end) row_tiles(m0, m1, g, tile);
+  }
+}
+
+#if LS_ZMM
+// Two 32-byte halves (or two 16-byte halves) from two places as one vector: group g's in the low lanes, g + 1's high.
+static inline __m512i join256(const uint8_t* lo, const uint8_t* hi) {
+  return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(lo))),
+                            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(hi)), 1);
+}
+static inline __m512 halves16(const uint16_t* lo, const uint16_t* hi) {  // 8 + 8 float16 -> 16 float32 (exact)
+  return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(lo))),
+                                                 _mm_loadu_si128(reinterpret_cast<const __m128i*>(hi)), 1));
+}
+
+// Pair tiles: groups g and g + 1 at once in 512-bit vectors (lanes 0-7: outputs 8g + j; lanes 8-15: 8(g + 1) + j),
+// for many-row steps, where each activation broadcast, scale product and float op then serves 16 outputs instead of
+// 8. Every lane runs the one-group tile's float operations in its order (the integer block sums are exact), so each
+// output is the same bits whichever tile computed it: batch invariance and decode = prefill hold across the two.
+// Int8: 512-bit vectors have no vpsignb, so x takes w's sign by a masked negation (|x| <= 127: exact).
+template <int MR>
+static inline void q8_pair_tile(const QWeight& w, const QActs& a, int64_t m0, int64_t g, float* y, int64_t ldy) {
+  const int64_t nb = w.K / QK;
+  const uint8_t* w0 = w.data + g * nb * 256;
+  const uint8_t* w1 = w0 + nb * 256;  // group g + 1
+  const uint16_t* s0 = w.scales + g * nb * 8;
+  const uint16_t* s1 = s0 + nb * 8;
+  const __m512i zero = _mm512_setzero_si512();
+  __m512 acc[MR];
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512i s32[MR];
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) s32[i] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+    for (int c = 0; c < 8; ++c) {
+      const __m512i wc = join256(w0 + b * 256 + 32 * c, w1 + b * 256 + 32 * c);
+      const __m512i aw = _mm512_abs_epi8(wc);
+      const __mmask64 neg = _mm512_movepi8_mask(wc);
+#pragma GCC unroll 8
+      for (int i = 0; i < MR; ++i) {
+        const int8_t* x = a.q + (m0 + i) * a.row_bytes + b * QK + 4 * c;
+        const __m512i xb = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(x));
+        s32[i] = _mm512_dpbusd_epi32(s32[i], aw, _mm512_mask_sub_epi8(xb, neg, zero, xb));
+      }
+    }
+    const __m512 d = halves16(s0 + b * 8, s1 + b * 8);
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i)
+      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s32[i]), _mm512_mul_ps(d, _mm512_set1_ps(a.dx[(m0 + i) * a.nbp + b])), acc[i]);
+  }
+  for (int i = 0; i < MR; ++i) _mm512_storeu_ps(y + (m0 + i) * ldy + 8 * g, acc[i]);
+}
+#endif
+
+// Rows from which the many-row tiles take groups in pairs where the build has 512-bit vectors; one row (decode)
+// keeps one weight stream a tile (above).
+constexpr int64_t PAIR_ROWS = 2;
+
 // Output columns [n_begin, n_end), whole groups of 8 (the buffers are padded to them; model/quantize.py).
 static void q8_range(const QWeight& w, const QActs& a, int64_t M, int64_t n_begin, int64_t n_end, float* y, int64_t ldy) {
-  many_rows(M, n_begin / 8, n_end / 8, [&](auto mr, int64_t m, int64_t g) { q8_tile<decltype(mr)::value>(w, a, m, g, y, ldy); });
+  const auto one = [&](auto mr, int64_t m, int64_t g) { q8_tile<decltype(mr)::value>(w, a, m, g, y, ldy); };
+#if LS_ZMM
+  if (M >= PAIR_ROWS) {
+    const auto two = [&](auto mr, int64_t m, int64_t g) { q8_pair_tile<decltype(mr)::value>(w, a, m, g, y, ldy); };
+    many_rows_paired(M, n_begin / 8, n_end / 8, two, one);
+    return;
+  }
+#endif
+  many_rows(M, n_begin / 8, n_end / 8, one);
 }
 
 // ---- Int4 (Q4_0 / Q4_1), 8 outputs interleaved ----------------------------------------------------------------------
@@ -227,12 +307,70 @@ static inline void q4_tile(const QWeight& w, const QActs& a, int64_t m0, int64_t
   for (int i = 0; i < MR; ++i) _mm256_storeu_ps(y + (m0 + i) * ldy + 8 * g, acc[i]);
 }
 
+#if LS_ZMM
+// q4_tile for groups g and g + 1 at once (the pair tiles above).
+template <int MR, bool SYM>
+static inline void q4_pair_tile(const QWeight& w, const QActs& a, int64_t m0, int64_t g, float* y, int64_t ldy) {
+  const int64_t nb = w.K / QK;
+  constexpr int64_t SB = SYM ? 8 : 16;
+  const __m512i m4 = _mm512_set1_epi8(0x0F);
+  const uint8_t* w0 = w.data + g * nb * 128;
+  const uint8_t* w1 = w0 + nb * 128;  // group g + 1
+  const uint16_t* s0 = w.scales + g * nb * SB;
+  const uint16_t* s1 = s0 + nb * SB;
+  __m512 acc[MR];
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512i s32[MR];
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {
+      const __m512i r0 = join256(w0 + b * 128 + 64 * h, w1 + b * 128 + 64 * h);
+      const __m512i r1 = join256(w0 + b * 128 + 64 * h + 32, w1 + b * 128 + 64 * h + 32);
+      // (a 32-bit shift then the nibble mask: each byte's high nibble, as q4_tile's 16-bit shift gives)
+      const __m512i l0 = _mm512_and_si512(r0, m4), h0 = _mm512_and_si512(_mm512_srli_epi32(r0, 4), m4);
+      const __m512i l1 = _mm512_and_si512(r1, m4), h1 = _mm512_and_si512(_mm512_srli_epi32(r1, 4), m4);
+#pragma GCC unroll 8
+      for (int i = 0; i < MR; ++i) {
+        const int8_t* x = a.q + (m0 + i) * a.row_bytes + b * QK + 8 * h;
+        const auto bc = [&](int off) { return _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(x + off)); };
+        __m512i t = h == 0 ? _mm512_setzero_si512() : s32[i];
+        t = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(t, l0, bc(0)), h0, bc(16));
+        s32[i] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(t, l1, bc(4)), h1, bc(20));
+      }
+    }
+    const __m512 d = halves16(s0 + b * SB, s1 + b * SB);
+    const __m512 m = SYM ? _mm512_mul_ps(d, _mm512_set1_ps(-8.f)) : halves16(s0 + b * SB + 8, s1 + b * SB + 8);
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) {
+      const int64_t r = (m0 + i) * a.nbp + b;
+      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s32[i]), _mm512_mul_ps(d, _mm512_set1_ps(a.dx[r])), acc[i]);
+      acc[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(a.sx[r]), acc[i]);
+    }
+  }
+  for (int i = 0; i < MR; ++i) _mm512_storeu_ps(y + (m0 + i) * ldy + 8 * g, acc[i]);
+}
+#endif
+
 // Output columns [n_begin, n_end), whole groups of 8 (Int4 layers have out_features % 16 == 0).
+template <bool SYM>
+static void q4_range_t(const QWeight& w, const QActs& a, int64_t M, int64_t n_begin, int64_t n_end, float* y, int64_t ldy) {
+  const auto one = [&](auto mr, int64_t m, int64_t g) { q4_tile<decltype(mr)::value, SYM>(w, a, m, g, y, ldy); };
+#if LS_ZMM
+  if (M >= PAIR_ROWS) {
+    const auto two = [&](auto mr, int64_t m, int64_t g) { q4_pair_tile<decltype(mr)::value, SYM>(w, a, m, g, y, ldy); };
+    many_rows_paired(M, n_begin / 8, n_end / 8, two, one);
+    return;
+  }
+#endif
+  many_rows(M, n_begin / 8, n_end / 8, one);
+}
+
 static void q4_range(const QWeight& w, const QActs& a, int64_t M, int64_t n_begin, int64_t n_end, float* y, int64_t ldy) {
   if (w.sym)
-    many_rows(M, n_begin / 8, n_end / 8, [&](auto mr, int64_t m, int64_t g) { q4_tile<decltype(mr)::value, true>(w, a, m, g, y, ldy); });
+    q4_range_t<true>(w, a, M, n_begin, n_end, y, ldy);
   else
-    many_rows(M, n_begin / 8, n_end / 8, [&](auto mr, int64_t m, int64_t g) { q4_tile<decltype(mr)::value, false>(w, a, m, g, y, ldy); });
+    q4_range_t<false>(w, a, M, n_begin, n_end, y, ldy);
 }
 #else
 // Scalar: the same sums (exact per block), the same order per output as the vector kernels.

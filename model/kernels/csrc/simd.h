@@ -27,6 +27,14 @@
 #else
 #define LS_VNNI 0
 #endif
+// 512-bit vectors where the build has AVX512-VNNI and -BW (Zen 4, Ice Lake server and later): the quantized kernels'
+// many-row tiles take two groups of 8 outputs at once (quant_linear.cpp). Elsewhere vectors stay 256 bits wide
+// (-mprefer-vector-width=256).
+#if LS_AVX2 && defined(__AVX512VNNI__) && defined(__AVX512F__) && defined(__AVX512BW__)
+#define LS_ZMM 1
+#else
+#define LS_ZMM 0
+#endif
 
 namespace ls {
 
