@@ -14,7 +14,8 @@ From memory (`--stream-mb`, default 256): one row through many copies of the blo
 MB of each precision's weights in all, several times the last-level cache, in a layer's order: each matrix is read
 from memory once, as in a decode step. Twice: the copies on 4 KB pages (a plain allocation) and on 2 MB pages (as
 the loader places a model's weights, model/huge_pages.py). Reported as GB/s of weights read, beside the plain read
-bandwidth (a sum over a large tensor) measured in the same round.
+bandwidth (a sum over a large tensor) measured in the same round. `--stream-rows 2` (or 3, 4) does the same with a
+few rows a call, as a step of a few streams reads its weights.
 """
 
 from __future__ import annotations
@@ -80,14 +81,15 @@ def _on_huge_pages(calls: list) -> list:
     return out
 
 
-def measure_stream(total_mb: int, rounds: int) -> dict:
-    """One row from memory: GB/s of weights read per precision, on 4 KB pages (as a plain allocation gets them) and
-    on 2 MB pages (as the loader places the weights), and the plain read bandwidth; medians of rounds."""
+def measure_stream(total_mb: int, rounds: int, rows: int = 1) -> dict:
+    """`rows` rows (1: a decode step's) from memory: GB/s of weights read per precision, on 4 KB pages (as a plain
+    allocation gets them) and on 2 MB pages (as the loader places the weights), and the plain read bandwidth; medians
+    of rounds."""
     native = kernels.native()
     sides = _copies(native, total_mb)
     for name in list(sides):
         sides[name + " huge pages"] = [sides[name][0], _on_huge_pages(sides[name][1])]
-    xs = {k: torch.randn(1, k) for _, k in SHAPES}
+    xs = {k: torch.randn(rows, k) for _, k in SHAPES}
     per: dict[str, list[float]] = {name: [] for name in [*sides, "read"]}
     for _ in range(rounds):
         for name, (nbytes, calls) in sides.items():
@@ -99,7 +101,7 @@ def measure_stream(total_mb: int, rounds: int) -> dict:
             per[name].append(nbytes / (time.perf_counter() - t) / 1e9)
         per["read"].append(read_bandwidth("cpu", mb=total_mb))
     gbs = {name: statistics.median(v) for name, v in per.items()}
-    return {"mb": total_mb, "gb_s": gbs, "rounds": per,
+    return {"mb": total_mb, "rows": rows, "gb_s": gbs, "rounds": per,
             "of_read": {name: gbs[name] / gbs["read"] for name in sides},
             "huge_pages_over_4k": {name: gbs[name + " huge pages"] / gbs[name] for name in ("int4", "int8", "float32")}}
 
@@ -135,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--stream-mb", type=int, default=256, help="one row from memory over this many MB a precision (0: skip)")
+    p.add_argument("--stream-rows", type=int, default=1, help="rows a call in the from-memory measurement (2-4: a few "
+                   "streams' decode step)")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/cpu-gemm.json"))
     args = p.parse_args(argv)
     if args.threads:
@@ -147,10 +151,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{m:>6} {g['int4']:8.1f} {g['int8']:8.1f} {g['float32']:8.1f} {r['int4_over_float32']:8.2f}x {r['int8_over_float32']:8.2f}x")
     report = {"machine": machine_info("cpu", torch.get_num_threads()), "shapes": SHAPES, "rows": results}
     if args.stream_mb:
-        report["stream"] = st = measure_stream(args.stream_mb, args.rounds)
+        report["stream"] = st = measure_stream(args.stream_mb, args.rounds, args.stream_rows)
         g = st["gb_s"]
         for pages in ("", " huge pages"):
-            print(f"one row from memory ({args.stream_mb} MB a precision), GB/s of weights read on "
+            print(f"{args.stream_rows} row(s) from memory ({args.stream_mb} MB a precision), GB/s of weights read on "
                   f"{'2 MB' if pages else '4 KB'} pages: int4 {g['int4' + pages]:.1f}, int8 {g['int8' + pages]:.1f}, "
                   f"float32 {g['float32' + pages]:.1f}")
         print(f"a plain read: {g['read']:.1f} GB/s")

@@ -196,7 +196,7 @@ def test_quantized_kernels_compute_rounded_activations_times_the_dequantized_wei
 # groups are split between the threads as 4 + 4 + 4 + 2
 @pytest.mark.parametrize("cls, N", [(Int8Linear, 96), (Int8Linear, 104), (Int4Linear, 96), (Int4Linear, 112)])
 def test_quantized_kernels_give_each_row_bitwise_its_one_row_result(cls, N):
-    """Tiles of 8, 4 and 1 rows (and 128-row chunks), one group of 8 outputs or (512-bit builds, 2 rows and more) a
+    """Tiles of 8, 4 and 1 rows (and 128-row chunks), one group of 8 outputs or (512-bit builds, 16 rows and more) a
     pair of groups, share loads, never arithmetic (csrc/qgemm.h): a row's outputs are the same floats whatever tile
     it falls in."""
     torch.manual_seed(4)
@@ -204,7 +204,7 @@ def test_quantized_kernels_give_each_row_bitwise_its_one_row_result(cls, N):
     op, buffers = getattr(native, layer.native_op), layer.native_buffers()
     x = torch.randn(141, 320) * 2
     many = op(x, *buffers)
-    for M in (1, 2, 3, 4, 7, 8, 13, 141):
+    for M in (1, 2, 3, 4, 7, 8, 13, 16, 17, 19, 141):
         assert torch.equal(op(x[:M], *buffers), many[:M])
     assert all(torch.equal(op(x[m : m + 1], *buffers)[0], many[m]) for m in range(x.shape[0]))
 

@@ -225,9 +225,12 @@ static inline void q8_pair_tile(const QWeight& w, const QActs& a, int64_t m0, in
 }
 #endif
 
-// Rows from which the many-row tiles take groups in pairs where the build has 512-bit vectors; one row (decode)
-// keeps one weight stream a tile (above).
-constexpr int64_t PAIR_ROWS = 2;
+// Rows from which the many-row tiles take groups in pairs where the build has 512-bit vectors. Below it a step's
+// weights stream from memory and two streams a tile read slower than one (as for the one-row tiles above): on the
+// Zen 4 host, `python -m benchmarks.ab ... gemm --rows 1 --stream-rows R` (weights from memory), pairs against
+// single groups read int4 / int8 at 0.66x / 0.67x with 2 rows (prefetching both streams: 0.71x / 0.74x), 0.82x /
+// 0.91x with 8, and 1.31x / 1.16x with 16; from cache they gain from 2 rows on (1.16-1.36x on one thread).
+constexpr int64_t PAIR_ROWS = 16;
 
 // Output columns [n_begin, n_end), whole groups of 8 (the buffers are padded to them; model/quantize.py).
 static void q8_range(const QWeight& w, const QActs& a, int64_t M, int64_t n_begin, int64_t n_end, float* y, int64_t ldy) {
