@@ -120,6 +120,14 @@ def kernels_vs_references(device: str) -> None:
     print(f"telemetry on {device}: Triton's TELEMETRY variant == the reference")
 
 
+def assert_same_steps(got: list, want: list) -> None:
+    """windowed_engine's outputs of two paths: the same tokens, sink masses and top positions at every step."""
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    for a, b in zip(got, want):
+        assert torch.allclose(a.telemetry.sink_mass, b.telemetry.sink_mass, atol=1e-5)
+        assert torch.equal(a.telemetry.top_positions, b.telemetry.top_positions)
+
+
 def engines_on_cuda() -> None:
     """The engine on a CUDA model as it serves (Triton kernel, decode graphs) against the gather + SDPA path."""
     model, prompts = tiny_model().cuda(), [[5, 9, 2, 7, 1] * k for k in (1, 3, 7)]
@@ -130,11 +138,7 @@ def engines_on_cuda() -> None:
         triton_attention._checked[key] = False  # available() -> False: the gather + SDPA path
     assert greedy_tokens(model, prompts) == on_triton
     print("engine tokens on cuda: Triton path == gather path, batched == alone")
-    on_gather = windowed_engine(model)
-    assert [o.token_ids for o in tel_triton] == [o.token_ids for o in on_gather]
-    for a, b in zip(tel_triton, on_gather):
-        assert torch.allclose(a.telemetry.sink_mass, b.telemetry.sink_mass, atol=1e-5)
-        assert torch.equal(a.telemetry.top_positions, b.telemetry.top_positions)
+    assert_same_steps(tel_triton, windowed_engine(model))
     print("kv_window engine with telemetry on cuda: Triton path == gather path")
 
 
@@ -161,10 +165,7 @@ def main() -> None:
         on_triton = windowed_engine(model)
         os.environ["TRITON_INTERPRET"] = "0"
         on_gather = windowed_engine(model)
-    assert [o.token_ids for o in on_triton] == [o.token_ids for o in on_gather]
-    for a, b in zip(on_triton, on_gather):
-        assert torch.allclose(a.telemetry.sink_mass, b.telemetry.sink_mass, atol=1e-5)
-        assert torch.equal(a.telemetry.top_positions, b.telemetry.top_positions)
+    assert_same_steps(on_triton, on_gather)
     print("kv_window engine with telemetry: Triton path == gather path")
 
 
