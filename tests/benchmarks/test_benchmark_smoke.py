@@ -118,6 +118,19 @@ def test_quick_streaming_benchmark(tmp_path):
     assert all(len(e["rolling_perplexity"]) == 2 and e["perplexity"] > 0 for e in text)
 
 
+def test_gpu_profile_dry_run_on_cpu(tmp_path):
+    """The prepared GPU profile (`benchmarks/gpu_profile.py`) on tiny stand-ins, CPU: a table for each model's static
+    decoder and engine, the engine's over decode steps only."""
+    out = tmp_path / "profile.txt"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu_profile", "--dry-run", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    text = out.read_text()
+    for name in ("llama-2-7b", "smollm2-135m"):
+        assert f"== {name}: static decoder" in text and f"== {name}: engine, 4 streams, decode steps" in text
+    assert "aten::" in text  # the profiler's tables, not only the headers
+
+
 def test_gpu_script_dry_run_on_cpu(tmp_path):
     """The prepared GPU script (`benchmarks/gpu.py`) on tiny stand-ins of both shapes, CPU: every path but the
     CUDA graph capture itself (the static decoder runs its step eagerly), so the script cannot rot unseen. It also
