@@ -79,16 +79,13 @@ def telemetry_vs_reference(H: int, K: int, E: int, bs: int, top_k: int, device: 
 
     got, want = tel(), tel()
     out_plain, out_tel = torch.zeros(len(lens), H, E), torch.zeros(len(lens), H, E)
-    if device != "cpu":  # the kernel runs on `device`; its outputs come back to compare on the CPU
-        on = [t.to(device) for t in (q, k_pool, v_pool, rows, tables_t, lens_t, out_plain, out_tel)]
-        got_d = AttentionTelemetry(*(t.to(device) for t in got))
-        triton_attention.paged_decode_attention(*on[:7])
-        triton_attention.paged_decode_attention(*on[:6], on[7], got_d)
-        out_plain, out_tel = on[6].cpu(), on[7].cpu()
-        got = AttentionTelemetry(*(t.cpu() for t in got_d))
-    else:
-        triton_attention.paged_decode_attention(q, k_pool, v_pool, rows, tables_t, lens_t, out_plain)
-        triton_attention.paged_decode_attention(q, k_pool, v_pool, rows, tables_t, lens_t, out_tel, got)
+    # the kernel runs on `device` (.to is the tensor itself on the CPU); its outputs come back to compare on the CPU
+    on = [t.to(device) for t in (q, k_pool, v_pool, rows, tables_t, lens_t, out_plain, out_tel)]
+    got_d = AttentionTelemetry(*(t.to(device) for t in got))
+    triton_attention.paged_decode_attention(*on[:7])
+    triton_attention.paged_decode_attention(*on[:6], on[7], got_d)
+    out_plain, out_tel = on[6].cpu(), on[7].cpu()
+    got = AttentionTelemetry(*(t.cpu() for t in got_d))
     assert torch.equal(out_plain, out_tel)
     kd = k_pool.index_select(0, tables_t.reshape(-1)).view(len(lens), -1, K, E)
     attention_telemetry.reference(q, kd, lens_t, want)
