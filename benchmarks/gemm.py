@@ -14,8 +14,8 @@ From memory (`--stream-mb`, default 256): one row through many copies of the blo
 MB of each precision's weights in all, several times the last-level cache, in a layer's order: each matrix is read
 from memory once, as in a decode step. Twice: the copies on 4 KB pages (a plain allocation) and on 2 MB pages (as
 the loader places a model's weights, model/huge_pages.py). Reported as GB/s of weights read, beside the plain read
-bandwidth (a sum over a large tensor) measured in the same round. `--stream-rows 2` (or 3, 4) does the same with a
-few rows a call, as a step of a few streams reads its weights.
+bandwidth (a sum over a large tensor) measured in the same round. `--stream-rows R` does the same with R rows a call,
+as a step of R streams reads its weights.
 """
 
 from __future__ import annotations
@@ -137,8 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--stream-mb", type=int, default=256, help="one row from memory over this many MB a precision (0: skip)")
-    p.add_argument("--stream-rows", type=int, default=1, help="rows a call in the from-memory measurement (2-4: a few "
-                   "streams' decode step)")
+    p.add_argument("--stream-rows", type=int, default=1, help="rows a call in the from-memory measurement (R: a "
+                   "decode step of R streams)")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/cpu-gemm.json"))
     args = p.parse_args(argv)
     if args.threads:
