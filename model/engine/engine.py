@@ -155,8 +155,9 @@ class Engine:
                 num_blocks=num_blocks, block_size=config.block_size,
                 max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
                 max_model_len=self.max_model_len)
-        log.info("engine: %d KV blocks of %d tokens (%.0f MB, %s), max_model_len %d", num_blocks, config.block_size,
-                 self.cache.nbytes / 1e6, str(kv_dtype).removeprefix("torch."), self.max_model_len)
+        log.info("engine: %d KV blocks of %d tokens (%.0f MB, %s%s), max_model_len %d", num_blocks, config.block_size,
+                 self.cache.nbytes / 1e6, str(kv_dtype).removeprefix("torch."),
+                 "; made resident in the background" if self.cache.device.type == "cpu" else "", self.max_model_len)
         self.runner.capture_graphs()
 
     # ---- requests ---------------------------------------------------------------------------------------------

@@ -119,8 +119,10 @@ class PagedKVCache:
         `dtype`: the pools'; `act_dtype`: the queries' (the model's; None: `dtype`)."""
         shape = (kv.n_layers, num_blocks, block_size, kv.n_kv_heads, kv.head_dim)  # (L, NB, bs, K, E)
         # Zero-filled, not empty: padded gathers read unused slots, and garbage NaNs would survive the -inf mask.
-        # On CPU on 2 MB pages (model/huge_pages.py): a step's attention reads every row's keys and values.
-        zeros = (lambda: huge_pages.empty(shape, dtype)) if torch.device(device).type == "cpu" else \
+        # On CPU on 2 MB pages (model/huge_pages.py): a step's attention reads every row's keys and values. Their
+        # pages are faulted in by a background thread (`huge_pages.populate`), so serving can start before the whole
+        # pool is resident (seconds a GB on a VM); `wait_resident` waits for it.
+        zeros = (lambda: huge_pages.empty(shape, dtype, background=True)) if torch.device(device).type == "cpu" else \
             (lambda: torch.zeros(shape, dtype=dtype, device=device))
         self.k, self.v = zeros(), zeros()
         self.num_blocks, self.block_size = num_blocks, block_size
@@ -142,6 +144,13 @@ class PagedKVCache:
     @property
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes
+
+    def wait_resident(self) -> None:
+        """Return once every page of the pools is resident (at once off CPU, where they are allocated whole)."""
+        for t in (self.k, self.v):
+            worker = huge_pages.populating(t)
+            if worker is not None:
+                worker.join()
 
     @property
     def paged_prefill(self) -> bool:

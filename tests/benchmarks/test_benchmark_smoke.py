@@ -69,7 +69,7 @@ def test_quick_run_against_transformers(tmp_path):
     mem = r["memory"]
     assert mem["kv_bytes_per_token"] == 2 * 30 * 3 * 64 * 4  # K and V, 30 layers, 3 KV heads of 64, float32
     assert mem["weights_mb"] > 0 and mem["kv_pool_mb"] > 0
-    # Both big allocations are resident while serving (the pool is zero-filled), so the peak holds them.
+    # Both big allocations are resident while serving (the pool is faulted in at start), so the peak holds them.
     assert mem["ours_serve"]["peak_rss_mb"] >= mem["weights_mb"] + mem["kv_pool_mb"]
 
     for phase, peers in (("single_stream", ("hf_generate", "hf_forward_loop")),

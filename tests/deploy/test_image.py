@@ -27,7 +27,7 @@ pytestmark = pytest.mark.image
 ROOT = Path(__file__).resolve().parents[2]
 SUMMER = "Summer is warm. Winter is cold.\n"
 GRACE = 30.0  # the image's default --shutdown-grace-seconds
-KV = str(256 << 20)  # the KV pool each test container allocates (the default, 1 GiB, is resident from the start)
+KV = str(256 << 20)  # the KV pool each test container allocates (the default, 1 GiB, is resident seconds after the start)
 
 
 @pytest.fixture(scope="module")
