@@ -72,9 +72,10 @@ def populate(t: Tensor, threads: int = 1) -> bool:
     """Fault every page under `t` in, writable, without writing it (`madvise(MADV_POPULATE_WRITE)`), `threads` threads
     each a share of it, `POPULATE_CHUNK` bytes a call, the GIL released. A page already present keeps its bytes, so
     this may run beside a writer; a page faulted here reads as zeros, as one faulted by a first write would. On a
-    VM every fresh page is a fault the hypervisor serves, and these run in parallel where one writer's faults do not:
-    on the 2-core development host, 2 MB pages fault in at ~0.4 GB/s a thread. -> False where the kernel refuses
-    (before Linux 5.14, not Linux): nothing happened, and the pages are faulted in as they are first written."""
+    VM a fresh page is a fault the hypervisor serves too: on the 2-core development host 2 MB pages of memory the
+    guest had handed back came in at 0.3-0.8 GB/s (one or two threads), recently freed ones several times faster.
+    -> False where the kernel refuses (before Linux 5.14, not Linux): nothing happened, and the pages are faulted in
+    as they are first written."""
     if _MADVISE is None or t.device.type != "cpu" or t.nbytes == 0:
         return False
     lo = t.data_ptr() // mmap.PAGESIZE * mmap.PAGESIZE
@@ -127,31 +128,37 @@ class WeightArena:
         return self.base[start : start + n].view(dtype).view(shape)
 
 
-def empty(shape: tuple[int, ...], dtype: torch.dtype, background: bool = False) -> Tensor:
+def empty(shape: tuple[int, ...], dtype: torch.dtype, resident: bool = True) -> Tensor:
     """A zero-filled tensor of `shape` in its own huge-page arena (the KV pool), its pages faulted in now, on every
     torch thread (`populate`), as `torch.zeros` would leave them: a pool the machine cannot hold fails at start-up,
-    not under load. `background`: by one daemon thread while the caller goes on (`populating`); a page something
-    writes first is faulted in by that write, so the tensor is usable at once, and reads zeros until written."""
+    not under load. `resident=False`: not yet (`populate_later`); a page is then faulted in by its first write, and
+    reads zeros until written."""
     n = 1
     for s in shape:
         n *= s
     t = arena(n * torch.empty((), dtype=dtype).element_size()).view(dtype).view(shape)
-    if background:
-        worker = threading.Thread(target=populate, args=(t,), name="kv-pool-populate", daemon=True)
-        for done in [p for p, w in _populating.items() if not w.is_alive()]:
-            del _populating[done]
-        _populating[t.untyped_storage().data_ptr()] = worker
-        worker.start()
-    elif not populate(t, torch.get_num_threads()):
+    if resident and not populate(t, torch.get_num_threads()):
         t.zero_()  # (writing the zeros faults every page in)
     return t
 
 
-_populating: dict[int, threading.Thread] = {}  # an `empty(background=True)` tensor's storage address -> its worker
+_populating: dict[int, threading.Thread] = {}  # a `populate_later` tensor's storage address -> its worker
+
+
+def populate_later(tensors: list[Tensor]) -> threading.Thread:
+    """One daemon thread that faults in the pages of each tensor in turn (`populate`, one thread: the other cores
+    stay the caller's) while the caller goes on; `populating(t)` finds it."""
+    worker = threading.Thread(target=lambda: [populate(t) for t in tensors], name="populate", daemon=True)
+    for done in [p for p, w in _populating.items() if not w.is_alive()]:
+        del _populating[done]
+    for t in tensors:
+        _populating[t.untyped_storage().data_ptr()] = worker
+    worker.start()
+    return worker
 
 
 def populating(t: Tensor) -> threading.Thread | None:
-    """The thread faulting `t`'s pages in (`empty(background=True)`), or None; `.join()` waits for it."""
+    """The thread faulting `t`'s pages in (`populate_later`), or None; `.join()` waits for it."""
     return _populating.get(t.untyped_storage().data_ptr())
 
 

@@ -120,11 +120,14 @@ class PagedKVCache:
         shape = (kv.n_layers, num_blocks, block_size, kv.n_kv_heads, kv.head_dim)  # (L, NB, bs, K, E)
         # Zero-filled, not empty: padded gathers read unused slots, and garbage NaNs would survive the -inf mask.
         # On CPU on 2 MB pages (model/huge_pages.py): a step's attention reads every row's keys and values. Their
-        # pages are faulted in by a background thread (`huge_pages.populate`), so serving can start before the whole
-        # pool is resident (seconds a GB on a VM); `wait_resident` waits for it.
-        zeros = (lambda: huge_pages.empty(shape, dtype, background=True)) if torch.device(device).type == "cpu" else \
+        # pages are faulted in by a background thread (`huge_pages.populate_later`), so serving can start before the
+        # whole pool is resident (seconds a GB on a VM); `wait_resident` waits for it.
+        cpu = torch.device(device).type == "cpu"
+        zeros = (lambda: huge_pages.empty(shape, dtype, resident=False)) if cpu else \
             (lambda: torch.zeros(shape, dtype=dtype, device=device))
         self.k, self.v = zeros(), zeros()
+        if cpu:
+            huge_pages.populate_later([self.k, self.v])
         self.num_blocks, self.block_size = num_blocks, block_size
         self.device = torch.device(device)
         self.act_dtype = act_dtype or dtype

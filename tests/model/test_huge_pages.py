@@ -89,10 +89,10 @@ def test_populate_makes_pages_resident_and_keeps_what_was_written():
 @pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE"), reason="Linux only")
 def test_a_background_pool_is_usable_at_once_and_becomes_resident():
     before = _rss_bytes()
-    kv = huge_pages.empty((64, 1 << 18), torch.float32, background=True)  # 64 MB
+    kv = huge_pages.empty((64, 1 << 18), torch.float32, resident=False)  # 64 MB
+    worker = huge_pages.populate_later([kv])
     kv[0, :4] = 1.0  # written while the worker may still be faulting pages in
-    worker = huge_pages.populating(kv)
-    assert worker is not None
+    assert huge_pages.populating(kv) is worker
     worker.join()
     assert kv[0, :4].tolist() == [1.0] * 4 and int(kv.count_nonzero()) == 4
     assert _rss_bytes() - before >= 56 << 20
