@@ -96,7 +96,7 @@ def test_a_background_pool_is_usable_at_once_and_becomes_resident():
     worker.join()
     assert kv[0, :4].tolist() == [1.0] * 4 and int(kv.count_nonzero()) == 4
     assert _rss_bytes() - before >= 56 << 20
-    assert huge_pages.populating(huge_pages.empty((4,), torch.float32)) is None  # made resident at once
+    assert huge_pages.populating(torch.zeros(4)) is None
 
 
 def test_the_engine_serves_while_its_pool_becomes_resident():
