@@ -142,24 +142,12 @@ def empty(shape: tuple[int, ...], dtype: torch.dtype, resident: bool = True) -> 
     return t
 
 
-_populating: dict[int, threading.Thread] = {}  # a `populate_later` tensor's storage address -> its worker
-
-
 def populate_later(tensors: list[Tensor]) -> threading.Thread:
-    """One daemon thread that faults in the pages of each tensor in turn (`populate`, one thread: the other cores
-    stay the caller's) while the caller goes on; `populating(t)` finds it."""
+    """One daemon thread, started, that faults in the pages of each tensor in turn (`populate`, one thread: the other
+    cores stay the caller's) while the caller goes on; `.join()` waits for it."""
     worker = threading.Thread(target=lambda: [populate(t) for t in tensors], name="populate", daemon=True)
-    for done in [p for p, w in _populating.items() if not w.is_alive()]:
-        del _populating[done]
-    for t in tensors:
-        _populating[t.untyped_storage().data_ptr()] = worker
     worker.start()
     return worker
-
-
-def populating(t: Tensor) -> threading.Thread | None:
-    """The thread faulting `t`'s pages in (`populate_later`), or None; `.join()` waits for it."""
-    return _populating.get(t.untyped_storage().data_ptr())
 
 
 def place_weights(model: nn.Module, min_bytes: int = 1 << 16) -> int:

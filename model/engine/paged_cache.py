@@ -126,8 +126,7 @@ class PagedKVCache:
         zeros = (lambda: huge_pages.empty(shape, dtype, resident=False)) if cpu else \
             (lambda: torch.zeros(shape, dtype=dtype, device=device))
         self.k, self.v = zeros(), zeros()
-        if cpu:
-            huge_pages.populate_later([self.k, self.v])
+        self.filling = huge_pages.populate_later([self.k, self.v]) if cpu else None  # the thread faulting them in
         self.num_blocks, self.block_size = num_blocks, block_size
         self.device = torch.device(device)
         self.act_dtype = act_dtype or dtype
@@ -150,10 +149,8 @@ class PagedKVCache:
 
     def wait_resident(self) -> None:
         """Return once every page of the pools is resident (at once off CPU, where they are allocated whole)."""
-        for t in (self.k, self.v):
-            worker = huge_pages.populating(t)
-            if worker is not None:
-                worker.join()
+        if self.filling is not None:
+            self.filling.join()
 
     @property
     def paged_prefill(self) -> bool:
