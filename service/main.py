@@ -5,30 +5,39 @@ from __future__ import annotations
 import logging
 import sys
 from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING
 
-from fastapi import FastAPI
-from starlette.middleware.cors import CORSMiddleware
-
-from model.loaders import LoadedModel
-from service import errors, openapi
 from service.config import Settings, allowed_origins, parse_cli
-from service.middleware import GuardMiddleware
-from service.routes import chat, completions, info, inspect, patch, vectors
 from service.state import ServingState
 
+if TYPE_CHECKING:
+    from fastapi import FastAPI
 
-def create_app(settings: Settings | None = None, loaded: LoadedModel | None = None, wait_ready: bool = False) -> FastAPI:
+    from model.loaders import LoadedModel
+
+
+def create_app(settings: Settings | None = None, loaded: LoadedModel | None = None, wait_ready: bool = False,
+               state: ServingState | None = None) -> FastAPI:
     """`loaded`: an already loaded model (tests, embedding); `wait_ready`: start the engine before serving instead
-    of loading in the background while /health says 503."""
+    of loading in the background while /health says 503; `state`: one whose loading has already begun (`main`)."""
+    # The web stack is imported here, not at the top: `main` starts loading the model before it (see there).
+    from fastapi import FastAPI
+    from starlette.middleware.cors import CORSMiddleware
+
+    from service import errors, openapi
+    from service.middleware import GuardMiddleware
+    from service.routes import chat, completions, info, inspect, patch, vectors
+
     settings = settings or Settings()
-    state = ServingState(settings)
+    state = state or ServingState(settings)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        if wait_ready:
-            state.start(loaded)
-        else:
-            state.start_in_background(loaded)
+        if state.loader is None:  # else `main` began loading already
+            if wait_ready:
+                state.start(loaded)
+            else:
+                state.start_in_background(loaded)
         yield
         state.draining = True
         state.stop()
@@ -51,8 +60,14 @@ def create_app(settings: Settings | None = None, loaded: LoadedModel | None = No
 
 
 def main(argv: list[str] | None = None) -> int:
-    from service.shutdown import serve
-
     settings = parse_cli(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s", stream=sys.stderr)
-    return serve(create_app(settings), settings)
+    # The model starts loading before the web stack (FastAPI, the routes, uvicorn: ~0.5 s of imports) is imported and
+    # the server binds: the loader's conversion runs without the GIL, so the two overlap, and /health answers 503
+    # from the moment the server listens until the engine runs, as before. The loader imports only modules of its
+    # own (the GGUF and safetensors readers), none that the web stack imports too.
+    state = ServingState(settings)
+    state.start_in_background()
+    from service.shutdown import serve
+
+    return serve(create_app(settings, state=state), settings)

@@ -41,6 +41,8 @@ def serve(app: FastAPI, settings: Settings) -> int:
     # The engine thread ended unexpectedly: its clients have their errors; stop serving and exit 1 so the
     # orchestrator restarts the process (uvicorn's flag is polled by its main loop: safe to set from any thread).
     state.on_fatal = lambda: setattr(server, "should_exit", True)
+    if state.fatal_error:  # it ended while the server was being set up (the model loads meanwhile: service/main.py)
+        return 1
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)  # what uvicorn restores and re-raises into after its own handling
     server.run()

@@ -38,6 +38,7 @@ class ServingState:
     vectors: VectorStore = field(default=None)  # named steering vectors (service/vectors.py)
     speculative: dict | None = None  # --speculative-config as served (/v1/models), None when off
     kv_cache_dtype: str = ""  # the KV cache's dtype as served (--kv-cache-dtype resolved)
+    loader: threading.Thread | None = None  # the thread loading the model, once `start_in_background` began it
 
     def __post_init__(self) -> None:
         if self.vectors is None:
@@ -116,9 +117,9 @@ class ServingState:
             self.on_fatal()
 
     def start_in_background(self, loaded: LoadedModel | None = None) -> threading.Thread:
-        t = threading.Thread(target=self.start, args=(loaded,), name="llamascope-load", daemon=True)
-        t.start()
-        return t
+        self.loader = threading.Thread(target=self.start, args=(loaded,), name="llamascope-load", daemon=True)
+        self.loader.start()
+        return self.loader
 
     def begin_drain(self, grace_seconds: float) -> None:
         """SIGTERM: refuse new work (503, /health included) from now on; whatever still generates 1 s before the

@@ -51,6 +51,9 @@ class GGUFTensor(NamedTuple):
     data: np.ndarray  # a read-only view of the map: (outer dims..., elements or bytes of a row)
 
 
+_U64 = struct.Struct("<Q")
+
+
 class _Cursor:
     def __init__(self, buf: memoryview) -> None:
         self.buf, self.pos = buf, 0
@@ -68,13 +71,28 @@ class _Cursor:
         self.pos += n
         return s
 
+    def strings(self, n: int) -> list[str]:
+        """`n` strings in a row, as `string` reads each, in one loop without its per-call overhead: a vocabulary's
+        tokens and merges are 100,000 strings and more (opening the 1B shape's GGUF: 0.067 s -> 0.043 s)."""
+        buf, pos, end, out = self.buf, self.pos, len(self.buf), []
+        length = _U64.unpack_from
+        for _ in range(n):
+            (k,) = length(buf, pos)
+            pos += 8
+            if pos + k > end:
+                raise ValueError(f"a string of {k} bytes at byte {pos} runs past the end of the file")
+            out.append(str(buf[pos : pos + k], "utf-8"))
+            pos += k
+        self.pos = pos
+        return out
+
     def value(self, vtype: int) -> Any:
         if vtype == STRING:
             return self.string()
         if vtype == ARRAY:
             etype, n = self.take("I"), self.take("Q")
             if etype == STRING:
-                return [self.string() for _ in range(n)]
+                return self.strings(n)
             if etype == ARRAY:
                 return [self.value(ARRAY) for _ in range(n)]
             dt = np.dtype(_NUMPY[etype]).newbyteorder("<")
