@@ -103,9 +103,11 @@ def run_concurrent(engine: Engine, prompts: list[list[int]], max_tokens: int, cl
 
 def warm_up(engine: Engine, vocab_size: int) -> None:
     """A short batched prefill + decode, so one-time costs (thread pools, kernel selection, first allocations)
-    stay out of the timings (the KV pool's pages, faulted in by a background thread, among them). Random ids that
-    no timed prompt shares, so the prefix cache gains nothing."""
+    stay out of the timings (the KV pool's pages, faulted in by a background thread, and the weights' move onto 2
+    MB pages, another, among them). Random ids that no timed prompt shares, so the prefix cache gains nothing."""
     engine.cache.wait_resident()
+    if getattr(engine.model, "collapsing", None) is not None:  # (model/loaders/checkpoint.py)
+        engine.model.collapsing.join()
     g = torch.Generator().manual_seed(12345)
     prompts = [torch.randint(0, vocab_size, (n,), generator=g).tolist() for n in WARM_UP_PROMPT_LENS]
     run_concurrent(engine, prompts, WARM_UP_NEW_TOKENS, Clock(engine.model.device), tag="warmup")

@@ -4,7 +4,11 @@ A decode step reads every weight once: 96 MB a token for the default model serve
 24,000 pages a token, each one a TLB miss, and each one a fresh start for the hardware prefetchers, which stop at a
 4 KB page boundary. Linux backs an anonymous mapping with transparent 2 MB pages where the mapping asks for them
 (`madvise(MADV_HUGEPAGE)`; the kernel's `transparent_hugepage/enabled` is "madvise" on Debian and Ubuntu, and then
-nothing else gets them). llama.cpp leaves this to the OS (its weights are a file mapping on 4 KB pages).
+nothing else gets them), or moves written 4 KB pages onto them (`MADV_COLLAPSE`). llama.cpp leaves this to the OS
+(its weights are a file mapping on 4 KB pages).
+
+The weights are written on 4 KB pages and collapsed onto 2 MB ones by a background thread once loaded (`collapse`);
+the KV pool is advised at once and faulted in by another (`populate_later`).
 
 `python -m benchmarks.gemm` measures a one-row matmul streaming its weights from memory on both kinds of page; on
 the 2-core Zen 4 development host (benchmarks/results/cpu-gemm.json, medians of 3 rounds) int4 read 17.0 GB/s on
@@ -17,9 +21,11 @@ nothing here changes a value.
 from __future__ import annotations
 
 import ctypes
+import errno
 import logging
 import mmap
 import threading
+import time
 import weakref
 
 import torch
@@ -30,20 +36,28 @@ log = logging.getLogger(__name__)
 PAGE = 2 << 20  # x86-64's transparent huge page
 ALIGN = 64  # each tensor on a cache line of its own
 MADV_POPULATE_WRITE = 23  # Linux 5.14+, uapi asm-generic/mman-common.h
-POPULATE_CHUNK = 64 << 20  # bytes faulted in per madvise call
+MADV_COLLAPSE = 25  # Linux 6.1+, the same header
+# Bytes faulted in per madvise call: one huge page. The call holds the process's mmap lock (read) while it faults
+# its range in, and anything that maps memory meanwhile (a thread's stack, a large allocation) waits for it. With 64
+# MB a call, on the development VM where a fresh page costs the hypervisor a fault (0.15-0.8 GB/s), a thread took up
+# to 150 ms to start and a 40 MB allocation up to 470 ms while a 1 GiB pool was being populated (the engine's own
+# thread among them, at start-up); 2 MB a call: at most 8 and 54 ms, and the pool populated no slower.
+POPULATE_CHUNK = PAGE
 
 
 _mappings: dict[int, weakref.ref] = {}  # an arena's storage address -> its mapping, while the mapping lives
 
 
-def arena(nbytes: int) -> Tensor:
+def arena(nbytes: int, huge_now: bool = True) -> Tensor:
     """(nbytes,) uint8 zeros starting on a 2 MB boundary, in an anonymous mapping advised for 2 MB pages (Linux);
     ordinary zeros where that is not available. The tensor keeps its mapping alive; a page is resident once written
-    (or read)."""
+    (or read). `huge_now=False`: not advised yet, so its pages fault in as 4 KB ones, to be moved onto 2 MB pages
+    once written (`collapse_later`)."""
     if nbytes > 0 and hasattr(mmap, "MADV_HUGEPAGE"):
         try:
             buf = mmap.mmap(-1, nbytes + PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-            buf.madvise(mmap.MADV_HUGEPAGE)  # before the first touch: pages are allocated at the first write
+            if huge_now:
+                buf.madvise(mmap.MADV_HUGEPAGE)  # before the first touch: pages are allocated at the first write
             whole = torch.frombuffer(buf, dtype=torch.uint8)
             skip = -whole.data_ptr() % PAGE
             for dead in [p for p, ref in _mappings.items() if ref() is None]:
@@ -113,7 +127,7 @@ class WeightArena:
     every fresh page costs a fault the hypervisor serves (about 3 s a GB on the development host when cold)."""
 
     def __init__(self, capacity: int) -> None:
-        self.base, self.used = arena(capacity), 0
+        self.base, self.used = arena(capacity, huge_now=False), 0  # (4 KB pages while loading: `collapse_later`)
 
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
         """An uninitialised (zero until written) tensor of `shape`, on a cache line of its own."""
@@ -150,6 +164,71 @@ def populate_later(tensors: list[Tensor]) -> threading.Thread:
     return worker
 
 
+def _collapse_ranges(tensors: list[Tensor]) -> list[tuple[int, int]]:
+    """The whole 2 MB pages of the arenas under `tensors` that hold any of their bytes, merged: [(start, end), ...]."""
+    chunks: set[int] = set()
+    for t in tensors:
+        if t.device.type != "cpu" or t.nbytes == 0 or not on_huge_pages(t):
+            continue
+        storage = t.untyped_storage()
+        m0, m1 = storage.data_ptr(), storage.data_ptr() + storage.nbytes()  # the mapping
+        lo, hi = t.data_ptr() // PAGE * PAGE, t.data_ptr() + t.nbytes
+        chunks.update(c for c in range(lo, hi, PAGE) if c >= m0 and c + PAGE <= m1)
+    ranges: list[tuple[int, int]] = []
+    for c in sorted(chunks):
+        if ranges and ranges[-1][1] == c:
+            ranges[-1] = (ranges[-1][0], c + PAGE)
+        else:
+            ranges.append((c, c + PAGE))
+    return ranges
+
+
+def collapse(tensors: list[Tensor]) -> str:
+    """Move the written pages under `tensors` (in arenas mapped with `huge_now=False`) onto 2 MB pages: advise them
+    (`MADV_HUGEPAGE`), then `madvise(MADV_COLLAPSE)` one 2 MB page a call (Linux 6.1+; the call copies the page's 4
+    KB pages into a fresh 2 MB one and swaps them under the mmap lock, so readers and writers meanwhile see the same
+    bytes throughout), the GIL released. Why not 2 MB pages from the start: on the development VM a fresh 2 MB page
+    costs the hypervisor a fault, and where the guest handed its free memory back (free page reporting) those came
+    in at 0.38 GB/s, fresh 4 KB pages at 1.7-2.4 GB/s (the guest reuses memory it has not reported first); loading
+    into 4 KB pages and collapsing them afterwards moves that cost off the start-up. -> "collapsed" (every page),
+    "advised" (the kernel refused the collapse: khugepaged moves advised memory over time), or "" (not Linux, or
+    no whole 2 MB page of an arena to move)."""
+    ranges = _collapse_ranges(tensors)
+    if _MADVISE is None or not ranges:
+        return ""
+    for a, b in ranges:
+        _MADVISE(a, b - a, mmap.MADV_HUGEPAGE)
+    failed = 0
+    for a, b in ranges:
+        for c in range(a, b, PAGE):
+            if _MADVISE(c, PAGE, MADV_COLLAPSE) != 0:
+                if ctypes.get_errno() == errno.EINVAL:  # before Linux 6.1
+                    return "advised"
+                failed += 1  # EAGAIN / ENOMEM: that page stays on 4 KB pages
+    if failed:
+        log.debug("MADV_COLLAPSE left %d of the weights' 2 MB pages on 4 KB pages", failed)
+    return "collapsed"
+
+
+def collapse_later(tensors: list[Tensor]) -> threading.Thread:
+    """One daemon thread, started, that runs `collapse(tensors)` while the caller goes on and logs how it went (the
+    result in `.outcome`); `.join()` waits for it."""
+
+    def run() -> None:
+        start = time.perf_counter()
+        worker.outcome = collapse(tensors)
+        if worker.outcome:
+            log.info("%.0f MB of weights %s in %.1f s (the process holds %s MB on 2 MB pages)",
+                     sum(b - a for a, b in _collapse_ranges(tensors)) / 2**20,
+                     "moved onto 2 MB pages" if worker.outcome == "collapsed" else "advised for 2 MB pages",
+                     time.perf_counter() - start, granted_mb())
+
+    worker = threading.Thread(target=run, name="collapse", daemon=True)
+    worker.outcome = None
+    worker.start()
+    return worker
+
+
 def place_weights(model: nn.Module, min_bytes: int = 1 << 16) -> int:
     """Copy every CPU parameter and buffer of at least `min_bytes` (but those already in an arena, e.g. written
     there by a loader's `WeightArena`) into one huge-page arena and rebind the modules to the copies: the same values,
@@ -168,7 +247,7 @@ def place_weights(model: nn.Module, min_bytes: int = 1 << 16) -> int:
     total = sum(sizes.values())
     if total == 0:
         return 0
-    base, offset = arena(total), 0
+    base, offset = arena(total, huge_now=False), 0
     with torch.no_grad():
         for where in slots.values():
             module, kind, name = where[0]

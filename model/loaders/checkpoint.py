@@ -196,9 +196,12 @@ def _load_model(path, dtype, device, quantization, shard, reserve_bytes, start: 
     _return_freed_memory()
     if torch.device(device).type == "cpu":  # every decode step streams them: on 2 MB pages (model/huge_pages.py)
         placed = huge_pages.place_weights(model)
-        _return_freed_memory()  # the 4 KB-page copies
-        log.info("weights: on 2 MB pages, %.0f MB of them copied there after loading (the rest written there as "
-                 "read; the process holds %s MB of such pages)", placed / 2**20, huge_pages.granted_mb())
+        if placed:
+            _return_freed_memory()  # the 4 KB-page copies
+        # written on 4 KB pages, moved onto 2 MB ones by a thread of their own while the server starts and serves
+        model.collapsing = huge_pages.collapse_later([t for t in (*model.parameters(), *model.buffers())])
+        log.info("weights: in one arena, %.0f MB of them copied there after loading (the rest written there as read);"
+                 " moving onto 2 MB pages in the background", placed / 2**20)
     weight_bytes = _weight_bytes(model)
     mix = getattr(model, "weight_mix", None)
     if mix:

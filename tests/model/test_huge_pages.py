@@ -1,5 +1,6 @@
 """model/huge_pages.py: the weights and the KV pool moved onto 2 MB pages change no value, keep tied weights tied,
-and serve the same tokens; the arena starts on a 2 MB boundary and is advised for huge pages where Linux allows."""
+and serve the same tokens; the arena starts on a 2 MB boundary and is advised for huge pages where Linux allows; the
+weights, written on 4 KB pages, are collapsed onto 2 MB ones while the model serves."""
 
 from __future__ import annotations
 
@@ -111,3 +112,46 @@ def test_the_engine_serves_while_its_pool_becomes_resident():
     engine.cache.wait_resident()
     assert not engine.cache.filling.is_alive()
     assert first == tokens(1) == greedy_tokens(model, [[1, 2, 3]], n=6)[0]
+
+
+def _huge_kb_at(address: int) -> int:
+    """AnonHugePages (kB) of the mapping holding `address` (/proc/self/smaps)."""
+    inside, kb = False, 0
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and ":" not in head:
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and head == "AnonHugePages:":
+                kb = int(line.split()[1])
+    return kb
+
+
+@pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE"), reason="Linux only")
+def test_written_weights_are_collapsed_onto_huge_pages_unchanged():
+    arena = huge_pages.WeightArena(16 << 20)
+    w = arena.empty((6 << 20,), torch.uint8)  # 6 MB from the arena's start: three whole 2 MB pages
+    w.copy_(torch.randint(0, 256, w.shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(0)))
+    want = w.clone()
+    assert _huge_kb_at(w.data_ptr()) == 0  # written on 4 KB pages (the arena is not advised while loading)
+    outcome = huge_pages.collapse([w])
+    if outcome != "collapsed":
+        pytest.skip(f"the kernel refuses MADV_COLLAPSE (before Linux 6.1): {outcome!r}")
+    assert _huge_kb_at(w.data_ptr()) >= 6 << 10  # kB
+    assert torch.equal(w, want)
+    assert _huge_kb_at(w.data_ptr()) < 16 << 10  # the arena's unwritten rest stays unmapped
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_placed_weights_serve_the_same_tokens_while_they_are_collapsed(mode):
+    prompts = [[5, 9, 2, 7, 1], [3, 3, 8] * 4]
+    model = quantize_model(tiny_model(seed=3, dim=512, hidden_dim=2048), mode)  # 2.6-4.5 MB: whole 2 MB pages
+    want = greedy_tokens(model, prompts)
+    assert huge_pages.place_weights(model, min_bytes=1024) > 0
+    tensors = [*model.parameters(), *model.buffers()]
+    worker = huge_pages.collapse_later(tensors)
+    during = greedy_tokens(model, prompts)  # (the pages may still be moving)
+    worker.join()
+    assert worker.outcome in (("collapsed", "advised") if hasattr(mmap, "MADV_HUGEPAGE") else ("",))
+    assert during == greedy_tokens(model, prompts) == want

@@ -37,6 +37,7 @@ PROBE = textwrap.dedent("""
     path, how = Path(sys.argv[1]), sys.argv[2]
     # the server's own entry point, as `serve` calls it
     lm = load_model(path, quantization="auto") if how == "gguf" else load_model(path, torch.bfloat16, quantization="int4")
+    lm.model.collapsing.join()  # the weights' move onto 2 MB pages, in the background after loading: within the bound too
     print(json.dumps({"before": before, "peak": status("VmHWM:"), "weights": lm.weight_bytes,
                       "float32": 4 * lm.model.config.num_parameters()}))
 """)
