@@ -14,6 +14,9 @@ context: llama-server `-np 32 -c 20480` (640 tokens a slot), ours `--kv-cache-by
 cache like llama-server's (or the `--kv-cache-dtype` that `--ours-args` name). Load time: process start to /health
 200. Peak memory: the server process's VmHWM after the workloads. The workloads are benchmarks/vs_llama_server.py's (streamed /v1/completions, token-id prompts, greedy, EOS
 ignored, 64 new tokens): single stream (median of 3), 32 concurrent, one 512-token prefill.
+
+`--load-only --starts N`: load times alone, N starts of each server alternating (ours, llama-server, ours, ...), each
+stopped as soon as it is ready, medians; writes `--out` (default benchmarks/results/shapes-load.json).
 """
 
 from __future__ import annotations
@@ -188,6 +191,28 @@ def measure(name: str, start, vocab_hint: int, rounds: int, client: str) -> dict
     return out
 
 
+def load_times(path: Path, starts: int, ours_args: list[str], llama_server: Path, threads: int, logs: Path) -> dict:
+    """`starts` starts of each server on `path`, alternating, each stopped once ready: their load times and medians."""
+    ours_cmd = ["--model", str(path), *kv_cache_args(path, CONTEXT, ours_args), *ours_args]
+    times: dict[str, list[float]] = {"ours": [], "llama-server": []}
+    for i in range(starts):
+        for name in times:
+            t0 = time.perf_counter()
+            server = ServedProcess(ours_cmd, logs / f"{path.stem}.ours.{i}.log") if name == "ours" else \
+                vs.LlamaServer(llama_server, path, threads, logs / f"{path.stem}.peer.{i}.log")
+            times[name].append(time.perf_counter() - t0)
+            if name == "ours":
+                server.stop()
+            else:
+                server.stop(grace=0)
+    out = {name: {"load_s": t, "median_s": statistics.median(t)} for name, t in times.items()}
+    out["ratio"] = out["ours"]["median_s"] / out["llama-server"]["median_s"]
+    print(f"  load: ours {' '.join(f'{t:.2f}' for t in times['ours'])} s, llama-server "
+          f"{' '.join(f'{t:.2f}' for t in times['llama-server'])} s; medians {out['ours']['median_s']:.2f} vs "
+          f"{out['llama-server']['median_s']:.2f} s ({out['ratio']:.2f}x)", flush=True)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.shapes", description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", nargs="+", default=["1b", "8b"], choices=sorted(SHAPES))
@@ -199,8 +224,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     p.add_argument("--ours-args", default="")
     p.add_argument("--client", choices=("raw", "httpx"), default="raw")
-    p.add_argument("--out", type=Path, default=Path("benchmarks/results/shapes.json"))
+    p.add_argument("--load-only", action="store_true", help="load times alone: --starts starts of each server")
+    p.add_argument("--starts", type=int, default=4, help="with --load-only: starts of each server, alternating")
+    p.add_argument("--out", type=Path, default=None, help="default benchmarks/results/shapes.json "
+                   "(--load-only: shapes-load.json)")
     args = p.parse_args(argv)
+    args.out = args.out or Path("benchmarks/results/shapes-load.json" if args.load_only else "benchmarks/results/shapes.json")
     for tool in (args.llama_server, args.llama_quantize):
         if not tool.is_file():
             print(f"{tool} not found (llama.cpp peer; see benchmarks/README.md)", file=sys.stderr)
@@ -215,6 +244,13 @@ def main(argv: list[str] | None = None) -> int:
         for qtype in args.types:
             path = model_file(args.cache, shape, qtype, args.llama_quantize, default_model_path())
             print(f"{path.name} ({path.stat().st_size / 2**20:.0f} MiB)", flush=True)
+            if args.load_only:
+                result["runs"].append({"shape": shape, "type": qtype, "file": str(path),
+                                       **load_times(path, args.starts, args.ours_args.split(), args.llama_server,
+                                                    args.threads, logs)})
+                args.out.parent.mkdir(parents=True, exist_ok=True)
+                args.out.write_text(json.dumps(result, indent=2) + "\n")
+                continue
             kv = kv_cache_args(path, CONTEXT, args.ours_args.split())
             run = {"shape": shape, "type": qtype, "file": str(path), "file_bytes": path.stat().st_size,
                    "ours_kv_cache_bytes": int(kv[1]), "ours_kv_cache_dtype": kv[3]}
