@@ -7,13 +7,18 @@ and over the engine's, for the default model's shape and the 7B's, random bfloat
 The first H200 run (docs/performance.md, "GPU") left the 7B's graphed static decoder at 46% of the HBM ceiling and
 the engine at 40%, and at 128 streams the engine at a third of the static decoder: these tables say which kernels
 (the static decoder, eager so that each kernel is seen) and which host-side work (the engine's step, CPU time beside
-CUDA time) take the rest. Printed, and written to --out as text.
+CUDA time) take the rest; then the engine's decode steps by the wall clock, and under cProfile (its own Python per
+step, which torch.profiler does not see). Printed, and written to --out as text.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
+import pstats
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -27,8 +32,14 @@ from model.config import KNOWN_SHAPES
 SHAPES = ("llama-2-7b", "smollm2-135m")
 
 
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def tables(name, model, device: torch.device, args) -> str:
-    """The static decoder's eager step at batch 1 and the engine's steps at `args.batch` streams, profiled."""
+    """The static decoder's eager step at batch 1 and the engine's steps at `args.batch` streams, profiled: kernels
+    (torch.profiler), the wall clock, and the host's Python (cProfile)."""
     from model.engine import Engine, EngineConfig
     from model.engine.sampling_params import SamplingParams
 
@@ -48,16 +59,43 @@ def tables(name, model, device: torch.device, args) -> str:
                     EngineConfig(num_blocks=blocks, block_size=16, max_num_seqs=args.batch,
                                  max_num_batched_tokens=max(512, args.prompt_len), enable_prefix_caching=False))
     params = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
-    for i in range(args.batch):
-        engine.add_request(f"p{i}", prompts[i].tolist(), params)
-    sched = engine.scheduler
-    while engine.has_unfinished() and (sched.waiting or any(not s.output_token_ids for s in sched.running)):
-        engine.step()  # the prefills, unprofiled: what follows are decode steps of every stream
+
+    def admit(tag: str) -> None:
+        """Every stream's request added and prefilled, unprofiled: what follows are decode steps of every stream."""
+        for i in range(args.batch):
+            engine.add_request(f"{tag}{i}", prompts[i].tolist(), params)
+        sched = engine.scheduler
+        while engine.has_unfinished() and (sched.waiting or any(not s.output_token_ids for s in sched.running)):
+            engine.step()
+
+    admit("p")
     with profile(activities=acts) as prof:
         while engine.has_unfinished():
             engine.step()
     out.append(f"== {name}: engine, {args.batch} streams, decode steps\n"
                + prof.key_averages().table(sort_by=sort, row_limit=args.rows, max_name_column_width=60))
+    # The same decode steps by the wall clock (what the kernels' time above leaves to the host), then under cProfile:
+    # the engine's own Python per step, which torch.profiler does not see.
+    for tag, profiler in (("w", None), ("c", cProfile.Profile())):
+        admit(tag)
+        _sync(device)
+        t0, steps = time.perf_counter(), 0
+        if profiler is not None:
+            profiler.enable()
+        while engine.has_unfinished():
+            engine.step()
+            steps += 1
+        if profiler is not None:
+            profiler.disable()
+        _sync(device)
+        ms = (time.perf_counter() - t0) / max(1, steps) * 1e3
+        if profiler is None:
+            out.append(f"== {name}: engine, {args.batch} streams: {steps} decode steps, {ms:.2f} ms a step (wall clock)")
+        else:
+            table = io.StringIO()
+            pstats.Stats(profiler, stream=table).sort_stats("tottime").print_stats(args.rows)
+            out.append(f"== {name}: engine, {args.batch} streams, the host's Python (cProfile, by own time; "
+                       f"{ms:.2f} ms a step with cProfile on)\n" + table.getvalue())
     return "\n".join(out)
 
 
