@@ -458,3 +458,45 @@ def test_the_key_never_reaches_logs_errors_or_settings(caplog):
     assert server_side and not [rec for rec in server_side if secret in rec.getMessage()]
     s = Settings(api_key=secret)
     assert secret not in repr(s) and secret not in str(s) and secret not in s.model_dump_json()
+
+
+# ---- start-up ----------------------------------------------------------------------------------------------------
+
+def test_a_model_that_fails_to_load_before_the_server_binds_leaves_health_503_with_the_reason(tmp_path):
+    """`python -m service` starts loading before the web stack is imported (service/main.py): a file that is no
+    GGUF fails there, and the server still comes up, says why on /health (503) and stops cleanly on SIGTERM."""
+    import time
+
+    from benchmarks.load import ServedProcess
+
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"not a gguf file at all")
+    port = ServedProcess.free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LLAMASCOPE_")}
+    proc = subprocess.Popen([sys.executable, "-m", "service", "--port", str(port), "--model", str(bad)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        deadline, failed = time.monotonic() + 120, None
+        while failed is None and time.monotonic() < deadline and proc.poll() is None:
+            try:
+                r = httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
+                failed = r if r.status_code == 503 and "failed" in r.text else None
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        assert failed is not None, proc.stderr.read() if proc.poll() is not None else "no 503 'failed' in 120 s"
+        err = assert_envelope(failed, 503)
+        assert err["code"] == "not_ready" and "broken.gguf" in err["message"], err
+    finally:
+        proc.terminate()
+        assert proc.wait(60) == 0
+
+
+def test_serve_returns_1_when_the_engine_died_before_the_server_ran():
+    from service.main import create_app
+    from service.shutdown import serve
+
+    settings = Settings()
+    app = create_app(settings)
+    app.state.serving.fatal_error = "the engine stopped"  # (what `_engine_died` sets from the engine thread)
+    assert serve(app, settings) == 1
