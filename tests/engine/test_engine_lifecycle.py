@@ -196,8 +196,15 @@ def test_an_inspection_of_a_long_prompt_leaves_decoding_at_least_half_its_rate()
 
     from model.probes import ProbeOptions, ProbeRun
 
+    import threading
+
     model = tiny_model(seed=3, max_seq_len=4096, dim=256, hidden_dim=512, n_layers=4)
     ae = AsyncEngine(Engine(model, byte_tokenizer(), EngineConfig(num_blocks=512, block_size=16)))
+    # A timing test on two cores: no page work in the background while it measures (this engine's KV pool being
+    # faulted in, or what earlier tests' engines and loaded models left running: model/huge_pages.py's threads).
+    for t in threading.enumerate():
+        if t.name in ("populate", "collapse"):
+            t.join()
     steps: list[tuple[float, float]] = []  # (end time, seconds) of each serving step
     ae.step_hooks.append(lambda _stats, _outs, seconds: steps.append((asyncio.get_event_loop_policy() and
                                                                           __import__("time").perf_counter(), seconds)))
