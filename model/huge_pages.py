@@ -193,7 +193,11 @@ def collapse(tensors: list[Tensor]) -> str:
     into 4 KB pages and collapsing them afterwards moves that cost off the start-up. -> "collapsed" (every page),
     "advised" (the kernel refused the collapse: khugepaged moves advised memory over time), or "" (not Linux, or
     no whole 2 MB page of an arena to move)."""
-    ranges = _collapse_ranges(tensors)
+    return _collapse(_collapse_ranges(tensors))
+
+
+def _collapse(ranges: list[tuple[int, int]]) -> str:
+    """`collapse` over ranges `_collapse_ranges` found."""
     if _MADVISE is None or not ranges:
         return ""
     for a, b in ranges:
@@ -215,11 +219,11 @@ def collapse_later(tensors: list[Tensor]) -> threading.Thread:
     result in `.outcome`); `.join()` waits for it."""
 
     def run() -> None:
-        start = time.perf_counter()
-        worker.outcome = collapse(tensors)
+        start, ranges = time.perf_counter(), _collapse_ranges(tensors)
+        worker.outcome = _collapse(ranges)
         if worker.outcome:
             log.info("%.0f MB of weights %s in %.1f s (the process holds %s MB on 2 MB pages)",
-                     sum(b - a for a, b in _collapse_ranges(tensors)) / 2**20,
+                     sum(b - a for a, b in ranges) / 2**20,
                      "moved onto 2 MB pages" if worker.outcome == "collapsed" else "advised for 2 MB pages",
                      time.perf_counter() - start, granted_mb())
 
