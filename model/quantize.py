@@ -8,10 +8,13 @@ Formats (ggml's blocks of 32 along the input dim, so a GGUF file's Q4_0 / Q4_1 /
     int8  w[n, k] = q[n, k] * d[n, b]               q int8 in [-127, 127], d float16, b = k // 32   (GGUF Q8_0)
     int4  w[n, k] = q[n, k] * d[n, b] + m[n, b]     q in [0, 15], two per byte, d and m
           float16 (GGUF Q4_1; Q4_0's w = d (q - 8) is m = -8 d, so a GGUF file's Q4_0 and Q4_1 blocks map exactly:
-          model/loaders/gguf_blocks.py)
-Both are stored 8 output rows interleaved, as the native kernels read them (model/kernels/csrc/qgemm.h): int4 by
-`int4_layout`, int8 in chunks of 4 weights per output (its rows padded with zeros to a multiple of 8); each
-block's scales (and int4's offsets) for the 8 outputs side by side.
+          model/loaders/gguf_blocks.py); or Q4_K's own scales, d = D sc and m = -(Dmin mn) with D, Dmin float16 per
+          256 weights and sc, mn a byte per 32 (`int4_k_scales`: exact, 4.625 bits a weight)
+    int6  w[n, k] = (d[n, B] sc[n, k / 16]) (q[n, k] - 32)    q in [0, 63], sc int8, d float16, B = k // 256
+          (GGUF Q6_K as the file holds it, 6.5625 bits a weight: served only from such files, `Int6Linear`)
+All are stored 8 output rows interleaved, as the native kernels read them (model/kernels/csrc/qgemm.h): int4 by
+`int4_layout`, int8 in chunks of 4 weights per output (its rows padded with zeros to a multiple of 8), int6 by
+`int6_layout`; each block's scales (and int4's offsets) for the 8 outputs side by side.
 
 Kernels, by what the machine has:
     native  model/kernels (C++, AVX2) `int4_linear` / `int8_linear`: the weights in the formats above against
@@ -150,6 +153,7 @@ class Int4Linear(QuantLinear):
         nibbles, scales = int4_layout(q[:, :, 0] | (q[:, :, 1] << 4), d, m)
         self.register_buffer("nibbles", nibbles.reshape(N // 8, K // GROUP_SIZE, 32).view(torch.uint8))  # (N/8, K/32, 128)
         self.register_buffer("scales", scales.contiguous())  # (N/8, K/32, 2, 8) float16; symmetric: (N/8, K/32, 1, 8)
+        # (Q4_K's scales, `int4_k_scales`: (N/8, K/256, 80))
         # PyTorch's packed kernel wants its own packing (it depends on the CPU's vector width) and bfloat16
         # scales and zeros: built on first use, only where the native kernels do not run.
         self._torch_pack: tuple[Tensor, Tensor] | None = None
@@ -171,22 +175,44 @@ class Int4Linear(QuantLinear):
 
     @classmethod
     def cat(cls, layers: list["Int4Linear"]) -> "Int4Linear":
-        """Stack layers with the same input along the output dim: their buffers (whole groups of 8 rows each); a
-        symmetric layer beside one that is not gets its m written out (-8 d, exact in float16)."""
-        if len({m.symmetric for m in layers}) > 1:
+        """Stack layers with the same input along the output dim: their buffers (whole groups of 8 rows each); layers
+        of differing scale layouts get d and m written out per block in float16 (a symmetric layer's m = -8 d exact;
+        Q4_K's d = D sc and m rounded to float16)."""
+        if len({(m.symmetric, m.k_scales) for m in layers}) > 1:
             return cls.packed(torch.cat([m.nibbles for m in layers]), torch.cat([m.asymmetric_scales() for m in layers]))
         return cls.packed(joined([m.nibbles for m in layers]), joined([m.scales for m in layers]))
 
     @property
     def symmetric(self) -> bool:
         """Scales of d alone, m = -8 d (GGUF Q4_0 as the file holds it: `int4_layout` with m None)."""
-        return self.scales.shape[2] == 1
+        return self.scales.dim() == 4 and self.scales.shape[2] == 1
+
+    @property
+    def k_scales(self) -> bool:
+        """Q4_K's own scales (`int4_k_scales`)."""
+        return self.scales.dim() == 3
 
     def asymmetric_scales(self) -> Tensor:
         """(N/8, K/32, 2, 8) float16: d then m, whichever layout the layer has."""
+        if self.k_scales:
+            G, nb = self.nibbles.shape[:2]
+            d, m = self.group_scales(torch.arange(G).repeat_interleave(8), torch.arange(8).repeat(G))  # (N, nb)
+            return torch.stack([d, m], dim=1).to(torch.float16).view(G, 8, 2, nb).permute(0, 3, 2, 1).contiguous()
         if not self.symmetric:
             return self.scales
         return torch.cat([self.scales, (self.scales.float() * -8).to(torch.float16)], dim=2)
+
+    def group_scales(self, g: Tensor, j: Tensor) -> tuple[Tensor, Tensor]:
+        """Output rows 8 g + j (T,) -> d, m (T, K/32) float32, as the kernels compute them."""
+        if self.k_scales:
+            nbk = self.scales.shape[1]
+            raw = self.scales.view(torch.uint8)[g]  # (T, K/256, 160)
+            lane, lane8 = j[:, None, None].expand(-1, nbk, 1), j[:, None, None, None].expand(-1, nbk, 8, 1)
+            D, Dmin = (raw[..., a : a + 16].contiguous().view(torch.float16).gather(2, lane)[..., 0].float() for a in (0, 16))
+            sc, mn = (raw[..., a : a + 64].reshape(-1, nbk, 8, 8).gather(3, lane8)[..., 0].float() for a in (32, 96))
+            return (D[..., None] * sc).reshape(len(g), -1), (-(Dmin[..., None] * mn)).reshape(len(g), -1)  # (T, K/32)
+        dm = self.scales[g, :, :, j].float()  # (T, nb, 2), or (T, nb, 1) symmetric: m = -8 d
+        return dm[..., 0], dm[..., 1] if dm.shape[-1] == 2 else -8 * dm[..., 0]
 
     def unpacked(self) -> tuple[Tensor, Tensor, Tensor]:
         """-> q (N, K) uint8, d (N, K/G) float32, m (N, K/G) float32."""
@@ -194,9 +220,8 @@ class Int4Linear(QuantLinear):
         nib = self.nibbles.view(N // 8, K // GROUP_SIZE, 4, 8, 4)  # (g, b, p, j, t)
         q = torch.stack([nib & 15, nib >> 4], dim=2)  # (g, b, half, p, j, t): k = 32 b + 16 half + 4 p + t
         q = q.permute(0, 4, 1, 2, 3, 5).reshape(N, K)
-        S = self.scales.shape[2]
-        dm = self.scales.permute(0, 3, 2, 1).reshape(N, S, K // GROUP_SIZE).float()  # (N, S, K/G)
-        return q, dm[:, 0], dm[:, 1] if S == 2 else -8 * dm[:, 0]
+        d, m = self.group_scales(torch.arange(N // 8).repeat_interleave(8), torch.arange(8).repeat(N // 8))
+        return q, d, m
 
     native_op = "int4_linear"
 
@@ -227,6 +252,111 @@ class Int4Linear(QuantLinear):
         return self.nibbles.nbytes + self.scales.nbytes
 
 
+class Int6Linear(QuantLinear):
+    """GGUF Q6_K served as the file holds it (qgemm.h's Int6 layout, `int6_layout`): 6-bit q, an int8 scale per 16
+    weights and a float16 d per 256, 6.5625 bits a weight (int8 takes 8.5 and rounds the file's values again)."""
+
+    @classmethod
+    def packed(cls, data: Tensor, scales: Tensor, out_features: int) -> "Int6Linear":
+        """A layer over buffers in the kernel's layout: data (N'/8, K/32, 208) uint8, scales (N'/8, K/256, 8)
+        float16; `out_features`: the rows before padding to whole groups of 8."""
+        self = cls.__new__(cls)
+        QuantLinear.__init__(self, data.shape[1] * GROUP_SIZE, out_features)
+        self.register_buffer("weight", data)
+        self.register_buffer("scales", scales)
+        return self
+
+    @classmethod
+    def from_float(cls, w: Tensor) -> "Int6Linear":
+        """w (N, K), K a multiple of 256 -> Q6_K's form rounded plainly (not ggml's `make_qx_quants` search): per 16
+        weights a scale s = max|w| / 31, d = max s / 127 per 256 (float16), sc = round(s / d), q = round(w / (d sc)) + 32."""
+        w = w.detach().float()
+        N, K = w.shape
+        if K % 256:
+            raise ValueError(f"int6 needs in_features % 256 == 0, got ({N}, {K})")
+        g = w.reshape(N, K // 256, 16, 16)
+        s = g.abs().amax(-1) / 31  # (N, K/256, 16)
+        d = (s.amax(-1) / 127).half()  # (N, K/256)
+        sc = torch.where(d[..., None] > 0, torch.round(s / d.float()[..., None].clamp(min=1e-30)), 0).clamp(0, 127)
+        step = (d.float()[..., None] * sc)[..., None]  # (N, K/256, 16, 1)
+        q = torch.where(step > 0, torch.round(g / step.clamp(min=1e-30)), 0).clamp(-32, 31) + 32
+        pad = -N % 8
+        parts = (q.reshape(N, K).to(torch.uint8), sc.reshape(N, K // 16).to(torch.int8), d)
+        data, scales = int6_layout(*(torch.nn.functional.pad(t, (0, 0, 0, pad)) for t in parts))
+        return cls.packed(data.contiguous(), scales.contiguous(), N)
+
+    @classmethod
+    def cat(cls, layers: list["Int6Linear"]) -> "Int6Linear":
+        """Stack layers with the same input along the output dim (their buffers: every part fills whole groups of 8
+        rows where a file is all Q6_K; else through their values, re-laid)."""
+        if all(m.out_features % 8 == 0 for m in layers):
+            return cls.packed(joined([m.weight for m in layers]), joined([m.scales for m in layers]),
+                              sum(m.out_features for m in layers))
+        q, sc, d = (torch.cat(t) for t in zip(*(m.unpacked() for m in layers)))
+        pad = -q.shape[0] % 8
+        data, scales = int6_layout(*(torch.nn.functional.pad(t, (0, 0, 0, pad)) for t in (q, sc, d)))
+        return cls.packed(data.contiguous(), scales.contiguous(), q.shape[0])
+
+    def unpacked(self) -> tuple[Tensor, Tensor, Tensor]:
+        """-> q (N, K) uint8 in [0, 63], sc (N, K/16) int8, d (N, K/256) float16."""
+        G = self.weight.shape[0]
+        g, j = torch.arange(G).repeat_interleave(8), torch.arange(8).repeat(G)
+        q, sc, d = int6_rows(self.weight, self.scales, g, j)
+        N = self.out_features
+        return q[:N], sc[:N], d[:N]
+
+    native_op = "int6_linear"
+
+    def native_buffers(self) -> list[Tensor] | None:
+        return [self.weight, self.scales]
+
+    def reference_dequantize(self, dtype: torch.dtype) -> Tensor:
+        return int6_values(*self.unpacked()).to(dtype)
+
+    @property
+    def decode_bytes(self) -> int:
+        return self.weight.nbytes + self.scales.nbytes
+
+
+def int6_layout(q: Tensor, sc: Tensor, d: Tensor) -> tuple[Tensor, Tensor]:
+    """q (N, K) uint8 in [0, 63], sc (N, K/16) int8, d (N, K/256) float16, N whole groups of 8 -> the int6 kernel's
+    buffers (qgemm.h): data (N/8, K/32, 208) uint8 (per block: Int4's nibble layout of q's low 4 bits, then their top
+    2 bits, then the 16 sub-scales) and scales (N/8, K/256, 8) float16."""
+    N, K = q.shape
+    nb = K // GROUP_SIZE
+    qb = q.reshape(N, nb, 2, 4, 4)  # (n, b, half, p, t): k = 32 b + 16 half + 4 p + t
+    nib = (qb[:, :, 0] & 15) | ((qb[:, :, 1] & 15) << 4)  # (n, b, p, t)
+    top = (qb >> 4).reshape(N, nb, 2, 2, 2, 4)  # (n, b, half, h, pp, t): chunk p = 2 h + pp
+    top = top[:, :, 0, :, 0] | (top[:, :, 1, :, 0] << 2) | (top[:, :, 0, :, 1] << 4) | (top[:, :, 1, :, 1] << 6)
+    subs = sc.contiguous().view(torch.uint8).reshape(N, nb, 2)  # (n, b, half)
+    G = N // 8
+    data = torch.cat([nib.reshape(G, 8, nb, 4, 4).permute(0, 2, 3, 1, 4).reshape(G, nb, 128),
+                      top.reshape(G, 8, nb, 2, 4).permute(0, 2, 3, 1, 4).reshape(G, nb, 64),
+                      subs.reshape(G, 8, nb, 2).permute(0, 2, 3, 1).reshape(G, nb, 16)], dim=2)
+    return data, d.to(torch.float16).reshape(G, 8, nb // 8).permute(0, 2, 1)
+
+
+def int6_rows(data: Tensor, scales: Tensor, g: Tensor, j: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Output rows 8 g + j (T,) of an int6 layer's buffers -> q (T, K) uint8, sc (T, K/16) int8, d (T, K/256)
+    float16 (`int6_layout` undone)."""
+    G, nb = data.shape[:2]
+    nib = data[..., :128].reshape(G, nb, 4, 8, 4)[g, :, :, j, :]  # (T, nb, p, t)
+    top = data[..., 128:192].reshape(G, nb, 2, 8, 4)[g, :, :, j, :]  # (T, nb, h, t)
+    subs = data[..., 192:].reshape(G, nb, 2, 8)[g, :, :, j]  # (T, nb, half)
+    lo = torch.stack([nib & 15, nib >> 4], dim=2)  # (T, nb, half, p, t)
+    shift = (2 * torch.arange(2)[:, None] + 4 * (torch.arange(4) % 2)[None, :]).to(torch.uint8)  # (half, p)
+    hi = (top[:, :, torch.tensor([0, 0, 1, 1])].unsqueeze(2) >> shift[None, None, :, :, None]) & 3
+    q = (lo | (hi << 4)).reshape(len(g), -1)
+    return q, subs.contiguous().view(torch.int8).reshape(len(g), -1), scales[g, :, j]
+
+
+def int6_values(q: Tensor, sc: Tensor, d: Tensor) -> Tensor:
+    """-> w (T, K) float32 = (d sc) (q - 32), each product rounded, as gguf.quants dequantizes Q6_K."""
+    T, K = q.shape
+    dl = d.float().repeat_interleave(16, dim=1) * sc.float()  # (T, K/16)
+    return (dl[..., None] * (q.reshape(T, K // 16, 16).float() - 32)).reshape(T, K)
+
+
 def joined(parts: list[Tensor]) -> Tensor:
     """torch.cat(parts) along dim 0, without a copy where the parts already lie back to back, in order, in one
     storage (a loader wrote a fused module's parts so: model/loaders/gguf_file.py)."""
@@ -252,11 +382,34 @@ def int4_layout(qs: Tensor, d: Tensor, m: Tensor | None) -> tuple[Tensor, Tensor
     straight into the buffer; the 4 bytes t move together as one int32 (4x fewer elements for the strided copy than
     bytes)."""
     N, nb = qs.shape[:2]
-    words = qs.contiguous().view(torch.int32)  # (N, K/32, 4): word p holds bytes 4p..4p+3 of a group
-    nibbles = words.view(N // 8, 8, nb, 4).permute(0, 2, 3, 1)  # (g, j, b, p) -> (g, b, p, j)
+    nibbles = int4_nibbles(qs)
     parts = [d] if m is None else [d, m]
     dm = torch.stack([t.to(torch.float16) for t in parts], dim=1)  # (N, S, K/32), S = 1 or 2
     return nibbles, dm.view(N // 8, 8, len(parts), nb).permute(0, 3, 2, 1)
+
+
+def int4_nibbles(qs: Tensor) -> Tensor:
+    """`int4_layout`'s nibbles alone: qs (N, K/32, 16) uint8 -> (N/8, K/32, 4, 8) int32 view (g, b, p, j)."""
+    N, nb = qs.shape[:2]
+    words = qs.contiguous().view(torch.int32)  # (N, K/32, 4): word p holds bytes 4p..4p+3 of a group
+    return words.view(N // 8, 8, nb, 4).permute(0, 2, 3, 1)  # (g, j, b, p) -> (g, b, p, j)
+
+
+def int4_k_scales(D: Tensor, Dmin: Tensor, sc: Tensor, mn: Tensor) -> Tensor:
+    """GGUF Q4_K's scales as the int4 kernels take them (qgemm.h): D, Dmin (N, K/256) float16, sc, mn (N, K/32)
+    6-bit integers, N whole groups of 8 -> (N/8, K/256, 80) float16-sized: per 8 outputs and 256 weights, 160 bytes,
+    the outputs' D, their Dmin, then sc as bytes (sub-block s, output j), then mn alike. Each block's d = D sc and
+    m = -(Dmin mn) are exact float32 products (an 11-bit float times a 6-bit integer)."""
+    N, nbk = D.shape
+    G = N // 8
+
+    def halves(t: Tensor) -> Tensor:  # (N, K/256) float16 -> (G, K/256, 16) bytes: output j's value at 2j
+        return t.to(torch.float16).reshape(G, 8, nbk).permute(0, 2, 1).contiguous().view(torch.uint8)
+
+    def per_block(t: Tensor) -> Tensor:  # (N, K/32) -> (G, K/256, 64) bytes (s, j)
+        return t.to(torch.uint8).reshape(G, 8, nbk, 8).permute(0, 2, 3, 1).reshape(G, nbk, 64)
+
+    return torch.cat([halves(D), halves(Dmin), per_block(sc), per_block(mn)], dim=2).view(torch.float16)
 
 
 def int8_layout(q: Tensor, d: Tensor) -> tuple[Tensor, Tensor]:
@@ -321,8 +474,8 @@ def int4_groups(w: Tensor) -> tuple[Tensor, Tensor, Tensor]:
 
 
 class QuantEmbedding(nn.Module):
-    """The token embedding table kept in a quantized layer's format (an `Int8Linear` / `Int4Linear` of shape
-    (vocab, dim)): a row is dequantized when it is gathered, so the table costs its quantized bytes. With tied
+    """The token embedding table kept in a quantized layer's format (an `Int8Linear` / `Int4Linear` / `Int6Linear`
+    of shape (vocab, dim)): a row is dequantized when it is gathered, so the table costs its quantized bytes. With tied
     embeddings it is the LM head itself (llama.cpp keeps `token_embd` quantized and dequantizes the rows it gets,
     `ggml_get_rows`). A gathered row equals the layer's `reference_dequantize` row bit for bit."""
 
@@ -336,16 +489,17 @@ class QuantEmbedding(nn.Module):
         idx = tokens.reshape(-1)
         g, j = idx // 8, idx % 8  # 8 rows interleaved per group (qgemm.h)
         K, nb = self.embedding_dim, self.embedding_dim // GROUP_SIZE
-        if isinstance(self.table, Int8Linear):
+        if isinstance(self.table, Int6Linear):
+            w = int6_values(*int6_rows(self.table.weight, self.table.scales, g, j))
+        elif isinstance(self.table, Int8Linear):
             q = self.table.weight.view(-1, nb, 8, 8, 4)[g, :, :, j, :]  # (T, nb, c, t) -> k = 32 b + 4 c + t
             d = self.table.scales[g, :, j].float()  # (T, nb)
             w = q.reshape(-1, nb, GROUP_SIZE).float() * d[..., None]
         else:
             nib = self.table.nibbles.view(-1, nb, 4, 8, 4)[g, :, :, j, :]  # (T, nb, p, t)
             q = torch.stack([nib & 15, nib >> 4], dim=2)  # (T, nb, half, p, t): k = 32 b + 16 half + 4 p + t
-            dm = self.table.scales[g, :, :, j].float()  # (T, nb, 2), or (T, nb, 1) symmetric: m = -8 d
-            m = dm[..., 1:2] if dm.shape[-1] == 2 else -8 * dm[..., 0:1]
-            w = q.reshape(-1, nb, GROUP_SIZE).float() * dm[..., 0:1] + m
+            d, m = self.table.group_scales(g, j)  # (T, nb)
+            w = q.reshape(-1, nb, GROUP_SIZE).float() * d[..., None] + m[..., None]
         return w.reshape(*tokens.shape, K).to(self.dtype)
 
     def extra_repr(self) -> str:

@@ -31,8 +31,8 @@ class Settings(BaseSettings):
                                json_schema_extra={"shown_default": "cuda if available, else cpu"})
     quantization: Literal["auto", "none", "int8", "int4"] = Field(
         "auto", description="weight-only quantized linear layers on CPU, each matrix converted as it is read. auto: a "
-        "quantized GGUF keeps each matrix at its own precision (Q4_0/Q4_1/Q4_K as int4, Q8_0/Q5_0/Q5_1/Q5_K/Q6_K as "
-        "int8, other types requantized to int8) where the native CPU kernels run; anything else (float files, HF "
+        "quantized GGUF keeps each matrix at its own precision (Q4_0/Q4_1/Q4_K as int4, Q6_K as int6, Q8_0/Q5_0/Q5_1/Q5_K "
+        "as int8, other types requantized to int8) where the native CPU kernels run; anything else (float files, HF "
         "directories, CUDA, tensor parallelism) as none. none: the float model (weights dequantized to --dtype). "
         "int8 / int4: quantize any checkpoint")
     kv_cache_bytes: int = Field(EngineConfig.kv_cache_bytes, description="KV block pool budget in bytes (with the weights, checked against "

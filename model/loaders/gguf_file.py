@@ -25,7 +25,7 @@ from model.loaders.errors import CheckpointError
 from model.loaders.memory import served_bytes
 from model.loaders.gguf_reader import GGUFFile
 from model.loaders.gguf_blocks import (CHUNK_ELEMENTS, Alloc, buffer_shapes, conversion, matrix_layer, own_format,
-                                      symmetric, unpermute_qk)
+                                      scales_layout, unpermute_qk)
 from model.huge_pages import WeightArena
 from model.quantize import GROUP_SIZE, Quantization
 from model.loaders.shard import ShardFor, WeightShard
@@ -51,23 +51,26 @@ def read_metadata(reader: GGUFFile) -> dict[str, Any]:
 
 def native_quantization(reader: GGUFFile) -> str:
     """The quantization that serves this file's block matrices at their own precision (`gguf_blocks.own_format`):
-    "int4" where most of the blocks' 2-D weights are Q4_0 / Q4_1 / Q4_K, "int8" where they are Q8_0 / Q5_* / Q6_K,
+    "int4" where most of the blocks' 2-D weights are Q4_0 / Q4_1 / Q4_K, "int8" where they are Q8_0 / Q5_* / Q6_K (Q6_K
+    matrices are then int6, `served_formats`),
     else "none" (float files and other types: the float model). Counted in parameters, so a file of mixed types
     (a Q4_K_M file is mostly Q4_K) goes by its main one; each tensor then keeps its own (`served_formats`)."""
     params: dict[str, int] = {}
     for t in reader.tensors:
         if t.name.startswith("blk.") and len(t.shape) == 2:
             kind = own_format(t.tensor_type.name) or "none"
+            kind = "int8" if kind == "int6" else kind  # (a mode names int8 or int4; Q6_K matrices keep int6 per tensor)
             params[kind] = params.get(kind, 0) + int(np.prod(t.shape))
     return max(params, key=params.get) if params else "none"
 
 
 def served_formats(reader: GGUFFile, mode: str, per_tensor: bool, tied: bool) -> dict[str, str]:
-    """GGUF tensor name -> "int4" / "int8", the format each matrix is served in under quantization `mode`.
+    """GGUF tensor name -> "int4" / "int6" / "int8", the format each matrix is served in under quantization `mode`.
 
     `per_tensor` (`--quantization auto`): each matrix at its own type's precision (`own_format`; a type with none is
-    requantized to int8), else every block matrix in `mode`. The LM head is int8 either way, and with tied embeddings
-    the table is the head; an untied table keeps its own format. The parts of a fused module (q/k/v, gate/up) must
+    requantized to int8), else every block matrix in `mode`. The LM head is int8 either way (int6 under `per_tensor`
+    where the file's head is Q6_K, as most K-quant files have it), and with tied embeddings the table is the head; an
+    untied table keeps its own format. The parts of a fused module (q/k/v, gate/up) must
     share one kernel: where their formats differ (Q4_K_M's Q6_K attn_v beside Q4_K attn_q), all take int8. Int4
     needs whole groups of 16 rows: else int8. Matrices whose input is not whole blocks of 32 are not listed (float)."""
     kinds: dict[str, str] = {}
@@ -77,7 +80,7 @@ def served_formats(reader: GGUFFile, mode: str, per_tensor: bool, tied: bool) ->
             continue
         own, rows = own_format(t.tensor_type.name), int(t.shape[1])
         if ours == "output.weight" or (tied and ours == "tok_embeddings.weight"):
-            kind = "int8"
+            kind = "int6" if per_tensor and own == "int6" else "int8"
         elif ours == "tok_embeddings.weight":
             kinds[t.name] = own or "int8"  # (only gathered from: int4 rows padded to 16 if need be)
             continue
@@ -104,7 +107,7 @@ def served_bytes_gguf(reader: GGUFFile, quantization: str, per_tensor: bool, dty
         dims = [int(d) for d in reversed(t.shape.tolist())]
         rows, cols = (dims[0], dims[1]) if len(dims) == 2 else (1, int(np.prod(dims)))
         kind = kinds.get(t.name, "float")
-        total += served_bytes(kind, rows, cols, fb, symmetric(t.tensor_type.name, kind))
+        total += served_bytes(kind, rows, cols, fb, scales_layout(t.tensor_type.name, kind))
     return total
 
 
@@ -152,11 +155,11 @@ class _Placement:
                 names = [f"{prefix}.{p}.weight" for p in parts]
                 if not all(n in tensors for n in names):
                     continue
-                # (format, symmetric) of each part: one layout for the module's buffers
-                formats = {(kinds.get(t.name), symmetric(t.tensor_type.name, kinds.get(t.name)))
+                # (format, scales layout) of each part: one layout for the module's buffers
+                formats = {(kinds.get(t.name), scales_layout(t.tensor_type.name, kinds.get(t.name)))
                            for t in (tensors[n] for n in names)}
                 rows = [int(tensors[n].shape[1]) for n in names]
-                if len(formats) != 1 or (None, False) in formats or any(r % 8 for r in rows):
+                if len(formats) != 1 or (None, "") in formats or any(r % 8 for r in rows):
                     continue
                 first = 0
                 for n, r in zip(names, rows):
@@ -174,7 +177,7 @@ class _Placement:
             rows, K = sum(int(self.tensors[n].shape[1]) for n in parts), int(t.shape[0])
             kind = self.kinds[t.name]
             self.fused[module] = [self._take(shape, dtype)
-                                  for shape, dtype in buffer_shapes(kind, rows, K, symmetric(t.tensor_type.name, kind))]
+                                  for shape, dtype in buffer_shapes(kind, rows, K, scales_layout(t.tensor_type.name, kind))]
         buffers = iter(self.fused[module])
         return lambda shape, dtype: next(buffers)[first // 8 : first // 8 + shape[0]]
 

@@ -10,19 +10,21 @@ from pathlib import Path
 from model.quantize import GROUP_SIZE
 
 # Bytes per weight of the served formats (model/quantize.py): int4 nibbles + float16 d and m per 32 (symmetric: d
-# alone); int8 + float16 d.
+# alone; Q4_K's scales: bytes sc and m per 32, float16 D and Dmin per 256); int8 + float16 d; int6 as Q6_K.
 INT4_BYTES = 0.5 + 4 / GROUP_SIZE
 INT4_SYMMETRIC_BYTES = 0.5 + 2 / GROUP_SIZE
+INT4_K_BYTES = 0.5 + 2 / GROUP_SIZE + 4 / 256  # Q4_K's scales: a byte each for sc and m per 32, D and Dmin per 256
 INT8_BYTES = 1 + 2 / GROUP_SIZE
+INT6_BYTES = 0.75 + 1 / 16 + 2 / 256  # GGUF Q6_K's: 6-bit q, an int8 scale per 16, a float16 d per 256
 
 
-def served_bytes(kind: str, rows: int, cols: int, float_bytes: int, sym: bool = False) -> int:
-    """Bytes a (rows, cols) matrix takes served as `kind` ("int4", "int8", or a float of `float_bytes`); `sym`: int4's
-    symmetric layout."""
+def served_bytes(kind: str, rows: int, cols: int, float_bytes: int, layout: str = "") -> int:
+    """Bytes a (rows, cols) matrix takes served as `kind` ("int4", "int6", "int8", or a float of `float_bytes`);
+    `layout`: int4's scales layout (gguf_blocks.scales_layout: "sym", "k" or "")."""
     if kind == "int4":
-        return math.ceil(rows * cols * (INT4_SYMMETRIC_BYTES if sym else INT4_BYTES))
-    if kind == "int8":
-        return math.ceil(-(-rows // 8) * 8 * cols * INT8_BYTES)
+        return math.ceil(rows * cols * {"sym": INT4_SYMMETRIC_BYTES, "k": INT4_K_BYTES}.get(layout, INT4_BYTES))
+    if kind in ("int8", "int6"):
+        return math.ceil(-(-rows // 8) * 8 * cols * (INT8_BYTES if kind == "int8" else INT6_BYTES))
     return rows * cols * float_bytes
 
 

@@ -16,7 +16,7 @@ from gguf_writer import write_tiny_gguf
 from model.loaders.gguf_blocks import unpermute_qk
 from model.loaders.gguf_file import load_gguf, native_quantization, open_gguf
 from model import huge_pages
-from model.quantize import Int4Linear, Int8Linear, QuantEmbedding, QuantLinear
+from model.quantize import Int4Linear, Int6Linear, Int8Linear, QuantEmbedding, QuantLinear
 
 # Block bytes per 256 weights (or 32 for the legacy types) and where each block's float16 super-scales sit
 # (ggml-common.h: block_q2_K {scales[16]; qs[64]; d; dmin}, block_q3_K {hmask[32]; qs[64]; scales[12]; d},
@@ -24,7 +24,7 @@ from model.quantize import Int4Linear, Int8Linear, QuantEmbedding, QuantLinear
 # block_q6_K {ql[128]; qh[64]; scales[16]; d}, block_iq4_xs {d; scales_h; scales_l[4]; qs[128]}).
 K_BLOCKS = {Q.Q2_K: (84, (80, 82)), Q.Q3_K: (110, (108,)), Q.Q4_K: (144, (0, 2)), Q.Q5_K: (176, (0, 2)),
             Q.Q6_K: (210, (208,)), Q.IQ4_XS: (136, (0,))}
-SERVED = {Q.Q4_K: Int4Linear, Q.Q5_K: Int8Linear, Q.Q6_K: Int8Linear, Q.Q5_0: Int8Linear, Q.Q5_1: Int8Linear,
+SERVED = {Q.Q4_K: Int4Linear, Q.Q5_K: Int8Linear, Q.Q6_K: Int6Linear, Q.Q5_0: Int8Linear, Q.Q5_1: Int8Linear,
           Q.Q2_K: Int8Linear, Q.Q3_K: Int8Linear, Q.IQ4_XS: Int8Linear, Q.Q4_0: Int4Linear, Q.Q8_0: Int8Linear}
 
 
@@ -63,15 +63,13 @@ def write_typed(path, hf, qtype_of) -> dict[str, tuple[np.ndarray, object]]:
     return values
 
 
-def bound(qtype, want: np.ndarray) -> np.ndarray:
-    """The stated error of each weight (gguf_blocks.py): Q4_K -> int4 rounds each group's scale and min to float16
-    (2^-11 relative: <= 2^-11 of |d sc| 15 + |dmin m|, bounded by the group's largest magnitude times 2^-10);
-    requantized int8 is within half a step of max|w| / 127 per block of 32 plus the float16 rounding of that step."""
+def bound(qtype, want: np.ndarray, served=None) -> np.ndarray:
+    """The stated error of each weight (gguf_blocks.py) served as `served` (default: the type's own format): Q4_K ->
+    int4 (Q4_K's own scales), Q6_K -> int6 and Q8_0 -> int8 are exact; requantized int8 is within half a step of
+    max|w| / 127 per block of 32 plus the float16 rounding of that step."""
+    served = served or SERVED[qtype]
     g = np.abs(want).reshape(want.shape[0], -1, 32).max(-1, keepdims=True)  # (N, K/32, 1)
-    if SERVED[qtype] is Int4Linear:
-        per = g * 2.0**-10 * 2  # (q d + m: both terms rounded, each at most the group's magnitude)
-    else:
-        per = g * (1 / 254 + 2.0**-11) if qtype not in (Q.Q8_0,) else g * 0
+    per = g * (1 / 254 + 2.0**-11) if served is Int8Linear and qtype is not Q.Q8_0 else g * 0
     return np.broadcast_to(per, (*per.shape[:2], 32)).reshape(want.shape) + 1e-7
 
 
@@ -104,7 +102,7 @@ def test_each_type_loads_to_its_format_within_the_stated_error(tmp_path, qtype):
         err = np.abs(got - want)
         assert (err <= bound(qtype, want)).all(), (name, float(err.max()))
     head = model.output
-    assert isinstance(head, Int8Linear)
+    assert type(head) is (Int6Linear if qtype is Q.Q6_K else Int8Linear)  # (a Q6_K head as the file holds it)
     emb = model.tok_embeddings
     assert isinstance(emb, QuantEmbedding)
     tokens = torch.arange(hf.config.vocab_size)
@@ -146,7 +144,8 @@ def test_exact_mappings_serve_the_files_values_bit_for_bit(tmp_path, qtype, mode
 
 def test_q4_k_m_mix_per_tensor_with_fused_parts_in_one_format(tmp_path):
     """Q4_K_M's pattern: Q4_K matrices, Q6_K attn_v and ffn_down in some layers, a Q6_K head. Under auto each keeps
-    its own precision; a fused module whose parts differ (q/k Q4_K beside a Q6_K v) is int8 as a whole."""
+    its own precision (Q6_K as int6, exact); a fused module whose parts differ (q/k Q4_K beside a Q6_K v) is int8 as
+    a whole."""
     hf = save_tiny_llama(tmp_path / "hf", hidden_size=256, intermediate_size=512, num_attention_heads=4,
                          num_key_value_heads=2, vocab_size=512, num_hidden_layers=2, tie_word_embeddings=False)
 
@@ -159,17 +158,19 @@ def test_q4_k_m_mix_per_tensor_with_fused_parts_in_one_format(tmp_path):
     assert native_quantization(open_gguf(tmp_path / "m.gguf")) == "int4"  # what `auto` picks: the main type's
     m = load_gguf(tmp_path / "m.gguf", quantization="int4", per_tensor=True)
     assert isinstance(m.layers[0].attention.wqkv, Int8Linear) and isinstance(m.layers[1].attention.wqkv, Int4Linear)
-    assert isinstance(m.layers[0].feed_forward.w2, Int8Linear) and isinstance(m.layers[1].feed_forward.w2, Int4Linear)
-    assert isinstance(m.layers[0].feed_forward.w13, Int4Linear)
+    assert isinstance(m.layers[0].feed_forward.w2, Int6Linear) and isinstance(m.layers[1].feed_forward.w2, Int4Linear)
+    assert isinstance(m.layers[0].feed_forward.w13, Int4Linear) and isinstance(m.output, Int6Linear)
     mix = m.weight_mix
-    assert mix["Q6_K -> int8 (requantized)"] == 3  # attn_v and ffn_down of block 0, the head
+    assert mix["Q6_K -> int6"] == 2  # ffn_down of block 0, the head
+    assert mix["Q6_K -> int8 (requantized)"] == 1  # block 0's attn_v, fused with Q4_K attn_q and attn_k
     assert mix["Q4_K -> int8 (requantized)"] == 2  # block 0's attn_q and attn_k, beside their Q6_K attn_v
-    assert mix["Q4_K -> int4 (float16 scales)"] == 2 * 7 - 4 + 1  # the other block matrices and the untied table
+    assert mix["Q4_K -> int4"] == 2 * 7 - 4 + 1  # the other block matrices and the untied table
+    assert m.layers[1].attention.wqkv.k_scales and m.tok_embeddings.table.k_scales  # Q4_K's own scales, exact
     for name, (want, qtype) in values.items():
         if name.startswith("blk."):
             layer, rows = layer_of(m, name)
-            kind = Q.Q6_K if isinstance(layer, Int8Linear) else Q.Q4_K
-            assert (np.abs(layer.dequantize()[rows].numpy() - want) <= bound(kind, want) + bound(Q.Q6_K, want)).all()
+            assert (np.abs(layer.dequantize()[rows].numpy() - want) <= bound(qtype, want, type(layer))).all(), name
+    assert np.array_equal(m.output.dequantize().numpy(), values["output.weight"][0])
     tokens = torch.tensor([[1, 5, 9, 200, 7]])
     with torch.no_grad():
         ref = load_gguf(tmp_path / "m.gguf")(tokens)  # the file's values in float32
@@ -188,8 +189,47 @@ def test_tied_quantized_table_is_the_head(tmp_path):
     assert torch.equal(m.tok_embeddings(tokens), ref.tok_embeddings(tokens))  # Q8_0: the file's exact values
 
 
-NATIVE_CASES = [("int4", q) for q in (Q.Q4_0, Q.Q4_1, Q.Q4_K)] + \
+NATIVE_CASES = [("int4", q) for q in (Q.Q4_0, Q.Q4_1, Q.Q4_K)] + [("int6", Q.Q6_K)] + \
     [("int8", q) for q in (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K)]
+
+
+@pytest.mark.parametrize("qtype", [Q.Q6_K, Q.Q4_K])
+def test_a_k_quant_file_is_served_as_it_holds_its_weights(tmp_path, qtype):
+    """Every matrix Q6_K (int6) or Q4_K (int4 in Q4_K's own scales), a tied table: each weight the file's bit for bit
+    (blocks, the table's gathered rows; a Q6_K head as int6, a Q4_K one requantized to int8), fused modules' parts
+    written back to back in one buffer; the engine's native step gives the module path's tokens and logprobs bit for
+    bit, and batched rows the tokens they get alone."""
+    from tiny import greedy_tokens
+    from test_native_kernels import _decode_run
+
+    hf = save_tiny_llama(tmp_path / "hf", hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=512, tie_word_embeddings=True)
+    values = write_typed(tmp_path / "m.gguf", hf, lambda name: qtype)
+    served, kind = (Int6Linear, "int6") if qtype is Q.Q6_K else (Int4Linear, "int4")
+    mode = native_quantization(open_gguf(tmp_path / "m.gguf"))
+    assert mode == ("int8" if qtype is Q.Q6_K else "int4")
+    m = load_gguf(tmp_path / "m.gguf", quantization=mode, per_tensor=True)
+    assert m.weight_mix == ({"Q6_K -> int6": 7 * 2 + 1} if qtype is Q.Q6_K
+                            else {"Q4_K -> int4": 7 * 2, "Q4_K -> int8 (requantized)": 1})
+    for name, (want, _) in values.items():
+        if name.startswith("blk."):
+            layer, rows = layer_of(m, name)
+            assert type(layer) is served and np.array_equal(layer.dequantize()[rows].numpy(), want), name
+    assert m.tok_embeddings.table is m.output
+    table = values["token_embd.weight"][0]
+    if qtype is Q.Q6_K:
+        assert isinstance(m.output, Int6Linear) and np.array_equal(m.output.dequantize().numpy(), table)
+        assert np.array_equal(m.tok_embeddings(torch.arange(512)).numpy(), table)  # gathered rows: the file's
+    fused = m.layers[0].attention.wqkv
+    assert fused.native_buffers()[0].shape[0] * 8 == fused.out_features == 256 + 2 * 128
+    assert kind == "int6" or fused.k_scales
+    buffers = [b for mod in m.modules() if isinstance(mod, QuantLinear) for b in mod.buffers()]
+    assert len({b.untyped_storage().data_ptr() for b in buffers}) == 1
+    fast, _ = _decode_run(m, native_decode=True)
+    slow, _ = _decode_run(m, native_decode=False)
+    assert fast == slow
+    prompts = [[5, 9, 2, 7, 1] * k for k in (1, 3, 7)]
+    assert greedy_tokens(m, prompts) == [greedy_tokens(m, [p])[0] for p in prompts]
 
 
 @pytest.mark.parametrize("kind,qtype", NATIVE_CASES)

@@ -13,7 +13,8 @@ from model import kernels
 from model.kernels import ops
 from model.attention import sdpa
 from model.engine import Engine, EngineConfig, SamplingParams
-from model.quantize import Int4Linear, Int8Linear, int4_layout, quantize_model, round_activations
+from model.quantize import (Int4Linear, Int6Linear, Int8Linear, int4_k_scales, int4_layout, int4_nibbles, int6_layout,
+                            quantize_model, round_activations)
 from model.transformer import RMSNorm, apply_rotary_tables, rotary_tables
 from tiny import byte_tokenizer, greedy_tokens, tiny_model
 
@@ -215,6 +216,63 @@ def test_native_dequantize_is_bitwise_the_pytorch_one(cls):
     with kernels.disabled():
         want = layer.dequantize()
     assert torch.equal(layer.dequantize(), want)
+
+
+def test_int6_kernel_rows_are_bitwise_their_one_row_result_and_match_the_reference():
+    """GGUF Q6_K's own layout (qgemm.h's Int6): the kernel against rounded activations times the dequantized weight,
+    each row bitwise its one-row result in any tile (13 groups of 8 outputs, 3 blocks of 256 weights), extreme
+    q / sub-scales included (q 0 and 63, sc -128 and 127), and the native dequantization bitwise the PyTorch one."""
+    torch.manual_seed(7)
+    layer = Int6Linear.from_float(torch.randn(104, 768) * 0.05)
+    q, sc, d = layer.unpacked()
+    q[0, :64], q[1, :64], sc[0, :4], sc[1, :4] = 0, 63, -128, 127
+    data, scales = int6_layout(q, sc, d)
+    layer = Int6Linear.packed(data.contiguous(), scales.contiguous(), 104)
+    x = torch.randn(141, 768) * 2
+    x[0, 5] = 400.0
+    many = native.int6_linear(x, *layer.native_buffers())
+    want = F.linear(round_activations(x), layer.dequantize())
+    torch.testing.assert_close(many, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    for M in (1, 2, 3, 4, 7, 8, 13, 16, 17, 141):
+        assert torch.equal(native.int6_linear(x[:M], *layer.native_buffers()), many[:M])
+    assert all(torch.equal(native.int6_linear(x[m : m + 1], *layer.native_buffers())[0], many[m]) for m in range(20))
+    assert torch.equal(layer(x[:5]), many[:5])  # the layer's own dispatch takes that kernel
+    with kernels.disabled():
+        assert torch.equal(layer.dequantize(), native.int6_dequantize(*layer.native_buffers()))
+
+
+def test_int4_q4_k_scales_are_exact_and_every_tile_agrees():
+    """GGUF Q4_K's own scales (qgemm.h's K layout: d = D sc, m = -(Dmin mn) computed in float32): the dequantized
+    weight is gguf.quants' (d sc) q - dmin m bit for bit, natively or not; the kernel matches rounded activations times
+    it, each row bitwise its one-row result in any tile (pair tiles on 512-bit builds from 16 rows: 14 groups); joined
+    with a symmetric layer, both keep their values (d sc rounded to float16 there)."""
+    torch.manual_seed(8)
+    N, K = 112, 768
+    qs = torch.randint(0, 256, (N, K // 32, 16), dtype=torch.uint8)
+    D, Dmin = (torch.rand(N, K // 256) * 0.01).half(), (torch.rand(N, K // 256) * 0.01).half()
+    sc, mn = torch.randint(0, 64, (N, K // 32)), torch.randint(0, 64, (N, K // 32))
+    sc[0], mn[1] = 63, 63
+    layer = Int4Linear.packed(int4_nibbles(qs).contiguous().view(torch.uint8).reshape(N // 8, K // 32, 128),
+                              int4_k_scales(D, Dmin, sc, mn))
+    assert layer.k_scales and layer.decode_bytes * 8 / (N * K) == 4.625
+    q = torch.stack([qs & 15, qs >> 4], dim=2).reshape(N, K // 32, 32).float()
+    d = D.float().repeat_interleave(8, dim=1) * sc
+    m = Dmin.float().repeat_interleave(8, dim=1) * mn
+    want_w = (d[..., None] * q - m[..., None]).reshape(N, K)  # gguf.quants' Q4_K order of operations
+    assert torch.equal(layer.dequantize(), want_w)
+    with kernels.disabled():
+        assert torch.equal(layer.dequantize(), want_w)
+    x = torch.randn(141, K) * 2
+    many = native.int4_linear(x, *layer.native_buffers())
+    want = F.linear(round_activations(x), want_w)
+    torch.testing.assert_close(many, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    for M in (1, 2, 3, 4, 7, 8, 13, 16, 17, 141):
+        assert torch.equal(native.int4_linear(x[:M], *layer.native_buffers()), many[:M])
+    assert all(torch.equal(native.int4_linear(x[i : i + 1], *layer.native_buffers())[0], many[i]) for i in range(20))
+    other = Int4Linear.from_float(torch.randn(16, K))
+    joined = Int4Linear.cat([layer, other])
+    assert not joined.k_scales and torch.equal(joined.dequantize()[N:], other.dequantize())
+    assert (joined.dequantize()[:N] - want_w).abs().max() <= 2.0**-10 * want_w.abs().max()
 
 
 def test_int4_q4_0_offsets_and_rounding_ties():

@@ -20,10 +20,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_write", &ls::paged_write, nogil(), "write k/v (N, K, E) into pool slots (N,)");
   m.def("int4_linear", &ls::int4_linear, nogil(), "x (M, K) float32/bfloat16 @ int4 W (N, K)^T -> (M, N) float32");
   m.def("int8_linear", &ls::int8_linear, nogil(), "x (M, K) float32/bfloat16 @ int8 (Q8_0 blocks) W (N, K)^T -> (M, N) float32");
+  m.def("int6_linear", &ls::int6_linear, nogil(), "x (M, K) float32/bfloat16 @ int6 (Q6_K blocks) W (N, K)^T -> (M, N) float32");
   m.def("float_linear", &ls::float_linear, nogil(), "x (M, K) @ W (N, K)^T in one dtype, one reduction order for any M");
   m.def("round_activations", &ls::round_activations, nogil(), "x (M, K) float32 rounded to int8 blocks as the kernels round it");
   m.def("int4_dequantize", &ls::int4_dequantize, nogil(), "int4 W -> (N, K) float32");
   m.def("int8_dequantize", &ls::int8_dequantize, nogil(), "int8 W -> (N, K) float32");
+  m.def("int6_dequantize", &ls::int6_dequantize, nogil(), "int6 W -> (N, K) float32");
   m.def("argmax_rows", &ls::argmax_rows, nogil(), "greedy: each row's torch.argmax of logits (B, V) float32, -1 where not finite -> (B,)");
   m.def("decode_layers", &ls::decode_layers, nogil(), "every block of a pure decode step: h (N, D) -> (N, D)");
   m.def("gguf_convert", &ls::gguf_convert, nogil(), "a GGUF matrix's rows (N, row bytes) -> an int4 / int8 layer's buffers");

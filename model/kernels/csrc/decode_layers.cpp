@@ -54,7 +54,8 @@ template <typename T>
 static void quantize_rows(const Projection& p, const T* x, int64_t mb, int64_t me, const QActs& a) {
   if (!p.quantized) return;
   const int64_t bytes = act_row_bytes(p.K / QK), nbp = padded_blocks(p.K / QK);
-  for (int64_t m = mb; m < me; ++m) quantize_act_row(x + m * p.K, p.K, a.q + m * bytes, a.dx + m * nbp, a.sx + m * nbp);
+  for (int64_t m = mb; m < me; ++m)
+    quantize_act_row(x + m * p.K, p.K, a.q + m * bytes, a.dx + m * nbp, a.sx + m * nbp, a.hs + 2 * m * nbp);
 }
 
 // This thread's share of the rows of x (M, K), rounded into the step's shared activations s.a.
@@ -323,6 +324,7 @@ torch::Tensor decode_layers(torch::Tensor h, const std::vector<std::vector<torch
   const int64_t nb = widest_in / QK;
   std::vector<int8_t> qa(N * act_row_bytes(nb));
   std::vector<float> dx(N * padded_blocks(nb)), sx(N * padded_blocks(nb));
+  std::vector<int32_t> hs(2 * N * padded_blocks(nb));
   std::vector<torch::Tensor> kp, vp;
   for (int64_t l = 0; l < L; ++l) kp.push_back(k_pools[l]), vp.push_back(v_pools[l]);
   const auto q = qkv.narrow(1, 0, H);
@@ -333,24 +335,25 @@ torch::Tensor decode_layers(torch::Tensor h, const std::vector<std::vector<torch
   auto own_t = torch::empty({threads, N, D + F}, opts);
   std::vector<int8_t> own_q(threads * N * act_row_bytes(nb));
   std::vector<float> own_dx(threads * N * padded_blocks(nb)), own_sx(threads * N * padded_blocks(nb));
+  std::vector<int32_t> own_hs(2 * threads * N * padded_blocks(nb));
   const auto owns = [&](auto* base) {
     using T = std::remove_pointer_t<decltype(base)>;
     std::vector<Own<T>> out;
     for (int64_t t = 0; t < threads; ++t)
       out.push_back(Own<T>{base + t * N * (D + F), base + t * N * (D + F) + N * D,
                            QActs{own_q.data() + t * N * act_row_bytes(nb), own_dx.data() + t * N * padded_blocks(nb),
-                                 own_sx.data() + t * N * padded_blocks(nb), 0, 0}});
+                                 own_sx.data() + t * N * padded_blocks(nb), 0, 0, own_hs.data() + 2 * t * N * padded_blocks(nb)}});
     return out;
   };
   if (dtype == at::kFloat) {
     Step<float> s{N, D, H, K, E, F, h.data_ptr<float>(), xn.data_ptr<float>(), qkv.data_ptr<float>(), att.data_ptr<float>(),
                   gu.data_ptr<float>(), act.data_ptr<float>(), sub.data_ptr<float>(), cos.data_ptr<float>(), ssin.data_ptr<float>(), y.data_ptr<float>(),
-                  QActs{qa.data(), dx.data(), sx.data(), 0, 0}};
+                  QActs{qa.data(), dx.data(), sx.data(), 0, 0, hs.data()}};
     run_layers(s, layers, proj, eps, kp, vp, sl, q, att, rows, tables, lens, h, sub, edits, telemetry, tel, owns(own_t.data_ptr<float>()));
   } else {
     Step<bf16> s{N, D, H, K, E, F, h.data_ptr<bf16>(), xn.data_ptr<bf16>(), qkv.data_ptr<bf16>(), att.data_ptr<bf16>(),
                  gu.data_ptr<bf16>(), act.data_ptr<bf16>(), sub.data_ptr<bf16>(), cos.data_ptr<bf16>(), ssin.data_ptr<bf16>(), y.data_ptr<float>(),
-                 QActs{qa.data(), dx.data(), sx.data(), 0, 0}};
+                 QActs{qa.data(), dx.data(), sx.data(), 0, 0, hs.data()}};
     run_layers(s, layers, proj, eps, kp, vp, sl, q, att, rows, tables, lens, h, sub, edits, telemetry, tel, owns(own_t.data_ptr<bf16>()));
   }
   return h;

@@ -1,4 +1,4 @@
-// A GGUF matrix's blocks -> the served int4 / int8 layouts (qgemm.h), on every thread, with no float copy of the
+// A GGUF matrix's blocks -> the served int4 / int6 / int8 layouts (qgemm.h), on every thread, with no float copy of the
 // matrix: what model/loaders/gguf_blocks.py's `matrix_layer` does in PyTorch a chunk at a time, in one pass.
 //
 // Block layouts: ggml `ggml-common.h`. Dequantization: ggml `ggml-quants.c` (`dequantize_row_q4_0` ..
@@ -187,12 +187,65 @@ void int8_blocks_row(const float* w, int64_t K, int8_t* q, uint16_t* d) {
 #endif
 }
 
+// Q6_K blocks {u8 ql[128]; u8 qh[64]; i8 scales[16]; f16 d} -> the int6 layout (qgemm.h), exact: q, sc and d moved.
+// ggml's order (`dequantize_row_q6_K`): byte l of half h's ql / qh holds weights 128h + l, + 32, + 64, + 96.
+void convert_q6_k(const torch::Tensor& raw, const torch::Tensor& order, torch::Tensor& data, torch::Tensor& scales) {
+  const int64_t N = raw.size(0), K = raw.size(1) / 210 * 256, nb = K / QK;
+  TORCH_CHECK(raw.size(1) % 210 == 0 && data.size(1) == nb && data.size(0) * 8 >= N && scales.dim() == 3 &&
+                  scales.size(0) == data.size(0) && scales.size(1) * 8 == nb && scales.size(2) == 8,
+              "gguf_convert: int6 takes Q6_K rows, data (N'/8, nb, 208), scales (N'/8, nb/8, 8)");
+  const uint8_t* src = raw.data_ptr<uint8_t>();
+  const int64_t* ord = order.numel() ? order.data_ptr<int64_t>() : nullptr;
+  uint8_t* out = static_cast<uint8_t*>(data.data_ptr());
+  uint16_t* sc = reinterpret_cast<uint16_t*>(scales.data_ptr<at::Half>());
+  const int64_t rb = raw.size(1), groups = (N + 7) / 8;
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    uint8_t q[256];
+    for (int64_t g = g0; g < g1; ++g)
+      for (int64_t j = 0; j < 8; ++j) {
+        const int64_t n = 8 * g + j;
+        const uint8_t* row = n < N ? src + (ord ? ord[n] : n) * rb : nullptr;
+        for (int64_t B = 0; B < K / 256; ++B) {
+          const uint8_t* blk = row ? row + B * 210 : nullptr;
+          if (blk) {
+            for (int h = 0; h < 2; ++h)
+              for (int l = 0; l < 32; ++l) {
+                const uint8_t lo = blk[64 * h + l], hi = blk[64 * h + l + 32], e = blk[128 + 32 * h + l];
+                q[128 * h + l] = (lo & 15) | ((e & 3) << 4);
+                q[128 * h + l + 32] = (hi & 15) | (((e >> 2) & 3) << 4);
+                q[128 * h + l + 64] = (lo >> 4) | (((e >> 4) & 3) << 4);
+                q[128 * h + l + 96] = (hi >> 4) | (((e >> 6) & 3) << 4);
+              }
+            std::memcpy(&sc[(g * (nb / 8) + B) * 8 + j], blk + 208, 2);
+          } else {
+            std::memset(q, 0, sizeof q);
+            sc[(g * (nb / 8) + B) * 8 + j] = 0;
+          }
+          for (int s = 0; s < 8; ++s) {  // block b = 8B + s of the layout
+            uint8_t* ob = out + (g * nb + 8 * B + s) * 208;
+            const uint8_t* qb = q + 32 * s;
+            for (int p = 0; p < 4; ++p)
+              for (int t = 0; t < 4; ++t) {
+                ob[32 * p + 4 * j + t] = (qb[4 * p + t] & 15) | ((qb[16 + 4 * p + t] & 15) << 4);
+                const int h = p / 2, shift = 4 * (p % 2);
+                uint8_t& top = ob[128 + 32 * h + 4 * j + t];
+                const uint8_t bits = ((qb[4 * p + t] >> 4) | ((qb[16 + 4 * p + t] >> 4) << 2)) << shift;
+                top = (p % 2 ? top : 0) | bits;  // (chunk 2h writes the byte's low four bits first)
+              }
+            ob[192 + j] = blk ? blk[192 + 2 * s] : 0;
+            ob[200 + j] = blk ? blk[192 + 2 * s + 1] : 0;
+          }
+        }
+      }
+  });
+}
+
 }  // namespace
 
 // raw (N, row bytes) uint8: the file's rows; order (N,) int64: which file row each output row reads (q/k
 // un-permuted), or empty; data/scales: the layer's buffers (model/loaders/gguf_blocks.py `buffer_shapes`), int4
-// (uint8 data, scales (N'/8, nb, S, 8), S = 1: symmetric) or int8 (int8 data). Rows past N in the last group of 8
-// are written as zeros; whole groups past it are the caller's.
+// (uint8 data, scales (N'/8, nb, S, 8), S = 1: symmetric), int6 (uint8 data (N'/8, nb, 208): Q6_K only) or int8
+// (int8 data). Rows past N in the last group of 8 are written as zeros; whole groups past it are the caller's.
 void gguf_convert(const torch::Tensor& raw, int64_t type, const torch::Tensor& order, torch::Tensor& data,
                   torch::Tensor& scales) {
   const int64_t bb = block_bytes(type), bw = block_weights(type);
@@ -202,18 +255,27 @@ void gguf_convert(const torch::Tensor& raw, int64_t type, const torch::Tensor& o
   const int64_t N = raw.size(0), K = raw.size(1) / bb * bw, nb = K / QK;
   TORCH_CHECK(raw.size(1) % bb == 0 && data.size(1) == nb && data.size(0) * 8 >= N, "gguf_convert: shapes");
   TORCH_CHECK(order.numel() == 0 || (order.numel() == N && order.scalar_type() == at::kLong && order.is_contiguous()), "gguf_convert: order");
-  const bool int4 = data.scalar_type() == at::kByte;
-  TORCH_CHECK(int4 ? (type == Q4_0 || type == Q4_1 || type == Q4_K) && data.size(2) == 128 : data.scalar_type() == at::kChar && data.size(2) == 256,
-              "gguf_convert: int4 takes Q4_0, Q4_1 and Q4_K; int8 takes any type here");
-  TORCH_CHECK(scales.size(0) == data.size(0) && scales.size(1) == nb &&
-                  (int4 ? scales.dim() == 4 && (scales.size(2) == 1 || scales.size(2) == 2) && scales.size(3) == 8
-                        : scales.dim() == 3 && scales.size(2) == 8),
-              "gguf_convert: scales (N'/8, nb, S, 8) for int4, (N'/8, nb, 8) for int8");
-  const int64_t S = int4 ? scales.size(2) : 1;
-  TORCH_CHECK(!int4 || S == 2 || type == Q4_0, "gguf_convert: the symmetric layout holds Q4_0 only");
-  const uint8_t* src = raw.data_ptr<uint8_t>();
   const int64_t* ord = order.numel() ? order.data_ptr<int64_t>() : nullptr;
   for (int64_t n = 0; ord != nullptr && n < N; ++n) TORCH_CHECK(ord[n] >= 0 && ord[n] < N, "gguf_convert: order out of range");
+  if (data.scalar_type() == at::kByte && data.dim() == 3 && data.size(2) == 208) {
+    TORCH_CHECK(type == Q6_K, "gguf_convert: int6 takes Q6_K only");
+    convert_q6_k(raw, order, data, scales);
+    return;
+  }
+  const bool int4 = data.scalar_type() == at::kByte;
+  TORCH_CHECK(int4 ? (type == Q4_0 || type == Q4_1 || type == Q4_K) && data.size(2) == 128 : data.scalar_type() == at::kChar && data.size(2) == 256,
+              "gguf_convert: int4 takes Q4_0, Q4_1 and Q4_K; int6 Q6_K; int8 takes any type here");
+  // int4 with Q4_K's own scales (qgemm.h): (N'/8, nb/8, 80), D and Dmin per 256 weights, sc and mn bytes per 32
+  const bool kq = int4 && scales.dim() == 3 && scales.size(2) == 80;
+  TORCH_CHECK(!kq || (type == Q4_K && scales.size(0) == data.size(0) && scales.size(1) * 8 == nb),
+              "gguf_convert: Q4_K's scales layout holds Q4_K only, (N'/8, nb/8, 80)");
+  TORCH_CHECK(kq || (scales.size(0) == data.size(0) && scales.size(1) == nb &&
+                     (int4 ? scales.dim() == 4 && (scales.size(2) == 1 || scales.size(2) == 2) && scales.size(3) == 8
+                           : scales.dim() == 3 && scales.size(2) == 8)),
+              "gguf_convert: scales (N'/8, nb, S, 8) for int4, (N'/8, nb, 8) for int8");
+  const int64_t S = int4 && !kq ? scales.size(2) : 1;
+  TORCH_CHECK(!int4 || kq || S == 2 || type == Q4_0, "gguf_convert: the symmetric layout holds Q4_0 only");
+  const uint8_t* src = raw.data_ptr<uint8_t>();
   uint8_t* out = static_cast<uint8_t*>(data.data_ptr());
   uint16_t* sc = reinterpret_cast<uint16_t*>(scales.data_ptr<at::Half>());
   const int64_t rb = raw.size(1), groups = (N + 7) / 8;
@@ -231,13 +293,27 @@ void gguf_convert(const torch::Tensor& raw, int64_t type, const torch::Tensor& o
           if (row == nullptr) {
             std::fill(qs.begin(), qs.end(), 0);
             std::fill(dm.begin(), dm.end(), 0.f);
+            for (int64_t B = 0; kq && B < K / 256; ++B) {
+              uint16_t* ks = sc + (g * (nb / 8) + B) * 80;
+              ks[j] = ks[8 + j] = 0;
+              for (int s = 0; s < 8; ++s) reinterpret_cast<uint8_t*>(ks + 16)[8 * s + j] = reinterpret_cast<uint8_t*>(ks + 16)[64 + 8 * s + j] = 0;
+            }
           } else if (type == Q4_K) {
             for (int64_t B = 0; B < K / 256; ++B) {
               const uint8_t* b = row + B * 144;
               const float dd = h2f(b), dmin = h2f(b + 2);
+              uint16_t* ks = sc + (g * (nb / 8) + B) * 80;  // (kq) D, Dmin, sc bytes, mn bytes
+              if (kq) {
+                std::memcpy(ks + j, b, 2);
+                std::memcpy(ks + 8 + j, b + 2, 2);
+              }
               for (int s = 0; s < 8; ++s) {  // sub-block s: nibble s % 2 of qs[32 (s / 2) + k]
                 int scale, mn;
                 scale_min_k4(b + 4, s, scale, mn);
+                if (kq) {
+                  reinterpret_cast<uint8_t*>(ks + 16)[8 * s + j] = static_cast<uint8_t>(scale);
+                  reinterpret_cast<uint8_t*>(ks + 16)[64 + 8 * s + j] = static_cast<uint8_t>(mn);
+                }
                 const int64_t grp = 8 * B + s;
                 dm[2 * grp] = dd * static_cast<float>(scale);
                 dm[2 * grp + 1] = -(dmin * static_cast<float>(mn));
@@ -260,6 +336,7 @@ void gguf_convert(const torch::Tensor& raw, int64_t type, const torch::Tensor& o
           for (int64_t b = 0; b < nb; ++b) {
             uint8_t* ob = out + (g * nb + b) * 128;  // byte (p, j, t) = qs[b, 4p + t]
             for (int p = 0; p < 4; ++p) std::memcpy(ob + 32 * p + 4 * j, &qs[16 * b + 4 * p], 4);
+            if (kq) continue;  // (its scales written above)
             uint16_t* sb = sc + (g * nb + b) * 8 * S;
             sb[j] = f2h(dm[2 * b]);
             if (S == 2) sb[8 + j] = f2h(dm[2 * b + 1]);

@@ -23,6 +23,8 @@ torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& nibbles, 
 torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scales);
 torch::Tensor int4_dequantize(const torch::Tensor& nibbles, const torch::Tensor& scales);
 torch::Tensor int8_dequantize(const torch::Tensor& w, const torch::Tensor& scales);
+torch::Tensor int6_linear(const torch::Tensor& x, const torch::Tensor& data, const torch::Tensor& scales);
+torch::Tensor int6_dequantize(const torch::Tensor& data, const torch::Tensor& scales);
 torch::Tensor round_activations(const torch::Tensor& x);
 torch::Tensor argmax_rows(const torch::Tensor& logits);
 torch::Tensor float_linear(const torch::Tensor& x, const torch::Tensor& w);

@@ -24,7 +24,7 @@ constexpr int64_t QK = 32;  // weights (and activations) per quantization block
 inline int64_t padded_blocks(int64_t nb) { return (nb + 7) / 8 * 8; }  // per-row activation scales: whole groups of 8
 inline int64_t act_row_bytes(int64_t nb) { return (nb + 1) / 2 * 64; }  // int8 activations: whole pairs of blocks
 
-enum class QFormat { Int4, Int8 };
+enum class QFormat { Int4, Int8, Int6 };
 
 // Weight formats (model/quantize.py), blocks of 32 along K, nb = K / 32:
 //   Int4  w[n, k] = q d[n, b] + m[n, b], b = k / 32 (GGUF Q4_1; Q4_0 is m = -8 d), 8 outputs interleaved:
@@ -32,30 +32,47 @@ enum class QFormat { Int4, Int8 };
 //         (one 32-byte vector per p: lane j holds output 8g + j's chunks p and p + 4 of block b);
 //         scales (N/8, nb, 2, 8) float16: the 8 outputs' d, then their m; or, symmetric (GGUF Q4_0 as it is),
 //         (N/8, nb, 1, 8): d alone, m = -8 d computed in float32 (exact: a float16 d times 8), so the same products
-//         and sums as the (N/8, nb, 2, 8) layout holding m = float16(-8 d), 0.5 bits a weight less to read
+//         and sums as the (N/8, nb, 2, 8) layout holding m = float16(-8 d), 0.5 bits a weight less to read;
+//         or K (GGUF Q4_K's own scales: d = D sc, m = -(Dmin mn) per block, D and Dmin float16 per 256 weights, sc
+//         and mn 6-bit): scales (N/8, nb/8, 80) float16-sized, 160 bytes per 8 outputs and 256 weights: the 8
+//         outputs' D, their Dmin, then sc as bytes (s, j) for sub-block s, then mn alike; d and m computed in float32
+//         (exact: an 11-bit float times a 6-bit integer), 4.625 bits a weight
 //   Int8  w[n, k] = q d[n, b] (GGUF Q8_0), 8 outputs interleaved: data (N/8, nb, 8, 8, 4) int8, byte (g, b, c, j, t)
 //         = q[8g + j, 32b + 4c + t] (one 32-byte vector per chunk c of 4 weights); scales (N/8, nb, 8) float16.
 //         N is padded with zero rows to a multiple of 8: the kernels compute whole groups (model/quantize.py).
+//   Int6  w[n, k] = (d[n, B] sc[n, k / 16]) (q - 32), q in [0, 63], B = k / 256 (GGUF Q6_K as the file holds it:
+//         6.5625 bits a weight), 8 outputs interleaved: data (N/8, nb, 208) uint8, per block b: 128 bytes of q's low
+//         nibbles laid out as Int4's (byte (p, j, t) = lo(q[32b + 4p + t]) | lo(q[32b + 16 + 4p + t]) << 4), 64
+//         bytes of their top 2 bits (byte (h, j, t) holds, from bit 0 up, weights 8h + t, 16 + 8h + t, 8h + 4 + t,
+//         16 + 8h + 4 + t of block b, output 8g + j: Int4's chunks 2h and 2h + 1, low then high nibble), then 16
+//         int8 sub-scales (byte (half, j) = sc[8g + j, 2b + half]); scales (N/8, nb/8, 8) float16: d per 256 weights.
+//         N is padded with zero rows to a multiple of 8.
 struct QWeight {
   QFormat fmt;
   const uint8_t* data;
   const uint16_t* scales;
   int64_t N, K;
   bool sym = false;  // Int4 only: scales hold d alone (m = -8 d)
+  bool kq = false;   // Int4 only: Q4_K's scales (D, Dmin per 256, sc and mn bytes per 32)
 };
+
+// Int4 layouts as the tiles take them: per-block d and m (float16), d alone, or Q4_K's.
+enum Q4Layout : int { Q4_ASYM = 0, Q4_SYM = 1, Q4_KQ = 2 };
 
 // Activations rounded to int8 in blocks of 32 as ggml's `quantize_row_q8_0` does (dx = max|x| / 127, q = round(x /
 // dx), ties to even), one row at a time: q (row_bytes per row, pairs of blocks, zero past nb), dx and sx = dx * sum(q)
-// (nbp floats per row, zero past nb); q in k order.
+// (nbp floats per row, zero past nb); q in k order; hs: each block's two 16-weight halves' sums of q (2 nbp int32 per
+// row, zero past nb: Int6's sub-blocks, as ggml's q8_K `bsums`).
 struct QActs {
   int8_t* q;
   float* dx;
   float* sx;
   int64_t row_bytes, nbp;
+  int32_t* hs;
 };
 
 template <typename T>
-void quantize_act_row(const T* x, int64_t K, int8_t* q, float* dx, float* sx);
+void quantize_act_row(const T* x, int64_t K, int8_t* q, float* dx, float* sx, int32_t* hs);
 
 // A quantized layer's two buffers (model/quantize.py's `native_buffers`: uint8 nibbles -> Int4, int8 -> Int8).
 QWeight qweight_of(const torch::Tensor& data, const torch::Tensor& scales);

@@ -21,11 +21,33 @@ namespace ls {
 
 static inline float fp16_to_f(uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
 
+// Int4: block b's d and m for output 8g + j (qgemm.h's three layouts), for the scalar paths: the vector paths' values.
+static inline void q4_dm_scalar(const QWeight& w, int64_t nb, int64_t g, int64_t b, int64_t j, float& d, float& m) {
+  if (w.kq) {
+    const uint16_t* sb = w.scales + (g * (nb / 8) + b / 8) * 80;
+    const uint8_t* bytes = reinterpret_cast<const uint8_t*>(sb + 16) + 8 * (b % 8) + j;
+    d = fp16_to_f(sb[j]) * static_cast<float>(bytes[0]);
+    m = -fp16_to_f(sb[8 + j]) * static_cast<float>(bytes[64]);  // = -(Dmin mn) exactly
+    return;
+  }
+  const uint16_t* sb = w.scales + (g * nb + b) * (w.sym ? 8 : 16);
+  d = fp16_to_f(sb[j]);
+  m = w.sym ? -8.f * d : fp16_to_f(sb[8 + j]);
+}
+
+// Int6: q in [0, 63] of weight k of block wb for output lane j (qgemm.h's layout), for the scalar paths.
+static inline int q6_value(const uint8_t* wb, int64_t j, int64_t k) {
+  const int64_t half = k / 16, p = (k % 16) / 4, t = k % 4;
+  const int lo = (wb[32 * p + 4 * j + t] >> (4 * half)) & 15;
+  const int top = (wb[128 + 32 * (p / 2) + 4 * j + t] >> (2 * half + 4 * (p % 2))) & 3;
+  return lo | top << 4;
+}
+
 template <typename T>
-void quantize_act_row(const T* x, int64_t K, int8_t* q, float* dx, float* sx) {
+void quantize_act_row(const T* x, int64_t K, int8_t* q, float* dx, float* sx, int32_t* hs) {
   const int64_t nb = K / QK, nbp = padded_blocks(nb), bytes = act_row_bytes(nb);
   std::fill(q + nb * QK, q + bytes, int8_t(0));
-  for (int64_t b = nb; b < nbp; ++b) dx[b] = sx[b] = 0.f;
+  for (int64_t b = nb; b < nbp; ++b) dx[b] = sx[b] = 0.f, hs[2 * b] = hs[2 * b + 1] = 0;
   for (int64_t b = 0; b < nb; ++b) {
     const T* xb = x + b * QK;
 #if LS_AVX2
@@ -41,11 +63,14 @@ void quantize_act_row(const T* x, int64_t K, int8_t* q, float* dx, float* sx) {
     __m256i iv[4];
     for (int i = 0; i < 4; ++i)
       iv[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[i], idv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-    const __m256i s4 = _mm256_add_epi32(_mm256_add_epi32(iv[0], iv[1]), _mm256_add_epi32(iv[2], iv[3]));
-    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(s4), _mm256_extracti128_si256(s4, 1));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
-    const int sum = _mm_cvtsi128_si32(s);
+    // the halves' sums: lanes 0-3 of s the first 16 values', lanes 4-7 the last 16's (after the two adds below)
+    const __m256i s2 = _mm256_add_epi32(_mm256_permute2x128_si256(_mm256_add_epi32(iv[0], iv[1]), _mm256_add_epi32(iv[2], iv[3]), 0x20),
+                                        _mm256_permute2x128_si256(_mm256_add_epi32(iv[0], iv[1]), _mm256_add_epi32(iv[2], iv[3]), 0x31));
+    __m256i s = _mm256_add_epi32(s2, _mm256_shuffle_epi32(s2, 0x4E));
+    s = _mm256_add_epi32(s, _mm256_shuffle_epi32(s, 0xB1));
+    hs[2 * b] = _mm256_extract_epi32(s, 0);
+    hs[2 * b + 1] = _mm256_extract_epi32(s, 4);
+    const int sum = hs[2 * b] + hs[2 * b + 1];
     // int32 -> int8 in k order (ggml's quantize_row_q8_0 packing: packs interleave the 128-bit lanes; undo it)
     const __m256i p16a = _mm256_packs_epi32(iv[0], iv[1]), p16b = _mm256_packs_epi32(iv[2], iv[3]);
     __m256i p8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p16a, p16b), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
@@ -55,18 +80,20 @@ void quantize_act_row(const T* x, int64_t K, int8_t* q, float* dx, float* sx) {
     for (int64_t j = 0; j < QK; ++j) amax = std::max(amax, std::fabs(to_f(xb[j])));
     const float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
     int sum = 0;
+    hs[2 * b] = hs[2 * b + 1] = 0;
     for (int64_t j = 0; j < QK; ++j) {
       const int v = static_cast<int>(std::nearbyint(to_f(xb[j]) * id));
       q[b * QK + j] = static_cast<int8_t>(v);
       sum += v;
+      hs[2 * b + j / 16] += v;
     }
 #endif
     dx[b] = d;
     sx[b] = d * static_cast<float>(sum);
   }
 }
-template void quantize_act_row<float>(const float*, int64_t, int8_t*, float*, float*);
-template void quantize_act_row<bf16>(const bf16*, int64_t, int8_t*, float*, float*);
+template void quantize_act_row<float>(const float*, int64_t, int8_t*, float*, float*, int32_t*);
+template void quantize_act_row<bf16>(const bf16*, int64_t, int8_t*, float*, float*, int32_t*);
 
 #if LS_AVX2
 // One-row tiles (decode) stream every weight from memory once: ask for the lines PREFETCH_BLOCKS blocks ahead of the
@@ -247,6 +274,35 @@ static void q8_range(const QWeight& w, const QActs& a, int64_t M, int64_t n_begi
 
 // ---- Int4 (Q4_0 / Q4_1), 8 outputs interleaved ----------------------------------------------------------------------
 
+// Block b's d and m for the 8 outputs of group g (blocks in order from 0: Q4_K's D and -Dmin are read once per 256
+// weights), and the scales' address to prefetch ahead with their bytes a block.
+template <int L>
+struct Q4Scales {
+  __m256 D, nDmin;
+  inline void at(const QWeight& w, int64_t nb, int64_t g, int64_t b, __m256& d, __m256& m) {
+    if constexpr (L == Q4_KQ) {  // d = D sc, m = (-Dmin) mn = -(Dmin mn): exact float32 products, as gguf.quants' Q4_K
+      const uint16_t* sb = w.scales + (g * (nb / 8) + b / 8) * 80;
+      if (b % 8 == 0) {
+        D = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb)));
+        nDmin = _mm256_xor_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + 8))), _mm256_set1_ps(-0.f));
+      }
+      const uint8_t* bytes = reinterpret_cast<const uint8_t*>(sb + 16) + 8 * (b % 8);
+      const auto u8 = [](const uint8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))); };
+      d = _mm256_mul_ps(D, u8(bytes));
+      m = _mm256_mul_ps(nDmin, u8(bytes + 64));
+    } else {
+      const uint16_t* sb = w.scales + (g * nb + b) * (L == Q4_SYM ? 8 : 16);
+      d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb)));
+      m = L == Q4_SYM ? _mm256_mul_ps(d, _mm256_set1_ps(-8.f)) : _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + 8)));
+    }
+  }
+};
+template <int L>
+static inline const uint16_t* q4_scales_at(const QWeight& w, int64_t nb, int64_t g, int64_t b) {
+  return L == Q4_KQ ? w.scales + (g * (nb / 8) + b / 8) * 80 + (b % 8) * 10 : w.scales + (g * nb + b) * (L == Q4_SYM ? 8 : 16);
+}
+constexpr int64_t q4_scale_bytes(int L) { return L == Q4_KQ ? 20 : L == Q4_SYM ? 16 : 32; }  // a block's, on average
+
 // One tile: rows m0 .. m0+MR of the activations times the 8 outputs of group g. Per output (one float lane) the
 // float operations are, block after block in order: acc = fma(float(isum_b), d_b * dx_b, acc),
 // acc = fma(m_b, sx_b, acc), where isum_b is the block's exact integer dot product; MR changes which loads are
@@ -256,20 +312,19 @@ static void q8_range(const QWeight& w, const QActs& a, int64_t M, int64_t n_begi
 // streams 2.3 KB apart, for two independent FMA chains) held one-row decode to about 15-16 GB/s from memory on the
 // Zen 4 development host, where one group a tile reads 18-24 (`python -m benchmarks.gemm`'s stream figures; the
 // single-stream decode A/B: `python -m benchmarks.ab ... bench_decode`, 1.30x tok/s, 1.53x matmul-only).
-// SYM: the symmetric layout (qgemm.h), m = -8 d computed from d: the same float values as the stored m, so the same
-// outputs bit for bit.
-template <int MR, bool SYM>
+// L: the scales' layout (qgemm.h); Q4_SYM: m = -8 d computed from d, the same float values as the stored m, so the
+// same outputs bit for bit.
+template <int MR, int L>
 static inline void q4_tile(const QWeight& w, const QActs& a, int64_t m0, int64_t g, float* y, int64_t ldy) {
   const int64_t nb = w.K / QK;
-  constexpr int64_t SB = SYM ? 8 : 16;  // float16 scales a block of 8 outputs
   const __m256i m4 = _mm256_set1_epi8(0x0F);
+  Q4Scales<L> scales;
   __m256 acc[MR];
 #pragma GCC unroll 8
   for (int i = 0; i < MR; ++i) acc[i] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* wb = w.data + (g * nb + b) * 128;
-    const uint16_t* sb = w.scales + (g * nb + b) * SB;
-    if constexpr (MR <= 4) prefetch_ahead(wb, 128, sb, 2 * SB);
+    if constexpr (MR <= 4) prefetch_ahead(wb, 128, q4_scales_at<L>(w, nb, g, b), q4_scale_bytes(L));
     __m256i s16[MR];
 #pragma GCC unroll 2
     for (int h = 0; h < 2; ++h) {  // chunks 2h, 2h+1 (low nibbles) and 2h+4, 2h+5 (high nibbles)
@@ -292,9 +347,8 @@ static inline void q4_tile(const QWeight& w, const QActs& a, int64_t m0, int64_t
 #endif
       }
     }
-    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb)));
-    const __m256 m = SYM ? _mm256_mul_ps(d, _mm256_set1_ps(-8.f))
-                         : _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + 8)));
+    __m256 d, m;
+    scales.at(w, nb, g, b, d, m);
 #pragma GCC unroll 8
     for (int i = 0; i < MR; ++i) {
 #if LS_VNNI
@@ -312,15 +366,16 @@ static inline void q4_tile(const QWeight& w, const QActs& a, int64_t m0, int64_t
 
 #if LS_ZMM
 // q4_tile for groups g and g + 1 at once (the pair tiles above).
-template <int MR, bool SYM>
+template <int MR, int L>
 static inline void q4_pair_tile(const QWeight& w, const QActs& a, int64_t m0, int64_t g, float* y, int64_t ldy) {
   const int64_t nb = w.K / QK;
-  constexpr int64_t SB = SYM ? 8 : 16;
   const __m512i m4 = _mm512_set1_epi8(0x0F);
   const uint8_t* w0 = w.data + g * nb * 128;
   const uint8_t* w1 = w0 + nb * 128;  // group g + 1
-  const uint16_t* s0 = w.scales + g * nb * SB;
-  const uint16_t* s1 = s0 + nb * SB;
+  Q4Scales<L> sc0, sc1;
+  const auto join = [](__m256 lo, __m256 hi) {
+    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(lo)), _mm256_castps_pd(hi), 1));
+  };
   __m512 acc[MR];
 #pragma GCC unroll 8
   for (int i = 0; i < MR; ++i) acc[i] = _mm512_setzero_ps();
@@ -342,8 +397,10 @@ static inline void q4_pair_tile(const QWeight& w, const QActs& a, int64_t m0, in
         s32[i] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(t, l1, bc(4)), h1, bc(20));
       }
     }
-    const __m512 d = halves16(s0 + b * SB, s1 + b * SB);
-    const __m512 m = SYM ? _mm512_mul_ps(d, _mm512_set1_ps(-8.f)) : halves16(s0 + b * SB + 8, s1 + b * SB + 8);
+    __m256 d0, m0v, d1, m1v;  // each group's, as its one-group tile computes them
+    sc0.at(w, nb, g, b, d0, m0v);
+    sc1.at(w, nb, g + 1, b, d1, m1v);
+    const __m512 d = join(d0, d1), m = join(m0v, m1v);
 #pragma GCC unroll 8
     for (int i = 0; i < MR; ++i) {
       const int64_t r = (m0 + i) * a.nbp + b;
@@ -356,12 +413,12 @@ static inline void q4_pair_tile(const QWeight& w, const QActs& a, int64_t m0, in
 #endif
 
 // Output columns [n_begin, n_end), whole groups of 8 (Int4 layers have out_features % 16 == 0).
-template <bool SYM>
+template <int L>
 static void q4_range_t(const QWeight& w, const QActs& a, int64_t M, int64_t n_begin, int64_t n_end, float* y, int64_t ldy) {
-  const auto one = [&](auto mr, int64_t m, int64_t g) { q4_tile<decltype(mr)::value, SYM>(w, a, m, g, y, ldy); };
+  const auto one = [&](auto mr, int64_t m, int64_t g) { q4_tile<decltype(mr)::value, L>(w, a, m, g, y, ldy); };
 #if LS_ZMM
   if (M >= PAIR_ROWS) {
-    const auto two = [&](auto mr, int64_t m, int64_t g) { q4_pair_tile<decltype(mr)::value, SYM>(w, a, m, g, y, ldy); };
+    const auto two = [&](auto mr, int64_t m, int64_t g) { q4_pair_tile<decltype(mr)::value, L>(w, a, m, g, y, ldy); };
     many_rows_paired(M, n_begin / 8, n_end / 8, two, one);
     return;
   }
@@ -370,10 +427,79 @@ static void q4_range_t(const QWeight& w, const QActs& a, int64_t M, int64_t n_be
 }
 
 static void q4_range(const QWeight& w, const QActs& a, int64_t M, int64_t n_begin, int64_t n_end, float* y, int64_t ldy) {
-  if (w.sym)
-    q4_range_t<true>(w, a, M, n_begin, n_end, y, ldy);
+  if (w.kq)
+    q4_range_t<Q4_KQ>(w, a, M, n_begin, n_end, y, ldy);
+  else if (w.sym)
+    q4_range_t<Q4_SYM>(w, a, M, n_begin, n_end, y, ldy);
   else
-    q4_range_t<false>(w, a, M, n_begin, n_end, y, ldy);
+    q4_range_t<Q4_ASYM>(w, a, M, n_begin, n_end, y, ldy);
+}
+// ---- Int6 (Q6_K), 8 outputs interleaved -----------------------------------------------------------------------------
+
+// One tile: rows m0 .. m0+MR times the 8 outputs of group g (qgemm.h's Int6 layout). Per block, each output's two
+// 16-weight halves are summed apart (their sub-scales differ): s_half = sum q x over the half with q in [0, 63]
+// unsigned, then isum_b = sc_lo (s_lo - 32 X_lo) + sc_hi (s_hi - 32 X_hi) in int32 (X: the half's activation sum),
+// exact (|isum_b| <= 2 128 16 32 127 < 2^24, so its float conversion is exact too), and per output, block after block
+// in order: acc = fma(float(isum_b), d_B * dx_b, acc), as ggml's `ggml_vec_dot_q6_K_q8_K` sums sc (q - 32) x per 16
+// in integers before one float scale. MR changes which loads are shared, nothing else: decode = prefill bit for bit.
+// Without VNNI, maddubs' int16 pair sums (2 x 63 x 127) are widened after two of them (4 x 8,001 < 32,767).
+template <int MR>
+static inline void q6_tile(const QWeight& w, const QActs& a, int64_t m0, int64_t g, float* y, int64_t ldy) {
+  const int64_t nb = w.K / QK;
+  const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
+  [[maybe_unused]] const __m256i ones16 = _mm256_set1_epi16(1);
+  __m256 acc[MR];
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i) acc[i] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* wb = w.data + (g * nb + b) * 208;
+    const uint16_t* db = w.scales + (g * (nb / 8) + b / 8) * 8;
+    if constexpr (MR <= 4) prefetch_ahead(wb, 208, db, 2);
+    __m256i lo[MR], hi[MR];
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {  // Int4's chunks 2h, 2h+1 (low nibbles: the first half) and 2h+4, 2h+5 (the second)
+      const __m256i r0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 64 * h));
+      const __m256i r1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 64 * h + 32));
+      const __m256i t2 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 128 + 32 * h));
+      // (16-bit shifts: the bits a shift carries across bytes fall outside the mask)
+      const __m256i l0 = _mm256_or_si256(_mm256_and_si256(r0, m4), _mm256_and_si256(_mm256_slli_epi16(t2, 4), m30));
+      const __m256i h0 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(r0, 4), m4), _mm256_and_si256(_mm256_slli_epi16(t2, 2), m30));
+      const __m256i l1 = _mm256_or_si256(_mm256_and_si256(r1, m4), _mm256_and_si256(t2, m30));
+      const __m256i h1 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(r1, 4), m4), _mm256_and_si256(_mm256_srli_epi16(t2, 2), m30));
+#pragma GCC unroll 8
+      for (int i = 0; i < MR; ++i) {
+        const int8_t* x = a.q + (m0 + i) * a.row_bytes + b * QK + 8 * h;
+        const auto bc = [&](int off) { return _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(x + off)); };
+#if LS_VNNI
+        const __m256i l = h == 0 ? _mm256_setzero_si256() : lo[i], u = h == 0 ? _mm256_setzero_si256() : hi[i];
+        lo[i] = LS_DPBUSD(LS_DPBUSD(l, l0, bc(0)), l1, bc(4));
+        hi[i] = LS_DPBUSD(LS_DPBUSD(u, h0, bc(16)), h1, bc(20));
+#else
+        const __m256i l = _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(l0, bc(0)), _mm256_maddubs_epi16(l1, bc(4))), ones16);
+        const __m256i u = _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(h0, bc(16)), _mm256_maddubs_epi16(h1, bc(20))), ones16);
+        lo[i] = h == 0 ? l : _mm256_add_epi32(lo[i], l);
+        hi[i] = h == 0 ? u : _mm256_add_epi32(hi[i], u);
+#endif
+      }
+    }
+    const __m256i sc_lo = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(wb + 192)));
+    const __m256i sc_hi = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(wb + 200)));
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(db)));
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) {
+      const int32_t* hs = a.hs + 2 * ((m0 + i) * a.nbp + b);  // the halves' activation sums
+      const __m256i xl = _mm256_set1_epi32(32 * hs[0]), xh = _mm256_set1_epi32(32 * hs[1]);
+      const __m256i isum = _mm256_add_epi32(_mm256_mullo_epi32(_mm256_sub_epi32(lo[i], xl), sc_lo),
+                                            _mm256_mullo_epi32(_mm256_sub_epi32(hi[i], xh), sc_hi));
+      acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d, _mm256_broadcast_ss(a.dx + (m0 + i) * a.nbp + b)), acc[i]);
+    }
+  }
+  for (int i = 0; i < MR; ++i) _mm256_storeu_ps(y + (m0 + i) * ldy + 8 * g, acc[i]);
+}
+
+static void q6_range(const QWeight& w, const QActs& a, int64_t M, int64_t n_begin, int64_t n_end, float* y, int64_t ldy) {
+  const auto one = [&](auto mr, int64_t m, int64_t g) { q6_tile<decltype(mr)::value>(w, a, m, g, y, ldy); };
+  many_rows(M, n_begin / 8, n_end / 8, one);
 }
 #else
 // Scalar: the same sums (exact per block), the same order per output as the vector kernels.
@@ -404,15 +530,37 @@ static void q4_range(const QWeight& w, const QActs& a, int64_t M, int64_t n_begi
       float acc = 0.f;
       for (int64_t b = 0; b < nb; ++b) {
         const uint8_t* wb = w.data + (g * nb + b) * 128;
-        const uint16_t* sb = w.scales + (g * nb + b) * (w.sym ? 8 : 16);
         int s = 0;
         for (int64_t p = 0; p < 4; ++p)
           for (int64_t t = 0; t < 4; ++t) {
             const uint8_t byte = wb[32 * p + 4 * j + t];
             s += (byte & 15) * xq[b * QK + 4 * p + t] + (byte >> 4) * xq[b * QK + 16 + 4 * p + t];
           }
-        acc = std::fma(static_cast<float>(s), fp16_to_f(sb[j]) * a.dx[m * a.nbp + b], acc);
-        acc = std::fma(w.sym ? -8.f * fp16_to_f(sb[j]) : fp16_to_f(sb[8 + j]), a.sx[m * a.nbp + b], acc);
+        float d, mb;
+        q4_dm_scalar(w, nb, g, b, j, d, mb);
+        acc = std::fma(static_cast<float>(s), d * a.dx[m * a.nbp + b], acc);
+        acc = std::fma(mb, a.sx[m * a.nbp + b], acc);
+      }
+      y[m * ldy + n] = acc;
+    }
+}
+static void q6_range(const QWeight& w, const QActs& a, int64_t M, int64_t n_begin, int64_t n_end, float* y, int64_t ldy) {
+  const int64_t nb = w.K / QK;
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t n = n_begin; n < n_end; ++n) {
+      const int64_t g = n / 8, j = n % 8;
+      const int8_t* xq = a.q + m * a.row_bytes;
+      float acc = 0.f;
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* wb = w.data + (g * nb + b) * 208;
+        int isum = 0;
+        for (int64_t half = 0; half < 2; ++half) {
+          int s = 0;
+          for (int64_t k = 16 * half; k < 16 * half + 16; ++k) s += (q6_value(wb, j, k) - 32) * xq[b * QK + k];
+          isum += static_cast<int8_t>(wb[192 + 8 * half + j]) * s;
+        }
+        const float d = fp16_to_f(w.scales[(g * (nb / 8) + b / 8) * 8 + j]);
+        acc = std::fma(static_cast<float>(isum), d * a.dx[m * a.nbp + b], acc);
       }
       y[m * ldy + n] = acc;
     }
@@ -422,6 +570,8 @@ static void q4_range(const QWeight& w, const QActs& a, int64_t M, int64_t n_begi
 void qgemm_range(const QWeight& w, const QActs& a, int64_t M, int64_t n_begin, int64_t n_end, float* y, int64_t ldy) {
   if (w.fmt == QFormat::Int4)
     q4_range(w, a, M, n_begin, n_end, y, ldy);
+  else if (w.fmt == QFormat::Int6)
+    q6_range(w, a, M, n_begin, n_end, y, ldy);
   else
     q8_range(w, a, M, n_begin, n_end, y, ldy);
 }
@@ -434,14 +584,25 @@ constexpr int64_t GRAIN = 32;
 
 static QWeight as_qweight(const torch::Tensor& data, const torch::Tensor& scales, QFormat fmt) {
   TORCH_CHECK(data.is_contiguous() && scales.is_contiguous() && scales.scalar_type() == at::kHalf, "quantized weight: contiguous buffers, float16 scales");
-  TORCH_CHECK(data.scalar_type() == (fmt == QFormat::Int4 ? at::kByte : at::kChar), "quantized weight: dtype");
+  TORCH_CHECK(data.scalar_type() == (fmt == QFormat::Int8 ? at::kChar : at::kByte), "quantized weight: dtype");
   const uint16_t* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
+  if (fmt == QFormat::Int4 && scales.dim() == 3) {  // nibbles (N/8, K/32, 128), Q4_K's scales (N/8, K/256, 80)
+    TORCH_CHECK(data.dim() == 3 && data.size(2) == 128 && data.size(1) % 8 == 0 && scales.size(0) == data.size(0) &&
+                scales.size(1) * 8 == data.size(1) && scales.size(2) == 80, "int4 weight (Q4_K scales): interleaved shapes");
+    return QWeight{fmt, static_cast<const uint8_t*>(data.data_ptr()), sp, data.size(0) * 8, data.size(1) * QK, false, true};
+  }
   if (fmt == QFormat::Int4) {  // nibbles (N/8, K/32, 128), scales (N/8, K/32, 2, 8) or symmetric (N/8, K/32, 1, 8)
     TORCH_CHECK(data.dim() == 3 && data.size(2) == 128 && scales.dim() == 4 && scales.size(0) == data.size(0) &&
                 scales.size(1) == data.size(1) && (scales.size(2) == 2 || scales.size(2) == 1) && scales.size(3) == 8,
                 "int4 weight: interleaved shapes");
     return QWeight{fmt, static_cast<const uint8_t*>(data.data_ptr()), sp, data.size(0) * 8, data.size(1) * QK,
                    scales.size(2) == 1};
+  }
+  if (fmt == QFormat::Int6) {  // data (N/8, K/32, 208) uint8, scales (N/8, K/256, 8)
+    TORCH_CHECK(data.dim() == 3 && data.size(2) == 208 && data.size(1) % 8 == 0 && scales.dim() == 3 &&
+                scales.size(0) == data.size(0) && scales.size(1) * 8 == data.size(1) && scales.size(2) == 8,
+                "int6 weight: interleaved shapes");
+    return QWeight{fmt, static_cast<const uint8_t*>(data.data_ptr()), sp, data.size(0) * 8, data.size(1) * QK};
   }
   // Int8: data (N/8, K/32, 256) int8, scales (N/8, K/32, 8) (qgemm.h)
   TORCH_CHECK(data.dim() == 3 && data.size(2) == 256 && scales.dim() == 3 && scales.size(0) == data.size(0) &&
@@ -450,7 +611,8 @@ static QWeight as_qweight(const torch::Tensor& data, const torch::Tensor& scales
 }
 
 QWeight qweight_of(const torch::Tensor& data, const torch::Tensor& scales) {
-  return as_qweight(data, scales, data.scalar_type() == at::kByte ? QFormat::Int4 : QFormat::Int8);
+  if (data.scalar_type() == at::kChar) return as_qweight(data, scales, QFormat::Int8);
+  return as_qweight(data, scales, data.dim() == 3 && data.size(2) == 208 ? QFormat::Int6 : QFormat::Int4);
 }
 
 // x (M, K) float32 or bfloat16 -> y (M, N) float32
@@ -460,13 +622,14 @@ static torch::Tensor quantized_linear(const torch::Tensor& x, const QWeight& w) 
   const int64_t M = x.size(0), K = w.K, nb = K / QK;
   std::vector<int8_t> q(M * act_row_bytes(nb));
   std::vector<float> dx(M * padded_blocks(nb)), sx(M * padded_blocks(nb));
-  const QActs a{q.data(), dx.data(), sx.data(), act_row_bytes(nb), padded_blocks(nb)};
+  std::vector<int32_t> hs(2 * M * padded_blocks(nb));
+  const QActs a{q.data(), dx.data(), sx.data(), act_row_bytes(nb), padded_blocks(nb), hs.data()};
   at::parallel_for(0, M, 8, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
       if (x.scalar_type() == at::kFloat)
-        quantize_act_row(x.data_ptr<float>() + m * K, K, a.q + m * a.row_bytes, a.dx + m * a.nbp, a.sx + m * a.nbp);
+        quantize_act_row(x.data_ptr<float>() + m * K, K, a.q + m * a.row_bytes, a.dx + m * a.nbp, a.sx + m * a.nbp, a.hs + 2 * m * a.nbp);
       else
-        quantize_act_row(x.data_ptr<bf16>() + m * K, K, a.q + m * a.row_bytes, a.dx + m * a.nbp, a.sx + m * a.nbp);
+        quantize_act_row(x.data_ptr<bf16>() + m * K, K, a.q + m * a.row_bytes, a.dx + m * a.nbp, a.sx + m * a.nbp, a.hs + 2 * m * a.nbp);
     }
   });
   auto y = torch::empty({M, w.N}, x.options().dtype(at::kFloat));
@@ -483,6 +646,10 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& w, const 
   return quantized_linear(x, as_qweight(w, scales, QFormat::Int8));
 }
 
+torch::Tensor int6_linear(const torch::Tensor& x, const torch::Tensor& data, const torch::Tensor& scales) {
+  return quantized_linear(x, as_qweight(data, scales, QFormat::Int6));
+}
+
 // x (M, K) -> what the kernels multiply: x rounded to int8 blocks and back to float (q dx), for tests and the
 // PyTorch reference (`model.quantize.round_activations` computes the same).
 torch::Tensor round_activations(const torch::Tensor& x) {
@@ -490,9 +657,10 @@ torch::Tensor round_activations(const torch::Tensor& x) {
   const int64_t M = x.size(0), K = x.size(1), nb = K / QK;
   std::vector<int8_t> q(act_row_bytes(nb));
   std::vector<float> dx(padded_blocks(nb)), sx(padded_blocks(nb));
+  std::vector<int32_t> hs(2 * padded_blocks(nb));
   auto out = torch::empty_like(x);
   for (int64_t m = 0; m < M; ++m) {
-    quantize_act_row(x.data_ptr<float>() + m * K, K, q.data(), dx.data(), sx.data());
+    quantize_act_row(x.data_ptr<float>() + m * K, K, q.data(), dx.data(), sx.data(), hs.data());
     for (int64_t k = 0; k < K; ++k) out.data_ptr<float>()[m * K + k] = static_cast<float>(q[k]) * dx[k / QK];
   }
   return out;
@@ -509,9 +677,9 @@ torch::Tensor int4_dequantize(const torch::Tensor& nibbles, const torch::Tensor&
     for (int64_t g = begin; g < end; ++g)
       for (int64_t b = 0; b < nb; ++b) {
         const uint8_t* qb = w.data + (g * nb + b) * 128;  // byte (p, j, t): k = 4p + t (low), 16 + 4p + t (high)
-        const uint16_t* sb = w.scales + (g * nb + b) * (w.sym ? 8 : 16);
         for (int64_t j = 0; j < 8; ++j) {
-          const float d = fp16_to_f(sb[j]), m = w.sym ? -8.f * d : fp16_to_f(sb[8 + j]);
+          float d, m;
+          q4_dm_scalar(w, nb, g, b, j, d, m);
           float* ob = o + (8 * g + j) * K + b * QK;
           for (int64_t p = 0; p < 4; ++p)
             for (int64_t t = 0; t < 4; ++t) {
@@ -540,6 +708,28 @@ torch::Tensor int8_dequantize(const torch::Tensor& data, const torch::Tensor& sc
             for (int64_t t = 0; t < 4; ++t)
               o[(8 * g + j) * K + b * QK + 4 * c + t] = static_cast<float>(q[(g * nb + b) * 256 + 32 * c + 4 * j + t]) * d;
         }
+  });
+  return out;
+}
+
+// `Int6Linear.reference_dequantize`'s values: (d sc) (q - 32), as gguf.quants dequantizes Q6_K (each product rounded).
+torch::Tensor int6_dequantize(const torch::Tensor& data, const torch::Tensor& scales) {
+  const QWeight w = as_qweight(data, scales, QFormat::Int6);
+  const int64_t N = w.N, K = w.K, nb = K / QK;
+  auto out = torch::empty({N, K}, data.options().dtype(at::kFloat));
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, N / 8, 2, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g)
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* wb = w.data + (g * nb + b) * 208;
+        for (int64_t j = 0; j < 8; ++j) {
+          const float d = fp16_to_f(w.scales[(g * (nb / 8) + b / 8) * 8 + j]);
+          for (int64_t k = 0; k < QK; ++k) {
+            const float dl = d * static_cast<float>(static_cast<int8_t>(wb[192 + 8 * (k / 16) + j]));
+            o[(8 * g + j) * K + b * QK + k] = dl * static_cast<float>(q6_value(wb, j, k) - 32);
+          }
+        }
+      }
   });
   return out;
 }
