@@ -269,7 +269,8 @@ class Int6Linear(QuantLinear):
     @classmethod
     def from_float(cls, w: Tensor) -> "Int6Linear":
         """w (N, K), K a multiple of 256 -> Q6_K's form rounded plainly (not ggml's `make_qx_quants` search): per 16
-        weights a scale s = max|w| / 31, d = max s / 127 per 256 (float16), sc = round(s / d), q = round(w / (d sc)) + 32."""
+        weights a scale s = max|w| / 31, d = max s / 127 per 256 (float16), sc = round(s / d), q = round(w / (d sc))
+        + 32. (Files bring their own Q6_K; this serves the kernels' tests.)"""
         w = w.detach().float()
         N, K = w.shape
         if K % 256:

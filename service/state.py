@@ -170,7 +170,7 @@ def _load_draft(spec: SpeculativeConfig, target: LoadedModel, s: Settings) -> to
 
 def _precision(loaded: LoadedModel) -> dict:
     """{"quantization": "int4" / "int8" / "none", "dtype": the activations' dtype, "weights": {"bytes": served
-    weights, "from_file": how the file's matrices are served, e.g. {"Q4_K -> int4 (float16 scales)": 154}}}."""
+    weights, "from_file": how the file's matrices are served, e.g. {"Q4_K -> int4": 154}}}."""
     weights = {"bytes": getattr(loaded, "weight_bytes", 0), "from_file": getattr(loaded, "weight_mix", {})}
     return {"quantization": getattr(loaded, "quantization", "none"), "dtype": str(loaded.model.dtype).removeprefix("torch."),
             "weights": weights}

@@ -87,8 +87,8 @@ class LoadedModel:
 
     @property
     def weight_mix(self) -> dict[str, int]:
-        """How the file's matrices are served: "Q4_K -> int4 (float16 scales)" -> count, "Q6_K -> int6", "Q6_K ->
-        int8 (requantized)", "F32 -> float32", ... (GGUF files; empty for others)."""
+        """How the file's matrices are served: "Q4_K -> int4" -> count, "Q6_K -> int6", "Q6_K -> int8
+        (requantized)", "F32 -> float32", ... (GGUF files; empty for others)."""
         return dict(getattr(self.model, "weight_mix", {}) or {})
 
     @property
@@ -105,9 +105,9 @@ class LoadedModel:
 
 def resolve_quantization(requested: str, path: Path, device: torch.device | str, reader=None) -> str:
     """`--quantization auto`: a GGUF file whose block matrices are mostly Q4_0 / Q4_1 / Q4_K is served as int4, Q8_0
-    / Q5_* / Q6_K as int8, each matrix at its own type's precision (Q6_K as int6) (model/loaders/gguf_blocks.py), where the native
-    CPU kernels run; anything else (float files, HF directories, CUDA, no kernels) as "none", the float model. Any
-    other value is returned as it is."""
+    / Q5_* / Q6_K as int8, each matrix at its own type's precision (Q6_K as int6; model/loaders/gguf_blocks.py), where
+    the native CPU kernels run; anything else (float files, HF directories, CUDA, no kernels) as "none", the float
+    model. Any other value is returned as it is."""
     if requested != "auto":
         return requested
     if torch.device(device).type != "cpu" or kernels.native() is None or not path.is_file():

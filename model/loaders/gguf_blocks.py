@@ -53,7 +53,7 @@ Alloc = Callable[[tuple, torch.dtype], Tensor]  # (shape, dtype) -> an uninitial
 EXACT = {("Q4_0", "int4"), ("Q4_1", "int4"), ("Q4_K", "int4"), ("Q8_0", "int8"), ("Q4_0", "int8"), ("Q6_K", "int6")}
 
 
-# What the native converter (kernels/csrc/gguf_convert.cpp) writes: every served int4 type, and int8 from these
+# What the native converter (kernels/csrc/gguf_convert.cpp) writes: every int4 and int6 type served, int8 from these
 NATIVE = {"int4": {"Q4_0", "Q4_1", "Q4_K"}, "int6": {"Q6_K"},
           "int8": {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"}}
 
@@ -121,8 +121,8 @@ def q4_k_blocks(blocks: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]
 
 def q6_k_blocks(blocks: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """Q6_K blocks {u8 ql[128]; u8 qh[64]; i8 scales[16]; f16 d} of n rows, (n, row bytes) uint8 -> q (n, K) uint8 in
-    [0, 63], sc (n, K/16) int8, d (n, K/256) float16: w = (d sc) (q - 32). ggml's order (`dequantize_row_q6_K`; gguf.quants
-    Q6_K): byte l of half h's ql / qh holds weights 128 h + l, + 32, + 64, + 96."""
+    [0, 63], sc (n, K/16) int8, d (n, K/256) float16: w = (d sc) (q - 32). ggml's order (`dequantize_row_q6_K`;
+    gguf.quants Q6_K): byte l of half h's ql / qh holds weights 128 h + l, + 32, + 64, + 96."""
     n = blocks.shape[0]
     b = blocks.reshape(n, -1, 210)
     ql, qh = b[..., :128].reshape(n, -1, 2, 2, 32), b[..., 128:192].reshape(n, -1, 2, 1, 32)  # (n, B, h, lo/hi, l)

@@ -272,7 +272,7 @@ static void q8_range(const QWeight& w, const QActs& a, int64_t M, int64_t n_begi
   many_rows(M, n_begin / 8, n_end / 8, one);
 }
 
-// ---- Int4 (Q4_0 / Q4_1), 8 outputs interleaved ----------------------------------------------------------------------
+// ---- Int4 (Q4_0 / Q4_1 / Q4_K), 8 outputs interleaved ----------------------------------------------------------
 
 // Block b's d and m for the 8 outputs of group g (blocks in order from 0: Q4_K's D and -Dmin are read once per 256
 // weights), and the scales' address to prefetch ahead with their bytes a block.
