@@ -86,7 +86,38 @@ class QuantLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}"
 
 
-class Int8Linear(QuantLinear):
+class RowPaddedLinear(QuantLinear):
+    """A layer of two buffers, `weight` and `scales`, whose rows are padded with zeros to whole groups of 8 outputs
+    (int8, int6): `out_features` is kept beside them."""
+
+    @classmethod
+    def packed(cls, weight: Tensor, scales: Tensor, out_features: int):
+        """A layer over buffers already in the kernel's layout (e.g. written there from a file's blocks);
+        `out_features`: the rows before padding to whole groups of 8."""
+        self = cls.__new__(cls)
+        QuantLinear.__init__(self, weight.shape[1] * GROUP_SIZE, out_features)
+        self.register_buffer("weight", weight)
+        self.register_buffer("scales", scales)
+        return self
+
+    @classmethod
+    def cat(cls, layers: list):
+        """Stack layers with the same input along the output dim (fused q/k/v, gate/up): the buffers themselves
+        where every part fills whole groups of 8 rows (no padding between them), else through their values."""
+        if all(m.out_features % 8 == 0 for m in layers):
+            return cls.packed(joined([m.weight for m in layers]), joined([m.scales for m in layers]),
+                              sum(m.out_features for m in layers))
+        return cls.from_values([torch.cat(t) for t in zip(*(m.unpacked() for m in layers))])
+
+    def native_buffers(self) -> list[Tensor] | None:
+        return [self.weight, self.scales]
+
+    @property
+    def decode_bytes(self) -> int:
+        return self.weight.nbytes + self.scales.nbytes
+
+
+class Int8Linear(RowPaddedLinear):
     def __init__(self, qweight: Tensor, d: Tensor) -> None:
         """qweight (N, K) int8, d (N, K/32): w = qweight * d per block of 32 along K (GGUF Q8_0)."""
         N, K = qweight.shape
@@ -98,28 +129,12 @@ class Int8Linear(QuantLinear):
         self.register_buffer("scales", scales.contiguous())  # (N/8, K/32, 8) float16
 
     @classmethod
-    def packed(cls, weight: Tensor, scales: Tensor, out_features: int) -> "Int8Linear":
-        """A layer over buffers already in the kernel's layout (`int8_layout`), e.g. written there from a file's
-        blocks; `out_features`: the rows before padding to whole groups of 8."""
-        self = cls.__new__(cls)
-        QuantLinear.__init__(self, weight.shape[1] * GROUP_SIZE, out_features)
-        self.register_buffer("weight", weight)
-        self.register_buffer("scales", scales)
-        return self
-
-    @classmethod
     def from_float(cls, w: Tensor) -> "Int8Linear":
         return cls(*by_rows(int8_blocks, w))
 
     @classmethod
-    def cat(cls, layers: list["Int8Linear"]) -> "Int8Linear":
-        """Stack layers with the same input along the output dim (fused q/k/v, gate/up): the buffers themselves
-        where every part fills whole groups of 8 rows (no padding between them), else through the unpacked arrays."""
-        if all(m.out_features % 8 == 0 for m in layers):
-            return cls.packed(joined([m.weight for m in layers]), joined([m.scales for m in layers]),
-                              sum(m.out_features for m in layers))
-        qs, ds = zip(*(m.unpacked() for m in layers))
-        return cls(torch.cat(qs), torch.cat(ds))
+    def from_values(cls, values: list[Tensor]) -> "Int8Linear":
+        return cls(*values)  # (`unpacked`'s q, d)
 
     def unpacked(self) -> tuple[Tensor, Tensor]:
         """-> q (N, K) int8, d (N, K/G) float32."""
@@ -129,17 +144,10 @@ class Int8Linear(QuantLinear):
 
     native_op = "int8_linear"
 
-    def native_buffers(self) -> list[Tensor] | None:
-        return [self.weight, self.scales]
-
     def reference_dequantize(self, dtype: torch.dtype) -> Tensor:
         q, d = self.unpacked()
         N, K = q.shape
         return (q.float().reshape(N, K // GROUP_SIZE, GROUP_SIZE) * d[..., None]).reshape(N, K).to(dtype)
-
-    @property
-    def decode_bytes(self) -> int:
-        return self.weight.nbytes + self.scales.nbytes
 
 
 class Int4Linear(QuantLinear):
@@ -252,19 +260,10 @@ class Int4Linear(QuantLinear):
         return self.nibbles.nbytes + self.scales.nbytes
 
 
-class Int6Linear(QuantLinear):
+class Int6Linear(RowPaddedLinear):
     """GGUF Q6_K served as the file holds it (qgemm.h's Int6 layout, `int6_layout`): 6-bit q, an int8 scale per 16
-    weights and a float16 d per 256, 6.5625 bits a weight (int8 takes 8.5 and rounds the file's values again)."""
-
-    @classmethod
-    def packed(cls, data: Tensor, scales: Tensor, out_features: int) -> "Int6Linear":
-        """A layer over buffers in the kernel's layout: data (N'/8, K/32, 208) uint8, scales (N'/8, K/256, 8)
-        float16; `out_features`: the rows before padding to whole groups of 8."""
-        self = cls.__new__(cls)
-        QuantLinear.__init__(self, data.shape[1] * GROUP_SIZE, out_features)
-        self.register_buffer("weight", data)
-        self.register_buffer("scales", scales)
-        return self
+    weights and a float16 d per 256, 6.5625 bits a weight (int8 takes 8.5 and rounds the file's values again).
+    Buffers: weight (N'/8, K/32, 208) uint8, scales (N'/8, K/256, 8) float16."""
 
     @classmethod
     def from_float(cls, w: Tensor) -> "Int6Linear":
@@ -281,22 +280,14 @@ class Int6Linear(QuantLinear):
         sc = torch.where(d[..., None] > 0, torch.round(s / d.float()[..., None].clamp(min=1e-30)), 0).clamp(0, 127)
         step = (d.float()[..., None] * sc)[..., None]  # (N, K/256, 16, 1)
         q = torch.where(step > 0, torch.round(g / step.clamp(min=1e-30)), 0).clamp(-32, 31) + 32
-        pad = -N % 8
-        parts = (q.reshape(N, K).to(torch.uint8), sc.reshape(N, K // 16).to(torch.int8), d)
-        data, scales = int6_layout(*(torch.nn.functional.pad(t, (0, 0, 0, pad)) for t in parts))
-        return cls.packed(data.contiguous(), scales.contiguous(), N)
+        return cls.from_values([q.reshape(N, K).to(torch.uint8), sc.reshape(N, K // 16).to(torch.int8), d])
 
     @classmethod
-    def cat(cls, layers: list["Int6Linear"]) -> "Int6Linear":
-        """Stack layers with the same input along the output dim (their buffers: every part fills whole groups of 8
-        rows where a file is all Q6_K; else through their values, re-laid)."""
-        if all(m.out_features % 8 == 0 for m in layers):
-            return cls.packed(joined([m.weight for m in layers]), joined([m.scales for m in layers]),
-                              sum(m.out_features for m in layers))
-        q, sc, d = (torch.cat(t) for t in zip(*(m.unpacked() for m in layers)))
-        pad = -q.shape[0] % 8
-        data, scales = int6_layout(*(torch.nn.functional.pad(t, (0, 0, 0, pad)) for t in (q, sc, d)))
-        return cls.packed(data.contiguous(), scales.contiguous(), q.shape[0])
+    def from_values(cls, values: list[Tensor]) -> "Int6Linear":
+        """`unpacked`'s q, sc, d -> the layer (rows padded with zeros to whole groups of 8)."""
+        N, pad = values[0].shape[0], -values[0].shape[0] % 8
+        data, scales = int6_layout(*(torch.nn.functional.pad(t, (0, 0, 0, pad)) for t in values))
+        return cls.packed(data.contiguous(), scales.contiguous(), N)
 
     def unpacked(self) -> tuple[Tensor, Tensor, Tensor]:
         """-> q (N, K) uint8 in [0, 63], sc (N, K/16) int8, d (N, K/256) float16."""
@@ -308,15 +299,8 @@ class Int6Linear(QuantLinear):
 
     native_op = "int6_linear"
 
-    def native_buffers(self) -> list[Tensor] | None:
-        return [self.weight, self.scales]
-
     def reference_dequantize(self, dtype: torch.dtype) -> Tensor:
         return int6_values(*self.unpacked()).to(dtype)
-
-    @property
-    def decode_bytes(self) -> int:
-        return self.weight.nbytes + self.scales.nbytes
 
 
 def int6_layout(q: Tensor, sc: Tensor, d: Tensor) -> tuple[Tensor, Tensor]:

@@ -502,68 +502,60 @@ static void q6_range(const QWeight& w, const QActs& a, int64_t M, int64_t n_begi
   many_rows(M, n_begin / 8, n_end / 8, one);
 }
 #else
-// Scalar: the same sums (exact per block), the same order per output as the vector kernels.
-static void q8_range(const QWeight& w, const QActs& a, int64_t M, int64_t n_begin, int64_t n_end, float* y, int64_t ldy) {
+// Scalar: the same sums (exact per block), the same order per output as the vector kernels. `block(g, j, b, xb, r,
+// acc)` adds block b of output 8g + j against activations xb (row index r into dx / sx) to acc.
+template <typename Block>
+static void scalar_range(const QWeight& w, const QActs& a, int64_t M, int64_t n_begin, int64_t n_end, float* y, int64_t ldy,
+                         const Block& block) {
   const int64_t nb = w.K / QK;
   for (int64_t m = 0; m < M; ++m)
     for (int64_t n = n_begin; n < n_end; ++n) {
-      const int64_t g = n / 8, j = n % 8;
-      const int8_t* xq = a.q + m * a.row_bytes;
       float acc = 0.f;
-      for (int64_t b = 0; b < nb; ++b) {
-        const int8_t* wb = reinterpret_cast<const int8_t*>(w.data) + (g * nb + b) * 256;  // (c, j, t)
-        int s = 0;
-        for (int64_t c = 0; c < 8; ++c)
-          for (int64_t t = 0; t < 4; ++t) s += wb[32 * c + 4 * j + t] * xq[b * QK + 4 * c + t];
-        acc = std::fma(static_cast<float>(s), fp16_to_f(w.scales[(g * nb + b) * 8 + j]) * a.dx[m * a.nbp + b], acc);
-      }
+      for (int64_t b = 0; b < nb; ++b) acc = block(n / 8, n % 8, b, a.q + m * a.row_bytes + b * QK, m * a.nbp + b, acc);
       y[m * ldy + n] = acc;
     }
 }
 
+static void q8_range(const QWeight& w, const QActs& a, int64_t M, int64_t n_begin, int64_t n_end, float* y, int64_t ldy) {
+  const int64_t nb = w.K / QK;
+  scalar_range(w, a, M, n_begin, n_end, y, ldy, [&](int64_t g, int64_t j, int64_t b, const int8_t* xb, int64_t r, float acc) {
+    const int8_t* wb = reinterpret_cast<const int8_t*>(w.data) + (g * nb + b) * 256;  // (c, j, t)
+    int s = 0;
+    for (int64_t c = 0; c < 8; ++c)
+      for (int64_t t = 0; t < 4; ++t) s += wb[32 * c + 4 * j + t] * xb[4 * c + t];
+    return std::fma(static_cast<float>(s), fp16_to_f(w.scales[(g * nb + b) * 8 + j]) * a.dx[r], acc);
+  });
+}
+
 static void q4_range(const QWeight& w, const QActs& a, int64_t M, int64_t n_begin, int64_t n_end, float* y, int64_t ldy) {
   const int64_t nb = w.K / QK;
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t n = n_begin; n < n_end; ++n) {
-      const int64_t g = n / 8, j = n % 8;
-      const int8_t* xq = a.q + m * a.row_bytes;
-      float acc = 0.f;
-      for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t* wb = w.data + (g * nb + b) * 128;
-        int s = 0;
-        for (int64_t p = 0; p < 4; ++p)
-          for (int64_t t = 0; t < 4; ++t) {
-            const uint8_t byte = wb[32 * p + 4 * j + t];
-            s += (byte & 15) * xq[b * QK + 4 * p + t] + (byte >> 4) * xq[b * QK + 16 + 4 * p + t];
-          }
-        float d, mb;
-        q4_dm_scalar(w, nb, g, b, j, d, mb);
-        acc = std::fma(static_cast<float>(s), d * a.dx[m * a.nbp + b], acc);
-        acc = std::fma(mb, a.sx[m * a.nbp + b], acc);
+  scalar_range(w, a, M, n_begin, n_end, y, ldy, [&](int64_t g, int64_t j, int64_t b, const int8_t* xb, int64_t r, float acc) {
+    const uint8_t* wb = w.data + (g * nb + b) * 128;
+    int s = 0;
+    for (int64_t p = 0; p < 4; ++p)
+      for (int64_t t = 0; t < 4; ++t) {
+        const uint8_t byte = wb[32 * p + 4 * j + t];
+        s += (byte & 15) * xb[4 * p + t] + (byte >> 4) * xb[16 + 4 * p + t];
       }
-      y[m * ldy + n] = acc;
-    }
+    float d, m;
+    q4_dm_scalar(w, nb, g, b, j, d, m);
+    return std::fma(m, a.sx[r], std::fma(static_cast<float>(s), d * a.dx[r], acc));
+  });
 }
+
 static void q6_range(const QWeight& w, const QActs& a, int64_t M, int64_t n_begin, int64_t n_end, float* y, int64_t ldy) {
   const int64_t nb = w.K / QK;
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t n = n_begin; n < n_end; ++n) {
-      const int64_t g = n / 8, j = n % 8;
-      const int8_t* xq = a.q + m * a.row_bytes;
-      float acc = 0.f;
-      for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t* wb = w.data + (g * nb + b) * 208;
-        int isum = 0;
-        for (int64_t half = 0; half < 2; ++half) {
-          int s = 0;
-          for (int64_t k = 16 * half; k < 16 * half + 16; ++k) s += (q6_value(wb, j, k) - 32) * xq[b * QK + k];
-          isum += static_cast<int8_t>(wb[192 + 8 * half + j]) * s;
-        }
-        const float d = fp16_to_f(w.scales[(g * (nb / 8) + b / 8) * 8 + j]);
-        acc = std::fma(static_cast<float>(isum), d * a.dx[m * a.nbp + b], acc);
-      }
-      y[m * ldy + n] = acc;
+  scalar_range(w, a, M, n_begin, n_end, y, ldy, [&](int64_t g, int64_t j, int64_t b, const int8_t* xb, int64_t r, float acc) {
+    const uint8_t* wb = w.data + (g * nb + b) * 208;
+    int isum = 0;
+    for (int64_t half = 0; half < 2; ++half) {
+      int s = 0;
+      for (int64_t k = 16 * half; k < 16 * half + 16; ++k) s += (q6_value(wb, j, k) - 32) * xb[k];
+      isum += static_cast<int8_t>(wb[192 + 8 * half + j]) * s;
     }
+    const float d = fp16_to_f(w.scales[(g * (nb / 8) + b / 8) * 8 + j]);
+    return std::fma(static_cast<float>(isum), d * a.dx[r], acc);
+  });
 }
 #endif
 
