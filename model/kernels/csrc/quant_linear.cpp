@@ -658,72 +658,62 @@ torch::Tensor round_activations(const torch::Tensor& x) {
   return out;
 }
 
-// The whole weight as float32 (the PyTorch fall-backs and tests): bitwise `Int4Linear.reference_dequantize` /
-// `Int8Linear.reference_dequantize` (q * d + m and q * d, each product rounded before the sum).
-torch::Tensor int4_dequantize(const torch::Tensor& nibbles, const torch::Tensor& scales) {
-  const QWeight w = as_qweight(nibbles, scales, QFormat::Int4);
-  const int64_t N = w.N, K = w.K, nb = K / QK;
-  auto out = torch::empty({N, K}, nibbles.options().dtype(at::kFloat));
+// The whole weight as float32 (the PyTorch fall-backs and tests), bitwise each layer's `reference_dequantize`:
+// `block(g, b, j, ob)` writes block b of output 8g + j (QK floats at ob).
+template <typename Block>
+static torch::Tensor dequantize_weight(const QWeight& w, const torch::Tensor& like, const Block& block) {
+  const int64_t K = w.K, nb = K / QK;
+  auto out = torch::empty({w.N, K}, like.options().dtype(at::kFloat));
   float* o = out.data_ptr<float>();
-  at::parallel_for(0, N / 8, 2, [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; ++g)
-      for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t* qb = w.data + (g * nb + b) * 128;  // byte (p, j, t): k = 4p + t (low), 16 + 4p + t (high)
-        for (int64_t j = 0; j < 8; ++j) {
-          float d, m;
-          q4_dm_scalar(w, nb, g, b, j, d, m);
-          float* ob = o + (8 * g + j) * K + b * QK;
-          for (int64_t p = 0; p < 4; ++p)
-            for (int64_t t = 0; t < 4; ++t) {
-              const uint8_t byte = qb[32 * p + 4 * j + t];
-              ob[4 * p + t] = static_cast<float>(byte & 15) * d + m;
-              ob[16 + 4 * p + t] = static_cast<float>(byte >> 4) * d + m;
-            }
-        }
-      }
-  });
-  return out;
-}
-
-torch::Tensor int8_dequantize(const torch::Tensor& data, const torch::Tensor& scales) {
-  const QWeight w = as_qweight(data, scales, QFormat::Int8);
-  const int64_t N = w.N, K = w.K, nb = K / QK;
-  auto out = torch::empty({N, K}, data.options().dtype(at::kFloat));
-  const int8_t* q = reinterpret_cast<const int8_t*>(w.data);
-  float* o = out.data_ptr<float>();
-  at::parallel_for(0, N / 8, 2, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, w.N / 8, 2, [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; ++g)
       for (int64_t b = 0; b < nb; ++b)
-        for (int64_t j = 0; j < 8; ++j) {
-          const float d = fp16_to_f(w.scales[(g * nb + b) * 8 + j]);
-          for (int64_t c = 0; c < 8; ++c)
-            for (int64_t t = 0; t < 4; ++t)
-              o[(8 * g + j) * K + b * QK + 4 * c + t] = static_cast<float>(q[(g * nb + b) * 256 + 32 * c + 4 * j + t]) * d;
-        }
+        for (int64_t j = 0; j < 8; ++j) block(g, b, j, o + (8 * g + j) * K + b * QK);
   });
   return out;
 }
 
-// `Int6Linear.reference_dequantize`'s values: (d sc) (q - 32), as gguf.quants dequantizes Q6_K (each product rounded).
-torch::Tensor int6_dequantize(const torch::Tensor& data, const torch::Tensor& scales) {
-  const QWeight w = as_qweight(data, scales, QFormat::Int6);
-  const int64_t N = w.N, K = w.K, nb = K / QK;
-  auto out = torch::empty({N, K}, data.options().dtype(at::kFloat));
-  float* o = out.data_ptr<float>();
-  at::parallel_for(0, N / 8, 2, [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; ++g)
-      for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t* wb = w.data + (g * nb + b) * 208;
-        for (int64_t j = 0; j < 8; ++j) {
-          const float d = fp16_to_f(w.scales[(g * (nb / 8) + b / 8) * 8 + j]);
-          for (int64_t k = 0; k < QK; ++k) {
-            const float dl = d * static_cast<float>(static_cast<int8_t>(wb[192 + 8 * (k / 16) + j]));
-            o[(8 * g + j) * K + b * QK + k] = dl * static_cast<float>(q6_value(wb, j, k) - 32);
-          }
-        }
+// q * d + m, each product rounded before the sum
+torch::Tensor int4_dequantize(const torch::Tensor& nibbles, const torch::Tensor& scales) {
+  const QWeight w = as_qweight(nibbles, scales, QFormat::Int4);
+  const int64_t nb = w.K / QK;
+  return dequantize_weight(w, nibbles, [&](int64_t g, int64_t b, int64_t j, float* ob) {
+    const uint8_t* qb = w.data + (g * nb + b) * 128;  // byte (p, j, t): k = 4p + t (low), 16 + 4p + t (high)
+    float d, m;
+    q4_dm_scalar(w, nb, g, b, j, d, m);
+    for (int64_t p = 0; p < 4; ++p)
+      for (int64_t t = 0; t < 4; ++t) {
+        const uint8_t byte = qb[32 * p + 4 * j + t];
+        ob[4 * p + t] = static_cast<float>(byte & 15) * d + m;
+        ob[16 + 4 * p + t] = static_cast<float>(byte >> 4) * d + m;
       }
   });
-  return out;
+}
+
+// q * d
+torch::Tensor int8_dequantize(const torch::Tensor& data, const torch::Tensor& scales) {
+  const QWeight w = as_qweight(data, scales, QFormat::Int8);
+  const int64_t nb = w.K / QK;
+  const int8_t* q = reinterpret_cast<const int8_t*>(w.data);
+  return dequantize_weight(w, data, [&](int64_t g, int64_t b, int64_t j, float* ob) {
+    const float d = fp16_to_f(w.scales[(g * nb + b) * 8 + j]);
+    for (int64_t c = 0; c < 8; ++c)
+      for (int64_t t = 0; t < 4; ++t) ob[4 * c + t] = static_cast<float>(q[(g * nb + b) * 256 + 32 * c + 4 * j + t]) * d;
+  });
+}
+
+// (d sc) (q - 32), as gguf.quants dequantizes Q6_K (each product rounded)
+torch::Tensor int6_dequantize(const torch::Tensor& data, const torch::Tensor& scales) {
+  const QWeight w = as_qweight(data, scales, QFormat::Int6);
+  const int64_t nb = w.K / QK;
+  return dequantize_weight(w, data, [&](int64_t g, int64_t b, int64_t j, float* ob) {
+    const uint8_t* wb = w.data + (g * nb + b) * 208;
+    const float d = fp16_to_f(w.scales[(g * (nb / 8) + b / 8) * 8 + j]);
+    for (int64_t k = 0; k < QK; ++k) {
+      const float dl = d * static_cast<float>(static_cast<int8_t>(wb[192 + 8 * (k / 16) + j]));
+      ob[k] = dl * static_cast<float>(q6_value(wb, j, k) - 32);
+    }
+  });
 }
 
 }  // namespace ls
