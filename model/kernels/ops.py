@@ -18,6 +18,7 @@ model/transformer.py; N packed tokens, R decode rows, W block-table width, NB po
 
 from __future__ import annotations
 
+import os
 from typing import Protocol
 
 import torch
@@ -25,7 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from model.attention import sdpa
-from model.kernels import attention_telemetry, triton_attention, usable
+from model.kernels import attention_telemetry, usable
 from model.kernels import native as native_kernels
 from model.kernels.attention_telemetry import AttentionTelemetry
 
@@ -159,9 +160,17 @@ def decode_attention_backend(q: Tensor, k_pool: Tensor) -> str:
     native = usable(q)
     if native is not None and native_pool(q.dtype, k_pool.dtype):
         return "native"
-    if triton_attention.available(q, k_pool.shape[1]):
+    if (q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1") and _triton().available(q, k_pool.shape[1]):
         return "triton"
     return "torch"
+
+
+def _triton():
+    """model/kernels/triton_attention.py, imported where it can run (CUDA, or Triton's interpreter): importing Triton
+    takes ~0.1-0.2 s, which a CPU server's start-up would pay for nothing."""
+    from model.kernels import triton_attention
+
+    return triton_attention
 
 
 def decode_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, rows: Tensor, tables: Tensor, lens: Tensor,
@@ -179,7 +188,7 @@ def decode_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, rows: Tensor, ta
         else:
             usable(q).paged_decode_attention_telemetry(q, k_pool, v_pool, rows, tables, lens, out, *telemetry)
     elif backend == "triton":
-        triton_attention.paged_decode_attention(q, k_pool, v_pool, rows, tables, lens, out, telemetry)
+        _triton().paged_decode_attention(q, k_pool, v_pool, rows, tables, lens, out, telemetry)
     else:
         R, (_, bs, K, E) = tables.shape[0], k_pool.shape
         W = -(-int(lens.max()) // bs)  # the blocks the longest row uses: the rest of the table is never read

@@ -44,10 +44,13 @@ def default_model_path() -> Path:
     return path
 
 
-def _return_freed_memory() -> None:
+def _return_freed_memory(collect: bool = True) -> None:
     """Dequantizing leaves the heap full of freed float32 staging arrays; glibc keeps them mapped (RSS) until
-    malloc_trim hands them back (about 75 MB for the default model). No-op off glibc."""
-    gc.collect()
+    malloc_trim hands them back (about 75 MB for the default model). No-op off glibc. `collect`: run Python's
+    collector first (~60 ms with torch imported, on the start-up's path), for a load that dequantized float
+    matrices; one whose matrices all went straight into their served formats has no staging arrays to find."""
+    if collect:
+        gc.collect()
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
@@ -193,7 +196,8 @@ def _load_model(path, dtype, device, quantization, shard, reserve_bytes, start: 
         name = path.name.removesuffix(".gguf")
     else:
         raise CheckpointError("no such file or directory", path=str(path))
-    _return_freed_memory()
+    mix = getattr(model, "weight_mix", None)
+    _return_freed_memory(collect=mix is None or any(not k.split(" -> ")[-1].startswith("int") for k in mix))
     if torch.device(device).type == "cpu":  # every decode step streams them: on 2 MB pages (model/huge_pages.py)
         placed = huge_pages.place_weights(model)
         if placed:
@@ -203,7 +207,6 @@ def _load_model(path, dtype, device, quantization, shard, reserve_bytes, start: 
         log.info("weights: in one arena, %.0f MB of them copied there after loading (the rest written there as read);"
                  " moving onto 2 MB pages in the background", placed / 2**20)
     weight_bytes = _weight_bytes(model)
-    mix = getattr(model, "weight_mix", None)
     if mix:
         log.info("weights: %.0f MB as served; the file's matrices: %s", weight_bytes / 2**20,
                  ", ".join(f"{k}: {v}" for k, v in sorted(mix.items(), key=lambda kv: -kv[1])))

@@ -58,6 +58,34 @@ inline void scale_min_k4(const uint8_t* s, int j, int& sc, int& mn) {
   }
 }
 
+// A Q6_K block's 256 6-bit q (0..63, q - 32 the weight's multiple of its sub-scale) in weight order. ggml's order
+// (`dequantize_row_q6_K`): byte l of half h's ql / qh holds weights 128h + l, + 32, + 64, + 96.
+void q6_k_values(const uint8_t* blk, uint8_t* q) {
+#if LS_AVX2
+  const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x03);
+  for (int h = 0; h < 2; ++h) {  // (16-bit shifts: what crosses a byte is masked off)
+    const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * h));
+    const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * h + 32));
+    const __m256i e = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * h));
+    const auto top = [&](int shift) { return _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(e, shift), m2), 4); };
+    const auto store = [&](int at, __m256i v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 128 * h + at), v); };
+    store(0, _mm256_or_si256(_mm256_and_si256(lo, m4), top(0)));
+    store(32, _mm256_or_si256(_mm256_and_si256(hi, m4), top(2)));
+    store(64, _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(lo, 4), m4), top(4)));
+    store(96, _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(hi, 4), m4), top(6)));
+  }
+#else
+  for (int h = 0; h < 2; ++h)
+    for (int l = 0; l < 32; ++l) {
+      const uint8_t lo = blk[64 * h + l], hi = blk[64 * h + l + 32], e = blk[128 + 32 * h + l];
+      q[128 * h + l] = (lo & 15) | ((e & 3) << 4);
+      q[128 * h + l + 32] = (hi & 15) | (((e >> 2) & 3) << 4);
+      q[128 * h + l + 64] = (lo >> 4) | (((e >> 4) & 3) << 4);
+      q[128 * h + l + 96] = (hi >> 4) | (((e >> 6) & 3) << 4);
+    }
+#endif
+}
+
 // One block of `type` -> its weights as float32 (gguf.quants' dequantize_blocks, operation for operation).
 void dequantize_block(int64_t type, const uint8_t* b, float* y) {
   switch (type) {
@@ -114,22 +142,13 @@ void dequantize_block(int64_t type, const uint8_t* b, float* y) {
       return;
     }
     case Q6_K: {  // {u8 ql[128]; u8 qh[64]; i8 scales[16]; f16 d}: (d sc) (q - 32) per 16 weights
-      // ggml's loop shape (`dequantize_row_q6_K`): byte l of a half's ql / qh holds weights l, l + 32, l + 64, l + 96
-      const uint8_t *ql = b, *qh = b + 128;
       const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
       const float d = h2f(b + 208);
-      int8_t q[256];
-      for (int h = 0; h < 2; ++h)
-        for (int l = 0; l < 32; ++l) {
-          const uint8_t lo = ql[64 * h + l], hi = ql[64 * h + l + 32], e = qh[32 * h + l];
-          q[128 * h + l] = static_cast<int8_t>(((lo & 15) | ((e & 3) << 4)) - 32);
-          q[128 * h + l + 32] = static_cast<int8_t>(((hi & 15) | (((e >> 2) & 3) << 4)) - 32);
-          q[128 * h + l + 64] = static_cast<int8_t>(((lo >> 4) | (((e >> 4) & 3) << 4)) - 32);
-          q[128 * h + l + 96] = static_cast<int8_t>(((hi >> 4) | (((e >> 6) & 3) << 4)) - 32);
-        }
+      uint8_t q[256];
+      q6_k_values(b, q);
       for (int k = 0; k < 16; ++k) {
         const float dl = d * static_cast<float>(sc[k]);
-        for (int i = 0; i < 16; ++i) y[16 * k + i] = dl * static_cast<float>(q[16 * k + i]);
+        for (int i = 0; i < 16; ++i) y[16 * k + i] = dl * static_cast<float>(static_cast<int>(q[16 * k + i]) - 32);
       }
       return;
     }
@@ -187,8 +206,71 @@ void int8_blocks_row(const float* w, int64_t K, int8_t* q, uint16_t* d) {
 #endif
 }
 
+// One Q4_K row into row j of its group of 8 in the int4 layout with Q4_K's own scales (qgemm.h), byte moves only:
+// `ob` the group's data (nb blocks of 128 bytes: byte (p, j, t) = the row's nibble pair 4p + t of the block), `ks`
+// the group's scales (K/256 of 80 halves: D, Dmin, sc bytes, mn bytes). Nibble pair i of sub-block s packs weights i
+// and i + 16: nibble s % 2 of bytes i and 16 + i of qs[32 (s / 2) ..]. With SSE2 a sub-block's 16 pairs at once (the
+// scalar loop took ~2.5x the time of a Q4_0 row's, most of a Q4_K_M file's load).
+void q4_k_row_own_scales(const uint8_t* row, int64_t K, int64_t j, uint8_t* ob, uint16_t* ks) {
+  for (int64_t B = 0; B < K / 256; ++B) {
+    const uint8_t* b = row + B * 144;
+    uint16_t* k = ks + B * 80;
+    std::memcpy(k + j, b, 2);
+    std::memcpy(k + 8 + j, b + 2, 2);
+    uint8_t* bytes = reinterpret_cast<uint8_t*>(k + 16);
+    for (int s = 0; s < 8; ++s) {
+      int sc, mn;
+      scale_min_k4(b + 4, s, sc, mn);
+      bytes[8 * s + j] = static_cast<uint8_t>(sc);
+      bytes[64 + 8 * s + j] = static_cast<uint8_t>(mn);
+    }
+    for (int s = 0; s < 8; ++s) {
+      const uint8_t* q = b + 16 + 32 * (s / 2);
+      uint8_t* o = ob + (8 * B + s) * 128 + 4 * j;
+      uint8_t pairs[16];
+#if LS_AVX2
+      const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
+      const __m128i hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16)), m = _mm_set1_epi8(0x0F);
+      const __m128i v = s % 2 == 0 ? _mm_or_si128(_mm_and_si128(lo, m), _mm_slli_epi16(_mm_and_si128(hi, m), 4))
+                                   : _mm_or_si128(_mm_and_si128(_mm_srli_epi16(lo, 4), m), _mm_andnot_si128(m, hi));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(pairs), v);
+#else
+      const int sh = 4 * (s % 2);
+      for (int i = 0; i < 16; ++i) pairs[i] = static_cast<uint8_t>(((q[i] >> sh) & 15) | (((q[16 + i] >> sh) & 15) << 4));
+#endif
+      for (int p = 0; p < 4; ++p) std::memcpy(o + 32 * p, pairs + 4 * p, 4);
+    }
+  }
+}
+
+// 32 q of one row (weights 32s ..) into row j of its int6 block `ob` (qgemm.h): byte (p, j, t) of the first 128 the
+// low nibbles of weights 4p + t and 16 + 4p + t; byte (h, j, t) of the next 64 their top 2 bits, weights 8h + t and
+// 16 + 8h + t in its low 4 bits, 8h + 4 + t and 16 + 8h + 4 + t in its high 4.
+void int6_block_row(const uint8_t* q, int64_t j, uint8_t* ob) {
+  uint8_t pairs[16], tops[16];
+#if LS_AVX2
+  const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
+  const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16));
+  const __m128i m4 = _mm_set1_epi8(0x0F), m2 = _mm_set1_epi8(0x03);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(pairs),
+                   _mm_or_si128(_mm_and_si128(a, m4), _mm_slli_epi16(_mm_and_si128(c, m4), 4)));
+  const __m128i t = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(a, 4), m2),
+                                 _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(c, 4), m2), 2));  // (16,) 4 bits each
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(tops), _mm_or_si128(t, _mm_slli_epi16(_mm_srli_si128(t, 4), 4)));
+#else
+  uint8_t t[20] = {};
+  for (int i = 0; i < 16; ++i) {
+    pairs[i] = (q[i] & 15) | ((q[16 + i] & 15) << 4);
+    t[i] = (q[i] >> 4) | ((q[16 + i] >> 4) << 2);
+  }
+  for (int i = 0; i < 16; ++i) tops[i] = t[i] | (t[i + 4] << 4);  // (bytes 0-3 and 8-11 are the ones kept)
+#endif
+  for (int p = 0; p < 4; ++p) std::memcpy(ob + 32 * p + 4 * j, pairs + 4 * p, 4);
+  std::memcpy(ob + 128 + 4 * j, tops, 4);
+  std::memcpy(ob + 160 + 4 * j, tops + 8, 4);
+}
+
 // Q6_K blocks {u8 ql[128]; u8 qh[64]; i8 scales[16]; f16 d} -> the int6 layout (qgemm.h), exact: q, sc and d moved.
-// ggml's order (`dequantize_row_q6_K`): byte l of half h's ql / qh holds weights 128h + l, + 32, + 64, + 96.
 void convert_q6_k(const torch::Tensor& raw, const torch::Tensor& order, torch::Tensor& data, torch::Tensor& scales) {
   const int64_t N = raw.size(0), K = raw.size(1) / 210 * 256, nb = K / QK;
   TORCH_CHECK(raw.size(1) % 210 == 0 && data.size(1) == nb && data.size(0) * 8 >= N && scales.dim() == 3 &&
@@ -208,14 +290,7 @@ void convert_q6_k(const torch::Tensor& raw, const torch::Tensor& order, torch::T
         for (int64_t B = 0; B < K / 256; ++B) {
           const uint8_t* blk = row ? row + B * 210 : nullptr;
           if (blk) {
-            for (int h = 0; h < 2; ++h)
-              for (int l = 0; l < 32; ++l) {
-                const uint8_t lo = blk[64 * h + l], hi = blk[64 * h + l + 32], e = blk[128 + 32 * h + l];
-                q[128 * h + l] = (lo & 15) | ((e & 3) << 4);
-                q[128 * h + l + 32] = (hi & 15) | (((e >> 2) & 3) << 4);
-                q[128 * h + l + 64] = (lo >> 4) | (((e >> 4) & 3) << 4);
-                q[128 * h + l + 96] = (hi >> 4) | (((e >> 6) & 3) << 4);
-              }
+            q6_k_values(blk, q);
             std::memcpy(&sc[(g * (nb / 8) + B) * 8 + j], blk + 208, 2);
           } else {
             std::memset(q, 0, sizeof q);
@@ -223,15 +298,7 @@ void convert_q6_k(const torch::Tensor& raw, const torch::Tensor& order, torch::T
           }
           for (int s = 0; s < 8; ++s) {  // block b = 8B + s of the layout
             uint8_t* ob = out + (g * nb + 8 * B + s) * 208;
-            const uint8_t* qb = q + 32 * s;
-            for (int p = 0; p < 4; ++p)
-              for (int t = 0; t < 4; ++t) {
-                ob[32 * p + 4 * j + t] = (qb[4 * p + t] & 15) | ((qb[16 + 4 * p + t] & 15) << 4);
-                const int h = p / 2, shift = 4 * (p % 2);
-                uint8_t& top = ob[128 + 32 * h + 4 * j + t];
-                const uint8_t bits = ((qb[4 * p + t] >> 4) | ((qb[16 + 4 * p + t] >> 4) << 2)) << shift;
-                top = (p % 2 ? top : 0) | bits;  // (chunk 2h writes the byte's low four bits first)
-              }
+            int6_block_row(q + 32 * s, j, ob);
             ob[192 + j] = blk ? blk[192 + 2 * s] : 0;
             ob[200 + j] = blk ? blk[192 + 2 * s + 1] : 0;
           }
@@ -298,22 +365,16 @@ void gguf_convert(const torch::Tensor& raw, int64_t type, const torch::Tensor& o
               ks[j] = ks[8 + j] = 0;
               for (int s = 0; s < 8; ++s) reinterpret_cast<uint8_t*>(ks + 16)[8 * s + j] = reinterpret_cast<uint8_t*>(ks + 16)[64 + 8 * s + j] = 0;
             }
-          } else if (type == Q4_K) {
+          } else if (kq) {
+            q4_k_row_own_scales(row, K, j, out + g * nb * 128, sc + g * (nb / 8) * 80);
+            continue;
+          } else if (type == Q4_K) {  // float16 d sc, -(dmin m) per 32 (where joined with another int4 layout)
             for (int64_t B = 0; B < K / 256; ++B) {
               const uint8_t* b = row + B * 144;
               const float dd = h2f(b), dmin = h2f(b + 2);
-              uint16_t* ks = sc + (g * (nb / 8) + B) * 80;  // (kq) D, Dmin, sc bytes, mn bytes
-              if (kq) {
-                std::memcpy(ks + j, b, 2);
-                std::memcpy(ks + 8 + j, b + 2, 2);
-              }
               for (int s = 0; s < 8; ++s) {  // sub-block s: nibble s % 2 of qs[32 (s / 2) + k]
                 int scale, mn;
                 scale_min_k4(b + 4, s, scale, mn);
-                if (kq) {
-                  reinterpret_cast<uint8_t*>(ks + 16)[8 * s + j] = static_cast<uint8_t>(scale);
-                  reinterpret_cast<uint8_t*>(ks + 16)[64 + 8 * s + j] = static_cast<uint8_t>(mn);
-                }
                 const int64_t grp = 8 * B + s;
                 dm[2 * grp] = dd * static_cast<float>(scale);
                 dm[2 * grp + 1] = -(dmin * static_cast<float>(mn));
@@ -336,7 +397,7 @@ void gguf_convert(const torch::Tensor& raw, int64_t type, const torch::Tensor& o
           for (int64_t b = 0; b < nb; ++b) {
             uint8_t* ob = out + (g * nb + b) * 128;  // byte (p, j, t) = qs[b, 4p + t]
             for (int p = 0; p < 4; ++p) std::memcpy(ob + 32 * p + 4 * j, &qs[16 * b + 4 * p], 4);
-            if (kq) continue;  // (its scales written above)
+            if (kq) continue;  // (the zeros of a padding row's scales written above)
             uint16_t* sb = sc + (g * nb + b) * 8 * S;
             sb[j] = f2h(dm[2 * b]);
             if (S == 2) sb[8 + j] = f2h(dm[2 * b + 1]);
