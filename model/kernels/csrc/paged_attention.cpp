@@ -88,7 +88,11 @@ static inline __m256 score8(const float* q, int64_t s, int64_t E, const At& at) 
 // product chain and each (query, output lane) sum is the one score8 / the position loop computes, in the same order:
 // tiling shares loads, never arithmetic. (4 x 4 tiles for a group of 4 queries, Llama 3's G, were no faster from
 // cache on the Zen 4 host and slower from memory: not kept.)
-#if defined(__AVX512VL__)
+#if LS_ZMM
+// 512-bit tiles (below): a score tile holds 4 queries x 8 keys as 4 x 4 registers of two keys each, a value tile 4
+// queries x 64 output lanes; the same arithmetic again, each 256-bit half of a register the chain above computes.
+constexpr int SQ = 4, SK = 8, VQ = 4, VV = 8;
+#elif defined(__AVX512VL__)
 constexpr int SQ = 3, SK = 8, VQ = 3, VV = 8;
 #else
 constexpr int SQ = 2, SK = 4, VQ = 2, VV = 4;
@@ -117,6 +121,36 @@ static inline void key_products(const float* q, int64_t s, int64_t E, const At& 
     for (int j = 0; j < NK; ++j) d[i][j0 + j] = a[i][j];
 }
 
+#if LS_ZMM
+// key_products of all 8 keys with 512-bit FMAs: register (i, p) holds query i's lane sums of keys 2p (its lower half)
+// and 2p + 1 (its upper half), each half the chain key_products computes, the query's 8 elements in both halves.
+// Half the FMAs for the same products (the AVX-512 units take 16 lanes an instruction); d as key_products leaves it.
+template <typename R, int NQ, typename At>
+static inline void key_products16(const float* q, int64_t s, int64_t E, const At& at, __m256 (&d)[NQ][8]) {
+  const R* k[8];
+  for (int j = 0; j < 8; ++j) k[j] = at.k(s + j);
+  __m512 a[NQ][4];
+  __m512 qv[NQ];
+  for (int i = 0; i < NQ; ++i) qv[i] = twice8(_mm256_loadu_ps(q + i * E));
+  for (int p = 0; p < 4; ++p) {
+    const __m512 kv = join8(load8(k[2 * p]), load8(k[2 * p + 1]));
+    for (int i = 0; i < NQ; ++i) a[i][p] = _mm512_mul_ps(qv[i], kv);
+  }
+  for (int64_t e = 8; e < E; e += 8) {
+    for (int i = 0; i < NQ; ++i) qv[i] = twice8(_mm256_loadu_ps(q + i * E + e));
+    for (int p = 0; p < 4; ++p) {
+      const __m512 kv = join8(load8(k[2 * p] + e), load8(k[2 * p + 1] + e));
+      for (int i = 0; i < NQ; ++i) a[i][p] = _mm512_fmadd_ps(qv[i], kv, a[i][p]);
+    }
+  }
+  for (int i = 0; i < NQ; ++i)
+    for (int p = 0; p < 4; ++p) {
+      d[i][2 * p] = lower8(a[i][p]);
+      d[i][2 * p + 1] = upper8(a[i][p]);
+    }
+}
+#endif
+
 // Asks for the key (or value) row of position s, if s < end, into L2 ahead of its use. A head's rows are E elements
 // out of every K * E, in blocks that lie anywhere in the pool, and the hardware prefetchers alone held one decode
 // row's attention to 5-10 GB/s from memory on the Zen 4 host (against ~21 from cache). Measured there (the loop of
@@ -137,7 +171,11 @@ constexpr int64_t PREFETCH_POSITIONS = 64;  // how far ahead of its use a row is
 template <typename R, int NQ, int NK, typename At>
 static inline void score8_tile(const float* q, int64_t s, int64_t E, const At& at, __m256* out) {
   __m256 d[NQ][8];
+#if LS_ZMM
+  key_products16<R, NQ>(q, s, E, at, d);
+#else
   for (int j0 = 0; j0 < 8; j0 += NK) key_products<R, NQ, NK>(q, s, E, at, j0, d);
+#endif
   for (int i = 0; i < NQ; ++i) out[i] = hsum8x8(d[i]);
 }
 
@@ -165,6 +203,25 @@ static inline void score_tiles(const float* qf, const int64_t* len, int64_t i, i
 template <int NQ, int NV, typename At>
 static inline void values_tile(const float* const* p, float* const* acc, int64_t s0, int64_t s1, int64_t e0, const At& at,
                                int64_t pf_end, int64_t E) {
+#if LS_ZMM  // NV / 2 registers of 16 lanes per query: each lane's FMAs as below, in the same order
+  constexpr int NW = NV / 2;
+  __m512 w[NQ][NW];
+  for (int i = 0; i < NQ; ++i)
+    for (int v = 0; v < NW; ++v) w[i][v] = _mm512_loadu_ps(acc[i] + e0 + 16 * v);
+  for (int64_t s = s0; s < s1; ++s) {
+    prefetch_row(at, s + PREFETCH_POSITIONS, pf_end, E, false);
+    const auto* vs = at.v(s) + e0;
+    __m512 ps[NQ];
+    for (int i = 0; i < NQ; ++i) ps[i] = _mm512_set1_ps(p[i][s]);
+    for (int v = 0; v < NW; ++v) {
+      const __m512 x = load16(vs + 16 * v);
+      for (int i = 0; i < NQ; ++i) w[i][v] = _mm512_fmadd_ps(ps[i], x, w[i][v]);
+    }
+  }
+  for (int i = 0; i < NQ; ++i)
+    for (int v = 0; v < NW; ++v) _mm512_storeu_ps(acc[i] + e0 + 16 * v, w[i][v]);
+  return;
+#endif
   __m256 r[NQ][NV];
   for (int i = 0; i < NQ; ++i)
     for (int v = 0; v < NV; ++v) r[i][v] = _mm256_loadu_ps(acc[i] + e0 + 8 * v);
@@ -208,6 +265,14 @@ static inline float exp_and_sum(float* sc, int64_t len, float mx) {
 #if LS_AVX2
   const __m256 m8 = _mm256_set1_ps(mx);
   __m256 sv = _mm256_setzero_ps();
+#if LS_ZMM  // 16 at a time, each half added as its own group of 8, in order
+  const __m512 m16 = _mm512_set1_ps(mx);
+  for (; s + 16 <= len; s += 16) {
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(sc + s), m16));
+    _mm512_storeu_ps(sc + s, e);
+    sv = _mm256_add_ps(_mm256_add_ps(sv, lower8(e)), upper8(e));
+  }
+#endif
   for (; s + 8 <= len; s += 8) {
     const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sc + s), m8));
     _mm256_storeu_ps(sc + s, e);

@@ -104,4 +104,38 @@ inline __m256 exp8(__m256 x) {
 }
 #endif
 
+#if LS_ZMM
+// 16 lanes: what the 8-lane helpers above compute, lane for lane (AVX512F only: the build adds VL, BW and VNNI).
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const bf16* p) {
+  __m512i i = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(i, 16));
+}
+inline __m512 load16(const f16* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+inline __m512 join8(__m256 lo, __m256 hi) {  // (lo | hi)
+  return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(lo)), _mm256_castps_pd(hi), 1));
+}
+inline __m512 twice8(__m256 v) { return join8(v, v); }
+inline __m256 lower8(__m512 v) { return _mm512_castps512_ps256(v); }
+inline __m256 upper8(__m512 v) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)); }
+
+// exp8 on 16 lanes, operation for operation (floor is a rounding to -inf either way: exact).
+inline __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-88.3762626647949f)), _mm512_set1_ps(88.3762626647949f));
+  __m512 fx = _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f));
+  fx = _mm512_roundscale_ps(fx, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
+  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), x);
+  __m512 y = _mm512_set1_ps(1.9875691500E-4f);
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507E-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073E-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894E-2f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459E-1f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201E-1f));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
+  __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(fx), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+}
+#endif
+
 }  // namespace ls
