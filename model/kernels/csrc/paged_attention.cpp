@@ -220,8 +220,7 @@ static inline void values_tile(const float* const* p, float* const* acc, int64_t
   }
   for (int i = 0; i < NQ; ++i)
     for (int v = 0; v < NW; ++v) _mm512_storeu_ps(acc[i] + e0 + 16 * v, w[i][v]);
-  return;
-#endif
+#else
   __m256 r[NQ][NV];
   for (int i = 0; i < NQ; ++i)
     for (int v = 0; v < NV; ++v) r[i][v] = _mm256_loadu_ps(acc[i] + e0 + 8 * v);
@@ -237,6 +236,7 @@ static inline void values_tile(const float* const* p, float* const* acc, int64_t
   }
   for (int i = 0; i < NQ; ++i)
     for (int v = 0; v < NV; ++v) _mm256_storeu_ps(acc[i] + e0 + 8 * v, r[i][v]);
+#endif
 }
 
 // Queries [i, i + NQ) (probabilities in sc rows of ld, outputs in acc rows of E): acc += p[s] v(s) over the positions
