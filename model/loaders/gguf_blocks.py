@@ -32,11 +32,10 @@ from typing import Callable
 import numpy as np
 import torch
 from torch import Tensor
-from gguf import GGMLQuantizationType
-from gguf.quants import dequantize
 
 from model import kernels
 from model.loaders.errors import CheckpointError
+from model.loaders.ggml_types import GGMLQuantizationType, dequantize
 from model.quantize import (GROUP_SIZE, Int4Linear, Int6Linear, Int8Linear, QuantLinear, int4_groups, int4_k_scales,
                             int4_layout, int4_nibbles, int6_layout, int8_blocks, int8_layout)
 

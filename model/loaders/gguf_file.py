@@ -14,14 +14,13 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType
 from torch import Tensor
-from gguf.quants import dequantize
 
 from model.config import ModelConfig
 from model.loaders.assemble import LAYER_NAMES, ModelAssembler, NameMap
 from model.loaders.config_keys import config_from_gguf
 from model.loaders.errors import CheckpointError
+from model.loaders.ggml_types import GGMLQuantizationType, dequantize
 from model.loaders.memory import served_bytes
 from model.loaders.gguf_reader import GGUFFile
 from model.loaders.gguf_blocks import (CHUNK_ELEMENTS, Alloc, buffer_shapes, conversion, matrix_layer, own_format,

@@ -22,9 +22,8 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-
 from model.loaders.errors import CheckpointError
+from model.loaders.ggml_types import GGML_QUANT_SIZES, GGMLQuantizationType
 
 MAGIC = b"GGUF"
 VERSIONS = (2, 3)

@@ -1,6 +1,7 @@
 """model/loaders/gguf_reader.py against the `gguf` package's GGUFReader (the reference): the same metadata values,
 the same tensor directory and the same bytes, on the default model's file and on a file with every metadata value
-type; a file cut short is refused with the tensor and byte counts."""
+type; a file cut short is refused with the tensor and byte counts. model/loaders/ggml_types.py's table of types and
+block sizes against the package's."""
 
 from __future__ import annotations
 
@@ -56,3 +57,21 @@ def test_a_cut_file_names_the_tensor_and_the_bytes(tmp_path):
     cut.write_bytes(data[:100_000])  # inside the vocabulary
     with pytest.raises(CheckpointError, match=r"cannot read GGUF \(truncated or not a GGUF file\?\)"):
         GGUFFile(cut)
+
+
+def test_the_type_table_is_the_gguf_packages_and_its_float_types_dequantize_as_the_package_does():
+    import gguf
+    from gguf.quants import dequantize as reference
+
+    from model.loaders import ggml_types
+
+    assert {t.name: int(t) for t in ggml_types.GGMLQuantizationType} == {t.name: int(t) for t in GGMLQuantizationType}
+    assert {t.name: s for t, s in ggml_types.GGML_QUANT_SIZES.items()} == \
+           {t.name: s for t, s in gguf.GGML_QUANT_SIZES.items()}
+    rng = np.random.default_rng(0)
+    for name, data in (("F32", rng.standard_normal((3, 8)).astype(np.float32)),
+                       ("F16", rng.standard_normal((3, 8)).astype(np.float16)),
+                       ("Q8_0", rng.integers(0, 255, (3, 34), dtype=np.uint8))):
+        ours = ggml_types.dequantize(data, ggml_types.GGMLQuantizationType[name])
+        ref = reference(data, GGMLQuantizationType[name])
+        assert ours.dtype == np.float32 and np.array_equal(ours, ref, equal_nan=True)
