@@ -156,7 +156,10 @@ def _load_draft(spec: SpeculativeConfig, target: LoadedModel, s: Settings) -> to
                          "(the ngram method is)")
     path = s.model if spec.model == "self" else spec.model
     model = target.model
-    draft = load_model(path, model.dtype, model.device, quantization=spec.quantization or "auto")
+    # the engine's KV pool is not allocated yet: the draft's weights must fit beside it (and the engine then checks
+    # both pools, the draft's included, before allocating either)
+    draft = load_model(path, model.dtype, model.device, quantization=spec.quantization or "auto",
+                       reserve_bytes=s.kv_cache_bytes)
     V, Vd = model.config.vocab_size, draft.model.config.vocab_size
     probe = "Speculative decoding checks 12 tokens, ünïcödé and <|im_end|> too."
     if Vd != V or draft.tokenizer.encode(probe) != target.tokenizer.encode(probe) \

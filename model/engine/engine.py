@@ -30,6 +30,7 @@ from model.engine.speculative import Drafter, SpecDecodeStats, SpeculativeConfig
 from model.engine.speculative.build import build_speculator
 from model.engine.structured import StructuredOutputs
 from model.interventions import InterventionPlan
+from model.loaders.memory import available_bytes
 from model.text.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -107,6 +108,19 @@ def _quantized_weights(model) -> bool:
     return getattr(model, "shard", model).quantization != "none"
 
 
+def _check_pools_fit(pool: int, draft_pool: int) -> None:
+    """The served model's load reserved room for the engine's KV pool (`load_model(reserve_bytes=...)`), not for a
+    draft model's beside it. With both models' weights resident and neither pool allocated yet, both must fit in what
+    the machine has left, or the engine is refused with the figures: a pool faulted in past the machine's memory has
+    the kernel kill the process half-way (a `"model": "self"` draft's pool is as large as the engine's, or larger)."""
+    available = available_bytes()
+    if available is not None and pool + draft_pool > available:
+        raise MemoryError(
+            f"the KV pools need {(pool + draft_pool) / 2**30:.2f} GiB (the served model's {pool / 2**30:.2f} GiB + the "
+            f"draft model's {draft_pool / 2**30:.2f} GiB) but {available / 2**30:.2f} GiB is available: choose a "
+            "smaller --kv-cache-bytes or a smaller draft model")
+
+
 class Engine:
     def __init__(self, model: Transformer, tokenizer: Tokenizer, config: EngineConfig | None = None,
                  draft_model: Transformer | None = None) -> None:
@@ -120,6 +134,11 @@ class Engine:
         self.max_model_len = resolve_max_model_len(config.max_model_len, model.config.max_seq_len,
                                                    num_blocks * config.block_size)
         graphs = CudaGraphs.enabled(config.decode_graphs, model, config.block_size)
+        if draft_model is not None and config.speculative is not None and torch.device(model.device).type == "cpu":
+            # the draft's pool: as many blocks as the engine's, in the draft's dtype (draft_model.DraftModelProposer)
+            draft_pool = num_blocks * PagedKVCache.bytes_per_block(kv_config(draft_model), config.block_size,
+                                                                   draft_model.dtype)
+            _check_pools_fit(per_block * (num_blocks + graphs), draft_pool)
         # with decode graphs, one block more than the manager hands out: the padding rows' scratch block
         self.cache = PagedKVCache.for_model(model, num_blocks + graphs, config.block_size, kv_dtype)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
