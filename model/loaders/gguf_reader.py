@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
+
 from model.loaders.errors import CheckpointError
 from model.loaders.ggml_types import GGML_QUANT_SIZES, GGMLQuantizationType
 
