@@ -121,8 +121,16 @@ static inline void q8_tile(const QWeight& w, const QActs& a, int64_t m0, int64_t
   __m256 acc[MR];
 #pragma GCC unroll 8
   for (int i = 0; i < MR; ++i) acc[i] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* wb = w.data + (g * nb + b) * 256;
+  const int64_t rb = a.row_bytes, nbp = a.nbp;
+  // Row m0 + i's block b at xq + i rb, its scale at dxp[i nbp]: pointers stepped a block at a time, so the compiler
+  // keeps every address in a register. Indexing a.q and a.dx afresh per block and row (as before) spilled them and
+  // recomputed products each block. On the Zen 3 host (AVX2, no VNNI), `python -m benchmarks.kernel_ab` on the 1B
+  // Q4_0 and Q4_K_M files' layers at 32 and 512 rows: int4 1.09-1.14x, int6 1.23-1.24x, int8 1.05-1.06x; one row
+  // 1.02-1.09x; the same outputs bit for bit.
+  const int8_t* xq = a.q + m0 * rb;
+  const float* dxp = a.dx + m0 * nbp;
+  const uint8_t* wb = w.data + g * nb * 256;
+  for (int64_t b = 0; b < nb; ++b, wb += 256, xq += QK, ++dxp) {
     if constexpr (MR <= 4) prefetch_ahead(wb, 256, w.scales + (g * nb + b) * 8, 16);
     __m256i s32[MR];
 #pragma GCC unroll 8
@@ -133,7 +141,7 @@ static inline void q8_tile(const QWeight& w, const QActs& a, int64_t m0, int64_t
       const __m256i aw = _mm256_sign_epi8(wc, wc);
 #pragma GCC unroll 8
       for (int i = 0; i < MR; ++i) {
-        const int8_t* x = a.q + (m0 + i) * a.row_bytes + b * QK + 4 * c;
+        const int8_t* x = xq + i * rb + 4 * c;
         const __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(*reinterpret_cast<const int32_t*>(x)), wc);
 #if LS_VNNI
         s32[i] = LS_DPBUSD(s32[i], aw, xs);  // the same exact int32 sums, one instruction
@@ -145,7 +153,7 @@ static inline void q8_tile(const QWeight& w, const QActs& a, int64_t m0, int64_t
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.scales + (g * nb + b) * 8)));
 #pragma GCC unroll 8
     for (int i = 0; i < MR; ++i)
-      acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32[i]), _mm256_mul_ps(d, _mm256_broadcast_ss(a.dx + (m0 + i) * a.nbp + b)), acc[i]);
+      acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32[i]), _mm256_mul_ps(d, _mm256_broadcast_ss(dxp + i * nbp)), acc[i]);
   }
   for (int i = 0; i < MR; ++i) _mm256_storeu_ps(y + (m0 + i) * ldy + 8 * g, acc[i]);
 }
@@ -322,8 +330,12 @@ static inline void q4_tile(const QWeight& w, const QActs& a, int64_t m0, int64_t
   __m256 acc[MR];
 #pragma GCC unroll 8
   for (int i = 0; i < MR; ++i) acc[i] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* wb = w.data + (g * nb + b) * 128;
+  const int64_t rb = a.row_bytes, nbp = a.nbp;
+  const int8_t* xq = a.q + m0 * rb;  // as q8_tile's
+  const float* dxp = a.dx + m0 * nbp;
+  const float* sxp = a.sx + m0 * nbp;
+  const uint8_t* wb = w.data + g * nb * 128;
+  for (int64_t b = 0; b < nb; ++b, wb += 128, xq += QK, ++dxp, ++sxp) {
     if constexpr (MR <= 4) prefetch_ahead(wb, 128, q4_scales_at<L>(w, nb, g, b), q4_scale_bytes(L));
     __m256i s16[MR];
 #pragma GCC unroll 2
@@ -334,7 +346,7 @@ static inline void q4_tile(const QWeight& w, const QActs& a, int64_t m0, int64_t
       const __m256i l1 = _mm256_and_si256(r1, m4), h1 = _mm256_and_si256(_mm256_srli_epi16(r1, 4), m4);
 #pragma GCC unroll 8
       for (int i = 0; i < MR; ++i) {
-        const int8_t* x = a.q + (m0 + i) * a.row_bytes + b * QK + 8 * h;
+        const int8_t* x = xq + i * rb + 8 * h;
         const auto bc = [&](int off) { return _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(x + off)); };
 #if LS_VNNI
         __m256i t = h == 0 ? _mm256_setzero_si256() : s16[i];  // (int32 lanes here: dpbusd widens as it adds)
@@ -356,9 +368,8 @@ static inline void q4_tile(const QWeight& w, const QActs& a, int64_t m0, int64_t
 #else
       const __m256 isum = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16[i], _mm256_set1_epi16(1)));
 #endif
-      const int64_t r = (m0 + i) * a.nbp + b;
-      acc[i] = _mm256_fmadd_ps(isum, _mm256_mul_ps(d, _mm256_broadcast_ss(a.dx + r)), acc[i]);
-      acc[i] = _mm256_fmadd_ps(m, _mm256_broadcast_ss(a.sx + r), acc[i]);
+      acc[i] = _mm256_fmadd_ps(isum, _mm256_mul_ps(d, _mm256_broadcast_ss(dxp + i * nbp)), acc[i]);
+      acc[i] = _mm256_fmadd_ps(m, _mm256_broadcast_ss(sxp + i * nbp), acc[i]);
     }
   }
   for (int i = 0; i < MR; ++i) _mm256_storeu_ps(y + (m0 + i) * ldy + 8 * g, acc[i]);
@@ -451,8 +462,12 @@ static inline void q6_tile(const QWeight& w, const QActs& a, int64_t m0, int64_t
   __m256 acc[MR];
 #pragma GCC unroll 8
   for (int i = 0; i < MR; ++i) acc[i] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* wb = w.data + (g * nb + b) * 208;
+  const int64_t rb = a.row_bytes, nbp = a.nbp;
+  const int8_t* xq = a.q + m0 * rb;  // as q8_tile's, and the halves' sums at hsp[2 i nbp]
+  const float* dxp = a.dx + m0 * nbp;
+  const int32_t* hsp = a.hs + 2 * m0 * nbp;
+  const uint8_t* wb = w.data + g * nb * 208;
+  for (int64_t b = 0; b < nb; ++b, wb += 208, xq += QK, ++dxp, hsp += 2) {
     const uint16_t* db = w.scales + (g * (nb / 8) + b / 8) * 8;
     if constexpr (MR <= 4) prefetch_ahead(wb, 208, db, 2);
     __m256i lo[MR], hi[MR];
@@ -468,7 +483,7 @@ static inline void q6_tile(const QWeight& w, const QActs& a, int64_t m0, int64_t
       const __m256i h1 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(r1, 4), m4), _mm256_and_si256(_mm256_srli_epi16(t2, 2), m30));
 #pragma GCC unroll 8
       for (int i = 0; i < MR; ++i) {
-        const int8_t* x = a.q + (m0 + i) * a.row_bytes + b * QK + 8 * h;
+        const int8_t* x = xq + i * rb + 8 * h;
         const auto bc = [&](int off) { return _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(x + off)); };
 #if LS_VNNI
         const __m256i l = h == 0 ? _mm256_setzero_si256() : lo[i], u = h == 0 ? _mm256_setzero_si256() : hi[i];
@@ -487,11 +502,11 @@ static inline void q6_tile(const QWeight& w, const QActs& a, int64_t m0, int64_t
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(db)));
 #pragma GCC unroll 8
     for (int i = 0; i < MR; ++i) {
-      const int32_t* hs = a.hs + 2 * ((m0 + i) * a.nbp + b);  // the halves' activation sums
+      const int32_t* hs = hsp + 2 * i * nbp;  // the halves' activation sums
       const __m256i xl = _mm256_set1_epi32(32 * hs[0]), xh = _mm256_set1_epi32(32 * hs[1]);
       const __m256i isum = _mm256_add_epi32(_mm256_mullo_epi32(_mm256_sub_epi32(lo[i], xl), sc_lo),
                                             _mm256_mullo_epi32(_mm256_sub_epi32(hi[i], xh), sc_hi));
-      acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d, _mm256_broadcast_ss(a.dx + (m0 + i) * a.nbp + b)), acc[i]);
+      acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d, _mm256_broadcast_ss(dxp + i * nbp)), acc[i]);
     }
   }
   for (int i = 0; i < MR; ++i) _mm256_storeu_ps(y + (m0 + i) * ldy + 8 * g, acc[i]);
