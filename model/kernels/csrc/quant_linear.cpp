@@ -122,11 +122,11 @@ static inline void q8_tile(const QWeight& w, const QActs& a, int64_t m0, int64_t
 #pragma GCC unroll 8
   for (int i = 0; i < MR; ++i) acc[i] = _mm256_setzero_ps();
   const int64_t rb = a.row_bytes, nbp = a.nbp;
-  // Row m0 + i's block b at xq + i rb, its scale at dxp[i nbp]: pointers stepped a block at a time, so the compiler
-  // keeps every address in a register. Indexing a.q and a.dx afresh per block and row (as before) spilled them and
-  // recomputed products each block. On the Zen 3 host (AVX2, no VNNI), `python -m benchmarks.kernel_ab` on the 1B
-  // Q4_0 and Q4_K_M files' layers at 32 and 512 rows: int4 1.09-1.14x, int6 1.23-1.24x, int8 1.05-1.06x; one row
-  // 1.02-1.09x; the same outputs bit for bit.
+  // Row m0 + i's block b at xq + i rb, its scale at dxp[i nbp]: pointers stepped a block at a time. Indexing a.q and
+  // a.dx afresh per block and row (as before) recomputed index products every block and spilled more of them. On
+  // the Zen 3 host (AVX2, no VNNI), `python -m benchmarks.kernel_ab` on the 1B Q4_0 and Q4_K_M files' layers at 32
+  // and 512 rows: int4 1.09-1.14x, int6 1.23-1.24x, int8 1.05-1.06x; one row 1.02-1.09x; the same outputs bit for
+  // bit (docs/performance.md, real shapes).
   const int8_t* xq = a.q + m0 * rb;
   const float* dxp = a.dx + m0 * nbp;
   const uint8_t* wb = w.data + g * nb * 256;
