@@ -30,7 +30,7 @@ from model.engine.speculative import Drafter, SpecDecodeStats, SpeculativeConfig
 from model.engine.speculative.build import build_speculator
 from model.engine.structured import StructuredOutputs
 from model.interventions import InterventionPlan
-from model.loaders.memory import available_bytes
+from model.loaders.memory import check_fits
 from model.text.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -113,12 +113,8 @@ def _check_pools_fit(pool: int, draft_pool: int) -> None:
     draft model's beside it. With both models' weights resident and neither pool allocated yet, both must fit in what
     the machine has left, or the engine is refused with the figures: a pool faulted in past the machine's memory has
     the kernel kill the process half-way (a `"model": "self"` draft's pool is as large as the engine's, or larger)."""
-    available = available_bytes()
-    if available is not None and pool + draft_pool > available:
-        raise MemoryError(
-            f"the KV pools need {(pool + draft_pool) / 2**30:.2f} GiB (the served model's {pool / 2**30:.2f} GiB + the "
-            f"draft model's {draft_pool / 2**30:.2f} GiB) but {available / 2**30:.2f} GiB is available: choose a "
-            "smaller --kv-cache-bytes or a smaller draft model")
+    check_fits({"the served model's": pool, "the draft model's": draft_pool}, "the KV pools need",
+               "choose a smaller --kv-cache-bytes or a smaller draft model", digits=2)
 
 
 class Engine:

@@ -65,7 +65,9 @@ DEQUANTIZED = {"Q2_K", "Q3_K", "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "
 
 def _check_fits(weights: int, reserve: int, path: Path) -> None:
     try:
-        check_fits(weights, reserve, path.name)
+        check_fits({"weights": weights, "KV pool": reserve}, f"{path.name} needs",
+                   "choose a smaller quantization (--quantization int4), a smaller --kv-cache-bytes, or a machine with "
+                   "more memory")
     except MemoryError as e:
         raise CheckpointError(str(e), path=str(path)) from None
 

@@ -49,14 +49,19 @@ def available_bytes() -> int | None:
     return min(found) if found else None
 
 
-def check_fits(weights: int, reserve: int, what: str, available: int | None = None) -> None:
-    """Raise MemoryError naming the figures when `weights` + `reserve` (the KV pool) exceed what the machine has."""
+def check_fits(parts: dict[str, int], what: str, advice: str, available: int | None = None, digits: int = 1) -> None:
+    """Raise MemoryError naming the figures when `parts` (label -> bytes: the weights, a KV pool) together exceed
+    what the machine has: "{what} T GiB ({label} A GiB + {label} B GiB) but C GiB is available: {advice}", `what`
+    e.g. "model.gguf needs"."""
     available = available_bytes() if available is None else available
-    if available is not None and weights + reserve > available:
-        raise MemoryError(
-            f"{what} needs {(weights + reserve) / 2**30:.1f} GiB (weights {weights / 2**30:.1f} GiB + KV pool "
-            f"{reserve / 2**30:.1f} GiB) but {available / 2**30:.1f} GiB is available: choose a smaller quantization "
-            "(--quantization int4), a smaller --kv-cache-bytes, or a machine with more memory")
+    total = sum(parts.values())
+
+    def gib(n: int) -> str:
+        return f"{n / 2**30:.{digits}f} GiB"
+
+    if available is not None and total > available:
+        raise MemoryError(f"{what} {gib(total)} ({' + '.join(f'{label} {gib(n)}' for label, n in parts.items())}) but "
+                          f"{gib(available)} is available: {advice}")
 
 
 def process_peak_bytes() -> int | None:

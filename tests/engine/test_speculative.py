@@ -444,18 +444,18 @@ def test_engine_refusals(model):
 def test_a_draft_models_kv_pool_must_fit_beside_the_engines(model, draft, monkeypatch):
     """Both pools are checked against the memory available before either is allocated: one byte short is refused
     with the figures, the exact fit builds (the figures are the pools' allocated sizes)."""
-    import model.engine.engine as engine_module
+    from model.loaders import memory
 
-    monkeypatch.setattr(engine_module, "available_bytes", lambda: None)  # (cannot be read: not checked)
+    monkeypatch.setattr(memory, "available_bytes", lambda: None)  # (cannot be read: not checked)
     engine = _engine(model, _draft_config(), draft_model=draft)
     pools = engine.cache.nbytes + engine.drafter._propose.__self__.cache.nbytes
     assert engine.drafter._propose.__self__.cache.nbytes > 0
-    monkeypatch.setattr(engine_module, "available_bytes", lambda: pools - 1)
+    monkeypatch.setattr(memory, "available_bytes", lambda: pools - 1)
     with pytest.raises(MemoryError, match=r"the KV pools need .* the draft model's .* GiB is available"):
         _engine(model, _draft_config(), draft_model=draft)
     with pytest.raises(MemoryError):  # twice the blocks: twice both pools
         _engine(model, _draft_config(), draft_model=draft, num_blocks=256)
-    monkeypatch.setattr(engine_module, "available_bytes", lambda: pools)
+    monkeypatch.setattr(memory, "available_bytes", lambda: pools)
     _engine(model, _draft_config(), draft_model=draft)
-    monkeypatch.setattr(engine_module, "available_bytes", lambda: 0)
+    monkeypatch.setattr(memory, "available_bytes", lambda: 0)
     _engine(model, NGRAM)  # no draft model: the engine's pool is the load's to check (reserve_bytes)
