@@ -1,22 +1,23 @@
-"""Two builds of the native kernels in one process, on a real file's layers: the A/B for a kernel change on a noisy host.
+"""Two builds of the native kernels in one process on a real file's layers: A/B for a kernel change on a noisy host.
 
-    .venv/bin/python -m benchmarks.kernel_ab --base-so <old build's .so> --rows 1 32 512 --model <file.gguf> ...
+    .venv/bin/python -m benchmarks.kernel_ab --base-so <base build>.so --rows 1 32 512 --model <file.gguf> ...
 
-`benchmarks.ab` alternates whole processes; on a shared VM their speeds move 10-20% from one minute to the next, more
-than a kernel change. Here both builds (the base checkout's `.so`, printed by `python -m model.kernels -v` there or
-found under ~/.cache/llamascope/kernels, and this checkout's, built if needed) are loaded side by side (pybind11
-modules of different names) and called alternately on the same buffers: every linear layer of the file (its table
-and head left out) as the server loads it (`--quantization auto`), random activations of R rows. Per kind of layer
-(Int4 symmetric / Q4_K scales / Int6 / Int8) the sum over layers of each call's median of `--reps` (the two
-builds' calls in alternating runs of `max(1, 64 // R)`), as GMAC/s; and one pass of R rows through all the layers in turn (one row: weights
-from memory, as a decode step reads them), medians of the passes. Ratios > 1: this checkout faster. Also checks the two builds give the same bits.
+The base build's path, printed in the base checkout (which builds it if needed):
+`.venv/bin/python -c "from model import kernels; kernels.native(); print(kernels.build_dir() / kernels.module_name())"`
+then `/<that name>.so` appended. `benchmarks.ab` alternates whole processes; on a shared VM their speeds move 10-20%
+from one minute to the next, more than a kernel change. Here both builds (the base's and this checkout's, built if
+needed) are loaded side by side (pybind11 modules of different names) and called on the same buffers: every linear
+layer of the file (its table and head left out) as the server loads it (`--quantization auto`), random activations
+of R rows. Per kind of layer (Int4 symmetric / Q4_K scales / Int6 / Int8) the sum over layers of each call's median
+of `--reps` runs of `max(1, 64 // R)` calls a side, which side first alternating, as GMAC/s; and one pass of R rows
+through all the layers in turn (one row: weights from memory, as a decode step reads them), medians of the passes,
+alternating likewise. Ratios > 1: this checkout faster. A line says where the two builds' outputs differ.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
-import importlib.util
 import statistics
 import time
 from pathlib import Path
@@ -29,15 +30,9 @@ from model.loaders.checkpoint import load_model
 from model.quantize import QuantLinear
 
 
-def load_so(path: Path) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def kind(m: QuantLinear) -> str:
-    return type(m).__name__ + ("-kq" if getattr(m, "k_scales", False) else "-sym" if getattr(m, "symmetric", False) else "")
+    layout = "-kq" if getattr(m, "k_scales", False) else "-sym" if getattr(m, "symmetric", False) else ""
+    return type(m).__name__ + layout
 
 
 def main() -> None:
@@ -47,14 +42,14 @@ def main() -> None:
     p.add_argument("--rows", type=int, nargs="+", default=[1, 32, 512])
     p.add_argument("--reps", type=int, default=4)
     args = p.parse_args()
-    base, new = load_so(args.base_so), kernels.native()
+    base, new = kernels.import_built(args.base_so), kernels.native()
     if new is None:
         raise SystemExit("this checkout's native kernels are off or failed to build")
     torch.manual_seed(0)
     for path in args.model:
         lm = load_model(str(path), quantization="auto")
-        layers = [m for n, m in lm.model.named_modules()
-                  if isinstance(m, QuantLinear) and m.native_buffers() is not None and "embed" not in n and "head" not in n]
+        layers = [m for n, m in lm.model.named_modules() if isinstance(m, QuantLinear)
+                  and m.native_buffers() is not None and "embed" not in n and "head" not in n]
         for rows in args.rows:
             calls = [(kind(m), m.in_features * m.out_features * rows, m.native_op, m.native_buffers(),
                       torch.randn(rows, m.in_features)) for m in layers]
@@ -81,11 +76,12 @@ def main() -> None:
                 return time.perf_counter() - t
 
             passes: dict[str, list[float]] = {"base": [], "new": []}
-            for _ in range(args.reps):
-                passes["base"].append(one_pass(base))
-                passes["new"].append(one_pass(new))
+            for r in range(args.reps):
+                for side, lib in ((("base", base), ("new", new)) if r % 2 == 0 else (("new", new), ("base", base))):
+                    passes[side].append(one_pass(lib))
             pa, pb = statistics.median(passes["base"]), statistics.median(passes["new"])
-            by_kind = "  ".join(f"{k} {macs[k] / med['base'][k] / 1e9:.1f} -> {macs[k] / med['new'][k] / 1e9:.1f} GMAC/s"
+            gmacs = {side: {k: macs[k] / med[side][k] / 1e9 for k in macs} for side in med}
+            by_kind = "  ".join(f"{k} {gmacs['base'][k]:.1f} -> {gmacs['new'][k]:.1f} GMAC/s"
                                 f" ({med['base'][k] / med['new'][k]:.2f}x)" for k in macs)
             print(f"{path.name} rows {rows}: {by_kind}  | a pass {pa * 1e3:.1f} -> {pb * 1e3:.1f} ms ({pa / pb:.2f}x)",
                   flush=True)

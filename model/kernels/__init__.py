@@ -133,14 +133,20 @@ def build(verbose: bool = False) -> ModuleType:
     )
 
 
+def import_built(path: Path) -> ModuleType:
+    """Import a built extension from its .so (named by its file: builds of different sources load side by side)."""
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def load() -> ModuleType:
     """Import the built extension if this exact build exists (no compiler or ninja needed), else build it."""
     name = module_name()
     path = build_dir() / name / f"{name}.so"
     if path.is_file():
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
+        module = import_built(path)
         log.info("native CPU kernels: loaded %s", path)  # which build: the image's, or this machine's own
         return module
     log.info("native CPU kernels: no build at %s; building it (about a minute)", path)
