@@ -303,6 +303,58 @@ class Int6Linear(RowPaddedLinear):
         return int6_values(*self.unpacked()).to(dtype)
 
 
+class StackedLinear(QuantLinear):
+    """A fused module (q/k/v, gate/up: `transformer.FUSED_PARTS`) whose parts are served in different formats, each
+    in its own: Q4_K_M files hold attn_q and attn_k in Q4_K beside a Q6_K attn_v in some blocks, so wqkv is int4 rows
+    then int6 rows, `parts` stacked along the output dim. Each part runs its own kernel on the same rounded
+    activations and the outputs are concatenated, so no part's weights are rounded again (int8 for all of them read
+    8.5 bits a weight where the file holds 4.625 and 6.5625). The fused native step takes the parts as one
+    projection (decode_layers.cpp's `Projection`)."""
+
+    def __init__(self, parts: list[QuantLinear]) -> None:
+        if len({p.in_features for p in parts}) != 1 or any(isinstance(p, StackedLinear) for p in parts):
+            raise ValueError("stacked parts share their input and are not stacks themselves")
+        super().__init__(parts[0].in_features, sum(p.out_features for p in parts))
+        self.parts = nn.ModuleList(parts)
+
+    def forward(self, x: Tensor) -> Tensor:  # (..., in) -> (..., out): each part's columns in order
+        return torch.cat([p(x) for p in self.parts], dim=-1)
+
+    def kernel_row_limit(self, native: bool) -> float:
+        return min(p.kernel_row_limit(native) for p in self.parts)
+
+    def native_parts(self) -> list[list[Tensor]] | None:
+        """Each part's two native buffers, in order; None where a part has none."""
+        buffers = [p.native_buffers() for p in self.parts]
+        return None if any(b is None for b in buffers) else buffers
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:  # -> (out, in)
+        return torch.cat([p.dequantize(dtype) for p in self.parts])
+
+    def reference_dequantize(self, dtype: torch.dtype) -> Tensor:
+        return torch.cat([p.reference_dequantize(dtype) for p in self.parts])
+
+    @property
+    def decode_bytes(self) -> int:
+        return sum(p.decode_bytes for p in self.parts)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, parts {[p.out_features for p in self.parts]}"
+
+
+def stack(layers: list[QuantLinear]) -> QuantLinear:
+    """Layers with the same input stacked along the output dim as one module: runs of the same class joined
+    (`cat`), a `StackedLinear` of the runs where the classes differ."""
+    runs: list[list[QuantLinear]] = []
+    for m in layers:
+        if runs and type(runs[-1][0]) is type(m):
+            runs[-1].append(m)
+        else:
+            runs.append([m])
+    joined_runs = [type(r[0]).cat(r) if len(r) > 1 else r[0] for r in runs]
+    return joined_runs[0] if len(joined_runs) == 1 else StackedLinear(joined_runs)
+
+
 def int6_layout(q: Tensor, sc: Tensor, d: Tensor) -> tuple[Tensor, Tensor]:
     """q (N, K) uint8 in [0, 63], sc (N, K/16) int8, d (N, K/256) float16, N whole groups of 8 -> the int6 kernel's
     buffers (qgemm.h): data (N/8, K/32, 208) uint8 (per block: Int4's nibble layout of q's low 4 bits, then their top
@@ -501,10 +553,7 @@ def _quantized(name: str, weight: Tensor, cls: type[QuantLinear], prequantized: 
     layer_prefix, suffix = name.rsplit(".", 2)[0], ".".join(name.rsplit(".", 2)[1:])  # "layers.0", "attention.wqkv"
     parts = [f"{layer_prefix}.{p}" for p in FUSED_PARTS.get(suffix, ())]
     if parts and all(p in prequantized for p in parts):
-        layers = [prequantized.pop(p) for p in parts]
-        if len({type(m) for m in layers}) > 1:  # one kernel per module: the parts in int8, the int4 ones rounded again
-            layers = [m if isinstance(m, Int8Linear) else Int8Linear.from_float(m.dequantize()) for m in layers]
-        return type(layers[0]).cat(layers)
+        return stack([prequantized.pop(p) for p in parts])  # (parts of differing formats: a StackedLinear)
     if name in prequantized:
         return prequantized.pop(name)
     if weight.is_meta:
@@ -547,7 +596,9 @@ def quantize_model(model: nn.Module, mode: Quantization, prequantized: dict[str,
 
 def linear_weights(model: nn.Module) -> list[nn.Module]:
     """Every matrix a decode token multiplies by, as the model holds it (a float `nn.Linear` or a quantized module)."""
-    return [m for m in model.layers.modules() if isinstance(m, (nn.Linear, QuantLinear))] + [model.output]
+    parts = {id(p) for m in model.layers.modules() if isinstance(m, StackedLinear) for p in m.parts}
+    return [m for m in model.layers.modules()
+            if isinstance(m, (nn.Linear, QuantLinear)) and id(m) not in parts] + [model.output]
 
 
 def decode_bytes(layer: nn.Module) -> int:

@@ -17,15 +17,21 @@ from model.kernels import ops
 from model.engine.input_batch import StepBatch
 from model.engine.forward_context import ForwardContext
 from model.engine.paged_cache import kv_config
-from model.quantize import QuantLinear
+from model.quantize import QuantLinear, StackedLinear
 from model.transformer import Transformer
 
 
 def _linear_spec(layer: nn.Module) -> list[Tensor] | None:
-    """A linear layer as decode_layers takes it: [float weight, empty] or a quantized layer's two native buffers;
-    None for anything else (a tensor-parallel row-parallel layer, say, whose output must be all-reduced)."""
+    """A linear layer as decode_layers takes it: [float weight, empty] or a quantized layer's two native buffers
+    (a `StackedLinear`'s parts: each part's two, in order); None for anything else (a tensor-parallel row-parallel
+    layer, say, whose output must be all-reduced)."""
     if isinstance(layer, nn.Linear):
         return [layer.weight.detach(), layer.weight.new_empty(0)]
+    if isinstance(layer, StackedLinear):
+        parts = layer.native_parts()
+        if parts is None or any(p.out_features % 8 for p in layer.parts):
+            return None
+        return [b for pair in parts for b in pair]
     if isinstance(layer, QuantLinear) and layer.out_features % 8 == 0:  # (else its buffers hold zero rows past it)
         return layer.native_buffers()
     return None

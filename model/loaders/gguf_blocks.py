@@ -11,9 +11,9 @@ takes (`own_format`), per tensor, under `--quantization auto`:
                     the kernels taking d*sc and -(dmin*m) (exact float32 products): 4.625 bits a weight. Beside other
                     int4 layouts in one fused module: d*sc and -dmin*m per group in float16 (rounded to 11 bits)
     Q6_K         -> int6, exact: the file's q, sub-scales and d moved into the kernel's layout (6.5625 bits a
-                    weight, as the file); int8 (requantized) where int8 is asked for (fused parts beside other types)
+                    weight, as the file); int8 (requantized) where int8 is asked for (`--quantization int8`)
     Q8_0         -> int8, exact
-    Q4_0         -> int8 where int8 is asked for (the LM head; fused parts beside int8 ones): q - 8 with its d, exact
+    Q4_0         -> int8 where int8 is asked for (the LM head, `--quantization int8`): q - 8 with its d, exact
     Q5_0, Q5_1, Q5_K -> int8, requantized from the file's values (per block of 32, d = max|w| / 127)
     anything else (Q2_K, Q3_K, IQ*, TQ*, float matrices) -> none of its own: dequantized and requantized per tensor
 

@@ -69,9 +69,9 @@ def served_formats(reader: GGUFFile, mode: str, per_tensor: bool, tied: bool) ->
     `per_tensor` (`--quantization auto`): each matrix at its own type's precision (`own_format`; a type with none is
     requantized to int8), else every block matrix in `mode`. The LM head is int8 either way (int6 under `per_tensor`
     where the file's head is Q6_K, as most K-quant files have it), and with tied embeddings the table is the head; an
-    untied table keeps its own format. The parts of a fused module (q/k/v, gate/up) must
-    share one kernel: where their formats differ (Q4_K_M's Q6_K attn_v beside Q4_K attn_q), all take int8. Int4
-    needs whole groups of 16 rows: else int8. Matrices whose input is not whole blocks of 32 are not listed (float)."""
+    untied table keeps its own format. The parts of a fused module (q/k/v, gate/up) keep theirs too: where they
+    differ (Q4_K_M's Q6_K attn_v beside Q4_K attn_q) the module is a `quantize.StackedLinear` of them. Int4 needs
+    whole groups of 16 rows: else int8. Matrices whose input is not whole blocks of 32 are not listed (float)."""
     kinds: dict[str, str] = {}
     for t in reader.tensors:
         ours = gguf_to_ours(t.name)
@@ -88,12 +88,6 @@ def served_formats(reader: GGUFFile, mode: str, per_tensor: bool, tied: bool) ->
         else:
             continue
         kinds[t.name] = "int8" if kind == "int4" and rows % 16 else kind
-    by_ours = {gguf_to_ours(name): name for name in kinds}
-    for i in {n.split(".")[1] for n in by_ours if n and n.startswith("layers.")}:
-        for parts in FUSED_PARTS.values():
-            names = [by_ours.get(f"layers.{i}.{p}.weight") for p in parts]
-            if all(names) and len({kinds[n] for n in names}) > 1:
-                kinds.update({n: "int8" for n in names})
     return kinds
 
 
@@ -141,8 +135,9 @@ def _dequantize(reader_tensor: Any, path: str, rows: slice = slice(None)) -> np.
 class _Placement:
     """Where the served matrices' buffers go: one `WeightArena` of `capacity` bytes (on 2 MB pages, written once),
     and a fused module's parts (q/k/v, gate/up: `transformer.FUSED_PARTS`) as row slices of the module's own buffers,
-    back to back, so joining them (`quantize.joined`) copies nothing. Parts of differing formats, or int8 parts whose
-    rows are not whole groups of 8, get buffers of their own and are joined by copying, as before."""
+    back to back, so joining them (`quantize.joined`) copies nothing: each run of consecutive parts in one format
+    (Q4_K_M's Q4_K q and k before a Q6_K v: `quantize.stack`) shares buffers. A part alone in its format, or int8
+    parts whose rows are not whole groups of 8, get buffers of their own (the latter joined by copying)."""
 
     def __init__(self, capacity: int, kinds: dict[str, str], tensors: dict[str, Any]) -> None:
         self.arena = WeightArena(capacity)
@@ -154,16 +149,23 @@ class _Placement:
                 names = [f"{prefix}.{p}.weight" for p in parts]
                 if not all(n in tensors for n in names):
                     continue
-                # (format, scales layout) of each part: one layout for the module's buffers
-                formats = {(kinds.get(t.name), scales_layout(t.tensor_type.name, kinds.get(t.name)))
-                           for t in (tensors[n] for n in names)}
-                rows = [int(tensors[n].shape[1]) for n in names]
-                if len(formats) != 1 or (None, "") in formats or any(r % 8 for r in rows):
-                    continue
-                first = 0
-                for n, r in zip(names, rows):
-                    self.part_of[n] = (f"{prefix}.{fused}", first)
-                    first += r
+                # runs of consecutive parts of one (format, scales layout): one layout for a run's buffers
+                runs: list[list[str]] = []
+                for n in names:
+                    t = tensors[n]
+                    key = (kinds.get(t.name), scales_layout(t.tensor_type.name, kinds.get(t.name)))
+                    if runs and runs[-1][0] == key:
+                        runs[-1].append(n)
+                    else:
+                        runs.append([key, n])
+                for r, (key, *run) in enumerate(runs):
+                    rows = [int(tensors[n].shape[1]) for n in run]
+                    if len(run) < 2 or key == (None, "") or any(x % 8 for x in rows):
+                        continue
+                    first = 0
+                    for n, x in zip(run, rows):
+                        self.part_of[n] = (f"{prefix}.{fused}/{r}", first)
+                        first += x
 
     def alloc(self, ours: str) -> Alloc:
         """The `alloc` for `matrix_layer` of our parameter `ours`."""

@@ -16,7 +16,7 @@ from gguf_writer import write_tiny_gguf
 from model.loaders.gguf_blocks import unpermute_qk
 from model.loaders.gguf_file import load_gguf, native_quantization, open_gguf
 from model import huge_pages
-from model.quantize import Int4Linear, Int6Linear, Int8Linear, QuantEmbedding, QuantLinear
+from model.quantize import Int4Linear, Int6Linear, Int8Linear, QuantEmbedding, QuantLinear, StackedLinear, linear_weights
 
 # Block bytes per 256 weights (or 32 for the legacy types) and where each block's float16 super-scales sit
 # (ggml-common.h: block_q2_K {scales[16]; qs[64]; d; dmin}, block_q3_K {hmask[32]; qs[64]; scales[12]; d},
@@ -142,40 +142,54 @@ def test_exact_mappings_serve_the_files_values_bit_for_bit(tmp_path, qtype, mode
         assert huge_pages.place_weights(model) < 4096  # the norms only
 
 
-def test_q4_k_m_mix_per_tensor_with_fused_parts_in_one_format(tmp_path):
+def test_q4_k_m_mix_per_tensor_with_fused_parts_in_their_own_formats(tmp_path):
     """Q4_K_M's pattern: Q4_K matrices, Q6_K attn_v and ffn_down in some layers, a Q6_K head. Under auto each keeps
-    its own precision (Q6_K as int6, exact); a fused module whose parts differ (q/k Q4_K beside a Q6_K v) is int8 as
-    a whole."""
+    its own precision (Q6_K as int6, exact), fused parts too: q/k Q4_K beside a Q6_K v are a StackedLinear of int4
+    and int6 rows, each the file's values bit for bit; the engine's native step (which takes the parts as one
+    projection) gives the module path's tokens bit for bit, and batched rows the tokens they get alone."""
+    from tiny import greedy_tokens
+    from test_native_kernels import _decode_run
+
     hf = save_tiny_llama(tmp_path / "hf", hidden_size=256, intermediate_size=512, num_attention_heads=4,
                          num_key_value_heads=2, vocab_size=512, num_hidden_layers=2, tie_word_embeddings=False)
 
     def q4_k_m(name: str):
-        if name == "output.weight" or name in ("blk.0.attn_v.weight", "blk.0.ffn_down.weight"):
-            return Q.Q6_K
+        if name == "output.weight" or name in ("blk.0.attn_v.weight", "blk.0.ffn_down.weight", "blk.1.ffn_up.weight"):
+            return Q.Q6_K  # (and a Q6_K up beside a Q4_K gate, which llama-quantize does not write: a stacked w13)
         return Q.Q4_K
 
     values = write_typed(tmp_path / "m.gguf", hf, q4_k_m)
     assert native_quantization(open_gguf(tmp_path / "m.gguf")) == "int4"  # what `auto` picks: the main type's
     m = load_gguf(tmp_path / "m.gguf", quantization="int4", per_tensor=True)
-    assert isinstance(m.layers[0].attention.wqkv, Int8Linear) and isinstance(m.layers[1].attention.wqkv, Int4Linear)
+    stacked = m.layers[0].attention.wqkv
+    assert isinstance(stacked, StackedLinear) and [type(p) for p in stacked.parts] == [Int4Linear, Int6Linear]
+    assert [p.out_features for p in stacked.parts] == [256 + 128, 128] and stacked.out_features == 512
+    assert stacked.decode_bytes == sum(p.decode_bytes for p in stacked.parts)
+    assert isinstance(m.layers[1].attention.wqkv, Int4Linear)
     assert isinstance(m.layers[0].feed_forward.w2, Int6Linear) and isinstance(m.layers[1].feed_forward.w2, Int4Linear)
     assert isinstance(m.layers[0].feed_forward.w13, Int4Linear) and isinstance(m.output, Int6Linear)
-    mix = m.weight_mix
-    assert mix["Q6_K -> int6"] == 2  # ffn_down of block 0, the head
-    assert mix["Q6_K -> int8 (requantized)"] == 1  # block 0's attn_v, fused with Q4_K attn_q and attn_k
-    assert mix["Q4_K -> int8 (requantized)"] == 2  # block 0's attn_q and attn_k, beside their Q6_K attn_v
-    assert mix["Q4_K -> int4"] == 2 * 7 - 4 + 1  # the other block matrices and the untied table
+    assert [type(p) for p in m.layers[1].feed_forward.w13.parts] == [Int4Linear, Int6Linear]
+    assert m.weight_mix == {"Q6_K -> int6": 4,  # block 0's attn_v and ffn_down, block 1's ffn_up, the head
+                            "Q4_K -> int4": 2 * 7 - 3 + 1}  # the other block matrices and the untied table
     assert m.layers[1].attention.wqkv.k_scales and m.tok_embeddings.table.k_scales  # Q4_K's own scales, exact
+    assert stacked.parts[0].nibbles.is_contiguous()  # q and k written back to back: joined without a copy
     for name, (want, qtype) in values.items():
         if name.startswith("blk."):
             layer, rows = layer_of(m, name)
-            assert (np.abs(layer.dequantize()[rows].numpy() - want) <= bound(qtype, want, type(layer))).all(), name
+            assert np.array_equal(layer.dequantize()[rows].numpy(), want), name
+    assert len(linear_weights(m)) == 2 * 4 + 1  # a stack counted once, not beside its parts
     assert np.array_equal(m.output.dequantize().numpy(), values["output.weight"][0])
     tokens = torch.tensor([[1, 5, 9, 200, 7]])
     with torch.no_grad():
         ref = load_gguf(tmp_path / "m.gguf")(tokens)  # the file's values in float32
         got = m(tokens)
     assert ((got - ref).abs().max() / ref.abs().max()).item() < 0.1  # (activations rounded to int8 by the kernels)
+    fast, paths = _decode_run(m, native_decode=True)
+    slow, _ = _decode_run(m, native_decode=False)
+    assert paths["native"] >= 6 and paths["module"] == 0  # the stacked wqkv taken by the native step
+    assert fast == slow
+    prompts = [[5, 9, 2, 7, 1] * k for k in (1, 3, 7)]
+    assert greedy_tokens(m, prompts) == [greedy_tokens(m, [p])[0] for p in prompts]
 
 
 def test_tied_quantized_table_is_the_head(tmp_path):

@@ -22,21 +22,39 @@
 namespace ls {
 
 // One projection as decode_layers takes it: a float weight (N, K) of the activation dtype (b empty), or a quantized
-// layer's two buffers (model/quantize.py's `native_buffers`).
+// layer's two buffers (model/quantize.py's `native_buffers`), or the parts of a quantized `StackedLinear` (several
+// quantized layers of one input in different formats, stacked along the output: `stacked`, each with its first
+// output column; q is then unused).
 struct Projection {
   bool quantized;
   QWeight q;
   const void* w;
   int64_t N, K;
+  std::vector<std::pair<int64_t, QWeight>> stacked;
 };
 
 static Projection projection(const torch::Tensor& a, const torch::Tensor& b, at::ScalarType dtype) {
   if (a.scalar_type() == at::kByte || a.scalar_type() == at::kChar) {
     const QWeight q = qweight_of(a, b);
-    return Projection{true, q, nullptr, q.N, q.K};
+    return Projection{true, q, nullptr, q.N, q.K, {}};
   }
   TORCH_CHECK(a.scalar_type() == dtype && a.dim() == 2 && a.is_contiguous(), "decode_layers: float weights of the activation dtype");
-  return Projection{false, QWeight{}, a.data_ptr(), a.size(0), a.size(1)};
+  return Projection{false, QWeight{}, a.data_ptr(), a.size(0), a.size(1), {}};
+}
+
+// The (a, b) pairs w[2 i], w[2 i + 1] for i in [first, last) as one projection: quantized parts stacked when more
+// than one.
+static Projection projection_of(const std::vector<torch::Tensor>& w, size_t first, size_t last, at::ScalarType dtype) {
+  if (last - first == 1) return projection(w[2 * first], w[2 * first + 1], dtype);
+  Projection p{true, QWeight{}, nullptr, 0, 0, {}};
+  for (size_t i = first; i < last; ++i) {
+    const Projection part = projection(w[2 * i], w[2 * i + 1], dtype);
+    TORCH_CHECK(part.quantized && (p.N == 0 || part.K == p.K), "decode_layers: stacked parts are quantized, of one input");
+    p.stacked.emplace_back(p.N, part.q);
+    p.N += part.N;
+    p.K = part.K;
+  }
+  return p;
 }
 
 // Scratch for one step's activations, allocated before the parallel region.
@@ -76,7 +94,12 @@ static std::pair<int64_t, int64_t> project(const Projection& p, const T* x, cons
   QActs a = acts;
   a.row_bytes = act_row_bytes(p.K / QK);
   a.nbp = padded_blocks(p.K / QK);
-  if (p.quantized)
+  if (!p.stacked.empty()) {
+    for (const auto& [first, q] : p.stacked) {  // each part's share of [b, e), into its own columns of y
+      const int64_t lo = std::max(b, first), hi = std::min(e, first + q.N);
+      if (lo < hi) qgemm_range(q, a, s.N, lo - first, hi - first, s.y + first, p.N);
+    }
+  } else if (p.quantized)
     qgemm_range(p.q, a, s.N, b, e, s.y, p.N);
   else
     float_gemm_range<T>(x, s.N, static_cast<const T*>(p.w), p.K, b, e, s.y, p.N);
@@ -292,9 +315,16 @@ torch::Tensor decode_layers(torch::Tensor h, const std::vector<std::vector<torch
   int64_t F = 0, widest_out = 0, widest_in = 0;
   for (int64_t l = 0; l < L; ++l) {
     const auto& w = layers[l];
-    TORCH_CHECK(w.size() == 10, "decode_layers: 10 tensors per block");
+    TORCH_CHECK(w.size() >= 10 && w.size() % 2 == 0, "decode_layers: 10 tensors per block, or more with stacked parts");
     TORCH_CHECK(w[0].scalar_type() == dtype && w[1].scalar_type() == dtype && w[0].numel() == D && w[1].numel() == D, "decode_layers: norms");
-    for (int i = 0; i < 4; ++i) proj[l].push_back(projection(w[2 + 2 * i], w[3 + 2 * i], dtype));
+    // pairs 1 .. P - 1 after the norms' pair 0: wqkv's parts up to its (H + 2K) E rows, wo, w13's parts, w2 (last)
+    const size_t P = w.size() / 2;
+    size_t qkv_end = 1;
+    for (int64_t rows = 0; rows < (H + 2 * K) * E && qkv_end + 3 <= P - 1; ++qkv_end) rows += projection(w[2 * qkv_end], w[2 * qkv_end + 1], dtype).N;
+    proj[l].push_back(projection_of(w, 1, qkv_end, dtype));
+    proj[l].push_back(projection_of(w, qkv_end, qkv_end + 1, dtype));
+    proj[l].push_back(projection_of(w, qkv_end + 1, P - 1, dtype));
+    proj[l].push_back(projection_of(w, P - 1, P, dtype));
     const auto& p = proj[l];
     F = p[2].N / 2;
     TORCH_CHECK(p[0].K == D && p[0].N == (H + 2 * K) * E && p[1].K == H * E && p[1].N == D && p[2].K == D && p[3].K == F && p[3].N == D, "decode_layers: projection shapes");
