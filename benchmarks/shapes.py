@@ -13,7 +13,10 @@ Each file is served by both in turn, one server up at a time (an 8B file twice w
 context: llama-server `-np 32 -c 20480` (640 tokens a slot), ours `--kv-cache-bytes` for 20,480 tokens in a float16
 cache like llama-server's (or the `--kv-cache-dtype` that `--ours-args` name). Load time: process start to /health
 200. Peak memory: the server process's VmHWM after the workloads. The workloads are benchmarks/vs_llama_server.py's (streamed /v1/completions, token-id prompts, greedy, EOS
-ignored, 64 new tokens): single stream (median of 3), 32 concurrent, one 512-token prefill.
+ignored, 64 new tokens): single stream (median of 3), 32 concurrent, one 512-token prefill. `--rounds N`: N rounds,
+the two servers alternating (ours, llama-server, ours, ...), each round a fresh start of each; every figure is the
+median over a side's rounds (peak memory: the highest), so a slow spell of the shared host (figures here moved 20-40%
+within an hour) falls on a round of each side instead of on all of one side's measurements.
 
 `--load-only --starts N`: load times alone, N starts of each server alternating (ours, llama-server, ours, ...), each
 stopped as soon as it is ready, medians; writes `--out` (default benchmarks/results/shapes-load.json).
@@ -166,7 +169,12 @@ def kv_cache_args(path: Path, tokens: int, ours_args: list[str]) -> list[str]:
     return ["--kv-cache-bytes", str(tokens * _kv_bytes_per_token(path, itemsize)), "--kv-cache-dtype", dtype]
 
 
-def measure(name: str, start, vocab_hint: int, rounds: int, client: str) -> dict:
+FIGURES = ("load_s", "decode_tok_s", "throughput_tok_s", "prefill_tok_s")
+
+
+def measure(name: str, start, vocab_hint: int, r: int, client: str) -> dict:
+    """Round `r` of one side: start its server, a warm-up, the workloads (seeds by round: both sides get the same
+    prompts in a round), its peak memory, stop."""
     t0 = time.perf_counter()
     server = start()
     load_s = time.perf_counter() - t0
@@ -174,20 +182,29 @@ def measure(name: str, start, vocab_hint: int, rounds: int, client: str) -> dict
     try:
         vocab = vs._vocab(server.url) if name == "ours" else vocab_hint
         vs.single_stream(server.url, vocab, seed=10_000, client=client)  # warm-up
-        singles, conc, pre = [], [], []
-        for r in range(rounds):
-            singles += [vs.single_stream(server.url, vocab, seed=3 * r + i, client=client)["decode_tok_s"] for i in range(3)]
-            conc.append(vs.concurrent(server.url, vocab, seed=100 + r, client=client)["throughput_tok_s"])
-            pre.append(vs.prefill(server.url, vocab, seed=200 + r, client=client)["prefill_tok_s"])
-        out.update(decode_tok_s=statistics.median(singles), throughput_tok_s=statistics.median(conc),
-                   prefill_tok_s=statistics.median(pre), peak_rss_bytes=_peak_bytes(server.proc.pid))
+        singles = [vs.single_stream(server.url, vocab, seed=3 * r + i, client=client)["decode_tok_s"] for i in range(3)]
+        out.update(decode_tok_s=statistics.median(singles),
+                   throughput_tok_s=vs.concurrent(server.url, vocab, seed=100 + r, client=client)["throughput_tok_s"],
+                   prefill_tok_s=vs.prefill(server.url, vocab, seed=200 + r, client=client)["prefill_tok_s"],
+                   peak_rss_bytes=_peak_bytes(server.proc.pid))
         if name == "ours":
             out["model_card"] = __import__("httpx").get(server.url + "/v1/models", timeout=10).json()["data"][0]
     finally:
         out["exit"] = server.stop(grace=0) if name != "ours" else server.stop()
-    print(f"  {name:>12}: load {out['load_s']:5.1f} s  peak {out.get('peak_rss_bytes', 0) / 2**30:5.2f} GiB  "
+    print(f"  {name:>12} (round {r + 1}): load {out['load_s']:5.1f} s  peak {out.get('peak_rss_bytes', 0) / 2**30:5.2f} GiB  "
           f"single {out.get('decode_tok_s', 0):6.1f}  32-concurrent {out.get('throughput_tok_s', 0):6.1f}  "
           f"prefill {out.get('prefill_tok_s', 0):6.1f} tok/s", flush=True)
+    return out
+
+
+def medians(rounds: list[dict]) -> dict:
+    """One side's rounds -> each figure's median over them, the highest peak memory, and the rounds themselves."""
+    out = {k: statistics.median(r[k] for r in rounds) for k in FIGURES}
+    out["peak_rss_bytes"] = max(r["peak_rss_bytes"] for r in rounds)
+    out["exit"] = [r["exit"] for r in rounds]
+    if "model_card" in rounds[0]:
+        out["model_card"] = rounds[0]["model_card"]
+    out["rounds"] = [{k: r[k] for k in (*FIGURES, "peak_rss_bytes")} for r in rounds]
     return out
 
 
@@ -255,12 +272,15 @@ def main(argv: list[str] | None = None) -> int:
             run = {"shape": shape, "type": qtype, "file": str(path), "file_bytes": path.stat().st_size,
                    "ours_kv_cache_bytes": int(kv[1]), "ours_kv_cache_dtype": kv[3]}
             ours_cmd = ["--model", str(path), *kv, *args.ours_args.split()]
-            run["ours"] = measure("ours", lambda: ServedProcess(ours_cmd, logs / f"{path.stem}.ours.log"), 0,
-                                  args.rounds, args.client)
-            vocab = run["ours"]["model_card"].get("vocab_size") or 49152
-            run["llama-server"] = measure("llama-server", lambda: vs.LlamaServer(args.llama_server, path, args.threads,
-                                                                                logs / f"{path.stem}.peer.log"),
-                                          vocab, args.rounds, args.client)
+            sides: dict[str, list[dict]] = {"ours": [], "llama-server": []}
+            for r in range(args.rounds):  # the sides alternate: a slow spell of the shared host hits a round of each
+                sides["ours"].append(measure("ours", lambda: ServedProcess(ours_cmd, logs / f"{path.stem}.ours.{r}.log"),
+                                             0, r, args.client))
+                vocab = sides["ours"][0]["model_card"].get("vocab_size") or 49152
+                sides["llama-server"].append(measure(
+                    "llama-server", lambda: vs.LlamaServer(args.llama_server, path, args.threads, logs / f"{path.stem}.peer.{r}.log"),
+                    vocab, r, args.client))
+            run["ours"], run["llama-server"] = medians(sides["ours"]), medians(sides["llama-server"])
             o, pe = run["ours"], run["llama-server"]
             run["ratios"] = {k: o[k] / pe[k] for k in ("decode_tok_s", "throughput_tok_s", "prefill_tok_s")}
             run["ratios"]["peak_rss"] = o["peak_rss_bytes"] / pe["peak_rss_bytes"]
