@@ -111,7 +111,7 @@ def test_prefill_rows_attend_in_tiles_bitwise_as_each_row_alone(dtype, H, K, E):
     """A prefill chunk's rows share one sequence's blocks: the kernel runs them in tiles of rows x the query heads of a
     KV head, one block of positions at a time. Every row's output, and the softmax its telemetry records, must be
     bitwise what the row gets alone (a decode step), whatever tile it lands in: chunks crossing the 8-key groups,
-    the 64-position blocks and the 8-row tiles, beside another sequence's rows."""
+    the 64-position blocks and the 16-row tiles (3- and 2-query register tiles), beside another sequence's rows."""
     bs, n0, T = 16, 53, 21  # the chunk: positions 53..73, so lengths 54..74
     k_pool, v_pool, tables = _pool_and_tables([n0 + T, 40], bs, K, E, dtype)
     width = max(map(len, tables))

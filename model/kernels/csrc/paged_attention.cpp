@@ -84,10 +84,13 @@ static inline __m256 score8(const float* q, int64_t s, int64_t E, const At& at) 
 // Register tiles of attend_tile: NQ queries against the same keys (or values) share each key's (value's) load, so
 // the kernel does an FMA per load or better instead of two loads per FMA (score8 reloads q for every key). Where the
 // build has 32 vector registers (AVX-512VL) a score tile holds 3 queries x 8 keys (24 accumulators) and a value
-// tile 3 queries x 8 vectors of the output; with AVX2's 16, 2 queries x 4 keys and 2 x 4 vectors. Each (query, key)
-// product chain and each (query, output lane) sum is the one score8 / the position loop computes, in the same order:
-// tiling shares loads, never arithmetic. (4 x 4 tiles for a group of 4 queries, Llama 3's G, were no faster from
-// cache on the Zen 4 host and slower from memory: not kept.)
+// tile 3 queries x 8 vectors of the output; with AVX2's 16, 3 queries x 4 keys (12 accumulators, each key's vector
+// an FMA's memory operand) and 3 x 4 vectors. Each (query, key) product chain and each (query, output lane) sum is
+// the one score8 / the position loop computes, in the same order: tiling shares loads, never arithmetic. (4 x 4
+// tiles for a group of 4 queries, Llama 3's G, were no faster from cache on the Zen 4 host and slower from memory: not
+// kept. On the Zen 3 host, AVX2 only, 3-query tiles against 2-query ones, the 1B's 512-row prefill chunk over 16k
+// positions (a /tmp harness of the kernel alone, 2 threads): scores 0.80 -> 0.72 s of thread time, values 0.60 ->
+// 0.54.) A group's queries go in tiles of SQ (VQ) and the last 2 to 4 in tiles of 2 (`tile_of`).
 #if LS_ZMM
 // 512-bit tiles (below): a score tile holds 4 queries x 8 keys as 4 x 4 registers of two keys each, a value tile 4
 // queries x 64 output lanes; the same arithmetic again, each 256-bit half of a register the chain above computes.
@@ -95,8 +98,12 @@ constexpr int SQ = 4, SK = 8, VQ = 4, VV = 8;
 #elif defined(__AVX512VL__)
 constexpr int SQ = 3, SK = 8, VQ = 3, VV = 8;
 #else
-constexpr int SQ = 2, SK = 4, VQ = 2, VV = 4;
+constexpr int SQ = 3, SK = 4, VQ = 3, VV = 4;
 #endif
+
+// How many of a group's `left` queries the next register tile takes: a whole tile of n, or 2 where a tile of 3 would
+// leave one query of four to run alone (a decode row of Llama's G = 4: two tiles of 2).
+static inline int tile_of(int64_t left, int n) { return left >= n && !(n == 3 && left == 4) ? n : 2; }
 
 // d[i][j0 + j] := score8's per-key lane sums of query i (q + i * E) and position s + j0 + j, j < NK
 template <typename R, int NQ, int NK, typename At>
@@ -385,8 +392,11 @@ static void attend_tile(const float* qf, const int64_t* len, int64_t Qn, int64_t
   // numbers, and the arithmetic on them, are the same either way.
   const auto widens = [&](int64_t g) { return !std::is_same_v<T, float> && group[g + 1] - group[g] > 4; };
   std::vector<float> wide(std::is_same_v<T, float> ? 0 : BS * E);
-  const auto widened = [&](const At& rows, int64_t b0, int64_t b1, bool keys) {  // rows [b0, b1) -> over `wide`
+  // rows [b0, b1) -> over `wide`, asking for the rows PREFETCH_POSITIONS ahead (below end): unasked, the widening's
+  // loads waited on memory for 36% of the kernel's time (perf, Zen 3 host, the 1B's prefill chunk over 16k positions)
+  const auto widened = [&](const At& rows, int64_t b0, int64_t b1, bool keys, int64_t end) {
     for (int64_t s = b0; s < b1; ++s) {
+      prefetch_row(rows, s + PREFETCH_POSITIONS, end, E, keys);
       const T* src = keys ? rows.k(s) : rows.v(s);
       float* dst = wide.data() + (s - b0) * E;
       int64_t e = 0;
@@ -404,8 +414,13 @@ static void attend_tile(const float* qf, const int64_t* len, int64_t Qn, int64_t
     const int64_t b1 = b0 + BS;
     const int64_t pf = std::is_same_v<std::decay_t<decltype(rows)>, Widened> ? 0 : len[qa];  // positions to prefetch
     int64_t i = qa;
-    for (; i + SQ <= qb; i += SQ)  // the first tile of the group asks for the rows ahead
-      score_tiles<R, SQ, SK>(qf, len, i, b0, b1, E, rows, sc, ld, mv.data(), done.data(), i == qa ? pf : 0);
+    for (int n; qb - i >= 2; i += n) {  // the first tile of the group asks for the rows ahead
+      n = tile_of(qb - i, SQ);
+      if (n == SQ)
+        score_tiles<R, SQ, SK>(qf, len, i, b0, b1, E, rows, sc, ld, mv.data(), done.data(), i == qa ? pf : 0);
+      else
+        score_tiles<R, 2, SK>(qf, len, i, b0, b1, E, rows, sc, ld, mv.data(), done.data(), i == qa ? pf : 0);
+    }
     for (; i < qb; ++i) done[i] = b0;
     for (i = qa; i < qb; ++i) {
       const int64_t L = len[i], vec_end = L / 8 * 8;  // groups of 8 while s + 8 <= L, as attend_head
@@ -429,7 +444,7 @@ static void attend_tile(const float* qf, const int64_t* len, int64_t Qn, int64_t
     for (int64_t g = 0; g < NG; ++g) {
       if (b0 >= glen[g]) continue;
       if (widens(g))
-        scores(b0, group[g], group[g + 1], widened(at[g], b0, std::min(b0 + BS, glen[g]), true));
+        scores(b0, group[g], group[g + 1], widened(at[g], b0, std::min(b0 + BS, glen[g]), true, glen[g]));
       else
         scores(b0, group[g], group[g + 1], at[g]);
     }
@@ -440,8 +455,13 @@ static void attend_tile(const float* qf, const int64_t* len, int64_t Qn, int64_t
   const auto values = [&](int64_t b0, int64_t qa, int64_t qb, const auto& rows) {
     const int64_t pf = std::is_same_v<std::decay_t<decltype(rows)>, Widened> ? 0 : len[qa];  // positions to prefetch
     int64_t i = qa;
-    for (; E % (8 * VV) == 0 && i + VQ <= qb; i += VQ)
-      value_tiles<VQ, VV>(sc, ld, acc, len, i, b0, b0 + BS, E, rows, done.data(), i == qa ? pf : 0);
+    for (int n; E % (8 * VV) == 0 && qb - i >= 2; i += n) {
+      n = tile_of(qb - i, VQ);
+      if (n == VQ)
+        value_tiles<VQ, VV>(sc, ld, acc, len, i, b0, b0 + BS, E, rows, done.data(), i == qa ? pf : 0);
+      else
+        value_tiles<2, VV>(sc, ld, acc, len, i, b0, b0 + BS, E, rows, done.data(), i == qa ? pf : 0);
+    }
     for (; i < qb; ++i) done[i] = b0;
     for (i = qa; i < qb; ++i) {
       const int64_t end = std::min(b0 + BS, len[i]);
@@ -470,15 +490,18 @@ static void attend_tile(const float* qf, const int64_t* len, int64_t Qn, int64_t
     for (int64_t g = 0; g < NG; ++g) {
       if (b0 >= glen[g]) continue;
       if (widens(g))
-        values(b0, group[g], group[g + 1], widened(at[g], b0, std::min(b0 + BS, glen[g]), false));
+        values(b0, group[g], group[g + 1], widened(at[g], b0, std::min(b0 + BS, glen[g]), false, glen[g]));
       else
         values(b0, group[g], group[g + 1], at[g]);
     }
 }
 #endif
 
-// Rows of a prefill chunk attend over the same sequence's blocks: up to this many share a tile.
-constexpr int64_t TILE_ROWS = 8;
+// Rows of a prefill chunk attend over the same sequence's blocks: up to this many share a tile. Each tile reads its
+// KV head's whole history once, so 16 rows read it half as often as 8 did (the kernel alone on the Zen 3 host, the 1B's
+// 512-row chunk over 16k positions: 0.89 -> 0.75-0.85 s; 32 was no better within the host's spread and holds twice
+// the scores: TILE_ROWS x G x the context x 4 bytes a thread, 4 MB at 16k).
+constexpr int64_t TILE_ROWS = 16;
 
 // q (N, H, E) packed rows (token stride q_stride); k_pool, v_pool (NB, bs, K, E); rows (R,) which packed rows are
 // decode rows; tables (R, W) their block ids; lens (R,) their context lengths; out (N, H, E): rows `rows` are
