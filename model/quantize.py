@@ -26,6 +26,7 @@ Kernels, by what the machine has:
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Literal
 
@@ -345,12 +346,7 @@ class StackedLinear(QuantLinear):
 def stack(layers: list[QuantLinear]) -> QuantLinear:
     """Layers with the same input stacked along the output dim as one module: runs of the same class joined
     (`cat`), a `StackedLinear` of the runs where the classes differ."""
-    runs: list[list[QuantLinear]] = []
-    for m in layers:
-        if runs and type(runs[-1][0]) is type(m):
-            runs[-1].append(m)
-        else:
-            runs.append([m])
+    runs = [list(run) for _, run in itertools.groupby(layers, key=type)]
     joined_runs = [type(r[0]).cat(r) if len(r) > 1 else r[0] for r in runs]
     return joined_runs[0] if len(joined_runs) == 1 else StackedLinear(joined_runs)
 

@@ -8,6 +8,7 @@ types is the package's numpy reference code.
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -144,21 +145,19 @@ class _Placement:
         self.kinds, self.tensors = kinds, tensors  # GGUF name -> served format; our name -> the file's tensor
         self.fused: dict[str, list[Tensor]] = {}  # our fused module -> its buffers
         self.part_of: dict[str, tuple[str, int]] = {}  # our part name -> (fused module, its first row)
+
+        def layout(n: str) -> tuple[str | None, str]:  # our part name -> (served format, scales layout)
+            kind = kinds.get(tensors[n].name)
+            return kind, scales_layout(tensors[n].tensor_type.name, kind)
+
         for fused, parts in FUSED_PARTS.items():
             for prefix in {".".join(n.split(".")[:2]) for n in tensors if n.startswith("layers.")}:  # "layers.0"
                 names = [f"{prefix}.{p}.weight" for p in parts]
                 if not all(n in tensors for n in names):
                     continue
                 # runs of consecutive parts of one (format, scales layout): one layout for a run's buffers
-                runs: list[list[str]] = []
-                for n in names:
-                    t = tensors[n]
-                    key = (kinds.get(t.name), scales_layout(t.tensor_type.name, kinds.get(t.name)))
-                    if runs and runs[-1][0] == key:
-                        runs[-1].append(n)
-                    else:
-                        runs.append([key, n])
-                for r, (key, *run) in enumerate(runs):
+                for r, (key, parts_run) in enumerate(itertools.groupby(names, key=layout)):
+                    run = list(parts_run)
                     rows = [int(tensors[n].shape[1]) for n in run]
                     if len(run) < 2 or key == (None, "") or any(x % 8 for x in rows):
                         continue
