@@ -101,9 +101,21 @@ constexpr int SQ = 3, SK = 8, VQ = 3, VV = 8;
 constexpr int SQ = 3, SK = 4, VQ = 3, VV = 4;
 #endif
 
-// How many of a group's `left` queries the next register tile takes: a whole tile of n, or 2 where a tile of 3 would
-// leave one query of four to run alone (a decode row of Llama's G = 4: two tiles of 2).
-static inline int tile_of(int64_t left, int n) { return left >= n && !(n == 3 && left == 4) ? n : 2; }
+// Queries [i, qb) of a group in register tiles: f(std::integral_constant<int, n>) for each tile of n queries from i,
+// whole tiles of N, or of 2 where a tile of 3 would leave one query of four to run alone (a decode row of Llama's
+// G = 4: two tiles of 2); i := the first query no tile took (at most one left).
+template <int N, typename F>
+static inline void in_tiles(int64_t& i, int64_t qb, F&& f) {
+  while (qb - i >= 2) {
+    if (qb - i >= N && !(N == 3 && qb - i == 4)) {
+      f(std::integral_constant<int, N>{});
+      i += N;
+    } else {
+      f(std::integral_constant<int, 2>{});
+      i += 2;
+    }
+  }
+}
 
 // d[i][j0 + j] := score8's per-key lane sums of query i (q + i * E) and position s + j0 + j, j < NK
 template <typename R, int NQ, int NK, typename At>
@@ -414,13 +426,10 @@ static void attend_tile(const float* qf, const int64_t* len, int64_t Qn, int64_t
     const int64_t b1 = b0 + BS;
     const int64_t pf = std::is_same_v<std::decay_t<decltype(rows)>, Widened> ? 0 : len[qa];  // positions to prefetch
     int64_t i = qa;
-    for (int n; qb - i >= 2; i += n) {  // the first tile of the group asks for the rows ahead
-      n = tile_of(qb - i, SQ);
-      if (n == SQ)
-        score_tiles<R, SQ, SK>(qf, len, i, b0, b1, E, rows, sc, ld, mv.data(), done.data(), i == qa ? pf : 0);
-      else
-        score_tiles<R, 2, SK>(qf, len, i, b0, b1, E, rows, sc, ld, mv.data(), done.data(), i == qa ? pf : 0);
-    }
+    in_tiles<SQ>(i, qb, [&](auto n) {  // the first tile of the group asks for the rows ahead
+      score_tiles<R, decltype(n)::value, SK>(qf, len, i, b0, b1, E, rows, sc, ld, mv.data(), done.data(),
+                                             i == qa ? pf : 0);
+    });
     for (; i < qb; ++i) done[i] = b0;
     for (i = qa; i < qb; ++i) {
       const int64_t L = len[i], vec_end = L / 8 * 8;  // groups of 8 while s + 8 <= L, as attend_head
@@ -455,13 +464,10 @@ static void attend_tile(const float* qf, const int64_t* len, int64_t Qn, int64_t
   const auto values = [&](int64_t b0, int64_t qa, int64_t qb, const auto& rows) {
     const int64_t pf = std::is_same_v<std::decay_t<decltype(rows)>, Widened> ? 0 : len[qa];  // positions to prefetch
     int64_t i = qa;
-    for (int n; E % (8 * VV) == 0 && qb - i >= 2; i += n) {
-      n = tile_of(qb - i, VQ);
-      if (n == VQ)
-        value_tiles<VQ, VV>(sc, ld, acc, len, i, b0, b0 + BS, E, rows, done.data(), i == qa ? pf : 0);
-      else
-        value_tiles<2, VV>(sc, ld, acc, len, i, b0, b0 + BS, E, rows, done.data(), i == qa ? pf : 0);
-    }
+    if (E % (8 * VV) == 0)
+      in_tiles<VQ>(i, qb, [&](auto n) {
+        value_tiles<decltype(n)::value, VV>(sc, ld, acc, len, i, b0, b0 + BS, E, rows, done.data(), i == qa ? pf : 0);
+      });
     for (; i < qb; ++i) done[i] = b0;
     for (i = qa; i < qb; ++i) {
       const int64_t end = std::min(b0 + BS, len[i]);
