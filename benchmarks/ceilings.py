@@ -17,7 +17,7 @@ import statistics
 import torch
 
 from model import kernels
-from model.quantize import QuantLinear, decode_bytes, linear_weights
+from model.quantize import QuantLinear, StackedLinear, decode_bytes, linear_weights
 from model.transformer import Transformer
 
 
@@ -36,10 +36,13 @@ def _sync(device: torch.device) -> None:
 
 def _matmul(w, native, rows: int):
     """x -> x W^T as a decode step runs it: the native kernel called directly where the step's native path calls
-    it from C++ (no module call around it), else the model's own layer."""
-    if native is not None and isinstance(w, QuantLinear) and w.native_buffers() is not None and rows <= w.kernel_row_limit(True):
-        op, buffers = getattr(native, w.native_op), w.native_buffers()
-        return lambda x: op(x.view(-1, w.in_features).float(), *buffers)
+    it from C++ (no module call around it; a `StackedLinear`'s parts each by its own kernel, no concatenation, as the
+    step writes each part's columns in place), else the model's own layer."""
+    if native is not None and isinstance(w, QuantLinear) and rows <= w.kernel_row_limit(True):
+        parts = list(w.parts) if isinstance(w, StackedLinear) else [w]
+        if all(p.native_buffers() is not None for p in parts):
+            calls = [(getattr(native, p.native_op), p.native_buffers()) for p in parts]
+            return lambda x: [op(x.view(-1, w.in_features).float(), *buffers) for op, buffers in calls]
     return w
 
 
