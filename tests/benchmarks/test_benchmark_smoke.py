@@ -188,3 +188,20 @@ def test_attention_memory_benchmark_times_every_shape(tmp_path):
     for r in runs.values():
         assert r["ms_per_step"] > 0 and r["gbs"] > 0
     assert result["read_bandwidth_gbs"] > 0 and result["kv_dtype"] == "float16"
+
+
+def test_prefill_attention_benchmark_times_a_chunk_against_a_base_build(tmp_path):
+    from model import kernels
+
+    if kernels.native() is None:
+        pytest.skip("native kernels off")
+    base = kernels.build_dir() / kernels.module_name() / f"{kernels.module_name()}.so"
+    out = tmp_path / "prefill.json"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.prefill_attention", "--shapes", "default", "--lengths", "100",
+                           "--rows", "40", "--reps", "1", "--base-so", str(base), "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    (run,) = json.loads(out.read_text())["runs"]
+    assert (run["shape"], run["positions"]) == ("default", 100)
+    assert run["new"]["ms"] > 0 and run["base"]["gflops"] > 0 and run["ratio"] > 0
+    assert run["bitwise_equal"] is True  # the same build on both sides
