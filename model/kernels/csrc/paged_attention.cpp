@@ -89,8 +89,8 @@ static inline __m256 score8(const float* q, int64_t s, int64_t E, const At& at) 
 // the one score8 / the position loop computes, in the same order: tiling shares loads, never arithmetic. (4 x 4
 // tiles for a group of 4 queries, Llama 3's G, were no faster from cache on the Zen 4 host and slower from memory: not
 // kept. On the Zen 3 host, AVX2 only, 3-query tiles against 2-query ones, the 1B's 512-row prefill chunk over 16k
-// positions (a /tmp harness of the kernel alone, 2 threads): scores 0.80 -> 0.72 s of thread time, values 0.60 ->
-// 0.54.) A group's queries go in tiles of SQ (VQ) and the last 2 to 4 in tiles of 2 (`tile_of`).
+// positions, the kernel alone on 2 threads: scores 0.80 -> 0.72 s of thread time, values 0.60 -> 0.54.) A group's
+// queries go in tiles of SQ (VQ) and the last 2 to 4 in tiles of 2 (`in_tiles`).
 #if LS_ZMM
 // 512-bit tiles (below): a score tile holds 4 queries x 8 keys as 4 x 4 registers of two keys each, a value tile 4
 // queries x 64 output lanes; the same arithmetic again, each 256-bit half of a register the chain above computes.
@@ -504,9 +504,9 @@ static void attend_tile(const float* qf, const int64_t* len, int64_t Qn, int64_t
 #endif
 
 // Rows of a prefill chunk attend over the same sequence's blocks: up to this many share a tile. Each tile reads its
-// KV head's whole history once, so 16 rows read it half as often as 8 did (the kernel alone on the Zen 3 host, the 1B's
-// 512-row chunk over 16k positions: 0.89 -> 0.75-0.85 s; 32 was no better within the host's spread and holds twice
-// the scores: TILE_ROWS x G x the context x 4 bytes a thread, 4 MB at 16k).
+// KV head's whole history once, so 16 rows read it half as often as 8 did (`benchmarks.prefill_attention` against
+// a build with 8, Zen 3 host: 1B 1.03x / 1.09x / 1.18x at 2k / 8k / 16k positions, 8B 1.06x / 1.16x / 0.95x; 32 was
+// no better than 16 and holds twice the scores: TILE_ROWS x G x the context x 4 bytes a thread, 4 MB at 16k).
 constexpr int64_t TILE_ROWS = 16;
 
 // q (N, H, E) packed rows (token stride q_stride); k_pool, v_pool (NB, bs, K, E); rows (R,) which packed rows are
