@@ -33,18 +33,19 @@ SHAPES = {"default": (9, 3, 64, 30), "1b": (32, 8, 64, 16), "8b": (32, 8, 128, 3
 BLOCK = 16  # the engine's default block size (positions per block)
 
 
+def kv_pool(blocks: int, kv_heads: int, dim: int) -> torch.Tensor:
+    """A float16 pool of random keys (or values) on 2 MB pages: (blocks + 1, BLOCK, kv_heads, dim), block 0 left
+    unused, as the engine's."""
+    pool = huge_pages.empty((blocks + 1, BLOCK, kv_heads, dim), torch.float16)
+    pool.copy_(torch.randn(pool.shape))
+    return pool
+
+
 def step_time(heads: int, kv_heads: int, dim: int, layers: int, length: int, reps: int) -> float:
     """Median seconds of one decode row's attention over `length` positions in each of `layers` pools."""
     torch.manual_seed(0)
     blocks = -(-length // BLOCK)
-    pools = []
-    for _ in range(layers):
-        pair = []
-        for _ in range(2):  # keys, values: (blocks + 1, BLOCK, kv_heads, dim); block 0 left unused, as the engine's
-            pool = huge_pages.empty((blocks + 1, BLOCK, kv_heads, dim), torch.float16)
-            pool.copy_(torch.randn(pool.shape))
-            pair.append(pool)
-        pools.append(pair)
+    pools = [[kv_pool(blocks, kv_heads, dim) for _ in range(2)] for _ in range(layers)]  # each layer's keys, values
     q = torch.randn(1, heads, dim)  # (rows, heads, dim)
     out = torch.empty_like(q)
     tables = (torch.arange(blocks) + 1).view(1, blocks)  # (rows, blocks)

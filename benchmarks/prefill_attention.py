@@ -23,24 +23,20 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.attention_memory import BLOCK, SHAPES
+from benchmarks.attention_memory import BLOCK, SHAPES, kv_pool
 from benchmarks.machine import machine_info
-from model import huge_pages, kernels
+from model import kernels
 
 
 def chunk_inputs(heads: int, kv_heads: int, dim: int, length: int, rows: int) -> tuple[torch.Tensor, ...]:
     """(q, k_pool, v_pool, rows, tables, lens, out) of a `rows`-row chunk ending at position length - 1."""
     torch.manual_seed(0)
     blocks = -(-length // BLOCK)
-    pools = []
-    for _ in range(2):  # keys, values: (blocks + 1, BLOCK, kv_heads, dim); block 0 left unused, as the engine's
-        pool = huge_pages.empty((blocks + 1, BLOCK, kv_heads, dim), torch.float16)
-        pool.copy_(torch.randn(pool.shape))
-        pools.append(pool)
+    k_pool, v_pool = kv_pool(blocks, kv_heads, dim), kv_pool(blocks, kv_heads, dim)
     q = torch.randn(rows, heads, dim)  # (rows, heads, dim)
     tables = (torch.arange(blocks) + 1).view(1, blocks).expand(rows, blocks).contiguous()  # (rows, blocks)
     lens = torch.arange(length - rows + 1, length + 1)  # row i: position length - rows + i
-    return q, pools[0], pools[1], torch.arange(rows), tables, lens, torch.empty_like(q)
+    return q, k_pool, v_pool, torch.arange(rows), tables, lens, torch.empty_like(q)
 
 
 def main(argv: list[str] | None = None) -> dict:
