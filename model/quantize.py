@@ -458,14 +458,17 @@ def int8_layout(q: Tensor, d: Tensor) -> tuple[Tensor, Tensor]:
     return q.permute(0, 2, 3, 1), dp.permute(0, 2, 1)
 
 
-def round_activations(x: Tensor) -> Tensor:
+def round_activations(x: Tensor, block: int = GROUP_SIZE) -> Tensor:
     """x (M, K) float32 -> x rounded as the native kernels round it before their integer dot products: int8 in
-    blocks of 32 along K, d = max|x| / 127 per block (ggml's `quantize_row_q8_0`; ties to even)."""
+    blocks of `block` along K, d = max|x| / 127 per block, ties to even: 32 (ggml's `quantize_row_q8_0`) for every
+    layer but those in Q4_K's own scales, 256 for those (`quantize_row_q8_K`, the scale of Q4_K's D and Dmin; a last
+    partial block of K % 256 takes its own scale)."""
     M, K = x.shape
-    b = x.reshape(M, K // GROUP_SIZE, GROUP_SIZE)
-    d = b.abs().amax(-1, keepdim=True) / 127  # (M, K/G, 1)
+    pad = -K % block
+    b = torch.nn.functional.pad(x, (0, pad)).reshape(M, -1, block)
+    d = b.abs().amax(-1, keepdim=True) / 127  # (M, K/block, 1)
     inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
-    return (torch.round(b * inv) * d).reshape(M, K)
+    return (torch.round(b * inv) * d).reshape(M, -1)[:, :K]
 
 
 CHUNK_ELEMENTS = 1 << 22  # weights rounded at a time: a few float32 temporaries of 16 MB, whatever the matrix

@@ -263,8 +263,9 @@ def test_int4_q4_k_scales_are_exact_and_every_tile_agrees():
     with kernels.disabled():
         assert torch.equal(layer.dequantize(), want_w)
     x = torch.randn(141, K) * 2
+    x[0, 5] = 400.0  # a massive activation: its 256 values' other entries round to few levels, as the reference's
     many = native.int4_linear(x, *layer.native_buffers())
-    want = F.linear(round_activations(x), want_w)
+    want = F.linear(round_activations(x, 256), want_w)  # per 256, as ggml's q8_K (csrc/quant_linear.cpp's q4k_tile)
     torch.testing.assert_close(many, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
     for M in (1, 2, 3, 4, 7, 8, 13, 16, 17, 141):
         assert torch.equal(native.int4_linear(x[:M], *layer.native_buffers()), many[:M])
@@ -448,3 +449,13 @@ def test_the_build_uses_vnni_where_the_cpu_has_it():
     512-bit pair tiles on where it was given AVX512-VNNI and -BW."""
     assert bool(native.vnni) == (kernels.cpu_has_avx2() and bool(kernels.vnni_flags()))
     assert bool(native.zmm) == (kernels.cpu_has_avx2() and {"-mavx512vnni", "-mavx512bw"} <= set(kernels.vnni_flags()))
+
+
+@pytest.mark.parametrize("block", [32, 256])
+def test_native_activation_rounding_is_bitwise_the_pytorch_one(block):
+    """The kernels' int8 rounding of activations per 32 (q8_0) and per 256 (q8_K, Q4_K's layers), a K that is not a
+    whole number of 256s included (its last 64 values take their own scale), ties and a massive activation."""
+    torch.manual_seed(3)
+    x = torch.randn(9, 832) * 2
+    x[0, 5], x[1, 0], x[1, 1] = 400.0, 127.0, 0.5
+    assert torch.equal(native.round_activations(x, block), round_activations(x, block))

@@ -22,7 +22,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_linear", &ls::int8_linear, nogil(), "x (M, K) float32/bfloat16 @ int8 (Q8_0 blocks) W (N, K)^T -> (M, N) float32");
   m.def("int6_linear", &ls::int6_linear, nogil(), "x (M, K) float32/bfloat16 @ int6 (Q6_K blocks) W (N, K)^T -> (M, N) float32");
   m.def("float_linear", &ls::float_linear, nogil(), "x (M, K) @ W (N, K)^T in one dtype, one reduction order for any M");
-  m.def("round_activations", &ls::round_activations, nogil(), "x (M, K) float32 rounded to int8 blocks as the kernels round it");
+  m.def("round_activations", &ls::round_activations, nogil(), "x (M, K) float32 rounded to int8 blocks of `block` (32, or 256 for Q4_K) as the kernels round it");
   m.def("int4_dequantize", &ls::int4_dequantize, nogil(), "int4 W -> (N, K) float32");
   m.def("int8_dequantize", &ls::int8_dequantize, nogil(), "int8 W -> (N, K) float32");
   m.def("int6_dequantize", &ls::int6_dequantize, nogil(), "int6 W -> (N, K) float32");

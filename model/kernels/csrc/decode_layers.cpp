@@ -31,12 +31,13 @@ struct Projection {
   const void* w;
   int64_t N, K;
   std::vector<std::pair<int64_t, QWeight>> stacked;
+  bool kq = false;  // a Q4_K part: the rows are also rounded per 256 (qgemm.h's QActs)
 };
 
 static Projection projection(const torch::Tensor& a, const torch::Tensor& b, at::ScalarType dtype) {
   if (a.scalar_type() == at::kByte || a.scalar_type() == at::kChar) {
     const QWeight q = qweight_of(a, b);
-    return Projection{true, q, nullptr, q.N, q.K, {}};
+    return Projection{true, q, nullptr, q.N, q.K, {}, q.kq};
   }
   TORCH_CHECK(a.scalar_type() == dtype && a.dim() == 2 && a.is_contiguous(), "decode_layers: float weights of the activation dtype");
   return Projection{false, QWeight{}, a.data_ptr(), a.size(0), a.size(1), {}};
@@ -51,6 +52,7 @@ static Projection projection_of(const std::vector<torch::Tensor>& w, size_t firs
     const Projection part = projection(w[2 * i], w[2 * i + 1], dtype);
     TORCH_CHECK(part.quantized && (p.N == 0 || part.K == p.K), "decode_layers: stacked parts are quantized, of one input");
     p.stacked.emplace_back(p.N, part.q);
+    p.kq = p.kq || part.kq;
     p.N += part.N;
     p.K = part.K;
   }
@@ -71,9 +73,7 @@ struct Step {
 template <typename T>
 static void quantize_rows(const Projection& p, const T* x, int64_t mb, int64_t me, const QActs& a) {
   if (!p.quantized) return;
-  const int64_t bytes = act_row_bytes(p.K / QK), nbp = padded_blocks(p.K / QK);
-  for (int64_t m = mb; m < me; ++m)
-    quantize_act_row(x + m * p.K, p.K, a.q + m * bytes, a.dx + m * nbp, a.sx + m * nbp, a.hs + 2 * m * nbp);
+  for (int64_t m = mb; m < me; ++m) quantize_act(x + m * p.K, p.K, a, m, p.kq);
 }
 
 // This thread's share of the rows of x (M, K), rounded into the step's shared activations s.a.
@@ -313,6 +313,7 @@ torch::Tensor decode_layers(torch::Tensor h, const std::vector<std::vector<torch
   for (int64_t n = 0; n < N; ++n) TORCH_CHECK(slots.data_ptr<int64_t>()[n] >= 0 && slots.data_ptr<int64_t>()[n] < n_slots, "decode_layers: slot out of range");
   std::vector<std::vector<Projection>> proj(L);
   int64_t F = 0, widest_out = 0, widest_in = 0;
+  bool kq = false;  // a Q4_K projection somewhere: the rows' q8_K rounding too
   for (int64_t l = 0; l < L; ++l) {
     const auto& w = layers[l];
     TORCH_CHECK(w.size() >= 10 && w.size() % 2 == 0, "decode_layers: 10 tensors per block, or more with stacked parts");
@@ -331,6 +332,7 @@ torch::Tensor decode_layers(torch::Tensor h, const std::vector<std::vector<torch
     for (const auto& q : p) {
       widest_out = std::max(widest_out, q.N);
       widest_in = std::max(widest_in, q.K);
+      kq = kq || q.kq;
       TORCH_CHECK(!q.quantized || q.K % QK == 0, "decode_layers: quantized inputs in blocks of 32");
     }
   }
@@ -351,10 +353,7 @@ torch::Tensor decode_layers(torch::Tensor h, const std::vector<std::vector<torch
     for (int64_t l = 0; l < L; ++l) tel.push_back(first.layer(l, Rt));
   }
   auto y = torch::empty({N, widest_out}, opts.dtype(at::kFloat));
-  const int64_t nb = widest_in / QK;
-  std::vector<int8_t> qa(N * act_row_bytes(nb));
-  std::vector<float> dx(N * padded_blocks(nb)), sx(N * padded_blocks(nb));
-  std::vector<int32_t> hs(2 * N * padded_blocks(nb));
+  ActBuffers shared(N, widest_in, kq);
   std::vector<torch::Tensor> kp, vp;
   for (int64_t l = 0; l < L; ++l) kp.push_back(k_pools[l]), vp.push_back(v_pools[l]);
   const auto q = qkv.narrow(1, 0, H);
@@ -363,27 +362,24 @@ torch::Tensor decode_layers(torch::Tensor h, const std::vector<std::vector<torch
   const bool few = edits.empty() && N <= FEW_ROWS && E % 8 == 0;
   const int64_t threads = few ? at::get_num_threads() : 0;
   auto own_t = torch::empty({threads, N, D + F}, opts);
-  std::vector<int8_t> own_q(threads * N * act_row_bytes(nb));
-  std::vector<float> own_dx(threads * N * padded_blocks(nb)), own_sx(threads * N * padded_blocks(nb));
-  std::vector<int32_t> own_hs(2 * threads * N * padded_blocks(nb));
+  std::vector<ActBuffers> own_acts(threads, ActBuffers(N, widest_in, kq));
   const auto owns = [&](auto* base) {
     using T = std::remove_pointer_t<decltype(base)>;
     std::vector<Own<T>> out;
     for (int64_t t = 0; t < threads; ++t)
       out.push_back(Own<T>{base + t * N * (D + F), base + t * N * (D + F) + N * D,
-                           QActs{own_q.data() + t * N * act_row_bytes(nb), own_dx.data() + t * N * padded_blocks(nb),
-                                 own_sx.data() + t * N * padded_blocks(nb), 0, 0, own_hs.data() + 2 * t * N * padded_blocks(nb)}});
+                           own_acts[t].view(widest_in)});
     return out;
   };
   if (dtype == at::kFloat) {
     Step<float> s{N, D, H, K, E, F, h.data_ptr<float>(), xn.data_ptr<float>(), qkv.data_ptr<float>(), att.data_ptr<float>(),
                   gu.data_ptr<float>(), act.data_ptr<float>(), sub.data_ptr<float>(), cos.data_ptr<float>(), ssin.data_ptr<float>(), y.data_ptr<float>(),
-                  QActs{qa.data(), dx.data(), sx.data(), 0, 0, hs.data()}};
+                  shared.view(widest_in)};
     run_layers(s, layers, proj, eps, kp, vp, sl, q, att, rows, tables, lens, h, sub, edits, telemetry, tel, owns(own_t.data_ptr<float>()));
   } else {
     Step<bf16> s{N, D, H, K, E, F, h.data_ptr<bf16>(), xn.data_ptr<bf16>(), qkv.data_ptr<bf16>(), att.data_ptr<bf16>(),
                  gu.data_ptr<bf16>(), act.data_ptr<bf16>(), sub.data_ptr<bf16>(), cos.data_ptr<bf16>(), ssin.data_ptr<bf16>(), y.data_ptr<float>(),
-                 QActs{qa.data(), dx.data(), sx.data(), 0, 0, hs.data()}};
+                 shared.view(widest_in)};
     run_layers(s, layers, proj, eps, kp, vp, sl, q, att, rows, tables, lens, h, sub, edits, telemetry, tel, owns(own_t.data_ptr<bf16>()));
   }
   return h;

@@ -25,7 +25,7 @@ torch::Tensor int4_dequantize(const torch::Tensor& nibbles, const torch::Tensor&
 torch::Tensor int8_dequantize(const torch::Tensor& w, const torch::Tensor& scales);
 torch::Tensor int6_linear(const torch::Tensor& x, const torch::Tensor& data, const torch::Tensor& scales);
 torch::Tensor int6_dequantize(const torch::Tensor& data, const torch::Tensor& scales);
-torch::Tensor round_activations(const torch::Tensor& x);
+torch::Tensor round_activations(const torch::Tensor& x, int64_t block);
 torch::Tensor argmax_rows(const torch::Tensor& logits);
 torch::Tensor float_linear(const torch::Tensor& x, const torch::Tensor& w);
 // One row (one head) of the elementwise ops, as the ops above apply them to every row: the fused step calls these.

@@ -43,57 +43,86 @@ static inline int q6_value(const uint8_t* wb, int64_t j, int64_t k) {
   return lo | top << 4;
 }
 
+// max |x| over block xb's 32 values
 template <typename T>
-void quantize_act_row(const T* x, int64_t K, int8_t* q, float* dx, float* sx, int32_t* hs) {
+static inline float block_amax(const T* xb) {
+#if LS_AVX2
+  __m256 mx = _mm256_setzero_ps();
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  for (int i = 0; i < 4; ++i) mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, load8(xb + 8 * i)));
+  return hmax(mx);
+#else
+  float amax = 0.f;
+  for (int64_t j = 0; j < QK; ++j) amax = std::max(amax, std::fabs(to_f(xb[j])));
+  return amax;
+#endif
+}
+
+// Block xb's 32 values rounded to int8 in k order, q = round(x id) (ties to even), into q; the two 16-value halves'
+// sums of q into h[0], h[1].
+template <typename T>
+static inline void round_block(const T* xb, float id, int8_t* q, int32_t* h) {
+#if LS_AVX2
+  const __m256 idv = _mm256_set1_ps(id);
+  __m256i iv[4];
+  for (int i = 0; i < 4; ++i)
+    iv[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(load8(xb + 8 * i), idv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  // the halves' sums: lanes 0-3 of s the first 16 values', lanes 4-7 the last 16's (after the two adds below)
+  const __m256i s2 = _mm256_add_epi32(_mm256_permute2x128_si256(_mm256_add_epi32(iv[0], iv[1]), _mm256_add_epi32(iv[2], iv[3]), 0x20),
+                                      _mm256_permute2x128_si256(_mm256_add_epi32(iv[0], iv[1]), _mm256_add_epi32(iv[2], iv[3]), 0x31));
+  __m256i s = _mm256_add_epi32(s2, _mm256_shuffle_epi32(s2, 0x4E));
+  s = _mm256_add_epi32(s, _mm256_shuffle_epi32(s, 0xB1));
+  h[0] = _mm256_extract_epi32(s, 0);
+  h[1] = _mm256_extract_epi32(s, 4);
+  // int32 -> int8 in k order (ggml's quantize_row_q8_0 packing: packs interleave the 128-bit lanes; undo it)
+  const __m256i p16a = _mm256_packs_epi32(iv[0], iv[1]), p16b = _mm256_packs_epi32(iv[2], iv[3]);
+  __m256i p8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p16a, p16b), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), p8);
+#else
+  h[0] = h[1] = 0;
+  for (int64_t j = 0; j < QK; ++j) {
+    const int v = static_cast<int>(std::nearbyint(to_f(xb[j]) * id));
+    q[j] = static_cast<int8_t>(v);
+    h[j / 16] += v;
+  }
+#endif
+}
+
+template <typename T>
+void quantize_act(const T* x, int64_t K, QActs a, int64_t m, bool k) {
   const int64_t nb = K / QK, nbp = padded_blocks(nb), bytes = act_row_bytes(nb);
+  int8_t* q = a.q + m * bytes;
+  float *dx = a.dx + m * nbp, *sx = a.sx + m * nbp;
+  int32_t* hs = a.hs + 2 * m * nbp;
   std::fill(q + nb * QK, q + bytes, int8_t(0));
   for (int64_t b = nb; b < nbp; ++b) dx[b] = sx[b] = 0.f, hs[2 * b] = hs[2 * b + 1] = 0;
-  for (int64_t b = 0; b < nb; ++b) {
-    const T* xb = x + b * QK;
-#if LS_AVX2
-    __m256 v[4];
-    __m256 mx = _mm256_setzero_ps();
-    const __m256 sign = _mm256_set1_ps(-0.f);
-    for (int i = 0; i < 4; ++i) {
-      v[i] = load8(xb + 8 * i);
-      mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v[i]));
-    }
-    const float d = hmax(mx) / 127.f, id = d > 0.f ? 1.f / d : 0.f;
-    const __m256 idv = _mm256_set1_ps(id);
-    __m256i iv[4];
-    for (int i = 0; i < 4; ++i)
-      iv[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[i], idv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-    // the halves' sums: lanes 0-3 of s the first 16 values', lanes 4-7 the last 16's (after the two adds below)
-    const __m256i s2 = _mm256_add_epi32(_mm256_permute2x128_si256(_mm256_add_epi32(iv[0], iv[1]), _mm256_add_epi32(iv[2], iv[3]), 0x20),
-                                        _mm256_permute2x128_si256(_mm256_add_epi32(iv[0], iv[1]), _mm256_add_epi32(iv[2], iv[3]), 0x31));
-    __m256i s = _mm256_add_epi32(s2, _mm256_shuffle_epi32(s2, 0x4E));
-    s = _mm256_add_epi32(s, _mm256_shuffle_epi32(s, 0xB1));
-    hs[2 * b] = _mm256_extract_epi32(s, 0);
-    hs[2 * b + 1] = _mm256_extract_epi32(s, 4);
-    const int sum = hs[2 * b] + hs[2 * b + 1];
-    // int32 -> int8 in k order (ggml's quantize_row_q8_0 packing: packs interleave the 128-bit lanes; undo it)
-    const __m256i p16a = _mm256_packs_epi32(iv[0], iv[1]), p16b = _mm256_packs_epi32(iv[2], iv[3]);
-    __m256i p8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p16a, p16b), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + b * QK), p8);
-#else
-    float amax = 0.f;
-    for (int64_t j = 0; j < QK; ++j) amax = std::max(amax, std::fabs(to_f(xb[j])));
-    const float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
-    int sum = 0;
-    hs[2 * b] = hs[2 * b + 1] = 0;
-    for (int64_t j = 0; j < QK; ++j) {
-      const int v = static_cast<int>(std::nearbyint(to_f(xb[j]) * id));
-      q[b * QK + j] = static_cast<int8_t>(v);
-      sum += v;
-      hs[2 * b + j / 16] += v;
-    }
-#endif
+  for (int64_t b = 0; b < nb; ++b) {  // per 32 (q8_0)
+    const float d = block_amax(x + b * QK) / 127.f, id = d > 0.f ? 1.f / d : 0.f;
+    round_block(x + b * QK, id, q + b * QK, hs + 2 * b);
     dx[b] = d;
-    sx[b] = d * static_cast<float>(sum);
+    sx[b] = d * static_cast<float>(hs[2 * b] + hs[2 * b + 1]);
+  }
+  if (!k || a.qk == nullptr) return;
+  int8_t* qk = a.qk + m * bytes;  // per 256 (q8_K), the last super-block's blocks as far as nb
+  float* dk = a.dk + m * (nbp / 8);
+  int16_t* bk = a.bk + m * nbp;
+  std::fill(qk + nb * QK, qk + bytes, int8_t(0));
+  std::fill(bk + nb, bk + nbp, int16_t(0));
+  for (int64_t B = 0; B < nbp / 8; ++B) {
+    const int64_t b0 = 8 * B, b1 = std::min(nb, b0 + 8);
+    float amax = 0.f;
+    for (int64_t b = b0; b < b1; ++b) amax = std::max(amax, block_amax(x + b * QK));
+    const float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
+    for (int64_t b = b0; b < b1; ++b) {
+      int32_t h[2];
+      round_block(x + b * QK, id, qk + b * QK, h);
+      bk[b] = static_cast<int16_t>(h[0] + h[1]);
+    }
+    dk[B] = b0 < nb ? d : 0.f;
   }
 }
-template void quantize_act_row<float>(const float*, int64_t, int8_t*, float*, float*, int32_t*);
-template void quantize_act_row<bf16>(const bf16*, int64_t, int8_t*, float*, float*, int32_t*);
+template void quantize_act<float>(const float*, int64_t, QActs, int64_t, bool);
+template void quantize_act<bf16>(const bf16*, int64_t, QActs, int64_t, bool);
 
 #if LS_AVX2
 // One-row tiles (decode) stream every weight from memory once: ask for the lines PREFETCH_BLOCKS blocks ahead of the
@@ -282,34 +311,21 @@ static void q8_range(const QWeight& w, const QActs& a, int64_t M, int64_t n_begi
 
 // ---- Int4 (Q4_0 / Q4_1 / Q4_K), 8 outputs interleaved ----------------------------------------------------------
 
-// Block b's d and m for the 8 outputs of group g (blocks in order from 0: Q4_K's D and -Dmin are read once per 256
-// weights), and the scales' address to prefetch ahead with their bytes a block.
+// Block b's d and m for the 8 outputs of group g (Q4_0 / Q4_1; Q4_K's tiles are q4k_tile's), and the scales' address
+// to prefetch ahead with their bytes a block.
 template <int L>
 struct Q4Scales {
-  __m256 D, nDmin;
   inline void at(const QWeight& w, int64_t nb, int64_t g, int64_t b, __m256& d, __m256& m) {
-    if constexpr (L == Q4_KQ) {  // d = D sc, m = (-Dmin) mn = -(Dmin mn): exact float32 products, as gguf.quants' Q4_K
-      const uint16_t* sb = w.scales + (g * (nb / 8) + b / 8) * 80;
-      if (b % 8 == 0) {
-        D = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb)));
-        nDmin = _mm256_xor_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + 8))), _mm256_set1_ps(-0.f));
-      }
-      const uint8_t* bytes = reinterpret_cast<const uint8_t*>(sb + 16) + 8 * (b % 8);
-      const auto u8 = [](const uint8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))); };
-      d = _mm256_mul_ps(D, u8(bytes));
-      m = _mm256_mul_ps(nDmin, u8(bytes + 64));
-    } else {
-      const uint16_t* sb = w.scales + (g * nb + b) * (L == Q4_SYM ? 8 : 16);
-      d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb)));
-      m = L == Q4_SYM ? _mm256_mul_ps(d, _mm256_set1_ps(-8.f)) : _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + 8)));
-    }
+    const uint16_t* sb = w.scales + (g * nb + b) * (L == Q4_SYM ? 8 : 16);
+    d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb)));
+    m = L == Q4_SYM ? _mm256_mul_ps(d, _mm256_set1_ps(-8.f)) : _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + 8)));
   }
 };
 template <int L>
 static inline const uint16_t* q4_scales_at(const QWeight& w, int64_t nb, int64_t g, int64_t b) {
-  return L == Q4_KQ ? w.scales + (g * (nb / 8) + b / 8) * 80 + (b % 8) * 10 : w.scales + (g * nb + b) * (L == Q4_SYM ? 8 : 16);
+  return w.scales + (g * nb + b) * (L == Q4_SYM ? 8 : 16);
 }
-constexpr int64_t q4_scale_bytes(int L) { return L == Q4_KQ ? 20 : L == Q4_SYM ? 16 : 32; }  // a block's, on average
+constexpr int64_t q4_scale_bytes(int L) { return L == Q4_SYM ? 16 : 32; }
 
 // One tile: rows m0 .. m0+MR of the activations times the 8 outputs of group g. Per output (one float lane) the
 // float operations are, block after block in order: acc = fma(float(isum_b), d_b * dx_b, acc),
@@ -437,9 +453,101 @@ static void q4_range_t(const QWeight& w, const QActs& a, int64_t M, int64_t n_be
   many_rows(M, n_begin / 8, n_end / 8, one);
 }
 
+// ---- Int4 in Q4_K's own scales, on activations rounded per 256 (q8_K) -------------------------------------------
+
+// One tile: rows m0 .. m0+MR times the 8 outputs of group g, a super-block of 256 weights (8 blocks, one D and Dmin,
+// one activation scale dk) at a time, as ggml's `ggml_vec_dot_q4_K_q8_K`: each block's exact integer dot product
+// times its 6-bit scale sc, summed over the 8 blocks in int32 (T), and the blocks' 6-bit mins mn times the
+// activations' block sums bk, likewise (Mn). Per output (one float lane), super-block after super-block in order:
+// acc = fma(float(T), D dk, acc), acc = fma(float(Mn), (-Dmin) dk, acc): two float FMAs per 256 weights where the
+// per-32 activation scales of q4_tile need two per 32. |T| <= 256 x 15 x 127 x 63 < 2^31 (its conversion to float
+// rounds above 2^24, the same way in every tile) and |Mn| <= 8 x 63 x 4,064 < 2^24. MR changes which loads are
+// shared, nothing else: decode = prefill bit for bit. Without VNNI each half block's maddubs int16 pair sums (8
+// products of at most 15 x 127 a lane: 15,240) go straight into vpmaddwd against sc (in both int16 of the output's
+// lane), which widens and scales them in one instruction (ggml's `_mm256_madd_epi16(scale, p16)`).
+// On the Zen 3 host (AVX2, no VNNI), `python -m benchmarks.kernel_ab` on the 1B Q4_K_M against q4_tile on per-32
+// activations (docs/performance.md): see there; with the halves unrolled (GCC interleaved them and spilled the rows'
+// T) 4-row steps read 0.74x of this.
+template <int MR>
+static inline void q4k_tile(const QWeight& w, const QActs& a, int64_t m0, int64_t g, float* y, int64_t ldy) {
+  const int64_t nb = w.K / QK;
+  const __m256i m4 = _mm256_set1_epi8(0x0F);
+  __m256 acc[MR];
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i) acc[i] = _mm256_setzero_ps();
+  const int64_t rb = a.row_bytes, nbp = a.nbp;
+  const int8_t* xq = a.qk + m0 * rb;  // row m0 + i's super-block at xq + i rb, dk at dkp[i nbp / 8], bk at bkp[i nbp]
+  const float* dkp = a.dk + m0 * (nbp / 8);
+  const int16_t* bkp = a.bk + m0 * nbp;
+  const uint8_t* wb = w.data + g * nb * 128;
+  const uint16_t* sb = w.scales + g * (nb / 8) * 80;  // (qgemm.h's K layout: D, Dmin, sc bytes (s, j), mn bytes (s, j))
+  for (int64_t B = 0; B < nb / 8; ++B, sb += 80, xq += 8 * QK, ++dkp, bkp += 8) {
+    const uint8_t* scb = reinterpret_cast<const uint8_t*>(sb + 16);
+    __m256i T[MR];
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) T[i] = _mm256_setzero_si256();
+    for (int s = 0; s < 8; ++s, wb += 128) {
+      if constexpr (MR <= 4) prefetch_ahead(wb, 128, sb + 10 * s, 20);
+      const __m128i sc8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(scb + 8 * s));  // block s's sc, output j
+#if LS_VNNI
+      const __m256i sc = _mm256_cvtepu8_epi32(sc8);
+#else
+      const __m256i sc = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(sc8, sc8));  // lane j: sc twice, as int16
+#endif
+      // each half of the block (q4_tile's chunks 2h, 2h+1, 2h+4, 2h+5) scaled into T apart: no partial sums live across
+      // the halves (the halves not unrolled: GCC then interleaved them and spilled)
+#pragma GCC unroll 1
+      for (int h = 0; h < 2; ++h) {
+        const __m256i r0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 64 * h));
+        const __m256i r1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 64 * h + 32));
+        const __m256i l0 = _mm256_and_si256(r0, m4), h0 = _mm256_and_si256(_mm256_srli_epi16(r0, 4), m4);
+        const __m256i l1 = _mm256_and_si256(r1, m4), h1 = _mm256_and_si256(_mm256_srli_epi16(r1, 4), m4);
+#pragma GCC unroll 8
+        for (int i = 0; i < MR; ++i) {
+          const int8_t* x = xq + i * rb + QK * s + 8 * h;
+          const auto bc = [&](int off) { return _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(x + off)); };
+#if LS_VNNI
+          const __m256i t = LS_DPBUSD(LS_DPBUSD(LS_DPBUSD(LS_DPBUSD(_mm256_setzero_si256(), l0, bc(0)), h0, bc(16)), l1, bc(4)), h1, bc(20));
+          T[i] = _mm256_add_epi32(T[i], _mm256_mullo_epi32(t, sc));
+#else
+          const __m256i t = _mm256_add_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(l0, bc(0)), _mm256_maddubs_epi16(h0, bc(16))),
+                                             _mm256_add_epi16(_mm256_maddubs_epi16(l1, bc(4)), _mm256_maddubs_epi16(h1, bc(20))));
+          T[i] = _mm256_add_epi32(T[i], _mm256_madd_epi16(t, sc));
+#endif
+        }
+      }
+    }
+    // lane j of mp[p]: the int16 pair (mn of block 2p, of block 2p + 1) of output 8g + j, against (bk[2p], bk[2p + 1])
+    __m256i mp[4];
+#pragma GCC unroll 4
+    for (int p = 0; p < 4; ++p)
+      mp[p] = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(scb + 64 + 16 * p)),
+                                                     _mm_loadl_epi64(reinterpret_cast<const __m128i*>(scb + 72 + 16 * p))));
+    const __m256 D = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb)));
+    const __m256 nDmin = _mm256_xor_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + 8))), _mm256_set1_ps(-0.f));
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) {
+      const int16_t* bs = bkp + i * nbp;
+      const auto pair = [&](int p) { return _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(bs + 2 * p)); };
+      const __m256i mn = _mm256_add_epi32(_mm256_add_epi32(_mm256_madd_epi16(mp[0], pair(0)), _mm256_madd_epi16(mp[1], pair(1))),
+                                          _mm256_add_epi32(_mm256_madd_epi16(mp[2], pair(2)), _mm256_madd_epi16(mp[3], pair(3))));
+      const __m256 dk = _mm256_broadcast_ss(dkp + i * (nbp / 8));
+      acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(T[i]), _mm256_mul_ps(D, dk), acc[i]);
+      acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(mn), _mm256_mul_ps(nDmin, dk), acc[i]);
+    }
+  }
+  for (int i = 0; i < MR; ++i) _mm256_storeu_ps(y + (m0 + i) * ldy + 8 * g, acc[i]);
+}
+
+// Output columns [n_begin, n_end), whole groups of 8: one group a tile in every build (no 512-bit pair tiles yet).
+static void q4k_range(const QWeight& w, const QActs& a, int64_t M, int64_t n_begin, int64_t n_end, float* y, int64_t ldy) {
+  const auto one = [&](auto mr, int64_t m, int64_t g) { q4k_tile<decltype(mr)::value>(w, a, m, g, y, ldy); };
+  many_rows(M, n_begin / 8, n_end / 8, one);
+}
+
 static void q4_range(const QWeight& w, const QActs& a, int64_t M, int64_t n_begin, int64_t n_end, float* y, int64_t ldy) {
   if (w.kq)
-    q4_range_t<Q4_KQ>(w, a, M, n_begin, n_end, y, ldy);
+    q4k_range(w, a, M, n_begin, n_end, y, ldy);
   else if (w.sym)
     q4_range_t<Q4_SYM>(w, a, M, n_begin, n_end, y, ldy);
   else
@@ -542,16 +650,46 @@ static void q8_range(const QWeight& w, const QActs& a, int64_t M, int64_t n_begi
   });
 }
 
+// Block wb's exact integer dot product for output lane j against 32 int8 activations xb.
+static inline int q4_block_dot(const uint8_t* wb, int64_t j, const int8_t* xb) {
+  int s = 0;
+  for (int64_t p = 0; p < 4; ++p)
+    for (int64_t t = 0; t < 4; ++t) {
+      const uint8_t byte = wb[32 * p + 4 * j + t];
+      s += (byte & 15) * xb[4 * p + t] + (byte >> 4) * xb[16 + 4 * p + t];
+    }
+  return s;
+}
+
+// Q4_K's scales (q4k_tile's sums and float order)
+static void q4k_range(const QWeight& w, const QActs& a, int64_t M, int64_t n_begin, int64_t n_end, float* y, int64_t ldy) {
+  const int64_t nb = w.K / QK;
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t n = n_begin; n < n_end; ++n) {
+      const int64_t g = n / 8, j = n % 8;
+      float acc = 0.f;
+      for (int64_t B = 0; B < nb / 8; ++B) {
+        const uint16_t* sb = w.scales + (g * (nb / 8) + B) * 80;
+        const uint8_t* bytes = reinterpret_cast<const uint8_t*>(sb + 16);
+        int32_t T = 0, Mn = 0;
+        for (int64_t s = 0; s < 8; ++s) {
+          const int64_t b = 8 * B + s;
+          T += bytes[8 * s + j] * q4_block_dot(w.data + (g * nb + b) * 128, j, a.qk + m * a.row_bytes + b * QK);
+          Mn += bytes[64 + 8 * s + j] * a.bk[m * a.nbp + b];
+        }
+        const float dk = a.dk[m * (a.nbp / 8) + B];
+        acc = std::fma(static_cast<float>(T), fp16_to_f(sb[j]) * dk, acc);
+        acc = std::fma(static_cast<float>(Mn), -fp16_to_f(sb[8 + j]) * dk, acc);
+      }
+      y[m * ldy + n] = acc;
+    }
+}
+
 static void q4_range(const QWeight& w, const QActs& a, int64_t M, int64_t n_begin, int64_t n_end, float* y, int64_t ldy) {
+  if (w.kq) return q4k_range(w, a, M, n_begin, n_end, y, ldy);
   const int64_t nb = w.K / QK;
   scalar_range(w, a, M, n_begin, n_end, y, ldy, [&](int64_t g, int64_t j, int64_t b, const int8_t* xb, int64_t r, float acc) {
-    const uint8_t* wb = w.data + (g * nb + b) * 128;
-    int s = 0;
-    for (int64_t p = 0; p < 4; ++p)
-      for (int64_t t = 0; t < 4; ++t) {
-        const uint8_t byte = wb[32 * p + 4 * j + t];
-        s += (byte & 15) * xb[4 * p + t] + (byte >> 4) * xb[16 + 4 * p + t];
-      }
+    const int s = q4_block_dot(w.data + (g * nb + b) * 128, j, xb);
     float d, m;
     q4_dm_scalar(w, nb, g, b, j, d, m);
     return std::fma(m, a.sx[r], std::fma(static_cast<float>(s), d * a.dx[r], acc));
@@ -626,17 +764,15 @@ QWeight qweight_of(const torch::Tensor& data, const torch::Tensor& scales) {
 static torch::Tensor quantized_linear(const torch::Tensor& x, const QWeight& w) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) == w.K, "quantized linear: x (M, K) contiguous");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "quantized linear: float32 or bfloat16 x");
-  const int64_t M = x.size(0), K = w.K, nb = K / QK;
-  std::vector<int8_t> q(M * act_row_bytes(nb));
-  std::vector<float> dx(M * padded_blocks(nb)), sx(M * padded_blocks(nb));
-  std::vector<int32_t> hs(2 * M * padded_blocks(nb));
-  const QActs a{q.data(), dx.data(), sx.data(), act_row_bytes(nb), padded_blocks(nb), hs.data()};
+  const int64_t M = x.size(0), K = w.K;
+  ActBuffers buffers(M, K, w.kq);
+  const QActs a = buffers.view(K);
   at::parallel_for(0, M, 8, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
       if (x.scalar_type() == at::kFloat)
-        quantize_act_row(x.data_ptr<float>() + m * K, K, a.q + m * a.row_bytes, a.dx + m * a.nbp, a.sx + m * a.nbp, a.hs + 2 * m * a.nbp);
+        quantize_act(x.data_ptr<float>() + m * K, K, a, m, w.kq);
       else
-        quantize_act_row(x.data_ptr<bf16>() + m * K, K, a.q + m * a.row_bytes, a.dx + m * a.nbp, a.sx + m * a.nbp, a.hs + 2 * m * a.nbp);
+        quantize_act(x.data_ptr<bf16>() + m * K, K, a, m, w.kq);
     }
   });
   auto y = torch::empty({M, w.N}, x.options().dtype(at::kFloat));
@@ -657,18 +793,21 @@ torch::Tensor int6_linear(const torch::Tensor& x, const torch::Tensor& data, con
   return quantized_linear(x, as_qweight(data, scales, QFormat::Int6));
 }
 
-// x (M, K) -> what the kernels multiply: x rounded to int8 blocks and back to float (q dx), for tests and the
-// PyTorch reference (`model.quantize.round_activations` computes the same).
-torch::Tensor round_activations(const torch::Tensor& x) {
+// x (M, K) -> what the kernels multiply: x rounded to int8 blocks and back to float (q dx), per 32 (`block` 32: every
+// layer but Q4_K's) or per 256 (`block` 256: Q4_K's), for tests and the PyTorch reference
+// (`model.quantize.round_activations` computes the same).
+torch::Tensor round_activations(const torch::Tensor& x, int64_t block) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat && x.size(1) % QK == 0, "round_activations: x (M, K) float32");
-  const int64_t M = x.size(0), K = x.size(1), nb = K / QK;
-  std::vector<int8_t> q(act_row_bytes(nb));
-  std::vector<float> dx(padded_blocks(nb)), sx(padded_blocks(nb));
-  std::vector<int32_t> hs(2 * padded_blocks(nb));
+  TORCH_CHECK(block == QK || block == 8 * QK, "round_activations: block 32 or 256");
+  const int64_t M = x.size(0), K = x.size(1);
+  const bool k = block != QK;
+  ActBuffers buffers(1, K, k);
   auto out = torch::empty_like(x);
   for (int64_t m = 0; m < M; ++m) {
-    quantize_act_row(x.data_ptr<float>() + m * K, K, q.data(), dx.data(), sx.data(), hs.data());
-    for (int64_t k = 0; k < K; ++k) out.data_ptr<float>()[m * K + k] = static_cast<float>(q[k]) * dx[k / QK];
+    quantize_act(x.data_ptr<float>() + m * K, K, buffers.view(K), 0, k);
+    for (int64_t i = 0; i < K; ++i)
+      out.data_ptr<float>()[m * K + i] = k ? static_cast<float>(buffers.qk[i]) * buffers.dk[i / block]
+                                           : static_cast<float>(buffers.q[i]) * buffers.dx[i / block];
   }
   return out;
 }
