@@ -460,9 +460,9 @@ def int8_layout(q: Tensor, d: Tensor) -> tuple[Tensor, Tensor]:
 
 def round_activations(x: Tensor, block: int = GROUP_SIZE) -> Tensor:
     """x (M, K) float32 -> x rounded as the native kernels round it before their integer dot products: int8 in
-    blocks of `block` along K, d = max|x| / 127 per block, ties to even: 32 (ggml's `quantize_row_q8_0`) for every
-    layer but those in Q4_K's own scales, 256 for those (`quantize_row_q8_K`, the scale of Q4_K's D and Dmin; a last
-    partial block of K % 256 takes its own scale)."""
+    blocks of `block` along K, d = max|x| / 127 per block, ties to even: 32 (ggml's `quantize_row_q8_0`) for int8 and
+    int4 layers, 256 for int4 in Q4_K's own scales and for int6 (`quantize_row_q8_K`, the span of the weights' own d;
+    a last partial block of K % 256 takes its own scale)."""
     M, K = x.shape
     pad = -K % block
     b = torch.nn.functional.pad(x, (0, pad)).reshape(M, -1, block)

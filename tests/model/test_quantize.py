@@ -47,8 +47,10 @@ def test_layer_matches_float_math_on_its_own_weights(cls, rows, backend):
     y = layer(x)
     assert y.shape == (2, rows, 96) and y.dtype == torch.float32
     if backend == "native":
-        # Either path computes exactly: activations rounded to int8 per block of 32, times the dequantized weight.
-        want = F.linear(round_activations(x.reshape(-1, 256)), layer.dequantize()).view(2, rows, 96)
+        # Either path computes exactly: activations rounded to int8 per block of 32 (int6: of 256, ggml's q8_K),
+        # times the dequantized weight.
+        block = 256 if cls is Int6Linear else 32
+        want = F.linear(round_activations(x.reshape(-1, 256), block), layer.dequantize()).view(2, rows, 96)
         assert _rel(y, want) < 1e-5
     else:  # the packed kernel's bfloat16 activations / accumulation; the prefill path is float math
         assert _rel(y, F.linear(x, layer.dequantize())) < (1e-2 if rows * 2 <= layer.kernel_row_limit(False) else 1e-6)

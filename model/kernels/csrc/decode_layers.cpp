@@ -31,13 +31,13 @@ struct Projection {
   const void* w;
   int64_t N, K;
   std::vector<std::pair<int64_t, QWeight>> stacked;
-  bool kq = false;  // a Q4_K part: the rows are also rounded per 256 (qgemm.h's QActs)
+  bool k_acts = false;  // a Q4_K or Q6_K part: the rows are also rounded per 256 (qgemm.h's QActs)
 };
 
 static Projection projection(const torch::Tensor& a, const torch::Tensor& b, at::ScalarType dtype) {
   if (a.scalar_type() == at::kByte || a.scalar_type() == at::kChar) {
     const QWeight q = qweight_of(a, b);
-    return Projection{true, q, nullptr, q.N, q.K, {}, q.kq};
+    return Projection{true, q, nullptr, q.N, q.K, {}, k_acts(q)};
   }
   TORCH_CHECK(a.scalar_type() == dtype && a.dim() == 2 && a.is_contiguous(), "decode_layers: float weights of the activation dtype");
   return Projection{false, QWeight{}, a.data_ptr(), a.size(0), a.size(1), {}};
@@ -52,7 +52,7 @@ static Projection projection_of(const std::vector<torch::Tensor>& w, size_t firs
     const Projection part = projection(w[2 * i], w[2 * i + 1], dtype);
     TORCH_CHECK(part.quantized && (p.N == 0 || part.K == p.K), "decode_layers: stacked parts are quantized, of one input");
     p.stacked.emplace_back(p.N, part.q);
-    p.kq = p.kq || part.kq;
+    p.k_acts = p.k_acts || part.k_acts;
     p.N += part.N;
     p.K = part.K;
   }
@@ -73,7 +73,7 @@ struct Step {
 template <typename T>
 static void quantize_rows(const Projection& p, const T* x, int64_t mb, int64_t me, const QActs& a) {
   if (!p.quantized) return;
-  for (int64_t m = mb; m < me; ++m) quantize_act(x + m * p.K, p.K, a, m, p.kq);
+  for (int64_t m = mb; m < me; ++m) quantize_act(x + m * p.K, p.K, a, m, p.k_acts);
 }
 
 // This thread's share of the rows of x (M, K), rounded into the step's shared activations s.a.
@@ -313,7 +313,7 @@ torch::Tensor decode_layers(torch::Tensor h, const std::vector<std::vector<torch
   for (int64_t n = 0; n < N; ++n) TORCH_CHECK(slots.data_ptr<int64_t>()[n] >= 0 && slots.data_ptr<int64_t>()[n] < n_slots, "decode_layers: slot out of range");
   std::vector<std::vector<Projection>> proj(L);
   int64_t F = 0, widest_out = 0, widest_in = 0;
-  bool kq = false;  // a Q4_K projection somewhere: the rows' q8_K rounding too
+  bool any_k = false;  // a Q4_K or Q6_K projection somewhere: the rows' q8_K rounding too
   for (int64_t l = 0; l < L; ++l) {
     const auto& w = layers[l];
     TORCH_CHECK(w.size() >= 10 && w.size() % 2 == 0, "decode_layers: 10 tensors per block, or more with stacked parts");
@@ -332,7 +332,7 @@ torch::Tensor decode_layers(torch::Tensor h, const std::vector<std::vector<torch
     for (const auto& q : p) {
       widest_out = std::max(widest_out, q.N);
       widest_in = std::max(widest_in, q.K);
-      kq = kq || q.kq;
+      any_k = any_k || q.k_acts;
       TORCH_CHECK(!q.quantized || q.K % QK == 0, "decode_layers: quantized inputs in blocks of 32");
     }
   }
@@ -353,7 +353,7 @@ torch::Tensor decode_layers(torch::Tensor h, const std::vector<std::vector<torch
     for (int64_t l = 0; l < L; ++l) tel.push_back(first.layer(l, Rt));
   }
   auto y = torch::empty({N, widest_out}, opts.dtype(at::kFloat));
-  ActBuffers shared(N, widest_in, kq);
+  ActBuffers shared(N, widest_in, any_k);
   std::vector<torch::Tensor> kp, vp;
   for (int64_t l = 0; l < L; ++l) kp.push_back(k_pools[l]), vp.push_back(v_pools[l]);
   const auto q = qkv.narrow(1, 0, H);
@@ -362,7 +362,7 @@ torch::Tensor decode_layers(torch::Tensor h, const std::vector<std::vector<torch
   const bool few = edits.empty() && N <= FEW_ROWS && E % 8 == 0;
   const int64_t threads = few ? at::get_num_threads() : 0;
   auto own_t = torch::empty({threads, N, D + F}, opts);
-  std::vector<ActBuffers> own_acts(threads, ActBuffers(N, widest_in, kq));
+  std::vector<ActBuffers> own_acts(threads, ActBuffers(N, widest_in, any_k));
   const auto owns = [&](auto* base) {
     using T = std::remove_pointer_t<decltype(base)>;
     std::vector<Own<T>> out;

@@ -57,26 +57,30 @@ struct QWeight {
   bool kq = false;   // Int4 only: Q4_K's scales (D, Dmin per 256, sc and mn bytes per 32)
 };
 
+// Whether w's kernel takes the activations rounded per 256 (QActs' qk): Q4_K's scales and Int6 (Q6_K), as ggml's
+// `ggml_vec_dot_q4_K_q8_K` / `_q6_K_q8_K`.
+inline bool k_acts(const QWeight& w) { return w.kq || w.fmt == QFormat::Int6; }
+
 // Int4 layouts as q4_tile takes them: per-block d and m (float16), or d alone (Q4_K's own scales: q4k_tile).
 enum Q4Layout : int { Q4_ASYM = 0, Q4_SYM = 1 };
 
 // Activations rounded to int8 in blocks of 32 as ggml's `quantize_row_q8_0` does (dx = max|x| / 127, q = round(x /
 // dx), ties to even), one row at a time: q (row_bytes per row, pairs of blocks, zero past nb), dx and sx = dx * sum(q)
-// (nbp floats per row, zero past nb); q in k order; hs: each block's two 16-weight halves' sums of q (2 nbp int32 per
-// row, zero past nb: Int6's sub-blocks, as ggml's q8_K `bsums`).
-// For Q4_K weights (`kq`) the row is also rounded per 256 as ggml's `quantize_row_q8_K` does (one scale per 256
-// values, the scale of Q4_K's D and Dmin): qk (row_bytes per row, in k order), dk = max|x| / 127 over the 256 (nbp / 8
-// floats per row), bk each 32-value block's sum of qk (nbp int16 per row, |sum| <= 32 x 127); zero past nb. Null
-// where no layer of the step needs them.
+// (nbp floats per row, zero past nb); q in k order.
+// For Q4_K and Q6_K weights (`k_acts`) the row is also rounded per 256 as ggml's `quantize_row_q8_K` does (one scale
+// per 256 values, the scale of the weights' own d per 256): qk (row_bytes per row, in k order), dk = max|x| / 127 over
+// the 256 (nbp / 8 floats per row), bk each 32-value block's sum of qk (nbp int16 per row, |sum| <= 32 x 127: Q4_K's
+// mins) and hk each 16 values' (2 nbp int16 per row: Q6_K's sub-blocks, ggml's q8_K `bsums`); zero past nb. Null where
+// no layer of the step needs them.
 struct QActs {
   int8_t* q;
   float* dx;
   float* sx;
   int64_t row_bytes, nbp;
-  int32_t* hs;
   int8_t* qk = nullptr;
   float* dk = nullptr;
   int16_t* bk = nullptr;
+  int16_t* hk = nullptr;
 };
 
 // Row m of x (K values) rounded into a's row m (strides of a K-wide input), per 32 and, where a has the buffers and
@@ -88,16 +92,15 @@ void quantize_act(const T* x, int64_t K, QActs a, int64_t m, bool k);
 struct ActBuffers {
   std::vector<int8_t> q, qk;
   std::vector<float> dx, sx, dk;
-  std::vector<int32_t> hs;
-  std::vector<int16_t> bk;
+  std::vector<int16_t> bk, hk;
   ActBuffers(int64_t rows, int64_t K, bool k)
       : q(rows * act_row_bytes(K / QK)), qk(k ? q.size() : 0), dx(rows * padded_blocks(K / QK)), sx(dx.size()),
-        dk(k ? dx.size() / 8 : 0), hs(2 * dx.size()), bk(k ? dx.size() : 0) {}
+        dk(k ? dx.size() / 8 : 0), bk(k ? dx.size() : 0), hk(k ? 2 * dx.size() : 0) {}
   // Strides of a K-wide input (a projection's own K, at most the buffers').
   QActs view(int64_t K) {
     const bool k = !qk.empty();
-    return QActs{q.data(), dx.data(), sx.data(), act_row_bytes(K / QK), padded_blocks(K / QK), hs.data(),
-                 k ? qk.data() : nullptr, k ? dk.data() : nullptr, k ? bk.data() : nullptr};
+    return QActs{q.data(), dx.data(), sx.data(), act_row_bytes(K / QK), padded_blocks(K / QK),
+                 k ? qk.data() : nullptr, k ? dk.data() : nullptr, k ? bk.data() : nullptr, k ? hk.data() : nullptr};
   }
 };
 

@@ -93,21 +93,22 @@ void quantize_act(const T* x, int64_t K, QActs a, int64_t m, bool k) {
   const int64_t nb = K / QK, nbp = padded_blocks(nb), bytes = act_row_bytes(nb);
   int8_t* q = a.q + m * bytes;
   float *dx = a.dx + m * nbp, *sx = a.sx + m * nbp;
-  int32_t* hs = a.hs + 2 * m * nbp;
   std::fill(q + nb * QK, q + bytes, int8_t(0));
-  for (int64_t b = nb; b < nbp; ++b) dx[b] = sx[b] = 0.f, hs[2 * b] = hs[2 * b + 1] = 0;
+  for (int64_t b = nb; b < nbp; ++b) dx[b] = sx[b] = 0.f;
   for (int64_t b = 0; b < nb; ++b) {  // per 32 (q8_0)
     const float d = block_amax(x + b * QK) / 127.f, id = d > 0.f ? 1.f / d : 0.f;
-    round_block(x + b * QK, id, q + b * QK, hs + 2 * b);
+    int32_t h[2];
+    round_block(x + b * QK, id, q + b * QK, h);
     dx[b] = d;
-    sx[b] = d * static_cast<float>(hs[2 * b] + hs[2 * b + 1]);
+    sx[b] = d * static_cast<float>(h[0] + h[1]);
   }
   if (!k || a.qk == nullptr) return;
   int8_t* qk = a.qk + m * bytes;  // per 256 (q8_K), the last super-block's blocks as far as nb
   float* dk = a.dk + m * (nbp / 8);
-  int16_t* bk = a.bk + m * nbp;
+  int16_t *bk = a.bk + m * nbp, *hk = a.hk + 2 * m * nbp;
   std::fill(qk + nb * QK, qk + bytes, int8_t(0));
   std::fill(bk + nb, bk + nbp, int16_t(0));
+  std::fill(hk + 2 * nb, hk + 2 * nbp, int16_t(0));
   for (int64_t B = 0; B < nbp / 8; ++B) {
     const int64_t b0 = 8 * B, b1 = std::min(nb, b0 + 8);
     float amax = 0.f;
@@ -117,6 +118,7 @@ void quantize_act(const T* x, int64_t K, QActs a, int64_t m, bool k) {
       int32_t h[2];
       round_block(x + b * QK, id, qk + b * QK, h);
       bk[b] = static_cast<int16_t>(h[0] + h[1]);
+      hk[2 * b] = static_cast<int16_t>(h[0]), hk[2 * b + 1] = static_cast<int16_t>(h[1]);
     }
     dk[B] = b0 < nb ? d : 0.f;
   }
@@ -555,67 +557,78 @@ static void q4_range(const QWeight& w, const QActs& a, int64_t M, int64_t n_begi
 }
 // ---- Int6 (Q6_K), 8 outputs interleaved -----------------------------------------------------------------------------
 
-// One tile: rows m0 .. m0+MR times the 8 outputs of group g (qgemm.h's Int6 layout). Per block, each output's two
-// 16-weight halves are summed apart (their sub-scales differ): s_half = sum q x over the half with q in [0, 63]
-// unsigned, then isum_b = sc_lo (s_lo - 32 X_lo) + sc_hi (s_hi - 32 X_hi) in int32 (X: the half's activation sum),
-// exact (|isum_b| <= 2 128 16 32 127 < 2^24, so its float conversion is exact too), and per output, block after block
-// in order: acc = fma(float(isum_b), d_B * dx_b, acc), as ggml's `ggml_vec_dot_q6_K_q8_K` sums sc (q - 32) x per 16
-// in integers before one float scale. MR changes which loads are shared, nothing else: decode = prefill bit for bit.
-// Without VNNI, maddubs' int16 pair sums (2 x 63 x 127) are widened after two of them (4 x 8,001 < 32,767).
+// One tile: rows m0 .. m0+MR times the 8 outputs of group g (qgemm.h's Int6 layout), on the activations rounded per
+// 256 (q8_K), as ggml's `ggml_vec_dot_q6_K_q8_K`: each output's 16-weight halves summed apart (their sub-scales
+// differ), s_half = sum q x over the half with q in [0, 63] unsigned, and T = sum over the super-block's 16 halves of
+// sc (s - 32 X) in int32 (X: the half's activation sum, hk); per output (one float lane), super-block after
+// super-block in order: acc = fma(float(T), d_B dk_B, acc): one float FMA per 256 weights where per-32 activation
+// scales need one per 32. |T| <= 16 x 128 x 16 x 32 x 127 < 2^31, its float conversion rounding the same way in every
+// tile. MR changes which loads are shared, nothing else: decode = prefill bit for bit. Without VNNI each half's
+// maddubs int16 pair sums (2 of at most 2 x 63 x 127: 32,004 < 32,767) go into vpmaddwd against sc (signed, in both
+// int16 of the output's lane), and the offset 32 (sc_lo X_lo + sc_hi X_hi) is one vpmaddwd of (sc_lo, sc_hi) against
+// (X_lo, X_hi) and a shift.
 template <int MR>
 static inline void q6_tile(const QWeight& w, const QActs& a, int64_t m0, int64_t g, float* y, int64_t ldy) {
   const int64_t nb = w.K / QK;
   const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
-  [[maybe_unused]] const __m256i ones16 = _mm256_set1_epi16(1);
   __m256 acc[MR];
 #pragma GCC unroll 8
   for (int i = 0; i < MR; ++i) acc[i] = _mm256_setzero_ps();
   const int64_t rb = a.row_bytes, nbp = a.nbp;
-  const int8_t* xq = a.q + m0 * rb;  // as q8_tile's, and the halves' sums at hsp[2 i nbp]
-  const float* dxp = a.dx + m0 * nbp;
-  const int32_t* hsp = a.hs + 2 * m0 * nbp;
+  const int8_t* xq = a.qk + m0 * rb;  // as q4k_tile's, and the halves' sums at hkp[2 i nbp]
+  const float* dkp = a.dk + m0 * (nbp / 8);
+  const int16_t* hkp = a.hk + 2 * m0 * nbp;
   const uint8_t* wb = w.data + g * nb * 208;
-  for (int64_t b = 0; b < nb; ++b, wb += 208, xq += QK, ++dxp, hsp += 2) {
-    const uint16_t* db = w.scales + (g * (nb / 8) + b / 8) * 8;
-    if constexpr (MR <= 4) prefetch_ahead(wb, 208, db, 2);
-    __m256i lo[MR], hi[MR];
-#pragma GCC unroll 2
-    for (int h = 0; h < 2; ++h) {  // Int4's chunks 2h, 2h+1 (low nibbles: the first half) and 2h+4, 2h+5 (the second)
-      const __m256i r0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 64 * h));
-      const __m256i r1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 64 * h + 32));
-      const __m256i t2 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 128 + 32 * h));
-      // (16-bit shifts: the bits a shift carries across bytes fall outside the mask)
-      const __m256i l0 = _mm256_or_si256(_mm256_and_si256(r0, m4), _mm256_and_si256(_mm256_slli_epi16(t2, 4), m30));
-      const __m256i h0 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(r0, 4), m4), _mm256_and_si256(_mm256_slli_epi16(t2, 2), m30));
-      const __m256i l1 = _mm256_or_si256(_mm256_and_si256(r1, m4), _mm256_and_si256(t2, m30));
-      const __m256i h1 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(r1, 4), m4), _mm256_and_si256(_mm256_srli_epi16(t2, 2), m30));
+  for (int64_t B = 0; B < nb / 8; ++B, ++dkp) {
+    const uint16_t* db = w.scales + (g * (nb / 8) + B) * 8;
+    __m256i T[MR];
 #pragma GCC unroll 8
-      for (int i = 0; i < MR; ++i) {
-        const int8_t* x = xq + i * rb + 8 * h;
-        const auto bc = [&](int off) { return _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(x + off)); };
+    for (int i = 0; i < MR; ++i) T[i] = _mm256_setzero_si256();
+    for (int s = 0; s < 8; ++s, wb += 208, xq += QK, hkp += 2) {
+      if constexpr (MR <= 4) prefetch_ahead(wb, 208, db, 2);
+      const __m128i lo8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(wb + 192));  // the halves' sc, output j
+      const __m128i hi8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(wb + 200));
 #if LS_VNNI
-        const __m256i l = h == 0 ? _mm256_setzero_si256() : lo[i], u = h == 0 ? _mm256_setzero_si256() : hi[i];
-        lo[i] = LS_DPBUSD(LS_DPBUSD(l, l0, bc(0)), l1, bc(4));
-        hi[i] = LS_DPBUSD(LS_DPBUSD(u, h0, bc(16)), h1, bc(20));
+      const __m256i sc_lo = _mm256_cvtepi8_epi32(lo8), sc_hi = _mm256_cvtepi8_epi32(hi8);
 #else
-        const __m256i l = _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(l0, bc(0)), _mm256_maddubs_epi16(l1, bc(4))), ones16);
-        const __m256i u = _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(h0, bc(16)), _mm256_maddubs_epi16(h1, bc(20))), ones16);
-        lo[i] = h == 0 ? l : _mm256_add_epi32(lo[i], l);
-        hi[i] = h == 0 ? u : _mm256_add_epi32(hi[i], u);
+      const __m256i sc_lo = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(lo8, lo8)), sc_hi = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(hi8, hi8));
 #endif
+#pragma GCC unroll 1
+      for (int h = 0; h < 2; ++h) {  // Int4's chunks 2h, 2h+1 (low nibbles: the first half) and 2h+4, 2h+5 (the second)
+        const __m256i r0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 64 * h));
+        const __m256i r1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 64 * h + 32));
+        const __m256i t2 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 128 + 32 * h));
+        // (16-bit shifts: the bits a shift carries across bytes fall outside the mask)
+        const __m256i l0 = _mm256_or_si256(_mm256_and_si256(r0, m4), _mm256_and_si256(_mm256_slli_epi16(t2, 4), m30));
+        const __m256i h0 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(r0, 4), m4), _mm256_and_si256(_mm256_slli_epi16(t2, 2), m30));
+        const __m256i l1 = _mm256_or_si256(_mm256_and_si256(r1, m4), _mm256_and_si256(t2, m30));
+        const __m256i h1 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(r1, 4), m4), _mm256_and_si256(_mm256_srli_epi16(t2, 2), m30));
+#pragma GCC unroll 8
+        for (int i = 0; i < MR; ++i) {
+          const int8_t* x = xq + i * rb + 8 * h;
+          const auto bc = [&](int off) { return _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(x + off)); };
+#if LS_VNNI
+          const __m256i l = LS_DPBUSD(LS_DPBUSD(_mm256_setzero_si256(), l0, bc(0)), l1, bc(4));
+          const __m256i u = LS_DPBUSD(LS_DPBUSD(_mm256_setzero_si256(), h0, bc(16)), h1, bc(20));
+          T[i] = _mm256_add_epi32(T[i], _mm256_add_epi32(_mm256_mullo_epi32(l, sc_lo), _mm256_mullo_epi32(u, sc_hi)));
+#else
+          const __m256i l = _mm256_add_epi16(_mm256_maddubs_epi16(l0, bc(0)), _mm256_maddubs_epi16(l1, bc(4)));
+          const __m256i u = _mm256_add_epi16(_mm256_maddubs_epi16(h0, bc(16)), _mm256_maddubs_epi16(h1, bc(20)));
+          T[i] = _mm256_add_epi32(T[i], _mm256_add_epi32(_mm256_madd_epi16(l, sc_lo), _mm256_madd_epi16(u, sc_hi)));
+#endif
+        }
+      }
+      const __m256i sc_both = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(lo8, hi8));  // lane j: (sc_lo, sc_hi) as int16
+#pragma GCC unroll 8
+      for (int i = 0; i < MR; ++i) {  // - 32 (sc_lo X_lo + sc_hi X_hi)
+        const __m256i X = _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(hkp + 2 * i * nbp));  // (X_lo, X_hi)
+        T[i] = _mm256_sub_epi32(T[i], _mm256_slli_epi32(_mm256_madd_epi16(sc_both, X), 5));
       }
     }
-    const __m256i sc_lo = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(wb + 192)));
-    const __m256i sc_hi = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(wb + 200)));
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(db)));
 #pragma GCC unroll 8
-    for (int i = 0; i < MR; ++i) {
-      const int32_t* hs = hsp + 2 * i * nbp;  // the halves' activation sums
-      const __m256i xl = _mm256_set1_epi32(32 * hs[0]), xh = _mm256_set1_epi32(32 * hs[1]);
-      const __m256i isum = _mm256_add_epi32(_mm256_mullo_epi32(_mm256_sub_epi32(lo[i], xl), sc_lo),
-                                            _mm256_mullo_epi32(_mm256_sub_epi32(hi[i], xh), sc_hi));
-      acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d, _mm256_broadcast_ss(dxp + i * nbp)), acc[i]);
-    }
+    for (int i = 0; i < MR; ++i)
+      acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(T[i]), _mm256_mul_ps(d, _mm256_broadcast_ss(dkp + i * (nbp / 8))), acc[i]);
   }
   for (int i = 0; i < MR; ++i) _mm256_storeu_ps(y + (m0 + i) * ldy + 8 * g, acc[i]);
 }
@@ -696,19 +709,29 @@ static void q4_range(const QWeight& w, const QActs& a, int64_t M, int64_t n_begi
   });
 }
 
+// q6_tile's sums and float order
 static void q6_range(const QWeight& w, const QActs& a, int64_t M, int64_t n_begin, int64_t n_end, float* y, int64_t ldy) {
   const int64_t nb = w.K / QK;
-  scalar_range(w, a, M, n_begin, n_end, y, ldy, [&](int64_t g, int64_t j, int64_t b, const int8_t* xb, int64_t r, float acc) {
-    const uint8_t* wb = w.data + (g * nb + b) * 208;
-    int isum = 0;
-    for (int64_t half = 0; half < 2; ++half) {
-      int s = 0;
-      for (int64_t k = 16 * half; k < 16 * half + 16; ++k) s += (q6_value(wb, j, k) - 32) * xb[k];
-      isum += static_cast<int8_t>(wb[192 + 8 * half + j]) * s;
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t n = n_begin; n < n_end; ++n) {
+      const int64_t g = n / 8, j = n % 8;
+      float acc = 0.f;
+      for (int64_t B = 0; B < nb / 8; ++B) {
+        int32_t T = 0;
+        for (int64_t b = 8 * B; b < 8 * B + 8; ++b) {
+          const uint8_t* wb = w.data + (g * nb + b) * 208;
+          const int8_t* xb = a.qk + m * a.row_bytes + b * QK;
+          for (int64_t half = 0; half < 2; ++half) {
+            int s = 0;
+            for (int64_t k = 16 * half; k < 16 * half + 16; ++k) s += (q6_value(wb, j, k) - 32) * xb[k];
+            T += static_cast<int8_t>(wb[192 + 8 * half + j]) * s;
+          }
+        }
+        const float d = fp16_to_f(w.scales[(g * (nb / 8) + B) * 8 + j]);
+        acc = std::fma(static_cast<float>(T), d * a.dk[m * (a.nbp / 8) + B], acc);
+      }
+      y[m * ldy + n] = acc;
     }
-    const float d = fp16_to_f(w.scales[(g * (nb / 8) + b / 8) * 8 + j]);
-    return std::fma(static_cast<float>(isum), d * a.dx[r], acc);
-  });
 }
 #endif
 
@@ -765,14 +788,14 @@ static torch::Tensor quantized_linear(const torch::Tensor& x, const QWeight& w) 
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) == w.K, "quantized linear: x (M, K) contiguous");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "quantized linear: float32 or bfloat16 x");
   const int64_t M = x.size(0), K = w.K;
-  ActBuffers buffers(M, K, w.kq);
+  ActBuffers buffers(M, K, k_acts(w));
   const QActs a = buffers.view(K);
   at::parallel_for(0, M, 8, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
       if (x.scalar_type() == at::kFloat)
-        quantize_act(x.data_ptr<float>() + m * K, K, a, m, w.kq);
+        quantize_act(x.data_ptr<float>() + m * K, K, a, m, k_acts(w));
       else
-        quantize_act(x.data_ptr<bf16>() + m * K, K, a, m, w.kq);
+        quantize_act(x.data_ptr<bf16>() + m * K, K, a, m, k_acts(w));
     }
   });
   auto y = torch::empty({M, w.N}, x.options().dtype(at::kFloat));
