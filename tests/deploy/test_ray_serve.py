@@ -254,8 +254,8 @@ def test_ray_serve_routes_fails_over_and_recovers(tmp_path):
                 outcome = _classify(status, text, streamed)
             except httpx.HTTPError as e:  # a read timeout included: that would be a hang
                 outcome, status, text = "bad", 0, repr(e)
-            with started_cv:  # the last field: whether the request was still open when the replica was killed
-                outcomes.append((kind, replica, outcome, status, text[-300:], kill_at is not None))
+            with started_cv:
+                outcomes.append((kind, replica, outcome, status, text[-300:]))
 
         kill_at = None
         with ThreadPoolExecutor(16) as pool:
@@ -271,11 +271,13 @@ def test_ray_serve_routes_fails_over_and_recovers(tmp_path):
         assert bad == [], bad
         errors = [o for o in outcomes if o[2] == "error"]
         assert len(outcomes) == 16 and errors, outcomes
-        # only what ran on the killed replica failed; its streams still open at the kill all ended with the error
-        # event (a 3000-token stream on the tiny model can finish while the other replica's first stream starts)
+        # only what ran on the killed replica failed, and its streams cut by the kill ended with the error event: none
+        # is 'bad' (cut without it, above), and an 'ok' one ended with [DONE] after all its tokens, so it had finished
+        # (a 3000-token stream on the tiny model can finish while the other replica's first stream starts: whether a
+        # request was still open when the replica died cannot be told from the client's side, whose thread may record
+        # a stream that ended just before the kill only after it; CI saw that twice)
         assert {o[1] for o in errors} <= {victim, None}, errors
-        open_streams = [o for o in outcomes if o[1] == victim and o[0].endswith("stream") and o[5]]
-        assert open_streams and all(o[2] == "error" for o in open_streams), outcomes
+        assert any(o[2] == "error" for o in outcomes if o[1] == victim and o[0].endswith("stream")), outcomes
         assert all(o[2] == "ok" for o in outcomes if o[1] not in (victim, None)), outcomes
         print(f"failover: killed {victim} with {started[victim]} streams open; {len(errors)} of 16 requests ended "
               f"with an error envelope, the rest completed")
