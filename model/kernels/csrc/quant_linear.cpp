@@ -467,9 +467,9 @@ static void q4_range_t(const QWeight& w, const QActs& a, int64_t M, int64_t n_be
 // shared, nothing else: decode = prefill bit for bit. Without VNNI each half block's maddubs int16 pair sums (8
 // products of at most 15 x 127 a lane: 15,240) go straight into vpmaddwd against sc (in both int16 of the output's
 // lane), which widens and scales them in one instruction (ggml's `_mm256_madd_epi16(scale, p16)`).
-// On the Zen 3 host (AVX2, no VNNI), `python -m benchmarks.kernel_ab` on the 1B Q4_K_M against q4_tile on per-32
-// activations (docs/performance.md): see there; with the halves unrolled (GCC interleaved them and spilled the rows'
-// T) 4-row steps read 0.74x of this.
+// On the Zen 3 host (AVX2, no VNNI), `python -m benchmarks.kernel_ab` on the 1B Q4_K_M's Q4_K layers against q4_tile
+// on per-32 activations: 1.11-1.16x at 1 to 512 rows (docs/performance.md); with the halves unrolled (GCC
+// interleaved them and spilled the rows' T) 4-row steps read 0.74x of this.
 template <int MR>
 static inline void q4k_tile(const QWeight& w, const QActs& a, int64_t m0, int64_t g, float* y, int64_t ldy) {
   const int64_t nb = w.K / QK;
