@@ -674,28 +674,35 @@ static inline int q4_block_dot(const uint8_t* wb, int64_t j, const int8_t* xb) {
   return s;
 }
 
-// Q4_K's scales (q4k_tile's sums and float order)
-static void q4k_range(const QWeight& w, const QActs& a, int64_t M, int64_t n_begin, int64_t n_end, float* y, int64_t ldy) {
-  const int64_t nb = w.K / QK;
+// Scalar, on the activations rounded per 256 (q4k_tile's and q6_tile's order): `superblock(g, j, B, m, acc)` adds
+// super-block B of output 8g + j against row m to acc.
+template <typename Super>
+static void scalar_super_range(const QWeight& w, int64_t M, int64_t n_begin, int64_t n_end, float* y, int64_t ldy,
+                               const Super& superblock) {
   for (int64_t m = 0; m < M; ++m)
     for (int64_t n = n_begin; n < n_end; ++n) {
-      const int64_t g = n / 8, j = n % 8;
       float acc = 0.f;
-      for (int64_t B = 0; B < nb / 8; ++B) {
-        const uint16_t* sb = w.scales + (g * (nb / 8) + B) * 80;
-        const uint8_t* bytes = reinterpret_cast<const uint8_t*>(sb + 16);
-        int32_t T = 0, Mn = 0;
-        for (int64_t s = 0; s < 8; ++s) {
-          const int64_t b = 8 * B + s;
-          T += bytes[8 * s + j] * q4_block_dot(w.data + (g * nb + b) * 128, j, a.qk + m * a.row_bytes + b * QK);
-          Mn += bytes[64 + 8 * s + j] * a.bk[m * a.nbp + b];
-        }
-        const float dk = a.dk[m * (a.nbp / 8) + B];
-        acc = std::fma(static_cast<float>(T), fp16_to_f(sb[j]) * dk, acc);
-        acc = std::fma(static_cast<float>(Mn), -fp16_to_f(sb[8 + j]) * dk, acc);
-      }
+      for (int64_t B = 0; B < w.K / (8 * QK); ++B) acc = superblock(n / 8, n % 8, B, m, acc);
       y[m * ldy + n] = acc;
     }
+}
+
+// Q4_K's scales
+static void q4k_range(const QWeight& w, const QActs& a, int64_t M, int64_t n_begin, int64_t n_end, float* y, int64_t ldy) {
+  const int64_t nb = w.K / QK;
+  scalar_super_range(w, M, n_begin, n_end, y, ldy, [&](int64_t g, int64_t j, int64_t B, int64_t m, float acc) {
+    const uint16_t* sb = w.scales + (g * (nb / 8) + B) * 80;
+    const uint8_t* bytes = reinterpret_cast<const uint8_t*>(sb + 16);
+    int32_t T = 0, Mn = 0;
+    for (int64_t s = 0; s < 8; ++s) {
+      const int64_t b = 8 * B + s;
+      T += bytes[8 * s + j] * q4_block_dot(w.data + (g * nb + b) * 128, j, a.qk + m * a.row_bytes + b * QK);
+      Mn += bytes[64 + 8 * s + j] * a.bk[m * a.nbp + b];
+    }
+    const float dk = a.dk[m * (a.nbp / 8) + B];
+    acc = std::fma(static_cast<float>(T), fp16_to_f(sb[j]) * dk, acc);
+    return std::fma(static_cast<float>(Mn), -fp16_to_f(sb[8 + j]) * dk, acc);
+  });
 }
 
 static void q4_range(const QWeight& w, const QActs& a, int64_t M, int64_t n_begin, int64_t n_end, float* y, int64_t ldy) {
@@ -709,29 +716,22 @@ static void q4_range(const QWeight& w, const QActs& a, int64_t M, int64_t n_begi
   });
 }
 
-// q6_tile's sums and float order
 static void q6_range(const QWeight& w, const QActs& a, int64_t M, int64_t n_begin, int64_t n_end, float* y, int64_t ldy) {
   const int64_t nb = w.K / QK;
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t n = n_begin; n < n_end; ++n) {
-      const int64_t g = n / 8, j = n % 8;
-      float acc = 0.f;
-      for (int64_t B = 0; B < nb / 8; ++B) {
-        int32_t T = 0;
-        for (int64_t b = 8 * B; b < 8 * B + 8; ++b) {
-          const uint8_t* wb = w.data + (g * nb + b) * 208;
-          const int8_t* xb = a.qk + m * a.row_bytes + b * QK;
-          for (int64_t half = 0; half < 2; ++half) {
-            int s = 0;
-            for (int64_t k = 16 * half; k < 16 * half + 16; ++k) s += (q6_value(wb, j, k) - 32) * xb[k];
-            T += static_cast<int8_t>(wb[192 + 8 * half + j]) * s;
-          }
-        }
-        const float d = fp16_to_f(w.scales[(g * (nb / 8) + B) * 8 + j]);
-        acc = std::fma(static_cast<float>(T), d * a.dk[m * (a.nbp / 8) + B], acc);
+  scalar_super_range(w, M, n_begin, n_end, y, ldy, [&](int64_t g, int64_t j, int64_t B, int64_t m, float acc) {
+    int32_t T = 0;
+    for (int64_t b = 8 * B; b < 8 * B + 8; ++b) {
+      const uint8_t* wb = w.data + (g * nb + b) * 208;
+      const int8_t* xb = a.qk + m * a.row_bytes + b * QK;
+      for (int64_t half = 0; half < 2; ++half) {
+        int s = 0;
+        for (int64_t k = 16 * half; k < 16 * half + 16; ++k) s += (q6_value(wb, j, k) - 32) * xb[k];
+        T += static_cast<int8_t>(wb[192 + 8 * half + j]) * s;
       }
-      y[m * ldy + n] = acc;
     }
+    const float d = fp16_to_f(w.scales[(g * (nb / 8) + B) * 8 + j]);
+    return std::fma(static_cast<float>(T), d * a.dk[m * (a.nbp / 8) + B], acc);
+  });
 }
 #endif
 
