@@ -183,9 +183,9 @@ def test_q4_k_m_mix_per_tensor_with_fused_parts_in_their_own_formats(tmp_path):
     with torch.no_grad():
         ref = load_gguf(tmp_path / "m.gguf")(tokens)  # the file's values in float32
         got = m(tokens)
-    # activations rounded to int8 by the kernels, per 256 for the Q4_K layers (ggml's q8_K): 0.107 of the largest
-    # logit here (0.093 with every layer's per 32); a wrong scale or sum is off by the logits' size
-    assert ((got - ref).abs().max() / ref.abs().max()).item() < 0.15
+    # activations rounded to int8 by the kernels, per 256 for the Q4_K and Q6_K layers (ggml's q8_K): 0.084 of the
+    # largest logit here (0.093 with every layer's per 32, 0.107 with the Q4_K layers' alone per 256)
+    assert ((got - ref).abs().max() / ref.abs().max()).item() < 0.1
     fast, paths = _decode_run(m, native_decode=True)
     slow, _ = _decode_run(m, native_decode=False)
     assert paths["native"] >= 6 and paths["module"] == 0  # the stacked wqkv taken by the native step
