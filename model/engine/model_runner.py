@@ -122,8 +122,9 @@ class ModelRunner:
         return "module"
 
     def _forward(self, path: str, batch: StepBatch, ctx: ForwardContext) -> Tensor:
-        if path == "cuda_graph":
-            return _rows(self.graphs.run(batch), batch.logits_rows, identity=not batch.prompt_logprobs)  # (M, V)
+        if path == "cuda_graph":  # the graph's logits are one per token row: keep the logits rows (M, V)
+            return _rows(self.graphs.run(batch), batch.logits_rows,
+                         identity=batch.logits_rows.numel() == batch.meta.num_tokens)
         if path == "native":
             return self.native.run(batch, ctx)
         return self.model(batch.tokens[None], batch.positions[None], ctx, logits_indices=batch.logits_rows)[0]

@@ -58,3 +58,26 @@ def test_auto_captures_only_on_cuda():
     assert auto.stats().steps_by_path == {"cuda_graph": 0, "native": 4, "module": 0}
     off = _engine("off")
     assert off.runner.graphs is None and off.cache.num_blocks == off.kv.num_blocks
+
+
+def test_static_step_samples_each_row_from_its_own_logits_when_a_row_is_not_sampled():
+    """A one-token step in which a row has not caught up (a background prefill at one token a step, ahead of a
+    decoding row in the batch): the graph's logits are one per token row, and each sampled row must read its own,
+    not the row at its index among the sampled ones (a bug once: row k's logits went to row k + 1)."""
+    from model.engine.request_options import RequestOptions
+
+    fg, bg = _prompts(2, seed=11, lo=12, hi=12)
+    want = run(_engine("off"), {"fg": (fg, greedy(10))})["fg"][0]["tokens"]
+    eager = _engine("eager", max_background_tokens=1)
+    eager.add_request("bg", bg * 4, greedy(2), RequestOptions(background=True))
+    eager.step()  # the background sequence is admitted alone, first in the batch
+    eager.add_request("fg", fg, greedy(10))
+    tokens, one_token_steps = [], 0
+    while eager.has_unfinished():
+        before = eager.runner.path_counts["cuda_graph"]
+        for out in eager.step():
+            if out.request_id == "fg":
+                tokens += out.token_ids
+        one_token_steps += eager.runner.path_counts["cuda_graph"] - before
+    assert one_token_steps >= 5  # steps of [background prefill token, foreground decode] did take the static path
+    assert tokens == want
