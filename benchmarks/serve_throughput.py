@@ -1,0 +1,227 @@
+"""A server's output rate over HTTP: closed-loop concurrency, and continuous arrivals with latency percentiles.
+
+    .venv/bin/python -m benchmarks.serve_throughput --tiny --concurrency 1 256          # a tiny random LLaMA
+    .venv/bin/python -m benchmarks.serve_throughput --tiny --ab ../base --rounds 3      # against another checkout
+    .venv/bin/python -m benchmarks.serve_throughput --model m.gguf --arrivals 4 --duration 60
+
+The server is started for the run (`python -m service`, in the measured checkout, with `--server-args`), and the
+client runs in this process (asyncio, httpx, one connection per concurrent request):
+
+- closed loop (`--concurrency C ...`): C clients each send `--requests-per-client` non-streaming greedy
+  completions back to back (EOS ignored, `--max-tokens` each, prompts of `--prompt-len` random words); output
+  tok/s = every completion token / the wall time from the first request to the last answer.
+- continuous arrivals (`--arrivals RATE`): streamed requests arrive as a Poisson process of RATE a second for
+  `--duration` seconds, prompt lengths uniform in 16..4x`--prompt-len` words and output lengths uniform in
+  8..2x`--max-tokens`; throughput, and TTFT and inter-token latency percentiles (p50, p90, p99) as the client sees
+  them (an SSE chunk carrying text is a token).
+
+`--tiny` serves a tiny random LLaMA (2 layers, width 64) with the default model's tokenizer and vocabulary
+(benchmarks/tiny_checkpoint.py): a step's cost is then mostly the server's host work, which is what this measures.
+`--ab DIR` runs the same workload against a server started from another checkout, alternating, in one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+WORDS = ("the light of a harbour keeper in the storm and the ship that came at night to the stone pier in winter "
+         "with spray from the west and a rhythm of the town at every hour").split()
+
+
+def _parse(argv):
+    p = argparse.ArgumentParser(prog="python -m benchmarks.serve_throughput", description=__doc__.split("\n\n")[0])
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--model", help="checkpoint to serve (GGUF file or HF directory)")
+    where.add_argument("--tiny", action="store_true", help="a tiny random LLaMA with the default vocabulary")
+    p.add_argument("--server-args", default="", help="more `python -m service` flags, the same for every side")
+    p.add_argument("--concurrency", type=int, nargs="*", default=[1, 256])
+    p.add_argument("--requests-per-client", type=int, default=2)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--prompt-len", type=int, default=32, help="words per prompt (closed loop)")
+    p.add_argument("--arrivals", type=float, default=None, help="requests a second, Poisson (continuous arrivals)")
+    p.add_argument("--duration", type=float, default=30.0)
+    p.add_argument("--ab", type=Path, default=None, help="another checkout to serve the same workload")
+    p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--python", default=sys.executable, help="the interpreter the servers run under")
+    p.add_argument("--out", type=Path, default=None)
+    return p.parse_args(argv)
+
+
+class Server:
+    """`python -m service --model M ARGS` in `root` on a free port, until stopped (SIGTERM)."""
+
+    def __init__(self, root: Path, model: str, args: str, python: str) -> None:
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        env = {**os.environ, "PYTHONPATH": str(root)}
+        cmd = [python, "-m", "service", "--model", model, "--port", str(self.port), *args.split()]
+        self.log = tempfile.TemporaryFile()
+        self.proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=self.log, stderr=subprocess.STDOUT)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> "Server":
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                self.log.seek(0)
+                raise RuntimeError(f"server exited: {self.log.read().decode()[-2000:]}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    time.sleep(2.0)  # the KV pool's pages are made resident in the background right after ready
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError("server not ready")
+
+    def __exit__(self, *exc) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def _prompt(rng: random.Random, words: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(words))
+
+
+async def closed_loop(url: str, model: str, concurrency: int, per_client: int, max_tokens: int, prompt_len: int,
+                      seed: int = 0) -> dict:
+    rng = random.Random(seed)
+    prompts = [[_prompt(rng, prompt_len) for _ in range(per_client)] for _ in range(concurrency)]
+    tokens = 0
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=600) as client:
+        async def one(texts):
+            nonlocal tokens
+            for text in texts:
+                r = await client.post("/v1/completions", json={
+                    "model": model, "prompt": text, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True})
+                r.raise_for_status()
+                tokens += r.json()["usage"]["completion_tokens"]
+
+        await one([_prompt(rng, prompt_len)])  # a warm-up request
+        t0 = time.perf_counter()
+        await asyncio.gather(*(one(p) for p in prompts))
+        wall = time.perf_counter() - t0
+    return {"concurrency": concurrency, "requests": concurrency * per_client, "output_tokens": tokens,
+            "wall_s": wall, "tok_s": tokens / wall}
+
+
+def _pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    k = (len(xs) - 1) * q / 100
+    lo = int(k)
+    return xs[lo] + (xs[min(lo + 1, len(xs) - 1)] - xs[lo]) * (k - lo)
+
+
+async def arrivals(url: str, model: str, rate: float, duration: float, max_tokens: int, prompt_len: int,
+                   seed: int = 0) -> dict:
+    rng = random.Random(seed)
+    ttft, itl, tokens, done = [], [], 0, 0
+    async with httpx.AsyncClient(base_url=url, limits=httpx.Limits(max_connections=1000), timeout=600) as client:
+        async def one(text: str, n: int):
+            nonlocal tokens, done
+            t0 = time.perf_counter()
+            last = None
+            body = {"model": model, "prompt": text, "max_tokens": n, "temperature": 0, "ignore_eos": True,
+                    "stream": True}
+            async with client.stream("POST", "/v1/completions", json=body) as r:
+                r.raise_for_status()
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    if not chunk["choices"] or not chunk["choices"][0].get("text"):
+                        continue
+                    now = time.perf_counter()
+                    if last is None:
+                        ttft.append(now - t0)
+                    else:
+                        itl.append(now - last)
+                    last = now
+                    tokens += 1
+            done += 1
+
+        tasks = []
+        t_start = time.perf_counter()
+        t = 0.0
+        while t < duration:
+            t += rng.expovariate(rate)
+            delay = t_start + t - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            text = _prompt(rng, rng.randint(16, 4 * prompt_len))
+            tasks.append(asyncio.create_task(one(text, rng.randint(8, 2 * max_tokens))))
+        await asyncio.gather(*tasks)
+        wall = time.perf_counter() - t_start
+    return {"rate": rate, "requests": done, "output_tokens": tokens, "wall_s": wall, "tok_s": tokens / wall,
+            "ttft_ms": {f"p{q}": _pct(ttft, q) * 1e3 for q in (50, 90, 99)},
+            "itl_ms": {f"p{q}": _pct(itl, q) * 1e3 for q in (50, 90, 99)}}
+
+
+def measure(root: Path, model: str, args) -> dict:
+    out = {"root": str(root), "closed_loop": {}}
+    with Server(root, model, args.server_args, args.python) as server:
+        name = httpx.get(server.url + "/v1/models").json()["data"][0]["id"]
+        for c in args.concurrency:
+            print(f"[serve_throughput] {root.name}: {c} concurrent", file=sys.stderr, flush=True)
+            out["closed_loop"][str(c)] = asyncio.run(closed_loop(server.url, name, c, args.requests_per_client,
+                                                                 args.max_tokens, args.prompt_len))
+        if args.arrivals:
+            print(f"[serve_throughput] {root.name}: arrivals at {args.arrivals}/s", file=sys.stderr, flush=True)
+            out["arrivals"] = asyncio.run(arrivals(server.url, name, args.arrivals, args.duration, args.max_tokens,
+                                                   args.prompt_len))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        model = args.model
+        if args.tiny:
+            from benchmarks.tiny_checkpoint import write_tiny_checkpoint
+
+            model = str(write_tiny_checkpoint(Path(tmp) / "tiny", default_vocab=True))
+        sides = {"this": ROOT} if args.ab is None else {"base": args.ab.resolve(), "this": ROOT}
+        runs: dict[str, list[dict]] = {s: [] for s in sides}
+        for r in range(args.rounds):
+            for side in (list(sides) if r % 2 == 0 else list(reversed(sides))):
+                runs[side].append(measure(sides[side], model, args))
+    summary = {}
+    for c in args.concurrency:
+        row = {s: statistics.median(x["closed_loop"][str(c)]["tok_s"] for x in runs[s]) for s in sides}
+        if "base" in row:
+            row["ratio"] = row["this"] / row["base"]
+        summary[f"closed_loop_{c}_tok_s"] = row
+    results = {"workload": {k: v for k, v in vars(args).items() if k not in ("out", "ab", "python")},
+               "summary": summary, "runs": runs}
+    text = json.dumps(results, indent=1, default=str)
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
