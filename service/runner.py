@@ -110,14 +110,16 @@ async def run(state: Serving, prompts: list[list[int]], params: SamplingParams, 
 def _observe(state: Serving, stats: RunStats, out: RequestOutput, choice: int) -> None:
     now = time.perf_counter()
     m = state.metrics
+    # a non-streamed request's one output comes at its end: its first token's time is the engine's stamp
+    first = out.first_token_time if out.first_token_time is not None else now
     if stats.first_output_at is None:
-        stats.first_output_at = now
-        m.queue.observe(now - stats.start)
+        stats.first_output_at = first
+        m.queue.observe(first - stats.start)
     if out.token_ids:
         key = choice
         if stats.first_token_at is None:
-            stats.first_token_at = now
-            m.ttft.observe(now - stats.start)
+            stats.first_token_at = first
+            m.ttft.observe(first - stats.start)
         if key in stats.last_token_at:
             m.itl.observe(now - stats.last_token_at[key])
         stats.last_token_at[key] = now

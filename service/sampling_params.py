@@ -30,5 +30,6 @@ def to_sampling_params(req: SamplingFields, settings: Settings, max_tokens: int 
         logit_bias={int(k): v for k, v in req.logit_bias.items()} if req.logit_bias else None,
         seed=req.seed, stop=stop, stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos,
         logprobs=logprobs, prompt_logprobs=prompt_logprobs, skip_special_tokens=req.skip_special_tokens,
+        output_kind="delta" if req.stream else "final",  # a non-streamed reply: one output when it ends
     )
     return params

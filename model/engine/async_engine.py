@@ -1,7 +1,11 @@
 """AsyncEngine: the engine's step loop on its own thread, one async iterator of outputs per request.
 
-The asyncio side never touches engine state: submissions and aborts go through an inbox the engine thread
-drains between steps, and outputs come back with `loop.call_soon_threadsafe` onto each request's queue.
+Three threads meet here. The engine thread runs the steps (`Engine.core_step`) and nothing else; the output thread
+turns each step's tokens into clients' outputs (detokenization, stop strings, `RequestOutput`s: the output
+processor, model/engine/output_processor.py) and hands them to the event loops, one `call_soon_threadsafe` per loop
+per step; the asyncio side never touches engine state: submissions and aborts go through an inbox the engine thread
+drains between steps. A stop string the output thread finds comes back through the inbox too. vLLM v1 splits the
+same way, with processes (EngineCore and the API server's output processor).
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from model.engine.engine import Engine, EngineStats, FatalEngineError, RequestOutput
+from model.engine.output_processor import Finish, StepOutputs
+from model.engine.request import FinishReason, Sequence
 from model.engine.sampling_params import SamplingParams
 from model.engine.scheduler import QueueFullError
 from model.engine.kv_window import KVWindow
@@ -74,6 +80,14 @@ class _AbortAll:
     error: str  # each open choice ends with finish_reason "abort" and this error
 
 
+@dataclass
+class _Ended:
+    """The output thread ended a choice (a stop string in its text, or its processing failed): the engine ends it."""
+
+    seq: Sequence
+    end: Finish
+
+
 class _QueuedJob:
     def __init__(self, job: EngineJob, loop: asyncio.AbstractEventLoop, done: asyncio.Future) -> None:
         self.job, self.loop, self.done = job, loop, done
@@ -83,7 +97,9 @@ class _QueuedJob:
 class AsyncEngine:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        self._inbox: queue.SimpleQueue[_Submit | _Abort | _AbortAll | _QueuedJob] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[_Submit | _Abort | _AbortAll | _Ended | _QueuedJob] = queue.SimpleQueue()
+        self._outputs: queue.SimpleQueue[StepOutputs | None] = queue.SimpleQueue()  # engine -> output thread
+        self._output_thread: threading.Thread | None = None
         self._wake = threading.Event()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._lock = threading.Lock()  # guards _streams and _num_pending
@@ -95,7 +111,7 @@ class AsyncEngine:
         # 503 and, in a real server process, exits non-zero so the orchestrator restarts it).
         self.on_dead: Callable[[BaseException | None], None] | None = None
         # Observers of each step (metrics, tests): (stats snapshot, the step's outputs, seconds), on the engine thread.
-        self.step_hooks: list[Callable[[EngineStats, list[RequestOutput], float], None]] = []
+        self.step_hooks: list[Callable[[EngineStats, StepOutputs, float], None]] = []
         # The engine's counters as the engine thread last published them (after every step and inbox drain): what
         # other threads read instead of walking the engine's live dicts while it changes them.
         self.stats: EngineStats = engine.stats()
@@ -106,6 +122,8 @@ class AsyncEngine:
     # ---- lifecycle ----------------------------------------------------------------------------------------
 
     def start(self) -> None:
+        self._output_thread = threading.Thread(target=self._output_loop, name="llamascope-output", daemon=True)
+        self._output_thread.start()
         self._thread = threading.Thread(target=self._loop, name="llamascope-engine", daemon=True)
         self._thread.start()
 
@@ -241,6 +259,9 @@ class AsyncEngine:
                     self.on_dead(error)  # before the clients hear of it: /health is already 503 when they do
                 except Exception:
                     log.exception("engine on_dead callback failed")
+            self._outputs.put(None)  # what the engine produced goes out first, then the output thread ends
+            if self._output_thread is not None:
+                self._output_thread.join()
             self._end_everything("the engine stopped" if error is None else f"the engine failed: {type(error).__name__}")
 
     def _serve(self) -> None:
@@ -254,25 +275,38 @@ class AsyncEngine:
                 continue
             start = time.perf_counter()
             try:
-                outs = self.engine.step()
+                step = self.engine.core_step()
             except FatalEngineError:  # ends the thread: every client gets its error, the server exits
                 raise
             except Exception:  # outside a step's own error handling: fail everything queued, keep the thread
                 log.exception("engine step raised; failing all requests")
-                outs = []
+                step = StepOutputs()
                 for rid in list(self.engine.requests):
-                    for out in self.engine.abort(rid):
-                        out.finish_reason, out.error = "error", "the engine failed"
-                        outs.append(out)
+                    step.finished.update(self.engine.abort_core(rid, FinishReason.ERROR, "the engine failed").finished)
             elapsed = time.perf_counter() - start
             self._job_credit = min(self._job_credit + JOB_SHARE * elapsed, MAX_JOB_CREDIT_STEPS * JOB_SHARE * elapsed)
             self.stats = self.engine.stats()
-            self._dispatch(outs)
+            if step:
+                self._outputs.put(step)
             for hook in self.step_hooks:
                 try:
-                    hook(self.stats, outs, elapsed)
+                    hook(self.stats, step, elapsed)
                 except Exception:  # an observer's bug (metrics) must not end serving
                     log.exception("engine step hook failed")
+
+    def _output_loop(self) -> None:
+        """The output thread: each step's outputs processed and handed to their event loops, in step order."""
+        engine = self.engine
+        while True:
+            step = self._outputs.get()
+            if step is None:
+                return
+            outs, ended = engine.output.process(step, time.perf_counter())
+            for seq, end in ended:
+                self._inbox.put(_Ended(seq, end))
+            if ended:
+                self._wake.set()
+            self._dispatch(outs)
 
     def _end_everything(self, reason: str) -> None:
         """The engine thread is ending: refuse new work, and end every open stream, every submission it has not
@@ -308,12 +342,12 @@ class AsyncEngine:
             if isinstance(message, _Submit):
                 self._submit(message)
             elif isinstance(message, _Abort):
-                self._dispatch(self.engine.abort(message.request_id))
+                self._output(self.engine.abort_core(message.request_id))
+            elif isinstance(message, _Ended):
+                self.engine.finish_by_output(message.seq, message.end)
             elif isinstance(message, _AbortAll):
-                outs = [out for rid in list(self.engine.requests) for out in self.engine.abort(rid)]
-                for out in outs:
-                    out.error = message.error
-                self._dispatch(outs)
+                for rid in list(self.engine.requests):
+                    self._output(self.engine.abort_core(rid, FinishReason.ABORT, message.error))
             else:
                 self._jobs.append(message)
 
@@ -327,13 +361,18 @@ class AsyncEngine:
         except (ValueError, QueueFullError) as e:  # all or nothing: the caller sees one refusal
             result = e
             for request_id in added:
-                self.engine.abort(request_id)
+                self.engine.abort_core(request_id)  # refused: no client reads these
         with self._lock:
             self._num_pending -= message.params.n * len(message.prompts)
             gone = [rid for rid in added if rid not in self._streams]
         _call_soon(message.submitted.get_loop(), _resolve, message.submitted, result)
         for request_id in gone:  # the client left before we got to it
-            self.engine.abort(request_id)
+            self._output(self.engine.abort_core(request_id))
+
+    def _output(self, step: StepOutputs) -> None:
+        if step:
+            self._outputs.put(step)
+
 
     def _advance_job(self) -> bool:
         """One step of the oldest job; False when there was none to run."""
@@ -358,15 +397,27 @@ class AsyncEngine:
         return True
 
     def _dispatch(self, outs: list[RequestOutput]) -> None:
-        gone = []
+        """Each output onto its stream's queue: one hand-off per event loop (output thread)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
         with self._lock:
             for out in outs:
                 entry = self._streams.get(out.request_id)
-                if entry is not None and not _call_soon(entry[0], entry[1].put_nowait, out):
-                    gone.append(out.request_id)  # its event loop has closed: nobody will read this stream again
-                    del self._streams[out.request_id]
-        for request_id in gone:
-            self.engine.abort(request_id)
+                if entry is not None:
+                    by_loop.setdefault(entry[0], []).append((entry[1], out))
+        for loop, items in by_loop.items():
+            if not _call_soon(loop, _deliver, items):  # its event loop has closed: nobody reads these streams again
+                gone = {out.request_id for _, out in items}
+                with self._lock:
+                    for rid in gone:
+                        self._streams.pop(rid, None)
+                for rid in gone:
+                    self.abort(rid)
+
+
+def _deliver(items: list) -> None:
+    """On the event loop: a step's outputs onto their streams' queues."""
+    for q, out in items:
+        q.put_nowait(out)
 
 
 def _call_soon(loop: asyncio.AbstractEventLoop, fn, *args) -> bool:

@@ -7,6 +7,7 @@ shape is vLLM's engine core (`step()` = `schedule()` -> `execute_model()` -> `up
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -17,16 +18,18 @@ from model.engine.context_shift import ContextShift
 from model.engine.cuda_graphs import CudaGraphs, DecodeGraphMode
 from model.engine.kv_cache_manager import KVCacheManager
 from model.engine.kv_window import KVWindow
-from model.engine.model_runner import ModelRunner, RunnerOutput
-from model.engine.output_processor import OutputProcessor, RequestOutput
+from model.engine.model_runner import DecodeLaunch, ModelRunner, RunnerOutput
+from model.engine.output_processor import Finish, OutputProcessor, RequestOutput, StepOutputs
 from model.engine.paged_cache import PagedKVCache, cache_dtype, kv_config
+from model.engine.persistent_batch import PersistentBatch
 from model.engine.request import FinishReason, Request, Sequence, SequenceStatus
 from model.engine.request_options import PLAIN, RequestOptions
-from model.engine.sampler import Sampler, TokenLogprobs, replay_noise
+from model.engine.sampler import Sampler, SamplingRow, TokenLogprobs, replay_noise
 from model.engine.sampling_params import SamplingParams
 from model.engine.scheduler import QueueFullError, ScheduledSeq, Scheduler, SchedulerConfig
 from model.engine.sequence_state import SamplingState
 from model.engine.speculative import Drafter, SpecDecodeStats, SpeculativeConfig
+from model.engine.stream import stream_for
 from model.engine.speculative.build import build_speculator
 from model.engine.structured import StructuredOutputs
 from model.interventions import InterventionPlan
@@ -72,6 +75,10 @@ class EngineConfig:
     # The KV cache's dtype: "auto" (float16 under quantized weights on CPU with the native kernels, else the
     # model's), "float32", or "float16" / "bfloat16" under a float32 model on CPU (paged_cache.cache_dtype)
     kv_cache_dtype: str = "auto"
+    # Overlapped steps (model/engine/engine.py, `_overlapped_step`): decode step N + 1 launched before step N's
+    # tokens are read back. None: where the model's stream runs beside the host (a GPU), not across tensor-parallel
+    # ranks; False: every step waits for its own results.
+    async_scheduling: bool | None = None
 
 
 @dataclass
@@ -138,24 +145,33 @@ class Engine:
         # with decode graphs, one block more than the manager hands out: the padding rows' scratch block
         self.cache = PagedKVCache.for_model(model, num_blocks + graphs, config.block_size, kv_dtype)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.batch = PersistentBatch(config.max_num_seqs, -(-self.max_model_len // config.block_size))
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.max_waiting,
-                            config.max_background_tokens), self.kv
+                            config.max_background_tokens), self.kv, self.batch
         )
+        self.scheduler.max_model_len = self.max_model_len
         # [structured outputs] grammar compiler + cache and the step's mask buffer (nothing is built until used); masks
         # overlap the forward only off-CPU: on CPU the forward owns every core (benchmarks/bench_structured.py)
         self.structured = StructuredOutputs(tokenizer, model.config.vocab_size, config.max_num_seqs,
                                             overlap=torch.device(model.device).type != "cpu")
+        stream = stream_for(model)
+        self.distributed = getattr(model, "world_size", 1) > 1  # tensor parallelism: step failures are fatal
+        self.async_scheduling = (stream.asynchronous and not self.distributed if config.async_scheduling is None
+                                 else config.async_scheduling)
+        self.in_flight: DecodeLaunch | None = None  # an overlapped decode step not read back yet
         self.runner = ModelRunner(
-            model, self.cache, Sampler(model.config.vocab_size, model.device), config.max_num_batched_tokens,
+            model, self.cache, Sampler(model.config.vocab_size, model.device, sync_free=self.async_scheduling),
+            config.max_num_batched_tokens,
             config.max_num_seqs, self.max_model_len, config.decode_graphs, config.native_decode,
-            scratch_block=num_blocks if graphs else None, structured=self.structured,
+            scratch_block=num_blocks if graphs else None, structured=self.structured, batch=self.batch,
+            stream=stream, max_logprobs=config.max_logprobs,
         )
         self.context_shift = ContextShift(model, self.cache)  # windowed sequences' evictions (kv_window.py)
-        self.output = OutputProcessor(tokenizer, self.max_model_len)
+        self.output = OutputProcessor(tokenizer)
         self.requests: dict[str, Request] = {}
+        self._sibling_requests: set[Request] = set()  # requests with choices waiting for the first's prompt
         self._next_seq_id = 0
-        self.distributed = getattr(model, "world_size", 1) > 1  # tensor parallelism: step failures are fatal
         # Test hook (fault injection): called with each step's scheduled sequences before the forward; whatever
         # it raises fails that step's requests exactly as a failing forward would.
         self.step_fault_hook: Callable[[list[ScheduledSeq]], None] | None = None
@@ -213,6 +229,8 @@ class Engine:
                 generator=params.make_generator(self.model.device, offset=i),  # choice i of a seeded request: seed + i
                 stop_ids=frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.tokenizer.stop_ids),
                 grammar=grammar.new_state() if grammar is not None else None)  # [structured outputs]
+            seq.sampling.row = SamplingRow(params, seq.prompt_token_ids, seq.output_token_ids, seq.sampling.generator,
+                                           seq.sampling.stop_ids)
             seq.output = self.output.new_state(params)
             req.seqs.append(seq)
         self.requests[request_id] = req
@@ -222,6 +240,8 @@ class Engine:
                 req.pending_siblings.append(seq)  # admitted once the first choice's prompt is cached
             else:
                 self.scheduler.add(seq)
+        if req.pending_siblings:
+            self._sibling_requests.add(req)
         return req
 
     def check_window(self, w: KVWindow) -> None:
@@ -253,25 +273,46 @@ class Engine:
                              f"--speculative-config), got {k}")
 
     def abort(self, request_id: str) -> list[RequestOutput]:
-        """Cancel a request at any moment; its blocks return to the pool at once."""
-        req = self.requests.pop(request_id, None)
+        """Cancel a request at any moment; its blocks return to the pool at once. -> its choices' final outputs."""
+        return self.process(self.abort_core(request_id))
+
+    def abort_core(self, request_id: str, reason: FinishReason = FinishReason.ABORT,
+                   error: str | None = None) -> StepOutputs:
+        """`abort` without the output processing (AsyncEngine's engine thread hands that to its output thread); each
+        open choice ends with `reason` and `error`."""
+        out = StepOutputs()
+        req = self.requests.get(request_id)
         if req is None:
-            return []
-        outs = []
+            return out
+        req.pending_siblings.clear()
+        self._sibling_requests.discard(req)
         for seq in req.seqs:
             if not seq.is_finished:
-                self._finish(seq, FinishReason.ABORT)
-                outs.append(self.output.output(seq))
-        req.pending_siblings.clear()
+                self._finish(seq, reason)
+                out.finished[seq] = Finish(reason, error=error)
+        self.requests.pop(request_id, None)
+        return out
+
+    def finish_by_output(self, seq: Sequence, end: Finish) -> None:
+        """The output processor ended a choice (a stop string in its text, or its processing failed): the engine
+        ends it too (a no-op when it has ended meanwhile)."""
+        if not seq.is_finished:
+            self._finish(seq, end.reason, end.stop_reason)
+
+    def process(self, step: StepOutputs) -> list[RequestOutput]:
+        """A step's outputs through the output processor here, on the caller's thread (the synchronous API)."""
+        outs, ended = self.output.process(step, time.perf_counter())
+        for seq, end in ended:
+            self.finish_by_output(seq, end)
         return outs
 
     def has_unfinished(self) -> bool:
-        return bool(self.requests)
+        return bool(self.requests) or self.in_flight is not None
 
     def stats(self) -> EngineStats:
         return EngineStats(
             num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting) + sum(len(r.pending_siblings) for r in self.requests.values()),
+            num_waiting=len(self.scheduler.waiting) + sum(len(r.pending_siblings) for r in self._sibling_requests),
             num_blocks=self.kv.num_blocks,
             num_free_blocks=self.kv.num_free_blocks,
             kv_usage=self.kv.usage,
@@ -285,17 +326,30 @@ class Engine:
     # ---- the step ---------------------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        self._admit_siblings()
+        """One engine step and its outputs for clients (`core_step`, then the output processor on this thread)."""
+        return self.process(self.core_step())
+
+    def core_step(self) -> StepOutputs:
+        """Schedule, run the model, update the engine's state: each choice's new tokens and how the engine ended any
+        of them, for the output processor (which may run on another thread: AsyncEngine)."""
+        if self.in_flight is not None:
+            return self._overlapped_step()
+        if self._sibling_requests:
+            self._admit_siblings()
         if self.drafter is not None:
             self._propose_drafts()
+        elif not self.distributed:
+            seqs = self.scheduler.schedule_decode()
+            if seqs is not None:
+                return self._decode_step(seqs)
         sched = self.scheduler.schedule()
+        step = StepOutputs()
         if not sched.scheduled:
             if self.scheduler.waiting and not self.scheduler.running:
                 raise RuntimeError("scheduler made no progress with an idle batch (KV pool too small?)")
-            return []
-        # Outputs are collected here as the step produces them, so that a failure part-way through still delivers
+            return step
+        # The step's outputs are collected as it produces them, so that a failure part-way through still delivers
         # the outputs (final ones included) of the sequences it already processed.
-        outs: list[RequestOutput] = []
         try:
             if self.step_fault_hook is not None:
                 self.step_fault_hook(sched.scheduled)
@@ -304,8 +358,8 @@ class Engine:
                 s.seq.num_computed_tokens += s.num_new_tokens
                 if not s.seq.draft_token_ids:  # else settled once its drafts are resolved (`_update`)
                     self._settle(s.seq)
-            self._update(result, outs)
-            return outs
+            self._update(result, step)
+            return step
         except Exception as e:  # a failing step fails its own requests; the engine keeps serving the rest
             if self.distributed:  # ... except across processes, where ranks may be stranded mid-collective (vLLM)
                 raise FatalEngineError(f"a tensor-parallel step failed: {type(e).__name__}: {e}") from e
@@ -313,11 +367,96 @@ class Engine:
             for s in sched.scheduled:
                 if not s.seq.is_finished:
                     self._finish(s.seq, FinishReason.ERROR)
-                    out = self.output.output(s.seq)
-                    out.error = f"generation failed: {type(e).__name__}"
-                    outs.append(out)
-            self._drop_finished_requests()
-            return outs
+                    step.finished[s.seq] = Finish(FinishReason.ERROR, error=f"generation failed: {type(e).__name__}")
+            return step
+
+    def _decode_step(self, seqs: list[Sequence]) -> StepOutputs:
+        """The steady state's step: every running sequence decodes one token (`Scheduler.schedule_decode`), through
+        the runner's decode path: the general step's work per row, without its per-row objects. With overlapped
+        steps (`async_scheduling`) and rows that allow it, the step is launched and left in flight: its tokens come
+        with the next step's outputs (`_overlapped_step`)."""
+        try:
+            if self.step_fault_hook is not None:
+                self.step_fault_hook([ScheduledSeq(seq, 1) for seq in seqs])
+            launch = self.runner.launch_decode(seqs)
+        except Exception as e:
+            return self._failed(seqs, e)
+        self._launched(launch)
+        if self.async_scheduling and all(s.request.overlappable for s in seqs):
+            self.in_flight = launch
+            return StepOutputs()
+        return self._land(launch)
+
+    def _overlapped_step(self) -> StepOutputs:
+        """Step N + 1 scheduled and launched while step N runs on the device, then step N's results taken: the host
+        works while the device does (vLLM's async scheduling, SGLang's overlap scheduler). Each row's input token is
+        its sample in step N, which stays on the device. When the next step cannot be launched before step N's
+        tokens are on the host (a request to admit, a prefill, a row that reads its tokens: `Request.overlappable`),
+        step N is taken alone and the next step is an ordinary one."""
+        prev = self.in_flight
+        self.in_flight = None
+        seqs = self.scheduler.schedule_decode(in_flight=True)
+        if seqs and all(s.request.overlappable for s in seqs):
+            try:
+                if self.step_fault_hook is not None:
+                    self.step_fault_hook([ScheduledSeq(seq, 1) for seq in seqs])
+                launch = self.runner.launch_decode(seqs, prev=prev)
+            except Exception as e:
+                step = self._land(prev)
+                failed = self._failed([s for s in seqs if not s.is_finished], e)
+                step.finished.update(failed.finished)
+                return step
+            self._launched(launch)
+            self.in_flight = launch
+        return self._land(prev)
+
+    def _launched(self, launch) -> None:
+        for seq in launch.seqs:
+            seq.num_computed_tokens += 1
+
+    def _land(self, launch) -> StepOutputs:
+        """A decode step's samples on the host: each row's token appended, its newly full block committed, and the
+        rows the engine ends finished. A row whose sequence ended while the step ran (aborted, or ended by the token
+        of the step before) is dropped."""
+        step = StepOutputs()
+        try:
+            tokens, logprobs = launch.result()
+        except Exception as e:
+            return self._failed(launch.seqs, e)
+        rows, positions = launch.seqs, launch.positions
+        if any(s.is_finished for s in rows):
+            keep = [i for i, s in enumerate(rows) if not s.is_finished]
+            rows, positions = [rows[i] for i in keep], positions[keep]
+            tokens = [tokens[i] for i in keep]
+            logprobs = [logprobs[i] for i in keep] if logprobs is not None else None
+        step.seqs, step.tokens, step.logprobs = rows, tokens, logprobs
+        bs, commit, max_len = self.kv.block_size, self.kv.enable_prefix_caching, self.max_model_len
+        filled = (positions + 1) % bs == 0 if commit else None  # (n,): the rows whose token filled a block
+        for i, (seq, token) in enumerate(zip(rows, tokens)):
+            out = seq.output_token_ids
+            out.append(token)
+            if commit and filled[i]:  # into the prefix cache (its tokens are all on the host now)
+                self.kv.commit(seq)
+            p = seq.request.params
+            if token in seq.sampling.stop_ids and len(out) >= p.min_tokens:
+                end = Finish(FinishReason.STOP, token if token in p.stop_token_ids else None, stop_token=True)
+            elif len(out) >= p.max_tokens or len(seq.prompt_token_ids) + len(out) >= max_len:
+                end = Finish(FinishReason.LENGTH)
+            else:
+                continue
+            self._finish(seq, end.reason, end.stop_reason)
+            step.finished[seq] = end
+        return step
+
+    def _failed(self, seqs: list[Sequence], e: Exception) -> StepOutputs:
+        """A decode step that raised: its requests fail; the engine keeps serving the rest."""
+        log.exception("engine step failed")
+        step = StepOutputs()
+        for seq in list(seqs):  # (finishing a sequence moves the batch's rows: `seqs` may be them)
+            if not seq.is_finished:
+                self._finish(seq, FinishReason.ERROR)
+                step.finished[seq] = Finish(FinishReason.ERROR, error=f"generation failed: {type(e).__name__}")
+        return step
 
     def _settle(self, seq: Sequence) -> None:
         """After a step computed tokens of `seq` (a drafting one's rejected drafts rolled back): its newly full
@@ -327,30 +466,61 @@ class Engine:
         if eviction is not None:
             self.context_shift.apply(eviction)
 
-    def _update(self, result: RunnerOutput, outs: list[RequestOutput]) -> None:
-        """The runner's tokens -> outputs; sequences that end are finished and their blocks freed."""
+    def _update(self, result: RunnerOutput, step: StepOutputs) -> None:
+        """The runner's tokens -> the sequences' outputs; sequences that end are finished and their blocks freed."""
         for seq, logprobs in result.prompt_logprobs:
-            self.output.add_prompt_logprobs(seq, logprobs)
+            seq.num_scored_prompt_positions += len(logprobs)
+            step.extra(seq).prompt_logprobs = logprobs
         rows = []  # each sequence's tokens to append: a drafting one's resolved first (its rejected K/V rolled back)
         for seq, sampled in _by_sequence(result.sampled):
             rows.append((seq, self._resolve_drafts(seq, sampled) if seq.draft_token_ids else sampled))
         for seq, positions, values in result.hidden_states:  # not the positions of rejected drafts
             keep = [i for i, p in enumerate(positions) if p < seq.num_computed_tokens]
             if keep:
-                self.output.add_hidden_states(seq, [positions[i] for i in keep],
-                                              values if len(keep) == len(positions) else values[keep])
+                step.extra(seq).hidden = ([positions[i] for i in keep],
+                                          values if len(keep) == len(positions) else values[keep])
         for seq, upto in result.read_upto:
             seq.num_read_positions = max(seq.num_read_positions, min(upto, seq.num_computed_tokens))
         for seq, sampled in rows:
+            tokens, logprobs, end = self._append(seq, sampled)
+            step.add(seq, tokens, logprobs)
             telemetry = result.telemetry.get(seq)  # per sampled row: each kept token's goes out with it, alone
-            deltas, finish = self.output.append_all(seq, sampled, each=telemetry is not None)
-            for out, tel in zip(deltas, telemetry or [None] * len(deltas)):
-                out.telemetry = tel
-            if finish is not None:
-                self._finish(seq, finish.reason, finish.stop_reason)
-                deltas[-1].finish_reason, deltas[-1].stop_reason = seq.finish_reason.value, seq.stop_reason
-            outs += deltas
-        self._drop_finished_requests()
+            if telemetry is not None:
+                step.extra(seq).telemetry = telemetry[: len(tokens)]
+            if end is not None:
+                self._finish(seq, end.reason, end.stop_reason)
+                step.finished[seq] = end
+                hidden = step.extras[seq].hidden if seq in step.extras else None
+                if hidden is not None and len(tokens) < len(sampled):
+                    # drafts verified after the token that ended it: their positions' reads go with them (one token
+                    # at a time would never have computed those positions)
+                    last = seq.num_tokens - 1
+                    keep = [i for i, p in enumerate(hidden[0]) if p < last]
+                    step.extras[seq].hidden = ([hidden[0][i] for i in keep], hidden[1][keep]) if keep else None
+
+    def _append(self, seq: Sequence, sampled: list[tuple[int, TokenLogprobs | None]]
+                ) -> tuple[list[int], list[TokenLogprobs | None], Finish | None]:
+        """Append a step's sampled tokens to `seq`, stopping at the first that ends it (what follows is never
+        appended): a stop token (not before min_tokens), a finished grammar, max_tokens, the context."""
+        p, sampling = seq.request.params, seq.sampling
+        tokens: list[int] = []
+        logprobs: list[TokenLogprobs | None] = []
+        for token, lp in sampled:
+            seq.output_token_ids.append(token)
+            tokens.append(token)
+            logprobs.append(lp)
+            n_out = len(seq.output_token_ids)
+            if n_out >= p.min_tokens and token in sampling.stop_ids:
+                return tokens, logprobs, Finish(FinishReason.STOP, token if token in p.stop_token_ids else None,
+                                                stop_token=True)
+            # [structured outputs] advance the grammar; a complete grammar ends the choice like a stop
+            grammar_done = sampling.grammar is not None and sampling.grammar.accept(token)
+            # a windowed sequence's cache stays within the context however long it runs: only max_tokens ends it
+            if grammar_done or n_out >= p.max_tokens or (seq.num_tokens >= self.max_model_len and seq.window is None):
+                # a reply closed because max_tokens was near (structured/closing.py) ends with "length", not "stop"
+                done = grammar_done and not sampling.grammar.closing
+                return tokens, logprobs, Finish(FinishReason.STOP if done else FinishReason.LENGTH)
+        return tokens, logprobs, None
 
     def _propose_drafts(self) -> None:
         """Ask the drafter for tokens to verify after each decoding sequence's last one (rows of several tokens).
@@ -414,19 +584,20 @@ class Engine:
             self._noise_states.pop(seq, None)
         self.scheduler.remove(seq)
         seq.status = SequenceStatus.FINISHED
+        req = seq.request
+        if req.is_finished and self.requests.get(req.request_id) is req:
+            del self.requests[req.request_id]
 
     def _admit_siblings(self) -> None:
-        for req in self.requests.values():
-            if req.pending_siblings:
-                leader = req.seqs[0]
-                if leader.is_finished or leader.num_computed_tokens >= leader.num_prompt_tokens:
-                    for seq in req.pending_siblings:
-                        self.scheduler.add(seq)
-                    req.pending_siblings.clear()
-
-    def _drop_finished_requests(self) -> None:
-        for rid in [rid for rid, r in self.requests.items() if r.is_finished]:
-            del self.requests[rid]
+        for req in list(self._sibling_requests):
+            leader = req.seqs[0]
+            if not req.pending_siblings:
+                self._sibling_requests.discard(req)
+            elif leader.is_finished or leader.num_computed_tokens >= leader.num_prompt_tokens:
+                for seq in req.pending_siblings:
+                    self.scheduler.add(seq)
+                req.pending_siblings.clear()
+                self._sibling_requests.discard(req)
 
 
 def _by_sequence(sampled: list[tuple[Sequence, int, TokenLogprobs | None]]

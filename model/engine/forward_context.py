@@ -71,6 +71,9 @@ class ForwardContext:
                              tel.layer(layer) if tel is not None else None)
         if tel is not None:
             tel.attend_prefill_rows(layer, q, k_pool, v_pool)
+        if meta.prefill_tiles is not None:  # every chunk in one launch
+            ops.prefill_attention(q[0], k_pool, v_pool, meta.prefill_tiles, meta.prefill_tables, out[0])
+            return out
         for p in meta.prefills:
             qp = q[:, p.start : p.end]  # (1, n, H, E)
             if p.blocks is None:  # (a 16-bit cache's chunk attends to its keys as the cache holds them)

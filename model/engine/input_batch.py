@@ -17,10 +17,12 @@ import torch
 from torch import Tensor
 
 from model.edits import StepEdits
-from model.engine.paged_cache import AttentionMetadata, SeqSlice, prefill_chunk
+from model.engine.paged_cache import AttentionMetadata, PrefillChunk, SeqSlice, prefill_chunk
+from model.engine.persistent_batch import PersistentBatch
 from model.engine.request import Sequence
 from model.engine.sampler import SamplingRow
 from model.engine.scheduler import ScheduledSeq
+from model.kernels import ops
 
 
 @dataclass
@@ -49,38 +51,84 @@ class StepBatch:
     sampling: list[SamplingRow] = field(default_factory=list)
     prompt_logprobs: list[PromptLogprobRows] = field(default_factory=list)
     edits: StepEdits | None = None  # the rows' interventions and hidden-state reads (model/edits.py), if any
+    num_seqs: int = 0  # sequences in the step (a pure decode step: one token each)
+    host_positions: np.ndarray | None = None  # (N,) the positions, on the host (the decode path keeps them)
+
+
+# The per-token fields, each a row of one (F, capacity) int64 array: where they live on the host and the device
+FIELDS = ("tokens", "positions", "slots", "logits_rows", "decode_rows", "decode_lens", "prev_rows")
 
 
 class InputBuffers:
     def __init__(self, max_num_tokens: int, max_num_seqs: int, max_blocks_per_seq: int, block_size: int,
-                 device: torch.device) -> None:
+                 device: torch.device, separate: bool | None = None) -> None:
+        """`separate`: the device reads buffers of its own, filled from the host's with one copy a step (a GPU, the
+        default off the CPU; or a CPU device that runs beside the host: the simulated one of
+        benchmarks/host_overhead.py). The host then keeps two sets and uses them in turn, so a step prepared while
+        the previous one runs never writes memory that step's copy may not have read yet."""
         self.block_size, self.device = block_size, torch.device(device)
-        pin = self.device.type == "cuda"
         T, S, W = max_num_tokens, max_num_seqs, max_blocks_per_seq
-        # Host side: int64 tensors and numpy views of the same memory (numpy writes are cheap per element).
-        self.host = {
-            "tokens": torch.zeros(T, dtype=torch.long, pin_memory=pin),
-            "positions": torch.zeros(T, dtype=torch.long, pin_memory=pin),
-            "slots": torch.zeros(T, dtype=torch.long, pin_memory=pin),
-            "logits_rows": torch.zeros(T + S, dtype=torch.long, pin_memory=pin),  # prompt-logprob rows + one per seq
-            # rows attending over their block tables: decode rows, and every row when prefill rows do too
-            "decode_rows": torch.zeros(T, dtype=torch.long, pin_memory=pin),
-            "decode_lens": torch.zeros(T, dtype=torch.long, pin_memory=pin),
-            # (T, W): 84 MB at 8,192 tokens a step and 20,480 a sequence, most of it never used on the CPU (a decode
-            # step writes a row per sequence). There numpy's calloc maps it as zero pages the kernel faults in when
-            # first written, where torch.zeros wrote every page (0.16 s of start-up); pinned for a GPU as the rest.
-            "decode_tables": (torch.from_numpy(np.zeros((T, W), dtype=np.int64)) if self.device.type == "cpu"
-                              else torch.zeros(T, W, dtype=torch.long, pin_memory=pin)),
-        }
-        self.np = {name: t.numpy() for name, t in self.host.items()}
-        # Device side: the same buffers where the model runs (the host ones themselves on the CPU).
-        self.dev = self.host if self.device.type == "cpu" else {n: t.to(self.device) for n, t in self.host.items()}
+        C = T + S  # a field's capacity: logits rows are prompt-logprob rows + one per sequence
+        F = len(FIELDS)
+        self.separate = self.device.type != "cpu" if separate is None else separate
         self.max_num_tokens, self.max_num_seqs, self.width = T, S, W
+        self._fields_size = F * C
+        if not self.separate:
+            # (T, W) tables: 84 MB at 8,192 tokens a step and 20,480 a sequence, most of it never used on the CPU (a
+            # decode step writes a row per sequence); numpy's calloc maps it as zero pages the kernel faults in when
+            # first written, where torch.zeros writes every page at start-up.
+            fields = torch.zeros(F, C, dtype=torch.long)
+            tables = torch.from_numpy(np.zeros((T, W), dtype=np.int64))
+            self._sets = [(None, fields, tables)]
+            self.dev = self._views(fields, tables)
+        else:
+            pin = self.device.type == "cuda"
+            self._sets = []
+            for _ in range(2):
+                stage = torch.zeros(F * C + T * W, dtype=torch.long, pin_memory=pin)  # [fields | tables]
+                self._sets.append((stage, stage[: F * C].view(F, C), stage[F * C :].view(T, W)))
+            self._dev_stage = torch.zeros(F * C + T * W, dtype=torch.long, device=self.device)
+            self.dev = self._views(self._dev_stage[: F * C].view(F, C), self._dev_stage[F * C :].view(T, W))
+        self._set = 0
+        self._use(0)
+        self._arange = np.arange(C)
+        self._tables_of, self._tables = None, None
 
-    def prepare(self, scheduled: list[ScheduledSeq], wants_prompt_logprobs, paged_prefill: bool = False) -> StepBatch:
+    @staticmethod
+    def _views(fields: Tensor, tables: Tensor) -> dict[str, Tensor]:
+        views = {name: fields[i] for i, name in enumerate(FIELDS)}
+        views["decode_tables"] = tables
+        return views
+
+    def _use(self, k: int) -> None:
+        _, fields, tables = self._sets[k]
+        self.host = self._views(fields, tables)
+        self.np = {name: t.numpy() for name, t in self.host.items()}
+
+    def _next_set(self) -> None:
+        """The other host set, for a step prepared while the previous one may still be copying from this one."""
+        if len(self._sets) > 1:
+            self._set ^= 1
+            self._use(self._set)
+
+    def _upload(self, table_rows: int) -> None:
+        """The step's inputs to the device buffers: every field and the first `table_rows` block tables, in one copy
+        of the host set's leading part."""
+        if self.separate:
+            n = self._fields_size + table_rows * self.width
+            self._dev_stage[:n].copy_(self._sets[self._set][0][:n], non_blocking=True)
+
+    def host_buffers(self) -> list[Tensor]:
+        """The host memory steps write their inputs to (a test tells them from device memory by this)."""
+        return [t for st in self._sets for t in st if t is not None]
+
+    def prepare(self, scheduled: list[ScheduledSeq], wants_prompt_logprobs, paged_prefill: bool = False,
+                prefill_tiles: bool = False) -> StepBatch:
         """Write the step's inputs; `wants_prompt_logprobs(seq, start, n)` -> (first, count) of prompt positions
         to score in this chunk, or None. `paged_prefill` (`PagedKVCache.paged_prefill`): prefill rows, too, attend
-        one by one over their block tables, each up to its own position, as decode rows do."""
+        one by one over their block tables, each up to its own position, as decode rows do. `prefill_tiles`
+        (`PagedKVCache.prefill_tiles`): prefill chunks attend over their blocks in one kernel, by tiles."""
+        self._next_set()
         np_, bs = self.np, self.block_size
         slices: list[SeqSlice] = []
         sample: list[tuple[Sequence, int]] = []
@@ -131,17 +179,73 @@ class InputBuffers:
                     m += 1
             off += n
         dev = self.device
-        if dev.type != "cpu":
-            for name, used in (("tokens", off), ("positions", off), ("slots", off), ("logits_rows", m),
-                               ("decode_rows", r), ("decode_lens", r), ("decode_tables", r)):
-                self.dev[name][:used].copy_(self.host[name][:used], non_blocking=True)
+        self._upload(r)
         d = self.dev
         meta = AttentionMetadata(
             slot_mapping=d["slots"][:off], decode_rows=d["decode_rows"][:r], decode_tables=d["decode_tables"][:r],
-            decode_lens=d["decode_lens"][:r], prefills=[prefill_chunk(p, bs, dev) for p in prefill],
+            decode_lens=d["decode_lens"][:r],
         )
+        if prefill_tiles and prefill:  # every chunk in one kernel launch: its tiles and the chunks' block tables
+            width = max(len(p.block_ids) for p in prefill)
+            tiles = ops.prefill_tiles([(p.start, p.num_new, p.context_len - p.num_new) for p in prefill])
+            meta.prefill_tiles = _small(tiles, dev)  # (Tn, 4)
+            meta.prefill_tables = _small([(p.block_ids + [0] * width)[:width] for p in prefill], dev)  # (C, W)
+            meta.prefills = [PrefillChunk(p.start, p.start + p.num_new, p.context_len, None, None) for p in prefill]
+        else:
+            meta.prefills = [prefill_chunk(p, bs, dev) for p in prefill]
         return StepBatch(d["tokens"][:off], d["positions"][:off], d["logits_rows"][:m], meta, slices, sample, sampling,
-                         prompt_rows)
+                         prompt_rows, num_seqs=len(scheduled))
+
+    def prepare_decode(self, seqs: list[Sequence], batch: PersistentBatch, tables_in_place: bool,
+                       prev_rows: np.ndarray | None = None) -> StepBatch:
+        """A step in which each of `seqs` (rows of the persistent batch, none windowed) computes one token: the same
+        inputs as `prepare` writes, from whole-batch numpy operations and the batch's block tables. With
+        `tables_in_place` and `seqs` the batch's rows 0..n-1 in order, the kernels read the batch's tables where they
+        are (the CPU), else the rows' tables are copied into the step's buffer. `prev_rows`: each row's input token
+        is not on the host yet but sampled by the step before, at that row of its samples (`prev_rows` field)."""
+        self._next_set()
+        n, bs, np_ = len(seqs), self.block_size, self.np
+        batch.sync(seqs)
+        pos = np.fromiter((s.num_computed_tokens for s in seqs), np.int64, n)  # each row's position (n,)
+        slots = np.fromiter((s.slot for s in seqs), np.int64, n)  # its row in the batch (n,)
+        rows = self._arange[:n]
+        in_order = n == len(batch) and (n == 0 or (slots[0] == 0 and slots[-1] == n - 1))
+        tables = batch.tables[:n] if in_order else batch.tables[slots]  # (n, W)
+        if prev_rows is None:
+            np_["tokens"][:n] = [s.last_token_id for s in seqs]
+        else:
+            np_["prev_rows"][:n] = prev_rows
+        np_["positions"][:n] = pos
+        np_["slots"][:n] = tables[rows, pos // bs] * bs + pos % bs
+        np_["decode_rows"][:n] = rows
+        np_["decode_lens"][:n] = pos + 1
+        np_["logits_rows"][:n] = rows
+        decode_tables = None
+        if tables_in_place and in_order and not self.separate:
+            decode_tables = self._batch_tables(batch)[:n]
+        else:
+            width = -(-int(pos.max(initial=0) + 1) // bs)  # the widest row's blocks: nothing past them is read
+            np_["decode_tables"][:n, :width] = tables[:, :width]
+        self._upload(n if decode_tables is None else 0)
+        d = self.dev
+        meta = AttentionMetadata(slot_mapping=d["slots"][:n], decode_rows=d["decode_rows"][:n],
+                                 decode_tables=d["decode_tables"][:n] if decode_tables is None else decode_tables,
+                                 decode_lens=d["decode_lens"][:n])
+        return StepBatch(d["tokens"][:n], d["positions"][:n], d["logits_rows"][:n], meta, [], num_seqs=n,
+                         host_positions=pos)
+
+    def _batch_tables(self, batch: PersistentBatch):
+        """The persistent batch's tables as a tensor over the same memory (made once)."""
+        if self._tables_of is not batch:
+            self._tables_of, self._tables = batch, torch.from_numpy(batch.tables)
+        return self._tables
+
+
+def _small(rows: list, device: torch.device) -> Tensor:
+    """A small int64 table of a step (prefill tiles, their block tables) on `device`, from pinned memory without a
+    blocking copy."""
+    t = torch.tensor(rows, dtype=torch.long)
+    return t if device.type == "cpu" else t.pin_memory().to(device, non_blocking=True)
 
 
 def _sampling_row(seq: Sequence, i: int) -> SamplingRow:

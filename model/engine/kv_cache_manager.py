@@ -133,6 +133,7 @@ class KVCacheManager:
         for block in hits:
             self.pool.acquire(block)
         seq.block_ids = hits
+        seq.block_table_version += 1
         seq.num_committed_blocks = len(hits)
         seq.num_computed_tokens = len(hits) * self.block_size
         if seq.num_cached_tokens < 0:  # first admission: count for the usage report and hit rate
@@ -172,11 +173,13 @@ class KVCacheManager:
         keep = -(-seq.cache_len // self.block_size)
         while len(seq.block_ids) > keep:
             self.pool.release(seq.block_ids.pop())
+        seq.block_table_version += 1
 
     def free(self, seq: Sequence) -> None:
         for block in reversed(seq.block_ids):  # tail first: the prefix's head stays cached longest
             self.pool.release(block)
         seq.block_ids = []
+        seq.block_table_version += 1
         seq.num_computed_tokens = 0
         seq.num_committed_blocks = 0
         seq.num_evicted = 0
@@ -191,6 +194,7 @@ class KVCacheManager:
         assert window.evicted(seq.num_computed_tokens, bs) == seq.num_evicted + bs, "a chunk crossed an eviction point"
         ev = evict(seq.block_ids, window, seq.cache_len, bs)
         seq.block_ids = ev.block_ids
+        seq.block_table_version += 1
         seq.num_evicted += bs
         self.pool.release(ev.released)
         self.num_evicted_blocks += 1

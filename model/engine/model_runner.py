@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+
+import numpy as np
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -33,8 +35,10 @@ from model.engine.forward_context import ForwardContext
 from model.engine.input_batch import InputBuffers, StepBatch
 from model.engine.native_decode import NativeDecode
 from model.engine.paged_cache import PagedKVCache
+from model.engine.persistent_batch import PersistentBatch
 from model.engine.request import Sequence
-from model.engine.sampler import Sampler, TokenLogprobs, prompt_logprobs
+from model.engine.sampler import SampledTensors, Sampler, TokenLogprobs, prompt_logprobs
+from model.engine.stream import Event, HostStream, Stream
 from model.engine.scheduler import ScheduledSeq
 from model.engine.telemetry import TokenTelemetry, step_telemetry
 
@@ -44,6 +48,25 @@ if TYPE_CHECKING:
 log = logging.getLogger("llamascope.engine")
 
 PATHS = ("cuda_graph", "native", "module")
+
+
+@dataclass
+class DecodeLaunch:
+    """A decode step launched and not yet read back: its rows, their positions, the samples (on the device, where
+    the next step reads its input tokens from), the pinned host buffer their one copy goes to, and its event."""
+
+    seqs: list[Sequence]
+    positions: np.ndarray  # (n,) the positions computed
+    sampled: SampledTensors
+    tokens: Tensor  # (n,) the sampled ids, on the device
+    host: Tensor  # (P,) what `sampled.pack()` is copied to
+    event: Event
+
+    def result(self) -> tuple[list[int], list[TokenLogprobs | None] | None]:
+        """Wait for the step and read its samples: each row's token, and the logprobs where any row asked."""
+        self.event.synchronize()
+        out = self.sampled.unpack(self.host.numpy())
+        return out.token_ids, out.logprobs if self.sampled.lp_rows else None
 
 
 @dataclass
@@ -63,16 +86,30 @@ class RunnerOutput:
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, cache: PagedKVCache, sampler: Sampler, max_num_batched_tokens: int,
                  max_num_seqs: int, max_model_len: int, graph_mode: str, native_decode: bool,
-                 scratch_block: int | None, structured: StructuredOutputs | None = None) -> None:
+                 scratch_block: int | None, structured: StructuredOutputs | None = None,
+                 batch: PersistentBatch | None = None, stream: Stream | None = None, max_logprobs: int = 20) -> None:
         self.model, self.cache, self.sampler = model, cache, sampler
         self.structured = structured  # grammar masks of constrained rows (model/engine/structured/)
+        self.batch = batch  # the running sequences' rows: the decode path's block tables
+        self.stream = stream or HostStream()  # where the device work runs (model/engine/stream.py)
         bs = cache.block_size
         rows = buckets(max_num_seqs)[-1] if scratch_block is not None else max_num_seqs  # a graph's padded batch
-        self.buffers = InputBuffers(max(max_num_batched_tokens, rows), rows, -(-max_model_len // bs), bs, cache.device)
+        self.buffers = InputBuffers(max(max_num_batched_tokens, rows), rows, -(-max_model_len // bs), bs, cache.device,
+                                    separate=cache.device.type != "cpu" or self.stream.asynchronous)
+        # the decode path's samples, two sets used in turn: on the device (the next step's input tokens) and their
+        # packed copy on the host (tokens, and logprobs with up to MAX_LOGPROBS alternatives a row)
+        pin = cache.device.type == "cuda"
+        self._sampled = [torch.zeros(rows, dtype=torch.long, device=cache.device) for _ in range(2)]
+        self._out_host = [torch.zeros(rows * (3 + 2 * max_logprobs), dtype=torch.long, pin_memory=pin)
+                          for _ in range(2)]
+        self._parity = 0
         self.native = NativeDecode.for_model(model) if native_decode else None
         self.graphs = CudaGraphs(model, cache, self.buffers, scratch_block, max_num_seqs, capture=graph_mode == "auto") \
             if scratch_block is not None else None
         self.path_counts: Counter[str] = Counter({p: 0 for p in PATHS})
+        # prefill chunks in one kernel launch per layer where the attention backend is Triton (CUDA); the pools'
+        # backend is fixed once the model is loaded, so asked once
+        self._prefill_tiles = cache.prefill_tiles
         self.tables = EditTables(model.config.n_layers, model.config.dim, cache.device)
 
     def capture_graphs(self) -> None:
@@ -82,7 +119,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSeq]) -> RunnerOutput:
         paged_prefill = self.cache.paged_prefill  # asked once per step: the pools' attention backend decides it
-        batch = self.buffers.prepare(scheduled, _prompt_positions, paged_prefill)
+        batch = self.buffers.prepare(scheduled, _prompt_positions, paged_prefill, self._prefill_tiles)
         layouts = []
         if any(s.seq.request.interventions is not None or s.seq.request.hidden_states is not None for s in scheduled):
             batch.edits, layouts = self.tables.build(_segments(scheduled, batch))
@@ -113,6 +150,45 @@ class ModelRunner:
             sampled = self.sampler(picked, rows, masks.result() if masks is not None else None)
             out.sampled = [(seq, t, lp) for (seq, _), t, lp in zip(batch.sample, sampled.token_ids, sampled.logprobs)]
         return out
+
+    @torch.inference_mode()
+    def execute_decode(self, seqs: list[Sequence]) -> tuple[list[int], list[TokenLogprobs | None] | None]:
+        """A step in which each of `seqs` (plain decode rows of the persistent batch: `Request.plain_decode`)
+        computes one token: `execute`'s work without its per-row objects. -> each row's token, and its logprobs
+        where any row asked (else None)."""
+        return self.launch_decode(seqs).result()
+
+    @torch.inference_mode()
+    def launch_decode(self, seqs: list[Sequence], prev: DecodeLaunch | None = None) -> DecodeLaunch:
+        """Launch `execute_decode`'s step and return before its results are back on the host (on a device: before
+        they are computed). `prev`: the decode step still in flight whose samples are these rows' input tokens: they
+        go from its device buffer straight into this step's, never through the host. Nothing here waits for the
+        device: the rows' samples are copied to a pinned host buffer asynchronously, one copy, and an event marks
+        when they are there (`DecodeLaunch.result` waits for it)."""
+        n = len(seqs)
+        prev_rows = np.fromiter((s.sample_row for s in seqs), np.int64, n) if prev is not None else None
+        batch = self.buffers.prepare_decode(seqs, self.batch, self.graphs is None, prev_rows)
+        if prev is not None:  # (n,): each row's input, its sample in `prev`
+            batch.tokens.copy_(prev.tokens.index_select(0, self.buffers.dev["prev_rows"][:n]))
+        ctx = ForwardContext(self.cache, batch.meta, batch.slices)
+        path = self._choose(batch, ctx)
+        logits = self._forward(path, batch, ctx).float()  # (n, V)
+        self.path_counts[path] += 1
+        greedy = all(s.request.plain_greedy for s in seqs) or None
+        sampled = self.sampler.sample(logits, [s.sampling.row for s in seqs], plain_greedy=greedy)
+        k = self._parity = self._parity ^ 1  # the buffers the step before did not use
+        tokens = self._sampled[k][:n]
+        tokens.copy_(sampled.tokens)  # where the next step reads its input tokens
+        host = self._out_host[k][: sampled.packed_size]
+        host.copy_(sampled.pack(), non_blocking=True)
+        for i, seq in enumerate(seqs):
+            seq.sample_row = i
+        return DecodeLaunch(list(seqs), batch.host_positions, sampled, tokens, host, self.stream.record())
+
+    def host_buffers(self) -> list[Tensor]:
+        """The host memory steps write inputs to and read results from (tests and benchmarks/host_overhead.py tell
+        host reads of it, which wait for nothing, from reads of device memory)."""
+        return self.buffers.host_buffers() + self._out_host
 
     def _choose(self, batch: StepBatch, ctx: ForwardContext) -> str:
         if self.graphs is not None and self.graphs.accepts(batch, ctx):
@@ -164,10 +240,8 @@ def _mask_rows(sample: list[tuple[Sequence, int]]) -> list[tuple]:
 def _prompt_positions(seq: Sequence, start: int, n: int) -> tuple[int, int] | None:
     """The prompt positions this chunk scores for prompt logprobs: (first, count), or None. Logits at position j
     score prompt token j + 1; positions scored before a preemption are skipped (and the scheduler never lets the
-    prefix cache skip past the ones not scored yet). A sequence with no output side (a draft model's shadow,
-    model/engine/speculative/draft_model.py) scores none."""
-    state = seq.output
-    if state is None or state.prompt_logprobs is None or len(state.prompt_logprobs) >= seq.num_prompt_tokens:
+    prefix cache skip past the ones not scored yet)."""
+    if seq.request.params.prompt_logprobs is None or seq.num_scored_prompt_positions >= seq.num_prompt_tokens - 1:
         return None
     assert start <= seq.num_scored_prompt_positions, "prompt logprobs would skip positions"
     first = max(start, seq.num_scored_prompt_positions)

@@ -1,11 +1,22 @@
-"""From sampled tokens to what clients read (vLLM's `output_processor`): each choice's incremental detokenization,
-stop tokens and stop strings, the length limits, prompt logprobs once, and the `RequestOutput` deltas.
+"""From the engine's steps to what clients read (vLLM's `output_processor`): each choice's incremental
+detokenization, stop strings, prompt logprobs once, hidden states and telemetry with their tokens, and the
+`RequestOutput` deltas.
 
-It decides when a sequence ends and why; the engine then takes it out of the scheduler and frees its blocks.
+The engine decides everything that needs no text (stop tokens, max_tokens, the context limit, a finished grammar,
+aborts, errors) and appends the tokens itself; each step it hands over a `StepOutputs`: the choices with new
+tokens, those tokens, and how the engine ended any of them. This processor owns the text: it may run on another
+thread than the engine's step (AsyncEngine's output thread), touching only each choice's `OutputState`. A stop
+string is the one end it finds itself: `process` returns those ends, and the engine finishes the choice when it
+hears of them (the tokens a choice computed meanwhile are never sent).
+
+A choice whose request asked for its final output only (`SamplingParams.output_kind == "final"`: a non-streamed
+HTTP request) gets one `RequestOutput` when it ends, with every token, the whole text and every logprob; without stop
+strings its text is decoded once, at the end, not token by token.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -13,17 +24,18 @@ import torch
 from model.engine.request import FinishReason, Sequence
 from model.engine.sampler import TokenLogprobs
 from model.engine.sampling_params import SamplingParams
-from model.engine.telemetry import TokenTelemetry
 from model.engine.sequence_state import OutputState
+from model.engine.telemetry import TokenTelemetry
 from model.text.detokenizer import IncrementalDetokenizer
 from model.text.stop_strings import StopStringMatcher
 from model.text.tokenizer import Tokenizer
 
-
+log = logging.getLogger("llamascope.engine")
 
 @dataclass
 class RequestOutput:
-    """What one step produced for one choice of a request (deltas, not totals)."""
+    """What one step produced for one choice of a request (deltas, not totals; a final-only choice's one output
+    holds everything)."""
 
     request_id: str
     index: int
@@ -39,6 +51,7 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     hidden_states: HiddenStates | None = None  # the block outputs read since the last delta (the request asked)
     telemetry: TokenTelemetry | None = None  # the token's attention telemetry, when the request asked for it
+    first_token_time: float | None = None  # time.perf_counter() when the choice's first token was processed
 
     @property
     def finished(self) -> bool:
@@ -58,104 +71,210 @@ class HiddenStates:
 class Finish:
     reason: FinishReason
     stop_reason: int | str | None = None
+    error: str | None = None
+    stop_token: bool = False  # ended by a stop token (EOS or stop_token_ids): its text is not part of the output
+
+
+@dataclass
+class Extras:
+    """A choice's step besides its tokens: prompt logprobs scored, hidden states read (positions, (P, L, D)), the
+    telemetry of each of its tokens."""
+
+    prompt_logprobs: list[TokenLogprobs] | None = None
+    hidden: tuple[list[int], torch.Tensor] | None = None
+    telemetry: list[TokenTelemetry] | None = None
+
+
+@dataclass
+class StepOutputs:
+    """One engine step (or abort) as the output processor reads it (vLLM's `EngineCoreOutputs`): the choices that
+    got tokens, in order, and their tokens (flat: `counts[i]` for choice i, one each when `counts` is None, which is
+    every decode step); per token its logprobs where asked; the choices the engine ended (with or without tokens
+    this step); each choice's extras."""
+
+    seqs: list[Sequence] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    counts: list[int] | None = None
+    logprobs: list[TokenLogprobs | None] | None = None
+    finished: dict[Sequence, Finish] = field(default_factory=dict)
+    extras: dict[Sequence, Extras] = field(default_factory=dict)
+
+    def add(self, seq: Sequence, tokens: list[int], logprobs: list[TokenLogprobs | None] | None = None) -> None:
+        """Append a choice with any number of tokens (the general path; the decode path fills the lists itself)."""
+        if self.counts is None:
+            self.counts = [1] * len(self.seqs)
+        if logprobs is not None and self.logprobs is None:
+            self.logprobs = [None] * len(self.tokens)
+        self.seqs.append(seq)
+        self.tokens += tokens
+        self.counts.append(len(tokens))
+        if self.logprobs is not None:
+            self.logprobs += logprobs if logprobs is not None else [None] * len(tokens)
+
+    def extra(self, seq: Sequence) -> Extras:
+        e = self.extras.get(seq)
+        if e is None:
+            e = self.extras[seq] = Extras()
+        return e
+
+    def __bool__(self) -> bool:
+        return bool(self.seqs or self.finished or self.extras)
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Tokenizer, max_model_len: int) -> None:
-        self.tokenizer, self.max_model_len = tokenizer, max_model_len
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
 
     def new_state(self, params: SamplingParams) -> OutputState:
         return OutputState(
             detok=IncrementalDetokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens),
             stops=StopStringMatcher(params.stop),
             prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
+            final_only=params.output_kind == "final",
         )
 
-    def add_prompt_logprobs(self, seq: Sequence, logprobs: list[TokenLogprobs]) -> None:
-        seq.output.prompt_logprobs += logprobs
-        seq.num_scored_prompt_positions = len(seq.output.prompt_logprobs) - 1
-
-    def add_hidden_states(self, seq: Sequence, positions: list[int], values: torch.Tensor) -> None:
-        seq.output.pending_hidden.append((positions, values))
-
-    def append(self, seq: Sequence, token: int, lp: TokenLogprobs | None) -> tuple[RequestOutput, Finish | None]:
-        """Append a sampled token: the output delta, and how the sequence ends if it does."""
-        p, state, sampling = seq.request.params, seq.output, seq.sampling
-        seq.output_token_ids.append(token)
-        out = self.output(seq)
-        out.token_ids = [token]
-        out.logprobs = [lp] if lp is not None else None
-        if state.pending_hidden:  # with the token whose position (or prompt) they were read at
-            out.hidden_states = HiddenStates(seq.request.hidden_states.layers,
-                                             [q for pos, _ in state.pending_hidden for q in pos],
-                                             torch.cat([v for _, v in state.pending_hidden]))
-            state.pending_hidden = []
-        n_out = len(seq.output_token_ids)
-        may_stop = n_out >= p.min_tokens  # neither stop tokens nor stop strings end it before min_tokens
-        if may_stop and token in sampling.stop_ids:
-            # The stop token's own text is not part of the completion (OpenAI / vLLM); text held back as a
-            # possible stop-string start turned out not to be one.
-            out.text = state.stops.flush()
-            return out, Finish(FinishReason.STOP, token if token in p.stop_token_ids else None)
-        # [structured outputs] advance the grammar; a complete grammar ends the choice like a stop (min_tokens aside)
-        grammar_done = sampling.grammar is not None and sampling.grammar.accept(token)
-        # a windowed sequence's cache stays within the context however long it runs: only max_tokens ends it
-        ending = grammar_done or n_out >= p.max_tokens or (seq.num_tokens >= self.max_model_len and seq.window is None)
-        delta = state.detok.feed(token) + (state.detok.flush() if ending else "")
-        if may_stop:
-            out.text, matched = state.stops.feed(delta)
-            if matched is not None:
-                return out, Finish(FinishReason.STOP, matched)
-        else:
-            out.text = delta
-        if ending:
-            out.text += state.stops.flush()
-            # a reply closed because max_tokens was near (structured/closing.py) ends with "length", not "stop"
-            done = grammar_done and not sampling.grammar.closing
-            return out, Finish(FinishReason.STOP if done else FinishReason.LENGTH)
-        return out, None
-
-    def append_all(self, seq: Sequence, sampled: list[tuple[int, TokenLogprobs | None]], each: bool = False
-                   ) -> tuple[list[RequestOutput], Finish | None]:
-        """Append the tokens one step produced for `seq` (a drafting sequence's accepted drafts and the token after
-        them), stopping at the first that ends it: what follows a stop is never appended or sent. One delta for them
-        all, or with `each` one per token (attention telemetry: every token its own chunk)."""
+    def process(self, step: StepOutputs, now: float) -> tuple[list[RequestOutput], list[tuple[Sequence, Finish]]]:
+        """-> the deltas for clients, in order, and the choices processing ended: by a stop string, or by a failure
+        of their own processing (which ends that choice with an error, not the others). `now`: the time
+        (perf_counter) the step's tokens count as produced at."""
         outs: list[RequestOutput] = []
-        finish = None
-        for token, lp in sampled:
-            out, finish = self.append(seq, token, lp)
-            if each or not outs:
-                outs.append(out)
-            else:
-                merged = outs[0]
-                merged.token_ids += out.token_ids
-                merged.text += out.text
-                if out.logprobs is not None:
-                    merged.logprobs = (merged.logprobs or []) + out.logprobs
-                merged.num_output_tokens = out.num_output_tokens
-            if finish is not None:
-                break
-        first = outs[0]
-        if finish is not None and sum(len(o.token_ids) for o in outs) < len(sampled) and first.hidden_states is not None:
-            # drafts verified after the one that ended it: their positions' reads go with them (one token at a
-            # time would never have computed those positions)
-            h = first.hidden_states
-            keep = [i for i, p in enumerate(h.positions) if p < seq.num_tokens - 1]
-            first.hidden_states = HiddenStates(h.layers, [h.positions[i] for i in keep], h.values[keep]) if keep else None
-        return outs, finish
+        ended: list[tuple[Sequence, Finish]] = []
+        tokens, counts, logprobs, finished, extras = step.tokens, step.counts, step.logprobs, step.finished, step.extras
+        for seq, extra in extras.items():  # prompt logprobs (a prefill chunk's, before any token), hidden states
+            if not seq.output.done:
+                self._take_extras(seq, extra)
+        at = 0
+        for i, seq in enumerate(step.seqs):
+            n = 1 if counts is None else counts[i]
+            state = seq.output
+            if not state.done:  # (else ended by a stop string while the engine computed more: never sent)
+                lps = logprobs[at : at + n] if logprobs is not None else None
+                try:
+                    match = self._append(seq, state, tokens[at : at + n], lps, finished.get(seq), extras.get(seq),
+                                         now, outs)
+                except Exception as e:  # this choice's text could not be made: it ends with an error
+                    log.exception("output processing failed for request %s", seq.request.request_id)
+                    end = Finish(FinishReason.ERROR, error=f"generation failed: {type(e).__name__}")
+                    out = self._delta(seq, state)
+                    self._end(state, out, end)
+                    outs.append(out)
+                    ended.append((seq, end))
+                    match = None
+                if match is not None:
+                    ended.append((seq, Finish(FinishReason.STOP, match)))
+            at += n
+        for seq, end in finished.items():  # ended with no token this step (an abort, a failed step)
+            state = seq.output
+            if state.done:
+                continue
+            out = state.pending or self._delta(seq, state)
+            self._end(state, out, end)
+            outs.append(out)
+        return outs, ended
 
-    def output(self, seq: Sequence) -> RequestOutput:
-        """A delta with the sequence's counts (and its prompt logprobs, the first time); tokens and text empty."""
-        state = seq.output
-        out = RequestOutput(
-            seq.request.request_id, seq.index,
-            num_prompt_tokens=seq.num_prompt_tokens,
-            num_output_tokens=len(seq.output_token_ids),
-            num_cached_tokens=max(0, seq.num_cached_tokens),
-        )
+    # ---- one choice -----------------------------------------------------------------------------------------
+
+    def _append(self, seq: Sequence, state: OutputState, tokens: list[int], lps, end: Finish | None,
+                extra: Extras | None, now: float, outs: list[RequestOutput]) -> str | None:
+        """A choice's tokens of this step -> its delta(s) in `outs`; ended by the engine's `end`, or by a stop
+        string, which is returned."""
+        p = seq.request.params
+        stop_token = end is not None and end.stop_token
+        telemetry = extra.telemetry if extra is not None else None
+        each = telemetry is not None  # every token its own delta, with its telemetry
+        if state.first_token_time is None:
+            state.first_token_time = now
+        final = state.final_only and not each
+        out = state.pending if final and state.pending is not None else self._delta(seq, state)
+        if final:
+            state.pending = out
+        matched = None
+        for j, token in enumerate(tokens):
+            if each and j:
+                out.num_output_tokens = state.num_tokens
+                outs.append(out)
+                out = self._delta(seq, state)
+            state.num_tokens += 1
+            out.token_ids.append(token)
+            if lps is not None and lps[j] is not None:
+                out.logprobs = (out.logprobs or []) + [lps[j]]
+            if each:
+                out.telemetry = telemetry[j]
+            if state.pending_hidden:
+                self._attach_hidden(seq, state, out)
+            last = j == len(tokens) - 1
+            if last and stop_token:  # the stop token's own text is not part of the completion (OpenAI, vLLM)
+                out.text += state.stops.flush()
+                break
+            if final and not state.stops.stops:
+                continue  # decoded once, at the end
+            state.text_streamed = True
+            delta = state.detok.feed(token)
+            if last and end is not None:
+                delta += state.detok.flush()
+            if state.num_tokens >= p.min_tokens:  # stop strings do not end a choice before min_tokens
+                text, matched = state.stops.feed(delta)
+                out.text += text
+                if matched is not None:
+                    end = Finish(FinishReason.STOP, matched)
+                    if not last and out.hidden_states is not None:
+                        self._trim_hidden(seq, state, out)
+                    break
+            else:
+                out.text += delta
+        if end is None:
+            if not final:
+                out.num_output_tokens = state.num_tokens
+                outs.append(out)
+            return None
+        if matched is None and not stop_token:  # held back as a possible stop string's start: it was not one
+            out.text += state.stops.flush()
+        if final and not state.text_streamed:
+            ids = out.token_ids[:-1] if stop_token else out.token_ids
+            out.text = self.tokenizer.decode(ids, skip_special_tokens=p.skip_special_tokens)
+        self._end(state, out, end)
+        outs.append(out)
+        return matched
+
+    def _delta(self, seq: Sequence, state: OutputState) -> RequestOutput:
+        """A new delta with the choice's counts (and its prompt logprobs, the first time)."""
+        out = RequestOutput(seq.request.request_id, seq.index, num_prompt_tokens=seq.num_prompt_tokens,
+                            num_output_tokens=state.num_tokens, num_cached_tokens=max(0, seq.num_cached_tokens),
+                            first_token_time=state.first_token_time)
         if state.prompt_logprobs is not None and not state.prompt_logprobs_sent:
             out.prompt_logprobs = state.prompt_logprobs
             state.prompt_logprobs_sent = True
-        if seq.finish_reason is not None:
-            out.finish_reason, out.stop_reason = seq.finish_reason.value, seq.stop_reason
         return out
+
+    @staticmethod
+    def _end(state: OutputState, out: RequestOutput, end: Finish) -> None:
+        state.done, state.pending = True, None
+        out.num_output_tokens, out.first_token_time = state.num_tokens, state.first_token_time
+        out.finish_reason, out.stop_reason, out.error = end.reason.value, end.stop_reason, end.error
+
+    @staticmethod
+    def _take_extras(seq: Sequence, extra: Extras) -> None:
+        state = seq.output
+        if extra.prompt_logprobs is not None:
+            state.prompt_logprobs += extra.prompt_logprobs
+        if extra.hidden is not None:
+            state.pending_hidden.append(extra.hidden)
+
+    @staticmethod
+    def _attach_hidden(seq: Sequence, state: OutputState, out: RequestOutput) -> None:
+        """Hidden states read since the last delta go out with this token (prompt positions with the first)."""
+        new = HiddenStates(seq.request.hidden_states.layers, [q for pos, _ in state.pending_hidden for q in pos],
+                           torch.cat([v for _, v in state.pending_hidden]))
+        state.pending_hidden = []
+        old = out.hidden_states
+        out.hidden_states = new if old is None else HiddenStates(old.layers, old.positions + new.positions,
+                                                                 torch.cat([old.values, new.values]))
+
+    @staticmethod
+    def _trim_hidden(seq: Sequence, state: OutputState, out: RequestOutput) -> None:
+        """Tokens verified after the one a stop string ended: their positions' reads go with them (one token at a
+        time would never have computed those positions)."""
+        h = out.hidden_states
+        last = seq.num_prompt_tokens + state.num_tokens - 1  # the position of the last token sent
+        keep = [i for i, q in enumerate(h.positions) if q < last]
+        out.hidden_states = HiddenStates(h.layers, [h.positions[i] for i in keep], h.values[keep]) if keep else None

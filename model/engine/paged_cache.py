@@ -66,6 +66,10 @@ class AttentionMetadata:
     decode_tables: Tensor  # (R, W) their block tables (padding past a row's blocks is never read)
     decode_lens: Tensor  # (R,) their context lengths (position + 1)
     prefills: list[PrefillChunk] = field(default_factory=list)
+    # where prefill chunks attend in one kernel over the pool (`PagedKVCache.prefill_tiles`): its tiles (Tn, 4) and
+    # each chunk's blocks (C, W) (model/kernels/triton_attention.py, `paged_prefill_attention`); else per chunk
+    prefill_tiles: Tensor | None = None
+    prefill_tables: Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -155,8 +159,16 @@ class PagedKVCache:
     @property
     def paged_prefill(self) -> bool:
         """Prefill rows attend over the pool one by one too (module doc): where the native kernel runs."""
+        return self._backend() == "native"
+
+    @property
+    def prefill_tiles(self) -> bool:
+        """A step's prefill chunks attend over the pool in one kernel launch, by tiles (where Triton runs)."""
+        return self._backend() == "triton"
+
+    def _backend(self) -> str:
         q = torch.empty(0, dtype=self.act_dtype, device=self.device)  # what a step's queries are
-        return ops.decode_attention_backend(q, self.k[0]) == "native"
+        return ops.decode_attention_backend(q, self.k[0])
 
 
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")

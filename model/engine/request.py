@@ -48,6 +48,11 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
+    # bumped by the KV manager whenever block_ids changes other than by blocks appended at its end (a rollback, an
+    # eviction, a free, a cached prefix attached), so the persistent batch knows to rewrite its row
+    block_table_version: int = 0
+    slot: int = -1  # its row in the running batch (model/engine/persistent_batch.py), -1 when not running
+    sample_row: int = -1  # its row among the samples of the last decode step launched for it (the overlapped step)
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of this sequence's full blocks
     num_committed_blocks: int = 0  # leading blocks already registered in the prefix cache
     num_cached_tokens: int = -1  # prompt tokens served from the prefix cache at first schedule (-1: not yet)
@@ -75,6 +80,11 @@ class Sequence:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    @property
+    def last_token_id(self) -> int:
+        """The last token of prompt + output (a decode row's input)."""
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
 
     def token_ids(self, start: int, end: int) -> list[int]:
         """Tokens [start, end) of prompt + output + drafts, without concatenating the whole list."""
@@ -134,6 +144,25 @@ class Request:
     # everything it carries beside prompt and sampling (model/engine/request_options.py)
     options: RequestOptions = PLAIN
     interventions: "InterventionPlan | None" = None  # its options' edits, planned against its prompt
+    # Its rows need nothing per step but tokens, positions and block tables: no kv window, grammar, edits, reads,
+    # telemetry or background budget. A step whose every row is such a decode row takes the engine's decode path
+    # (`Scheduler.schedule_decode`, `ModelRunner.execute_decode`).
+    plain_decode: bool = False
+    # ... and every row is `Sampler`'s plain greedy row: an argmax and nothing else
+    plain_greedy: bool = False
+    # ... and its rows can be launched before the host has its previous token (the engine's overlapped step): no
+    # sampling step reads the tokens so far (penalties), and no min_tokens counts them
+    overlappable: bool = False
+
+    def __post_init__(self) -> None:
+        o, p = self.options, self.params
+        self.plain_decode = (o.kv_window is None and o.structured is None and o.telemetry is None and not o.background
+                             and self.interventions is None and o.hidden_states is None)
+        if p is None:  # (bookkeeping tests build requests without sampling)
+            return
+        penalties = p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+        self.overlappable = self.plain_decode and not penalties and p.min_tokens == 0 and not p.score_token_ids
+        self.plain_greedy = (self.overlappable and p.greedy and p.logprobs is None and not p.logit_bias)
 
     @property
     def hidden_states(self) -> "HiddenStateRead | None":

@@ -48,6 +48,14 @@ from model.kernels import ops
 _NEG_INF = float("-inf")
 
 
+def _put(values, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A small host list as a tensor on `device`: on a GPU through pinned memory and a non-blocking copy, so the host
+    never waits for the device to take it (a plain `torch.tensor(..., device=cuda)` copies from pageable memory and
+    blocks until the copy is done)."""
+    t = torch.tensor(values, dtype=dtype)
+    return t if device.type == "cpu" else t.pin_memory().to(device, non_blocking=True)
+
+
 @dataclass
 class SamplingRow:
     """One sequence's view for this step."""
@@ -97,10 +105,10 @@ class _BatchParams:
             else (p.temperature, p.top_p, p.min_p, p.repetition_penalty, p.presence_penalty, p.frequency_penalty)
             for p, g in zip(ps, self.greedy)
         ]
-        f = torch.tensor(floats, dtype=torch.float32, device=device).reshape(len(ps), 6)  # (B, 6): one copy
+        f = _put(floats, torch.float32, device).reshape(len(ps), 6)  # (B, 6): one copy
         self.temperature, self.top_p, self.min_p, self.repetition, self.presence, self.frequency = f.unbind(1)
         ks = [vocab_size if g or p.top_k <= 0 else min(p.top_k, vocab_size) for p, g in zip(ps, self.greedy)]
-        self.top_k = torch.tensor(ks, dtype=torch.long, device=device)  # (B,)
+        self.top_k = _put(ks, torch.long, device)  # (B,)
         self.any_top_k = any(k < vocab_size for k in ks)
         self.max_top_k = max((k for k in ks if k < vocab_size), default=1)
         self.any_top_p = any(p.top_p < 1.0 and not g for p, g in zip(ps, self.greedy))
@@ -135,7 +143,7 @@ def _pad_ids(seqs: list[Sequence[int]], pad: int, device: torch.device) -> Tenso
     flat = torch.tensor(list(chain.from_iterable(seqs)), dtype=torch.long)  # (sum L_b,)
     padded = torch.full((len(seqs), width), pad, dtype=torch.long)  # (B, L)
     padded[torch.arange(width) < lengths.unsqueeze(1)] = flat
-    return padded.to(device)
+    return padded if device.type == "cpu" else padded.pin_memory().to(device, non_blocking=True)
 
 
 def _bin_counts(ids: Tensor, vocab_size: int) -> Tensor:
@@ -194,22 +202,105 @@ def _apply_allowed(logits: Tensor, allowed: AllowedTokens, shifts: Tensor) -> Te
     forbidden = _forbidden(allowed, x.shape[1], shifts).to(x.device)  # (M, V)
     if allowed.rows == list(range(x.shape[0])):  # every row constrained (a single stream, say): in place, no gather
         return x.masked_fill_(forbidden, _NEG_INF)
-    idx = torch.tensor(allowed.rows, dtype=torch.long, device=x.device)  # (M,)
+    idx = _put(allowed.rows, torch.long, x.device)  # (M,)
     x[idx] = x[idx].masked_fill_(forbidden, _NEG_INF)
     return x
 
 
 def _token_logprobs(logprobs: Tensor, token_ids: Tensor, ks: Sequence[int]) -> list[TokenLogprobs]:
     """logprobs (N, V), token_ids (N,), ks: alternatives per row -> one TokenLogprobs per row."""
-    chosen = logprobs.gather(1, token_ids.unsqueeze(1))  # (N, 1)
-    ranks = (logprobs >= chosen).sum(dim=-1)  # (N,)
-    kmax = max(ks, default=0)
-    top_v, top_i = logprobs.topk(kmax, dim=-1) if kmax else (logprobs[:, :0], token_ids[:, None][:, :0])  # (N, k)
-    tv, ti = top_v.tolist(), top_i.tolist()
-    return [
-        TokenLogprobs(tok, lp, rank, list(zip(ti[j][:k], tv[j][:k])))
-        for j, (tok, lp, rank, k) in enumerate(zip(token_ids.tolist(), chosen.squeeze(1).tolist(), ranks.tolist(), ks))
-    ]
+    return _LogprobTensors.of(logprobs, token_ids, ks).read(token_ids.tolist())
+
+
+@dataclass
+class _LogprobTensors:
+    """The logprobs of some rows where they were computed (the logits' device): the chosen token's, its rank and
+    the top alternatives; `scored` the raw logprobs of named tokens, flat (per row the params' score_token_ids)."""
+
+    ks: list[int]  # alternatives per row
+    chosen: Tensor  # (N,) float32
+    ranks: Tensor  # (N,) int64
+    top_v: Tensor  # (N, max k) float32
+    top_i: Tensor  # (N, max k) int64
+    scored: Tensor | None = None  # (sum of the rows' score ids,) float32
+    score_counts: list[int] | None = None
+
+    @classmethod
+    def of(cls, logprobs: Tensor, token_ids: Tensor, ks: Sequence[int]) -> "_LogprobTensors":
+        chosen = logprobs.gather(1, token_ids.unsqueeze(1))  # (N, 1)
+        ranks = (logprobs >= chosen).sum(dim=-1)  # (N,): ties count against the token
+        kmax = max(ks, default=0)
+        top_v, top_i = logprobs.topk(kmax, dim=-1) if kmax else (logprobs[:, :0], token_ids[:, None][:, :0])
+        return cls(list(ks), chosen.squeeze(1), ranks, top_v, top_i)
+
+    def parts(self) -> list[Tensor]:
+        """Every value as int64, for one packed copy (float32 bits carried in the low 32 bits)."""
+        floats = [self.chosen, self.top_v.flatten()] + ([self.scored] if self.scored is not None else [])
+        return [self.ranks, self.top_i.flatten(), torch.cat(floats).contiguous().view(torch.int32).long()]
+
+    def size(self) -> int:
+        n, k = self.top_v.shape
+        return n + n * k + n + n * k + (self.scored.numel() if self.scored is not None else 0)
+
+    def unpack(self, packed: np.ndarray, token_ids: list[int]) -> list[TokenLogprobs]:
+        """`packed`: what `parts` gave, read back on the host (int64)."""
+        n, k = self.top_v.shape
+        ranks = packed[:n]
+        top_i = packed[n : n + n * k].reshape(n, k)
+        floats = packed[n + n * k :].astype(np.int32).view(np.float32)
+        return self._build(token_ids, floats[:n].tolist(), ranks.tolist(), floats[n : n + n * k].reshape(n, k).tolist(),
+                           top_i.tolist(), floats[n + n * k :])
+
+    def read(self, token_ids: list[int]) -> list[TokenLogprobs]:
+        """The same, read with ordinary copies (the caller syncs anyway)."""
+        scored = self.scored.cpu().numpy() if self.scored is not None else None
+        return self._build(token_ids, self.chosen.tolist(), self.ranks.tolist(), self.top_v.tolist(),
+                           self.top_i.tolist(), scored)
+
+    def _build(self, token_ids, chosen, ranks, tv, ti, scored) -> list[TokenLogprobs]:
+        out = [TokenLogprobs(tok, lp, rank, list(zip(ti[j][:k], tv[j][:k])))
+               for j, (tok, lp, rank, k) in enumerate(zip(token_ids, chosen, ranks, self.ks))]
+        if self.score_counts is not None:
+            at = 0
+            for tl, c in zip(out, self.score_counts):
+                if c:
+                    tl.scored = scored[at : at + c].tolist()
+                at += c
+        return out
+
+
+@dataclass
+class SampledTensors:
+    """One sampling call's results on the logits' device, nothing read back yet: each row's token, and the logprobs
+    of the rows that asked (`lp_rows`). `pack` puts everything in one int64 tensor, so a step reads its results with
+    one asynchronous copy (model/engine/model_runner.py); `unpack` turns that copy into the `SamplerOutput`."""
+
+    tokens: Tensor  # (B,) int64
+    lp_rows: list[int]
+    logprobs: _LogprobTensors | None = None
+
+    def pack(self) -> Tensor:  # (P,) int64
+        if self.logprobs is None:
+            return self.tokens
+        return torch.cat([self.tokens, *self.logprobs.parts()])
+
+    @property
+    def packed_size(self) -> int:
+        return self.tokens.numel() + (self.logprobs.size() if self.logprobs is not None else 0)
+
+    def unpack(self, packed: np.ndarray) -> SamplerOutput:
+        """`packed`: `pack()`'s values on the host."""
+        B = self.tokens.numel()
+        token_ids = packed[:B].tolist()
+        out: list[TokenLogprobs | None] = [None] * B
+        if self.logprobs is not None:
+            for i, tl in zip(self.lp_rows, self.logprobs.unpack(packed[B:], [token_ids[i] for i in self.lp_rows])):
+                out[i] = tl
+        return SamplerOutput(token_ids=token_ids, logprobs=out)
+
+    def read(self) -> SamplerOutput:
+        """Read back now, with one blocking copy."""
+        return self.unpack(self.pack().cpu().numpy())
 
 
 @torch.no_grad()
@@ -238,44 +329,53 @@ def replay_noise(generator: torch.Generator, params: SamplingParams, vocab_size:
 
 
 class Sampler:
-    def __init__(self, vocab_size: int, device: torch.device | str = "cpu") -> None:
+    def __init__(self, vocab_size: int, device: torch.device | str = "cpu", sync_free: bool = False) -> None:
+        """`sync_free`: never read a tensor back to decide anything (the engine's overlapped steps on a device,
+        where such a read would wait for the device to finish the step)."""
         self.vocab_size = vocab_size
         self.device = torch.device(device)
+        self.sync_free = sync_free
         self._shifts = torch.arange(32, dtype=torch.int32, device=self.device)  # (32,): bit positions in a word
 
     @torch.no_grad()
     def __call__(self, logits: Tensor, rows: Sequence[SamplingRow], allowed: AllowedTokens | None = None) -> SamplerOutput:
         """logits (B, V) of any float dtype, one row per sequence -> next token and optional logprobs per row.
         allowed: the grammar masks of the constrained rows (step 0 above)."""
+        return self.sample(logits, rows, allowed).read()
+
+    @torch.no_grad()
+    def sample(self, logits: Tensor, rows: Sequence[SamplingRow], allowed: AllowedTokens | None = None,
+               plain_greedy: bool | None = None) -> SampledTensors:
+        """`__call__` without reading the results back: they stay on the logits' device. With `sync_free` (the
+        engine's overlapped steps) nothing here waits for the device; `plain_greedy`: every row is known to be
+        `_plain_greedy` (None: checked here)."""
         self._check(logits, rows)
         if allowed is not None and allowed.rows:
             logits = _apply_allowed(logits, allowed, self._shifts)
-        if all(_plain_greedy(r) for r in rows):  # nothing to process: argmax of the raw logits, no copy
-            tokens = ops.greedy_pick(logits)  # (B,): -1 where argmax picked a NaN or an inf
-            no_choice = tokens < 0
-            if bool(no_choice.any()):
-                tokens = torch.where(no_choice, logits.float().nan_to_num(nan=_NEG_INF).argmax(dim=-1), tokens)
-            return SamplerOutput(token_ids=tokens.tolist(), logprobs=[None] * len(rows))
+        if plain_greedy or (plain_greedy is None and all(_plain_greedy(r) for r in rows)):
+            return SampledTensors(ops.greedy_pick(logits), [])  # (B,): argmax of the raw logits, no copy
         bp = _BatchParams(rows, self.vocab_size, logits.device)
         want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
-        raw_lp = torch.log_softmax(logits[want].float(), dim=-1) if want else None  # (B_lp, V), before anything
+        at = _put(want, torch.long, logits.device) if want and len(want) < len(rows) else None  # (B_lp,)
+        # (B_lp, V), before anything
+        raw_lp = torch.log_softmax((logits if at is None else logits[at]).float(), dim=-1) if want else None
 
         x = self._process(logits, rows, bp)  # (B, V) float32
         tokens = self._sample(x, rows, bp)  # (B,)
-        no_choice = ~torch.isfinite(x.amax(dim=-1))  # (B,)
-        if bool(no_choice.any()):
-            fallback = logits.float().nan_to_num(nan=_NEG_INF).argmax(dim=-1)  # (B,)
-            tokens = torch.where(no_choice, fallback, tokens)
+        no_choice = ~torch.isfinite(x.amax(dim=-1))  # (B,): nothing left to sample: the raw logits' argmax
+        if self.sync_free or bool(no_choice.any()):  # (on a device, computed rather than asked: no sync)
+            tokens = torch.where(no_choice, ops.greedy_pick(logits.float()), tokens)
 
-        out: list[TokenLogprobs | None] = [None] * len(rows)
+        lp = None
         if raw_lp is not None:
-            ks = [rows[i].params.logprobs for i in want]
-            for j, (i, tl) in enumerate(zip(want, _token_logprobs(raw_lp, tokens[want], ks))):
-                ids = rows[i].params.score_token_ids
-                if ids:  # raw logprobs of named tokens (model/probes/patching.py's metric)
-                    tl.scored = raw_lp[j, list(ids)].tolist()
-                out[i] = tl
-        return SamplerOutput(token_ids=tokens.tolist(), logprobs=out)
+            lp = _LogprobTensors.of(raw_lp, tokens if at is None else tokens[at], [rows[i].params.logprobs for i in want])
+            counts = [len(rows[i].params.score_token_ids) for i in want]
+            if any(counts):  # raw logprobs of named tokens (model/probes/patching.py's metric)
+                ids = [t for i in want for t in rows[i].params.score_token_ids]
+                at = [j for j, c in enumerate(counts) for _ in range(c)]
+                lp.scored = raw_lp[_put(at, torch.long, raw_lp.device), _put(ids, torch.long, raw_lp.device)]
+                lp.score_counts = counts
+        return SampledTensors(tokens, want, lp)
 
     @torch.no_grad()
     def process(self, logits: Tensor, rows: Sequence[SamplingRow], allowed: AllowedTokens | None = None) -> Tensor:
@@ -306,12 +406,12 @@ class Sampler:
                     r += [i] * len(row.params.logit_bias)
                     t += row.params.logit_bias.keys()
                     v += row.params.logit_bias.values()
-            idx = (torch.tensor(r, device=dev), torch.tensor(t, device=dev))  # (N,), (N,)
-            x.index_put_(idx, torch.tensor(v, dtype=torch.float32, device=dev), accumulate=True)
+            idx = (_put(r, torch.long, dev), _put(t, torch.long, dev))  # (N,), (N,)
+            x.index_put_(idx, _put(v, torch.float32, dev), accumulate=True)
         if bp.min_tokens_rows:
             r = list(chain.from_iterable([i] * len(rows[i].stop_ids) for i in bp.min_tokens_rows))
             t = list(chain.from_iterable(rows[i].stop_ids for i in bp.min_tokens_rows))
-            x[torch.tensor(r, device=dev), torch.tensor(t, device=dev)] = _NEG_INF
+            x[_put(r, torch.long, dev), _put(t, torch.long, dev)] = _NEG_INF
         if any(bp.uses_penalty):
             x = self._apply_penalties(x, rows, bp)
         if bp.all_greedy:
@@ -350,12 +450,12 @@ class Sampler:
         u = torch.empty_like(probs).uniform_()  # (B, V) ~ U[0, 1): torch's default generator, one call
         for i in bp.seeded:  # a seeded row's noise depends only on its own generator, whatever its neighbours
             u[i].uniform_(generator=rows[i].generator)
-        # q = -log(u) ~ Exp(1) (inverse CDF); on CPU this is several times cheaper than exponential_ (checked at
-        # (8, 49152), one thread). u = 0 gives q = inf, a score of 0; the clamp guards q = 0 (a backend returning
-        # u = 1), where a masked token would score 0/0 = NaN, which argmax prefers.
+        # q = -log(u) ~ Exp(1) (inverse CDF), cheaper on CPU than exponential_. u = 0 gives q = inf, a score of 0;
+        # the clamp guards q = 0 (a backend returning u = 1), where a masked token would score 0/0 = NaN, which
+        # argmax prefers.
         q = u.log_().neg_().clamp_min_(torch.finfo(torch.float32).tiny)  # (B, V)
         tokens = probs.div_(q).argmax(dim=-1)  # (B,)
         if any(bp.greedy):
-            greedy = torch.tensor(bp.greedy, device=x.device)  # (B,)
+            greedy = _put(bp.greedy, torch.bool, x.device)  # (B,)
             tokens = torch.where(greedy, x.argmax(dim=-1), tokens)
         return tokens

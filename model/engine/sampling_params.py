@@ -57,6 +57,9 @@ class SamplingParams:
     # With logprobs set: each sampled token's TokenLogprobs also carries the raw logprobs of these token ids (the
     # metric of an activation-patching sweep, model/probes/patching.py)
     score_token_ids: tuple[int, ...] = ()
+    # "delta": an output each step the choice gets tokens (streaming); "final": one output when it ends, with
+    # everything (vLLM's RequestOutputKind.FINAL_ONLY: a non-streamed request, no per-token work for the client)
+    output_kind: str = "delta"
 
     @property
     def greedy(self) -> bool:
@@ -95,6 +98,8 @@ class SamplingParams:
             _check_int("score_token_ids", tok, 0, vocab_size - 1)
         if self.score_token_ids and self.logprobs is None:
             raise _bad("score_token_ids", "given with logprobs (>= 0)", self.score_token_ids)
+        if self.output_kind not in ("delta", "final"):
+            raise _bad("output_kind", '"delta" or "final"', self.output_kind)
         for name in ("ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise _bad(name, "a boolean", getattr(self, name))

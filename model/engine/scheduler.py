@@ -20,11 +20,12 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from model.engine.kv_cache_manager import KVCacheManager
+from model.engine.persistent_batch import PersistentBatch
 from model.engine.request import Sequence, SequenceStatus
 
 
-# 4 (and max_background_tokens 4): completions beside a patching sweep stay within 1.7x of their latency alone while
-# the sweep keeps its speed (docs/performance.md, "Activation patching")
+# A background sequence alone may take this many times its share: a sweep runs at full speed when nothing else does,
+# and a request that arrives waits one short step (docs/performance.md, "Activation patching", measures both)
 BACKGROUND_IDLE_FACTOR = 4
 
 
@@ -63,11 +64,14 @@ def _background(seq: Sequence) -> bool:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, batch: PersistentBatch | None = None) -> None:
+        """`batch`: the running sequences' rows (model/engine/persistent_batch.py), kept in step with `running`."""
         self.config = config
         self.kv = kv
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.batch = batch if batch is not None else PersistentBatch(config.max_num_seqs, 0)
+        self.max_model_len = 1 << 62  # the engine sets its own
         self.num_preemptions = 0
 
     def check_capacity(self, num_new: int = 1) -> None:
@@ -83,11 +87,42 @@ class Scheduler:
 
     def remove(self, seq: Sequence) -> None:
         """Take a sequence out (finished or aborted) and return its blocks to the pool at once."""
-        if seq in self.running:
+        if seq.slot >= 0:
             self.running.remove(seq)
+            self.batch.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.kv.free(seq)
+
+    def schedule_decode(self, in_flight: bool = False) -> list[Sequence] | None:
+        """The steady state's schedule: every running sequence decodes one token, and nothing waits that could be
+        admitted. -> the step's sequences, in the persistent batch's row order (each with a block for its token), or
+        None: this step needs `schedule` (a prefill, an admission, a preemption, a sequence that is not a plain
+        decoder: model/engine/request.py's `Request.plain_decode`). `in_flight`: a decode step of every running
+        sequence is still running, its tokens not on the host yet: each row's input is that token, and a sequence
+        that token ends by length (max_tokens, the context) is left out."""
+        running, cfg = self.running, self.config
+        n = len(running)
+        if not n or n > cfg.max_num_batched_tokens or (self.waiting and n < cfg.max_num_seqs):
+            return None
+        seqs = self.batch.seqs
+        bs, pending = self.kv.block_size, int(in_flight)
+        ending = None
+        for seq in seqs:
+            computed = seq.num_computed_tokens
+            if not seq.request.plain_decode or computed != seq.num_tokens - 1 + pending:
+                return None
+            if pending:
+                p = seq.request.params
+                if len(seq.output_token_ids) + 1 >= p.max_tokens or computed + 1 >= self.max_model_len:
+                    ending = [] if ending is None else ending
+                    ending.append(seq)
+                    continue
+            if computed == len(seq.block_ids) * bs and not self.kv.allocate(seq, 1):  # its token starts a block
+                return None  # out of blocks: `schedule` preempts
+        if ending:
+            return [s for s in seqs if s not in ending]
+        return seqs
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -104,6 +139,7 @@ class Scheduler:
                 continue
             while not self.kv.allocate(seq, n):
                 victim = self.running.pop()  # the newest
+                self.batch.remove(victim)
                 self._preempt(victim, out)
                 if victim is seq:
                     break
@@ -133,6 +169,7 @@ class Scheduler:
             self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            self.batch.add(seq)
             out.scheduled.append(ScheduledSeq(seq, n))
             budget -= n
             if bg:

@@ -14,7 +14,8 @@ from model.text.detokenizer import IncrementalDetokenizer
 from model.text.stop_strings import StopStringMatcher
 
 if TYPE_CHECKING:
-    from model.engine.sampler import TokenLogprobs
+    from model.engine.output_processor import RequestOutput
+    from model.engine.sampler import SamplingRow, TokenLogprobs
     from model.engine.structured.compiler import SequenceGrammar
 
 
@@ -25,6 +26,7 @@ class SamplingState:
     # ignore_eos; fixed for the request's life, so built once rather than per generated token
     stop_ids: frozenset[int]
     grammar: SequenceGrammar | None = None  # structured outputs: its grammar's state
+    row: SamplingRow | None = None  # what the sampler reads of it (its output list is the sequence's own, live)
 
 
 @dataclass
@@ -32,6 +34,12 @@ class OutputState:
     detok: IncrementalDetokenizer
     stops: StopStringMatcher
     prompt_logprobs: list[TokenLogprobs | None] | None  # [None] for token 0, then one per scored prompt token
+    final_only: bool = False  # one output when the choice ends (SamplingParams.output_kind "final")
     prompt_logprobs_sent: bool = False
     # hidden states read and not yet delivered (prompt positions wait for the first token's delta)
     pending_hidden: list[tuple[list[int], torch.Tensor]] = field(default_factory=list)
+    num_tokens: int = 0  # tokens processed (sent, or held for a final-only output)
+    first_token_time: float | None = None
+    text_streamed: bool = False  # its text decoded token by token (else, final-only, once at the end)
+    pending: RequestOutput | None = None  # a final-only choice's output, filled step by step
+    done: bool = False  # its final output went out: anything the engine still sends for it is dropped

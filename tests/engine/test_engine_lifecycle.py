@@ -160,7 +160,7 @@ def test_the_prompts_of_one_request_are_admitted_in_the_same_step():
     steps: list[set[str]] = []
     with TestClient(app) as client:
         engine = app.state.serving.engine
-        engine.step_hooks.append(lambda _stats, outs, _s: steps.append({o.request_id for o in outs}))
+        engine.step_hooks.append(lambda _stats, step, _s: steps.append({s.request.request_id for s in step.seqs}))
         prompts = [[10 + i, 11, 12, 13] for i in range(4)]
         r = client.post("/v1/completions", json={"prompt": prompts, "max_tokens": 4, "ignore_eos": True})
         assert r.status_code == 200

@@ -358,17 +358,22 @@ def test_few_and_many_row_steps_equal_the_module_path(mode, ks):
         torch.set_num_threads(threads)
 
 
-def test_greedy_pick_is_torch_argmax_and_flags_what_is_not_finite():
+def test_greedy_pick_is_torch_argmax_of_nan_to_num_and_answers_every_row():
     torch.manual_seed(0)
     for V in (49152, 101, 7):  # 101, 7: the scalar tails
-        x = torch.randn(6, V)
+        x = torch.randn(8, V)
         x[1, V // 3] = x[1, V - 1] = 50.0  # a tie: the first index
         x[2, V - 1] = 60.0  # in the tail
-        x[3, V // 2] = float("nan")
-        x[4] = float("-inf")
+        x[3, V // 2] = float("nan")  # a NaN: the largest number wins
+        x[4] = float("-inf")  # nothing finite: index 0
         x[5, 0] = float("inf")
-        want = x.argmax(dim=-1).masked_fill(~torch.isfinite(x.gather(-1, x.argmax(dim=-1, keepdim=True)).squeeze(-1)), -1)
-        assert native.argmax_rows(x).tolist() == want.tolist() == [x[0].argmax().item(), V // 3, V - 1, -1, -1, -1]
+        x[6, 1:] = float("-inf")  # NaN below -inf (nan_to_num's ordering)
+        x[6, 0] = float("nan")
+        x[7] = float("nan")
+        want = x.nan_to_num(nan=float("-inf")).argmax(dim=-1)
+        assert want[:7].tolist() == [x[0].argmax().item(), V // 3, V - 1, x[3].nan_to_num(nan=-1e9).argmax().item(),
+                                     0, 0, 1]
+        assert native.argmax_rows(x).tolist() == want.tolist()
         with kernels.disabled():
             assert ops.greedy_pick(x).tolist() == want.tolist()
     zeros = torch.zeros(1, 64)

@@ -1,8 +1,10 @@
-// Greedy decoding's pick: the index of each row's largest logit, as torch.argmax returns it (the first index of
-// the maximum; a NaN counts as larger than any number, so the first NaN wins), or -1 where that pick is not finite
-// (a NaN, an inf, or a row of -inf: the sampler's fall-back decides those). torch.argmax spent ~90 us on one
-// 49,152-entry row of the default model on the Zen 1 development host, and the sampler's gather and finiteness check
-// after it 30 more; this reads the row twice from L2.
+// Greedy decoding's pick: each row's torch.argmax of nan_to_num(logits, nan=-inf), the first index of the maximum.
+// Where the plain maximum is finite that is torch.argmax itself, found reading the row twice (the maximum, then its
+// first index), from L2; a row with a NaN, an inf or only -inf (what the sampler must still answer without failing
+// the batch) takes a scalar pass over nan_to_num's ordering: NaN below -inf, which ranks as -FLT_MAX, +inf as
+// FLT_MAX. So the pick needs no check of its own afterwards, and no host read of the result on a device.
+#include <cfloat>
+
 #include "ops.h"
 
 namespace ls {
@@ -38,7 +40,22 @@ static int64_t argmax_row(const float* x, int64_t V) {
   return 0;
 }
 
-// logits (B, V) float32, contiguous -> (B,) int64: each row's pick, or -1
+// nan_to_num(x, nan=-inf)'s argmax, one scalar pass (a row argmax_row could not answer)
+static int64_t argmax_row_nan_to_num(const float* x, int64_t V) {
+  int64_t idx = 0;
+  float best = 0.f;
+  for (int64_t j = 0; j < V; ++j) {
+    float v = x[j];
+    v = std::isnan(v) ? -INFINITY : v == INFINITY ? FLT_MAX : v == -INFINITY ? -FLT_MAX : v;
+    if (j == 0 || v > best) {
+      best = v;
+      idx = j;
+    }
+  }
+  return idx;
+}
+
+// logits (B, V) float32, contiguous -> (B,) int64: each row's pick
 torch::Tensor argmax_rows(const torch::Tensor& logits) {
   TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() && logits.scalar_type() == at::kFloat && logits.size(1) > 0,
               "argmax_rows: logits (B, V) float32, contiguous");
@@ -46,7 +63,10 @@ torch::Tensor argmax_rows(const torch::Tensor& logits) {
   auto out = torch::empty({B}, logits.options().dtype(at::kLong));
   const float* x = logits.data_ptr<float>();
   int64_t* o = out.data_ptr<int64_t>();
-  for (int64_t r = 0; r < B; ++r) o[r] = argmax_row(x + r * V, V);
+  for (int64_t r = 0; r < B; ++r) {
+    o[r] = argmax_row(x + r * V, V);
+    if (o[r] < 0) o[r] = argmax_row_nan_to_num(x + r * V, V);
+  }
   return out;
 }
 
