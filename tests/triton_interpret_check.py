@@ -55,6 +55,45 @@ def kernel_vs_sdpa(dtype: torch.dtype, H: int, K: int, E: int, bs: int, device: 
     return err
 
 
+def prefill_kernel_vs_sdpa(dtype: torch.dtype, H: int, K: int, E: int, bs: int, device: str = "cpu") -> float:
+    """Three chunks of a step (one with nothing cached before it, two after a cached prefix; 1 to 45 rows, so tiles
+    of 32 split) through `paged_prefill_attention` against SDPA over each chunk's gathered keys."""
+    chunks = [(0, 1, 45), (13, 45, 3), (40, 6, 30)]  # (prefix cached, rows, unused) per chunk
+    g = torch.Generator().manual_seed(1)
+    lens = [pre + n for pre, n, _ in chunks]
+    n_blocks = sum(-(-n // bs) for n in lens) + 2
+    k_pool = torch.randn(n_blocks, bs, K, E, generator=g).to(dtype)
+    v_pool = torch.randn(n_blocks, bs, K, E, generator=g).to(dtype)
+    ids = list(range(n_blocks))
+    random.Random(1).shuffle(ids)
+    tables, at = [], 0
+    for n in lens:
+        tables.append(ids[at : at + -(-n // bs)])
+        at += -(-n // bs)
+    N = sum(n for _, n, _ in chunks) + 2
+    q = torch.randn(N, H + 2 * K, E, generator=g).to(dtype)[:, :H]
+    out = torch.full((N, H, E), 7.0, dtype=dtype)
+    starts, row = [], 1  # row 0 and the last row belong to no chunk
+    for _, n, _ in chunks:
+        starts.append(row)
+        row += n
+    tiles = triton_attention.prefill_tiles([(r, n, pre) for r, (pre, n, _) in zip(starts, chunks)])
+    width = max(map(len, tables))
+    on = [t.to(device) for t in (q, k_pool, v_pool, torch.tensor(tiles),
+                                 torch.tensor([t + [0] * (width - len(t)) for t in tables]), out)]
+    triton_attention.paged_prefill_attention(*on)
+    out = on[-1].cpu()
+    assert (out[[0, N - 1]] == 7).all(), "rows outside the chunks must stay untouched"
+    err = 0.0
+    for r, (pre, n, _), table, total in zip(starts, chunks, tables, lens):
+        kd = k_pool[table].reshape(1, -1, K, E)[:, :total]
+        vd = v_pool[table].reshape(1, -1, K, E)[:, :total]
+        mask = (torch.arange(total) <= torch.arange(pre, total)[:, None])[None, None]  # (1, 1, n, total)
+        want = sdpa(q[r : r + n][None], kd, vd, mask)[0]  # (n, H, E)
+        err = max(err, ((out[r : r + n].float() - want.float()).abs().max() / want.float().abs().max()).item())
+    return err
+
+
 def telemetry_vs_reference(H: int, K: int, E: int, bs: int, top_k: int, device: str = "cpu") -> None:
     """The TELEMETRY variant's record equals the definition (model/kernels/attention_telemetry.py): rows shorter
     than k, sinks of 0, 1 and 5 keys, a row that records nothing; the attention output is the plain variant's."""
@@ -112,9 +151,44 @@ def kernels_vs_references(device: str) -> None:
             err = kernel_vs_sdpa(dtype, H, K, E, bs, device)
             print(f"kernel vs SDPA {dtype} H={H} K={K} E={E} block={bs} on {device}: max rel err {err:.1e}")
             assert err < tol, err
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        for H, K, E, bs in ((6, 2, 64, 4), (4, 1, 128, 16), (4, 2, 24, 16)):
+            err = prefill_kernel_vs_sdpa(dtype, H, K, E, bs, device)
+            print(f"prefill kernel vs SDPA {dtype} H={H} K={K} E={E} block={bs} on {device}: max rel err {err:.1e}")
+            assert err < tol, err
+    print(f"prefill tiles on {device}: Triton == SDPA")
     for H, K, E, bs, top_k in ((4, 2, 64, 4, 5), (3, 1, 24, 16, 3), (2, 2, 32, 8, 8)):
         telemetry_vs_reference(H, K, E, bs, top_k, device)
     print(f"telemetry on {device}: Triton's TELEMETRY variant == the reference")
+    elementwise_vs_reference(device)
+
+
+def elementwise_vs_reference(device: str) -> None:
+    """triton_elementwise's kernels against ops' PyTorch chains (the kernels' float32 sums differ in order only)."""
+    from model.kernels import ops, triton_elementwise as te
+    from model.transformer import RotaryEmbedding, rotary_tables
+    from model.config import ModelConfig
+
+    g = torch.Generator().manual_seed(2)
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        with kernels.disabled():
+            x = torch.randn(5, 3, 96, generator=g).to(dtype).to(device)
+            w = torch.randn(96, generator=g).to(dtype).to(device)
+            want = ops.rms_norm(x, w, 1e-5)
+            assert ((te.rms_norm(x, w, 1e-5) - want).abs().max() / want.abs().max()).item() < tol
+            gu = torch.randn(7, 2 * 80, generator=g).to(dtype).to(device)
+            want = ops.silu_mul(gu)
+            assert ((te.silu_mul(gu) - want).abs().max() / want.abs().max()).item() < tol
+            B, T, H, K, E = 1, 9, 4, 2, 32
+            qkv = torch.randn(B, T, H + 2 * K, E, generator=g).to(dtype).to(device)
+            rope = RotaryEmbedding(ModelConfig(vocab_size=8, dim=H * E, n_layers=1, n_heads=H, n_kv_heads=K,
+                                               hidden_dim=8))
+            cos, sin = rotary_tables(*rope(torch.arange(T)[None].to(device)), dtype)
+            want = ops.rope_(qkv.clone(), cos, sin, H + K)
+            got = te.rope_(qkv.clone(), cos, sin, H + K)
+            assert ((got - want).abs().max() / want.abs().max()).item() < tol
+            assert torch.equal(got[:, :, H + K :], qkv[:, :, H + K :])  # v untouched
+    print(f"fused elementwise on {device}: Triton == PyTorch's chains")
 
 
 def assert_same_steps(got: list, want: list) -> None:

@@ -11,9 +11,10 @@ model/transformer.py; N packed tokens, R decode rows, W block-table width, NB po
     linear            (..., in) @ float W           one reduction order per output for any row count (native)
     quantized_linear  (M, in) @ int8 / int4 W       integer block dot products, any row count (native)
     paged_write       k, v (N, K, E) -> pool slots
-    greedy_pick       logits (B, V) -> (B,)           torch.argmax, -1 where the pick is not finite
+    greedy_pick       logits (B, V) -> (B,)           torch.argmax of nan_to_num(logits, nan=-inf)
     decode_attention  q (N, H, E) rows over their block tables (PagedAttention's decode, Kwon et al. 2023),
                       optionally recording attention telemetry (attention_telemetry.py)
+    prefill_attention a step's prefill chunks over their block tables in one launch (Triton, on CUDA)
 """
 
 from __future__ import annotations
@@ -51,10 +52,34 @@ class QuantLinear(Protocol):
     def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor: ...
 
 
+_fused_elementwise = False
+
+
+def fused_elementwise(on: bool | None = None) -> bool:
+    """Whether RMSNorm, SiLU-mul and RoPE run as single Triton kernels on CUDA tensors (triton_elementwise.py);
+    `on` sets it. Off by default until measured on a GPU (benchmarks/gpu.py measures both)."""
+    global _fused_elementwise
+    if on is not None:
+        _fused_elementwise = on
+    return _fused_elementwise
+
+
+def _elementwise(x: Tensor):
+    """triton_elementwise where it serves x: CUDA, switched on, Triton present."""
+    if not (_fused_elementwise and x.is_cuda):
+        return None
+    from model.kernels import triton_elementwise
+
+    return triton_elementwise if triton_elementwise.triton is not None else None
+
+
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:  # (..., D) -> (..., D)
     native = usable(x, weight)
     if native is not None and x.dtype == weight.dtype:
         return native.rms_norm(x.contiguous(), weight, eps)  # the same math in one pass per row
+    fused = _elementwise(x)
+    if fused is not None and x.dtype == weight.dtype:
+        return fused.rms_norm(x, weight, eps)
     # Statistics in float32 whatever the activation dtype, cast back before the gain (as Meta and HF do).
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
@@ -65,6 +90,9 @@ def silu_mul(gate_up: Tensor) -> Tensor:  # (..., 2F) -> (..., F): silu(gate) * 
     native = usable(gate_up)
     if native is not None:
         return native.silu_mul(gate_up)
+    fused = _elementwise(gate_up)
+    if fused is not None:
+        return fused.silu_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
 
@@ -83,6 +111,9 @@ def rope_(x: Tensor, cos: Tensor, signed_sin: Tensor, n_rot: int) -> Tensor:
     if native is not None and cos.dtype == x.dtype and x.is_contiguous() and cos.is_contiguous() and signed_sin.is_contiguous():
         native.rope_(x, cos, signed_sin, n_rot)  # one pass over q and k heads
         return x
+    fused = _elementwise(x)
+    if fused is not None and cos.dtype == x.dtype and x.stride(-1) == 1 and x.stride(-2) == x.shape[-1]:
+        return fused.rope_(x, cos, signed_sin, n_rot)
     x[:, :, :n_rot] = apply_rotary_tables(x[:, :, :n_rot], cos, signed_sin)
     return x
 
@@ -127,13 +158,13 @@ def dequantize(layer: "QuantLinear", dtype: torch.dtype = torch.float32) -> Tens
 
 
 def greedy_pick(logits: Tensor) -> Tensor:  # (B, V) -> (B,) int64
-    """Each row's torch.argmax, or -1 where the value it picks is not finite (NaN, inf, or a row of -inf)."""
+    """Each row's torch.argmax of nan_to_num(logits, nan=-inf): torch.argmax itself where the row's maximum is
+    finite, and still an answer for a row of NaN, inf or only -inf (one bad row must not fail the batch). No check of
+    the result follows it, so on a device it is two kernels and no sync."""
     native = usable(logits)
     if native is not None and logits.dtype == torch.float32 and logits.is_contiguous():
         return native.argmax_rows(logits)  # one vectorized pass, the same index
-    tokens = logits.argmax(dim=-1)  # argmax prefers NaN, and picks an -inf only when all are
-    picked = logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)  # (B,)
-    return tokens.masked_fill(~torch.isfinite(picked), -1)
+    return logits.nan_to_num(nan=float("-inf")).argmax(dim=-1)
 
 
 def paged_write(k: Tensor, v: Tensor, k_pool: Tensor, v_pool: Tensor, slots: Tensor) -> None:
@@ -171,6 +202,18 @@ def _triton():
     from model.kernels import triton_attention
 
     return triton_attention
+
+
+def prefill_tiles(chunks: list[tuple[int, int, int]]) -> list[tuple[int, int, int, int]]:
+    """`prefill_attention`'s tiles for chunks (first packed row, rows, first position) (triton_attention.py)."""
+    return _triton().prefill_tiles(chunks)
+
+
+def prefill_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, tiles: Tensor, tables: Tensor, out: Tensor) -> None:
+    """A step's prefill chunks, as tiles (Tn, 4) of consecutive rows of q (N, H, E) (model/kernels/
+    triton_attention.py's `prefill_tiles`), attend causally over their chunks' blocks (C, W) in pools (NB, bs, K, E)
+    in one launch; writes those rows of out. Where `decode_attention_backend` is "triton"."""
+    _triton().paged_prefill_attention(q, k_pool, v_pool, tiles, tables, out)
 
 
 def decode_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, rows: Tensor, tables: Tensor, lens: Tensor,

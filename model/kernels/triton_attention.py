@@ -8,6 +8,10 @@ et al. 2023). Same contract as the native CPU kernel (`model/kernels/csrc/paged_
     q (N, H, E) packed rows (token stride free, heads contiguous); k_pool, v_pool (NB, bs, K, E); rows (R,) the
     decode rows; tables (R, W) their block ids; lens (R,) their context lengths; out (N, H, E): rows `rows` written.
 
+`paged_prefill_attention` is its counterpart for a step's prefill chunks: one launch serves every chunk of the step
+(tiles of up to 32 query rows of one chunk each, causal over the chunk's cached prefix and itself), instead of a
+gather and an SDPA call per chunk per layer (vLLM's varlen attention over the block tables).
+
 It needs Triton (shipped with PyTorch's CUDA builds) and a power-of-two block size. The test suite runs it on CPU
 through Triton's interpreter (`TRITON_INTERPRET=1`, tests/model/test_triton_attention.py) against SDPA; no GPU has run
 it yet in this project (see the README's performance section).
@@ -200,6 +204,93 @@ if triton is not None:
                 tl.store(top_pos_ptr + base + t, tl.where(valid, iv, -1).to(tl.int64), mask=keep)
                 best_v = tl.where(offs_t == lane, float("-inf"), best_v)
                 best_i = tl.where(offs_t == lane, 1 << 30, best_i)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _paged_prefill_kernel(
+        q_ptr, k_ptr, v_ptr, tiles_ptr, tables_ptr, out_ptr, q_stride, W, scale,
+        H: tl.constexpr, K: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr, BS: tl.constexpr,
+        BLOCK_M: tl.constexpr, USE_DOT: tl.constexpr,
+    ):
+        # One program per (tile, query head): a tile is up to BLOCK_M consecutive rows of one chunk, at consecutive
+        # positions from `first`; each row attends to the keys at positions up to its own (flash attention's online
+        # softmax, per row, over the chunk's blocks in order).
+        t = tl.program_id(0)
+        h = tl.program_id(1)
+        row0 = tl.load(tiles_ptr + t * 4)
+        n_rows = tl.load(tiles_ptr + t * 4 + 1)
+        c = tl.load(tiles_ptr + t * 4 + 2)
+        first = tl.load(tiles_ptr + t * 4 + 3)
+        kh = h // (H // K)
+        offs_m = tl.arange(0, BLOCK_M)
+        m_mask = offs_m < n_rows
+        offs_e = tl.arange(0, E_PAD)
+        e_mask = offs_e < E
+        qmask = m_mask[:, None] & e_mask[None, :]
+        q = tl.load(q_ptr + (row0 + offs_m)[:, None] * q_stride + h * E + offs_e[None, :], mask=qmask, other=0.0)
+        q = q.to(tl.float32) * scale  # (M, E)
+        pos = first + offs_m  # (M,) each row's position
+        last = first + n_rows - 1
+        m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+        l_i = tl.zeros((BLOCK_M,), tl.float32)
+        acc = tl.zeros((BLOCK_M, E_PAD), tl.float32)
+        offs_s = tl.arange(0, BS)
+        for b in range(0, last // BS + 1):
+            block = tl.load(tables_ptr + c * W + b)
+            key = b * BS + offs_s  # (BS,) the keys' positions
+            kv = ((block * BS + offs_s) * K + kh) * E
+            kmask = (key <= last)[:, None] & e_mask[None, :]
+            k = tl.load(k_ptr + kv[:, None] + offs_e[None, :], mask=kmask, other=0.0).to(tl.float32)  # (BS, E)
+            if USE_DOT:
+                scores = tl.dot(q, tl.trans(k))  # (M, BS)
+            else:
+                scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2)
+            scores = tl.where(key[None, :] <= pos[:, None], scores, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, axis=1))  # finite: every row's key 0 is in the first block
+            p = tl.exp(scores - m_new[:, None])
+            alpha = tl.exp(m_i - m_new)
+            v = tl.load(v_ptr + kv[:, None] + offs_e[None, :], mask=kmask, other=0.0).to(tl.float32)  # (BS, E)
+            if USE_DOT:
+                acc = acc * alpha[:, None] + tl.dot(p, v)
+            else:
+                acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            m_i = m_new
+        out = acc / l_i[:, None]
+        tl.store(out_ptr + ((row0 + offs_m)[:, None] * H + h) * E + offs_e[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=qmask)
+
+
+PREFILL_TILE = 32  # query rows a tile (a program) of `paged_prefill_attention`
+
+
+def prefill_tiles(chunks: list[tuple[int, int, int]]) -> list[tuple[int, int, int, int]]:
+    """A step's prefill chunks (first packed row, rows, first position), in table order -> the kernel's tiles
+    (first packed row, rows, chunk index, first position), at most PREFILL_TILE rows each."""
+    tiles = []
+    for c, (row, n, first) in enumerate(chunks):
+        for i in range(0, n, PREFILL_TILE):
+            tiles.append((row + i, min(PREFILL_TILE, n - i), c, first + i))
+    return tiles
+
+
+def paged_prefill_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, tiles: Tensor, tables: Tensor,
+                            out: Tensor) -> None:
+    """q (N, H, E) packed rows (heads contiguous); pools (NB, bs, K, E) already holding the chunks' keys and values;
+    tiles (Tn, 4) int32 or int64 (`prefill_tiles`); tables (C, W) each chunk's blocks; writes the tiles' rows of out."""
+    E = q.shape[-1]
+    if q.stride(-1) != 1 or q.stride(-2) != E or not (k_pool.is_contiguous() and v_pool.is_contiguous() and out.is_contiguous()):
+        raise ValueError("paged_prefill_attention: heads of q, the pools and out must be contiguous")
+    if tiles.shape[0] == 0:
+        return
+    (_, W), (_, H, E), (_, bs, K, _) = tables.shape, q.shape, k_pool.shape
+    E_PAD = triton.next_power_of_2(E)
+    _paged_prefill_kernel[(tiles.shape[0], H)](
+        q, k_pool, v_pool, tiles, tables, out, q.stride(0), W, 1.0 / math.sqrt(E),
+        H=H, K=K, E=E, E_PAD=E_PAD, BS=bs, BLOCK_M=PREFILL_TILE, USE_DOT=bs >= 16 and E_PAD >= 16,
+    )
 
 
 def paged_decode_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, rows: Tensor, tables: Tensor, lens: Tensor,

@@ -21,6 +21,8 @@ def test_triton_paged_decode_attention_in_the_interpreter():
     print(r.stdout)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "Triton path == gather path" in r.stdout
+    assert "prefill tiles on cpu: Triton == SDPA" in r.stdout
+    assert "fused elementwise on cpu: Triton == PyTorch's chains" in r.stdout
     assert "Triton's TELEMETRY variant == the reference" in r.stdout
     assert "kv_window engine with telemetry: Triton path == gather path" in r.stdout
 
@@ -117,5 +119,49 @@ def test_the_kernel_compiles_for_hopper(dtype, telemetry):
     consts = dict(H=8, K=2, E=64, E_PAD=64, BS=16, TELEMETRY=telemetry, TOP_K=5, TOP_PAD=8)
     signature = {n: ptrs.get(n, "constexpr") for n in names}
     src = ASTSource(fn=kernel, signature=signature, constexprs={(names.index(n),): v for n, v in consts.items()})
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32))
+    assert compiled.asm["cubin"]
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("use_dot", [False, True])
+def test_the_prefill_kernel_compiles_for_hopper(dtype, use_dot):
+    """The prefill tiles' kernel likewise (the tensor-core `tl.dot` variant is what a 16-token block runs)."""
+    import inspect
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from model.kernels.triton_attention import PREFILL_TILE, _paged_prefill_kernel as kernel
+
+    names = list(inspect.signature(kernel.fn).parameters)
+    ptrs = dict(q_ptr=f"*{dtype}", k_ptr=f"*{dtype}", v_ptr=f"*{dtype}", out_ptr=f"*{dtype}", tiles_ptr="*i64",
+                tables_ptr="*i64", q_stride="i32", W="i32", scale="fp32")
+    consts = dict(H=8, K=2, E=128, E_PAD=128, BS=16, BLOCK_M=PREFILL_TILE, USE_DOT=use_dot)
+    signature = {n: ptrs.get(n, "constexpr") for n in names}
+    src = ASTSource(fn=kernel, signature=signature, constexprs={(names.index(n),): v for n, v in consts.items()})
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32))
+    assert compiled.asm["cubin"]
+
+
+@pytest.mark.parametrize("name", ["_rms_norm_kernel", "_silu_mul_kernel", "_rope_kernel"])
+def test_the_elementwise_kernels_compile_for_hopper(name):
+    """model/kernels/triton_elementwise.py's kernels, compiled ahead of time for sm_90 in bfloat16."""
+    import inspect
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from model.kernels import triton_elementwise
+
+    kernel = getattr(triton_elementwise, name)
+    names = list(inspect.signature(kernel.fn).parameters)
+    types = {n: ("*bf16" if n.endswith("_ptr") else "fp32" if n == "eps" else "i32") for n in names}
+    consts = {"BLOCK": 128, "HALF": 64}
+    signature = {n: ("constexpr" if n in consts else types[n]) for n in names}
+    src = ASTSource(fn=kernel, signature=signature,
+                    constexprs={(names.index(n),): v for n, v in consts.items() if n in names})
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32))
     assert compiled.asm["cubin"]
