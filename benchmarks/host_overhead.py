@@ -3,6 +3,7 @@
     .venv/bin/python -m benchmarks.host_overhead                          # 7B shape; 1, 32, 128, 256 streams
     .venv/bin/python -m benchmarks.host_overhead --device-ms 10           # with 10 ms of simulated device time a step
     .venv/bin/python -m benchmarks.host_overhead --via async              # through AsyncEngine (its thread, streams)
+    .venv/bin/python -m benchmarks.host_overhead --via http               # a server and streaming HTTP clients
     .venv/bin/python -m benchmarks.host_overhead --ab ../base --rounds 3  # against another checkout, same run
     .venv/bin/python -m benchmarks.host_overhead --device cuda            # on a GPU: the device time is real
 
@@ -47,7 +48,8 @@ def _parse(argv):
     p.add_argument("--streams", type=int, nargs="+", default=list(STREAMS))
     p.add_argument("--device-ms", type=float, default=0.0, help="simulated (CPU) or real (CUDA) device time a step")
     p.add_argument("--steps", type=int, default=60, help="timed steps per stream count")
-    p.add_argument("--via", choices=("engine", "async"), default="engine")
+    p.add_argument("--via", choices=("engine", "async", "http"), default="engine")
+    p.add_argument("--serve", type=int, default=None, help=argparse.SUPPRESS)  # (--via http's server: its port)
     p.add_argument("--device", default="cpu")
     p.add_argument("--root", type=Path, default=ROOT, help="the checkout whose engine is measured")
     p.add_argument("--ab", type=Path, default=None, help="another checkout: measure both, alternating")
@@ -59,36 +61,20 @@ def _parse(argv):
 
 # ---- the stand-in (built once the measured checkout's `model` is importable) --------------------------------------
 
+def _simulated_stream():
+    """benchmarks/simulated_device.py's stream, loaded from beside this file (the measured checkout may not have it)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_simulated_device", HERE.parent / "simulated_device.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.SimulatedStream
+
+
 def _standin_classes():
     import torch
 
-    class SimulatedStream:
-        """A device beside the host: each forward launched keeps it busy `device_s` after it is free; an event
-        completes when the device reaches it. `synchronize` sleeps until then and counts the waits that blocked."""
-
-        def __init__(self, device_s: float) -> None:
-            self.device_s, self.busy_until = device_s, 0.0
-            self.blocking_waits, self.waited_s = 0, 0.0
-
-        def launch(self) -> None:
-            self.busy_until = max(time.perf_counter(), self.busy_until) + self.device_s
-
-        def record(self):
-            return SimulatedEvent(self, self.busy_until)
-
-    class SimulatedEvent:
-        def __init__(self, stream: SimulatedStream, at: float) -> None:
-            self.stream, self.at = stream, at
-
-        def query(self) -> bool:
-            return time.perf_counter() >= self.at
-
-        def synchronize(self) -> None:
-            left = self.at - time.perf_counter()
-            if left > 0:
-                self.stream.blocking_waits += 1
-                self.stream.waited_s += left
-                time.sleep(left)
+    SimulatedStream = _simulated_stream()
 
     class StandIn(torch.nn.Module):
         """A model's configuration and fixed logits: every row's argmax is `token`."""
@@ -150,11 +136,7 @@ def _engine(args, n: int, token: int):
     from model.loaders.checkpoint import default_model_path
     from model.text.tokenizer import Tokenizer
 
-    try:
-        import model.engine.stream  # noqa: F401  (an engine whose step waits on the model's events)
-        simulated = True
-    except ImportError:
-        simulated = False
+    simulated = _has_stream_module()  # an engine whose step waits on the model's events
     config = KNOWN_SHAPES[args.shape]
     model = _standin_classes()(config, args.device, args.device_ms / 1e3, simulated, token)
     tok = Tokenizer.from_gguf(default_model_path())
@@ -186,24 +168,30 @@ def _params(max_tokens: int):
 
 
 class _Phases:
-    """Seconds per phase, from the engine's own profile where it keeps one, else by wrapping the base engine's
-    methods (schedule, prepare, forward, sample, update = `_update` less output, output = the output processor)."""
+    """Seconds per phase, by wrapping the engine's methods (those of either engine: the base one has no decode path
+    and processes its outputs inside its step). `core` is the engine's step without the output processing: what the
+    step's own thread does when outputs are processed elsewhere; `update` is what `core` spends outside the other
+    phases (the sequences' bookkeeping)."""
+
+    WRAPS = (("scheduler", ("schedule", "schedule_decode"), "schedule"),
+             ("runner.buffers", ("prepare", "prepare_decode"), "prepare"),
+             ("model", ("forward",), "forward"),
+             ("runner", ("sampler",), "sample"),
+             ("output", ("process", "append_all"), "output"),
+             ("", ("core_step",), "core"))
 
     def __init__(self, engine, model) -> None:
-        self.totals = dict.fromkeys(PHASES, 0.0)
-        self.engine = engine
-        self.own = getattr(engine, "profile", None)
-        if self.own is not None:
-            return
-        wrap = self._wrap
-        wrap(engine.scheduler, "schedule", "schedule")
-        wrap(engine.runner.buffers, "prepare", "prepare")
-        wrap(model, "forward", "forward")
-        wrap(engine.runner, "sampler", "sample", call=True)
-        wrap(engine, "_update", "update")
-        wrap(engine.output, "append_all", "output")
+        self.totals = dict.fromkeys((*PHASES, "core"), 0.0)
+        self.has_core = hasattr(engine, "core_step")
+        for path, names, phase in self.WRAPS:
+            obj = model if path == "model" else engine
+            for part in filter(None, path.split(".")) if path != "model" else ():
+                obj = getattr(obj, part)
+            for name in names:
+                if hasattr(obj, name):
+                    self._wrap(obj, name, phase)
 
-    def _wrap(self, obj, name, phase, call=False):
+    def _wrap(self, obj, name, phase):
         fn = getattr(obj, name)
         totals = self.totals
 
@@ -217,16 +205,15 @@ class _Phases:
         setattr(obj, name, timed)
 
     def reset(self) -> None:
-        if self.own is not None:
-            self.own.reset()
         for k in self.totals:
             self.totals[k] = 0.0
 
-    def per_step_us(self, steps: int) -> dict[str, float]:
-        if self.own is not None:
-            return {k: v / steps * 1e6 for k, v in self.own.totals().items()}
+    def per_step_us(self, steps: int, step_s: float) -> dict[str, float]:
+        """`step_s`: the steps' total wall time (the base engine's core is that less its output processing)."""
         t = dict(self.totals)
-        t["update"] -= t["output"]  # the base engine's output processing runs inside `_update`
+        if not self.has_core:
+            t["core"] = step_s - t["output"]
+        t["update"] = t["core"] - sum(t[k] for k in ("schedule", "prepare", "forward", "sample"))
         return {k: v / steps * 1e6 for k, v in t.items()}
 
 
@@ -278,25 +265,30 @@ def measure_engine(args, n: int) -> dict:
     phases.reset()
     stream = model.stream
     if stream is not None:
-        stream.blocking_waits, stream.waited_s = 0, 0.0
-    times = []
+        stream.reset_counts()
+    times, cores = [], []
     tokens = 0
     for _ in range(args.steps):
+        core0, out0 = phases.totals["core"], phases.totals["output"]
         t0 = time.perf_counter()
         outs = engine.step()
-        times.append(time.perf_counter() - t0)
+        dt = time.perf_counter() - t0
+        times.append(dt)
+        cores.append(phases.totals["core"] - core0 if phases.has_core else dt - (phases.totals["output"] - out0))
         tokens += sum(len(o.token_ids) for o in outs)
     if args.device == "cuda":
         torch.cuda.synchronize()
+    core = statistics.median(cores)
     out = {
         "streams": n,
-        "step_ms_median": statistics.median(times) * 1e3,
-        "step_ms_mean": statistics.fmean(times) * 1e3,
-        "host_us_per_stream": statistics.median(times) * 1e6 / n,
+        "step_ms_median": core * 1e3,  # the step's own thread: the engine's step less its output processing
+        "with_output_ms_median": statistics.median(times) * 1e3,
+        "host_us_per_stream": core * 1e6 / n,
         "tokens_per_step": tokens / args.steps,
-        "phases_us": phases.per_step_us(args.steps),
+        "phases_us": phases.per_step_us(args.steps, sum(times)),
     }
     if stream is not None:
+        out["event_waits_per_step"] = stream.waits / args.steps
         out["blocking_waits_per_step"] = stream.blocking_waits / args.steps
         out["waited_ms_per_step"] = stream.waited_s / args.steps * 1e3
     if not args.no_counts:
@@ -349,13 +341,132 @@ def measure_async(args, n: int) -> dict:
         aeng.stop()
 
 
+def _known_argmax(token: int):
+    """The stand-in's logits are fixed, so their argmax is known: the sampler's argmax kernel is replaced by a fill
+    of that token, which costs the host what launching a GPU's argmax does (the kernel's own speed is measured by
+    benchmarks/bench_decode.py, not here)."""
+    import torch
+
+    from model.kernels import ops
+
+    def pick(logits):
+        return torch.full((logits.shape[0],), token, dtype=torch.long, device=logits.device)
+
+    ops.greedy_pick = pick
+
+
+def _serve(args) -> None:
+    """--via http's server process: the stand-in served by the measured checkout's app on port `args.serve`."""
+    import uvicorn
+
+    from model.loaders.checkpoint import LoadedModel, default_model_path
+    from model.text.tokenizer import Tokenizer
+    from service.config import Settings
+    from service.main import create_app
+
+    from model.config import KNOWN_SHAPES
+
+    n = max(args.streams)
+    model = _standin_classes()(KNOWN_SHAPES[args.shape], args.device, args.device_ms / 1e3,
+                               _has_stream_module(), token=1000)
+    settings = Settings(max_num_seqs=n, max_num_batched_tokens=max(512, n), max_waiting=max(256, n),
+                        kv_cache_bytes=n * 2048 * 1024)
+    loaded = LoadedModel(model, Tokenizer.from_gguf(default_model_path()), Path("standin"), "standin", 0.0)
+    uvicorn.run(create_app(settings, loaded=loaded, wait_ready=True), host="127.0.0.1", port=args.serve,
+                log_level="warning")
+
+
+def _has_stream_module() -> bool:
+    try:
+        import model.engine.stream  # noqa: F401
+        return True
+    except ImportError:
+        return False
+
+
+def measure_http(args, n: int) -> dict:
+    """N streaming clients against a server of the measured checkout (a subprocess): their token rate once all
+    stream, and the server's mean step time over the same window (its /metrics)."""
+    import asyncio
+    import socket
+
+    import httpx
+
+    from model.config import KNOWN_SHAPES
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cmd = [sys.executable, str(HERE), "--root", str(args.root), "--serve", str(port), "--shape", args.shape,
+           "--device-ms", str(args.device_ms), "--device", args.device, "--streams", str(n)]
+    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline or server.poll() is not None:
+                raise RuntimeError("the stand-in server did not start")
+            time.sleep(0.3)
+
+        def step_metrics() -> tuple[float, float]:
+            text = httpx.get(url + "/metrics", timeout=10).text
+            vals = {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
+                    if line.startswith("llamascope_engine_step_seconds_")}
+            return vals.get("llamascope_engine_step_seconds_sum", 0.0), vals.get("llamascope_engine_step_seconds_count", 0.0)
+
+        async def run() -> dict:
+            counts = [0] * n
+            prompts = _prompts(n, KNOWN_SHAPES[args.shape].vocab_size)
+            limits = httpx.Limits(max_connections=n + 4, max_keepalive_connections=n + 4)
+            async with httpx.AsyncClient(base_url=url, limits=limits, timeout=600) as client:
+                async def one(i):
+                    body = {"prompt": prompts[i], "max_tokens": _max_tokens(args, n), "temperature": 0,
+                            "ignore_eos": True, "stream": True}
+                    async with client.stream("POST", "/v1/completions", json=body) as r:
+                        r.raise_for_status()
+                        async for line in r.aiter_lines():
+                            if line.startswith("data: {"):
+                                counts[i] += 1
+
+                tasks = [asyncio.create_task(one(i)) for i in range(n)]
+                while not all(counts) and not any(t.done() for t in tasks):
+                    await asyncio.sleep(0.05)
+                await asyncio.sleep(0.5)
+                s0, k0 = step_metrics()
+                t0, c0 = time.perf_counter(), sum(counts)
+                while sum(counts) - c0 < n * args.steps // 2 and not all(t.done() for t in tasks):
+                    await asyncio.sleep(0.05)
+                t1, c1 = time.perf_counter(), sum(counts)
+                s1, k1 = step_metrics()
+                for t in tasks:
+                    t.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+            return {"streams": n, "tok_s": (c1 - c0) / (t1 - t0), "steps_per_s": (k1 - k0) / (t1 - t0),
+                    "engine_step_ms_mean": (s1 - s0) / max(1.0, k1 - k0) * 1e3}
+
+        return asyncio.run(run())
+    finally:
+        server.terminate()
+        server.wait(30)
+
+
 def run_one(args) -> dict:
     sys.path.insert(0, str(args.root.resolve()))
     os.chdir(args.root)
     import torch
 
+    _known_argmax(1000)
+
     torch.set_num_threads(min(torch.get_num_threads(), os.cpu_count() or 1))
-    fn = measure_engine if args.via == "engine" else measure_async
+    if args.serve is not None:
+        _serve(args)
+        return {}
+    fn = {"engine": measure_engine, "async": measure_async, "http": measure_http}[args.via]
     results = {"root": str(args.root), "shape": args.shape, "device": args.device, "device_ms": args.device_ms,
                "via": args.via, "by_streams": {}}
     for n in args.streams:
@@ -378,7 +489,7 @@ def run_ab(args, argv) -> dict:
     for n in args.streams:
         key = str(n)
         row = {}
-        for fig in ("step_ms_median", "host_us_per_stream", "engine_step_ms_median", "tok_s"):
+        for fig in ("step_ms_median", "host_us_per_stream", "engine_step_ms_median", "engine_step_ms_mean", "tok_s"):
             vals = {s: [x["by_streams"][key][fig] for x in runs[s] if fig in x["by_streams"][key]] for s in sides}
             if all(vals.values()):
                 b, t = statistics.median(vals["base"]), statistics.median(vals["this"])

@@ -101,6 +101,24 @@ def run_concurrent(engine: Engine, prompts: list[list[int]], max_tokens: int, cl
     )
 
 
+def run_decode_only(engine: Engine, prompts: list[list[int]], max_tokens: int, clock: Clock, tag: str = "dec") -> float:
+    """Output tok/s of decode steps alone, counted as a static decoder's (batch x tokens after the first, over their
+    time): every request added and stepped until each has its first token (admission and prefill untimed), then
+    the steps until all have finished, timed."""
+    n = len(prompts)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"{tag}-{i}", prompt, greedy(max_tokens))
+    started: set[str] = set()
+    while len(started) < n:
+        started |= {o.request_id for o in engine.step() if o.token_ids}
+    count = 0
+    clock.start()
+    while engine.has_unfinished():
+        count += sum(len(o.token_ids) for o in engine.step())
+        clock.mark()
+    return count / clock.times()[-1]
+
+
 def warm_up(engine: Engine, vocab_size: int) -> None:
     """A short batched prefill + decode, so one-time costs (thread pools, kernel selection, first allocations)
     stay out of the timings (the KV pool's pages, faulted in by a background thread, and the weights' move onto 2
