@@ -16,6 +16,7 @@ from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fi
                       model_validator)
 
 from model.massive import MASSIVE_RATIO, MASSIVE_THRESHOLD
+from model.text.chat_template import RESERVED_VARIABLES
 
 
 def _utf8(v: str) -> str:
@@ -300,14 +301,18 @@ def _template_kwargs(v):
     for k in v:
         if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]{0,63}", k):
             raise ValueError(f"chat_template_kwargs keys must be template variable names, got {k!r}")
+        if k in RESERVED_VARIABLES:
+            raise ValueError(f"chat_template_kwargs may not set {k}: the request has its own field for it")
     _utf8(json.dumps(v, ensure_ascii=False))
     return v
 
 
 # vLLM's `chat_template_kwargs`: further variables for the chat template (e.g. Qwen3's {"enable_thinking": false});
-# the template gets those it reads (model/text/chat_template.py)
+# the template gets those it reads (model/text/chat_template.py); names the request sets with its own fields are not
+# taken
 ChatTemplateKwargs = Annotated[dict[str, Any] | None, AfterValidator(_template_kwargs), WithJsonSchema({"anyOf": [{
-    "type": "object", "maxProperties": 64, "propertyNames": {"pattern": "^[A-Za-z_][A-Za-z0-9_]{0,63}$"}},
+    "type": "object", "maxProperties": 64, "propertyNames": {"pattern": "^[A-Za-z_][A-Za-z0-9_]{0,63}$",
+                                                              "not": {"enum": sorted(RESERVED_VARIABLES)}}},
     {"type": "null"}]})]
 
 

@@ -18,7 +18,7 @@ from model.text.gguf_vocab import _BYTE_CHARS
 from model.text.tokenizer import Tokenizer
 from model.transformer import Transformer
 
-SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "[TOOL_CALLS]"]  # Qwen's, and Mistral's control token
 PLAIN = ["<think>", "</think>", "<tool_call>", "</tool_call>"]  # Qwen3's non-special added tokens
 
 
@@ -52,7 +52,7 @@ def scripted_model(tok: Tokenizer, start: str, script: list[str], dim: int = 64)
     assert len(set(chain)) == len(chain) and len(chain) <= dim
     torch.manual_seed(0)
     model = Transformer(ModelConfig(vocab_size=tok.vocab_size, dim=dim, n_layers=1, n_heads=4, n_kv_heads=2,
-                                    hidden_dim=2 * dim, max_seq_len=512))
+                                    hidden_dim=2 * dim, max_seq_len=2048))
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(torch.ones_like(p) if name.endswith("norm.weight") else torch.zeros_like(p))
