@@ -28,18 +28,23 @@ class Tokenizer:
         named = {"bos_token": bos_id, "eos_token": eos_id, "unk_token": unk_id, "pad_token": pad_id}
         self._named_tokens = dict(template_tokens) if template_tokens is not None else {
             k: backend.id_to_token(v) for k, v in named.items() if v is not None}
-        self._template: ChatTemplate | None = None
-        self.chat_template = chat_template
+        self._source, self._template, self._template_error = chat_template or None, None, None
+        if chat_template:
+            try:
+                self._template = ChatTemplate(chat_template, self._named_tokens)
+            except ValueError as e:  # a checkpoint's template jinja2 cannot read: chat says so, the rest serves
+                self._template_error = str(e)
 
     @property
     def chat_template(self) -> str | None:
         """The Jinja source of the chat template (None: the checkpoint has none); setting it (`--chat-template`)
         compiles it at once, so a broken template is refused there and not in a request (ValueError)."""
-        return self._template.source if self._template is not None else None
+        return self._source
 
     @chat_template.setter
     def chat_template(self, source: str | None) -> None:
         self._template = ChatTemplate(source, self._named_tokens) if source else None
+        self._source, self._template_error = source or None, None
 
     @property
     def template(self) -> ChatTemplate | None:
@@ -140,6 +145,8 @@ class Tokenizer:
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
         """Render like transformers' apply_chat_template(tokenize=False) (model/text/chat_template.py); `kwargs`:
         `tools` and further template variables."""
+        if self._template_error is not None:
+            raise ValueError(self._template_error)
         if self._template is None:
             raise ValueError("this checkpoint has no chat template (tokenizer.chat_template / "
                              "tokenizer_config.json chat_template / chat_template.jinja): give one with --chat-template")

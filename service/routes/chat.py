@@ -9,9 +9,9 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
 from model.engine import RequestOptions, SamplingParams
+from model.text.reasoning import ReasoningParser
 from service.chat_choices import ChatChoices
 from service.errors import APIError
-from model.text.reasoning import ReasoningParser
 from service.prepare import render_chat_prompt
 from service.request_options import hidden_dtype, to_options
 from service.runner import RunStats, collect, start, stream_response

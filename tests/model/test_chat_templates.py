@@ -145,3 +145,14 @@ def test_chat_template_option(tmp_path):
         ChatTemplate("{% for m in messages %}")
     with pytest.raises(ValueError, match="may not set messages, tools"):
         ChatTemplate("{{ x }}").accepted_kwargs({"messages": [], "tools": [], "x": 1})
+
+
+def test_a_template_jinja_cannot_read_fails_the_chat_not_the_load():
+    from benchmarks.tiny_checkpoint import byte_backend
+
+    tok = Tokenizer(byte_backend(), bos_id=None, eos_id=None, chat_template="{% for m in messages %}")
+    assert tok.chat_template == "{% for m in messages %}" and tok.encode("hi") == [104, 105]
+    with pytest.raises(ValueError, match="not valid Jinja"):
+        tok.apply_chat_template([{"role": "user", "content": "hi"}])
+    tok.chat_template = "{{ messages[0].content }}"  # --chat-template replaces it
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == "hi"
