@@ -1,10 +1,14 @@
 """The choices of one /v1/chat/completions response, streamed chunk by chunk or collected whole: each choice's content
-or tool calls (parsed as they arrive, service/tool_calls.py), chat logprobs, hidden states."""
+or tool calls (parsed as they arrive, service/tool_calls.py), its reasoning apart (`--reasoning-parser`,
+model/text/reasoning.py), chat logprobs, hidden states."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from model.engine import RequestOutput
 from model.text import Tokenizer
+from model.text.reasoning import ReasoningSplit
 from service.interventions import encode_hidden, merge_hidden
 from service.openai_format import chat_logprob, now, usage
 from service.tool_calls import ChoiceMessage, ToolPlan
@@ -12,10 +16,16 @@ from service.tool_calls import ChoiceMessage, ToolPlan
 
 class ChatChoices:
     def __init__(self, tok: Tokenizer, n: int, plan: ToolPlan, logprobs: bool, rid: str, model: str,
-                 hidden_dtype: str | None) -> None:
+                 hidden_dtype: str | None, reasoning: Callable[[], ReasoningSplit] | None = None,
+                 include_reasoning: bool = True) -> None:
+        """`reasoning`: a new split for each choice (None: no reasoning parser, the reasoning stays content);
+        `include_reasoning` false: the reasoning is split off and left out (vLLM's field)."""
         self.tok, self.n, self.plan, self.logprobs, self.hidden_dtype = tok, n, plan, logprobs, hidden_dtype
         self.rid, self.created, self.model = rid, now(), model
         self._messages = {c: ChoiceMessage(plan) for c in range(n)}  # each choice's content or tool calls, parsed
+        self._splits = {c: reasoning() for c in range(n)} if reasoning is not None else None
+        self._include_reasoning = include_reasoning
+        self._reasoning: dict[int, str] = {c: "" for c in range(n)}
         self._lps: dict[int, list] = {c: [] for c in range(n)}
         self._hidden: dict[int, list] = {c: [] for c in range(n)}
 
@@ -34,7 +44,10 @@ class ChatChoices:
     def chunk(self, choice: int, out: RequestOutput) -> dict | None:
         """One output's chunk choice, or None when it carries nothing to send."""
         lp = {"content": [chat_logprob(self.tok, l) for l in out.logprobs]} if out.logprobs else None
-        delta = self._messages[choice].delta(out.text, out.finished)  # content, or tool-call deltas once parsed
+        reasoning, text = self._split(choice, out)
+        delta = self._messages[choice].delta(text, out.finished)  # content, or tool-call deltas once parsed
+        if reasoning:
+            delta = {"reasoning_content": reasoning, **(delta or {})}
         if delta is None and not out.finished and lp is None and out.hidden_states is None:
             return None
         c = {"index": choice, "delta": delta or {}, "logprobs": lp,
@@ -45,8 +58,20 @@ class ChatChoices:
 
     # ---- collected ------------------------------------------------------------------------------------------
 
+    def _split(self, choice: int, out: RequestOutput) -> tuple[str, str]:
+        """This output's text as (reasoning, content); without a reasoning parser all content."""
+        if self._splits is None:
+            return "", out.text
+        split = self._splits[choice]
+        reasoning, content = split.feed(out.text)
+        if out.finished:
+            r, c = split.finish()
+            reasoning, content = reasoning + r, content + c
+        self._reasoning[choice] += reasoning
+        return (reasoning if self._include_reasoning else ""), content
+
     def add(self, choice: int, out: RequestOutput) -> None:
-        self._messages[choice].delta(out.text, out.finished)
+        self._messages[choice].delta(self._split(choice, out)[1], out.finished)
         self._lps[choice] += [chat_logprob(self.tok, l) for l in out.logprobs or []]
         if out.hidden_states is not None:
             self._hidden[choice].append(out.hidden_states)
@@ -55,7 +80,12 @@ class ChatChoices:
                  cached_tokens: int) -> dict:
         choices = []
         for c in range(self.n):
-            choice = {"index": c, "message": self._messages[c].message(),
+            message = self._messages[c].message()
+            if self._splits is not None:  # vLLM's: no text is null, on either side of the split
+                message["content"] = message["content"] or None
+                if self._include_reasoning:
+                    message["reasoning_content"] = self._reasoning[c] or None
+            choice = {"index": c, "message": message,
                       "logprobs": {"content": self._lps[c]} if self.logprobs else None,
                       "finish_reason": self._messages[c].finish_reason(reasons.get(c))}
             if self.hidden_dtype is not None:

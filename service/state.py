@@ -16,6 +16,7 @@ from model.engine import Engine, KVWindow, SpeculativeConfig
 from model.loaders import LoadedModel, load_model
 from model.parallel import TPModel, launch
 from model.dtypes import DTYPES
+from model.text.chat_template import read_template_option
 from service.config import Settings
 from service.metrics import Metrics
 from service.vectors import VectorStore, control_vector_specs, load_control_vector
@@ -76,6 +77,8 @@ class ServingState:
                 else:
                     loaded = load_model(s.model, DTYPES[dtype], device, quantization=s.quantization,
                                         reserve_bytes=s.kv_cache_bytes)
+            if s.chat_template is not None:  # --chat-template: instead of the checkpoint's own
+                loaded.tokenizer.chat_template = read_template_option(s.chat_template)
             config = s.engine_config()
             c = loaded.model.config
             for spec in control_vector_specs(s.control_vector):  # llama.cpp control vectors, stored by name

@@ -7,8 +7,9 @@ parse of what the model wrote back into `tool_calls` (streamed as deltas). Behav
 - "required": the output is constrained to {"tool_calls": [{"name": ..., "arguments": {...}}, ...]} with each
   call's arguments matching its tool's schema (at least one call; exactly one with parallel_tool_calls false).
 - "auto", template with a tool format (it renders `tools`): the tools go through the template, the output is free,
-  and calls are read back from Hermes-style `<tool_call>{...}</tool_call>` blocks or a bare Llama-3.x-style JSON
-  call; anything else is the reply's content.
+  and calls are read back in the model's own format by `--tool-call-parser` (service/tool_parsers.py: Hermes-style
+  `<tool_call>{...}</tool_call>` blocks, Mistral's `[TOOL_CALLS] [...]`, a bare Llama-3.x-style JSON call);
+  anything else is the reply's content.
 - "auto", template without one (the default model, SmolLM2-135M-Instruct, renders no tools): llama.cpp's generic
   format (`common/chat.cpp`, `common_chat_params_init_generic`): a system message lists the tools and asks for JSON,
   and the output is constrained to either {"tool_calls": [...]} as for "required", or {"response": "<text>"},
@@ -21,8 +22,6 @@ earlier assistant calls are written back as that JSON, and tool results are `too
 from __future__ import annotations
 
 import json
-import re
-import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,9 +30,9 @@ from model.text import Tokenizer
 from service.errors import APIError
 from service.schemas import ChatCompletionRequest, ChatMessage, Tool
 from service.structured_outputs import close_objects, json_schema_spec
+from service.tool_parsers import call_id, parse_tool_calls, template_call_id
 
 NO_ARGUMENTS = {"type": "object", "properties": {}, "additionalProperties": False}
-_HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
 
 def _refuse(message: str, param: str) -> APIError:
@@ -58,6 +57,8 @@ class ToolPlan:
     named: str | None = None
     parallel: bool = True
     native: bool = False  # the template renders the tools itself
+    parser: str = "auto"  # how an "auto_template" reply's calls are read (--tool-call-parser)
+    template_format: str | None = None  # the template's own call format (tool_parsers.template_tool_format)
     spec: StructuredOutputSpec | None = None
     tool_specs: list[StructuredOutputSpec] = field(default_factory=list)  # each tool's arguments, to check alone
 
@@ -80,9 +81,16 @@ def _calls_schema(tools: list[Tool], parallel: bool) -> dict:
             "additionalProperties": False}
 
 
-def plan_tools(req: ChatCompletionRequest, native: bool) -> ToolPlan:
+def plan_tools(req: ChatCompletionRequest, native: bool, parser: str = "auto",
+               template_format: str | None = None) -> ToolPlan:
     """What the request's tools ask for; 400 naming the field for a choice that names no tool, a strict tool
     without parameters, or tools beside another output constraint."""
+    plan = _plan(req, native)
+    plan.parser, plan.template_format = parser, template_format
+    return plan
+
+
+def _plan(req: ChatCompletionRequest, native: bool) -> ToolPlan:
     tools, choice = req.tools or [], req.tool_choice
     if not tools:
         if choice is not None and choice != "none":
@@ -152,7 +160,7 @@ def template_messages(messages: list[ChatMessage], plan: ToolPlan) -> list[dict]
         d: dict[str, Any] = {"role": m.role, "content": m.text()}
         if m.tool_calls:
             if plan.native:
-                d["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                d["tool_calls"] = [{"id": template_call_id(c.id, plan.template_format), "type": "function", "function": {
                     "name": c.function.name, "arguments": _parsed_arguments(c.function.arguments)}}
                     for c in m.tool_calls]
             else:
@@ -161,7 +169,9 @@ def template_messages(messages: list[ChatMessage], plan: ToolPlan) -> list[dict]
                 d["content"] = (d["content"] + "\n" if d["content"] else "") + json.dumps(
                     {"tool_calls": calls}, ensure_ascii=False)
         if m.tool_call_id is not None:
-            d["tool_call_id"] = m.tool_call_id
+            d["tool_call_id"] = template_call_id(m.tool_call_id, plan.template_format) if plan.native else m.tool_call_id
+        if m.reasoning_content is not None:
+            d["reasoning_content"] = m.reasoning_content
         if m.name is not None:
             d["name"] = m.name
         out.append(d)
@@ -183,7 +193,7 @@ def template_tools(plan: ToolPlan) -> list[dict] | None:
 
 def _call(name: str, arguments: Any) -> dict:
     text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": {"name": name, "arguments": text}}
+    return {"id": call_id(), "type": "function", "function": {"name": name, "arguments": text}}
 
 
 def parse_output(plan: ToolPlan, text: str) -> tuple[str | None, list[dict]]:
@@ -191,20 +201,8 @@ def parse_output(plan: ToolPlan, text: str) -> tuple[str | None, list[dict]]:
     max_tokens, say)."""
     if plan.mode == "named":
         return None, [_call(plan.named, text)]
-    known = {t.function.name for t in plan.tools}
     if plan.mode == "auto_template":
-        calls = []
-        for block in _HERMES_CALL.findall(text):
-            obj = _parsed_arguments(block)
-            if isinstance(obj, dict) and obj.get("name") in known:
-                calls.append(_call(obj["name"], obj.get("arguments", obj.get("parameters", {}))))
-        if calls:
-            rest = _HERMES_CALL.sub("", text).strip()
-            return rest or None, calls
-        obj = _parsed_arguments(text.strip())  # Llama 3.x: the whole reply is {"name": ..., "parameters": ...}
-        if isinstance(obj, dict) and obj.get("name") in known and isinstance(obj.get("parameters", obj.get("arguments")), dict):
-            return None, [_call(obj["name"], obj.get("parameters", obj.get("arguments")))]
-        return text, []
+        return parse_tool_calls(plan.parser, text, {t.function.name for t in plan.tools})
     obj = _parsed_arguments(text)
     if isinstance(obj, dict) and isinstance(obj.get("tool_calls"), list):
         return None, [_call(c["name"], c["arguments"]) for c in obj["tool_calls"]]
@@ -221,7 +219,7 @@ class ChoiceMessage:
         self.plan, self.text = plan, ""
         self.content: str | None = None
         self.calls: list[dict] = []
-        self._named_id = f"call_{uuid.uuid4().hex[:24]}"
+        self._named_id = call_id()
         self._started = False
 
     def delta(self, text: str, finished: bool) -> dict | None:

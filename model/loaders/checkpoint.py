@@ -17,6 +17,7 @@ import torch
 from model import huge_pages, kernels
 
 from model.loaders.errors import CheckpointError
+from model.loaders.hub import checkpoint_name, resolve_checkpoint
 from model.loaders.memory import check_fits, process_peak_bytes
 from model.quantize import Quantization
 from model.loaders.shard import ShardFor
@@ -168,7 +169,7 @@ def _load_model(path, dtype, device, quantization, shard, reserve_bytes, start: 
     if shard is not None and quantization not in ("none", "auto"):
         # the quantized modules would replace the row-parallel layers that carry the all-reduce hooks
         raise CheckpointError("quantization with tensor parallelism is not supported: choose one", path=str(path))
-    path = Path(path) if path is not None else default_model_path()
+    path = resolve_checkpoint(path) if path is not None else default_model_path()  # a Hub id: its cached snapshot
     requested = quantization
     if shard is not None:
         quantization = "none"
@@ -182,7 +183,7 @@ def _load_model(path, dtype, device, quantization, shard, reserve_bytes, start: 
             tokenizer = Tokenizer.from_hf_dir(path)
         except FileNotFoundError as e:
             raise CheckpointError(f"no tokenizer: {e}", path=str(path)) from None
-        name = path.name
+        name = checkpoint_name(path)
     elif path.is_file():
         reader = open_gguf(path)
         if shard is None:
@@ -196,7 +197,7 @@ def _load_model(path, dtype, device, quantization, shard, reserve_bytes, start: 
             raise CheckpointError(f"cannot rebuild the embedded tokenizer: {e}", path=str(path)) from None
         model = load_gguf(path, dtype, device, reader=reader, meta=meta, quantization=quantization, shard=shard,
                           per_tensor=requested == "auto")
-        name = path.name.removesuffix(".gguf")
+        name = checkpoint_name(path)
     else:
         raise CheckpointError("no such file or directory", path=str(path))
     mix = getattr(model, "weight_mix", None)

@@ -26,6 +26,7 @@ from torch import Tensor
 
 from model.loaders.checkpoint import LoadedModel, default_model_path, load_model
 from model.loaders.errors import CheckpointError
+from model.loaders.hub import resolve_checkpoint
 from model.dtypes import dtype_name
 from model.engine.forward_context import ForwardContext
 from model.parallel.plan import ShardPlan, TPRank, cuda_device, install_row_parallel, parameter_bytes
@@ -160,7 +161,7 @@ def launch(
     rendezvous, the load, and each collective inside a step."""
     if tp_size < 2:
         raise ValueError("tensor parallelism needs at least 2 ranks")
-    path = Path(path).resolve() if path is not None else default_model_path()
+    path = resolve_checkpoint(path).resolve() if path is not None else default_model_path()  # a Hub id: its snapshot
     device = torch.device(device)
     if device.type == "cuda" and torch.cuda.device_count() < tp_size:
         raise ValueError(f"tensor-parallel size {tp_size} needs {tp_size} GPUs; {torch.cuda.device_count()} visible")

@@ -130,11 +130,24 @@ def generate_merges(tokens: list[str], scores: list[float]) -> list[tuple[str, s
     return [(a, b) for a, b, _ in merges]
 
 
-def _added_tokens(tokens: list[str], types: list[int], special_types: set[int]) -> list[AddedToken]:
+def _added_tokens(tokens: list[str], types: list[int], special_types: set[int],
+                  rstrip: frozenset[str] = frozenset()) -> list[AddedToken]:
     # llama.cpp matches CONTROL/USER_DEFINED (and UNKNOWN) tokens whole in the raw text before the model runs
-    # (tokenizer_st_partition); non-normalized added tokens are the `tokenizers` equivalent.
-    return [AddedToken(t, special=ty in special_types, normalized=False)
+    # (tokenizer_st_partition); non-normalized added tokens are the `tokenizers` equivalent. `rstrip`: tokens that
+    # swallow the whitespace after them (LLAMA_TOKEN_ATTR_RSTRIP; AddedToken's rstrip does the same).
+    return [AddedToken(t, special=ty in special_types, normalized=False, rstrip=t in rstrip)
             for t, ty in zip(tokens, types) if ty in special_types or ty == USER_DEFINED]
+
+
+def _rstrip_tokens(meta: Mapping[str, Any], tokens: list[str], types: list[int]) -> frozenset[str]:
+    """Phi-3's special tokens take the whitespace after them (its tokenizer.json says rstrip: true). GGUF has no key
+    for it: llama.cpp recognizes Phi-3 by `general.name` and sets the attribute on every CONTROL, USER_DEFINED and
+    UNKNOWN token but <unk>, <s> and <|endoftext|>, and on </s> (llama_vocab::impl::load, "phi-3" / "phi3")."""
+    name = str(meta.get("general.name", "")).lower()
+    if "phi-3" not in name and "phi3" not in name:
+        return frozenset()
+    marked = {t for t, ty in zip(tokens, types) if ty in (CONTROL, USER_DEFINED, UNKNOWN)}
+    return frozenset((marked | {"</s>"}) - {"<unk>", "<s>", "<|endoftext|>"})
 
 
 def _byte_level_backend(meta: Mapping[str, Any]) -> Backend:
@@ -183,7 +196,7 @@ def _sentencepiece_backend(meta: Mapping[str, Any]) -> Backend:
     tk.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), replace]) if prefix else replace
     steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
     tk.decoder = decoders.Sequence(steps + ([decoders.Strip(" ", 1, 0)] if prefix else []))
-    tk.add_tokens(_added_tokens(tokens, types, {CONTROL, UNKNOWN}))
+    tk.add_tokens(_added_tokens(tokens, types, {CONTROL, UNKNOWN}, _rstrip_tokens(meta, tokens, types)))
     return tk
 
 

@@ -4,30 +4,51 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from tokenizers import Tokenizer as Backend
 
+from model.text.chat_template import ChatTemplate, hf_chat_template
 from model.text.gguf_vocab import EOG_TEXTS, gguf_backend, gguf_stop_ids
 
 
 class Tokenizer:
     def __init__(self, backend: Backend, *, bos_id: int | None, eos_id: int | None, stop_ids=(),
                  add_bos: bool = False, chat_template: str | None = None, vocab_size: int | None = None,
-                 unk_id: int | None = None, pad_id: int | None = None):
+                 unk_id: int | None = None, pad_id: int | None = None, template_tokens: Mapping[str, str] | None = None):
         self._tk = backend
         self.bos_id = bos_id
         self.eos_id = eos_id
         self.stop_ids = frozenset(stop_ids) | ({eos_id} if eos_id is not None else set())
         self.add_bos = add_bos
-        self.chat_template = chat_template
         self.vocab_size = vocab_size if vocab_size is not None else backend.get_vocab_size(with_added_tokens=True)
-        self._template = None
-        # Token strings a chat template may reference; transformers passes its special_tokens_map.
+        # Token strings a chat template may reference; transformers passes its special_tokens_map (an HF directory
+        # names them itself: its bos_token may be null where generation_config.json still gives a BOS id).
         named = {"bos_token": bos_id, "eos_token": eos_id, "unk_token": unk_id, "pad_token": pad_id}
-        self._named_tokens = {k: backend.id_to_token(v) for k, v in named.items() if v is not None}
+        self._named_tokens = dict(template_tokens) if template_tokens is not None else {
+            k: backend.id_to_token(v) for k, v in named.items() if v is not None}
+        self._source, self._template, self._template_error = chat_template or None, None, None
+        if chat_template:
+            try:
+                self._template = ChatTemplate(chat_template, self._named_tokens)
+            except ValueError as e:  # a checkpoint's template jinja2 cannot read: chat says so, the rest serves
+                self._template_error = str(e)
+
+    @property
+    def chat_template(self) -> str | None:
+        """The Jinja source of the chat template (None: the checkpoint has none); setting it (`--chat-template`)
+        compiles it at once, so a broken template is refused there and not in a request (ValueError)."""
+        return self._source
+
+    @chat_template.setter
+    def chat_template(self, source: str | None) -> None:
+        self._template = ChatTemplate(source, self._named_tokens) if source else None
+        self._source, self._template_error = source or None, None
+
+    @property
+    def template(self) -> ChatTemplate | None:
+        return self._template
 
     @property
     def backend(self) -> Backend:
@@ -67,10 +88,13 @@ class Tokenizer:
         special_map = _read_json(path / "special_tokens_map.json")
         gen = _read_json(path / "generation_config.json")
 
-        def token_id(name):
+        def token_text(name):
             tok = cfg.get(name, special_map.get(name))
             tok = tok.get("content") if isinstance(tok, dict) else tok
-            return backend.token_to_id(tok) if isinstance(tok, str) else None
+            return tok if isinstance(tok, str) else None
+
+        def token_id(name):
+            return backend.token_to_id(token_text(name)) if token_text(name) is not None else None
 
         bos_id, eos_id = token_id("bos_token"), token_id("eos_token")
         if gen.get("bos_token_id") is not None and bos_id is None:
@@ -92,8 +116,10 @@ class Tokenizer:
             add_bos = bos_id is not None and bool(ids) and ids[0] == bos_id
 
         return cls(backend, bos_id=bos_id, eos_id=eos_id, stop_ids=stop, add_bos=add_bos,
-                   chat_template=_hf_chat_template(path, cfg), unk_id=token_id("unk_token"),
-                   pad_id=token_id("pad_token"))
+                   chat_template=hf_chat_template(path, cfg), unk_id=token_id("unk_token"),
+                   pad_id=token_id("pad_token"), template_tokens={
+                       k: token_text(k) for k in ("bos_token", "eos_token", "unk_token", "pad_token")
+                       if token_text(k) is not None})
 
     # ---- text <-> ids --------------------------------------------------------------------------------------
 
@@ -117,61 +143,15 @@ class Tokenizer:
     # ---- chat ----------------------------------------------------------------------------------------------
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
-        """Render like transformers' apply_chat_template(tokenize=False) (utils/chat_template_utils.py)."""
-        if not self.chat_template:
-            raise ValueError("this checkpoint has no chat template (tokenizer.chat_template / "
-                             "tokenizer_config.json chat_template / chat_template.jinja)")
+        """Render like transformers' apply_chat_template(tokenize=False) (model/text/chat_template.py); `kwargs`:
+        `tools` and further template variables."""
+        if self._template_error is not None:
+            raise ValueError(self._template_error)
         if self._template is None:
-            self._template = _compile_template(self.chat_template)
-        variables = {**self._named_tokens, "tools": None, "documents": None}
-        variables.update(kwargs)
-        # transformers drops None-valued keys (e.g. OpenAI's content=None next to tool_calls) before rendering.
-        messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
-        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, **variables)
+            raise ValueError("this checkpoint has no chat template (tokenizer.chat_template / "
+                             "tokenizer_config.json chat_template / chat_template.jinja): give one with --chat-template")
+        return self._template.render(messages, add_generation_prompt=add_generation_prompt, **kwargs)
 
 
 def _read_json(path: Path) -> dict:
     return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
-
-
-def _hf_chat_template(path: Path, cfg: dict) -> str | None:
-    # transformers >= 4.43 saves the template to chat_template.jinja (or chat_template.json); older
-    # tokenizer_config.json holds a string or a list of {"name", "template"} with "default" first choice.
-    if (path / "chat_template.jinja").is_file():
-        return (path / "chat_template.jinja").read_text(encoding="utf-8")
-    tpl = _read_json(path / "chat_template.json").get("chat_template", cfg.get("chat_template"))
-    if isinstance(tpl, list):
-        named = {t["name"]: t["template"] for t in tpl}
-        tpl = named.get("default", next(iter(named.values()), None))
-    return tpl
-
-
-def _compile_template(source: str):
-    import jinja2
-    from jinja2.ext import Extension, loopcontrols
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    class _Generation(Extension):
-        # transformers' AssistantTracker tag `{% generation %}...{% endgeneration %}`; renders its body as-is.
-        tags = {"generation"}
-
-        def parse(self, parser):
-            lineno = next(parser.stream).lineno
-            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-            return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
-
-        def _render(self, caller):
-            return caller()
-
-    def raise_exception(message):
-        raise jinja2.exceptions.TemplateError(message)
-
-    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        # Jinja's own tojson HTML-escapes; transformers overrides it with plain json.dumps.
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[_Generation, loopcontrols])
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    return env.from_string(source)

@@ -48,7 +48,7 @@ async def tokenize(req: TokenizeRequest, state: Serving = Depends(serving)):
     if (req.prompt is None) == (req.messages is None):
         raise APIError(400, "give exactly one of prompt or messages", param="prompt", code="invalid_value")
     if req.messages is not None:
-        ids = render_chat(state, req.messages)
+        ids = render_chat(state, req.messages, template_kwargs=req.chat_template_kwargs)
     else:
         ids = state.tokenizer.encode(req.prompt, add_bos=None if req.add_special_tokens else False)
     return {"tokens": ids, "count": len(ids), "max_model_len": state.max_model_len}

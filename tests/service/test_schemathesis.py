@@ -44,8 +44,11 @@ def summary(out: str) -> str:
 def test_schemathesis_finds_nothing(tmp_path):
     # A real tokenizer with a chat template, so chat requests get past the template and into the engine.
     loaded = load_model(write_tiny_checkpoint(tmp_path / "tiny-llama", max_seq_len=256))
-    settings = Settings(max_n=2, max_prompts=2, max_logprobs=3, max_model_len=256, max_body_bytes=64 << 10,
-                        max_window_tokens=512)  # a kv_window lifts the context limit: this bounds its run time
+    # a kv_window lifts the context limit: max_window_tokens bounds its run time. The body limit leaves room for the
+    # coverage phase's 1,025-message arrays, every optional field filled (about 82 kB), so they are the 400s they
+    # should be and not 413s
+    settings = Settings(max_n=2, max_prompts=2, max_logprobs=3, max_model_len=256, max_body_bytes=128 << 10,
+                        max_window_tokens=512)
     with LiveServer(create_app(settings, loaded=loaded, wait_ready=True)) as live:
         result = run_schemathesis(live.url, tmp_path)
         print(summary(result.stdout))

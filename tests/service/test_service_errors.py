@@ -363,6 +363,10 @@ def test_allowed_origins_let_a_browser_app_call_the_api(monkeypatch):
     (["--quantization", "int3"], {}, "--quantization: invalid choice: 'int3'"),
     ([], {"LLAMASCOPE_PORT": "eighty"}, "LLAMASCOPE_PORT 'eighty'"),
     (["--no-such-flag"], {}, "unrecognized arguments: --no-such-flag"),
+    (["--chat-template", "/no/such.jinja"], {}, "--chat-template '/no/such.jinja': Value error, no such file"),
+    (["--chat-template", "{% for m in %}"], {}, "the chat template is not valid Jinja"),
+    (["--reasoning-parser", "granite"], {}, "--reasoning-parser: invalid choice: 'granite'"),
+    (["--tool-call-parser", "pythonic"], {}, "--tool-call-parser: invalid choice: 'pythonic'"),
 ])
 def test_a_bad_command_line_value_is_one_line_and_exit_2(argv, env, needle):
     """Before anything loads: `python -m service --port abc` says what is wrong in one line, no traceback."""

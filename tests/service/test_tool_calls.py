@@ -15,6 +15,7 @@ from service.errors import APIError
 from service.schemas import ChatCompletionRequest
 from service.structured_outputs import close_objects
 from service.tool_calls import ChoiceMessage, parse_output, plan_tools, template_messages, template_renders_tools
+from service.tool_parsers import parse_tool_calls, template_tool_format
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
@@ -144,3 +145,56 @@ def test_objects_are_closed_only_where_the_schema_is_silent():
     assert "additionalProperties" not in p["e"]  # no properties listed: any object, as the schema says
     assert closed["$defs"]["f"]["additionalProperties"] is False
     assert "additionalProperties" not in schema  # the request's own schema is left alone
+
+
+# ---- the model's own formats (--tool-call-parser) -------------------------------------------------------------
+
+
+MISTRAL_REPLY = ('Sure.[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Oslo"}}, '
+                 '{"name": "get_time", "arguments": {}}]')
+HERMES_REPLY = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>\n'
+                '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>')
+
+
+@pytest.mark.parametrize("parser", ["auto", "hermes", "mistral", "llama3_json"])
+def test_each_parser_reads_its_format_and_only_it(parser):
+    known = {"get_weather", "get_time"}
+    replies = {"hermes": HERMES_REPLY, "mistral": MISTRAL_REPLY,
+               "llama3_json": '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Oslo"}}'}
+    for fmt, reply in replies.items():
+        content, calls = parse_tool_calls(parser, reply, known)
+        if parser not in ("auto", fmt):
+            assert (content, calls) == (reply, [])  # another format: all content
+            continue
+        assert calls and calls[0]["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
+        assert content == ("Sure." if fmt == "mistral" else None)
+        # Mistral's template takes back only ids of 9 letters and digits
+        assert all(len(c["id"]) == 9 and c["id"].isalnum() for c in calls) == (fmt == "mistral")
+    assert parse_tool_calls(parser, '[TOOL_CALLS] [{"name": "nope", "arguments": {}}]', known)[1] == []
+    assert parse_tool_calls(parser, '[TOOL_CALLS] [{"name": "get_w', known)[1] == []  # cut short: content
+
+
+def test_mistral_calls_round_trip_through_the_template():
+    """A Mistral-template plan reads [TOOL_CALLS] back with the parser, keeps control tokens in the text, and gives
+    the template back ids it accepts (a client's longer ids keep their last 9 characters, as vLLM's)."""
+    from family_tokenizers import TEMPLATES
+
+    mistral = Tokenizer(byte_backend(), bos_id=257, eos_id=256,
+                        chat_template=(TEMPLATES / "mistral-7b-instruct-v0.3.jinja").read_text())
+    assert template_tool_format(mistral.chat_template) == "mistral" and template_renders_tools(mistral)
+    req = request(tools=[WEATHER, TIME])
+    plan = plan_tools(req, native=True, parser="auto", template_format="mistral")
+    content, calls = parse_output(plan, MISTRAL_REPLY)
+    assert content == "Sure." and [c["function"]["name"] for c in calls] == ["get_weather", "get_time"]
+    body = {"tools": [WEATHER], "messages": [
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_0123456789abcdef", "type": "function", "function": {"name": "get_weather",
+                                                                           "arguments": '{"city": "Oslo"}'}}]},
+        {"role": "tool", "tool_call_id": "call_0123456789abcdef", "content": "snow"}]}
+    req = ChatCompletionRequest.model_validate(body)
+    messages = template_messages(req.messages, plan_tools(req, native=True, template_format="mistral"))
+    assert messages[1]["tool_calls"][0]["id"] == messages[2]["tool_call_id"] == "789abcdef"
+    text = mistral.apply_chat_template(messages, tools=[WEATHER])
+    assert '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Oslo"}, "id": "789abcdef"}]' in text
+    assert template_tool_format(HERMES_TEMPLATE) == "hermes" and template_tool_format(PLAIN_TEMPLATE) is None
