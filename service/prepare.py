@@ -1,13 +1,20 @@
 """Request preparation every route shares: prompts to token ids (a completions prompt in any of its four forms, chat
-messages through the checkpoint's template) and the inspection length limit, each refusal a 400 / 413 naming the
-field. Routes import these from here, never from one another."""
+messages through the checkpoint's template), a whole chat request (for /v1/chat/completions and /v1/responses, which
+runs as one), and the inspection length limit, each refusal a 400 / 413 naming the field. Routes import these from
+here, never from one another."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+from model.engine import RequestOptions, SamplingParams
 from service.errors import APIError
-from service.schemas import ChatMessage
+from service.request_options import to_options
+from service.sampling_params import to_sampling_params
+from service.schemas import ChatCompletionRequest, ChatMessage
 from service.serving import Serving
-from service.tool_calls import ToolPlan, template_messages, template_tools
+from service.structured_outputs import compile_spec, requested_spec
+from service.tool_calls import ToolPlan, plan_tools, template_messages, template_renders_tools, template_tools
 
 
 def tokenize_prompts(state: Serving, prompt) -> list[list[int]]:
@@ -49,6 +56,37 @@ def render_chat(state: Serving, messages: list[ChatMessage], add_generation_prom
     if not ids:
         raise APIError(400, "the rendered conversation is empty", param="messages", code="empty_prompt")
     return ids
+
+
+@dataclass
+class ChatRun:
+    """What a chat request runs as: its token ids, tool plan, sampling and options."""
+
+    prompt: list[int]
+    plan: ToolPlan
+    params: SamplingParams
+    options: RequestOptions
+
+
+async def prepare_chat(state: Serving, req: ChatCompletionRequest) -> ChatRun:
+    """A chat request's prompt (its tools planned and rendered), sampling and options, every refusal raised before
+    anything is submitted."""
+    tool_turns = any(m.tool_calls or m.role == "tool" for m in req.messages)
+    plan = plan_tools(req, native=bool(req.tools or tool_turns) and template_renders_tools(state.tokenizer))
+    prompt = render_chat(state, req.messages, req.add_generation_prompt, plan)
+    if req.top_logprobs is not None and not req.logprobs:
+        raise APIError(400, "top_logprobs requires logprobs: true", param="top_logprobs", code="invalid_value")
+    structured = requested_spec(req)
+    if structured is not None and plan.calls_tools:
+        raise APIError(400, f"{structured.source} cannot be combined with tool calls (tool_choice "
+                       f"{plan.named or plan.mode.split('_')[0]}): give one output constraint", param=structured.source,
+                       code="invalid_value")
+    for spec in [*plan.tool_specs, plan.spec or structured]:  # each tool alone first: its error names the tool
+        await compile_spec(state, spec)
+    top = (req.top_logprobs or 0) if req.logprobs else None
+    params = to_sampling_params(req, state.settings, req.max_completion_tokens or req.max_tokens, top, None,
+                                default_max_tokens=max(1, state.max_model_len - len(prompt)))
+    return ChatRun(prompt, plan, params, to_options(req, state, params, structured=plan.spec or structured))
 
 
 def check_inspect_length(state: Serving, T: int, param: str = "prompt") -> None:
