@@ -80,6 +80,22 @@ def test_streamed_events_in_order_and_text_equal_to_the_plain_one(client, name):
     assert final.usage.output_tokens == plain.usage.output_tokens and final.instructions == kw["instructions"]
 
 
+def test_the_clients_stream_helper_builds_the_same_response(client, name):
+    """openai's `responses.stream` checks the events against each other as it accumulates them (item identities,
+    indices, parts) and builds the final response from the deltas."""
+    kw = dict(model=name, input=QUESTION, temperature=0, max_output_tokens=24)
+    plain = client.responses.create(**kw)
+    with client.responses.stream(**kw) as stream:
+        text = "".join(e.delta for e in stream if e.type == "response.output_text.delta")
+        final = stream.get_final_response()
+    assert final.output_text == text == plain.output_text
+    with client.responses.stream(model=name, input="Weather in Lima?", tools=[WEATHER], temperature=0,
+                                 tool_choice={"type": "function", "name": "get_weather"}, max_output_tokens=48) as stream:
+        arguments = "".join(e.delta for e in stream if e.type == "response.function_call_arguments.delta")
+        [call] = stream.get_final_response().output
+    assert call.type == "function_call" and call.arguments == arguments
+
+
 def test_json_schema_output_parses_and_validates(client, name):
     r = client.responses.create(
         model=name, input="Describe a person as a JSON object with a name and an age.", temperature=0,
