@@ -176,7 +176,9 @@ class ResponseOutput:
     def response(self, status: str, usage: dict | None = None, error: str | None = None) -> dict:
         """The `Response` object, its fields as the request set them (OpenAI echoes them)."""
         r = self.req
-        fmt = r.text.format.model_dump(by_alias=True, exclude_none=True) if r.text and r.text.format else {"type": "text"}
+        fmt = {"type": "text"}
+        if r.text is not None and r.text.format is not None:
+            fmt = r.text.format.model_dump(by_alias=True, exclude_none=True)
         tool_choice = r.tool_choice or "auto"
         return {
             "id": self.id, "object": "response", "created_at": self.created_at, "status": status, "model": self.model,
@@ -185,7 +187,8 @@ class ResponseOutput:
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
             "instructions": r.instructions, "max_output_tokens": r.max_output_tokens,
             "previous_response_id": r.previous_response_id,
-            "temperature": 1.0 if r.temperature is None else r.temperature, "top_p": 1.0 if r.top_p is None else r.top_p,
+            "temperature": 1.0 if r.temperature is None else r.temperature,
+            "top_p": 1.0 if r.top_p is None else r.top_p,
             "parallel_tool_calls": r.parallel_tool_calls, "text": {"format": fmt},
             "tool_choice": tool_choice if isinstance(tool_choice, str) else tool_choice.model_dump(),
             "tools": [t.model_dump(exclude_none=True) for t in r.tools or []], "top_logprobs": r.top_logprobs,

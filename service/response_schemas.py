@@ -177,8 +177,9 @@ class ResponsesRequest(BaseModel):
         "if": {"required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer"}}},
         "then": {"required": ["include"], "properties": {"include": {"type": "array", "minItems": 1}}}})
     model: str | None = None
-    input: Annotated[Annotated[NonEmptyText, Tag("str")] | Annotated[list[InputItem], Field(min_length=1, max_length=1024),
-                                                                     Tag("list[InputItem]")], _text_or_list("InputItem")]
+    input: Annotated[Annotated[NonEmptyText, Tag("str")]
+                     | Annotated[list[InputItem], Field(min_length=1, max_length=1024), Tag("list[InputItem]")],
+                     _text_or_list("InputItem")]
     instructions: Text | None = None
     previous_response_id: ID | None = None
     store: bool = True

@@ -50,7 +50,8 @@ def test_conversation_items_as_chat_messages():
     messages = chat_messages("Be brief.", input_items(req))
     assert [m["role"] for m in messages] == ["system", "user", "assistant", "tool", "tool"]
     assert messages[1]["content"] == "Weather ?"
-    assert messages[2]["content"] == "Let me look." and [c["id"] for c in messages[2]["tool_calls"]] == ["call_1", "call_2"]
+    assert messages[2]["content"] == "Let me look."
+    assert [c["id"] for c in messages[2]["tool_calls"]] == ["call_1", "call_2"]
     assert messages[4] == {"role": "tool", "tool_call_id": "call_2", "content": "20 C"}
     # a string input is one user message; no instructions, no system message
     assert chat_messages(None, input_items(ResponsesRequest(input="hi"))) == [{"role": "user", "content": "hi"}]
@@ -94,7 +95,7 @@ def test_refusals_in_this_requests_terms():
         ("tools[3].function.parameters", "x", "tools[3].parameters", "x"),
         ("tool_choice.function.name", "x", "tool_choice.name", "x"),
         (None, "prompt (9 tokens) + max_tokens (5) = 14 exceeds", None, "prompt (9 tokens) + max_output_tokens (5)"),
-        ("messages", "cannot render the chat template: roles must alternate", "input", "cannot render the chat template"),
+        ("messages", "cannot render the chat template: roles must alternate", "input", "cannot render the chat"),
         ("logprobs", "logprobs must be at most 20, got 30", "top_logprobs", "logprobs must be at most 20"),
     ]:
         e = in_responses_terms(APIError(400, message, param, "invalid_value"))
@@ -135,7 +136,8 @@ def test_max_output_tokens_makes_it_incomplete():
     out, events = run({}, ["Hel"], reason="length")
     assert events[-1]["type"] == "response.incomplete"
     final = events[-1]["response"]
-    assert final["incomplete_details"] == {"reason": "max_output_tokens"} and final["output"][0]["status"] == "incomplete"
+    assert final["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert final["output"][0]["status"] == "incomplete"
 
 
 def test_a_named_call_streams_its_arguments():

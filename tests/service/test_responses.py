@@ -89,8 +89,9 @@ def test_the_clients_stream_helper_builds_the_same_response(client, name):
         text = "".join(e.delta for e in stream if e.type == "response.output_text.delta")
         final = stream.get_final_response()
     assert final.output_text == text == plain.output_text
-    with client.responses.stream(model=name, input="Weather in Lima?", tools=[WEATHER], temperature=0,
-                                 tool_choice={"type": "function", "name": "get_weather"}, max_output_tokens=48) as stream:
+    named = {"type": "function", "name": "get_weather"}
+    with client.responses.stream(model=name, input="Weather in Lima?", tools=[WEATHER], tool_choice=named,
+                                 temperature=0, max_output_tokens=48) as stream:
         arguments = "".join(e.delta for e in stream if e.type == "response.function_call_arguments.delta")
         [call] = stream.get_final_response().output
     assert call.type == "function_call" and call.arguments == arguments
