@@ -146,7 +146,7 @@ class ResponseOutput:
         message = self.reply.message()
         content, calls = message["content"], message.get("tool_calls", [])
         events = []
-        if self.plan.mode == "none" or (self.plan.mode not in ("named",) and not calls):
+        if self.plan.mode == "none" or (self.plan.mode != "named" and not calls):
             if self._open is None:  # a reply with no text is still a message
                 # logprobs belong to the text only where it is the tokens' own (not a parsed {"response": ...})
                 aligned = content == self.reply.text and self.plan.mode != "none"
