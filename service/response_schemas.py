@@ -34,16 +34,30 @@ def _only_known(value: Any, kinds: tuple[str, ...], what: str) -> Any:
     return value
 
 
+class SentTopLogprob(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    token: Text
+    logprob: Float
+    bytes: list[Int(ge=0, le=255)] | None = None
+
+
+class SentLogprob(SentTopLogprob):
+    """A token's logprob in an output_text part this server wrote (docs/api.md), sent back; ignored."""
+
+    top_logprobs: list[SentTopLogprob] | None = None
+
+
 class ContentPart(BaseModel):
     """`input_text` (user, system, developer) or `output_text` (an assistant turn sent back); text only."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
     type: Literal["input_text", "output_text"]
     text: Text
-    # what an output_text part carries when a previous output is sent back; ignored (these lists, and a message's
-    # parts, are bounded by --max-body-bytes alone: a bound of their own would only refuse an earlier reply sent back)
-    annotations: list[dict[str, Any]] | None = None
-    logprobs: list[dict[str, Any]] | None = None
+    # what an output_text part carries when a previous output is sent back; ignored. This server writes no
+    # annotations (OpenAI's come from hosted tools). These lists, and a message's parts, are bounded by
+    # --max-body-bytes alone: a bound of their own would only refuse an earlier reply sent back.
+    annotations: Annotated[list[Any], Field(max_length=0)] | None = None
+    logprobs: list[SentLogprob] | None = None
 
     @model_validator(mode="before")
     @classmethod
