@@ -109,6 +109,9 @@ class Settings(BaseSettings):
         "each becomes a stored vector named after its file (direction.N at block N's output) that requests name in "
         "their interventions", json_schema_extra={"shown_default": "none"})
     max_vectors: int = Field(64, ge=1, description="stored vectors (POST /v1/vectors, --control-vector) held at once")
+    max_stored_responses: int = Field(
+        1024, ge=0, description="responses kept for `previous_response_id` and GET /v1/responses/{id} (`store: true`), "
+        "in memory; past it the least recently used is dropped (stored, read or continued longest ago). 0: none kept")
     log_prompts: bool = Field(False, description="include prompt text in request logs")
     threads: int | None = Field(
         None, description="torch CPU threads, per rank with --tensor-parallel-size",

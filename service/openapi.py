@@ -38,7 +38,7 @@ _ERRORS = {400: "invalid request", 401: "missing or invalid API key", 404: "unkn
            413: "request body too large (or, for /inspect, the sequence or the estimated response)",
            409: "a stored vector of that name exists", 429: "queue full (see Retry-After)", 500: "generation failed",
            503: "loading, or shutting down (see Retry-After)"}
-_STREAMING = {"/v1/completions", "/v1/chat/completions"}
+_STREAMING = {"/v1/completions", "/v1/chat/completions", "/v1/responses"}
 _QUEUED = _STREAMING | {"/inspect", "/v1/vectors"}  # routes that can answer 429
 
 
@@ -76,7 +76,7 @@ def _describe(schema: dict[str, Any], state: ServingState) -> None:
                 codes.add(429)
             if path == "/v1/vectors" and method == "post":
                 codes.add(409)
-            if path == "/v1/vectors/{name}":
+            if path in ("/v1/vectors/{name}", "/v1/responses/{response_id}"):
                 codes.add(404)
             if path in _STREAMING:
                 responses["200"].setdefault("content", {})["text/event-stream"] = {"itemSchema": SSE_EVENT}
@@ -107,7 +107,7 @@ def _bound(schemas: dict[str, Any], state: ServingState) -> None:
                 walk(v)
 
     walk(schemas)
-    for name in ("CompletionRequest", "ChatCompletionRequest"):
+    for name in ("CompletionRequest", "ChatCompletionRequest", "ResponsesRequest"):
         props = schemas.get(name, {}).get("properties", {})
         if "n" in props:
             props["n"]["maximum"] = s.max_n

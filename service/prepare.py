@@ -1,13 +1,22 @@
 """Request preparation every route shares: prompts to token ids (a completions prompt in any of its four forms, chat
-messages through the checkpoint's template) and the inspection length limit, each refusal a 400 / 413 naming the
-field. Routes import these from here, never from one another."""
+messages through the checkpoint's template), a whole chat request (for /v1/chat/completions and /v1/responses, which
+runs as one), and the inspection length limit, each refusal a 400 / 413 naming the field. Routes import these from
+here, never from one another."""
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
+
+from model.engine import RequestOptions, SamplingParams
 from service.errors import APIError
-from service.schemas import ChatMessage
+from service.request_options import to_options
+from service.sampling_params import to_sampling_params
+from service.schemas import ChatCompletionRequest, ChatMessage
 from service.serving import Serving
-from service.tool_calls import ToolPlan, template_messages, template_tools
+from service.structured_outputs import compile_spec, requested_spec
+from service.tool_calls import ToolPlan, plan_tools, template_messages, template_renders_tools, template_tools
+from service.tool_parsers import template_tool_format
 
 
 def tokenize_prompts(state: Serving, prompt) -> list[list[int]]:
@@ -62,6 +71,44 @@ def render_chat_prompt(state: Serving, messages: list[ChatMessage], add_generati
     if not ids:
         raise APIError(400, "the rendered conversation is empty", param="messages", code="empty_prompt")
     return text, ids
+
+
+@dataclass
+class ChatRun:
+    """What a chat request runs as: its rendered text and token ids, tool plan, sampling and options."""
+
+    text: str
+    prompt: list[int]
+    plan: ToolPlan
+    params: SamplingParams
+    options: RequestOptions
+
+
+async def prepare_chat(state: Serving, req: ChatCompletionRequest) -> ChatRun:
+    """A chat request's prompt (its tools planned and rendered, its chat_template_kwargs given to the template),
+    sampling and options, every refusal raised before anything is submitted."""
+    tok = state.tokenizer
+    tool_turns = any(m.tool_calls or m.role == "tool" for m in req.messages)
+    plan = plan_tools(req, native=bool(req.tools or tool_turns) and template_renders_tools(tok),
+                      parser=state.settings.tool_call_parser, template_format=template_tool_format(tok.chat_template))
+    text, prompt = render_chat_prompt(state, req.messages, req.add_generation_prompt, plan, req.chat_template_kwargs)
+    if req.top_logprobs is not None and not req.logprobs:
+        raise APIError(400, "top_logprobs requires logprobs: true", param="top_logprobs", code="invalid_value")
+    structured = requested_spec(req)
+    if structured is not None and plan.calls_tools:
+        raise APIError(400, f"{structured.source} cannot be combined with tool calls (tool_choice "
+                       f"{plan.named or plan.mode.split('_')[0]}): give one output constraint", param=structured.source,
+                       code="invalid_value")
+    for spec in [*plan.tool_specs, plan.spec or structured]:  # each tool alone first: its error names the tool
+        await compile_spec(state, spec)
+    top = (req.top_logprobs or 0) if req.logprobs else None
+    params = to_sampling_params(req, state.settings, req.max_completion_tokens or req.max_tokens, top, None,
+                                default_max_tokens=max(1, state.max_model_len - len(prompt)))
+    if plan.mode == "auto_template" and "mistral" in (plan.parser, plan.template_format):
+        # Mistral's [TOOL_CALLS] is a control token: kept in the text for the parser (vLLM's MistralToolParser
+        # adjust_request does the same)
+        params = dataclasses.replace(params, skip_special_tokens=False)
+    return ChatRun(text, prompt, plan, params, to_options(req, state, params, structured=plan.spec or structured))
 
 
 def check_inspect_length(state: Serving, T: int, param: str = "prompt") -> None:

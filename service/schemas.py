@@ -1,4 +1,5 @@
-"""OpenAI request models and the /inspect request model: the only place pydantic lives.
+"""OpenAI request models and the /inspect request model: with service/response_schemas.py (/v1/responses), the only
+place pydantic lives.
 
 Unknown fields are rejected (`extra="forbid"`): a client that sends something we would ignore learns it at once.
 Types are strict (no "5" for 5, no 1 for true): what the OpenAPI document says is what is accepted.
@@ -46,6 +47,16 @@ Float = Annotated[float, Field(allow_inf_nan=False)]
 TokenId = Annotated[Int(ge=0, lt=2**31), Field(json_schema_extra={"x-token-id": True})]
 NonEmptyText = Annotated[Text, Field(min_length=1)]
 StopText = Annotated[Text, Field(min_length=1, max_length=256)]
+
+
+def check_stop(v):
+    """`stop`'s limits, checked before its type so that the message says which one a value breaks."""
+    stops = [v] if isinstance(v, str) else (v if isinstance(v, list) else [])
+    if len(stops) > 16:
+        raise ValueError("at most 16 stop strings")
+    if any(isinstance(s, str) and (not s or len(s) > 256) for s in stops):
+        raise ValueError("stop strings must be 1-256 characters")
+    return v
 
 
 class StreamOptions(BaseModel):
@@ -197,12 +208,7 @@ class SamplingFields(BaseModel):
     @field_validator("stop", mode="before")  # before the type's own checks, so the message says what is wrong
     @classmethod
     def _stop(cls, v):
-        stops = [v] if isinstance(v, str) else (v if isinstance(v, list) else [])
-        if len(stops) > 16:
-            raise ValueError("at most 16 stop strings")
-        if any(isinstance(s, str) and (not s or len(s) > 256) for s in stops):
-            raise ValueError("stop strings must be 1-256 characters")
-        return v
+        return check_stop(v)
 
     @field_validator("logit_bias")
     @classmethod

@@ -16,6 +16,7 @@ from model.text import Tokenizer
 from service.config import Settings
 from service.errors import APIError
 from service.metrics import Metrics
+from service.response_store import ResponseStore
 from service.state import ServingState
 from service.vectors import VectorStore
 
@@ -30,6 +31,7 @@ class Serving:
         self.metrics: Metrics = state.metrics
         self.max_model_len: int = state.max_model_len  # prompt + max_tokens, clamped to the KV pool at start-up
         self.vectors: VectorStore = state.vectors  # stored vectors interventions name (thread-safe)
+        self.responses: ResponseStore = state.responses  # stored responses /v1/responses continues (thread-safe)
         self.precision: dict = state.precision  # {"quantization": ..., "dtype": ...} as served
         self.speculative: dict | None = state.speculative  # --speculative-config as served, or None
 

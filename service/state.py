@@ -19,6 +19,7 @@ from model.dtypes import DTYPES
 from model.text.chat_template import read_template_option
 from service.config import Settings
 from service.metrics import Metrics
+from service.response_store import ResponseStore
 from service.vectors import VectorStore, control_vector_specs, load_control_vector
 
 log = logging.getLogger("llamascope.service")
@@ -37,6 +38,7 @@ class ServingState:
     on_fatal: Callable[[], None] | None = None  # set by the real server (service/shutdown.py): stop with exit code 1
     view: Any = None  # the routes' narrow view of this state (service/serving.py), made once the engine runs
     vectors: VectorStore = field(default=None)  # named steering vectors (service/vectors.py)
+    responses: ResponseStore = field(default=None)  # stored responses (service/response_store.py)
     speculative: dict | None = None  # --speculative-config as served (/v1/models), None when off
     kv_cache_dtype: str = ""  # the KV cache's dtype as served (--kv-cache-dtype resolved)
     loader: threading.Thread | None = None  # the thread loading the model, once `start_in_background` began it
@@ -44,6 +46,8 @@ class ServingState:
     def __post_init__(self) -> None:
         if self.vectors is None:
             self.vectors = VectorStore(self.settings.max_vectors)
+        if self.responses is None:
+            self.responses = ResponseStore(self.settings.max_stored_responses)
 
     @property
     def stats(self):
