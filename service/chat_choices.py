@@ -1,11 +1,12 @@
-"""The choices of one /v1/chat/completions response, streamed chunk by chunk or collected whole: each choice's content
+"""The choices of one /v1/chat/completions response, streamed chunk by chunk (a service/sse_response.py
+`StreamedChoices`) or collected whole: each choice's content
 or tool calls (parsed as they arrive, service/tool_calls.py), chat logprobs, hidden states."""
 
 from __future__ import annotations
 
 from model.engine import RequestOutput
 from model.text import Tokenizer
-from service.interventions import encode_hidden, merge_hidden
+from service.edit_fields import encode_hidden, merge_hidden
 from service.openai_format import chat_logprob, now, usage
 from service.tool_calls import ChoiceMessage, ToolPlan
 
@@ -15,6 +16,7 @@ class ChatChoices:
                  hidden_dtype: str | None) -> None:
         self.tok, self.n, self.plan, self.logprobs, self.hidden_dtype = tok, n, plan, logprobs, hidden_dtype
         self.rid, self.created, self.model = rid, now(), model
+        self.count = n
         self._messages = {c: ChoiceMessage(plan) for c in range(n)}  # each choice's content or tool calls, parsed
         self._lps: dict[int, list] = {c: [] for c in range(n)}
         self._hidden: dict[int, list] = {c: [] for c in range(n)}
@@ -30,6 +32,12 @@ class ChatChoices:
         content = "" if self.plan.mode == "none" else None
         return [self.envelope([{"index": c, "delta": {"role": "assistant", "content": content}, "logprobs": None,
                                 "finish_reason": None}]) for c in range(self.n)]
+
+    async def tail(self) -> None:
+        return None
+
+    def close(self) -> None:
+        pass
 
     def chunk(self, choice: int, out: RequestOutput) -> dict | None:
         """One output's chunk choice, or None when it carries nothing to send."""

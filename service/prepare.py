@@ -10,9 +10,9 @@ from service.serving import Serving
 from service.tool_calls import ToolPlan, template_messages, template_tools
 
 
-def tokenize_prompts(state: Serving, prompt) -> list[list[int]]:
+def tokenize_prompts(serving: Serving, prompt) -> list[list[int]]:
     """A completions `prompt` (a string, a list of strings, token ids, or lists of token ids) -> one id list each."""
-    tok = state.tokenizer
+    tok = serving.tokenizer
     if isinstance(prompt, str):
         prompts = [tok.encode(prompt)]
     elif prompt and all(isinstance(p, int) for p in prompt):
@@ -23,22 +23,23 @@ def tokenize_prompts(state: Serving, prompt) -> list[list[int]]:
         prompts = [list(p) for p in prompt]
     if not prompts or any(not p for p in prompts):
         raise APIError(400, "prompt must not be empty", param="prompt", code="empty_prompt")
-    if len(prompts) > state.settings.max_prompts:
-        raise APIError(400, f"at most {state.settings.max_prompts} prompts per request, got {len(prompts)}", param="prompt")
-    check_token_ids([t for p in prompts for t in p], state, "prompt")
+    if len(prompts) > serving.settings.max_prompts:
+        raise APIError(400, f"at most {serving.settings.max_prompts} prompts per request, got {len(prompts)}",
+                       param="prompt")
+    check_token_ids([t for p in prompts for t in p], serving, "prompt")
     return prompts
 
 
-def check_token_ids(ids: list[int], state: Serving, param: str) -> None:
-    V = state.config.vocab_size
+def check_token_ids(ids: list[int], serving: Serving, param: str) -> None:
+    V = serving.config.vocab_size
     if any(t >= V for t in ids):
         raise APIError(400, f"{param}: token ids must be below the vocabulary size {V}", param=param, code="invalid_token")
 
 
-def render_chat(state: Serving, messages: list[ChatMessage], add_generation_prompt: bool = True,
+def render_chat(serving: Serving, messages: list[ChatMessage], add_generation_prompt: bool = True,
                 plan: ToolPlan | None = None) -> list[int]:
     """Chat messages (and the tools of `plan`) through the checkpoint's chat template -> token ids."""
-    tok = state.tokenizer
+    tok = serving.tokenizer
     plan = plan or ToolPlan("none")
     try:
         text = tok.apply_chat_template(template_messages(messages, plan), add_generation_prompt=add_generation_prompt,
@@ -51,9 +52,9 @@ def render_chat(state: Serving, messages: list[ChatMessage], add_generation_prom
     return ids
 
 
-def check_inspect_length(state: Serving, T: int, param: str = "prompt") -> None:
+def check_inspect_length(serving: Serving, T: int, param: str = "prompt") -> None:
     """413 for an inspection (or a probe run for a vector or a summary) of more than --max-inspect-tokens."""
-    limit = state.settings.max_inspect_tokens
+    limit = serving.settings.max_inspect_tokens
     if T > limit:
         raise APIError(413, f"inspecting {T} tokens exceeds the limit of {limit} (max_inspect_tokens)",
                        param=param, code="inspect_too_long")

@@ -1,8 +1,8 @@
 // Greedy decoding's pick: the index of each row's largest logit, as torch.argmax returns it (the first index of
 // the maximum; a NaN counts as larger than any number, so the first NaN wins), or -1 where that pick is not finite
-// (a NaN, an inf, or a row of -inf: the sampler's fall-back decides those). torch.argmax spent ~90 us on one
-// 49,152-entry row of the default model on the Zen 1 development host, and the sampler's gather and finiteness check
-// after it 30 more; this reads the row twice from L2.
+// (a NaN, an inf, or a row of -inf: the sampler's fall-back decides those). One vectorized pass replaces
+// torch.argmax and the sampler's gather and finiteness check after it, a noticeable share of a small model's decode
+// step (docs/performance.md#native-cpu-kernels); this reads the row twice from L2.
 #include "ops.h"
 
 namespace ls {
