@@ -80,6 +80,8 @@ def test_pages_speak_of_the_product():
         text = page.read_text()
         assert not re.search(r"\b[Ii]ssue\s*#?\d+", text), f"{page.relative_to(ROOT)} names an issue"
         assert not re.search(r"^#+\s*Status\b", text, re.M), f"{page.relative_to(ROOT)} has a status log"
+        organised = re.search(r"\b(?:the issue that|this session|where the bars stand|the bars? (?:holds?|miss))\b", text, re.I)
+        assert not organised, f"{page.relative_to(ROOT)} speaks of how the work was organised: {organised.group()!r}"
 
 
 def test_readme_is_a_front_page():
@@ -289,6 +291,14 @@ def test_every_figure_in_a_summary_table_is_held_by_its_results_json(page):
     assert not problems, "\n".join(problems)
 
 
+def test_the_figure_check_catches_a_figure_no_json_holds():
+    numbers = json_numbers({"ratio": 1.686416, "ours": 108.00081, "rounds": [1.67, 1.74], "ok": True})
+    assert [f[1:] for f in figures("| decode | 108.0 tok/s | 64 | **1.69x** | `gemm --rows 1.5` | [x](y.json) |")] \
+        == [(108.0, 1), (1.69, 2)]  # counts, code spans and links are not figures
+    assert held_by(108.0, 1, numbers) and held_by(1.69, 2, numbers) and held_by(1.7, 1, numbers)
+    assert not held_by(1.68, 2, numbers) and not held_by(108.1, 1, numbers) and not held_by(2.39, 2, numbers)
+
+
 def test_results_say_their_commit_date_and_host_class():
     """Each results JSON carries what measured it: the commit, the date and the host class (`recorded` for the files
     from before benchmarks/machine.py wrote them, `machine` since)."""
@@ -408,8 +418,19 @@ def _serve(command: str, port: int, log: Path) -> None:
                        timeout=120)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3, r.text
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)  # make's child included
-        code = proc.wait(120)
+        # SIGTERM to the server itself: `make serve`'s child (make then exits with the server's status), else the
+        # command's own process
+        try:
+            children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+        except OSError:
+            children = []
+        for pid in children or [proc.pid]:
+            os.kill(int(pid), signal.SIGTERM)
+        try:
+            code = proc.wait(120)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            raise
         time.sleep(0.5)
     assert code == 0, log.read_text()[-3000:]
 

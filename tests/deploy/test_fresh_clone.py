@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+import zipfile
 from pathlib import Path
 
 import httpx
@@ -68,7 +69,13 @@ def test_the_readme_paths_from_a_fresh_clone(tmp_path):
     torch = sh(".venv/bin/python -c 'import torch; print(torch.__version__, torch.version.cuda)'", clone)
     assert "+cpu None" in torch, torch  # the CPU build, as the Makefile says
 
-    # `pip install .` (here: make install's editable one) gives the `llamascope` command
+    # `pip install .` gives the `llamascope` command: the wheel it builds declares it, and make install's editable
+    # install has it on the venv's PATH
+    sh(".venv/bin/pip wheel --quiet --no-deps . -w dist", clone, env=env)
+    [wheel] = (clone / "dist").glob("llamascope-*.whl")
+    with zipfile.ZipFile(wheel) as z:
+        entry_points = z.read(next(n for n in z.namelist() if n.endswith(".dist-info/entry_points.txt"))).decode()
+    assert "llamascope = service.cli:main" in entry_points, entry_points
     help_text = sh(".venv/bin/llamascope serve --help", clone)
     assert help_text.startswith("usage: llamascope serve") and "--quantization" in help_text and "MODEL" in help_text
     gguf = default_model_path()  # a GGUF file from disk (this suite's copy of the default model)
