@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import httpx
+import pytest
 
 from benchmarks.tiny_checkpoint import write_tiny_checkpoint
 from live_server import LiveServer, idle_stats, is_idle
@@ -41,6 +42,7 @@ def summary(out: str) -> str:
     return out[out.rfind("SUMMARY"):] if "SUMMARY" in out else out[-3000:]
 
 
+@pytest.mark.slow  # schemathesis in a process of its own over every operation: minutes on 2 cores
 def test_schemathesis_finds_nothing(tmp_path):
     # A real tokenizer with a chat template, so chat requests get past the template and into the engine.
     loaded = load_model(write_tiny_checkpoint(tmp_path / "tiny-llama", max_seq_len=256))
