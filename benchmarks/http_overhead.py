@@ -3,7 +3,7 @@
     python -m benchmarks.http_overhead [--model PATH] [--rounds 3] [--out FILE]
 
 One run, two sides, on the same file with the service's defaults:
-- in-process: `ServingState(Settings(model=...)).start()` builds the engine exactly as the server does (same
+- in-process: `ServerState(Settings(model=...)).start()` builds the engine exactly as the server does (same
   settings, same EngineConfig), and requests go straight to its `AsyncEngine` (no HTTP, no JSON, no SSE);
 - HTTP: `python -m service --model PATH` on loopback, streamed `/v1/completions` read by httpx as a client would.
 
@@ -55,9 +55,9 @@ class InProcess:
 
     def __init__(self, model: str | None) -> None:
         from service.config import Settings
-        from service.state import ServingState
+        from service.state import ServerState
 
-        self.state = ServingState(Settings(model=model))
+        self.state = ServerState(Settings(model=model))
         # On a thread that then ends, as the service does (service/main.py): a thread that ran parallel regions
         # keeps its OpenMP team while it lives, and with more OpenMP threads than cores libgomp stops spinning
         # between regions (`gomp_throttled_spin_count_var`): loading on this (main) thread made every decode step

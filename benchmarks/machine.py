@@ -1,4 +1,4 @@
-"""What the numbers were measured on, and how much memory the process held.
+"""What the numbers were measured on (the host class, the commit, the date), and how much memory the process held.
 
 RSS comes from /proc/self/status (VmRSS now, VmHWM the peak). The peak can be reset per phase by writing "5" to
 /proc/self/clear_refs (Linux >= 4.0, proc(5)), so the serving phase's peak is not the loader's transient one; where
@@ -11,7 +11,10 @@ from __future__ import annotations
 import os
 import platform
 import resource
+import subprocess
 import sys
+import time
+from pathlib import Path
 
 import torch
 
@@ -99,6 +102,58 @@ def _mem_total_mb() -> float | None:
     return None
 
 
+# AMD's families and models by core generation (AMD's processor programming references; Linux's
+# arch/x86/kernel/cpu/amd.c names the same ranges): what docs/performance.md calls a host class
+_AMD_ZEN = [(0x17, range(0x00, 0x30), "Zen 1"), (0x17, range(0x30, 0x100), "Zen 2"), (0x19, range(0x00, 0x10), "Zen 3"),
+            (0x19, range(0x20, 0x30), "Zen 3"), (0x19, range(0x40, 0x60), "Zen 3"),
+            (0x19, range(0x10, 0x20), "Zen 4"), (0x19, range(0x60, 0x80), "Zen 4"),
+            (0x19, range(0xA0, 0x100), "Zen 4"), (0x1A, range(0x00, 0x100), "Zen 5")]
+
+
+def _cpuinfo() -> dict[str, str]:
+    out: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if not line.strip():
+                    break  # the first processor's entry says it for all
+                out[key.strip()] = value.strip()
+    except OSError:
+        pass
+    return out
+
+
+def host_class() -> str:
+    """The machine as docs/performance.md names it: "AMD Zen 3, AVX2, 2 cores", "Intel, AVX-512 + VNNI, 2 cores"."""
+    info = _cpuinfo()
+    flags = set(info.get("flags", "").split())
+    vendor = {"AuthenticAMD": "AMD", "GenuineIntel": "Intel"}.get(info.get("vendor_id", ""), platform.machine())
+    name = vendor
+    if vendor == "AMD":
+        family, model = int(info.get("cpu family", "0")), int(info.get("model", "0"))
+        name = next((f"AMD {zen}" for fam, models, zen in _AMD_ZEN if fam == family and model in models),
+                    f"AMD family {family} model {model}")
+    isa = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
+    if "avx512_vnni" in flags or "avx_vnni" in flags:
+        isa += " + VNNI"
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return f"{name}, {isa}, {cores} cores"
+
+
+def source_commit() -> str | None:
+    """The commit of the checkout the benchmark runs from, "+dirty" when its tracked files differ from it."""
+    root = Path(__file__).resolve().parents[1]
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=root, capture_output=True, text=True,
+                              timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True,
+                               text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head + ("+dirty" if dirty else "")
+
+
 def machine_info(device: torch.device | str, threads: int) -> dict:
     try:
         import transformers
@@ -107,6 +162,9 @@ def machine_info(device: torch.device | str, threads: int) -> dict:
     except ImportError:
         tf_version = None
     info = {
+        "host_class": host_class(),
+        "commit": source_commit(),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "cpu_model": _cpu_model(),
         "cpu_count": os.cpu_count(),
         "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),

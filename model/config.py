@@ -1,7 +1,7 @@
 """Model architecture: `ModelConfig` and a table of known shapes. A checkpoint's metadata keys are parsed into it by
 model/loaders/config_keys.py.
 
-Architecture only (house rule 1): anything about capacity, dtype or device lives in the service Settings.
+Architecture only (docs/development.md rule 1): anything about capacity, dtype or device lives in the service Settings.
 """
 
 from __future__ import annotations
@@ -84,13 +84,6 @@ class ModelConfig:
 
     def replace(self, **changes: Any) -> "ModelConfig":
         return dataclasses.replace(self, **changes)
-
-    @classmethod
-    def from_name(cls, name: str) -> "ModelConfig":
-        try:
-            return KNOWN_SHAPES[name]
-        except KeyError:
-            raise KeyError(f"unknown model shape {name!r}; known: {', '.join(sorted(KNOWN_SHAPES))}") from None
 
 
 def _llama3_scaling(factor: float) -> RopeScaling:

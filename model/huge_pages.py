@@ -10,9 +10,8 @@ nothing else gets them), or moves written 4 KB pages onto them (`MADV_COLLAPSE`)
 The weights are written on 4 KB pages and collapsed onto 2 MB ones by a background thread once loaded (`collapse`);
 the KV pool is advised at once and faulted in by another (`populate_later`).
 
-`python -m benchmarks.gemm` measures a one-row matmul streaming its weights from memory on both kinds of page; on
-the 2-core Zen 4 development host (benchmarks/results/cpu-gemm.json, medians of 3 rounds) int4 read 17.0 GB/s on
-4 KB pages and 23.3 on 2 MB pages, int8 25.3 and 30.0, float32 23.2 and 24.3.
+`python -m benchmarks.gemm` measures a one-row matmul streaming its weights from memory on both kinds of page
+(docs/performance.md#native-cpu-kernels).
 
 Where the kernel refuses (THP "never", no Linux, a failed mapping) the memory is ordinary and only the speed differs:
 nothing here changes a value.
@@ -38,10 +37,9 @@ ALIGN = 64  # each tensor on a cache line of its own
 MADV_POPULATE_WRITE = 23  # Linux 5.14+, uapi asm-generic/mman-common.h
 MADV_COLLAPSE = 25  # Linux 6.1+, the same header
 # Bytes faulted in per madvise call: one huge page. The call holds the process's mmap lock (read) while it faults
-# its range in, and anything that maps memory meanwhile (a thread's stack, a large allocation) waits for it. With 64
-# MB a call, on the development VM where a fresh page costs the hypervisor a fault (0.15-0.8 GB/s), a thread took up
-# to 150 ms to start and a 40 MB allocation up to 470 ms while a 1 GiB pool was being populated (the engine's own
-# thread among them, at start-up); 2 MB a call: at most 8 and 54 ms, and the pool populated no slower.
+# its range in, and anything that maps memory meanwhile (a thread's stack, a large allocation) waits for it: on a VM,
+# where a fresh page also costs the hypervisor a fault, large calls held thread starts and allocations (the engine's
+# own among them) for as long as the call took. One huge page a call bounds that wait, and populates no slower.
 POPULATE_CHUNK = PAGE
 
 
@@ -86,8 +84,7 @@ def populate(t: Tensor, threads: int = 1) -> bool:
     """Fault every page under `t` in, writable, without writing it (`madvise(MADV_POPULATE_WRITE)`), `threads` threads
     each a share of it, `POPULATE_CHUNK` bytes a call, the GIL released. A page already present keeps its bytes, so
     this may run beside a writer; a page faulted here reads as zeros, as one faulted by a first write would. On a
-    VM a fresh page is a fault the hypervisor serves too: on the 2-core development host 2 MB pages of memory the
-    guest had handed back came in at 0.3-0.8 GB/s (one or two threads), recently freed ones several times faster.
+    VM a fresh page is a fault the hypervisor serves too, slowest for memory the guest had handed back to it.
     -> False where the kernel refuses (before Linux 5.14, not Linux): nothing happened, and the pages are faulted in
     as they are first written."""
     if _MADVISE is None or t.device.type != "cpu" or t.nbytes == 0:
@@ -124,7 +121,7 @@ class WeightArena:
     bytes (the loader's estimate of the served weights, from the file's headers). Only written pages become
     resident, so an overestimate costs address space, not memory; past the capacity, ordinary tensors, which
     `place_weights` moves later. Writing the weights here once saves the copy `place_weights` would make: on a VM
-    every fresh page costs a fault the hypervisor serves (about 3 s a GB on the development host when cold)."""
+    every fresh page costs a fault the hypervisor serves, seconds a GB when cold."""
 
     def __init__(self, capacity: int) -> None:
         self.base, self.used = arena(capacity, huge_now=False), 0  # (4 KB pages while loading: `collapse_later`)
@@ -187,12 +184,12 @@ def collapse(tensors: list[Tensor]) -> str:
     """Move the written pages under `tensors` (in arenas mapped with `huge_now=False`) onto 2 MB pages: advise them
     (`MADV_HUGEPAGE`), then `madvise(MADV_COLLAPSE)` one 2 MB page a call (Linux 6.1+; the call copies the page's 4
     KB pages into a fresh 2 MB one and swaps them under the mmap lock, so readers and writers meanwhile see the same
-    bytes throughout), the GIL released. Why not 2 MB pages from the start: on the development VM a fresh 2 MB page
-    costs the hypervisor a fault, and where the guest handed its free memory back (free page reporting) those came
-    in at 0.38 GB/s, fresh 4 KB pages at 1.7-2.4 GB/s (the guest reuses memory it has not reported first); loading
-    into 4 KB pages and collapsing them afterwards moves that cost off the start-up. -> "collapsed" (every page),
-    "advised" (the kernel refused the collapse: khugepaged moves advised memory over time), or "" (not Linux, or
-    no whole 2 MB page of an arena to move)."""
+    bytes throughout), the GIL released. Why not 2 MB pages from the start: on a VM a fresh 2 MB page costs the
+    hypervisor a fault, and where the guest handed its free memory back (free page reporting) those come in several
+    times slower than fresh 4 KB pages (the guest reuses memory it has not reported first); loading into 4 KB pages
+    and collapsing them afterwards moves that cost off the start-up (docs/performance.md#loading). -> "collapsed"
+    (every page), "advised" (the kernel refused the collapse: khugepaged moves advised memory over time), or "" (not
+    Linux, or no whole 2 MB page of an arena to move)."""
     return _collapse(_collapse_ranges(tensors))
 
 

@@ -1,8 +1,9 @@
-"""Weight-only int8 / int4 linear layers for CPU, and the swap that installs them after a model is loaded.
+"""Weight-only int8 / int6 / int4 linear layers for CPU, and the swap that installs them after a model is loaded
+(int8 and int4 for any checkpoint; int6 only for a GGUF's Q6_K matrices, kept as the file holds them).
 
 Decode reads every weight once per token, so its speed is weight bytes / memory bandwidth: about 1 byte per weight
-(int8) or 0.6 (int4) instead of 4 (float32) moves that ceiling 4x / 6x. Activations stay in the model's dtype; only
-the matmul kernels see quantized weights.
+(int8), 0.82 (int6) or 0.56-0.63 (int4) instead of 4 (float32) moves that ceiling about 4x / 5x / 6-7x. Activations
+stay in the model's dtype; only the matmul kernels see quantized weights.
 
 Formats (ggml's blocks of 32 along the input dim, so a GGUF file's Q4_0 / Q4_1 / Q8_0 blocks map without rounding):
     int8  w[n, k] = q[n, k] * d[n, b]               q int8 in [-127, 127], d float16, b = k // 32   (GGUF Q8_0)
@@ -17,7 +18,7 @@ All are stored 8 output rows interleaved, as the native kernels read them (model
 `int6_layout`; each block's scales (and int4's offsets) for the 8 outputs side by side.
 
 Kernels, by what the machine has:
-    native  model/kernels (C++, AVX2) `int4_linear` / `int8_linear`: the weights in the formats above against
+    native  model/kernels (C++, AVX2) `int4_linear` / `int6_linear` / `int8_linear`: the formats above against
             activations rounded to int8 blocks (llama.cpp's scheme), exact integer block sums; one kernel for any
             number of rows (decode and prefill), so a row's result never depends on its step (batch invariance)
     torch   without the native kernels: PyTorch's packed int4 kernel (`_weight_int4pack_mm_for_cpu`, bfloat16

@@ -42,7 +42,7 @@ class RMSNorm(nn.Module):
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> Tensor:
     """Per-pair inverse frequencies theta^(-2i/E), i < E/2, with the configured scaling.  -> (E/2,) float32"""
     # computed on the CPU under any default device: E/2 values, and a first arithmetic op on the meta device (a model
-    # built there by the loaders) would cost ~3 s of PyTorch imports
+    # built there by the loaders) would import a large part of PyTorch (seconds of a start-up)
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim))
     if scaling.rope_type == "linear":
         return inv_freq / scaling.factor
@@ -114,7 +114,7 @@ class Linear(nn.Linear):
 
 # Fused projections (gpt-fast's `wqkv`): one matmul where Meta's model has several with the same input. Each fused
 # module's weight is its parts' weights stacked along the output dim, in this order; checkpoints name the parts
-# (LLaMA names, house rule 4), and the loaders stack them (model/loaders/assemble.py).
+# (LLaMA names, docs/development.md rule 4), and the loaders stack them (model/loaders/assemble.py).
 FUSED_PARTS: dict[str, tuple[str, ...]] = {
     "attention.wqkv": ("attention.wq", "attention.wk", "attention.wv"),
     "feed_forward.w13": ("feed_forward.w1", "feed_forward.w3"),
@@ -171,13 +171,13 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
-    """(tokens, positions, cache) -> logits. No sampling, text or HTTP in here (house rule 2)."""
+    """(tokens, positions, cache) -> logits. No sampling, text or HTTP in here (docs/development.md rule 2)."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
         # Built on the meta device (loaders, model/loaders/assemble.py), the table needs no initial values, and a
-        # first `normal_` on meta costs ~3 s of PyTorch imports: the empty tensor is passed as the weight.
+        # first `normal_` on meta imports a large part of PyTorch: the empty tensor is passed as the weight.
         table = torch.empty(config.vocab_size, config.dim)
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim, _weight=table if table.is_meta else None)
         self.rope = RotaryEmbedding(config)

@@ -1,6 +1,7 @@
-"""The choices of one /v1/chat/completions response, streamed chunk by chunk or collected whole: each choice's content
-or tool calls (parsed as they arrive, service/tool_calls.py), its reasoning apart (`--reasoning-parser`,
-model/text/reasoning.py), chat logprobs, hidden states."""
+"""The choices of one /v1/chat/completions response, streamed chunk by chunk (a service/sse_response.py
+`StreamedChoices`) or collected whole: each choice's content or tool calls (parsed as they arrive,
+service/tool_calls.py), its reasoning apart (`--reasoning-parser`, model/text/reasoning.py), chat logprobs, hidden
+states."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from collections.abc import Callable
 from model.engine import RequestOutput
 from model.text import Tokenizer
 from model.text.reasoning import ReasoningSplit
-from service.interventions import encode_hidden, merge_hidden
+from service.edit_fields import encode_hidden, merge_hidden
 from service.openai_format import chat_logprob, now, usage
 from service.tool_calls import ChoiceMessage, ToolPlan
 
@@ -22,6 +23,7 @@ class ChatChoices:
         `include_reasoning` false: the reasoning is split off and left out (vLLM's field)."""
         self.tok, self.n, self.plan, self.logprobs, self.hidden_dtype = tok, n, plan, logprobs, hidden_dtype
         self.rid, self.created, self.model = rid, now(), model
+        self.count = n
         self._messages = {c: ChoiceMessage(plan) for c in range(n)}  # each choice's content or tool calls, parsed
         self._splits = {c: reasoning() for c in range(n)} if reasoning is not None else None
         self._include_reasoning = include_reasoning
@@ -40,6 +42,12 @@ class ChatChoices:
         content = "" if self.plan.mode == "none" else None
         return [self.envelope([{"index": c, "delta": {"role": "assistant", "content": content}, "logprobs": None,
                                 "finish_reason": None}]) for c in range(self.n)]
+
+    async def tail(self) -> None:
+        return None
+
+    def close(self) -> None:
+        pass
 
     def chunk(self, choice: int, out: RequestOutput) -> dict | None:
         """One output's chunk choice, or None when it carries nothing to send."""

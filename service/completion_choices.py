@@ -1,13 +1,16 @@
 """The choices of one /v1/completions response (OpenAI's legacy completions object), streamed chunk by chunk or
 collected whole: echo of the prompt, legacy logprobs (the prompt's with the first chunk when echoed), hidden states,
-per-token attention telemetry."""
+per-token attention telemetry, and the `inspect` summary that follows them. Streamed, it is a
+service/sse_response.py `StreamedChoices`."""
 
 from __future__ import annotations
+
+import asyncio
 
 from model.engine import RequestOutput
 from model.text import Tokenizer
 from service import inspect_format as fmt
-from service.interventions import encode_hidden, merge_hidden
+from service.edit_fields import encode_hidden, merge_hidden
 from service.openai_format import LegacyLogprobs, now
 from service.schemas import CompletionRequest
 
@@ -23,12 +26,24 @@ class CompletionChoices:
         self._texts: dict[int, str] = {}  # collected: each choice's text so far, its echoed prompt first
         self._lps: dict[int, LegacyLogprobs | None] = {}
         self._hidden: dict[int, list] = {c: [] for c in range(self.count)}
+        self.inspection: asyncio.Future | None = None  # the `inspect` extension's summaries, computed meanwhile
 
     def envelope(self, choices: list[dict], **extra) -> dict:
         return {"id": self.rid, "object": "text_completion", "created": self.created, "model": self.model,
                 "choices": choices, **extra}
 
     # ---- streamed -------------------------------------------------------------------------------------------
+
+    def head(self) -> list[dict]:
+        return []
+
+    async def tail(self) -> dict | None:
+        """The inspection's summaries in a chunk of their own, after every choice."""
+        return self.envelope([], inspect=await self.inspection) if self.inspection is not None else None
+
+    def close(self) -> None:
+        if self.inspection is not None:
+            self.inspection.cancel()
 
     def chunk(self, choice: int, out: RequestOutput) -> dict | None:
         """One output's chunk choice, or None when it carries nothing to send."""

@@ -1,4 +1,5 @@
-"""Settings: runtime capacity and serving options (house rule 1), from flags or `LLAMASCOPE_*` environment variables.
+"""Settings: runtime capacity and serving options (docs/development.md rule 1), from flags or `LLAMASCOPE_*`
+environment variables.
 
 `--help` and docs/configuration.md (`python -m service.config_doc`) are both rendered from these fields by the
 functions below, so what the page says is what the server does.
@@ -8,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from functools import lru_cache
 from typing import Literal, NoReturn, get_args, get_origin
 
 from pydantic import Field, SecretStr, ValidationError, field_validator
@@ -142,12 +142,6 @@ class Settings(BaseSettings):
         return EngineConfig(**shared, decode_graphs="off" if self.enforce_eager else "auto", speculative=speculative)
 
 
-@lru_cache
-def get_settings() -> Settings:
-    """The process's settings, for `Depends`; tests override it on the app."""
-    return Settings()
-
-
 def flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
@@ -193,8 +187,10 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m service", description="llamascope: OpenAI-compatible LLaMA server")
+def build_parser(prog: str = "python -m service") -> argparse.ArgumentParser:
+    p = _Parser(prog=prog, description="llamascope: OpenAI-compatible LLaMA server")
+    # The model as the first word, as `vllm serve MODEL` and `llama-server -m MODEL` users type it
+    p.add_argument("model_path", nargs="?", metavar="MODEL", help="GGUF file or HF directory: the same as --model")
     for name, field in Settings.model_fields.items():
         help = help_text(name).replace("%", "%%")  # argparse %-formats help strings
         if field.annotation is bool:
@@ -204,11 +200,15 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def parse_cli(argv: list[str] | None = None) -> Settings:
+def parse_cli(argv: list[str] | None = None, prog: str = "python -m service") -> Settings:
     """Every field is a `--kebab-case` flag; flags win over environment variables, which win over defaults.
     A bad value, from a flag or a `LLAMASCOPE_*` variable, is a one-line error naming it (exit 2), not a traceback."""
-    p = build_parser()
+    p = build_parser(prog)
     args = {k: v for k, v in vars(p.parse_args(argv)).items() if v is not None}
+    if "model_path" in args:
+        if "model" in args:
+            p.error(f"the model is given twice: {args['model_path']!r} and --model {args['model']!r}")
+        args["model"] = args.pop("model_path")
     try:
         return Settings(**args)
     except ValidationError as e:

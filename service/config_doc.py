@@ -49,8 +49,8 @@ OTHER_ENV = """\
 |---|---|---|
 | `LLAMASCOPE_NATIVE_KERNELS` | `1` | `0` (or `false`, `off`, `no`) turns the native CPU kernels off: every op then runs as plain PyTorch ops, the reference the tests compare them with |
 | `LLAMASCOPE_KERNELS_DIR` | `~/.cache/llamascope/kernels` | where the native CPU kernels are built and loaded from (the Docker image: `/opt/llamascope/kernels`) |
-| `LLAMASCOPE_REPLICAS` | `2` | docker compose: how many server replicas the `gpu-replicas` and `cpu-replicas` profiles start behind nginx ([deployment](deployment.md)) |
-| `COMPOSE_PROFILES` | `gpu` (the repo's `.env`) | docker compose: `gpu`, `cpu`, `gpu-replicas` or `cpu-replicas` ([deployment](deployment.md)) |
+| `LLAMASCOPE_REPLICAS` | `2` | docker compose: how many server replicas the `cpu-replicas` profile starts behind nginx (the GPU profiles start one replica a GPU: `gpu-replicas` 2, `gpu-replicas-4` 4, `gpu-replicas-8` 8; [deployment](deployment.md)) |
+| `COMPOSE_PROFILES` | `gpu` (the repo's `.env`) | docker compose: `gpu`, `cpu`, `gpu-replicas`, `gpu-replicas-4`, `gpu-replicas-8` or `cpu-replicas` ([deployment](deployment.md)) |
 | `PROMETHEUS_IMAGE` | `prom/prometheus:v2.53.0` | docker compose: the `prometheus` service's image; `localhost/llamascope-prometheus:debian` is one built from Debian's package (`make prometheus-image`, [deployment](deployment.md#podman-without-a-registry)) |
 | `CONTAINER_ENGINE` | docker if its daemon answers, else podman | `make image` and the container tests: `docker` or `podman` |
 
@@ -73,7 +73,7 @@ Test-only variables: `LLAMASCOPE_CHROMIUM` (the chromium binary the viewer test 
 | `PROMPT` | `What is the capital of Japan?` | the prompt of `make generate` |
 | `VENV` | `.venv` | the virtual environment every target creates or reuses |
 | `PYTHON` | `python3` | the interpreter that creates it (3.11 or newer) |
-| `TORCH_SPEC` | `torch==2.13.0` | the PyTorch build installed first (the release is the Dockerfile's `TORCH_VERSION`); on a CUDA machine e.g. `"torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128"` |
+| `TORCH_SPEC` | `torch==2.13.0+cpu --extra-index-url https://download.pytorch.org/whl/cpu` | the PyTorch build installed first, the CPU build of the Dockerfile's `TORCH_VERSION` (macOS: `torch==2.13.0` from PyPI); a new value reinstalls torch in an existing venv; on a CUDA machine e.g. `"torch==2.13.0+cu128 --index-url https://download.pytorch.org/whl/cu128"` ([deployment](deployment.md#a-gpu-machine-without-containers)) |
 | `IMAGE` | `llamascope:cpu` | the image `make image` builds and `make image-test` starts |
 | `PROMETHEUS_IMAGE` | `localhost/llamascope-prometheus:debian` | the Prometheus image `make prometheus-image` builds and `make image-test` runs in the compose stack |
 | `CONTAINERS_CONF` | `deploy/podman/containers.conf` | podman's settings for `make image-test` (runc, rlimits a VM allows) |

@@ -1,14 +1,16 @@
-"""The FastAPI app: `create_app(settings)` with a lifespan that owns the engine; `python -m service` runs it."""
+"""The FastAPI app: `create_app(settings)` with a lifespan that owns the engine; `main` runs it (`python -m service`,
+`llamascope serve`: service/cli.py)."""
 
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 from service.config import Settings, allowed_origins, parse_cli
-from service.state import ServingState
+from service.state import ServerState
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -17,7 +19,7 @@ if TYPE_CHECKING:
 
 
 def create_app(settings: Settings | None = None, loaded: LoadedModel | None = None, wait_ready: bool = False,
-               state: ServingState | None = None) -> FastAPI:
+               state: ServerState | None = None) -> FastAPI:
     """`loaded`: an already loaded model (tests, embedding); `wait_ready`: start the engine before serving instead
     of loading in the background while /health says 503; `state`: one whose loading has already begun (`main`)."""
     # The web stack is imported here, not at the top: `main` starts loading the model before it (see there).
@@ -29,7 +31,7 @@ def create_app(settings: Settings | None = None, loaded: LoadedModel | None = No
     from service.routes import chat, completions, info, inspect, patch, responses, vectors
 
     settings = settings or Settings()
-    state = state or ServingState(settings)
+    state = state or ServerState(settings)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -43,7 +45,7 @@ def create_app(settings: Settings | None = None, loaded: LoadedModel | None = No
         state.stop()
 
     app = FastAPI(title="llamascope", version="0.1.0", lifespan=lifespan)
-    app.state.serving = state
+    app.state.server = state
     errors.install(app)
     openapi.install(app, state)
     for r in (completions.router, chat.router, responses.router, info.router, inspect.router, patch.router,
@@ -60,15 +62,30 @@ def create_app(settings: Settings | None = None, loaded: LoadedModel | None = No
     return app
 
 
-def main(argv: list[str] | None = None) -> int:
-    settings = parse_cli(argv)
+def main(argv: list[str] | None = None, prog: str = "python -m service") -> int:
+    """Serve until SIGTERM (exit 0) or a failure the server cannot recover from: a model that does not load, an
+    engine thread that ended (exit 1, the reason as the last line on stderr; docs/development.md rule 9)."""
+    settings = parse_cli(argv, prog)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s", stream=sys.stderr)
-    # The model starts loading before the web stack (FastAPI, the routes, uvicorn: ~0.5 s of imports) is imported and
+    # The model starts loading before the web stack (FastAPI, the routes, uvicorn: a large import) is imported and
     # the server binds: the loader's conversion runs without the GIL, so the two overlap, and /health answers 503
     # from the moment the server listens until the engine runs, as before. The loader imports only modules of its
     # own (the GGUF and safetensors readers), none that the web stack imports too.
-    state = ServingState(settings)
+    state = ServerState(settings)
     state.start_in_background()
     from service.shutdown import serve
 
-    return serve(create_app(settings, state=state), settings)
+    code = serve(create_app(settings, state=state), settings)
+    if state.fatal_error:  # after uvicorn's own shutdown lines: what a terminal or an orchestrator's log shows last
+        print(f"{prog}: error: {state.fatal_error}", file=sys.stderr, flush=True)
+    return code
+
+
+def exit_now(code: int) -> NoReturn:
+    """Exit with `code` once everything is stopped and flushed (uvicorn's shutdown, the lifespan's engine stop),
+    skipping the interpreter's teardown of torch, which takes seconds on a busy machine: a SIGTERM'd server exits
+    within its grace period."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

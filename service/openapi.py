@@ -20,7 +20,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
 from service.middleware import OPEN_PATHS
-from service.state import ServingState
+from service.state import ServerState
 
 ERROR_SCHEMA = {
     "type": "object", "required": ["error"], "additionalProperties": False,
@@ -42,7 +42,7 @@ _STREAMING = {"/v1/completions", "/v1/chat/completions", "/v1/responses"}
 _QUEUED = _STREAMING | {"/inspect", "/v1/vectors"}  # routes that can answer 429
 
 
-def install(app: FastAPI, state: ServingState) -> None:
+def install(app: FastAPI, state: ServerState) -> None:
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is not None:
             return app.openapi_schema
@@ -55,7 +55,7 @@ def install(app: FastAPI, state: ServingState) -> None:
     app.openapi = openapi
 
 
-def _describe(schema: dict[str, Any], state: ServingState) -> None:
+def _describe(schema: dict[str, Any], state: ServerState) -> None:
     s = state.settings
     components = schema.setdefault("components", {})
     components.setdefault("schemas", {})["ErrorResponse"] = ERROR_SCHEMA
@@ -92,7 +92,7 @@ def _describe(schema: dict[str, Any], state: ServingState) -> None:
         _bound(components["schemas"], state)
 
 
-def _bound(schemas: dict[str, Any], state: ServingState) -> None:
+def _bound(schemas: dict[str, Any], state: ServerState) -> None:
     s, vocab = state.settings, state.loaded.model.config.vocab_size
 
     def walk(node: Any) -> None:

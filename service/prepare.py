@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 from model.engine import RequestOptions, SamplingParams
 from service.errors import APIError
-from service.request_options import to_options
-from service.sampling_params import to_sampling_params
+from service.option_fields import to_options
+from service.sampling_fields import to_sampling_params
 from service.schemas import ChatCompletionRequest, ChatMessage
 from service.serving import Serving
 from service.structured_outputs import compile_spec, requested_spec
@@ -19,9 +19,9 @@ from service.tool_calls import ToolPlan, plan_tools, template_messages, template
 from service.tool_parsers import template_tool_format
 
 
-def tokenize_prompts(state: Serving, prompt) -> list[list[int]]:
+def tokenize_prompts(serving: Serving, prompt) -> list[list[int]]:
     """A completions `prompt` (a string, a list of strings, token ids, or lists of token ids) -> one id list each."""
-    tok = state.tokenizer
+    tok = serving.tokenizer
     if isinstance(prompt, str):
         prompts = [tok.encode(prompt)]
     elif prompt and all(isinstance(p, int) for p in prompt):
@@ -32,29 +32,30 @@ def tokenize_prompts(state: Serving, prompt) -> list[list[int]]:
         prompts = [list(p) for p in prompt]
     if not prompts or any(not p for p in prompts):
         raise APIError(400, "prompt must not be empty", param="prompt", code="empty_prompt")
-    if len(prompts) > state.settings.max_prompts:
-        raise APIError(400, f"at most {state.settings.max_prompts} prompts per request, got {len(prompts)}", param="prompt")
-    check_token_ids([t for p in prompts for t in p], state, "prompt")
+    if len(prompts) > serving.settings.max_prompts:
+        raise APIError(400, f"at most {serving.settings.max_prompts} prompts per request, got {len(prompts)}",
+                       param="prompt")
+    check_token_ids([t for p in prompts for t in p], serving, "prompt")
     return prompts
 
 
-def check_token_ids(ids: list[int], state: Serving, param: str) -> None:
-    V = state.config.vocab_size
+def check_token_ids(ids: list[int], serving: Serving, param: str) -> None:
+    V = serving.config.vocab_size
     if any(t >= V for t in ids):
         raise APIError(400, f"{param}: token ids must be below the vocabulary size {V}", param=param, code="invalid_token")
 
 
-def render_chat(state: Serving, messages: list[ChatMessage], add_generation_prompt: bool = True,
+def render_chat(serving: Serving, messages: list[ChatMessage], add_generation_prompt: bool = True,
                 plan: ToolPlan | None = None, template_kwargs: dict | None = None) -> list[int]:
     """Chat messages (and the tools of `plan`) through the checkpoint's chat template -> token ids."""
-    return render_chat_prompt(state, messages, add_generation_prompt, plan, template_kwargs)[1]
+    return render_chat_prompt(serving, messages, add_generation_prompt, plan, template_kwargs)[1]
 
 
-def render_chat_prompt(state: Serving, messages: list[ChatMessage], add_generation_prompt: bool = True,
+def render_chat_prompt(serving: Serving, messages: list[ChatMessage], add_generation_prompt: bool = True,
                        plan: ToolPlan | None = None, template_kwargs: dict | None = None) -> tuple[str, list[int]]:
     """The rendered conversation and its token ids. `template_kwargs`: the request's `chat_template_kwargs`, of
     which the template gets those it reads (vLLM's resolve_chat_template_kwargs)."""
-    tok = state.tokenizer
+    tok = serving.tokenizer
     plan = plan or ToolPlan("none")
     extra = {}
     if template_kwargs and tok.template is not None:
@@ -84,14 +85,14 @@ class ChatRun:
     options: RequestOptions
 
 
-async def prepare_chat(state: Serving, req: ChatCompletionRequest) -> ChatRun:
+async def prepare_chat(serving: Serving, req: ChatCompletionRequest) -> ChatRun:
     """A chat request's prompt (its tools planned and rendered, its chat_template_kwargs given to the template),
     sampling and options, every refusal raised before anything is submitted."""
-    tok = state.tokenizer
+    tok = serving.tokenizer
     tool_turns = any(m.tool_calls or m.role == "tool" for m in req.messages)
     plan = plan_tools(req, native=bool(req.tools or tool_turns) and template_renders_tools(tok),
-                      parser=state.settings.tool_call_parser, template_format=template_tool_format(tok.chat_template))
-    text, prompt = render_chat_prompt(state, req.messages, req.add_generation_prompt, plan, req.chat_template_kwargs)
+                      parser=serving.settings.tool_call_parser, template_format=template_tool_format(tok.chat_template))
+    text, prompt = render_chat_prompt(serving, req.messages, req.add_generation_prompt, plan, req.chat_template_kwargs)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs requires logprobs: true", param="top_logprobs", code="invalid_value")
     structured = requested_spec(req)
@@ -100,20 +101,20 @@ async def prepare_chat(state: Serving, req: ChatCompletionRequest) -> ChatRun:
                        f"{plan.named or plan.mode.split('_')[0]}): give one output constraint", param=structured.source,
                        code="invalid_value")
     for spec in [*plan.tool_specs, plan.spec or structured]:  # each tool alone first: its error names the tool
-        await compile_spec(state, spec)
+        await compile_spec(serving, spec)
     top = (req.top_logprobs or 0) if req.logprobs else None
-    params = to_sampling_params(req, state.settings, req.max_completion_tokens or req.max_tokens, top, None,
-                                default_max_tokens=max(1, state.max_model_len - len(prompt)))
+    params = to_sampling_params(req, serving.settings, req.max_completion_tokens or req.max_tokens, top, None,
+                                default_max_tokens=max(1, serving.max_model_len - len(prompt)))
     if plan.mode == "auto_template" and "mistral" in (plan.parser, plan.template_format):
         # Mistral's [TOOL_CALLS] is a control token: kept in the text for the parser (vLLM's MistralToolParser
         # adjust_request does the same)
         params = dataclasses.replace(params, skip_special_tokens=False)
-    return ChatRun(text, prompt, plan, params, to_options(req, state, params, structured=plan.spec or structured))
+    return ChatRun(text, prompt, plan, params, to_options(req, serving, params, structured=plan.spec or structured))
 
 
-def check_inspect_length(state: Serving, T: int, param: str = "prompt") -> None:
+def check_inspect_length(serving: Serving, T: int, param: str = "prompt") -> None:
     """413 for an inspection (or a probe run for a vector or a summary) of more than --max-inspect-tokens."""
-    limit = state.settings.max_inspect_tokens
+    limit = serving.settings.max_inspect_tokens
     if T > limit:
         raise APIError(413, f"inspecting {T} tokens exceeds the limit of {limit} (max_inspect_tokens)",
                        param=param, code="inspect_too_long")

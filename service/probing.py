@@ -16,24 +16,24 @@ from service.schemas import InspectSummaryOptions
 from service.serving import Serving
 
 
-async def run_probe(state: Serving, request: Request | None, ids: list[int], opts: ProbeOptions,
+async def run_probe(serving: Serving, request: Request | None, ids: list[int], opts: ProbeOptions,
                     interventions: list[Intervention] | None = None, num_prompt_tokens: int | None = None) -> ProbeRun:
     """Step a ProbeRun on the engine thread to its end; cancelled if the client of `request` leaves (without a
     request, the caller's own cancellation is the only stop). A full inspection queue or a dead engine raise the
     engine's errors (429 / 503 through errors.install)."""
     try:
-        run = state.new_probe(ids, opts, interventions, num_prompt_tokens)
+        run = serving.new_probe(ids, opts, interventions, num_prompt_tokens)
     except ValueError as e:
         raise APIError(400, str(e), code="invalid_value") from None
     t0 = time.perf_counter()
-    job = state.run_job(run, state.settings.max_inspect_queued)
+    job = serving.run_job(run, serving.settings.max_inspect_queued)
     await (until_disconnect(request, job) if request is not None else job)
-    state.metrics.inspect_seconds.observe(time.perf_counter() - t0)
-    state.metrics.inspect_tokens.inc(len(ids))
+    serving.metrics.inspect_seconds.observe(time.perf_counter() - t0)
+    serving.metrics.inspect_tokens.inc(len(ids))
     return run
 
 
-async def completion_summaries(state: Serving, prompts: list[list[int]], options: bool | InspectSummaryOptions,
+async def completion_summaries(serving: Serving, prompts: list[list[int]], options: bool | InspectSummaryOptions,
                                interventions: list[Intervention] | None = None) -> list[dict]:
     """The `inspect` extension of /v1/completions: each prompt's inspection summary (no maps), under the request's
     interventions. Runs beside the generation as a task the route cancels if the client leaves."""
@@ -43,8 +43,8 @@ async def completion_summaries(state: Serving, prompts: list[list[int]], options
         # the summary covers every block whatever `layers` says; one layer keeps the per-layer part small
         opts = ProbeOptions(include=frozenset({"massive", "attention"}), massive_threshold=o.massive_threshold,
                             massive_ratio=o.massive_ratio, layers=[0])
-        result = (await run_probe(state, None, ids, opts, interventions)).result()
-        tokens = fmt.token_list(state.tokenizer, ids)
-        out.append({"prompt_index": i, "summary": fmt.summary(result, tokens, state.config.n_layers),
+        result = (await run_probe(serving, None, ids, opts, interventions)).result()
+        tokens = fmt.token_list(serving.tokenizer, ids)
+        out.append({"prompt_index": i, "summary": fmt.summary(result, tokens, serving.config.n_layers),
                     "compute_ms": round(result.compute_ms, 1)})
     return out

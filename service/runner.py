@@ -8,15 +8,13 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from fastapi import Request
-from fastapi.responses import StreamingResponse
 
 from model.engine import PLAIN, RequestOptions, RequestOutput, RequestStream, SamplingParams
 from service.errors import APIError, status_of
-from service.openai_format import DONE, sse, sse_error, usage
 from service.serving import Serving
 
 log = logging.getLogger("llamascope.service")
@@ -182,46 +180,6 @@ def finish(state: Serving, stats: RunStats, status: int) -> None:
              "ttft_ms=%s latency_ms=%.0f finish=%s%s", stats.request_id, stats.endpoint, status, stats.prompt_tokens,
              stats.completion_tokens, stats.cached_tokens, ttft, (now - stats.start) * 1e3,
              ",".join(stats.finish_reasons) or "-", prompt)
-
-
-def stream_response(state: Serving, stats: RunStats, outputs: AsyncIterator[tuple[int, RequestOutput]], n_choices: int,
-                    envelope: Callable[..., dict], chunk: Callable[[int, RequestOutput], dict | None], *,
-                    head: list[dict] = (), tail: Callable[[], Awaitable[dict]] | None = None,
-                    include_usage: bool = False, on_close: Callable[[], None] | None = None) -> StreamingResponse:
-    """The SSE response both generation routes send: `head` chunks, then one chunk per output (`chunk` gives the
-    choice's dict, or None to send nothing for it), `tail`'s chunk, the usage chunk if asked, and `[DONE]`. A failed
-    choice is an error event; a failure mid-stream ends the stream with one. `envelope(choices, **extra)` wraps
-    choices in the route's object."""
-
-    async def events() -> AsyncIterator[str]:
-        status = 200
-        try:
-            for payload in head:
-                yield sse(payload)
-            async for choice, out in outputs:
-                if out.error:
-                    status = 500
-                    yield sse_error(500, out.error)
-                    continue
-                c = chunk(choice, out)
-                if c is not None:
-                    yield sse(envelope([c]))
-            if tail is not None:
-                yield sse(await tail())
-            if include_usage:
-                yield sse(envelope([], usage=usage(stats.prompt_tokens, stats.completion_tokens, stats.cached_tokens)))
-            yield DONE
-        except Exception:  # the engine failed mid-stream: an error event, then the end of the stream
-            status = 500
-            yield sse_error(500, "generation failed")
-            yield DONE
-        finally:
-            finish(state, stats, status if len(stats.finish_reasons) == n_choices or status != 200 else 499)
-            if on_close is not None:
-                on_close()
-            await outputs.aclose()  # at once, not at GC time: a client that left is aborted now
-
-    return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
 async def collect(request: Request, state: Serving, stats: RunStats, outputs: AsyncIterator[tuple[int, RequestOutput]],

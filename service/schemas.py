@@ -64,7 +64,7 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-# stream_options needs stream: true (checked in service/sampling_params.py; said here for the OpenAPI document)
+# stream_options needs stream: true (checked in service/sampling_fields.py; said here for the OpenAPI document)
 STREAM_OPTIONS_NEED_STREAM = {
     "if": {"required": ["stream_options"], "properties": {"stream_options": {"type": "object"}}},
     "then": {"required": ["stream"], "properties": {"stream": {"const": True}}}}

@@ -1,6 +1,7 @@
-"""What a route gets (`Depends(serving)`): a narrow view of the served model and its engine. The model's name,
-tokenizer and shape, the deployment's limits, the engine's submission calls and the stats the engine thread
-publishes; never the engine's internals, whose state only the engine thread touches (house rule 6)."""
+"""What a route gets (`serving: Serving = Depends(get_serving)`): a narrow view of the served model and its
+engine. The model's name, tokenizer and shape, the deployment's limits, the engine's submission calls and the stats
+the engine thread publishes; never the engine's internals, whose state only the engine thread touches
+(docs/development.md rule 6)."""
 
 from __future__ import annotations
 
@@ -17,12 +18,12 @@ from service.config import Settings
 from service.errors import APIError
 from service.metrics import Metrics
 from service.response_store import ResponseStore
-from service.state import ServingState
+from service.state import ServerState
 from service.vectors import VectorStore
 
 
 class Serving:
-    def __init__(self, state: ServingState) -> None:
+    def __init__(self, state: ServerState) -> None:
         self._state, self._engine = state, state.engine
         self.model_name: str = state.model_name
         self.tokenizer: Tokenizer = state.loaded.tokenizer
@@ -87,17 +88,13 @@ class Serving:
                            param="model", code="model_not_found")
 
 
-def serving(request: Request) -> Serving:
-    """Dependency: the routes' view of the server, or a 503 envelope while the model loads (or after it failed to,
-    or while the server drains)."""
-    state: ServingState = request.app.state.serving
+def get_serving(request: Request) -> Serving:
+    """Dependency: the routes' view of the server (`app.state.server.serving`), or a 503 envelope while the model
+    loads (or after it failed to, or while the server drains)."""
+    state: ServerState = request.app.state.server
     if not state.ready:
-        reason = f"model failed to load: {state.load_error}" if state.load_error else "the model is loading"
-        if state.fatal_error:
-            reason = state.fatal_error
-        if state.draining:
-            reason = "the server is shutting down"
+        reason = "the server is shutting down" if state.draining else state.fatal_error or "the model is loading"
         raise APIError(503, reason, code="not_ready", headers={"Retry-After": "5"})
-    if state.view is None:
-        state.view = Serving(state)
-    return state.view
+    if state.serving is None:
+        state.serving = Serving(state)
+    return state.serving

@@ -1,4 +1,4 @@
-"""What the app lifespan owns (house rule 6): settings, metrics, the loaded model and its AsyncEngine."""
+"""What the app lifespan owns (docs/development.md rule 6): settings, metrics, the loaded model and its AsyncEngine."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ log = logging.getLogger("llamascope.service")
 
 
 @dataclass
-class ServingState:
+class ServerState:
     settings: Settings
     metrics: Metrics = field(default_factory=Metrics)
     loaded: LoadedModel | None = None
@@ -34,9 +34,9 @@ class ServingState:
     model_name: str = ""
     load_error: str | None = None
     draining: bool = False
-    fatal_error: str | None = None  # the engine thread ended unexpectedly: /health 503, and the process exits 1
+    fatal_error: str | None = None  # the model failed to load or the engine thread ended: /health 503, exit 1
     on_fatal: Callable[[], None] | None = None  # set by the real server (service/shutdown.py): stop with exit code 1
-    view: Any = None  # the routes' narrow view of this state (service/serving.py), made once the engine runs
+    serving: Any = None  # what routes get (service/serving.py `Serving`), made at the first request once ready
     vectors: VectorStore = field(default=None)  # named steering vectors (service/vectors.py)
     responses: ResponseStore = field(default=None)  # stored responses (service/response_store.py)
     speculative: dict | None = None  # --speculative-config as served (/v1/models), None when off
@@ -91,6 +91,11 @@ class ServingState:
             core = Engine(loaded.model, loaded.tokenizer, config, draft_model=draft)
             if s.kv_window is not None:  # the default window must fit this engine: refuse to start, not every request
                 core.check_window(KVWindow(s.sink_tokens, s.kv_window))
+            # Ready means full speed: the KV pool resident and the weights on 2 MB pages before /health says ready,
+            # not in the background while the first requests decode (docs/performance.md#ready-means-full-speed)
+            core.cache.wait_resident(torch.get_num_threads())
+            if getattr(loaded.model, "collapsing", None) is not None:  # (model/loaders/checkpoint.py)
+                loaded.model.collapsing.join()
             engine = AsyncEngine(core)
             engine.step_hooks.append(self.metrics.on_step)
             engine.on_dead = self._engine_died
@@ -102,11 +107,13 @@ class ServingState:
             log.info("serving %s: %s", self.model_name, _precision(loaded))
             if self.speculative is not None:
                 log.info("speculative decoding: %s", self.speculative)
-        except Exception as e:  # a load failure keeps /health at 503 with the reason, and is logged once
+        except Exception as e:  # nothing this process can serve (docs/development.md rule 9): /health 503 with the
+            # reason meanwhile, and a real server exits non-zero with it (service/shutdown.py)
             if loaded is not None and isinstance(loaded.model, TPModel) and self.engine is None:
                 loaded.model.close()
-            self.load_error = str(e)
-            log.error("model failed to load: %s", e)
+            self.load_error = " ".join(str(e).split()) or type(e).__name__  # one line, for /health and stderr
+            log.error("model failed to load: %s", self.load_error)
+            self._fatal(f"model failed to load: {self.load_error}")
 
     @property
     def precision(self) -> dict:
@@ -116,10 +123,16 @@ class ServingState:
     def _engine_died(self, error: BaseException | None) -> None:
         """The engine thread ended while serving (its open requests end with errors right after this). Nothing in
         this process can serve again: /health says so, and a real server exits non-zero to be restarted."""
-        self.fatal_error = f"the engine stopped: {type(error).__name__}" if error is not None else "the engine stopped"
-        log.critical("%s; the server cannot serve any more", self.fatal_error)
+        reason = f"the engine stopped: {type(error).__name__}" if error is not None else "the engine stopped"
+        log.critical("%s; the server cannot serve any more", reason)
         if self.loaded is not None and isinstance(self.loaded.model, TPModel):
             self.loaded.model.abort()
+        self._fatal(reason)
+
+    def _fatal(self, reason: str) -> None:
+        """Nothing in this process can serve again: /health says `reason`, and a real server (`on_fatal`, set by
+        service/shutdown.py) stops and exits 1 so that whatever started it sees the failure."""
+        self.fatal_error = reason
         if self.on_fatal is not None:
             self.on_fatal()
 

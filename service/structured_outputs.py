@@ -112,12 +112,12 @@ def _spec(kind: str, value, source: str) -> StructuredOutputSpec:
     return StructuredOutputSpec(kind, value, source)
 
 
-async def compile_spec(state: Serving, spec: StructuredOutputSpec | None) -> None:
+async def compile_spec(serving: Serving, spec: StructuredOutputSpec | None) -> None:
     """Compile (into the engine's cache) on a worker thread; 400 naming spec.source when the grammar engine
     refuses it."""
     if spec is None:
         return
     try:
-        await asyncio.to_thread(state.compile_structured, spec)
+        await asyncio.to_thread(serving.compile_structured, spec)
     except ValueError as e:
         raise _refuse(str(e), spec.source) from None

@@ -45,7 +45,7 @@ def reference_chat_ids(tok, hf_tok) -> list[int]:
     return ids
 
 
-# The default model's facts the tests check (shared/DESIGN.md): its massive activation's prompt, and ordinary text
+# The default model's facts the tests check (docs/inspection.md): its massive activation's prompt, and ordinary text
 SUMMER = "Summer is warm. Winter is cold.\n"
 SENTENCES = [  # ordinary text of the kind the paper averages over; no BOS, as the tokenizer encodes them
     "The museum opens at nine and closes early on Sundays.",

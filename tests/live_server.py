@@ -83,3 +83,26 @@ def tiny_live_server(settings=None, model=None, **live_kw) -> Iterator[LiveServe
     with LiveServer(app, **live_kw) as live:
         live.model = loaded.model
         yield live
+
+
+def idle_stats(app, timeout: float = 30.0):
+    """The engine's stats (`app.state.server.stats`, the snapshot its thread publishes) once nothing runs or waits
+    and every KV block is free again; the last snapshot if that does not happen within `timeout`."""
+    state = app.state.server
+    deadline = time.monotonic() + timeout
+    while True:
+        s = state.stats
+        if (s.num_running, s.num_waiting, s.num_free_blocks) == (0, 0, s.num_blocks) or time.monotonic() > deadline:
+            return s
+        time.sleep(0.05)
+
+
+def is_idle(stats) -> bool:
+    return stats.num_running == stats.num_waiting == 0 and stats.num_free_blocks == stats.num_blocks
+
+
+def engine_core(app):
+    """The Engine under a live app's AsyncEngine, for its test hook only (`step_fault_hook`: called inside every
+    step with its scheduled rows, it may raise; model/engine/engine.py). Everything else a test reads goes through
+    the app's public handles (`app.state.server.stats`, the HTTP API)."""
+    return app.state.server.engine.engine

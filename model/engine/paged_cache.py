@@ -124,8 +124,9 @@ class PagedKVCache:
         shape = (kv.n_layers, num_blocks, block_size, kv.n_kv_heads, kv.head_dim)  # (L, NB, bs, K, E)
         # Zero-filled, not empty: padded gathers read unused slots, and garbage NaNs would survive the -inf mask.
         # On CPU on 2 MB pages (model/huge_pages.py): a step's attention reads every row's keys and values. Their
-        # pages are faulted in by a background thread (`huge_pages.populate_later`), so serving can start before the
-        # whole pool is resident (seconds a GB on a VM); `wait_resident` waits for it.
+        # pages are faulted in by a background thread (`huge_pages.populate_later`) while the engine is set up;
+        # `wait_resident` waits for it (a server does before it says ready: a step that faults pages in, or one
+        # beside the faulting thread, decodes slower; docs/performance.md#ready-means-full-speed).
         cpu = torch.device(device).type == "cpu"
         zeros = (lambda: huge_pages.empty(shape, dtype, resident=False)) if cpu else \
             (lambda: torch.zeros(shape, dtype=dtype, device=device))
@@ -151,9 +152,14 @@ class PagedKVCache:
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes
 
-    def wait_resident(self) -> None:
-        """Return once every page of the pools is resident (at once off CPU, where they are allocated whole)."""
+    def wait_resident(self, threads: int = 1) -> None:
+        """Return once every page of the pools is resident (at once off CPU, where they are allocated whole).
+        `threads` > 1: fault what is left in on that many threads beside the background one, for a caller with
+        nothing else to run meanwhile (a server before it says ready)."""
         if self.filling is not None:
+            if threads > 1 and self.filling.is_alive():
+                for pool in (self.k, self.v):  # pages already present are skipped: nothing is faulted twice
+                    huge_pages.populate(pool, threads)
             self.filling.join()
 
     @property
@@ -180,9 +186,9 @@ def cache_dtype(name: str, model_dtype: torch.dtype, device: torch.device | str,
     each key and value once when they write it and widen it exactly when they read it: half the bytes a long
     context's attention reads, and twice the tokens in the same pool. "auto": float16 under quantized (int8 / int4)
     weights on CPU where the native kernels run (they keep every row batch invariant over it), whose own rounding is
-    far coarser (the default model's perplexity moves by 0.002%: benchmarks/perplexity.py --kv-cache-dtypes), else
-    the model's dtype, so a float32 model's keys and values stay HF's. Any other pair is refused (ValueError): a bfloat16 model's cache is bfloat16 already, and the GPU kernels
-    read the model's dtype."""
+    far coarser (benchmarks/perplexity.py --kv-cache-dtypes measures what the cache's rounding adds), else the
+    model's dtype, so a float32 model's keys and values stay HF's. Any other pair is refused (ValueError): a bfloat16
+    model's cache is bfloat16 already, and the GPU kernels read the model's dtype."""
     if name not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {name!r}")
     if name == "auto":

@@ -6,18 +6,22 @@ dispatch and a temporary. These kernels do each of those in one call, on the sam
 (`csrc/`):
 
     rms_norm, silu_mul, rope_             elementwise.cpp      one pass per row instead of 4-8 ops
-    paged_decode_attention, paged_write   paged_attention.cpp  decode rows attend over the block pool in place
-    int4_linear, int8_linear              quant_linear.cpp     dequantize fused into the dot product (llama.cpp's
-                                                                int8-activation scheme)
-    int4_dequantize, int8_dequantize      quant_linear.cpp     whole weights to float32 in one pass (many rows)
+    paged_decode_attention(_telemetry),   paged_attention.cpp  rows attend over the block pool in place (with
+    paged_write                                                 attention telemetry: attention_telemetry.h)
+    int4_linear, int6_linear,             quant_linear.cpp     dequantize fused into the dot product (llama.cpp's
+    int8_linear, round_activations                              int8-activation scheme; qgemm.h)
+    int4_dequantize, int6_dequantize,     quant_linear.cpp     whole weights to float32 in one pass
+    int8_dequantize
+    float_linear                          float_linear.cpp     x @ W^T with one reduction order for any row count
+    argmax_rows                           argmax.cpp           greedy picks, torch.argmax's index (ops.greedy_pick)
+    decode_layers                         decode_layers.cpp    every block of a step in one parallel region
     apply_edits                           interventions.cpp    a step's interventions on chosen rows (model/edits.py)
-    gguf_convert                          gguf_convert.cpp     a GGUF matrix's blocks into the int4 / int8 layout,
-                                                                on every thread (model/loaders/gguf_blocks.py)
+    gguf_convert                          gguf_convert.cpp     a GGUF matrix's blocks into the int4 / int6 / int8
+                                                                layout, on every thread (model/loaders/gguf_blocks.py)
 
 `native()` returns the loaded module, or None where the kernels are off (`LLAMASCOPE_NATIVE_KERNELS=0`,
 `disabled()`) or could not be built; every caller then keeps its plain PyTorch path, which is also the reference
-the tests compare the kernels against. `decode_layers` (decode_layers.cpp) composes the ops into every block of a
-pure decode step in one call.
+the tests compare the kernels against.
 
 The extension compiles once per machine (about a minute on 2 cores; ninja and a C++ compiler) into
 `LLAMASCOPE_KERNELS_DIR` (default ~/.cache/llamascope/kernels), under a name that hashes its sources, flags and
@@ -74,9 +78,9 @@ def cpu_flags() -> set[str]:
 
 
 def vnni_flags() -> list[str]:
-    """The compiler flags for 256-bit `vpdpbusd` where the CPU has it (csrc/simd.h): AVX-VNNI (VEX encoding; Intel
-    Alder Lake, AMD Zen 5), else AVX512-VNNI with AVX512-VL (EVEX encoding; Intel Ice Lake server, AMD Zen 4); and
-    with AVX512-VNNI, -VL and -BW, the quantized kernels' 512-bit pair tiles (csrc/quant_linear.cpp)."""
+    """The compiler flags for 256-bit `vpdpbusd` where the CPU has it (csrc/simd.h): AVX-VNNI (the VEX encoding),
+    else AVX512-VNNI with AVX512-VL (the EVEX encoding); and with AVX512-VNNI, -VL and -BW, the quantized kernels'
+    512-bit pair tiles (csrc/quant_linear.cpp)."""
     flags = cpu_flags()
     out = ["-mavxvnni"] if "avx_vnni" in flags else []
     if {"avx512_vnni", "avx512vl"} <= flags:
@@ -91,8 +95,8 @@ def compile_flags(avx2: bool) -> list[str]:
     # already loaded (linking a second libgomp would start a second thread pool beside torch's).
     # -fschedule-insns -fsched-pressure: GCC's scheduling before register allocation, pressure-aware; off by
     # default on x86, and without it the int4 tile's 32 independent maddubs are issued in source order with their
-    # int16 sums spilled, about a quarter slower on the development machine (Zen 3); same instructions, same
-    # results (it reorders, never reassociates).
+    # int16 sums spilled to the stack (docs/performance.md#native-cpu-kernels); same instructions, same results
+    # (it reorders, never reassociates).
     flags = ["-O3", "-fopenmp", "-ffp-contract=off", "-fschedule-insns", "-fsched-pressure"]
     if not avx2:
         return flags
@@ -181,11 +185,6 @@ def status() -> str:
     if not m.avx2:
         return "native (generic)"
     return "native (" + ", ".join(["avx2"] + [f for f in ("vnni", "zmm") if getattr(m, f, False)]) + ")"
-
-
-def set_enabled(enabled: bool) -> None:
-    global _enabled
-    _enabled = enabled
 
 
 @contextlib.contextmanager

@@ -9,7 +9,7 @@ model/transformer.py; N packed tokens, R decode rows, W block-table width, NB po
     silu_mul          (..., 2F) -> (..., F)         SwiGLU's gate, Shazeer 2020
     rope_             (B, T, heads, E) in place     RoPE, rotate-half layout
     linear            (..., in) @ float W           one reduction order per output for any row count (native)
-    quantized_linear  (M, in) @ int8 / int4 W       integer block dot products, any row count (native)
+    quantized_linear  (M, in) @ int8 / int6 / int4 W  integer block dot products, any row count (native)
     paged_write       k, v (N, K, E) -> pool slots
     greedy_pick       logits (B, V) -> (B,)           torch.argmax of nan_to_num(logits, nan=-inf)
     decode_attention  q (N, H, E) rows over their block tables (PagedAttention's decode, Kwon et al. 2023),
@@ -198,7 +198,7 @@ def decode_attention_backend(q: Tensor, k_pool: Tensor) -> str:
 
 def _triton():
     """model/kernels/triton_attention.py, imported where it can run (CUDA, or Triton's interpreter): importing Triton
-    takes ~0.1-0.2 s, which a CPU server's start-up would pay for nothing."""
+    is a noticeable share of a start-up that a CPU server would pay for nothing."""
     from model.kernels import triton_attention
 
     return triton_attention

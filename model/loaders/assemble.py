@@ -1,7 +1,7 @@
 """Assemble a `Transformer` from named tensors: shape checks against the config, dtype/device cast, no double copy.
 
-Loaders translate their file's names to ours (LLaMA names, house rule 4) and hand tensors over one at a time;
-the model is built on the meta device and its parameters are the handed-over tensors themselves.
+Loaders translate their file's names to ours (LLaMA names, docs/development.md rule 4) and hand tensors over one at
+a time; the model is built on the meta device and its parameters are the handed-over tensors themselves.
 """
 
 from __future__ import annotations
@@ -189,7 +189,7 @@ def stack_fused(tensors: dict[str, Tensor], n_layers: int) -> dict[str, Tensor]:
 
 def _cat_rows(parts: list[Tensor]) -> Tensor:
     """torch.cat along dim 0; placeholders on the meta device (the layers converted as read hold the values) become
-    one new placeholder, since a first meta-device torch.cat costs ~2.5 s of PyTorch imports."""
+    one new placeholder, since a first meta-device torch.cat imports a large part of PyTorch (seconds of a start-up)."""
     if all(p.is_meta for p in parts):
         return torch.empty(sum(p.shape[0] for p in parts), *parts[0].shape[1:], device="meta", dtype=parts[0].dtype)
     return torch.cat(parts)

@@ -47,8 +47,8 @@ def default_model_path() -> Path:
 
 def _return_freed_memory(collect: bool = True) -> None:
     """Dequantizing leaves the heap full of freed float32 staging arrays; glibc keeps them mapped (RSS) until
-    malloc_trim hands them back (about 75 MB for the default model). No-op off glibc. `collect`: run Python's
-    collector first (~60 ms with torch imported, on the start-up's path), as every load did, where float matrices
+    malloc_trim hands them back (tens of MB for the default model). No-op off glibc. `collect`: run Python's
+    collector first (a walk of every object torch made, on the start-up's path), as every load did, where float matrices
     were kept (a float GGUF, an HF directory); a load of served-format matrices only skips it (its conversion
     temporaries are freed by reference counting, and malloc_trim is what hands their pages back)."""
     if collect:

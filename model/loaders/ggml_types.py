@@ -3,7 +3,7 @@
 The ids and (elements, bytes) per block are ggml's (`ggml/include/ggml.h` `enum ggml_type`, `ggml/src/ggml.c`
 `type_traits`), as the `gguf` package lists them (`gguf.constants.GGMLQuantizationType`, `GGML_QUANT_SIZES`; tests
 check they agree). They are here rather than imported from that package because importing `gguf` runs its whole
-`__init__` (its writer, metadata and YAML modules: ~0.1 s of a start-up, under the GIL beside the web stack's imports),
+`__init__` (its writer, metadata and YAML modules, imported under the GIL beside the web stack's imports),
 and a load of the types the kernels serve needs none of it. The package's numpy reference dequantization
 (`gguf.quants`, ggml's `ggml-quants.c` in numpy) is imported only when a tensor of another type is dequantized.
 """

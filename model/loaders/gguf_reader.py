@@ -7,7 +7,7 @@ dims (innermost first), uint32 ggml type, uint64 offset into the data section, w
 `general.alignment` (default 32).
 
 Why not the `gguf` package's `GGUFReader`: it builds a numpy view per value (one per token of the vocabulary, two
-per merge), which took 5-7 s and ~160 MB for the default model's 49k-entry tokenizer on every load, and its memmap
+per merge), seconds and a hundred MB and more for the default model's 49k-entry tokenizer on every load, and its memmap
 subclass costs a Python call per slice. Here numeric arrays are read with one `np.frombuffer` each and strings with
 one decode each; `metadata` holds the same values as `{key: field.contents()}` of `GGUFReader`, and `tensors` the
 same fields as its `ReaderTensor` (name, tensor_type, shape, n_elements, n_bytes, data_offset, data), `data` a plain
@@ -73,7 +73,7 @@ class _Cursor:
 
     def strings(self, n: int) -> list[str]:
         """`n` strings in a row, as `string` reads each, in one loop without its per-call overhead: a vocabulary's
-        tokens and merges are 100,000 strings and more (opening the 1B shape's GGUF: 0.067 s -> 0.043 s)."""
+        tokens and merges are 100,000 strings and more."""
         buf, pos, end, out = self.buf, self.pos, len(self.buf), []
         length = _U64.unpack_from
         for _ in range(n):

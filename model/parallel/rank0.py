@@ -109,10 +109,6 @@ class TPModel:
             return run_step(self.shard, msg, None, logits_indices)
         return self.shard(tokens, positions, ctx, logits_indices=logits_indices)
 
-    def memory(self) -> dict[str, int]:
-        """Parameter bytes on this rank (the workers' are equal but for an untied output head, which they hold too)."""
-        return {"rank0_parameter_bytes": parameter_bytes(self.shard)}
-
     def abort(self) -> None:
         """After a failed step: the workers may be blocked in a collective that will never complete, so they are
         killed rather than asked to stop (the process group is left to the process's exit)."""

@@ -5,8 +5,8 @@ response start (`{"status", "headers"}`) and then the body chunks as they come, 
 The app's lifespan runs here too: the model loads in the constructor (Ray counts the replica as starting until it
 returns), and the engine stops in `__del__`, which Ray calls on a graceful replica shutdown.
 
-Ray's health check asks `check_health`: a replica whose engine stopped (a failure it cannot recover from, house
-rule 9) fails it, and Ray replaces the replica, as Kubernetes restarts a pod whose /health is 503.
+Ray's health check asks `check_health`: a replica whose engine stopped (a failure it cannot recover from,
+docs/development.md rule 9) fails it, and Ray replaces the replica, as Kubernetes restarts a pod whose /health is 503.
 
 Two paths are answered here rather than by the app, for the per-replica metrics (service/rayserve/router.py routes
 them): `GET /replicas` lists the replicas in Prometheus' HTTP service discovery format, each with the path that
@@ -40,12 +40,12 @@ class LlamascopeReplica:
         as in the `serve run` config file; `LLAMASCOPE_*` environment variables apply beneath them."""
         self.settings = Settings(**(engine_flags or {}))
         self.app = create_app(self.settings, wait_ready=True)
-        self.state = self.app.state.serving
+        self.state = self.app.state.server
         self._lifespan = self.app.router.lifespan_context(self.app)
         await self._lifespan.__aenter__()
-        if self.state.load_error or not self.state.ready:
+        if not self.state.ready:  # the reason `python -m service` exits 1 with: Ray marks the replica failed
             await self._lifespan.__aexit__(None, None, None)
-            raise RuntimeError(f"llamascope replica could not start: {self.state.load_error or 'engine not running'}")
+            raise RuntimeError(self.state.fatal_error or "the engine is not running")
         context = serve.get_replica_context()
         self.replica_id = context.replica_id.unique_id if context is not None else "local"
         log.info("replica %s (pid %d) serving %s", self.replica_id, os.getpid(), self.state.model_name)

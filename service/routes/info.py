@@ -9,15 +9,15 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from service.errors import APIError, error_response
 from service.prepare import check_token_ids, render_chat
 from service.schemas import DetokenizeRequest, TokenizeRequest
-from service.serving import Serving, serving
-from service.state import ServingState
+from service.serving import Serving, get_serving
+from service.state import ServerState
 
 router = APIRouter()
 
 
 @router.get("/health")
 async def health(request: Request):
-    state: ServingState = request.app.state.serving  # the lifecycle itself: answers while loading and after a failure
+    state: ServerState = request.app.state.server  # the lifecycle itself: answers while loading and after a failure
     if state.ready:
         return {"status": "ok", "model": state.model_name}
     reason = "draining" if state.draining else ("failed" if state.load_error or state.fatal_error else "loading")
@@ -27,35 +27,35 @@ async def health(request: Request):
 
 
 @router.get("/v1/models")
-async def models(state: Serving = Depends(serving)):
+async def models(serving: Serving = Depends(get_serving)):
     return {"object": "list", "data": [{
-        "id": state.model_name, "object": "model", "created": 0, "owned_by": "llamascope",
-        "max_model_len": state.max_model_len, **state.precision, "speculative_config": state.speculative,
+        "id": serving.model_name, "object": "model", "created": 0, "owned_by": "llamascope",
+        "max_model_len": serving.max_model_len, **serving.precision, "speculative_config": serving.speculative,
     }]}
 
 
 @router.get("/metrics")
 async def metrics(request: Request):
-    state: ServingState = request.app.state.serving  # scraped whatever the state, as Prometheus expects
+    state: ServerState = request.app.state.server  # scraped whatever the state, as Prometheus expects
     if state.stats is not None:  # the engine thread's last snapshot, never a walk over its live state
         state.metrics.set_gauges(state.stats)
     return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
 @router.post("/tokenize")
-async def tokenize(req: TokenizeRequest, state: Serving = Depends(serving)):
-    state.check_model(req.model)
+async def tokenize(req: TokenizeRequest, serving: Serving = Depends(get_serving)):
+    serving.check_model(req.model)
     if (req.prompt is None) == (req.messages is None):
         raise APIError(400, "give exactly one of prompt or messages", param="prompt", code="invalid_value")
     if req.messages is not None:
-        ids = render_chat(state, req.messages, template_kwargs=req.chat_template_kwargs)
+        ids = render_chat(serving, req.messages, template_kwargs=req.chat_template_kwargs)
     else:
-        ids = state.tokenizer.encode(req.prompt, add_bos=None if req.add_special_tokens else False)
-    return {"tokens": ids, "count": len(ids), "max_model_len": state.max_model_len}
+        ids = serving.tokenizer.encode(req.prompt, add_bos=None if req.add_special_tokens else False)
+    return {"tokens": ids, "count": len(ids), "max_model_len": serving.max_model_len}
 
 
 @router.post("/detokenize")
-async def detokenize(req: DetokenizeRequest, state: Serving = Depends(serving)):
-    state.check_model(req.model)
-    check_token_ids(req.tokens, state, "tokens")
-    return JSONResponse({"prompt": state.tokenizer.decode(req.tokens)})
+async def detokenize(req: DetokenizeRequest, serving: Serving = Depends(get_serving)):
+    serving.check_model(req.model)
+    check_token_ids(req.tokens, serving, "tokens")
+    return JSONResponse({"prompt": serving.tokenizer.decode(req.tokens)})

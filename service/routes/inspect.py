@@ -22,35 +22,35 @@ from model.interventions import Intervention
 from model.probes import DEFAULT_INCLUDES, ProbeOptions
 from service import inspect_format as fmt
 from service.errors import APIError
-from service.interventions import to_interventions
+from service.edit_fields import to_interventions
 from service.prepare import check_inspect_length, check_token_ids, render_chat
 from service.probing import run_probe
 from service.openai_format import now
 from service.runner import RunStats, start, until_disconnect
 from service.schemas import InspectRequest
-from service.serving import Serving, serving
+from service.serving import Serving, get_serving
 
 router = APIRouter()
 log = logging.getLogger("llamascope.service")
 
 
-def _sequence(state: Serving, req: InspectRequest) -> list[int]:
+def _sequence(serving: Serving, req: InspectRequest) -> list[int]:
     given = [name for name in ("prompt", "input_ids", "messages") if getattr(req, name) is not None]
     if len(given) != 1:
         raise APIError(400, "give exactly one of prompt, input_ids or messages" + (f" (got {', '.join(given)})" if given else ""),
                        param="prompt", code="invalid_value")
     if req.messages is not None:
-        return render_chat(state, req.messages, req.add_generation_prompt)
-    ids = state.tokenizer.encode(req.prompt) if req.prompt is not None else list(req.input_ids)
+        return render_chat(serving, req.messages, req.add_generation_prompt)
+    ids = serving.tokenizer.encode(req.prompt) if req.prompt is not None else list(req.input_ids)
     if not ids:
         raise APIError(400, "prompt must not be empty", param=given[0], code="empty_prompt")
-    check_token_ids(ids, state, "input_ids")
+    check_token_ids(ids, serving, "input_ids")
     return ids
 
 
-def _options(state: Serving, req: InspectRequest, T: int) -> ProbeOptions:
+def _options(serving: Serving, req: InspectRequest, T: int) -> ProbeOptions:
     """Options for a sequence of (at most) T tokens; 400 for out-of-range selectors, 413 over the byte budget."""
-    c = state.config
+    c = serving.config
     opts = ProbeOptions(
         layers=req.layers, heads=req.heads,
         include=frozenset(req.include) if req.include is not None else DEFAULT_INCLUDES,
@@ -60,7 +60,7 @@ def _options(state: Serving, req: InspectRequest, T: int) -> ProbeOptions:
         lens_top_k=req.lens_top_k, lens_positions=req.lens_positions,
         hidden_positions=_absolute(req.hidden_positions, T, "hidden_positions"),
     )
-    budget = state.settings.max_inspect_response_bytes
+    budget = serving.settings.max_inspect_response_bytes
     opts = fmt.resolve_auto(opts, req.format, T, c.n_layers, c.n_heads, budget, c.dim, req.hidden_dtype)
     try:
         opts.validate(c.n_layers, c.n_heads, T)
@@ -93,13 +93,13 @@ def _absolute(positions: list[int] | None, T: int, param: str) -> list[int] | No
     return out
 
 
-async def _generate(state: Serving, request: Request, ids: list[int], req: InspectRequest,
+async def _generate(serving: Serving, request: Request, ids: list[int], req: InspectRequest,
                     interventions: list[Intervention] | None) -> dict:
     """The completion to inspect with the prompt (generated under the same interventions): its tokens, text and
     finish reason."""
     params = SamplingParams(max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p, seed=req.seed)
     stats = RunStats("inspect")
-    outputs = await start(state, [ids], params, stats, RequestOptions(interventions=interventions))
+    outputs = await start(serving, [ids], params, stats, RequestOptions(interventions=interventions))
 
     async def collect():
         tokens, text, reason, error = [], "", None, None
@@ -119,35 +119,37 @@ async def _generate(state: Serving, request: Request, ids: list[int], req: Inspe
 
 
 @router.post("/inspect")
-async def inspect(req: InspectRequest, request: Request, state: Serving = Depends(serving)):
-    state.check_model(req.model)
-    c = state.config
+async def inspect(req: InspectRequest, request: Request, serving: Serving = Depends(get_serving)):
+    serving.check_model(req.model)
+    c = serving.config
     started = time.perf_counter()
-    ids = _sequence(state, req)
-    max_len = state.max_model_len
+    ids = _sequence(serving, req)
+    max_len = serving.max_model_len
     if len(ids) + req.max_tokens > max_len:
         raise APIError(400, f"prompt ({len(ids)} tokens) + max_tokens ({req.max_tokens}) exceeds the context of {max_len}",
                        param="max_tokens", code="context_length_exceeded")
-    check_inspect_length(state, len(ids) + req.max_tokens, "max_tokens" if req.max_tokens else "prompt")
-    opts = _options(state, req, len(ids) + req.max_tokens)
-    interventions = to_interventions(req.interventions, state.vectors, c.n_layers, c.dim)
+    check_inspect_length(serving, len(ids) + req.max_tokens, "max_tokens" if req.max_tokens else "prompt")
+    opts = _options(serving, req, len(ids) + req.max_tokens)
+    interventions = to_interventions(req.interventions, serving.vectors, c.n_layers, c.dim)
     completion = None
     if req.max_tokens:
-        completion = await _generate(state, request, ids, req, interventions)
+        completion = await _generate(serving, request, ids, req, interventions)
         T = len(ids) + len(completion["token_ids"])
         opts.rows = _absolute(req.rows, T, "rows")
         opts.hidden_positions = _absolute(req.hidden_positions, T, "hidden_positions")
     sequence = ids + (completion["token_ids"] if completion else [])
-    run = await run_probe(state, request, sequence, opts, interventions, len(ids))
+    run = await run_probe(serving, request, sequence, opts, interventions, len(ids))
     result = run.result()
-    body = {"id": f"insp-{uuid.uuid4().hex[:24]}", "object": "inspection", "created": now(), "model": state.model_name,
+    body = {"id": f"insp-{uuid.uuid4().hex[:24]}", "object": "inspection", "created": now(),
+            "model": serving.model_name,
             "mode": opts.mode, "format": req.format,
             "config": {"n_layers": c.n_layers, "n_heads": c.n_heads, "n_kv_heads": c.n_kv_heads, "head_dim": c.head_dim,
                        "dim": c.dim, "vocab_size": c.vocab_size},
             "layers_selected": opts.selected_layers(c.n_layers), "heads_selected": result.heads,
             "kv_groups": result.kv_groups, "num_prompt_tokens": len(ids), "completion": completion,
             "interventions": len(interventions or [])}
-    body.update(await run_in_threadpool(fmt.render, result, opts, req.format, state.tokenizer, c.n_layers, req.hidden_dtype))
+    body.update(await run_in_threadpool(fmt.render, result, opts, req.format, serving.tokenizer, c.n_layers,
+                                        req.hidden_dtype))
     body["usage"] = {"prompt_tokens": len(ids), "completion_tokens": len(sequence) - len(ids), "total_tokens": len(sequence),
                      "compute_ms": round(result.compute_ms, 1), "response_bytes": 0}
     data = await run_in_threadpool(fmt.dumps_with_size, body)

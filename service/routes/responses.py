@@ -16,7 +16,7 @@ from service.response_output import ResponseOutput, event_text, response_usage
 from service.response_schemas import ResponsesRequest
 from service.response_store import StoredResponse
 from service.runner import RunStats, collect, finish, start
-from service.serving import Serving, serving
+from service.serving import Serving, get_serving
 
 router = APIRouter()
 
@@ -27,37 +27,37 @@ def _not_found(response_id: str, param: str | None = None) -> APIError:
 
 
 @router.post("/v1/responses")
-async def create_response(req: ResponsesRequest, request: Request, state: Serving = Depends(serving)):
-    state.check_model(req.model)
+async def create_response(req: ResponsesRequest, request: Request, serving: Serving = Depends(get_serving)):
+    serving.check_model(req.model)
     conversation: list[dict] = []
     if req.previous_response_id is not None:
-        previous = state.responses.get(req.previous_response_id)
+        previous = serving.responses.get(req.previous_response_id)
         if previous is None:
             raise _not_found(req.previous_response_id, "previous_response_id")
         conversation = list(previous.conversation)
     conversation += input_items(req)
     stats = RunStats("responses")
     try:
-        run = await prepare_chat(state, chat_request(req, conversation))
-        out = ResponseOutput(state.tokenizer, run.plan, req, stats.request_id, state.model_name)
-        outputs = await start(state, [run.prompt], run.params, stats, run.options)  # refusals raise here
+        run = await prepare_chat(serving, chat_request(req, conversation))
+        out = ResponseOutput(serving.tokenizer, run.plan, req, stats.request_id, serving.model_name)
+        outputs = await start(serving, [run.prompt], run.params, stats, run.options)  # refusals raise here
     except APIError as e:
         raise in_responses_terms(e) from None
 
     def keep(response: dict) -> dict:
         if req.store and response["status"] != "failed":
-            state.responses.put(StoredResponse(response, conversation + output_items(response["output"])))
+            serving.responses.put(StoredResponse(response, conversation + output_items(response["output"])))
         return response
 
     if req.stream:
-        return StreamingResponse(_events(state, stats, outputs, out, keep), media_type="text/event-stream",
+        return StreamingResponse(_events(serving, stats, outputs, out, keep), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
-    reasons = await collect(request, state, stats, outputs, lambda _, o: out.add(o))
+    reasons = await collect(request, serving, stats, outputs, lambda _, o: out.add(o))
     usage = response_usage(stats.prompt_tokens, stats.completion_tokens, stats.cached_tokens)
     return JSONResponse(keep(out.response(out.status(reasons.get(0)), usage)))
 
 
-async def _events(state: Serving, stats: RunStats, outputs: AsyncIterator[tuple[int, RequestOutput]],
+async def _events(serving: Serving, stats: RunStats, outputs: AsyncIterator[tuple[int, RequestOutput]],
                   out: ResponseOutput, keep) -> AsyncIterator[str]:
     """The stream: created and in_progress, each output's events, then the whole response in the last event (OpenAI
     sends no `[DONE]` here). A failed generation ends it with `response.failed`; the client leaving aborts the
@@ -80,20 +80,20 @@ async def _events(state: Serving, stats: RunStats, outputs: AsyncIterator[tuple[
         status = 500
         yield event_text(out.tail(None, None, "generation failed"))
     finally:
-        finish(state, stats, status if len(stats.finish_reasons) == 1 or status != 200 else 499)
+        finish(serving, stats, status if len(stats.finish_reasons) == 1 or status != 200 else 499)
         await outputs.aclose()  # at once, not at GC time: a client that left is aborted now
 
 
 @router.get("/v1/responses/{response_id}")
-async def retrieve_response(response_id: str, state: Serving = Depends(serving)):
-    entry = state.responses.get(response_id)
+async def retrieve_response(response_id: str, serving: Serving = Depends(get_serving)):
+    entry = serving.responses.get(response_id)
     if entry is None:
         raise _not_found(response_id)
     return JSONResponse(entry.response)
 
 
 @router.delete("/v1/responses/{response_id}")
-async def delete_response(response_id: str, state: Serving = Depends(serving)):
-    if not state.responses.delete(response_id):
+async def delete_response(response_id: str, serving: Serving = Depends(get_serving)):
+    if not serving.responses.delete(response_id):
         raise _not_found(response_id)
     return {"id": response_id, "object": "response.deleted", "deleted": True}

@@ -17,7 +17,7 @@ from service.errors import APIError
 from service.prepare import check_inspect_length
 from service.probing import run_probe
 from service.schemas import VectorRequest
-from service.serving import Serving, serving
+from service.serving import Serving, get_serving
 from service.vectors import StoredVector, contrastive_mean
 
 router = APIRouter()
@@ -30,18 +30,18 @@ def _with_data(v: StoredVector) -> dict:
     return {**v.summary(), "dtype": "float32", "encoding": "base64", "data": data}
 
 
-def _found(state: Serving, name: str) -> StoredVector:
-    v = state.vectors.get(name)
+def _found(serving: Serving, name: str) -> StoredVector:
+    v = serving.vectors.get(name)
     if v is None:
         raise APIError(404, f"no stored vector named {name!r}", param="name", code="vector_not_found")
     return v
 
 
 @router.post("/v1/vectors")
-async def create_vector(req: VectorRequest, request: Request, state: Serving = Depends(serving)):
-    state.check_model(req.model)
-    c = state.config
-    if state.vectors.get(req.name) is not None:
+async def create_vector(req: VectorRequest, request: Request, serving: Serving = Depends(get_serving)):
+    serving.check_model(req.model)
+    c = serving.config
+    if serving.vectors.get(req.name) is not None:
         raise APIError(409, f"a vector named {req.name!r} exists: DELETE /v1/vectors/{req.name} first", param="name",
                        code="vector_exists")
     if len(req.positive) != len(req.negative):
@@ -50,7 +50,7 @@ async def create_vector(req: VectorRequest, request: Request, state: Serving = D
     bad = [l for l in req.layers if l >= c.n_layers]
     if bad:
         raise APIError(400, f"layers: {bad[0]} is out of range [0, {c.n_layers})", param="layers", code="invalid_value")
-    tok = state.tokenizer
+    tok = serving.tokenizer
     sides = []
     for side, texts in (("positive", req.positive), ("negative", req.negative)):
         reps = []
@@ -58,17 +58,17 @@ async def create_vector(req: VectorRequest, request: Request, state: Serving = D
             ids = tok.encode(text)
             if not ids:
                 raise APIError(400, f"{side}: a prompt encodes to no tokens", param=side, code="empty_prompt")
-            check_inspect_length(state, len(ids), side)
+            check_inspect_length(serving, len(ids), side)
             T = len(ids)
             opts = ProbeOptions(layers=list(req.layers), include=frozenset({"hidden_states"}),
                                 hidden_positions=[T - 1] if req.position == "last" else None)
-            result = (await run_probe(state, request, ids, opts)).result()
+            result = (await run_probe(serving, request, ids, opts)).result()
             reps.append({p.layer: p.hidden.mean(0) for p in result.layers})  # (P, D) -> (D,)
         sides.append(reps)
     vector = StoredVector(req.name, contrastive_mean(sides[0], sides[1], req.normalize), "contrastive",
                           details={"pairs": len(req.positive), "position": req.position, "normalize": req.normalize})
     try:
-        state.vectors.add(vector)
+        serving.vectors.add(vector)
     except KeyError:
         raise APIError(409, f"a vector named {req.name!r} exists: DELETE /v1/vectors/{req.name} first", param="name",
                        code="vector_exists") from None
@@ -78,17 +78,17 @@ async def create_vector(req: VectorRequest, request: Request, state: Serving = D
 
 
 @router.get("/v1/vectors")
-async def list_vectors(state: Serving = Depends(serving)):
-    return {"object": "list", "data": [v.summary() for v in state.vectors.list()]}
+async def list_vectors(serving: Serving = Depends(get_serving)):
+    return {"object": "list", "data": [v.summary() for v in serving.vectors.list()]}
 
 
 @router.get("/v1/vectors/{name}")
-async def get_vector(name: str, state: Serving = Depends(serving)):
-    return _with_data(_found(state, name))
+async def get_vector(name: str, serving: Serving = Depends(get_serving)):
+    return _with_data(_found(serving, name))
 
 
 @router.delete("/v1/vectors/{name}")
-async def delete_vector(name: str, state: Serving = Depends(serving)):
-    _found(state, name)
-    state.vectors.delete(name)
+async def delete_vector(name: str, serving: Serving = Depends(get_serving)):
+    _found(serving, name)
+    serving.vectors.delete(name)
     return {"object": "vector.deleted", "name": name, "deleted": True}

@@ -89,7 +89,8 @@ def test_one_torch_pin():
     pin = torch_pin()
     r = subprocess.run(["make", "-s", "-n", "install"], cwd=ROOT, capture_output=True, text=True, timeout=60,
                        env={**{k: v for k, v in os.environ.items() if k != "TORCH_SPEC"}, "VENV": "/nonexistent-venv"})
-    assert f"pip install --quiet torch=={pin}\n" in r.stdout, r.stdout + r.stderr
+    cpu = f"pip install --quiet torch=={pin}+cpu --extra-index-url https://download.pytorch.org/whl/cpu\n"
+    assert cpu in r.stdout, r.stdout + r.stderr  # the CPU build, said so (PyPI's own Linux torch is a CUDA build)
     files = [ROOT / "Makefile", ROOT / "Dockerfile", ROOT / ".ci" / "run", ROOT / "pyproject.toml",
              *ROOT.glob("tests/**/*.py"), *ROOT.glob("benchmarks/**/*.py"), *ROOT.glob("deploy/**/*"),
              *ROOT.glob("model/**/*.py"), *ROOT.glob("service/*.py")]
@@ -97,7 +98,29 @@ def test_one_torch_pin():
               if f.is_file() and f.name != "config_doc.py" and re.search(r"torch==\d", f.read_text(errors="replace"))]
     assert pinned == [], pinned
     # the configuration page's Make-variable table shows TORCH_SPEC's default: the same release
-    assert f"`torch=={pin}`" in (ROOT / "service" / "config_doc.py").read_text()
+    assert f"`torch=={pin}+cpu --extra-index-url https://download.pytorch.org/whl/cpu`" in \
+        (ROOT / "service" / "config_doc.py").read_text()
+
+
+def test_another_torch_spec_reinstalls_torch_in_an_existing_venv(tmp_path):
+    """A venv made with the default TORCH_SPEC is up to date for it; the same venv with a CUDA build's spec installs
+    that build (and then the package and the kernels again), as docs/deployment.md tells a GPU user to do."""
+    env = {**{k: v for k, v in os.environ.items() if k != "TORCH_SPEC"}, "VENV": str(tmp_path)}
+
+    def make(*args: str) -> str:
+        r = subprocess.run(["make", "-s", *args], cwd=ROOT, capture_output=True, text=True, timeout=60, env=env)
+        assert r.returncode == 0, r.stderr
+        return r.stdout
+
+    stamp = make("--eval", "print-stamp: ; @echo $(TORCH_STAMP)", "print-stamp").strip()
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "python").symlink_to(sys.executable)
+    Path(stamp).touch()
+    (tmp_path / ".installed").touch()  # newer than pyproject.toml and the stamp: up to date
+    assert "pip install" not in make("-n", "install")
+    cuda = f"torch=={torch_pin()}+cu128 --index-url https://download.pytorch.org/whl/cu128"
+    again = make("-n", "install", f"TORCH_SPEC={cuda}")
+    assert f"pip install --quiet {cuda}\n" in again and "pip install --quiet -e ." in again, again
 
 
 def dockerfile_chain(target: str, device: str) -> list[tuple[str, list[tuple[str, str]]]]:

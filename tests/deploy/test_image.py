@@ -2,7 +2,8 @@
 container passes its own HEALTHCHECK, then over HTTP on a loopback-published port: a chat answer, a streamed
 completion, /inspect, the viewer page and /metrics; it runs as the non-root user, on the native kernels compiled
 while the image was built; SIGTERM with streams in flight lets them finish and the container exits 0 within the
-grace period; a model mounted at /models is served.
+grace period; a model mounted at /models is served; a model that cannot load ends the container with exit 1 and
+the reason.
 
 Marked `image` and collected only with `--image TAG` (tests/conftest.py): `make test` runs none of them."""
 
@@ -179,6 +180,16 @@ def test_a_model_mounted_at_models_is_served(image, tmp_path):
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
         digest = hashlib.sha256((model / "model.safetensors").read_bytes()).hexdigest()
         assert c.exec("sha256sum", "/models/tiny-llama/model.safetensors").split()[0] == digest
+
+
+def test_a_model_that_cannot_load_ends_the_container_with_the_reason(image):
+    """A broken model is a failure the server cannot recover from: the container exits 1 at once, its last log line
+    the reason, instead of running unhealthy (docs/development.md rule 9)."""
+    r = engine("run", "--rm", "-e", "LLAMASCOPE_MODEL=/models/missing.gguf", "-e", f"LLAMASCOPE_KV_CACHE_BYTES={KV}",
+               image, timeout=300, check=False)
+    last = (r.stdout + r.stderr).strip().splitlines()[-1]
+    assert r.returncode == 1, (r.returncode, (r.stdout + r.stderr)[-3000:])
+    assert last.startswith("python -m service: error: model failed to load: ") and "missing.gguf" in last, last
 
 
 CUDA_STANDIN = "llamascope:cuda-standin"

@@ -63,6 +63,26 @@ def test_serve_config_builds_and_refuses_typos():
         build_app({**app["args"], "engine_flags": {"max_num_seqs": "many"}})
 
 
+def test_the_local_serve_config_names_its_model_and_fits_two_cores():
+    """deploy/ray/serve-local.yaml (the README's Ray path) validates, builds, names its model (the default one:
+    `model: null`) and asks at most 2 of Ray's CPUs for all its replicas."""
+    import yaml
+    from ray.serve.schema import ServeDeploySchema
+
+    from service.rayserve.app import build_app
+
+    text = (ROOT / "deploy/ray/serve-local.yaml").read_text()
+    config = yaml.safe_load(text)
+    ServeDeploySchema.model_validate(config)
+    [app] = config["applications"]
+    assert "model" in app["args"]["engine_flags"] and re.search(r"^\s+model: null\s+# the default model", text, re.M)
+    cpus = sum(d.get("num_replicas", 1) * d["ray_actor_options"]["num_cpus"] for d in app["deployments"])
+    assert cpus <= 2, cpus
+    replica = next(d for d in app["deployments"] if d["name"] == "LlamascopeReplica")
+    assert app["args"]["engine_flags"]["threads"] == replica["ray_actor_options"]["num_cpus"]
+    build_app(app["args"])
+
+
 def test_call_prefix_text():
     from service.rayserve.call import ReplicaCall
 

@@ -117,7 +117,7 @@ def test_health_turns_503_when_the_engine_thread_dies(monkeypatch):
     app = create_app(Settings(), loaded=_loaded(), wait_ready=True)
     with TestClient(app) as client:
         assert client.get("/health").status_code == 200
-        engine = app.state.serving.engine
+        engine = app.state.server.engine
         monkeypatch.setattr(engine.engine, "has_unfinished", _raise)
         engine._wake.set()
         for _ in range(200):
@@ -159,7 +159,7 @@ def test_the_prompts_of_one_request_are_admitted_in_the_same_step():
     app = create_app(Settings(max_num_batched_tokens=512), loaded=_loaded(), wait_ready=True)
     steps: list[set[str]] = []
     with TestClient(app) as client:
-        engine = app.state.serving.engine
+        engine = app.state.server.engine
         engine.step_hooks.append(lambda _stats, step, _s: steps.append({s.request.request_id for s in step.seqs}))
         prompts = [[10 + i, 11, 12, 13] for i in range(4)]
         r = client.post("/v1/completions", json={"prompt": prompts, "max_tokens": 4, "ignore_eos": True})

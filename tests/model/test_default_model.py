@@ -78,8 +78,8 @@ def test_chat_answer_follows_transformers(default_model, hf_gguf_model, hf_gguf_
     assert float(top_margins(ref[:end]).min()) > MIN_MARGIN  # no near-tie on the way: the text below cannot flip
     _assert_follows(_forced_decode(default_model.model, ids, ref_tokens), ref, ref_tokens, "chat")
     assert list(generate(default_model.model, ids, 16, tok.stop_ids)) == ref_tokens[:end]
-    # DESIGN.md's near-tie, pinned as probabilities (never as the words of an answer): the France prompt's first
-    # token is "The" 0.152 vs "L" 0.140 in float32, in both implementations.
+    # The default model's near-tie (docs/development.md#tests), pinned as probabilities (never as the words of an
+    # answer): the France prompt's first token is "The" 0.152 vs "L" 0.140 in float32, in both implementations.
     france = tok.encode(tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}]),
                         add_bos=False)
     with torch.no_grad():
@@ -106,8 +106,9 @@ def test_generate_cli(default_model, hf_gguf_model, hf_gguf_tokenizer):
 
 
 def test_massive_activation_at_token0_dim507(default_model, hf_gguf_model):
-    """DESIGN.md's fact (Sun et al. 2024, "Massive Activations in LLMs"): on this prompt the residual stream holds
-    ~2.3e4 at token 0, dim 507 after blocks 11-27, 1,000x+ the block's median magnitude; ~700 in blocks 2-8.
+    """The default model's fact (docs/inspection.md; Sun et al. 2024, "Massive Activations in LLMs"): on this prompt
+    the residual stream holds ~2.3e4 at token 0, dim 507 after blocks 11-27, 1,000x+ the block's median magnitude;
+    ~700 in blocks 2-8.
     Our block outputs first match transformers' `output_hidden_states` on the same file, and the fact holds in
     both, so it is the model's, not an artefact of our forward."""
     ids = default_model.tokenizer.encode("Summer is warm. Winter is cold.\n")

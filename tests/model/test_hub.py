@@ -136,17 +136,17 @@ def test_the_download_path(hf_home, tiny_dir, monkeypatch):
 
 def test_the_server_serves_a_hub_id_under_its_name(hf_home, tiny_dir, monkeypatch):
     from service.config import Settings
-    from service.state import ServingState
+    from service.state import ServerState
 
     cache_repo(tiny_dir, "org/tiny-llama")
-    state = ServingState(Settings(model="org/tiny-llama", kv_cache_bytes=4 << 20))
+    state = ServerState(Settings(model="org/tiny-llama", kv_cache_bytes=4 << 20))
     state.start()
     try:
         assert state.load_error is None and state.model_name == "org/tiny-llama"
     finally:
         state.stop()
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    state = ServingState(Settings(model="org/not-cached", kv_cache_bytes=4 << 20))
+    state = ServerState(Settings(model="org/not-cached", kv_cache_bytes=4 << 20))
     state.start()  # /health says 503 with this reason, and the log has it once
     assert state.engine is None and "\n" not in state.load_error and "org/not-cached" in state.load_error
     assert str(hub_cache_dir() / "models--org--not-cached") in state.load_error

@@ -8,4 +8,4 @@ import pytest
 @pytest.fixture(scope="session")
 def name(server):
     """The default model's name as the live server serves it (what clients pass as `model`)."""
-    return server.app.state.serving.model_name
+    return server.app.state.server.model_name

@@ -9,7 +9,7 @@ import json
 
 import httpx
 
-from live_server import tiny_live_server
+from live_server import engine_core, idle_stats, is_idle, tiny_live_server
 from service.config import Settings
 from test_service_load import scrape, wait_idle
 from tiny import tiny_model
@@ -25,7 +25,7 @@ def test_a_failing_step_fails_only_its_requests():
     def hook(scheduled):
         # Fire once, on the first step that decodes several requests while others wait.
         decoding = [s for s in scheduled if s.seq.output_token_ids]
-        if not failed and len(decoding) >= 2 and live.app.state.serving.engine.engine.scheduler.waiting:
+        if not failed and len(decoding) >= 2 and live.app.state.server.stats.num_waiting:  # (the last step's count)
             failed.update(s.seq.prompt_token_ids[0] - MARK for s in scheduled)
             raise RuntimeError("injected fault at /secret/internal/path.py")
 
@@ -53,11 +53,10 @@ def test_a_failing_step_fails_only_its_requests():
             return await asyncio.gather(*(one(client, i) for i in range(NUM_REQUESTS)))
 
     with server as live:
-        engine = live.app.state.serving.engine.engine
         before = wait_idle(live.url)
-        engine.step_fault_hook = hook
+        engine_core(live.app).step_fault_hook = hook
         results = asyncio.run(main(live.url))
-        engine.step_fault_hook = None
+        engine_core(live.app).step_fault_hook = None
         after = wait_idle(live.url)
 
         assert failed and len(failed) < NUM_REQUESTS, failed
@@ -74,8 +73,7 @@ def test_a_failing_step_fails_only_its_requests():
         r = httpx.post(live.url + "/v1/completions", json={"prompt": "hello", "max_tokens": 5, "ignore_eos": True})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
         assert httpx.get(live.url + "/health").status_code == 200
-        assert engine.kv.num_free_blocks == engine.kv.num_blocks and not engine.requests
-        assert not engine.scheduler.running and not engine.scheduler.waiting
+        assert is_idle(idle_stats(live.app))
         assert (after["llamascope_kv_cache_usage_ratio"], after["llamascope_num_requests_running"],
                 after["llamascope_num_requests_waiting"]) == (0, 0, 0)
 

@@ -119,7 +119,7 @@ def test_sigterm_ends_a_long_stream_cleanly_at_the_grace_deadline(checkpoint, tm
 
 def test_draining_refuses_new_work_and_finishes_what_is_in_flight():
     with tiny_live_server(Settings(), tiny_model(seed=4)) as live, httpx.Client(base_url=live.url, timeout=60) as c:
-        state = live.app.state.serving
+        state = live.app.state.server
         t, events = start_stream(live.url, {"prompt": "abc", "max_tokens": 300, "ignore_eos": True, "stream": True})
         state.begin_drain(60.0)
         for method, path, payload in (("POST", "/v1/completions", {"prompt": "a"}),

@@ -110,7 +110,7 @@ def test_completions_inspect_extension_through_openai(server):
     import openai
 
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
-    out = client.completions.create(model=server.app.state.serving.model_name, prompt=SUMMER, max_tokens=4,
+    out = client.completions.create(model=server.app.state.server.model_name, prompt=SUMMER, max_tokens=4,
                                     temperature=0, extra_body={"inspect": True})
     assert out.choices[0].text
     (summary,) = out.model_extra["inspect"]
@@ -155,10 +155,10 @@ def test_chat_messages_are_rendered_with_the_template(server):
     r = httpx.post(server.url + "/inspect", json={"messages": msgs, "max_tokens": 8, "include": ["massive"]}, timeout=120)
     assert r.status_code == 200, r.text
     body = r.json()
-    tok = server.app.state.serving.loaded.tokenizer
+    tok = server.app.state.server.loaded.tokenizer
     prompt = tok.encode(tok.apply_chat_template(msgs), add_bos=False)
     assert [t["id"] for t in body["tokens"][: len(prompt)]] == prompt and body["num_prompt_tokens"] == len(prompt)
-    want = list(generate(server.app.state.serving.loaded.model, prompt, 8, tok.stop_ids))  # the reference loop
+    want = list(generate(server.app.state.server.loaded.model, prompt, 8, tok.stop_ids))  # the reference loop
     assert body["completion"]["token_ids"] == want and body["completion"]["text"] == tok.decode(want, skip_special_tokens=True)
     assert body["mode"] == "none" and "attention" not in body["layers"][0]
 
@@ -229,7 +229,7 @@ def test_inspect_does_not_stall_completions(inspect_server):
     t = threading.Thread(target=long_inspect)
     t.start()
     deadline = time.monotonic() + 60
-    state = inspect_server.app.state.serving
+    state = inspect_server.app.state.server
     while not state.engine._jobs and time.monotonic() < deadline:  # wait until the engine thread has the job
         time.sleep(0.01)
     r = httpx.post(inspect_server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 3}, timeout=300)
@@ -240,7 +240,7 @@ def test_inspect_does_not_stall_completions(inspect_server):
 
 
 def test_queue_limit_is_a_429(inspect_server, monkeypatch):
-    state = inspect_server.app.state.serving
+    state = inspect_server.app.state.server
     monkeypatch.setattr(state.settings, "max_inspect_queued", 0)
     r = httpx.post(inspect_server.url + "/inspect", json={"prompt": "x"}, timeout=60)
     assert r.status_code == 429 and r.json()["error"]["code"] == "queue_full"

@@ -241,7 +241,7 @@ def test_stored_vectors_lifecycle(vector_server):
     from model.probes import ProbeOptions, ProbeRun
     from tiny import byte_tokenizer
 
-    model, tok = vector_server.app.state.serving.loaded.model, byte_tokenizer()
+    model, tok = vector_server.app.state.server.loaded.model, byte_tokenizer()
 
     def last(text: str) -> dict[int, torch.Tensor]:
         ids = tok.encode(text)

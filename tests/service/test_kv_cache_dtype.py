@@ -23,7 +23,7 @@ def _answer(live) -> tuple[dict, list[float], int]:
     r = info.completions.create(model="tiny", prompt="the cat sat on the mat; the cat", max_tokens=12, temperature=0,
                                 logprobs=1)
     model = info.models.list().data[0].model_dump()
-    return model, r.choices[0].logprobs.token_logprobs, live.app.state.serving.stats.num_blocks
+    return model, r.choices[0].logprobs.token_logprobs, live.app.state.server.stats.num_blocks
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
@@ -42,7 +42,7 @@ def test_a_16_bit_cache_under_a_float32_model(dtype):
 
 
 def test_refused_where_the_cache_would_not_be_16_bit_under_float32():
-    state = create_app(Settings(dtype="bfloat16", kv_cache_dtype="float16")).state.serving
+    state = create_app(Settings(dtype="bfloat16", kv_cache_dtype="float16")).state.server
     state.start()  # what the app's start-up runs
     assert state.engine is None and "kv_cache_dtype float16 with a bfloat16 model" in state.load_error
     with pytest.raises(ValidationError, match="kv_cache_dtype"):

@@ -141,7 +141,7 @@ def test_rows_share_batches_with_traffic_and_the_prefix_cache(patch_server):
         for _ in range(4):
             texts.append(httpx.post(f"{live.url}/v1/completions", json=completion, timeout=60).json()["choices"][0]["text"])
 
-    engine = app.state.serving.engine
+    engine = app.state.server.engine
     hits0 = engine.stats.prefix_cache_hits
     t = threading.Thread(target=traffic)
     t.start()
@@ -183,13 +183,13 @@ def test_bad_input_is_a_400_naming_the_field(patch_server, change, param):
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] is not None and err["param"].split(".")[0] == param, err
-    assert app.state.serving.ready
+    assert app.state.server.ready
 
 
 def test_byte_budget_is_checked_before_anything_runs(patch_server, monkeypatch):
     live, _, app = patch_server
-    engine = app.state.serving.engine
-    monkeypatch.setattr(app.state.serving.settings, "max_inspect_response_bytes", 100_000)
+    engine = app.state.server.engine
+    monkeypatch.setattr(app.state.server.settings, "max_inspect_response_bytes", 100_000)
     queries0 = engine.stats.prefix_cache_queries
     body = {"clean": CLEAN, "corrupted": CORRUPTED, "answer": " ", "contrast": "x", "layers": "all",
             "positions": "all"}  # 4 x 37 cells x 64 float32 x 3 = 114 KB

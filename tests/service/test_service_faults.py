@@ -9,6 +9,7 @@ import httpx
 import pytest
 
 from model.loaders.checkpoint import LoadedModel
+from live_server import engine_core, idle_stats, is_idle
 from service.config import Settings
 from service.main import create_app
 from tiny import byte_tokenizer, tiny_model
@@ -30,7 +31,7 @@ def _fail_next_forwards(monkeypatch, server, count: int = 1):
             left["n"] -= 1
             raise RuntimeError("injected fault at /secret/internal/path.py")
 
-    monkeypatch.setattr(server.app.state.serving.engine.engine, "step_fault_hook", flaky)
+    monkeypatch.setattr(engine_core(server.app), "step_fault_hook", flaky)
 
 
 def test_non_streamed_failure_is_a_500_envelope(tiny_server, monkeypatch):
@@ -62,8 +63,7 @@ def test_streamed_failure_is_an_sse_error_event(tiny_server, monkeypatch):
     assert len(errors) == 1 and errors[0]["error"]["type"] == "server_error" and "secret" not in events[-2]
     ok = httpx.post(tiny_server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 3}, timeout=30)
     assert ok.status_code == 200
-    engine = tiny_server.app.state.serving.engine.engine
-    assert engine.kv.num_free_blocks == engine.kv.num_blocks and not engine.requests
+    assert is_idle(idle_stats(tiny_server.app))
 
 
 def test_not_ready_is_503_with_the_reason(tmp_path):

@@ -9,6 +9,8 @@ import time
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from live_server import idle_stats, is_idle
+
 
 def scrape(url: str) -> dict[str, float]:
     text = httpx.get(url + "/metrics").text
@@ -46,8 +48,7 @@ def test_stream_disconnect_aborts_and_frees_blocks(server):
         after = scrape(server.url)
     assert after["llamascope_kv_cache_usage_ratio"] == 0 and after["llamascope_num_requests_running"] == 0
     assert after["llamascope_aborted_requests_total"] == before["llamascope_aborted_requests_total"] + 1
-    engine = server.app.state.serving.engine.engine
-    assert engine.kv.num_free_blocks == engine.kv.num_blocks and not engine.requests
+    assert is_idle(idle_stats(server.app))
 
 
 def test_non_stream_disconnect_aborts_too(server):

@@ -104,6 +104,6 @@ def test_bad_configurations_stop_the_server(checkpoint, tmp_path):
     save_tiny_llama(other, vocab_size=300)
     byte_tokenizer()._tk.save(str(other / "tokenizer.json"))
     config = json.dumps({"method": "draft_model", "model": str(other), "num_speculative_tokens": 2})
-    state = create_app(Settings(model=str(checkpoint), speculative_config=config)).state.serving
+    state = create_app(Settings(model=str(checkpoint), speculative_config=config)).state.server
     state.start()  # what the app's start-up runs
     assert state.engine is None and "another tokenizer or vocabulary" in state.load_error

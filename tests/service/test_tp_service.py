@@ -69,7 +69,7 @@ def test_a_failing_step_under_tensor_parallelism_is_fatal(servers, monkeypatch):
     exit (a real server then exits 1 for its orchestrator to restart it). Last in this file: it ends the module's
     TP server (one process holds one default process group, so the test cannot start a second one)."""
     server = servers[1]
-    state = server.app.state.serving
+    state = server.app.state.server
     fatal: list[bool] = []
     state.on_fatal = lambda: fatal.append(True)
 

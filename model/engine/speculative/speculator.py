@@ -19,9 +19,10 @@ from dataclasses import dataclass, field
 from model.engine.request import Sequence
 from model.engine.speculative.config import SpeculativeConfig
 
-# What one more row of a speculating sequence costs, as a fraction of a one-token decode step: on the Zen 2
-# development host (2 cores, AVX2) the default model's int4 step took 5.4 / 6.0 / 7.1 / 8.9 / 10.5 ms with 1-5 rows
-# (the matmuls are compute-bound past one row on 2 cores). A draft model adds its own step per draft token.
+# What one more row of a speculating sequence costs, as a fraction of a one-token decode step. On a CPU a verified
+# row is not free as it is on a GPU: past one row the matmuls are bound by arithmetic, not by reading the weights
+# (docs/performance.md#speculative-decoding has the step times this was set from). A draft model adds its own step
+# per draft token.
 ROW_COST = 0.25
 DECAY = 0.7  # weight of a row's earlier verifications against its latest one
 PRIOR = (1.0, 1.0)  # (accepted, rejected) pseudo-counts a row starts with: a = 0.5

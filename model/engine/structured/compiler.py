@@ -1,10 +1,11 @@
 """Spec -> grammar (llguidance), compiled once per distinct spec, and the per-sequence matcher state built from it.
 
-Why llguidance (measured by benchmarks/bench_grammar_engines.py, docs/performance.md): it compiles a nested schema
-about 10x faster than xgrammar (a new tool or schema is compiled on a request's path to its first token), it has no
-dependency (xgrammar imports transformers at import time and pulls triton), and it reads the `tokenizers` JSON of
-any vocabulary the loaders build (BPE, SentencePiece, GGUF) itself. xgrammar fills a mask ~15x faster per row, but
-here either costs under 1% of a decode step (bench_structured.py measures the whole server).
+Why llguidance (benchmarks/bench_grammar_engines.py; the figures: docs/performance.md#structured-outputs): it
+compiles a schema lazily where xgrammar precomputes most masks at compile time, and a new tool or schema is compiled
+on a request's path to its first token; it has no dependency (xgrammar imports transformers at import time and pulls
+triton), and it reads the `tokenizers` JSON of any vocabulary the loaders build (BPE, SentencePiece, GGUF) itself.
+xgrammar's masks are cheaper per row, but on CPU either is a small share of a decode step (bench_structured.py
+measures the whole server).
 
 Grammar text per kind follows vLLM's llguidance backend (`vllm/v1/structured_output/backend_guidance.py`): JSON
 schemas through `grammar_from_json_schema`, choices as a Lark alternation, GBNF converted to Lark. JSON is written
@@ -71,7 +72,7 @@ class CompiledGrammar:
         return SequenceGrammar(self)
 
     def fresh_matcher(self):
-        return self._start.deep_copy()  # ~10 us: shares the compiled grammar, copies only the parser state
+        return self._start.deep_copy()  # shares the compiled grammar, copies only the parser state
 
 
 class SequenceGrammar:
@@ -141,7 +142,7 @@ class GrammarCompiler:
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, cache_size: int = 256) -> None:
         self.tokenizer, self.vocab_size, self.cache_size = tokenizer, vocab_size, cache_size
-        self._ll_tokenizer = None  # built on first use (~0.3 s for 49k tokens): servers that never constrain skip it
+        self._ll_tokenizer = None  # built on first use (a walk of the vocabulary): servers that never constrain skip it
         self._cache: OrderedDict[StructuredOutputSpec, CompiledGrammar] = OrderedDict()
         self._lock = threading.Lock()
         self.num_compiled = 0  # cache misses, for tests and the benchmark

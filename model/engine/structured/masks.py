@@ -8,7 +8,7 @@ row in one Python call, so the worker takes the GIL once per step, not once per 
 (module calls between kernels) is not interrupted row by row.
 
 Layout (llguidance's and xgrammar's): bit t % 32 of int32 word t // 32 of a row set = token t allowed; the
-buffer is allocated once for `max_rows` rows and reused every step (house rule 5).
+buffer is allocated once for `max_rows` rows and reused every step (docs/development.md rule 5).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 // Float linear layers (float32, bfloat16): y = x W^T for any number of rows with one reduction order per output.
 //
 // PyTorch's CPU GEMM (MKL / oneDNN) picks a different kernel, and so a different summation order, for one row (GEMV)
-// than for several, and by the shape: on the development machine `F.linear(x[:1], w)` differs from
+// than for several, and by the shape: on an AVX2 machine `F.linear(x[:1], w)` differed from
 // `F.linear(x, w)[:1]` for every M > 1 tried in float32. A row's logits would then depend on how many rows share
 // its step. Here every output is the dot product of its row and its weight row in 8 float32 lanes (lane l sums
 // k = l mod 8 in order), one fixed horizontal sum, then the k % 8 tail in order: tiles of several rows and outputs

@@ -159,8 +159,8 @@ void dequantize_block(int64_t type, const uint8_t* b, float* y) {
 // A row of K float32 weights -> int8 q and float16 d per block of 32 (`int8_blocks`: d = max|w| / 127, q = round
 // half away from zero of w (1 / d)). With AVX2 eight weights a vector, each the scalar loop's float operations
 // (max is exact in any order; vmaxps(|w|, m) keeps m for a NaN w, as std::max(m, NaN); a NaN x takes neither sign's
-// mask: 0), so both write the same bytes (tests/model/test_gguf_kquants.py): ~13x the scalar loop's speed, which
-// took most of a Q4_K_M file's load (its Q6_K matrices).
+// mask: 0), so both write the same bytes (tests/model/test_gguf_kquants.py): the scalar loop took most of a
+// Q4_K_M file's load (its Q6_K matrices).
 void int8_blocks_row(const float* w, int64_t K, int8_t* q, uint16_t* d) {
 #if LS_AVX2
   const __m256 sign = _mm256_set1_ps(-0.f), half = _mm256_set1_ps(0.5f), top = _mm256_set1_ps(127.f);
@@ -209,8 +209,8 @@ void int8_blocks_row(const float* w, int64_t K, int8_t* q, uint16_t* d) {
 // One Q4_K row into row j of its group of 8 in the int4 layout with Q4_K's own scales (qgemm.h), byte moves only:
 // `ob` the group's data (nb blocks of 128 bytes: byte (p, j, t) = the row's nibble pair 4p + t of the block), `ks`
 // the group's scales (K/256 of 80 halves: D, Dmin, sc bytes, mn bytes). Nibble pair i of sub-block s packs weights i
-// and i + 16: nibble s % 2 of bytes i and 16 + i of qs[32 (s / 2) ..]. With SSE2 a sub-block's 16 pairs at once (the
-// scalar loop took ~2.5x the time of a Q4_0 row's, most of a Q4_K_M file's load).
+// and i + 16: nibble s % 2 of bytes i and 16 + i of qs[32 (s / 2) ..]. With SSE2 a sub-block's 16 pairs at once (a
+// byte at a time, this loop took most of a Q4_K_M file's load).
 void q4_k_row_own_scales(const uint8_t* row, int64_t K, int64_t j, uint8_t* ob, uint16_t* ks) {
   for (int64_t B = 0; B < K / 256; ++B) {
     const uint8_t* b = row + B * 144;

@@ -87,10 +87,9 @@ static inline __m256 score8(const float* q, int64_t s, int64_t E, const At& at) 
 // tile 3 queries x 8 vectors of the output; with AVX2's 16, 3 queries x 4 keys (12 accumulators, each key's vector
 // an FMA's memory operand) and 3 x 4 vectors. Each (query, key) product chain and each (query, output lane) sum is
 // the one score8 / the position loop computes, in the same order: tiling shares loads, never arithmetic. (4 x 4
-// tiles for a group of 4 queries, Llama 3's G, were no faster from cache on the Zen 4 host and slower from memory: not
-// kept. On the Zen 3 host, AVX2 only, 3-query tiles against 2-query ones, the 1B's 512-row prefill chunk over 16k
-// positions, the kernel alone on 2 threads: scores 0.80 -> 0.72 s of thread time, values 0.60 -> 0.54.) A group's
-// queries go in tiles of SQ (VQ) and the last 2 to 4 in tiles of 2 (`in_tiles`).
+// tiles for a group of 4 queries, Llama 3's G, were no faster from cache and slower from memory: not kept; on AVX2,
+// 3-query tiles beat 2-query ones on long prefills: docs/performance.md#long-prompts-against-llama-server.) A
+// group's queries go in tiles of SQ (VQ) and the last 2 to 4 in tiles of 2 (`in_tiles`).
 #if LS_ZMM
 // 512-bit tiles (below): a score tile holds 4 queries x 8 keys as 4 x 4 registers of two keys each, a value tile 4
 // queries x 64 output lanes; the same arithmetic again, each 256-bit half of a register the chain above computes.
@@ -172,9 +171,9 @@ static inline void key_products16(const float* q, int64_t s, int64_t E, const At
 
 // Asks for the key (or value) row of position s, if s < end, into L2 ahead of its use. A head's rows are E elements
 // out of every K * E, in blocks that lie anywhere in the pool, and the hardware prefetchers alone held one decode
-// row's attention to 5-10 GB/s from memory on the Zen 4 host (against ~21 from cache). Measured there (the loop of
-// benchmarks/attention_memory.py: 30 or 16 layers' pools, 4k and 8k positions, float16, 2 threads), prefetcht1 64
-// positions ahead: 14-16 GB/s on the default model's shape, 19-21 on the 1B's; prefetcht0 at 16-256 ahead: 10-14.
+// row's attention from memory to a fraction of its speed from cache. prefetcht1 64 positions ahead read best in
+// benchmarks/attention_memory.py (prefetcht0 at 16-256 ahead read less;
+// docs/performance.md#long-prompts-against-llama-server).
 // A prefetch changes no number. An asm statement, not _mm_prefetch: GCC 12 deletes a __builtin_prefetch whose address
 // needs a load (here the block table's entry), and the object code had none.
 template <typename At>
@@ -384,11 +383,10 @@ struct Widened {  // a block's rows widened to float32: position s (in [b0, b0 +
 // the other queries' at the granularity of a block of positions. So a row's output is bitwise the same alone
 // (decode) or in a tile (prefill), whatever its neighbours. The groups walk the positions together, block by block,
 // so a thread reads its KV heads' parts of each pool row side by side rather than one head's E elements out of
-// every K * E at a time (before the prefetch below, one thread over 16k positions on the Zen 4 host read 4.9 GB/s
-// walking the 1B's 8 heads one at a time, 12.7 walking a pool of one head; with the prefetch the grouping's own
-// share was not measured apart). qf (Qn, E) scaled queries; len (Qn,); group (NG + 1,): queries
-// [group[g], group[g + 1]) read `at[g]`; sc (Qn, ld) scores -> exp(score - max), sums (Qn,) their sums; acc (Qn, E)
-// the unnormalised outputs.
+// every K * E at a time (without the prefetch below, walking 8 heads one at a time read a fraction of what
+// walking a pool of one head did; with it, the grouping's own share was not measured apart). qf (Qn, E) scaled
+// queries; len (Qn,); group (NG + 1,): queries [group[g], group[g + 1]) read `at[g]`; sc (Qn, ld) scores ->
+// exp(score - max), sums (Qn,) their sums; acc (Qn, E) the unnormalised outputs.
 template <typename T, typename At>
 static void attend_tile(const float* qf, const int64_t* len, int64_t Qn, int64_t E, const At* at, const int64_t* group,
                         int64_t NG, float* sc, int64_t ld, float* sums, float* acc) {
@@ -405,7 +403,7 @@ static void attend_tile(const float* qf, const int64_t* len, int64_t Qn, int64_t
   const auto widens = [&](int64_t g) { return !std::is_same_v<T, float> && group[g + 1] - group[g] > 4; };
   std::vector<float> wide(std::is_same_v<T, float> ? 0 : BS * E);
   // rows [b0, b1) -> over `wide`, asking for the rows PREFETCH_POSITIONS ahead (below end): unasked, the widening's
-  // loads waited on memory for 36% of the kernel's time (perf, Zen 3 host, the 1B's prefill chunk over 16k positions)
+  // loads waited on memory for a third of the kernel's time (perf, an AVX2 host, a 1B prefill chunk over 16k positions)
   const auto widened = [&](const At& rows, int64_t b0, int64_t b1, bool keys, int64_t end) {
     for (int64_t s = b0; s < b1; ++s) {
       prefetch_row(rows, s + PREFETCH_POSITIONS, end, E, keys);
@@ -505,8 +503,8 @@ static void attend_tile(const float* qf, const int64_t* len, int64_t Qn, int64_t
 
 // Rows of a prefill chunk attend over the same sequence's blocks: up to this many share a tile. Each tile reads its
 // KV head's whole history once, so 16 rows read it half as often as 8 did (`benchmarks.prefill_attention` against
-// a build with 8, Zen 3 host: 1B 1.03x / 1.09x / 1.18x at 2k / 8k / 16k positions, 8B 1.06x / 1.16x / 0.95x; 32 was
-// no better than 16 and holds twice the scores: TILE_ROWS x G x the context x 4 bytes a thread, 4 MB at 16k).
+// a build with 8: docs/performance.md#long-prompts-against-llama-server); 32 was no better than 16 and holds twice
+// the scores: TILE_ROWS x G x the context x 4 bytes a thread, 4 MB at 16k.
 constexpr int64_t TILE_ROWS = 16;
 
 // q (N, H, E) packed rows (token stride q_stride); k_pool, v_pool (NB, bs, K, E); rows (R,) which packed rows are

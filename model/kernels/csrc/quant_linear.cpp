@@ -128,10 +128,10 @@ template void quantize_act<bf16>(const bf16*, int64_t, QActs, int64_t, bool);
 
 #if LS_AVX2
 // One-row tiles (decode) stream every weight from memory once: ask for the lines PREFETCH_BLOCKS blocks ahead of the
-// one being read, weights and scales (two streams a thread; 2 KB of int4 weights, 4 KB of int8, ahead). On the Zen 1
-// development host the hardware prefetchers alone held one-row matmuls to about 60% of a plain read; single-stream
-// int4 decode, 0 / 8 / 16 / 32 blocks ahead alternating in fresh processes (3 rounds of `benchmarks.bench_decode`),
-// medians 107.2 / 114.0 / 115.9 / 113.7 tok/s. A prefetch never faults: reading past a buffer's end is harmless.
+// one being read, weights and scales (two streams a thread; 2 KB of int4 weights, 4 KB of int8, ahead). Where the
+// hardware prefetchers alone keep one-row matmuls well under a plain read, 16 blocks ahead decoded fastest of 0, 8,
+// 16 and 32 (`benchmarks.bench_decode` alternating them; docs/performance.md#native-cpu-kernels). A prefetch never
+// faults: reading past a buffer's end is harmless.
 constexpr int64_t PREFETCH_BLOCKS = 16;
 static inline void prefetch_ahead(const uint8_t* wb, int64_t w_bytes, const uint16_t* sb, int64_t s_bytes) {
   const char* w = reinterpret_cast<const char*>(wb) + PREFETCH_BLOCKS * w_bytes;
@@ -154,10 +154,9 @@ static inline void q8_tile(const QWeight& w, const QActs& a, int64_t m0, int64_t
   for (int i = 0; i < MR; ++i) acc[i] = _mm256_setzero_ps();
   const int64_t rb = a.row_bytes, nbp = a.nbp;
   // Row m0 + i's block b at xq + i rb, its scale at dxp[i nbp]: pointers stepped a block at a time. Indexing a.q and
-  // a.dx afresh per block and row (as before) recomputed index products every block and spilled more of them. On
-  // the Zen 3 host (AVX2, no VNNI), `python -m benchmarks.kernel_ab` on the 1B Q4_0 and Q4_K_M files' layers at 32
-  // and 512 rows: int4 1.09-1.14x, int6 1.23-1.24x, int8 1.05-1.06x; one row 1.02-1.09x; the same outputs bit for
-  // bit (docs/performance.md, real shapes).
+  // a.dx afresh per block and row recomputed index products every block and spilled more of them to the stack
+  // (`python -m benchmarks.kernel_ab` compares two builds layer by layer; docs/performance.md#native-cpu-kernels);
+  // the same outputs bit for bit.
   const int8_t* xq = a.q + m0 * rb;
   const float* dxp = a.dx + m0 * nbp;
   const uint8_t* wb = w.data + g * nb * 256;
@@ -202,8 +201,7 @@ constexpr int MR_WIDE = 4;
 // 3, 2 or 1 rows left (`tile(std::integral_constant<int, MR>, m, g)`): rows in chunks whose int8 activations stay in
 // L2 (128 rows x K bytes), each group's weights (K / 32 blocks of 160 or 288 bytes) kept in L1 across a chunk's
 // tiles. The tiles of 2 and 3 rows serve the steps of a few rows (2-3 streams, or a speculative row of 1 + a few
-// drafts): with only tiles of 4 and 1, each of those rows unpacked every weight again (on the Zen 2 development host
-// a 5-row step cost 1.8x a 1-row one).
+// drafts): with only tiles of 4 and 1, each of those rows unpacked every weight again.
 constexpr int64_t MB = 128;  // rows a chunk: their int8 activations stay in L2
 
 // Rows [m0, m1) of group g (or of the pair g, g + 1 for a pair tile) as tiles of MR_WIDE, 4, then 3, 2 or 1 rows.
@@ -292,10 +290,9 @@ static inline void q8_pair_tile(const QWeight& w, const QActs& a, int64_t m0, in
 #endif
 
 // Rows from which the many-row tiles take groups in pairs where the build has 512-bit vectors. Below it a step's
-// weights stream from memory and two streams a tile read slower than one (as for the one-row tiles above): on the
-// Zen 4 host, `python -m benchmarks.ab ... gemm --rows 1 --stream-rows R` (weights from memory), pairs against
-// single groups read int4 / int8 at 0.66x / 0.67x with 2 rows (prefetching both streams: 0.71x / 0.74x), 0.82x /
-// 0.91x with 8, and 1.31x / 1.16x with 16; from cache they gain from 2 rows on (1.16-1.36x on one thread).
+// weights stream from memory and two streams a tile read slower than one (as for the one-row tiles above):
+// `python -m benchmarks.ab ... gemm --rows 1 --stream-rows R` (weights from memory) put the crossover at 16 rows;
+// from cache pairs gain from 2 rows on (docs/performance.md#native-cpu-kernels).
 constexpr int64_t PAIR_ROWS = 16;
 
 // Output columns [n_begin, n_end), whole groups of 8 (the buffers are padded to them; model/quantize.py).
@@ -335,9 +332,8 @@ constexpr int64_t q4_scale_bytes(int L) { return L == Q4_SYM ? 16 : 32; }
 // shared, nothing else. The int16 partial sums cannot saturate: one lane of maddubs adds 2 products of at most
 // 15 x 127, and a block's 8 of them add 16 (30,480 < 32,767) before madd widens them.
 // One group per tile, also for one row: a tile then reads one sequential stream of weights. Two groups a tile (two
-// streams 2.3 KB apart, for two independent FMA chains) held one-row decode to about 15-16 GB/s from memory on the
-// Zen 4 development host, where one group a tile reads 18-24 (`python -m benchmarks.gemm`'s stream figures; the
-// single-stream decode A/B: `python -m benchmarks.ab ... bench_decode`, 1.30x tok/s, 1.53x matmul-only).
+// streams 2.3 KB apart, for two independent FMA chains) read one-row decode's weights from memory slower than one
+// stream does (`python -m benchmarks.gemm`'s stream figures, `python -m benchmarks.ab ... bench_decode`).
 // L: the scales' layout (qgemm.h); Q4_SYM: m = -8 d computed from d, the same float values as the stored m, so the
 // same outputs bit for bit.
 template <int MR, int L>
@@ -467,9 +463,9 @@ static void q4_range_t(const QWeight& w, const QActs& a, int64_t M, int64_t n_be
 // shared, nothing else: decode = prefill bit for bit. Without VNNI each half block's maddubs int16 pair sums (8
 // products of at most 15 x 127 a lane: 15,240) go straight into vpmaddwd against sc (in both int16 of the output's
 // lane), which widens and scales them in one instruction (ggml's `_mm256_madd_epi16(scale, p16)`).
-// On the Zen 3 host (AVX2, no VNNI), `python -m benchmarks.kernel_ab` on the 1B Q4_K_M's Q4_K layers against q4_tile
-// on per-32 activations: 1.11-1.16x at 1 to 512 rows (docs/performance.md); with the halves unrolled (GCC
-// interleaved them and spilled the rows' T) 4-row steps read 0.74x of this.
+// `python -m benchmarks.kernel_ab` compares it with q4_tile on per-32 activations layer by layer
+// (docs/performance.md#native-cpu-kernels). The halves are not unrolled: GCC interleaved them and spilled the rows'
+// T, and few-row steps ran slower.
 template <int MR>
 static inline void q4k_tile(const QWeight& w, const QActs& a, int64_t m0, int64_t g, float* y, int64_t ldy) {
   const int64_t nb = w.K / QK;

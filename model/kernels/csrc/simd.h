@@ -15,9 +15,8 @@
 #endif
 // VNNI: the quantized kernels' integer block dot products in one `vpdpbusd` per 32 bytes (u8 x s8, 4 products
 // summed into each int32 lane, no saturation) instead of maddubs + madd. Two encodings of the same 256-bit
-// instruction, built where the CPU has one (model/kernels/__init__.py): AVX-VNNI (VEX, -mavxvnni: Intel Alder Lake,
-// AMD Zen 5) or AVX512-VNNI with AVX512-VL (EVEX, -mavx512vnni -mavx512vl: Intel Ice Lake server, AMD Zen 4). Same
-// int32 sums, so the same results.
+// instruction, built where the CPU has one (model/kernels/__init__.py): AVX-VNNI (VEX, -mavxvnni) or AVX512-VNNI
+// with AVX512-VL (EVEX, -mavx512vnni -mavx512vl). Same int32 sums, so the same results.
 #if LS_AVX2 && defined(__AVXVNNI__)
 #define LS_VNNI 1
 #define LS_DPBUSD(acc, u8, s8) _mm256_dpbusd_avx_epi32(acc, u8, s8)
@@ -27,7 +26,7 @@
 #else
 #define LS_VNNI 0
 #endif
-// 512-bit vectors where the build has AVX512-VNNI and -BW (Zen 4, Ice Lake server and later): the quantized kernels'
+// 512-bit vectors where the build has AVX512-VNNI and -BW: the quantized kernels'
 // many-row tiles take two groups of 8 outputs at once (quant_linear.cpp). Elsewhere vectors stay 256 bits wide
 // (-mprefer-vector-width=256).
 #if LS_AVX2 && defined(__AVX512VNNI__) && defined(__AVX512F__) && defined(__AVX512BW__)

@@ -1,5 +1,5 @@
 """Request fields -> the engine's SamplingParams, with the deployment's limits (what else the request carries:
-service/request_options.py)."""
+service/option_fields.py)."""
 
 from __future__ import annotations
 
