@@ -27,13 +27,6 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# Being rewritten on main (the engine's step); the lead empties this once they are clean. Nothing else may be added.
-PENDING = frozenset({
-    "model/engine/engine.py", "model/engine/scheduler.py", "model/engine/model_runner.py",
-    "model/engine/input_batch.py", "model/engine/sampler.py", "model/engine/output_processor.py",
-    "model/engine/async_engine.py", "model/engine/cuda_graphs.py", "model/engine/native_decode.py",
-    "service/runner.py",
-})
 
 MEASUREMENTS = {
     "a measured ratio": re.compile(r"(?<![\w.])\d+\.\d+x\b|\b\d+(?:\.\d+)?x (?:faster|slower)\b"),
@@ -105,15 +98,9 @@ def findings_in(comment: str, patterns: dict[str, re.Pattern]) -> list[str]:
 def test_comments_explain_the_code(patterns):
     found = []
     for path in sources():
-        if str(path.relative_to(ROOT)) not in PENDING:
-            found += findings(path, patterns)
+        found += findings(path, patterns)
     assert not found, ("move these to docs/performance.md or a commit message (tests/test_comments.py says why):\n"
                        + "\n".join(found))
-
-
-def test_pending_files_exist():
-    """The pending list names real files (a renamed one must leave it, not hide behind a stale name)."""
-    assert all((ROOT / p).is_file() for p in PENDING)
 
 
 def test_the_rules_cited_exist_and_nothing_cites_outside_the_repository():
