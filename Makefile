@@ -6,16 +6,19 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 # PyTorch, installed first and on its own so that the project's `torch>=` floor is already met when the package
 # installs. The default is the CPU build of the Dockerfile's TORCH_VERSION (the project's one pin), named by its local
-# version `+cpu` and taken from PyTorch's CPU index: PyPI's own Linux torch is a multi-GB CUDA build, which this never
-# installs. macOS has no `+cpu` builds: there PyPI's torch is the CPU build. On a CUDA machine (docs/deployment.md):
+# version `+cpu`: PyPI's own Linux torch is a multi-GB CUDA build, which this never installs. pip looks for it first
+# where it is configured to look (a machine with a local wheel mirror finds it there and never reaches the network),
+# then on PyTorch's CPU index (TORCH_INDEX). macOS has no `+cpu` builds: there PyPI's torch is the CPU build. On a
+# CUDA machine (docs/deployment.md):
 #   make install TORCH_SPEC="torch==$(TORCH_VERSION)+cu128 --index-url https://download.pytorch.org/whl/cu128"
 # A changed TORCH_SPEC reinstalls torch in an existing venv (the stamp below is named by it), and what depends on it.
 TORCH_VERSION := $(shell sed -n 's/^ARG TORCH_VERSION=//p' Dockerfile)
 ifeq ($(shell uname -s),Darwin)
 TORCH_SPEC ?= torch==$(TORCH_VERSION)
 else
-TORCH_SPEC ?= torch==$(TORCH_VERSION)+cpu --extra-index-url https://download.pytorch.org/whl/cpu
+TORCH_SPEC ?= torch==$(TORCH_VERSION)+cpu
 endif
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 TORCH_STAMP := $(VENV)/.torch-$(shell printf '%s' '$(TORCH_SPEC)' | cksum | cut -d' ' -f1)
 PROMPT ?= What is the capital of Japan?
 ARGS ?=
@@ -32,7 +35,7 @@ CONTAINERS_CONF ?= $(CURDIR)/deploy/podman/containers.conf
 $(TORCH_STAMP):
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	rm -f $(VENV)/.torch-*
-	$(PIP) install --quiet $(TORCH_SPEC)
+	$(PIP) install --quiet $(TORCH_SPEC) 2>/dev/null || $(PIP) install --quiet $(TORCH_SPEC) --extra-index-url $(TORCH_INDEX)
 	touch $@
 
 $(VENV)/.installed: pyproject.toml $(TORCH_STAMP)
