@@ -27,6 +27,7 @@ worktree of an older commit), which is how `--ab` measures both in one run, alte
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import statistics
@@ -195,14 +196,30 @@ class _Phases:
         fn = getattr(obj, name)
         totals = self.totals
 
-        def timed(*a, **k):
-            t0 = time.perf_counter()
-            try:
-                return fn(*a, **k)
-            finally:
-                totals[phase] += time.perf_counter() - t0
+        def timed(call):
+            def run(*a, **k):
+                t0 = time.perf_counter()
+                try:
+                    return call(*a, **k)
+                finally:
+                    totals[phase] += time.perf_counter() - t0
+            return run
 
-        setattr(obj, name, timed)
+        if inspect.ismethod(fn) or inspect.isfunction(fn):
+            setattr(obj, name, timed(fn))
+            return
+
+        class Proxy:
+            """A callable object (the sampler) whose other methods are called too: both timed."""
+
+            def __call__(self, *a, **k):
+                return timed(fn)(*a, **k)
+
+            def __getattr__(self, attr):
+                value = getattr(fn, attr)
+                return timed(value) if callable(value) else value
+
+        setattr(obj, name, Proxy())
 
     def reset(self) -> None:
         for k in self.totals:
@@ -278,6 +295,9 @@ def measure_engine(args, n: int) -> dict:
         tokens += sum(len(o.token_ids) for o in outs)
     if args.device == "cuda":
         torch.cuda.synchronize()
+    if tokens < (args.steps - 2) * n:  # (an overlapped step's tokens land a step later)
+        raise SystemExit(f"{n} streams: {tokens} tokens in {args.steps} steps; the engine did not decode every "
+                         "stream every step, so these timings are not of decode steps")
     core = statistics.median(cores)
     out = {
         "streams": n,

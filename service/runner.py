@@ -37,11 +37,15 @@ class RunStats:
     prompts: list[list[int]] = field(default_factory=list)
 
 
+_SUBMITTED = object()  # run()'s first item for a final-only request, once the engine accepted it
+
+
 async def start(state: Serving, prompts: list[list[int]], params: SamplingParams, stats: RunStats,
                 options: RequestOptions = PLAIN) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Submit and wait for the first output, so that refusals (400 / 429 / 503) raise here, before a response
     starts. Returns the stream of (choice index, output), first one included; closing it aborts what is left.
-    `options` apply to every prompt of the request."""
+    `options` apply to every prompt of the request. A final-only request's first output is its last, so for it
+    this waits for the submission alone: the route's disconnect watch (collect) covers the generation."""
     stream = run(state, prompts, params, stats, options)
     try:
         first = await anext(stream)
@@ -51,7 +55,8 @@ async def start(state: Serving, prompts: list[list[int]], params: SamplingParams
 
     async def outputs():
         try:
-            yield first
+            if first is not _SUBMITTED:
+                yield first
             async for item in stream:
                 yield item
         finally:
@@ -86,6 +91,8 @@ async def run(state: Serving, prompts: list[list[int]], params: SamplingParams, 
     remaining = len(tasks)
     finished_before = len(stats.finish_reasons)
     try:
+        if params.output_kind == "final":
+            yield _SUBMITTED  # for start(): the refusals are behind us
         while remaining:
             i, item = await queue.get()
             if item is done:
@@ -118,7 +125,10 @@ def _observe(state: Serving, stats: RunStats, out: RequestOutput, choice: int) -
         if stats.first_token_at is None:
             stats.first_token_at = first
             m.ttft.observe(first - stats.start)
-        if key in stats.last_token_at:
+        if out.token_gaps:  # a final-only output: the engine timed its steps
+            for gap in out.token_gaps:
+                m.itl.observe(gap)
+        elif key in stats.last_token_at:
             m.itl.observe(now - stats.last_token_at[key])
         stats.last_token_at[key] = now
         stats.completion_tokens += len(out.token_ids)

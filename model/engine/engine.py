@@ -382,7 +382,7 @@ class Engine:
         except Exception as e:
             return self._failed(seqs, e)
         self._launched(launch)
-        if self.async_scheduling and all(s.request.overlappable for s in seqs):
+        if self.async_scheduling and self.scheduler.batch.all_overlappable(seqs):
             self.in_flight = launch
             return StepOutputs()
         return self._land(launch)
@@ -396,7 +396,7 @@ class Engine:
         prev = self.in_flight
         self.in_flight = None
         seqs = self.scheduler.schedule_decode(in_flight=True)
-        if seqs and all(s.request.overlappable for s in seqs):
+        if seqs and self.scheduler.batch.all_overlappable(seqs):
             try:
                 if self.step_fault_hook is not None:
                     self.step_fault_hook([ScheduledSeq(seq, 1) for seq in seqs])
@@ -424,7 +424,7 @@ class Engine:
         except Exception as e:
             return self._failed(launch.seqs, e)
         rows, positions = launch.seqs, launch.positions
-        if any(s.is_finished for s in rows):
+        if launch.removals != self.scheduler.batch.removals and any(s.is_finished for s in rows):
             keep = [i for i, s in enumerate(rows) if not s.is_finished]
             rows, positions = [rows[i] for i in keep], positions[keep]
             tokens = [tokens[i] for i in keep]

@@ -89,6 +89,12 @@ class InputBuffers:
                 self._sets.append((stage, stage[: F * C].view(F, C), stage[F * C :].view(T, W)))
             self._dev_stage = torch.zeros(F * C + T * W, dtype=torch.long, device=self.device)
             self.dev = self._views(self._dev_stage[: F * C].view(F, C), self._dev_stage[F * C :].view(T, W))
+        # each set's views, made once: a step switches sets by reference (a numpy view of a tensor is four
+        # dispatcher calls, a field's tensor view one more)
+        self._set_views = []
+        for _, fields, tables in self._sets:
+            host = self._views(fields, tables)
+            self._set_views.append((host, {name: t.numpy() for name, t in host.items()}))
         self._set = 0
         self._use(0)
         self._arange = np.arange(C)
@@ -101,9 +107,7 @@ class InputBuffers:
         return views
 
     def _use(self, k: int) -> None:
-        _, fields, tables = self._sets[k]
-        self.host = self._views(fields, tables)
-        self.np = {name: t.numpy() for name, t in self.host.items()}
+        self.host, self.np = self._set_views[k]
 
     def _next_set(self) -> None:
         """The other host set, for a step prepared while the previous one may still be copying from this one."""
@@ -205,7 +209,7 @@ class InputBuffers:
         is not on the host yet but sampled by the step before, at that row of its samples (`prev_rows` field)."""
         self._next_set()
         n, bs, np_ = len(seqs), self.block_size, self.np
-        batch.sync(seqs)
+        batch.sync()
         pos = np.fromiter((s.num_computed_tokens for s in seqs), np.int64, n)  # each row's position (n,)
         slots = np.fromiter((s.slot for s in seqs), np.int64, n)  # its row in the batch (n,)
         rows = self._arange[:n]

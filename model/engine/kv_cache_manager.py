@@ -17,6 +17,7 @@ Design after vLLM (Kwon et al. 2023, "Efficient Memory Management for LLM Servin
 from __future__ import annotations
 
 import hashlib
+import struct
 from collections import OrderedDict
 
 from model.engine.kv_window import Eviction, evict
@@ -29,7 +30,7 @@ def block_hash(parent: bytes, tokens: list[int], edits: bytes | None = None) -> 
     the interventions that touched the block's positions (`InterventionPlan.block_digest`), so a block computed
     under one intervention is never served to a request under another or none."""
     h = hashlib.blake2b(parent, digest_size=16)
-    h.update(b"".join(t.to_bytes(4, "little") for t in tokens))
+    h.update(struct.pack(f"<{len(tokens)}I", *tokens))  # each id as 4 little-endian bytes
     if edits is not None:
         h.update(b"edits" + edits)
     return h.digest()

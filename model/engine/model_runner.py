@@ -61,6 +61,7 @@ class DecodeLaunch:
     tokens: Tensor  # (n,) the sampled ids, on the device
     host: Tensor  # (P,) what `sampled.pack()` is copied to
     event: Event
+    removals: int  # the persistent batch's removals at launch: while it has not moved, every row still runs
 
     def result(self) -> tuple[list[int], list[TokenLogprobs | None] | None]:
         """Wait for the step and read its samples: each row's token, and the logprobs where any row asked."""
@@ -174,8 +175,10 @@ class ModelRunner:
         path = self._choose(batch, ctx)
         logits = self._forward(path, batch, ctx).float()  # (n, V)
         self.path_counts[path] += 1
-        greedy = all(s.request.plain_greedy for s in seqs) or None
-        sampled = self.sampler.sample(logits, [s.sampling.row for s in seqs], plain_greedy=greedy)
+        if self.batch.all_plain_greedy(seqs):  # an argmax a row: the rows' sampling state is not read
+            sampled = self.sampler.sample(logits, None, plain_greedy=True)
+        else:
+            sampled = self.sampler.sample(logits, [s.sampling.row for s in seqs])
         k = self._parity = self._parity ^ 1  # the buffers the step before did not use
         tokens = self._sampled[k][:n]
         tokens.copy_(sampled.tokens)  # where the next step reads its input tokens
@@ -183,7 +186,8 @@ class ModelRunner:
         host.copy_(sampled.pack(), non_blocking=True)
         for i, seq in enumerate(seqs):
             seq.sample_row = i
-        return DecodeLaunch(list(seqs), batch.host_positions, sampled, tokens, host, self.stream.record())
+        return DecodeLaunch(list(seqs), batch.host_positions, sampled, tokens, host, self.stream.record(),
+                            self.batch.removals)
 
     def host_buffers(self) -> list[Tensor]:
         """The host memory steps write inputs to and read results from (tests and benchmarks/host_overhead.py tell

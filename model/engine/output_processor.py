@@ -52,6 +52,9 @@ class RequestOutput:
     hidden_states: HiddenStates | None = None  # the block outputs read since the last delta (the request asked)
     telemetry: TokenTelemetry | None = None  # the token's attention telemetry, when the request asked for it
     first_token_time: float | None = None  # time.perf_counter() when the choice's first token was processed
+    # a final-only output's gaps between the steps that brought its tokens (the inter-token latencies a
+    # streamed choice's client would have seen; a streamed choice's are measured where its deltas arrive)
+    token_gaps: list[float] | None = None
 
     @property
     def finished(self) -> bool:
@@ -188,6 +191,10 @@ class OutputProcessor:
         out = state.pending if final and state.pending is not None else self._delta(seq, state)
         if final:
             state.pending = out
+            if state.last_token_time is not None:
+                out.token_gaps = out.token_gaps or []
+                out.token_gaps.append(now - state.last_token_time)
+            state.last_token_time = now
         matched = None
         for j, token in enumerate(tokens):
             if each and j:

@@ -344,11 +344,15 @@ class Sampler:
         return self.sample(logits, rows, allowed).read()
 
     @torch.no_grad()
-    def sample(self, logits: Tensor, rows: Sequence[SamplingRow], allowed: AllowedTokens | None = None,
+    def sample(self, logits: Tensor, rows: Sequence[SamplingRow] | None, allowed: AllowedTokens | None = None,
                plain_greedy: bool | None = None) -> SampledTensors:
         """`__call__` without reading the results back: they stay on the logits' device. With `sync_free` (the
         engine's overlapped steps) nothing here waits for the device; `plain_greedy`: every row is known to be
-        `_plain_greedy` (None: checked here)."""
+        `_plain_greedy` (None: checked here); then `rows` may be None, as nothing of them is read."""
+        if rows is None:
+            assert plain_greedy and allowed is None, "rows are read unless every row is plain greedy"
+            self._check(logits, range(logits.shape[0]))
+            return SampledTensors(ops.greedy_pick(logits), [])  # (B,)
         self._check(logits, rows)
         if allowed is not None and allowed.rows:
             logits = _apply_allowed(logits, allowed, self._shifts)

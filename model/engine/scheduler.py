@@ -105,27 +105,32 @@ class Scheduler:
         n = len(running)
         if not n or n > cfg.max_num_batched_tokens or (self.waiting and n < cfg.max_num_seqs):
             return None
-        seqs = self.batch.seqs
-        bs, pending = self.kv.block_size, int(in_flight)
+        batch = self.batch
+        seqs = batch.seqs
+        bs, pending, max_len = self.kv.block_size, int(in_flight), self.max_model_len
         ending = None
         for seq in seqs:
             computed = seq.num_computed_tokens
-            if not seq.request.plain_decode or computed != seq.num_tokens - 1 + pending:
+            req = seq.request
+            # (a plain decoder drafts nothing: its tokens are its prompt's and its output's)
+            if not req.plain_decode or computed != len(seq.prompt_token_ids) + len(seq.output_token_ids) - 1 + pending:
                 return None
-            if pending:
-                p = seq.request.params
-                if len(seq.output_token_ids) + 1 >= p.max_tokens or computed + 1 >= self.max_model_len:
-                    ending = [] if ending is None else ending
-                    ending.append(seq)
-                    continue
-            if computed == len(seq.block_ids) * bs and not self.kv.allocate(seq, 1):  # its token starts a block
-                return None  # out of blocks: `schedule` preempts
+            if pending and (len(seq.output_token_ids) + 1 >= req.params.max_tokens or computed + 1 >= max_len):
+                ending = [] if ending is None else ending
+                ending.append(seq)
+                continue
+            if computed % bs == 0 and computed == len(seq.block_ids) * bs:  # its token starts a block
+                if not self.kv.allocate(seq, 1):
+                    return None  # out of blocks: `schedule` preempts
+                batch.grew(seq)
         if ending:
+            ending = set(ending)
             return [s for s in seqs if s not in ending]
         return seqs
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        self.batch.stale()  # this step may change any running sequence's blocks
         budget = self.config.max_num_batched_tokens
         foreground = any(not _background(q) for q in self.running) or any(not _background(q) for q in self.waiting)
         bg_budget = self.config.max_background_tokens * (1 if foreground else BACKGROUND_IDLE_FACTOR)

@@ -14,7 +14,6 @@ from model.text.detokenizer import IncrementalDetokenizer
 from model.text.stop_strings import StopStringMatcher
 
 if TYPE_CHECKING:
-    from model.engine.output_processor import RequestOutput
     from model.engine.sampler import SamplingRow, TokenLogprobs
     from model.engine.structured.compiler import SequenceGrammar
 
@@ -40,6 +39,9 @@ class OutputState:
     pending_hidden: list[tuple[list[int], torch.Tensor]] = field(default_factory=list)
     num_tokens: int = 0  # tokens processed (sent, or held for a final-only output)
     first_token_time: float | None = None
+    last_token_time: float | None = None  # a final-only choice's: when its last step's tokens were processed
     text_streamed: bool = False  # its text decoded token by token (else, final-only, once at the end)
-    pending: RequestOutput | None = None  # a final-only choice's output, filled step by step
+    # a final-only choice's output (an output_processor.RequestOutput, which sits above this module), filled
+    # step by step
+    pending: object | None = None
     done: bool = False  # its final output went out: anything the engine still sends for it is dropped

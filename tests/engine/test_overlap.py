@@ -152,3 +152,30 @@ def test_a_failing_decode_step_fails_exactly_its_rows(overlap):
     assert {r for r, o in finals.items() if o.finish_reason == "error"} == failed
     assert all(o.finish_reason == "length" and o.num_output_tokens == 12 for r, o in finals.items() if r not in failed)
     assert_pool_clean(engine)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_the_persistent_batch_tables_follow_the_block_lists_step_by_step(overlap):
+    """The decode path writes only the rows the decode scheduler gave a block (and every row after a step of another
+    kind): after every step, each row's table is its sequence's block list, whatever joined, grew or left."""
+    engine = _engine(overlap, block_size=2)
+    reqs = _requests(12)
+    for i, (rid, (prompt, params)) in enumerate(reqs.items()):
+        if i < 6:
+            engine.add_request(rid, prompt, params)
+    steps = 0
+    while engine.has_unfinished() or steps < 12:
+        if steps == 6:
+            for rid, (prompt, params) in list(reqs.items())[6:]:
+                engine.add_request(rid, prompt, params)
+        engine.step()
+        steps += 1
+        batch = engine.scheduler.batch
+        batch.sync()
+        for seq in batch.seqs:
+            blocks = seq.block_ids
+            assert batch.tables[seq.slot, : len(blocks)].tolist() == blocks
+        assert batch.num_serial == sum(not s.request.overlappable for s in batch.seqs)
+        assert batch.num_not_greedy == sum(not s.request.plain_greedy for s in batch.seqs)
+    assert engine.runner.path_counts  # (steps ran)
+    assert_pool_clean(engine)
