@@ -72,6 +72,18 @@ def _simulated_stream():
     return module.SimulatedStream
 
 
+def _machine_info(args) -> dict:
+    """benchmarks/machine.py's record of the host (commit, date, host class), loaded from beside this file."""
+    import importlib.util
+
+    import torch
+
+    spec = importlib.util.spec_from_file_location("_machine", HERE.parent / "machine.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.machine_info(args.device, torch.get_num_threads())
+
+
 def _standin_classes():
     import torch
 
@@ -537,6 +549,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = _parse(argv)
     results = run_ab(args, argv) if args.ab is not None else run_one(args)
+    if results:  # (not --serve's server)
+        results["machine"] = _machine_info(args)
     text = json.dumps(results, indent=1)
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -36,6 +36,8 @@ from pathlib import Path
 
 import httpx
 
+from benchmarks.machine import machine_info
+
 ROOT = Path(__file__).resolve().parents[1]
 WORDS = ("the light of a harbour keeper in the storm and the ship that came at night to the stone pier in winter "
          "with spray from the west and a rhythm of the town at every hour").split()
@@ -213,7 +215,8 @@ def main(argv: list[str] | None = None) -> int:
         if "base" in row:
             row["ratio"] = row["this"] / row["base"]
         summary[f"closed_loop_{c}_tok_s"] = row
-    results = {"workload": {k: v for k, v in vars(args).items() if k not in ("out", "ab", "python")},
+    results = {"machine": machine_info("cpu", os.cpu_count() or 1),
+               "workload": {k: v for k, v in vars(args).items() if k not in ("out", "ab", "python")},
                "summary": summary, "runs": runs}
     text = json.dumps(results, indent=1, default=str)
     if args.out is not None:
