@@ -26,7 +26,7 @@ def create_app(settings: Settings | None = None, loaded: LoadedModel | None = No
 
     from service import errors, openapi
     from service.middleware import GuardMiddleware
-    from service.routes import chat, completions, info, inspect, patch, vectors
+    from service.routes import attribute, chat, completions, info, inspect, patch, vectors
 
     settings = settings or Settings()
     state = state or ServingState(settings)
@@ -46,7 +46,8 @@ def create_app(settings: Settings | None = None, loaded: LoadedModel | None = No
     app.state.serving = state
     errors.install(app)
     openapi.install(app, state)
-    for r in (completions.router, chat.router, info.router, inspect.router, patch.router, vectors.router):
+    for r in (completions.router, chat.router, info.router, inspect.router, patch.router, attribute.router,
+              vectors.router):
         app.include_router(r)
     key = settings.api_key.get_secret_value() if settings.api_key else None
     app.add_middleware(GuardMiddleware, api_key=key, max_body_bytes=settings.max_body_bytes,
