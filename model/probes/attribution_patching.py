@@ -33,12 +33,11 @@ weight dequantized for the call (model/quantize.py).
 from __future__ import annotations
 
 import math
-import time
 
 import torch
 from torch import Tensor
 
-from model.probes.capture import CaptureRun, SiteCapture
+from model.probes.capture import CaptureRun, SiteCapture, SteppedJob
 from model.probes.logit_metric import metric_gradient, scored
 from model.probes.patching import Cell, PatchSweep, metric
 from model.quantize import QuantLinear
@@ -47,7 +46,7 @@ from model.transformer import Transformer
 QK_SITES = ("head_q", "head_k")
 
 
-class AttributionPatchingRun:
+class AttributionPatchingRun(SteppedJob):
     def __init__(self, model: Transformer, sweep: PatchSweep, source_ids: list[int], target_ids: list[int],
                  qk_fix: bool = True, keep_gradients: bool = False) -> None:
         """`keep_gradients`: keep dm/da at every swept (layer, site) and position in `gradients` (the tests compare
@@ -69,22 +68,6 @@ class AttributionPatchingRun:
         self.estimates: dict[Cell, float] = {}  # the estimated m(patched) - m(target)
         self.gradients: dict[tuple[int, str], Tensor] | None = {} if keep_gradients else None  # (P, D) / (P, heads, E)
         self.done = False
-        self.elapsed = 0.0
-
-    def step(self, budget_s: float | None = None) -> bool:
-        """Units of work (a block forward or backward) for about `budget_s` (at least one); True when done."""
-        t0 = time.perf_counter()
-        while not self.done:
-            self._unit()
-            if budget_s is None or time.perf_counter() - t0 >= budget_s:
-                break
-        self.elapsed += time.perf_counter() - t0
-        return self.done
-
-    def run(self) -> "AttributionPatchingRun":
-        while not self.step():
-            pass
-        return self
 
     @staticmethod
     def held_bytes(sweep: PatchSweep, config, qk_fix: bool = True) -> int:
@@ -117,7 +100,8 @@ class AttributionPatchingRun:
         target = self.baselines[1]
         return [target + self.estimates[c] for c in self.sweep.cells()]
 
-    def _unit(self) -> None:
+    def unit(self) -> None:
+        """A block of the source's or the target's forward, the metric's gradient, or a block of the backward."""
         s, m = self.sweep, self.model
         if not self.source.done:
             self.source.unit()

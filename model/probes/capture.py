@@ -83,9 +83,33 @@ class SiteCapture:
         return out.to(q.dtype)[None]
 
 
-class CaptureRun:
-    """One capture forward of `token_ids` (1 <= T), a block per unit of work: `step(budget_s)` runs blocks until about
-    `budget_s` has passed (at least one) and returns True when the last block has run. Afterwards: `capture` holds
+class SteppedJob:
+    """An `EngineJob` made of units of work (a block of a forward or of a backward): `step(budget_s)` runs units
+    until about `budget_s` has passed (at least one; None: one) and returns True when the last has run."""
+
+    done: bool
+    elapsed: float = 0.0
+
+    def unit(self) -> None:
+        raise NotImplementedError
+
+    def step(self, budget_s: float | None = None) -> bool:
+        t0 = time.perf_counter()
+        while not self.done:
+            self.unit()
+            if budget_s is None or time.perf_counter() - t0 >= budget_s:
+                break
+        self.elapsed += time.perf_counter() - t0
+        return self.done
+
+    def run(self):
+        while not self.step():
+            pass
+        return self
+
+
+class CaptureRun(SteppedJob):
+    """One capture forward of `token_ids` (1 <= T), a block per unit of work. Afterwards: `capture` holds
     the recorded sites, `final` the last block's output (T, D), and with `keep_inputs` `inputs[l]` is block l's input
     (T, D) (what attribution patching recomputes each block's backward from). Runs without autograd (the native
     kernels serve it, as they serve completions)."""
@@ -98,7 +122,6 @@ class CaptureRun:
         self.final: Tensor | None = None
         self.next_layer = -1  # -1: the embedding comes next
         self.h: Tensor | None = None  # (1, T, D)
-        self.elapsed = 0.0
 
     @property
     def done(self) -> bool:
@@ -125,17 +148,3 @@ class CaptureRun:
         self.next_layer += 1
         if self.next_layer == len(m.layers):
             self.final, self.h = self.h[0], None
-
-    def step(self, budget_s: float | None = None) -> bool:
-        t0 = time.perf_counter()
-        while not self.done:
-            self.unit()
-            if budget_s is None or time.perf_counter() - t0 >= budget_s:
-                break
-        self.elapsed += time.perf_counter() - t0
-        return self.done
-
-    def run(self) -> "CaptureRun":
-        while not self.step():
-            pass
-        return self

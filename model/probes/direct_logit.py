@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from model.probes.capture import CaptureRun, SiteCapture
+from model.probes.capture import CaptureRun, SiteCapture, SteppedJob
 from model.probes.logit_metric import head_rows, scored
 from model.quantize import QuantLinear
 from model.transformer import Transformer
@@ -49,7 +49,6 @@ class DirectLogitResult:
     attention: list[float]  # [layer]: u . attn_l, the heads and the remainder together
     remainder: list[float]  # [layer]: u . attn_l - sum of its heads
     final_norm_scale: float  # s = 1 / rms(x_L) at the last position, frozen
-    compute_ms: float = 0.0
 
 
 def dense_weight(layer: nn.Module) -> Tensor:
@@ -61,7 +60,7 @@ def dense_weight(layer: nn.Module) -> Tensor:
     raise TypeError(f"no weight of a layer of type {type(layer).__name__}")
 
 
-class DirectLogitRun:
+class DirectLogitRun(SteppedJob):
     """An `EngineJob`: one capture forward of `token_ids` a block per unit of work (`CaptureRun`), then the
     attribution above at its last position; `result` once `step` returned True."""
 
@@ -73,15 +72,15 @@ class DirectLogitRun:
         self.forward = CaptureRun(model, token_ids, capture)
         self.result: DirectLogitResult | None = None
 
-    def step(self, budget_s: float | None = None) -> bool:
-        if self.forward.step(budget_s) and self.result is None:
-            self.result = self._attribute()
+    @property
+    def done(self) -> bool:
         return self.result is not None
 
-    def run(self) -> DirectLogitResult:
-        while not self.step():
-            pass
-        return self.result
+    def unit(self) -> None:
+        """A block of the forward; after the last, the attribution."""
+        self.forward.unit()
+        if self.forward.done:
+            self.result = self._attribute()
 
     @torch.no_grad()
     def _attribute(self) -> DirectLogitResult:
@@ -107,5 +106,4 @@ class DirectLogitRun:
         a_lp, c_lp = scored(m, self.forward.final[T - 1], (self.answer, self.contrast))
         return DirectLogitResult(
             position=T - 1, logit_diff=a_lp - c_lp, total=embedding + sum(attention) + sum(mlp), embedding=embedding,
-            heads=heads, mlp=mlp, attention=attention, remainder=remainder, final_norm_scale=scale,
-            compute_ms=self.forward.elapsed * 1e3)
+            heads=heads, mlp=mlp, attention=attention, remainder=remainder, final_norm_scale=scale)

@@ -36,7 +36,7 @@ def pair(tmp_path_factory):
 
 def test_direct_logit_equals_hf_hooks_and_sums_to_the_logit_difference(pair):
     ours, hf, _ = pair
-    r = DirectLogitRun(ours, SOURCE, 10, 20).run()
+    r = DirectLogitRun(ours, SOURCE, 10, 20).run().result
     ref = hf_direct_logit(hf, SOURCE, 10, 20)
     assert r.embedding == pytest.approx(ref["embed"], abs=1e-4)
     assert torch.tensor(r.heads).sub(torch.tensor(ref["heads"])).abs().max() <= 1e-4
@@ -184,7 +184,7 @@ def test_default_model_direct_logit_and_gradient_equal_hf(default_model, hf_gguf
     clean = tok.encode("The Eiffel Tower is in the city of")
     corrupted = tok.encode("The Colosseum is in the city of")
     paris, rome = (tok.encode(w, add_bos=False)[0] for w in (" Paris", " Rome"))
-    r = DirectLogitRun(m, clean, paris, rome).run()
+    r = DirectLogitRun(m, clean, paris, rome).run().result
     ref = hf_direct_logit(hf_gguf_model, clean, paris, rome)
     heads = torch.tensor(r.heads).sub(torch.tensor(ref["heads"])).abs().max().item()
     mlp = torch.tensor(r.mlp).sub(torch.tensor(ref["mlp"])).abs().max().item()

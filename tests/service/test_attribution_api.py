@@ -7,8 +7,6 @@ a 400 or 413 naming its field, before anything runs, and the server keeps servin
 
 from __future__ import annotations
 
-import threading
-
 import httpx
 import pytest
 import torch
@@ -18,6 +16,7 @@ from attribution_reference import direct_logit as hf_direct_logit
 from attribution_reference import metric as hf_metric_of
 from attribution_reference import patch_cell, run
 from hf_checkpoints import save_tiny_llama
+from live_server import completions_beside
 from model.loaders.hf import load_hf
 from service.config import Settings
 from tiny import byte_tokenizer
@@ -148,19 +147,9 @@ def test_attribution_patching_over_http_equals_hf_autograd_and_verifies_exactly(
 
 def test_a_completion_beside_an_attribution_keeps_its_tokens(attr_server):
     live, _, _ = attr_server
-    completion = {"prompt": "Once upon a time", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
-    ref = httpx.post(f"{live.url}/v1/completions", json=completion, timeout=60).json()["choices"][0]["text"]
-    texts: list[str] = []
-
-    def traffic():
-        for _ in range(3):
-            texts.append(httpx.post(f"{live.url}/v1/completions", json=completion, timeout=60).json()["choices"][0]["text"])
-
-    t = threading.Thread(target=traffic)
-    t.start()
-    r = post(live, "/inspect/attribute", {"method": "attribution_patching", "clean": CLEAN, "corrupted": CORRUPTED,
-                                          "answer": " ", "contrast": "x", "sites": ["block_output", "head_q", "head_k"]})
-    t.join()
+    with completions_beside(live.url, 3) as (ref, texts):
+        r = post(live, "/inspect/attribute", {"method": "attribution_patching", "clean": CLEAN, "corrupted": CORRUPTED,
+                                              "answer": " ", "contrast": "x", "sites": ["block_output", "head_q", "head_k"]})
     assert r.status_code == 200, r.text
     assert texts == [ref] * 3
 
