@@ -72,6 +72,7 @@ def run(hf, ids: list[int], sites, layers, edit=None) -> dict:
     return {"values": values, "logits": logits}
 
 
+@torch.no_grad()
 def direct_logit(hf, ids: list[int], answer: int, contrast: int) -> dict:
     """TransformerLens' logit_attrs of decompose_resid / stack_head_results with the final RMSNorm's scale frozen."""
     cfg = hf.config
@@ -80,8 +81,7 @@ def direct_logit(hf, ids: list[int], answer: int, contrast: int) -> dict:
     kept: dict = {}
     handles = [hf.model.embed_tokens.register_forward_hook(lambda m, a, o: kept.__setitem__("embed", o[0, -1])),
                hf.model.norm.register_forward_pre_hook(lambda m, a: kept.__setitem__("final", a[0][0, -1]))]
-    with torch.no_grad():
-        out = run(hf, ids, ("head_output", "mlp_output"), range(L))
+    out = run(hf, ids, ("head_output", "mlp_output"), range(L))
     for h in handles:
         h.remove()
     x = kept["final"].double()

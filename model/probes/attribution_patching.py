@@ -47,6 +47,10 @@ QK_SITES = ("head_q", "head_k")
 
 
 class AttributionPatchingRun(SteppedJob):
+    """Every cell of `sweep` estimated for patching `source_ids`' activations into `target_ids`' run (the clean
+    prompt into the corrupted one when denoising): `estimates` {cell: m(patched) - m(target)} and `baselines` (the
+    two runs' metrics) once done."""
+
     def __init__(self, model: Transformer, sweep: PatchSweep, source_ids: list[int], target_ids: list[int],
                  qk_fix: bool = True, keep_gradients: bool = False) -> None:
         """`keep_gradients`: keep dm/da at every swept (layer, site) and position in `gradients` (the tests compare
