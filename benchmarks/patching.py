@@ -163,9 +163,13 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--gap", type=float, default=1.0, help="seconds between the short completions")
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args(argv)
-    r = run(args)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(r, indent=2) + "\n")
+    return write_results(run(args), args.out)
+
+
+def write_results(r: dict, out: Path) -> dict:
+    """The run's JSON to `out`, and the figures (the machine aside) to stdout."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(r, indent=2) + "\n")
     print(json.dumps({k: v for k, v in r.items() if k != "machine"}, indent=2))
     return r
 

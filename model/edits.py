@@ -15,7 +15,15 @@ and reads (block outputs, and where a read asks, the sub-blocks' outputs), per s
     read_rows (K,) int64
     read_out  (K, D) float32       filled by the forward
 
-An entry is applied in float32 whatever the activation dtype: x -= (x . u) u (the dot product accumulated in
+and edits of single attention heads (model/interventions.py's head sites), beside them:
+
+    head_ptr  (4L + 1,) int64      the head ops of site k = 4 layer + h (head_q, head_k, head_v, head_output) are
+                                   head_ops[head_ptr[k] : head_ptr[k + 1]]
+    head_ops  (Q_h, 5) int64       [row, head, u, keep, put], sorted by row; the vectors are the first E entries of
+                                   `bank` rows
+
+A step with head ops runs the module path (the fused native step and the CUDA graphs leave `has_head_edits` steps
+to it). An entry is applied in float32 whatever the activation dtype: x -= (x . u) u (the dot product accumulated in
 float64), then x = x * keep + put, rounded once to the activation dtype. For a single `add` that is x + v, for a
 `set` the value itself: bitwise what a forward hook doing the same computes. Rows no op names are never touched,
 so they are bit-identical to a forward without interventions. On CPU the native kernel applies it (the module path
@@ -30,7 +38,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from model.interventions import SITE_INDEX, HiddenStateRead, InterventionPlan
+from model.interventions import HEAD_SITE_INDEX, SITE_INDEX, HiddenStateRead, InterventionPlan
 from model.kernels import usable
 
 
@@ -42,14 +50,22 @@ class StepEdits:
     read_ptr: Tensor  # (3L + 1,) int64
     read_rows: Tensor  # (K,) int64
     read_out: Tensor  # (K, D) float32
+    head_ptr: Tensor | None = None  # (4L + 1,) int64, None: no head ops
+    head_ops: Tensor | None = None  # (Q_h, 5) int64
 
     def __post_init__(self) -> None:
         self.site_ptr_host = self.site_ptr.cpu().numpy()  # host copies: which sites have work is decided without a sync
         self.read_ptr_host = self.read_ptr.cpu().numpy()
+        self.head_ptr_host = self.head_ptr.cpu().numpy() if self.head_ptr is not None else None
 
     @property
     def has_edits(self) -> bool:
-        return self.ops.shape[0] > 0
+        return self.ops.shape[0] > 0 or self.has_head_edits
+
+    @property
+    def has_head_edits(self) -> bool:
+        """Whether a row edits a single head: only the module path has those sites (model/transformer.py)."""
+        return self.head_ops is not None and self.head_ops.shape[0] > 0
 
     @property
     def reads_sub_blocks(self) -> bool:
@@ -64,7 +80,9 @@ class StepEdits:
     def apply(self, layer: int, site: str, x: Tensor, window: tuple[int, int] | None = None) -> Tensor:
         """Edit x (.., N, D) in place at (layer, site) and record the reads there; returns x. Its rows are
         the packed rows 0 .. N - 1, or, with `window` = (first, N), rows first .. first + N - 1 (a chunk of a
-        longer sequence, as `ProbeRun` runs one)."""
+        longer sequence, as `ProbeRun` runs one). At a head site x is (.., N, heads, E), a view it edits in place."""
+        if site in HEAD_SITE_INDEX:
+            return self._apply_heads(4 * layer + HEAD_SITE_INDEX[site], x, window)
         k = 3 * layer + SITE_INDEX[site]
         a, b = int(self.site_ptr_host[k]), int(self.site_ptr_host[k + 1])
         x2 = x.view(-1, x.shape[-1])  # (N, D)
@@ -81,6 +99,22 @@ class StepEdits:
                 rows = rows - window[0]
                 idx = torch.nonzero((rows >= 0) & (rows < window[1])).squeeze(1)
                 self.read_out[r0 + idx] = x2[rows[idx]].float()
+        return x
+
+    def _apply_heads(self, k: int, x: Tensor, window: tuple[int, int] | None) -> Tensor:
+        if self.head_ptr_host is None or self.head_ptr_host[k] == self.head_ptr_host[k + 1]:
+            return x
+        ops = self.head_ops[int(self.head_ptr_host[k]) : int(self.head_ptr_host[k + 1])]
+        if window is not None:
+            ops = _window(ops, *window)
+        if ops.shape[0]:
+            E = x.shape[-1]
+            x3 = x.flatten(0, -3)  # (N, heads, E): a view (the heads of a fused projection are strided)
+            rows, heads = ops[:, 0], ops[:, 1]
+            y = x3[rows, heads]  # (n, E): each op's own (row, head), at most one op each
+            flat = torch.cat([torch.arange(len(rows), device=ops.device)[:, None], ops[:, 2:]], dim=1)
+            apply_ops(y, flat, self.bank[:, :E].contiguous())
+            x3[rows, heads] = y
         return x
 
     def without_reads(self) -> "StepEdits":
@@ -185,16 +219,27 @@ class EditTables:
                     off += p.vectors.shape[0]
             self._bank = torch.cat(parts).to(self.device) if parts else torch.zeros(0, self.dim, device=self.device)
             self._plans = plans
-        chunks = []
+        chunks, head_chunks = [], []
         for s in segments:
             if s.plan is None:
                 continue
             base = self._base[id(s.plan)]
             for off, n, pat in s.plan.runs(s.pos0, s.n):
+                rows = np.arange(s.row0 + off, s.row0 + off + n, dtype=np.int64)
                 template = _template(pat, base)  # (S, 5): [site, row (unset), u, keep, put]
                 block = np.repeat(template[:, None, :], n, 1)  # (S, n, 5)
-                block[:, :, 1] = np.arange(s.row0 + off, s.row0 + off + n, dtype=np.int64)
+                block[:, :, 1] = rows
                 chunks.append(block.reshape(-1, 5))
+                if pat.heads.shape[0]:  # (S_h, 6): [k_h, row, head, u, keep, put]
+                    hb = np.repeat(_head_template(pat.heads, base)[:, None, :], n, 1)
+                    hb[:, :, 1] = rows
+                    head_chunks.append(hb.reshape(-1, 6))
+        head_ptr = head_ops = None
+        if head_chunks:
+            table = np.concatenate(head_chunks)
+            table = table[np.lexsort((table[:, 2], table[:, 1], table[:, 0]))]  # by site, then row, then head
+            head_ptr = torch.from_numpy(np.searchsorted(table[:, 0], np.arange(4 * L + 1)).astype(np.int64))
+            head_ops = torch.from_numpy(np.ascontiguousarray(table[:, 1:])).to(self.device)
         if chunks:
             table = np.concatenate(chunks)
             table = table[np.argsort(table[:, 0], kind="stable")]
@@ -227,7 +272,7 @@ class EditTables:
         edits = StepEdits(
             torch.from_numpy(site_ptr).to(dev), torch.from_numpy(np.ascontiguousarray(ops)).to(dev), self._bank,
             torch.from_numpy(read_ptr).to(dev), torch.from_numpy(read_rows).to(dev),
-            torch.zeros(len(read_rows), self.dim, device=dev))
+            torch.zeros(len(read_rows), self.dim, device=dev), head_ptr, head_ops)
         return edits, layouts
 
 
@@ -245,6 +290,15 @@ def _template(pat, base: int) -> np.ndarray:
     for j, col in ((2, pat.u), (3, pat.keep), (4, pat.put)):
         t[:, j] = np.where(col >= 0, col + base, -1)
     pat.template = (base, t)
+    return t
+
+
+def _head_template(heads: np.ndarray, base: int) -> np.ndarray:
+    """A pattern's head ops (S_h, 5) [k_h, head, u, keep, put] -> (S_h, 6) [k_h, row (unset), head, u, keep, put]
+    with its vectors at bank offset `base`."""
+    t = np.zeros((heads.shape[0], 6), dtype=np.int64)
+    t[:, 0], t[:, 2] = heads[:, 0], heads[:, 1]
+    t[:, 3:] = np.where(heads[:, 2:] >= 0, heads[:, 2:] + base, -1)
     return t
 
 

@@ -10,6 +10,13 @@ attention context, `ctx.edit(layer, site, x)`):
                        control vector (`build_cvec(cur, il)` after the FFN residual add in src/models/llama.cpp;
                        `llama_adapter_cvec::apply_to` in src/llama-adapter.cpp)
 
+and, inside the attention module (model/transformer.py's `Attention.forward`), on one head (`head`):
+
+    head_q, head_k, head_v   a query head's q, a KV head's k or v, before RoPE (TransformerLens' hook_q / hook_k /
+                             hook_v; at one position the rotation is the same for both runs of a patch, so editing
+                             before or after it is the same edit)                                    x (.., E)
+    head_output              a query head's attention output before wo (TransformerLens' hook_z)     x (.., E)
+
 Operations on the positions they apply to:
 
     add          x += scale * vector                  activation addition / steering (Turner et al. 2023;
@@ -41,6 +48,24 @@ from torch import Tensor
 
 SITES = ("attention_output", "mlp_output", "block_output")
 SITE_INDEX = {s: i for i, s in enumerate(SITES)}
+HEAD_SITES = ("head_q", "head_k", "head_v", "head_output")
+HEAD_SITE_INDEX = {s: i for i, s in enumerate(HEAD_SITES)}
+
+
+@dataclass(frozen=True)
+class HeadShape:
+    """The attention heads a head site indexes: query heads (head_q, head_output) or KV heads (head_k, head_v)."""
+
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+
+    @classmethod
+    def of(cls, config) -> "HeadShape":  # a ModelConfig
+        return cls(config.n_heads, config.n_kv_heads, config.head_dim)
+
+    def count(self, site: str) -> int:
+        return self.n_kv_heads if site in ("head_k", "head_v") else self.n_heads
 OPS = ("add", "set", "scale", "project_out")
 POSITION_SETS = ("all", "prompt", "generated")
 MAX_POSITIONS = 4096  # explicit positions per item
@@ -48,7 +73,8 @@ MAX_POSITIONS = 4096  # explicit positions per item
 
 @dataclass(frozen=True, eq=False)
 class Intervention:
-    """One edit of block `layer`'s `site` (see the module docstring); `vector` is (D,) float32."""
+    """One edit of block `layer`'s `site` (see the module docstring); `vector` is (D,) float32, or (E,) at a head
+    site, where `head` says which."""
 
     layer: int
     site: str = "block_output"
@@ -59,16 +85,29 @@ class Intervention:
     dims: tuple[int, ...] = ()
     values: tuple[float, ...] = ()  # set: one per dim
     factor: float = 1.0  # scale
+    head: int | None = None  # at a head site: the query head (head_q, head_output) or KV head (head_k, head_v)
 
-    def validate(self, n_layers: int, dim: int, where: str = "intervention") -> None:
-        """ValueError naming the field (`where.field`) for anything this model cannot take."""
+    def validate(self, n_layers: int, dim: int, where: str = "intervention", heads: HeadShape | None = None) -> None:
+        """ValueError naming the field (`where.field`) for anything this model cannot take. A head site needs the
+        model's `heads`; its vectors are E wide."""
         def bad(name: str, why: str) -> ValueError:
             return ValueError(f"{where}.{name}: {why}")
 
         if not isinstance(self.layer, int) or not 0 <= self.layer < n_layers:
             raise bad("layer", f"{self.layer!r} is out of range [0, {n_layers})")
-        if self.site not in SITES:
-            raise bad("site", f"unknown {self.site!r}; choose from {list(SITES)}")
+        if self.site in HEAD_SITES:
+            if heads is None:
+                raise bad("site", f"{self.site!r} edits one attention head, which this path cannot")
+            if heads.head_dim > dim:  # (vectors of every site share one bank of D-wide rows, model/edits.py)
+                raise bad("site", f"head sites need head_dim <= dim ({heads.head_dim} > {dim})")
+            n = heads.count(self.site)
+            if not isinstance(self.head, int) or not 0 <= self.head < n:
+                raise bad("head", f"{self.head!r} is out of range [0, {n}) for {self.site}")
+            dim = heads.head_dim
+        elif self.site not in SITES:
+            raise bad("site", f"unknown {self.site!r}; choose from {list(SITES + HEAD_SITES)}")
+        elif self.head is not None:
+            raise bad("head", f"only the head sites {list(HEAD_SITES)} take a head")
         if self.op not in OPS:
             raise bad("op", f"unknown {self.op!r}; choose from {list(OPS)}")
         if isinstance(self.positions, str):
@@ -130,24 +169,26 @@ class Intervention:
     def digest(self) -> bytes:
         """What the item does, as bytes (its positions aside: `InterventionPlan.block_digest` adds those)."""
         h = hashlib.blake2b(digest_size=16)
-        h.update(f"{self.layer}|{self.site}|{self.op}|{self.scale!r}|{self.factor!r}|{self.dims}|{self.values}".encode())
+        h.update(f"{self.layer}|{self.site}|{self.head}|{self.op}|{self.scale!r}|{self.factor!r}|{self.dims}|{self.values}"
+                 .encode())
         if self.vector is not None and self.op in ("add", "project_out"):
             h.update(self.vector.detach().to(torch.float32).contiguous().cpu().numpy().tobytes())
         return h.digest()
 
 
-def validate_all(items: list[Intervention], n_layers: int, dim: int, names: list[str] | None = None) -> None:
-    """Every item, and the one rule across items: at most one project_out per (layer, site). ValueError naming the
-    item's field (`names[i]`, default "interventions[i]")."""
-    seen: set[tuple[int, str]] = set()
+def validate_all(items: list[Intervention], n_layers: int, dim: int, names: list[str] | None = None,
+                 heads: HeadShape | None = None) -> None:
+    """Every item, and the one rule across items: at most one project_out per (layer, site, head). ValueError naming
+    the item's field (`names[i]`, default "interventions[i]")."""
+    seen: set[tuple[int, str, int | None]] = set()
     for i, it in enumerate(items):
         where = names[i] if names is not None else f"interventions[{i}]"
-        it.validate(n_layers, dim, where)
+        it.validate(n_layers, dim, where, heads)
         if it.op == "project_out":
-            if (it.layer, it.site) in seen:
+            if (it.layer, it.site, it.head) in seen:
                 raise ValueError(f"{where}.op: one project_out per block and site (combine the directions, or use "
                                  "another site)")
-            seen.add((it.layer, it.site))
+            seen.add((it.layer, it.site, it.head))
 
 
 @dataclass
@@ -193,22 +234,31 @@ def compose(items: list[Intervention], dim: int) -> Entry:
 @dataclass
 class Pattern:
     """The edits one token gets, as op templates sorted by site (k = 3 layer + site): vector indices into the
-    plan's `vectors` (-1: absent)."""
+    plan's `vectors` (-1: absent); and its edits of single heads, `heads` (S_h, 5): [k_h = 4 layer + head site,
+    head, u, keep, put]."""
 
     sites: np.ndarray  # (S,) int64
     u: np.ndarray  # (S,) int64
     keep: np.ndarray  # (S,) int64
     put: np.ndarray  # (S,) int64
+    heads: np.ndarray = field(default_factory=lambda: np.zeros((0, 5), dtype=np.int64))  # (S_h, 5) int64
     # (bank offset, (S, 5) op rows) as model/edits.py last laid them out: decode steps reuse them
     template: tuple[int, np.ndarray] | None = field(default=None, repr=False)
+
+    @property
+    def empty(self) -> bool:
+        return self.sites.size == 0 and self.heads.shape[0] == 0
 
 
 class InterventionPlan:
     """One sequence's interventions (its prompt's length P fixed), compiled: the few distinct `Pattern`s its
     tokens can get (prompt, generated, and each explicit position), and the vectors they read (`vectors`)."""
 
-    def __init__(self, items: list[Intervention], num_prompt_tokens: int, n_layers: int, dim: int) -> None:
-        validate_all(items, n_layers, dim)
+    def __init__(self, items: list[Intervention], num_prompt_tokens: int, n_layers: int, dim: int,
+                 heads: HeadShape | None = None) -> None:
+        """`heads`: the model's, where items may edit single heads (their E-wide vectors are zero-padded to D in
+        `vectors`, whose rows every site shares)."""
+        validate_all(items, n_layers, dim, heads=heads)
         self.items, self.num_prompt_tokens, self.n_layers, self.dim = list(items), num_prompt_tokens, n_layers, dim
         self.digests = [it.digest() for it in self.items]
         self.explicit = sorted({p for it in self.items if not isinstance(it.positions, str) for p in it.positions})
@@ -219,24 +269,30 @@ class InterventionPlan:
         def index(t: Tensor | None) -> int:
             if t is None:
                 return -1
-            vectors.append(t)
+            vectors.append(t if t.shape[0] == dim else torch.nn.functional.pad(t, (0, dim - t.shape[0])))
             return len(vectors) - 1
 
+        def key(it: Intervention) -> tuple[int, ...]:  # residual sites (k,), head sites (k_h, head)
+            if it.head is None:
+                return (3 * it.layer + SITE_INDEX[it.site],)
+            return (4 * it.layer + HEAD_SITE_INDEX[it.site], it.head)
+
         def compile_at(position: int) -> Pattern:
-            by_site: dict[int, list[int]] = {}
+            by_site: dict[tuple[int, ...], list[int]] = {}
             for i, it in enumerate(self.items):
                 if it.applies(position, num_prompt_tokens):
-                    by_site.setdefault(3 * it.layer + SITE_INDEX[it.site], []).append(i)
-            rows = []
+                    by_site.setdefault(key(it), []).append(i)
+            rows, head_rows = [], []
             for k in sorted(by_site):
                 ids = tuple(sorted(by_site[k], key=lambda i: self.items[i].op != "project_out"))
                 if ids not in by_subset:
-                    e = compose([self.items[i] for i in ids], dim)
+                    e = compose([self.items[i] for i in ids], dim if len(k) == 1 else heads.head_dim)
                     by_subset[ids] = (index(e.u), index(e.keep), index(e.put))
                 if by_subset[ids] != (-1, -1, -1):  # an entry that changes nothing is not an op
-                    rows.append((k, *by_subset[ids]))
+                    (rows if len(k) == 1 else head_rows).append((*k, *by_subset[ids]))
             a = np.asarray(rows, dtype=np.int64).reshape(-1, 4)
-            return Pattern(a[:, 0].copy(), a[:, 1].copy(), a[:, 2].copy(), a[:, 3].copy())
+            return Pattern(a[:, 0].copy(), a[:, 1].copy(), a[:, 2].copy(), a[:, 3].copy(),
+                           np.asarray(head_rows, dtype=np.int64).reshape(-1, 5))
 
         self.patterns: dict[object, Pattern] = {}
         # stand-ins for the positions no explicit index names: any prompt position gets what -1 gets (< P, not
@@ -259,7 +315,7 @@ class InterventionPlan:
         for i in range(n + 1):
             k = self.pattern_key(start + i) if i < n else object()
             if k != key:
-                if key is not None and self.patterns[key].sites.size:
+                if key is not None and not self.patterns[key].empty:
                     out.append((run_start, i - run_start, self.patterns[key]))
                 key, run_start = k, i
         return out

@@ -44,6 +44,22 @@ KERNEL_DTYPE = ops.KERNEL_DTYPE  # activations, scales and zeros as PyTorch's pa
 MAX_KERNEL_ROWS = 16  # rows at or below which PyTorch's packed int4 kernel runs; above, dequantize + float GEMM
 
 
+class _DequantizedBackward(torch.autograd.Function):
+    """A quantized layer differentiable in its input (attribution, model/probes/): the forward is the served kernel
+    (activations rounded as it rounds them), the backward dy W with W this layer's weight dequantized to float32 for
+    the call and dropped after it, so no float copy of the model is ever held. The rounding of the activations is
+    taken as the identity in the backward (a straight-through estimate)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, layer: "QuantLinear") -> Tensor:  # x (M, in) -> (M, out)
+        ctx.layer = layer
+        return ops.quantized_linear(layer, x)  # (autograd is off in here: the native kernel runs)
+
+    @staticmethod
+    def backward(ctx, dy: Tensor) -> tuple[Tensor, None]:  # dy (M, out) -> dx (M, in)
+        return (dy.float() @ ctx.layer.dequantize(torch.float32)).to(dy.dtype), None
+
+
 class QuantLinear(nn.Module):
     """A bias-free linear `y = x W^T` over a quantized W (out_features, in_features); `layer(x)` as nn.Linear."""
 
@@ -52,7 +68,11 @@ class QuantLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
 
     def forward(self, x: Tensor) -> Tensor:  # (..., in) -> (..., out)
-        y = ops.quantized_linear(self, x.reshape(-1, self.in_features))  # (M, out): the kernel for the row count
+        x2 = x.reshape(-1, self.in_features)  # (M, in)
+        if x.requires_grad and torch.is_grad_enabled():
+            y = _DequantizedBackward.apply(x2, self)
+        else:
+            y = ops.quantized_linear(self, x2)  # (M, out): the kernel for the row count
         return y.view(*x.shape[:-1], self.out_features)
 
     def kernel_row_limit(self, native: bool) -> float:

@@ -136,9 +136,13 @@ class Attention(nn.Module):
         H, K, E = self.n_heads, self.n_kv_heads, self.head_dim
         if cos.dim() == 3:
             cos, sin = rotary_tables(cos, sin, x.dtype)
-        qkv = ops.rope_(self.wqkv(x).view(B, T, H + 2 * K, E), cos, sin, H + K)  # (B, T, H + 2K, E), q, k rotated
-        q, k, v = qkv[:, :, :H], qkv[:, :, H : H + K], qkv[:, :, H + K :]
+        qkv = self.wqkv(x).view(B, T, H + 2 * K, E)  # (B, T, H + 2K, E)
+        q, k, v = qkv[:, :, :H], qkv[:, :, H : H + K], qkv[:, :, H + K :]  # views: (B, T, H | K | K, E)
+        for site, heads in (("head_q", q), ("head_k", k), ("head_v", v)):  # before RoPE, as TransformerLens'
+            ctx.edit(self.layer_idx, site, heads)  # hook_q / hook_k / hook_v: edited in place (interventions.py)
+        ops.rope_(qkv, cos, sin, H + K)  # q, k rotated in place
         out = ctx.attend(self.layer_idx, q, k, v)  # (B, T, H, E); a cache stores k, v and attends over its keys
+        out = ctx.edit(self.layer_idx, "head_output", out)  # each head's output before wo (TransformerLens' hook_z)
         return self.wo(out.reshape(B, T, H * E))  # (B, T, D)
 
 

@@ -28,7 +28,7 @@ def create_app(settings: Settings | None = None, loaded: LoadedModel | None = No
 
     from service import errors, openapi
     from service.middleware import GuardMiddleware
-    from service.routes import chat, completions, info, inspect, patch, responses, vectors
+    from service.routes import attribute, chat, completions, info, inspect, patch, responses, vectors
 
     settings = settings or Settings()
     state = state or ServerState(settings)
@@ -49,6 +49,7 @@ def create_app(settings: Settings | None = None, loaded: LoadedModel | None = No
     errors.install(app)
     openapi.install(app, state)
     for r in (completions.router, chat.router, responses.router, info.router, inspect.router, patch.router,
+              attribute.router,
               vectors.router):
         app.include_router(r)
     key = settings.api_key.get_secret_value() if settings.api_key else None

@@ -35,11 +35,11 @@ ERROR_SCHEMA = {
 SSE_EVENT = {"type": "object", "required": ["data"],
              "properties": {"data": {"type": "string"}, "event": {"type": "string"}, "id": {"type": "string"}}}
 _ERRORS = {400: "invalid request", 401: "missing or invalid API key", 404: "unknown model or route",
-           413: "request body too large (or, for /inspect, the sequence or the estimated response)",
+           413: "request body too large (or, for /inspect and /inspect/attribute, the sequence or the estimated size)",
            409: "a stored vector of that name exists", 429: "queue full (see Retry-After)", 500: "generation failed",
            503: "loading, or shutting down (see Retry-After)"}
 _STREAMING = {"/v1/completions", "/v1/chat/completions", "/v1/responses"}
-_QUEUED = _STREAMING | {"/inspect", "/v1/vectors"}  # routes that can answer 429
+_QUEUED = _STREAMING | {"/inspect", "/inspect/patch", "/inspect/attribute", "/v1/vectors"}  # routes that can answer 429
 
 
 def install(app: FastAPI, state: ServerState) -> None:

@@ -7,6 +7,7 @@ import time
 
 from fastapi import Request
 
+from model.engine import EngineJob
 from model.interventions import Intervention
 from model.probes import ProbeOptions, ProbeRun
 from service import inspect_format as fmt
@@ -25,12 +26,19 @@ async def run_probe(serving: Serving, request: Request | None, ids: list[int], o
         run = serving.new_probe(ids, opts, interventions, num_prompt_tokens)
     except ValueError as e:
         raise APIError(400, str(e), code="invalid_value") from None
-    t0 = time.perf_counter()
-    job = serving.run_job(run, serving.settings.max_inspect_queued)
-    await (until_disconnect(request, job) if request is not None else job)
-    serving.metrics.inspect_seconds.observe(time.perf_counter() - t0)
-    serving.metrics.inspect_tokens.inc(len(ids))
+    await run_job(serving, request, run, len(ids))
     return run
+
+
+async def run_job(serving: Serving, request: Request | None, job: EngineJob, tokens: int = 0) -> EngineJob:
+    """Step any inspection job (a probe, a capture forward, an attribution) on the engine thread to its end, under
+    the same queue limit (`max_inspect_queued`) and the same share of the engine thread as /inspect."""
+    t0 = time.perf_counter()
+    running = serving.run_job(job, serving.settings.max_inspect_queued)
+    await (until_disconnect(request, running) if request is not None else running)
+    serving.metrics.inspect_seconds.observe(time.perf_counter() - t0)
+    serving.metrics.inspect_tokens.inc(tokens)
+    return job
 
 
 async def completion_summaries(serving: Serving, prompts: list[list[int]], options: bool | InspectSummaryOptions,

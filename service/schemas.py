@@ -71,6 +71,8 @@ STREAM_OPTIONS_NEED_STREAM = {
 
 
 LayerIndex = Int(ge=0, lt=1 << 16)
+HeadIndex = Int(ge=0, lt=1 << 16)
+PatchSite = Literal["block_output", "attention_output", "mlp_output", "head_output", "head_q", "head_k", "head_v"]
 Position = Int(ge=-(1 << 20), lt=1 << 20)  # negative: from the end
 TokenIndex = Int(ge=0, lt=1 << 20)
 VectorName = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")]
@@ -455,13 +457,14 @@ class PatchRequest(BaseModel):
     answer: NonEmptyText
     contrast: NonEmptyText | None = None
     metric: Literal["logit_diff", "logprob"] = "logit_diff"
-    sites: list[Literal["block_output", "attention_output", "mlp_output"]] | Literal["all"] = Field(
-        default_factory=lambda: ["block_output"])
+    # "all": the three residual-stream sites; the head sites are named
+    sites: list[PatchSite] | Literal["all"] = Field(default_factory=lambda: ["block_output"])
     layers: Annotated[list[LayerIndex], Field(min_length=1, max_length=1024)] | Literal["all"] = "all"
     positions: Annotated[list[Position], Field(min_length=1, max_length=4096)] | Literal["all"] = "all"
+    heads: Annotated[list[HeadIndex], Field(min_length=1, max_length=1024)] | Literal["all"] = "all"  # query heads
     direction: Literal["denoise", "noise"] = "denoise"
 
-    @field_validator("sites", "layers", "positions")
+    @field_validator("sites", "layers", "positions", "heads")
     @classmethod
     def _unique(cls, v):
         if isinstance(v, list) and len(set(v)) != len(v):
@@ -474,6 +477,19 @@ class PatchRequest(BaseModel):
         if isinstance(v, list) and not v:
             raise ValueError("give at least one site")
         return v
+
+
+class AttributeRequest(PatchRequest):
+    """POST /inspect/attribute: direct logit attribution of `prompt` / `messages`, or attribution patching of `clean`
+    / `corrupted` (model/probes/direct_logit.py, attribution_patching.py; docs/inspection.md)."""
+
+    method: Literal["direct_logit", "attribution_patching"]
+    prompt: NonEmptyText | None = None  # direct_logit: a prompt, or chat messages
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=1024)] | None = None
+    clean: NonEmptyText | Annotated[list[ChatMessage], Field(min_length=1, max_length=1024)] | None = None
+    corrupted: NonEmptyText | Annotated[list[ChatMessage], Field(min_length=1, max_length=1024)] | None = None
+    verify: Int(ge=0, le=1 << 16) = 0  # attribution_patching: the cells with the largest estimates patched exactly
+    qk_fix: bool = True  # attribution_patching: AtP*'s exact attention pattern for head_q / head_k
 
 
 class VectorRequest(BaseModel):

@@ -12,8 +12,10 @@ from model.engine import (PLAIN, AsyncEngine, EngineJob, EngineStats, KVWindow, 
                           SamplingParams)
 from model.engine.structured import StructuredOutputSpec
 from model.interventions import Intervention
-from model.probes import ProbeOptions, ProbeRun
+from model.probes import (AttributionPatchingRun, CaptureRun, DirectLogitRun, PatchSweep, ProbeOptions, ProbeRun,
+                          SiteCapture)
 from model.text import Tokenizer
+from model.transformer import Transformer
 from service.config import Settings
 from service.errors import APIError
 from service.metrics import Metrics
@@ -62,6 +64,25 @@ class Serving:
         """An inspection of `token_ids` over the serving weights, edited by `interventions` (ValueError for options
         out of range)."""
         return ProbeRun(self._state.loaded.model, token_ids, opts, interventions, num_prompt_tokens)
+
+    def _local_model(self, what: str) -> Transformer:
+        """The served model where its modules run in this process; 400 under tensor parallelism."""
+        model = self._state.loaded.model
+        if not isinstance(model, Transformer):
+            raise APIError(400, f"{what} needs the whole model in one process; this server runs it across "
+                                "tensor-parallel ranks", code="invalid_request")
+        return model
+
+    def new_capture(self, token_ids: list[int], capture: SiteCapture) -> CaptureRun:
+        """A forward of `token_ids` over the serving weights recording `capture`'s sites (model/probes/capture.py)."""
+        return CaptureRun(self._local_model("a head-level sweep"), token_ids, capture)
+
+    def new_direct_logit(self, token_ids: list[int], answer: int, contrast: int) -> DirectLogitRun:
+        return DirectLogitRun(self._local_model("attribution"), token_ids, answer, contrast)
+
+    def new_attribution_patching(self, sweep: PatchSweep, source: list[int], target: list[int],
+                                 qk_fix: bool) -> AttributionPatchingRun:
+        return AttributionPatchingRun(self._local_model("attribution"), sweep, source, target, qk_fix)
 
     def check_window(self, window: KVWindow) -> None:
         """400 naming `kv_window` unless the engine can serve this sink + window cache."""

@@ -106,3 +106,23 @@ def engine_core(app):
     step with its scheduled rows, it may raise; model/engine/engine.py). Everything else a test reads goes through
     the app's public handles (`app.state.server.stats`, the HTTP API)."""
     return app.state.server.engine.engine
+
+
+@contextlib.contextmanager
+def completions_beside(url: str, n: int) -> Iterator[tuple[str, list[str]]]:
+    """`n` short greedy completions one after another on a thread while the block runs (other traffic in the same
+    batches): yields (the completion's text alone, the texts of the `n`, all in once the block has ended)."""
+    body = {"prompt": "Once upon a time", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    alone = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+    texts: list[str] = []
+
+    def traffic() -> None:
+        for _ in range(n):
+            texts.append(httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()["choices"][0]["text"])
+
+    t = threading.Thread(target=traffic)
+    t.start()
+    try:
+        yield alone, texts
+    finally:
+        t.join()

@@ -85,7 +85,8 @@ class CudaGraphs:
         # graphs are captured without attention telemetry: a step recording it runs another path instead
         return (batch.meta.pure_decode and batch.num_seqs == n and ctx.telemetry is None
                 and 0 < n <= self.buckets[-1] and (self._bucket(n), edited) not in self.failed
-                and (not edited or (self.edits.fits(batch.edits) and not batch.edits.reads_sub_blocks)))
+                and (not edited or (self.edits.fits(batch.edits) and not batch.edits.reads_sub_blocks
+                                    and not batch.edits.has_head_edits)))
 
     def _bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)

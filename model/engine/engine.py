@@ -32,7 +32,7 @@ from model.engine.speculative import Drafter, SpecDecodeStats, SpeculativeConfig
 from model.engine.stream import stream_for
 from model.engine.speculative.build import build_speculator
 from model.engine.structured import StructuredOutputs
-from model.interventions import InterventionPlan
+from model.interventions import HeadShape, InterventionPlan
 from model.loaders.memory import check_fits
 from model.text.tokenizer import Tokenizer
 
@@ -215,7 +215,7 @@ class Engine:
             raise ValueError(
                 f"prompt ({P} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds the context length of {self.max_model_len}"
             )
-        plan = InterventionPlan(list(options.interventions), P, c.n_layers, c.dim) if options.interventions else None
+        plan = InterventionPlan(list(options.interventions), P, c.n_layers, c.dim, HeadShape.of(c)) if options.interventions else None
         # n > 1 choices share the first one's cached prompt blocks; windowed choices own theirs (kv_cache_manager.py)
         share_prefix = params.n > 1 and self.config.enable_prefix_caching and options.kv_window is None
         self.scheduler.check_capacity(1 if share_prefix else params.n)

@@ -67,6 +67,8 @@ class NativeDecode:
         """A step whose every row attends over the paged pool (decode rows; prefill rows too where the cache does
         `paged_prefill`), over a cache of the model's dtype (or a 16-bit one under float32), with the kernels on."""
         meta = ctx.meta
+        if ctx.edits is not None and ctx.edits.has_head_edits:  # edits of single heads: the module path's sites
+            return False
         return (meta.pure_decode and meta.decode_rows.numel() == meta.num_tokens
                 and ops.native_pool(self.model.dtype, ctx.cache.k.dtype) and kernels.native() is not None)
 

@@ -1,5 +1,7 @@
 """Inspection: one capture forward over the serving weights that reports attention maps and sinks, massive
-activations, residual norms and the logit lens. The serving path never runs this code.
+activations, residual norms and the logit lens; activation patching (patching.py), direct logit attribution
+(direct_logit.py) and attribution patching (attribution_patching.py) over capture forwards (capture.py). The
+serving path never runs this code.
 
 Definitions (each is what the request's thresholds and options refer to):
     Massive activation  Sun, Chen, Kolter, Liu, "Massive Activations in Large Language Models" (COLM 2024): an entry
@@ -24,11 +26,15 @@ work per `step()` (chunks of query rows of a block), so the engine thread interl
 
 from model.probes.activations import BlockActivations, massive_activations
 from model.probes.attention import ProbeAttention
+from model.probes.attribution_patching import AttributionPatchingRun
+from model.probes.capture import CaptureRun, SiteCapture
+from model.probes.direct_logit import DirectLogitResult, DirectLogitRun
 from model.probes.options import (
     DEFAULT_INCLUDES, INCLUDES, ActivationEntry, AttentionMaps, AttentionMode, HeadStats, LayerProbe, LensEntry, Prediction,
     ProbeOptions, ProbeResult,
     estimate_map_elements,
 )
+from model.probes.patching import Cell, PatchSweep, cell_interventions, grid, metric, normalise
 from model.probes.run import ProbeRun, inspect
 
 __all__ = [
@@ -36,4 +42,6 @@ __all__ = [
     "LayerProbe", "Prediction",
     "LensEntry", "ProbeAttention", "ProbeOptions", "ProbeResult", "ProbeRun", "estimate_map_elements", "inspect",
     "massive_activations",
+    "AttributionPatchingRun", "CaptureRun", "Cell", "DirectLogitResult", "DirectLogitRun", "PatchSweep", "SiteCapture",
+    "cell_interventions", "grid", "metric", "normalise",
 ]

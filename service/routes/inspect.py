@@ -186,3 +186,9 @@ async def viewer_script():
 async def viewer_patch_script():
     return Response(resources.files("service").joinpath("static/patch.js").read_text(encoding="utf-8"),
                     media_type="text/javascript")
+
+
+@router.get("/inspect/ui/attribute.js", include_in_schema=False)
+async def viewer_attribute_script():
+    return Response(resources.files("service").joinpath("static/attribute.js").read_text(encoding="utf-8"),
+                    media_type="text/javascript")

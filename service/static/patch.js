@@ -1,23 +1,25 @@
 // The viewer's patching tab: POST /inspect/patch (activation patching, docs/inspection.md), drawn as one heatmap per
-// site, layers down and tokens across, with a colour legend, hover values and the two baselines. Plain JS, no build
-// step; shares only the page's API-key field with inspect.js.
+// site, layers (and at a head site each layer's heads) down and tokens across, with a colour legend, hover values
+// and the two baselines. Plain JS, no build step; shares only the page's API-key field with inspect.js, and its
+// heatmaps with attribute.js (`window.patchGrids`).
 "use strict";
 
 (function () {
   const $ = (id) => document.getElementById(id);
   let result = null; // the last /inspect/patch response
 
-  // ---- tabs: "#patch" in the address opens this one ------------------------------------------------------------
+  // ---- tabs: "#patch" / "#attribute" in the address opens that one ----------------------------------------------
+  const TABS = ["inspect", "patch", "attribute"];
   function showTab(name) {
-    for (const t of ["inspect", "patch"]) {
+    for (const t of TABS) {
       $(`tab-${t}`).setAttribute("aria-selected", String(t === name));
       $(`${t}-main`).hidden = t !== name;
     }
-    if (location.hash !== (name === "patch" ? "#patch" : "")) history.replaceState(null, "", name === "patch" ? "#patch" : location.pathname);
+    const hash = name === "inspect" ? "" : `#${name}`;
+    if (location.hash !== hash) history.replaceState(null, "", hash || location.pathname);
   }
-  $("tab-inspect").addEventListener("click", () => showTab("inspect"));
-  $("tab-patch").addEventListener("click", () => showTab("patch"));
-  showTab(location.hash === "#patch" ? "patch" : "inspect");
+  for (const t of TABS) $(`tab-${t}`).addEventListener("click", () => showTab(t));
+  showTab(TABS.includes(location.hash.slice(1)) ? location.hash.slice(1) : "inspect");
 
   function setStatus(text, isError) {
     $("patch-status").textContent = text;
@@ -69,8 +71,8 @@
     return `rgb(${c[0]},${c[1]},${c[2]})`;
   }
 
-  function drawLegend() {
-    const canvas = $("patch-legend"), ctx = canvas.getContext("2d");
+  function drawLegend(canvas) {
+    const ctx = canvas.getContext("2d");
     const W = canvas.width, pad = 40, w = W - 2 * pad;
     ctx.clearRect(0, 0, W, canvas.height);
     for (let x = 0; x < w; x++) {
@@ -102,25 +104,40 @@
     $("patch-baselines").textContent = `${what} at the last position: clean ${b.clean.toFixed(3)} · corrupted ` +
       `${b.corrupted.toFixed(3)} · ${d.direction === "denoise" ? "clean activations patched into the corrupted run"
                                                                : "corrupted activations patched into the clean run"}`;
-    drawLegend();
-    d.sites.forEach((site, s) => wrap.appendChild(panel(d, site, s)));
+    drawLegend($("patch-legend"));
+    d.sites.forEach((site, s) => wrap.appendChild(panel(d, site, s, { tip: $("patch-tooltip"), host: $("patch-section") })));
     wrap.dataset.cells = String(d.usage.cells); // drawn (what the browser test waits for)
   }
 
-  function panel(d, site, s) {
+  // The rows of a site's grid: one per layer, or at a head site one per (layer, head), layer-major.
+  function gridRows(d, site, s, grid) {
+    const heads = site.startsWith("head_") ? (site === "head_k" || site === "head_v" ? d.kv_heads : d.heads) : null;
+    const rows = [];
+    d.layers.forEach((layer, i) => {
+      if (!heads) rows.push({ label: `block ${layer}`, values: grid[s][i], layer, head: null });
+      else heads.forEach((head, j) => rows.push({ label: `L${layer}H${head}`, values: grid[s][i][j], layer, head }));
+    });
+    return rows;
+  }
+
+  // One site's heatmap of `opts.grid` (default d.normalized), with hover values (`opts.raw`, default d.raw).
+  function panel(d, site, s, opts) {
+    const grid = opts.grid || d.normalized, raw = opts.raw || d.raw;
     const box = document.createElement("div");
     box.className = "patch-panel";
     const h = document.createElement("h3");
-    h.textContent = site;
+    h.textContent = opts.title || site;
     box.appendChild(h);
-    const L = d.layers.length, P = d.positions.length;
+    const rows = gridRows(d, site, s, grid), rawRows = gridRows(d, site, s, raw);
+    const L = rows.length, P = d.positions.length;
     const labelW = 64, labelH = 90;
     const cell = Math.max(6, Math.min(28, Math.floor((560 - labelW) / P)));
+    const rowH = L > 64 ? Math.max(2, Math.floor(cell / 3)) : cell; // a head site's many rows, thinner
     const canvas = document.createElement("canvas");
     canvas.width = labelW + cell * P;
-    canvas.height = labelH + cell * L;
+    canvas.height = labelH + rowH * L;
     canvas.dataset.site = site;
-    canvas.setAttribute("aria-label", `${site}: normalised metric per layer (rows) and token (columns)`);
+    canvas.setAttribute("aria-label", `${opts.title || site}: normalised metric per ${rowH < cell ? "layer and head" : "layer"} (rows) and token (columns)`);
     const ctx = canvas.getContext("2d");
     ctx.fillStyle = "#fff";
     ctx.fillRect(0, 0, canvas.width, canvas.height);
@@ -135,31 +152,38 @@
       ctx.restore();
     }
     ctx.textAlign = "right";
+    const perLayer = L / d.layers.length; // rows per layer: 1, or a head site's heads
+    const labelEvery = Math.max(1, Math.ceil(11 / (perLayer * rowH))); // layers between labels, 11 px apart at least
     for (let i = 0; i < L; i++) {
-      if (L <= 32 || i % Math.ceil(L / 32) === 0) ctx.fillText(`block ${d.layers[i]}`, labelW - 4, labelH + i * cell + cell * 0.75);
+      if (i % perLayer === 0 && (i / perLayer) % labelEvery === 0) {
+        ctx.fillText(`block ${rows[i].layer}`, labelW - 4, labelH + i * rowH + Math.min(perLayer * rowH, 12) * 0.8);
+      }
       for (let j = 0; j < P; j++) {
-        ctx.fillStyle = colour(d.normalized[s][i][j]);
-        ctx.fillRect(labelW + j * cell, labelH + i * cell, cell, cell);
+        ctx.fillStyle = colour(rows[i].values[j]);
+        ctx.fillRect(labelW + j * cell, labelH + i * rowH, cell, rowH);
       }
       ctx.fillStyle = "#1d2330";
     }
     canvas.addEventListener("mousemove", (e) => {
       const r = canvas.getBoundingClientRect();
       const x = (e.clientX - r.left) * (canvas.width / r.width), y = (e.clientY - r.top) * (canvas.height / r.height);
-      const j = Math.floor((x - labelW) / cell), i = Math.floor((y - labelH) / cell);
-      const tip = $("patch-tooltip");
+      const j = Math.floor((x - labelW) / cell), i = Math.floor((y - labelH) / rowH);
+      const tip = opts.tip;
       if (i < 0 || j < 0 || i >= L || j >= P) { tip.style.display = "none"; return; }
-      const p = d.positions[j];
-      tip.textContent = `${site} · block ${d.layers[i]} · token ${p} ${JSON.stringify(d.corrupted_tokens[p].text)}` +
+      const p = d.positions[j], row = rows[i];
+      tip.textContent = `${opts.title || site} · block ${row.layer}${row.head === null ? "" : ` head ${row.head}`} · token ${p} ` +
+        `${JSON.stringify(d.corrupted_tokens[p].text)}` +
         (d.clean_tokens[p].id !== d.corrupted_tokens[p].id ? ` (clean ${JSON.stringify(d.clean_tokens[p].text)})` : "") +
-        `\nnormalised ${d.normalized[s][i][j].toFixed(4)}   raw ${d.raw[s][i][j].toFixed(4)}`;
+        `\nnormalised ${row.values[j].toFixed(4)}   raw ${rawRows[i].values[j].toFixed(4)}`;
       tip.style.display = "block";
-      const host = $("patch-section").getBoundingClientRect();
+      const host = opts.host.getBoundingClientRect();
       tip.style.left = `${e.clientX - host.left + 12}px`;
       tip.style.top = `${e.clientY - host.top + 12}px`;
     });
-    canvas.addEventListener("mouseleave", () => { $("patch-tooltip").style.display = "none"; });
+    canvas.addEventListener("mouseleave", () => { opts.tip.style.display = "none"; });
     box.appendChild(canvas);
     return box;
   }
+
+  window.patchGrids = { colour, drawLegend, panel, gridRows };
 })();

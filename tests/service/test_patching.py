@@ -9,13 +9,13 @@ it there, and read the metric at the last position."""
 
 from __future__ import annotations
 
-import threading
 
 import httpx
 import pytest
 import torch
 
 from hf_checkpoints import save_tiny_llama
+from live_server import completions_beside
 from model.loaders.hf import load_hf
 from service.config import Settings
 from tiny import byte_tokenizer
@@ -133,20 +133,10 @@ def test_rows_share_batches_with_traffic_and_the_prefix_cache(patch_server):
     positions = [3, 20, 30, 35]
     body = {"clean": CLEAN, "corrupted": CORRUPTED, "answer": " ", "contrast": "x", "sites": ["mlp_output"],
             "layers": [1, 2], "positions": positions}
-    completion = {"prompt": "Once upon a time", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
-    ref = httpx.post(f"{live.url}/v1/completions", json=completion, timeout=60).json()["choices"][0]["text"]
-    texts: list[str] = []
-
-    def traffic():
-        for _ in range(4):
-            texts.append(httpx.post(f"{live.url}/v1/completions", json=completion, timeout=60).json()["choices"][0]["text"])
-
-    engine = app.state.server.engine
+    engine = app.state.serving.engine
     hits0 = engine.stats.prefix_cache_hits
-    t = threading.Thread(target=traffic)
-    t.start()
-    r = post(live, body)
-    t.join()
+    with completions_beside(live.url, 4) as (ref, texts):
+        r = post(live, body)
     assert r.status_code == 200, r.text
     assert texts == [ref] * 4
     clean, corrupted = tok.encode(CLEAN), tok.encode(CORRUPTED)
