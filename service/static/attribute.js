@@ -77,7 +77,8 @@
     const d = dla, L = d.heads.length, H = d.heads[0].length;
     $("attr-dla-what").textContent = `logit(${JSON.stringify(d.answer.text)}) − logit(${JSON.stringify(d.contrast.text)}) ` +
       `${d.logit_diff.toFixed(3)} = embedding ${d.embedding.toFixed(3)} + heads + MLPs (sum ${d.sum.toFixed(3)})`;
-    const scale = Math.max(...d.heads.flat().map(Math.abs), ...d.mlp.map(Math.abs));
+    const scale = Math.max(...d.heads.flat().map(Math.abs)); // each chart's own: the MLPs' are larger
+    $("attr-heads-legend").textContent = `each head's direct contribution (layers down, heads across; ±${scale.toFixed(2)} at the ends)`;
     // heads: layers down, heads across
     const hc = $("attr-heads"), hx = hc.getContext("2d");
     const labelW = 60, top = 18, cw = Math.floor((hc.width - labelW) / H), ch = Math.max(4, Math.floor((hc.height - top) / L));
@@ -101,15 +102,15 @@
     };
     hc.onmouseleave = (e) => tooltip(e, null);
     // MLPs: one horizontal bar per layer about a zero line
-    const mc = $("attr-mlp"), mx = mc.getContext("2d");
+    const mc = $("attr-mlp"), mx = mc.getContext("2d"), mlpScale = Math.max(...d.mlp.map(Math.abs));
     const mid = labelW + (mc.width - labelW) / 2, half = (mc.width - labelW) / 2 - 6;
     mx.fillStyle = "#fff";
     mx.fillRect(0, 0, mc.width, mc.height);
     mx.font = "11px ui-monospace, monospace";
     mx.textAlign = "right";
     for (let l = 0; l < L; l++) {
-      const v = d.mlp[l], w = scale > 0 ? (v / scale) * half : 0;
-      mx.fillStyle = diverging(v, scale);
+      const v = d.mlp[l], w = mlpScale > 0 ? (v / mlpScale) * half : 0;
+      mx.fillStyle = diverging(v, mlpScale);
       mx.fillRect(w >= 0 ? mid : mid + w, top + l * ch, Math.abs(w), ch - 1);
       if (l % Math.ceil(12 / ch) === 0) { mx.fillStyle = "#1d2330"; mx.fillText(`L${l}`, labelW - 4, top + l * ch + ch * 0.8); }
     }
@@ -119,10 +120,12 @@
     mx.lineTo(mid + 0.5, top + L * ch);
     mx.stroke();
     mx.fillStyle = "#6b7280";
+    mx.textAlign = "left";
+    mx.fillText(`−${mlpScale.toFixed(2)}`, mid - half, 12);
     mx.textAlign = "center";
-    mx.fillText(`−${scale.toFixed(2)}`, mid - half, 12);
     mx.fillText("0", mid, 12);
-    mx.fillText(`+${scale.toFixed(2)}`, mid + half, 12);
+    mx.textAlign = "right";
+    mx.fillText(`+${mlpScale.toFixed(2)}`, mid + half, 12);
     mc.onmousemove = (e) => {
       const [, y] = local(mc, e), l = Math.floor((y - top) / ch);
       tooltip(e, l < 0 || l >= L ? null : `L${l} (MLP): ${d.mlp[l].toFixed(4)}   attention L${l}: ${d.attention[l].toFixed(4)}`);

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -24,6 +25,8 @@ SCREENSHOT = ROOT / "docs" / "images" / "viewer.png"
 SIDECAR = SCREENSHOT.with_name(SCREENSHOT.name + ".json")
 PATCH_SCREENSHOT = ROOT / "docs" / "images" / "patching.png"
 PATCH_SIDECAR = PATCH_SCREENSHOT.with_name(PATCH_SCREENSHOT.name + ".json")
+ATTR_SCREENSHOT = ROOT / "docs" / "images" / "attribution.png"
+ATTR_SIDECAR = ATTR_SCREENSHOT.with_name(ATTR_SCREENSHOT.name + ".json")
 ARTIFACTS = Path(os.environ.get("LLAMASCOPE_SCREENSHOT_DIR") or ROOT / "tests" / "artifacts")
 REGENERATE = "UPDATE_SCREENSHOTS=1 .venv/bin/python -m pytest tests/service/test_inspect_viewer.py"
 
@@ -114,15 +117,7 @@ def test_viewer_shows_heatmap_and_massive_activations(server, page):
         assert canvas_ink(page, f"#{side} canvas.magnitudes") > 500 and canvas_ink(page, f"#{side} canvas.sinks") > 200
 
     # the README's picture: the default view (last block, head 0) and the zero ablation's before / after
-    ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    fresh = ARTIFACTS / SCREENSHOT.name
-    page.screenshot(path=str(fresh), full_page=True)
-    assert fresh.stat().st_size > 10_000
-    if os.environ.get("UPDATE_SCREENSHOTS") == "1":
-        shutil.copyfile(fresh, SCREENSHOT)
-        SIDECAR.write_text(json.dumps({
-            "sources": "service/static/*", "sources_sha256": sources_sha256(), "image_sha256": file_sha256(SCREENSHOT),
-            "taken_by": "tests/service/test_inspect_viewer.py", "regenerate": REGENERATE}, indent=2) + "\n")
+    take_screenshot(page, None, SCREENSHOT, SIDECAR)
 
     # choosing another layer and head redraws; hovering a cell reads its value
     page.select_option("#layer", "3")
@@ -228,15 +223,54 @@ def test_viewer_patching_tab_draws_the_worked_example(server, page):
     panel.hover(position={"x": box["width"] - 3, "y": box["height"] - 3})  # scrolls it into view first
     tip = page.text_content("#patch-tooltip")
     assert "block 29" in tip and "token 8" in tip and "normalised 1.0000" in tip, tip
+    take_screenshot(page, "main#patch-main", PATCH_SCREENSHOT, PATCH_SIDECAR)
+    assert not errors, errors
+
+
+def take_screenshot(page, selector: str | None, image: Path, sidecar: Path) -> None:
+    """A fresh screenshot of `selector` (None: the whole page) in the artifacts folder; with UPDATE_SCREENSHOTS=1 it
+    becomes the docs' image, and its sidecar records the viewer sources' hash."""
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    fresh = ARTIFACTS / PATCH_SCREENSHOT.name
-    page.locator("main#patch-main").screenshot(path=str(fresh))
+    fresh = ARTIFACTS / image.name
+    if selector is None:
+        page.screenshot(path=str(fresh), full_page=True)
+    else:
+        page.locator(selector).screenshot(path=str(fresh))
     assert fresh.stat().st_size > 10_000
     if os.environ.get("UPDATE_SCREENSHOTS") == "1":
-        shutil.copyfile(fresh, PATCH_SCREENSHOT)
-        PATCH_SIDECAR.write_text(json.dumps({
-            "sources": "service/static/*", "sources_sha256": sources_sha256(), "image_sha256": file_sha256(PATCH_SCREENSHOT),
+        shutil.copyfile(fresh, image)
+        sidecar.write_text(json.dumps({
+            "sources": "service/static/*", "sources_sha256": sources_sha256(), "image_sha256": file_sha256(image),
             "taken_by": "tests/service/test_inspect_viewer.py", "regenerate": REGENERATE}, indent=2) + "\n")
+
+
+@needs_chromium
+def test_viewer_attribution_tab_draws_dla_and_the_estimate_beside_the_exact_grid(server, page):
+    """The attribution tab on the worked example (its default prompts and answers): direct logit attribution of the
+    clean prompt as a head x layer heatmap and MLP bars, whose caption's sum is the logit difference; attribution
+    patching's block_output grid beside the exact one, with their correlation; hover values.
+    docs/images/attribution.png is taken here."""
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.goto(server.url + "/inspect/ui#attribute")
+    assert page.is_visible("#attribute-main") and not page.is_visible("#patch-main")
+    assert page.input_value("#attr-clean") == "The Eiffel Tower is in the city of"
+    page.click("#attr-run")
+    page.wait_for_selector("#attr-heads[data-layers='30']", timeout=120_000)
+    page.wait_for_selector("#attr-atp-panels[data-cells='270']", timeout=900_000)  # 30 blocks x 9 tokens
+    caption = page.text_content("#attr-dla-what")
+    diff, total = float(caption.split(" = ")[0].split()[-1]), float(caption.split("(sum ")[1].rstrip(")"))
+    assert diff == pytest.approx(2.857, abs=2e-3) and total == pytest.approx(diff, abs=2e-3), caption
+    assert canvas_ink(page, "#attr-heads") > 2000 and canvas_ink(page, "#attr-mlp") > 500
+    titles = page.locator("#attr-atp-panels h3").all_text_contents()
+    assert titles == ["block_output · estimated", "block_output · exact"], titles
+    assert float(page.get_attribute("#attr-atp-stats", "data-correlation")) > 0.5
+    assert "correlation" in page.text_content("#attr-atp-stats")
+    heads = page.locator("#attr-heads")
+    box = heads.bounding_box()
+    heads.hover(position={"x": box["width"] / 2, "y": box["height"] / 2})  # a head of a middle block
+    assert re.match(r"L\d+H\d: -?\d+\.\d{4}$", page.text_content("#attr-tooltip")), page.text_content("#attr-tooltip")
+    take_screenshot(page, "main#attribute-main", ATTR_SCREENSHOT, ATTR_SIDECAR)
     assert not errors, errors
 
 
@@ -249,8 +283,8 @@ def test_viewer_patching_tab_reports_errors_naming_the_field(server, page):
     assert page.text_content("#patch-status").startswith("corrupted:")
 
 
-@pytest.mark.parametrize("image,sidecar", [(SCREENSHOT, SIDECAR), (PATCH_SCREENSHOT, PATCH_SIDECAR)],
-                         ids=["viewer", "patching"])
+@pytest.mark.parametrize("image,sidecar", [(SCREENSHOT, SIDECAR), (PATCH_SCREENSHOT, PATCH_SIDECAR),
+                                           (ATTR_SCREENSHOT, ATTR_SIDECAR)], ids=["viewer", "patching", "attribution"])
 def test_committed_screenshot_is_current(image, sidecar):
     """The docs' screenshots were taken from the viewer's current sources (checked without a browser, so a change
     to the viewer cannot leave a picture stale even where chromium is missing)."""
