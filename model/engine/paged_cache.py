@@ -130,6 +130,9 @@ class PagedKVCache:
         self.num_blocks, self.block_size = num_blocks, block_size
         self.device = torch.device(device)
         self.act_dtype = act_dtype or dtype
+        # how every step attends over these pools: the model's sliding window (0: none) and attention scale (0:
+        # 1/sqrt(E)), from its config (model/config.py)
+        self.window, self.scale = kv.sliding_window, kv.attention_multiplier
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, num_blocks: int, block_size: int,
