@@ -323,6 +323,7 @@ class Engine:
         """After a step computed tokens of `seq` (a drafting one's rejected drafts rolled back): its newly full
         blocks go to the prefix cache, and a windowed sequence that slid past a block gives it back."""
         self.kv.commit(seq)
+        self.kv.release_behind_window(seq, self.model.config.sliding_window)  # (families: a model's sliding window)
         eviction = self.kv.evict(seq)
         if eviction is not None:
             self.context_shift.apply(eviction)

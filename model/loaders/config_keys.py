@@ -39,7 +39,8 @@ def config_from_hf(cfg: Mapping[str, Any], source: str = "config.json") -> Model
         n_heads = cfg["num_attention_heads"]
         max_seq_len = int(cfg.get("max_position_embeddings", 2048))
         head_dim = 0 if name == "granite" else cfg.get("head_dim") or 0  # Granite: hidden_size / heads
-        partial = float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
+        partial = next((float(x) for x in (rope.get("partial_rotary_factor"), cfg.get("partial_rotary_factor"))
+                        if x is not None and float(x) != 1.0), 1.0)
         if partial != 1.0:
             raise CheckpointError(f"partial_rotary_factor {partial} (partial rotary embeddings) is not supported")
         scaling = _hf_rope_scaling(rope, rope_type, cfg, max_seq_len)
