@@ -153,4 +153,11 @@ KNOWN_SHAPES: dict[str, ModelConfig] = {
     "llama-3.2-3b": ModelConfig(128256, 3072, 28, 24, 8, 8192, 1e-5, 500000.0, _llama3_scaling(32.0), 131072, True),
     "llama-3.1-8b": ModelConfig(128256, 4096, 32, 32, 8, 14336, 1e-5, 500000.0, _llama3_scaling(8.0), 131072),
     "llama-3.1-70b": ModelConfig(128256, 8192, 80, 64, 8, 28672, 1e-5, 500000.0, _llama3_scaling(8.0), 131072),
+    # the other families' switches on (model/loaders/families.py)
+    "qwen2.5-1.5b": ModelConfig(151936, 1536, 28, 12, 2, 8960, 1e-6, 1e6, max_seq_len=32768, tie_embeddings=True,
+                                architecture="qwen2", qkv_bias=True),
+    "qwen3-4b": ModelConfig(151936, 2560, 36, 32, 8, 9728, 1e-6, 1e6, max_seq_len=40960, tie_embeddings=True,
+                            head_dim=128, architecture="qwen3", qk_norm="head"),
+    "mistral-7b-v0.1": ModelConfig(32000, 4096, 32, 32, 8, 14336, 1e-5, 10000.0, max_seq_len=32768,
+                                   architecture="mistral", sliding_window=4096),
 }

@@ -61,9 +61,7 @@ FAMILY_CONFIGS: dict[str, dict] = {
     "mistral": dict(sliding_window=WINDOW, rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
     # longrope past its original context of 16 (a served context of 64: an attention factor of sqrt(1.5))
     "phi3": dict(original_max_position_embeddings=16, max_position_embeddings=64, pad_token_id=0,
-                 rope_parameters={"rope_type": "longrope", "rope_theta": 1e4, "original_max_position_embeddings": 16,
-                                  "short_factor": [1.0 + 0.1 * i for i in range(8)],
-                                  "long_factor": [1.0 + 0.7 * i for i in range(8)]}),
+                 rope_parameters={"rope_type": "longrope", "rope_theta": 1e4, "original_max_position_embeddings": 16}),
     "granite": dict(embedding_multiplier=6.0, residual_multiplier=0.3, attention_multiplier=0.08, logits_scaling=4.0),
     "olmo2": dict(),
 }
@@ -81,20 +79,24 @@ def family_config(family: str, **overrides):
               bos_token_id=None, eos_token_id=None, pad_token_id=None)
     kw.update(FAMILY_CONFIGS[family])
     kw.update(overrides)
+    if family == "phi3":  # longrope's factors, one per frequency (head_dim / 2 of them)
+        half = (kw.get("head_dim") or kw["hidden_size"] // kw["num_attention_heads"]) // 2
+        kw["rope_parameters"] = {**kw["rope_parameters"], "short_factor": [1.0 + 0.1 * i * 8 / half for i in range(half)],
+                                 "long_factor": [1.0 + 0.7 * i * 8 / half for i in range(half)]}
     return getattr(transformers, cls)(**kw)
 
 
-def save_tiny_family(directory: Path, family: str, seed: int = 0, **overrides):
+def save_tiny_family(directory: Path, family: str, seed: int = 0, weight_std: float = 0.3, **overrides):
     """A random-weight `family` model saved by its own transformers class (safetensors + config.json) in `directory`;
     returns the HF model (float32, eval). Every parameter random, norms and biases included (a norm of ones or a zero
-    bias would hide a missing one)."""
+    bias would hide a missing one); matrices of std `weight_std` (wider models need less to stay out of chaos)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(family_config(family, **overrides)).eval()
     with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.3 if p.ndim > 1 else 1.0)
+        for name, p in model.named_parameters():  # (biases smaller: Qwen2's q/k biases add a q_b k_b term to every score)
+            p.normal_(0, weight_std if p.ndim > 1 else 0.1 if name.endswith(".bias") else 1.0)
     model.save_pretrained(directory, safe_serialization=True)
     return model
 

@@ -237,7 +237,7 @@ def load_gguf(
     placement = None
     if kinds and torch.device(device).type == "cpu":
         capacity = served_bytes_gguf(reader, quantization, per_tensor, dtype) + 4096 * len(reader.tensors)
-        placement = _Placement(capacity, kinds, {to_ours(t.name): t for t in reader.tensors})
+        placement = _Placement(capacity, kinds, {to_ours(t.name): t for t in reader.tensors if to_ours(t.name)})
     rope_freq_factors = None
     mix: Counter[str] = Counter()
     for t in reader.tensors:

@@ -118,6 +118,29 @@ def test_native_step_equals_the_module_path(family, mode, dtype):
     assert fast == slow
 
 
+@pytest.mark.parametrize("family", ["qwen2", "mistral", "granite", "olmo2"])
+def test_native_step_over_a_16_bit_cache(family):
+    """A float16 KV cache (--kv-cache-dtype float16) under each family's switches: the native step bitwise the module
+    path over the same cache."""
+    from model.engine import Engine, EngineConfig
+    from model.engine.sampling_params import SamplingParams
+    from tiny import byte_tokenizer
+
+    model = quantize_model(tiny_family(family), "int4")
+    runs = []
+    for native in (True, False):
+        engine = Engine(model, byte_tokenizer(), EngineConfig(num_blocks=64, block_size=4, native_decode=native,
+                                                              kv_cache_dtype="float16"))
+        assert engine.cache.k.dtype == torch.float16
+        for i, p in enumerate([[5, 9, 2, 7, 1] * k for k in (1, 3, 7)]):
+            engine.add_request(str(i), p, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=3))
+        got = []
+        while engine.has_unfinished():
+            got += [(o.request_id, t, lp.logprob, lp.top) for o in engine.step() for t, lp in zip(o.token_ids, o.logprobs)]
+        runs.append(got)
+    assert runs[0] == runs[1]
+
+
 @pytest.mark.parametrize("family", ["mistral", "olmo2", "qwen3"])
 def test_native_step_few_and_many_rows_on_two_threads(family):
     """1 and 5 rows a step: the few-row path (or, for post-norms and a projection-wide q/k norm, the shared one)."""
@@ -167,3 +190,21 @@ def test_what_the_switches_do_not_cover_is_refused(change, refusal):
     cfg.pop("layer_types", None)  # (as a transformers 4 config.json has it: the window from use_sliding_window)
     with pytest.raises(CheckpointError, match=refusal):
         config_from_hf(cfg)
+
+
+def test_phi3_window_as_transformers_applies_it(tmp_path):
+    """Phi-3-mini's `sliding_window` (2047 in its config; 8 here), which transformers applies and llama.cpp ignores:
+    ours applies it too, from the folder and from the GGUF's `phi3.attention.sliding_window`."""
+    from gguf_writer import write_tiny_gguf
+    from model.loaders.gguf_file import load_gguf
+
+    hf = save_tiny_family(tmp_path / "hf", "phi3", sliding_window=WINDOW)
+    write_tiny_gguf(tmp_path / "m.gguf", hf)
+    tokens = _prompts(hf.config.vocab_size, length=40)
+    with torch.no_grad():
+        ref = hf(tokens).logits
+        for ours in (load_hf(tmp_path / "hf"), load_gguf(tmp_path / "m.gguf")):
+            assert ours.config.sliding_window == WINDOW
+            assert (ours(tokens) - ref).abs().max().item() <= TOL
+        hf.config.sliding_window = None
+        assert (hf(tokens).logits - ref).abs().max().item() > 1e-2  # the window matters at 40 tokens

@@ -197,9 +197,12 @@ static void run_layers(Step<T>& s, const std::vector<std::vector<torch::Tensor>>
   // (OLMo-2) needs the whole row of the sub-block's output first: it goes through `sub` too.
   const bool edited = !edits.empty(), via_sub = edited || sw.post_norm;
   const bool scaled = sw.residual != 1.f;
-  // a sub-block's output y (float32, before rounding) as its residual add takes it: rounded to T, then times
-  // Granite's multiplier and rounded again (the module path's `a * residual_multiplier`)
-  const auto out_of = [&](float y) { return scaled ? round_to<T>(round_to<T>(y) * sw.residual) : round_to<T>(y); };
+  const float mult = sw.residual;
+  // a sub-block's output y (float32, before rounding) as its residual add takes it: rounded to T, then (scaled)
+  // times Granite's multiplier and rounded again (the module path's `a * residual_multiplier`); each epilogue is
+  // chosen once per call below, so LLaMA's step runs the plain one with no test per element
+  const auto plain_out = [](float y) { return round_to<T>(y); };
+  const auto scaled_out = [mult](float y) { return round_to<T>(round_to<T>(y) * mult); };
   const int64_t N = s.N, D = s.D, H = s.H, K = s.K, E = s.E, F = s.F, QKV = (H + 2 * K) * E, R = rows.numel();
   const bool few = !own.empty();  // the few-row path (FEW_ROWS): never with edits
   const float feps = static_cast<float>(eps);
@@ -252,6 +255,27 @@ static void run_layers(Step<T>& s, const std::vector<std::vector<torch::Tensor>>
         add_edited(s, subt, edits, site);
       }
     };
+    // a sub-block's last projection p of x and its residual add: fused into the projection's epilogue (h += its
+    // output, rounded and scaled), or through `sub` (finish_sub: edits, post-norms by `norm`) at `site`
+    const auto project_out = [&](const Projection& p, const T* x, bool through_sub, int64_t site, const torch::Tensor& norm) {
+      const auto run = [&](const auto& out) {
+        if (through_sub) {
+          project(p, x, acts, s, 16, tid, nt, [&](int64_t m, int64_t n, float y) {
+            s.sub[m * D + n] = from_f<T>(sw.post_norm ? y : out(y));  // (a post-norm scales after the norm)
+          });
+          finish_sub(norm, site);
+        } else {
+          project(p, x, acts, s, 16, tid, nt, [&](int64_t m, int64_t n, float y) {
+            s.h[m * D + n] = from_f<T>(to_f(s.h[m * D + n]) + out(y));
+          });
+#pragma omp barrier
+        }
+      };
+      if (scaled)
+        run(scaled_out);
+      else
+        run(plain_out);
+    };
     const auto round_for = [&](const Projection& p, const T* x) {  // x (N, p.K) complete: rounded for p
       if (few) {
         quantize_rows(p, x, 0, N, acts);
@@ -290,10 +314,13 @@ static void run_layers(Step<T>& s, const std::vector<std::vector<torch::Tensor>>
       };
       // attention: h + wo(attend(rope(wqkv(norm(h)))))
       const T* x = norm_for(wqkv, w[0]);
-      const auto cols = project(wqkv, x, acts, s, few ? E : 16, tid, nt, [&](int64_t m, int64_t n, float y) {
-        // Qwen2's bias: added to the projection's output as the module path adds it (rounded to T first)
-        s.qkv[m * QKV + n] = bqkv == nullptr ? from_f<T>(y) : from_f<T>(round_to<T>(y) + to_f(bqkv[n]));
-      });
+      const auto cols = bqkv == nullptr
+          ? project(wqkv, x, acts, s, few ? E : 16, tid, nt,
+                    [&](int64_t m, int64_t n, float y) { s.qkv[m * QKV + n] = from_f<T>(y); })
+          // Qwen2's bias: added to the projection's output as the module path adds it (rounded to T first)
+          : project(wqkv, x, acts, s, few ? E : 16, tid, nt, [&](int64_t m, int64_t n, float y) {
+              s.qkv[m * QKV + n] = from_f<T>(round_to<T>(y) + to_f(bqkv[n]));
+            });
       if (few) {  // this thread's columns are whole heads
         for (int64_t m = 0; m < N; ++m) rope_store(m, cols.first / E, cols.second / E);
       } else {
@@ -305,17 +332,7 @@ static void run_layers(Step<T>& s, const std::vector<std::vector<torch::Tensor>>
                             sw.window, sw.scale);
 #pragma omp barrier
       round_for(wo, s.att);
-      if (via_sub) {
-        project(wo, s.att, acts, s, 16, tid, nt, [&](int64_t m, int64_t n, float y) {
-          s.sub[m * D + n] = from_f<T>(sw.post_norm ? y : out_of(y));
-        });
-        finish_sub(w[0], 3 * l);  // attention_output
-      } else {
-        project(wo, s.att, acts, s, 16, tid, nt, [&](int64_t m, int64_t n, float y) {
-          s.h[m * D + n] = from_f<T>(to_f(s.h[m * D + n]) + out_of(y));
-        });
-#pragma omp barrier
-      }
+      project_out(wo, s.att, via_sub, 3 * l, w[0]);  // attention_output
       // feed-forward: h + w2(silu(w1 x) * w3 x), x = norm(h)
       const T* xf = norm_for(w13, w[1]);
       project(w13, xf, acts, s, 16, tid, nt, [&](int64_t m, int64_t n, float y) { s.gu[m * 2 * F + n] = from_f<T>(y); });
@@ -325,23 +342,13 @@ static void run_layers(Step<T>& s, const std::vector<std::vector<torch::Tensor>>
       if (!few && !w2.quantized) {
 #pragma omp barrier
       }
-      if (via_sub) {
-        project(w2, act, acts, s, 16, tid, nt, [&](int64_t m, int64_t n, float y) {
-          s.sub[m * D + n] = from_f<T>(sw.post_norm ? y : out_of(y));
-        });
-        finish_sub(w[1], 3 * l + 1);  // mlp_output
-        if (edited) {
+      project_out(w2, act, via_sub, 3 * l + 1, w[1]);  // mlp_output
+      if (edited) {
 #pragma omp single
-          {
-            apply_site(ht, edits, 3 * l + 2);  // block_output
-            read_site(ht, edits, 3 * l + 2);
-          }
+        {
+          apply_site(ht, edits, 3 * l + 2);  // block_output
+          read_site(ht, edits, 3 * l + 2);
         }
-      } else {
-        project(w2, act, acts, s, 16, tid, nt, [&](int64_t m, int64_t n, float y) {
-          s.h[m * D + n] = from_f<T>(to_f(s.h[m * D + n]) + out_of(y));
-        });
-#pragma omp barrier
       }
       if (!telemetry.empty()) keep_rows(ht, rows, telemetry[0], telemetry[5], static_cast<int64_t>(l), rb, re);
     }
