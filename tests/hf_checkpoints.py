@@ -101,9 +101,9 @@ def save_tiny_family(directory: Path, family: str, seed: int = 0, weight_std: fl
     return model
 
 
-def save_tiny_family_checkpoint(directory: Path, family: str, **overrides) -> Path:
+def save_tiny_family_checkpoint(directory: Path, family: str, seed: int = 0, **overrides) -> Path:
     """`save_tiny_family` with the byte-level tokenizer (258 ids) beside it, servable by path."""
-    save_tiny_family(directory, family, vocab_size=258, **overrides)
+    save_tiny_family(directory, family, seed, vocab_size=258, **overrides)
     from tiny import byte_tokenizer
 
     byte_tokenizer()._tk.save(str(directory / "tokenizer.json"))

@@ -6,8 +6,6 @@ every step's top-1 leads by MIN_MARGIN, asserted first); a checkpoint of another
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import httpx
 import pytest
@@ -24,6 +22,11 @@ from tiny import byte_tokenizer
 TOL = 1e-4
 MIN_MARGIN = 0.01  # nats: 100 x the tolerance, so no greedy step can flip between the implementations
 PROMPT = "The quick brown fox jumps over the lazy dog."  # 44 byte tokens: past Mistral's window, Phi-3's 16
+# the checkpoint seed per family whose 32-token greedy path after PROMPT has no step closer than MIN_MARGIN (a
+# random model's path often has one somewhere; `_check` asserts the margin before it compares tokens)
+SEEDS = {"qwen2": 0, "qwen3": 3, "mistral": 2, "phi3": 0, "granite": 3, "olmo2": 3}
+# Phi-3's served context: room for the prompt and 32 tokens (its tests' 64 would refuse them), past the original 16
+OVERRIDES = {"phi3": dict(max_position_embeddings=128)}
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -32,7 +35,8 @@ def family(request, tmp_path_factory):
     from transformers import AutoModelForCausalLM
 
     d = tmp_path_factory.mktemp(request.param)
-    path = save_tiny_family_checkpoint(d / "hf", request.param)
+    path = save_tiny_family_checkpoint(d / "hf", request.param, seed=SEEDS[request.param],
+                                       **OVERRIDES.get(request.param, {}))
     hf = AutoModelForCausalLM.from_pretrained(path).eval()
     write_tiny_gguf(d / "m.gguf", hf, tokenizer=True)
     if request.param == "mistral":  # and a file that keeps the window (the converter drops it)
@@ -82,15 +86,17 @@ def test_served_from_its_gguf_equals_transformers(family):
     _check(_complete(d / "m.gguf"), hf)
 
 
-def test_an_unsupported_architecture_is_refused_at_start(tmp_path):
-    """`python -m service --model DIR` of a gemma2 checkpoint exits non-zero with one line naming what is served."""
+def test_an_unsupported_architecture_is_refused_at_start(tmp_path, caplog):
+    """`--model DIR` of a gemma2 checkpoint: the server does not serve it; the start-up logs one line naming the
+    architectures served, and /health's 503 says it."""
     path = save_tiny_family_checkpoint(tmp_path / "ck", "qwen2")
     cfg = json.loads((path / "config.json").read_text())
     cfg.update(model_type="gemma2", architectures=["Gemma2ForCausalLM"])
     (path / "config.json").write_text(json.dumps(cfg))
-    r = subprocess.run([sys.executable, "-m", "service", "--model", str(path)], capture_output=True, text=True,
-                       timeout=300)
-    assert r.returncode != 0
-    lines = [line for line in r.stderr.splitlines() if "gemma2" in line]
-    assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
-    assert all(f in lines[0] for f in ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "olmo2"))
+    state = create_app(Settings(model=str(path))).state.serving
+    with caplog.at_level("ERROR", logger="llamascope.service"):
+        state.start()  # what the app's start-up runs
+    assert state.engine is None and "\n" not in state.load_error
+    assert "gemma2" in state.load_error
+    assert all(f in state.load_error for f in ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "olmo2"))
+    assert [r.getMessage() for r in caplog.records] == [f"model failed to load: {state.load_error}"]
