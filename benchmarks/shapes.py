@@ -3,9 +3,12 @@ single-stream decode, 32 concurrent, 512-token prefill.
 
     python -m benchmarks.shapes [--shapes 1b 8b] [--types Q4_0 Q4_K_M] [--rounds 1] [--cache DIR]
 
-Random-weight LLaMA GGUFs of the Llama-3.2-1B, Llama-3.2-3B and Llama-3.1-8B shapes (layers, widths, heads, KV
-heads, FFN width; the default model's tokenizer and so its 49,152-entry vocabulary, not Llama 3's 128k), written
-once as Q8_0 blocks of random int8 weights (std ~0.02), then `llama-quantize --allow-requantize` to Q4_0 and Q4_K_M
+Random-weight GGUFs of the Llama-3.2-1B, Llama-3.2-3B and Llama-3.1-8B shapes (layers, widths, heads, KV heads,
+FFN width; the default model's tokenizer and so its 49,152-entry vocabulary, not Llama 3's 128k), and of the
+Qwen2.5-1.5B, Qwen3-4B and Mistral-7B ones as llama.cpp's converter writes those families (`qwen2` with q/k/v biases,
+`qwen3` with its head_dim of 128 and per-head q/k norms, Mistral as `llama`: conversion/qwen.py, conversion/llama.py),
+written once as Q8_0 blocks of random int8 weights (std ~0.02; norms 1, biases 0), then `llama-quantize
+--allow-requantize` to Q4_0 and Q4_K_M
 (llama.cpp's own choice of per-tensor types: Q4_K_M puts Q6_K in the head and in some attn_v / ffn_down), cached in
 `--cache`. Not part of CI: it needs llama.cpp's `llama-quantize` and `llama-server` (benchmarks/README.md).
 
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import dataclass
 import os
 import shutil
 import statistics
@@ -42,11 +46,35 @@ from benchmarks import vs_llama_server as vs
 from benchmarks.load import ServedProcess
 from benchmarks.machine import machine_info
 
-# (n_layers, dim, n_heads, n_kv_heads, ffn, tied, rope theta): the published configs' shapes
+@dataclass(frozen=True)
+class Shape:
+    """A published config's shape, as the GGUF architecture its family converts to (model/loaders/families.py)."""
+
+    n_layers: int
+    dim: int
+    n_heads: int
+    n_kv_heads: int
+    ffn: int
+    tied: bool
+    rope_theta: float
+    arch: str = "llama"
+    head_dim: int = 0  # 0: dim / n_heads
+    qkv_bias: bool = False  # Qwen2's q/k/v biases
+    qk_norm: bool = False  # Qwen3's per-head q/k norms
+
+    @property
+    def hd(self) -> int:
+        return self.head_dim or self.dim // self.n_heads
+
+
 SHAPES = {
-    "1b": (16, 2048, 32, 8, 8192, True, 500000.0),
-    "3b": (28, 3072, 24, 8, 8192, True, 500000.0),
-    "8b": (32, 4096, 32, 8, 14336, False, 500000.0),
+    "1b": Shape(16, 2048, 32, 8, 8192, True, 500000.0),
+    "3b": Shape(28, 3072, 24, 8, 8192, True, 500000.0),
+    "8b": Shape(32, 4096, 32, 8, 14336, False, 500000.0),
+    # Qwen/Qwen2.5-1.5B, Qwen/Qwen3-4B, mistralai/Mistral-7B-v0.3 config.json (v0.3: full attention, theta 1e6)
+    "qwen2.5-1.5b": Shape(28, 1536, 12, 2, 8960, True, 1e6, "qwen2", qkv_bias=True),
+    "qwen3-4b": Shape(36, 2560, 32, 8, 9728, True, 1e6, "qwen3", head_dim=128, qk_norm=True),
+    "mistral-7b": Shape(32, 4096, 32, 8, 14336, False, 1e6, "llama"),
 }
 CONTEXT = vs.CONCURRENT * vs.SLOT_CONTEXT  # 20,480 tokens, both sides
 WEIGHT_STD = 0.02
@@ -59,16 +87,19 @@ def _tokenizer_fields(default_gguf: Path):
     return r, [f for name, f in r.fields.items() if name.startswith("tokenizer.")]
 
 
-def write_random(path: Path, shape: tuple, default_gguf: Path, qtype: str = "Q8_0", seed: int = 0) -> None:
-    """A random-weight llama GGUF of `shape` (a `SHAPES` entry) whose matrices are Q8_0 or Q4_0 blocks of random
-    integers (weights of std ~0.02, norms 1), the default model's tokenizer; written tensor by tensor, never the
-    whole model in memory."""
+def write_random(path: Path, shape: Shape | tuple, default_gguf: Path, qtype: str = "Q8_0", seed: int = 0) -> None:
+    """A random-weight GGUF of `shape` (a `SHAPES` entry, or its first seven fields as a tuple: a llama one) whose
+    matrices are Q8_0 or Q4_0 blocks of random integers (weights of std ~0.02, norms 1, biases 0), the default
+    model's tokenizer; the family's tensors and keys as llama.cpp's converter names them; written tensor by tensor,
+    never the whole model in memory."""
     from gguf import GGMLQuantizationType as Q, GGUFValueType, GGUFWriter
 
-    n_layers, dim, heads, kv, ffn, tied, theta = shape
+    shape = shape if isinstance(shape, Shape) else Shape(*shape)
+    n_layers, dim, heads, kv, ffn, tied, theta = (shape.n_layers, shape.dim, shape.n_heads, shape.n_kv_heads,
+                                                  shape.ffn, shape.tied, shape.rope_theta)
     reader, tok_fields = _tokenizer_fields(default_gguf)
     vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
-    w = GGUFWriter(str(path), "llama")
+    w = GGUFWriter(str(path), shape.arch)
     w.add_name(path.stem)
     w.add_block_count(n_layers)
     w.add_context_length(131072)
@@ -78,15 +109,19 @@ def write_random(path: Path, shape: tuple, default_gguf: Path, qtype: str = "Q8_
     w.add_head_count_kv(kv)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_rope_freq_base(theta)
-    w.add_rope_dimension_count(dim // heads)
-    w.add_vocab_size(vocab)
+    hd = shape.hd
+    if shape.arch == "llama":
+        w.add_rope_dimension_count(hd)
+        w.add_vocab_size(vocab)
+    if shape.head_dim:  # (conversion/base.py writes the key and value widths where the config names head_dim)
+        w.add_key_length(hd)
+        w.add_value_length(hd)
     w.add_file_type({"Q8_0": 7, "Q4_0": 2}[qtype])  # llama_ftype MOSTLY_Q8_0 / MOSTLY_Q4_0
     for f in tok_fields:  # the default model's tokenizer, as it is
         if f.types[0] == GGUFValueType.ARRAY:
             w.add_key_value(f.name, f.contents(), f.types[0], sub_type=f.types[-1])
         else:
             w.add_key_value(f.name, f.contents(), f.types[0])
-    hd = dim // heads
     tensors: list[tuple[str, tuple[int, ...]]] = [("token_embd.weight", (vocab, dim))]
     for i in range(n_layers):
         tensors += [(f"blk.{i}.attn_norm.weight", (dim,)), (f"blk.{i}.attn_q.weight", (heads * hd, dim)),
@@ -94,6 +129,11 @@ def write_random(path: Path, shape: tuple, default_gguf: Path, qtype: str = "Q8_
                     (f"blk.{i}.attn_output.weight", (dim, heads * hd)), (f"blk.{i}.ffn_norm.weight", (dim,)),
                     (f"blk.{i}.ffn_gate.weight", (ffn, dim)), (f"blk.{i}.ffn_up.weight", (ffn, dim)),
                     (f"blk.{i}.ffn_down.weight", (dim, ffn))]
+        if shape.qkv_bias:
+            tensors += [(f"blk.{i}.attn_q.bias", (heads * hd,)), (f"blk.{i}.attn_k.bias", (kv * hd,)),
+                        (f"blk.{i}.attn_v.bias", (kv * hd,))]
+        if shape.qk_norm:
+            tensors += [(f"blk.{i}.attn_q_norm.weight", (hd,)), (f"blk.{i}.attn_k_norm.weight", (hd,))]
     tensors.append(("output_norm.weight", (dim,)))
     if not tied:
         tensors.append(("output.weight", (vocab, dim)))
@@ -111,8 +151,8 @@ def write_random(path: Path, shape: tuple, default_gguf: Path, qtype: str = "Q8_
     # uniform q: Q8_0's in [-127, 127] has std 73 d; Q4_0's d (q - 8), q in [0, 15], std 4.6 d
     d = np.frombuffer(np.float16(WEIGHT_STD / (73.3 if qtype == "Q8_0" else 4.61)).tobytes(), dtype=np.uint8)
     for name, shp in tensors:
-        if len(shp) == 1:
-            w.write_tensor_data(np.ones(shp, dtype=np.float32))
+        if len(shp) == 1:  # norms 1, biases 0
+            w.write_tensor_data((np.zeros if name.endswith(".bias") else np.ones)(shp, dtype=np.float32))
             continue
         blocks = np.empty((shp[0], shp[1] // 32, block), dtype=np.uint8)
         blocks[..., 0:2] = d
@@ -128,14 +168,15 @@ def write_random(path: Path, shape: tuple, default_gguf: Path, qtype: str = "Q8_
 def model_file(cache: Path, shape: str, qtype: str, quantize_bin: Path, default_gguf: Path) -> Path:
     """The cached file of `shape` in `qtype` ("Q8_0", "Q4_0", "Q4_K_M"), made (and its Q8_0 source) if missing."""
     cache.mkdir(parents=True, exist_ok=True)
-    q8 = cache / f"llama-{shape}-Q8_0.gguf"
+    stem = shape if "-" in shape else f"llama-{shape}"  # (the LLaMA shapes' names: "1b" -> llama-1b)
+    q8 = cache / f"{stem}-Q8_0.gguf"
     if not q8.is_file():
         print(f"writing {q8}", flush=True)
         write_random(q8.with_suffix(".part"), SHAPES[shape], default_gguf)
         q8.with_suffix(".part").rename(q8)
     if qtype == "Q8_0":
         return q8
-    out = cache / f"llama-{shape}-{qtype}.gguf"
+    out = cache / f"{stem}-{qtype}.gguf"
     if not out.is_file():
         print(f"llama-quantize {q8.name} -> {qtype}", flush=True)
         subprocess.run([str(quantize_bin), "--allow-requantize", str(q8), str(out.with_suffix(".part")), qtype,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor
 
@@ -34,29 +35,43 @@ class KVCacheContext(AttentionContext, Protocol):
         ...
 
 
-def sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, is_causal: bool = False) -> Tensor:
+def sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, is_causal: bool = False,
+         scale: float = 0.0) -> Tensor:
     """q (B, T, H, E), k/v (B, S, K, E), mask (B, 1, T, S) bool (True = attend) -> (B, T, H, E).
 
-    Scaled dot-product attention (Vaswani et al. 2017), softmax(q k^T / sqrt(E)) v. SDPA picks flash /
-    memory-efficient kernels where it can and shares each KV head across its H/K query heads without copying
-    (grouped-query attention, `enable_gqa`).
+    Scaled dot-product attention (Vaswani et al. 2017), softmax(q k^T / sqrt(E)) v, or softmax(scale q k^T) v for a
+    `scale` other than 0 (Granite's attention multiplier). SDPA picks flash / memory-efficient kernels where it can and
+    shares each KV head across its H/K query heads without copying (grouped-query attention, `enable_gqa`).
     """
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-        attn_mask=mask, is_causal=is_causal, enable_gqa=q.shape[2] != k.shape[2],
+        attn_mask=mask, is_causal=is_causal, enable_gqa=q.shape[2] != k.shape[2], scale=scale or None,
     )  # (B, H, T, E)
     return out.transpose(1, 2)
 
 
-class CausalAttention:
-    """Keys are this call's tokens: the query at position p sees keys at positions <= p."""
+def causal_mask(q_pos: Tensor, k_pos: Tensor, window: int = 0) -> Tensor:
+    """q_pos (..., T), k_pos (..., S) -> (..., T, S) bool: key positions <= the query's, and with a sliding `window`
+    (Mistral; transformers' `sliding_window_overlay`) > the query's - window, so a query sees `window` keys."""
+    mask = k_pos.unsqueeze(-2) <= q_pos.unsqueeze(-1)
+    if window:
+        mask &= k_pos.unsqueeze(-2) > q_pos.unsqueeze(-1) - window
+    return mask
 
-    def __init__(self, positions: Tensor | None) -> None:
-        # positions None means 0..T-1 in every row: SDPA's causal fast path, no mask tensor.
-        self.mask = None if positions is None else (positions.unsqueeze(1) <= positions.unsqueeze(-1)).unsqueeze(1)  # (B, 1, T, T)
+
+class CausalAttention:
+    """Keys are this call's tokens: the query at position p sees keys at positions <= p (and > p - window)."""
+
+    def __init__(self, positions: Tensor | None, window: int = 0, scale: float = 0.0) -> None:
+        # positions None means 0..T-1 in every row: SDPA's causal fast path, no mask tensor (unless windowed).
+        self.positions, self.window, self.scale = positions, window, scale
+        self.mask = None if positions is None else causal_mask(positions, positions, window).unsqueeze(1)  # (B, 1, T, T)
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        return sdpa(q, k, v, self.mask, is_causal=self.mask is None)
+        if self.mask is None and self.window and q.shape[1] > self.window:
+            pos = torch.arange(q.shape[1], device=q.device)
+            self.mask = causal_mask(pos, pos, self.window)[None, None]  # (1, 1, T, T)
+        return sdpa(q, k, v, self.mask, is_causal=self.mask is None, scale=self.scale)
 
     def edit(self, layer: int, site: str, x: Tensor) -> Tensor:
         return x

@@ -15,6 +15,12 @@ References:
     LLaMA     Touvron et al. 2023; pre-norm residual blocks, no biases.
 
 Weight names follow Meta's llama `model.py` (wq wk wv wo w1 w2 w3 attention_norm ffn_norm tok_embeddings output).
+
+The LLaMA-family variants are switches of `ModelConfig` on this one block, never other classes (docs/engine.md
+"Checkpoints"): q/k/v biases `bqkv` (Qwen2, transformers modeling_qwen2.py), q/k RMSNorm `q_norm`/`k_norm` per head
+(Qwen3, modeling_qwen3.py) or over the whole projection (OLMo-2, modeling_olmo2.py), the norms after their sub-block
+instead of before it (OLMo-2), Granite's multipliers (modeling_granite.py), a sliding window (the attention
+contexts: Mistral, modeling_mistral.py), Phi-3's longrope frequencies (`rope_inv_freq`).
 """
 
 from __future__ import annotations
@@ -39,11 +45,17 @@ class RMSNorm(nn.Module):
         return ops.rms_norm(x, self.weight, self.eps)
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> Tensor:
-    """Per-pair inverse frequencies theta^(-2i/E), i < E/2, with the configured scaling.  -> (E/2,) float32"""
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling, max_seq_len: int = 0) -> Tensor:
+    """Per-pair inverse frequencies theta^(-2i/E), i < E/2, with the configured scaling.  -> (E/2,) float32
+    `max_seq_len`: the context served, which picks longrope's long or short factors."""
     # computed on the CPU under any default device: E/2 values, and a first arithmetic op on the meta device (a model
     # built there by the loaders) would import a large part of PyTorch (seconds of a start-up)
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim))
+    if scaling.rope_type == "longrope":
+        # transformers `_compute_longrope_parameters`: inv_freq = 1 / (ext_factors * theta^(2i/E))
+        long = max_seq_len > scaling.original_max_position_embeddings
+        factors = torch.tensor(scaling.long_factor if long else scaling.short_factor, dtype=torch.float32)
+        return 1.0 / (factors * theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     if scaling.rope_type == "linear":
         return inv_freq / scaling.factor
     if scaling.rope_type == "llama3":
@@ -67,13 +79,15 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
+        inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling, config.max_seq_len)
         self.register_buffer("inv_freq", inv_freq.to(torch.empty(0).device), persistent=False)
+        # longrope's attention factor scales cos and sin, so q and k both (transformers' `attention_scaling`)
+        self.attention_factor = config.rope_scaling.attention_factor if config.rope_scaling.rope_type == "longrope" else 1.0
 
     def reset(self, device: torch.device | str, freq_factors: Tensor | None = None) -> None:
         """Recompute `inv_freq` on `device` (after meta-device construction); GGUF's `rope_freqs` divides it."""
         c = self.config
-        inv_freq = rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling)
+        inv_freq = rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling, c.max_seq_len)
         if freq_factors is not None:
             inv_freq = inv_freq / freq_factors.float().cpu()
         self.inv_freq = inv_freq.to(device)
@@ -81,6 +95,8 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: Tensor) -> tuple[Tensor, Tensor]:  # (B, T) -> cos, sin (B, T, E) float32
         freqs = positions.float().unsqueeze(-1) * self.inv_freq  # (B, T, E/2)
         emb = torch.cat((freqs, freqs), dim=-1)  # rotate-half layout: pair (i, i + E/2) shares frequency i
+        if self.attention_factor != 1.0:
+            return emb.cos() * self.attention_factor, emb.sin() * self.attention_factor
         return emb.cos(), emb.sin()
 
 
@@ -115,10 +131,12 @@ class Linear(nn.Linear):
 # Fused projections (gpt-fast's `wqkv`): one matmul where Meta's model has several with the same input. Each fused
 # module's weight is its parts' weights stacked along the output dim, in this order; checkpoints name the parts
 # (LLaMA names, docs/development.md rule 4), and the loaders stack them (model/loaders/assemble.py).
+# The biases' parts (Qwen2's q/k/v biases) stack the same way into `attention.bqkv` (no ".weight": a bias vector).
 FUSED_PARTS: dict[str, tuple[str, ...]] = {
     "attention.wqkv": ("attention.wq", "attention.wk", "attention.wv"),
     "feed_forward.w13": ("feed_forward.w1", "feed_forward.w3"),
 }
+FUSED_BIAS_PARTS: dict[str, tuple[str, ...]] = {"attention.bqkv": ("attention.bq", "attention.bk", "attention.bv")}
 
 
 class Attention(nn.Module):
@@ -129,6 +147,28 @@ class Attention(nn.Module):
         H, K, E = config.n_heads, config.n_kv_heads, config.head_dim
         self.wqkv = Linear(config.dim, (H + 2 * K) * E)  # wq, wk, wv stacked: ((H + 2K) E, D)
         self.wo = Linear(H * E, config.dim)
+        # Qwen2: added after the product, so whatever serves wqkv (float, int8, int4, a stack) the bias stays float
+        self.bqkv = nn.Parameter(torch.zeros((H + 2 * K) * E)) if config.qkv_bias else None  # ((H + 2K) E,)
+        self.qk_norm = config.qk_norm
+        width = {"head": (E, E), "projection": (H * E, K * E)}.get(config.qk_norm)
+        self.q_norm = RMSNorm(width[0], config.norm_eps) if width else None  # (E,) or (H E,)
+        self.k_norm = RMSNorm(width[1], config.norm_eps) if width else None  # (E,) or (K E,)
+
+    def project(self, x: Tensor) -> Tensor:
+        """x (B, T, D) -> q, k, v (B, T, H + 2K, E) before RoPE: the projection, its bias and the q/k norms."""
+        B, T, _ = x.shape
+        H, K, E = self.n_heads, self.n_kv_heads, self.head_dim
+        qkv = self.wqkv(x)  # (B, T, (H + 2K) E)
+        if self.bqkv is not None:
+            qkv = qkv + self.bqkv
+        qkv = qkv.view(B, T, H + 2 * K, E)
+        if self.q_norm is not None:
+            # Qwen3 normalizes each head's E values, OLMo-2 the whole projection (H E values, K E for k)
+            shape = (B, T, H, E) if self.qk_norm == "head" else (B, T, H * E)
+            qkv[:, :, :H] = self.q_norm(qkv[:, :, :H].reshape(shape)).view(B, T, H, E)
+            shape = (B, T, K, E) if self.qk_norm == "head" else (B, T, K * E)
+            qkv[:, :, H : H + K] = self.k_norm(qkv[:, :, H : H + K].reshape(shape)).view(B, T, K, E)
+        return qkv
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, ctx: AttentionContext) -> Tensor:
         """x (B, T, D); cos/sin: `RotaryEmbedding`'s (B, T, E) tables, or `rotary_tables`' (B, T, 1, E) ones."""
@@ -136,11 +176,12 @@ class Attention(nn.Module):
         H, K, E = self.n_heads, self.n_kv_heads, self.head_dim
         if cos.dim() == 3:
             cos, sin = rotary_tables(cos, sin, x.dtype)
-        qkv = self.wqkv(x).view(B, T, H + 2 * K, E)  # (B, T, H + 2K, E)
+        qkv = self.project(x)  # (B, T, H + 2K, E)
         q, k, v = qkv[:, :, :H], qkv[:, :, H : H + K], qkv[:, :, H + K :]  # views: (B, T, H | K | K, E)
         for site, heads in (("head_q", q), ("head_k", k), ("head_v", v)):  # before RoPE, as TransformerLens'
             ctx.edit(self.layer_idx, site, heads)  # hook_q / hook_k / hook_v: edited in place (interventions.py)
-        ops.rope_(qkv, cos, sin, H + K)  # q, k rotated in place
+        qkv = ops.rope_(qkv, cos, sin, H + K)  # q, k rotated in place
+        q, k, v = qkv[:, :, :H], qkv[:, :, H : H + K], qkv[:, :, H + K :]
         out = ctx.attend(self.layer_idx, q, k, v)  # (B, T, H, E); a cache stores k, v and attends over its keys
         out = ctx.edit(self.layer_idx, "head_output", out)  # each head's output before wo (TransformerLens' hook_z)
         return self.wo(out.reshape(B, T, H * E))  # (B, T, D)
@@ -159,6 +200,9 @@ class FeedForward(nn.Module):
 class Block(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
+        # "pre" (LLaMA): each norm before its sub-block; "post" (OLMo-2): after it, on what the residual add takes
+        self.post_norm = config.norm_placement == "post"
+        self.residual_multiplier = config.residual_multiplier  # Granite
         self.attention_norm = RMSNorm(config.dim, config.norm_eps)
         self.attention = Attention(config, layer_idx)
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
@@ -166,11 +210,19 @@ class Block(nn.Module):
 
     def forward(self, h: Tensor, cos: Tensor, sin: Tensor, ctx: AttentionContext) -> Tensor:
         # (B, T, D) -> (B, T, D): the residual stream after both residual adds. The context may edit the three
-        # sites (model/interventions.py; contexts without edits return x as it is).
+        # sites (model/interventions.py; contexts without edits return x as it is): a sub-block's output is what
+        # its residual add takes (post-normed, scaled by Granite's residual multiplier).
         layer = self.attention.layer_idx
-        a = self.attention(self.attention_norm(h), cos, sin, ctx)  # (B, T, D)
+        if self.post_norm:
+            a = self.attention_norm(self.attention(h, cos, sin, ctx))  # (B, T, D)
+        else:
+            a = self.attention(self.attention_norm(h), cos, sin, ctx)
+        if self.residual_multiplier != 1.0:
+            a = a * self.residual_multiplier
         h = h + ctx.edit(layer, "attention_output", a)
-        m = self.feed_forward(self.ffn_norm(h))  # (B, T, D)
+        m = self.ffn_norm(self.feed_forward(h)) if self.post_norm else self.feed_forward(self.ffn_norm(h))  # (B, T, D)
+        if self.residual_multiplier != 1.0:
+            m = m * self.residual_multiplier
         return ctx.edit(layer, "block_output", h + ctx.edit(layer, "mlp_output", m))
 
 
@@ -224,7 +276,7 @@ class Transformer(nn.Module):
             cache.begin_forward(positions)
             ctx: AttentionContext = cache
         else:
-            ctx = CausalAttention(positions)
+            ctx = CausalAttention(positions, self.config.sliding_window, self.config.attention_multiplier)
             if positions is None:
                 positions = torch.arange(T, device=tokens.device).expand(B, T)
         h, cos, sin = self.embed(tokens, positions)
@@ -235,12 +287,24 @@ class Transformer(nn.Module):
     def embed(self, tokens: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """tokens, positions (B, T) -> the residual stream's start h (B, T, D) and the RoPE tables every block shares,
         cos and signed sin (B, T, 1, E) (`rotary_tables`)."""
-        h = self.tok_embeddings(tokens)  # (B, T, D)
+        h = self.embed_tokens(tokens)  # (B, T, D)
         cos, sin = rotary_tables(*self.rope(positions), h.dtype)
         return h, cos, sin
+
+    def embed_tokens(self, tokens: Tensor) -> Tensor:
+        """tokens (...) -> the residual stream's start (..., D): the table's rows, times Granite's embedding
+        multiplier. Every path (the probes too) starts here."""
+        h = self.tok_embeddings(tokens)
+        return h * self.config.embedding_multiplier if self.config.embedding_multiplier != 1.0 else h
+
+    def logits(self, h: Tensor) -> Tensor:
+        """The final norm and the LM head on h (..., D) -> (..., V), divided by Granite's logits scaling. Every
+        path (the logit lens too) ends here."""
+        out = self.output(self.norm(h))
+        return out / self.config.logits_scaling if self.config.logits_scaling != 1.0 else out
 
     def head(self, h: Tensor, logits_indices: Tensor | None = None) -> Tensor:
         """The final norm and the LM head: h (B, T, D) -> logits (B, T, V), or (B, M, V) at `logits_indices`."""
         if logits_indices is not None:
             h = h[:, logits_indices]  # (B, M, D)
-        return self.output(self.norm(h))
+        return self.logits(h)

@@ -47,8 +47,11 @@ class StreamingReference:
         keys.append(self._rotate(k[0], [-self.cache_position(t, t)])[0])  # back to unrotated
         values.append(v[0, 0])
         kept = [i for i in range(t + 1) if i < S or i >= S + self.window.evicted(t, self.bs)]
+        c = self.model.config  # the model's own sliding window (Mistral) over cache positions, its attention scale
+        if c.sliding_window:
+            kept = [i for i in kept if self.cache_position(i, t) > self.cache_position(t, t) - c.sliding_window]
         kk = self._rotate(torch.stack([keys[i] for i in kept]), [self.cache_position(i, t) for i in kept])
-        return sdpa(q, kk[None], torch.stack([values[i] for i in kept])[None], None)
+        return sdpa(q, kk[None], torch.stack([values[i] for i in kept])[None], None, scale=c.attention_multiplier)
 
     @torch.inference_mode()
     def logprobs(self, tokens: list[int]) -> Tensor:

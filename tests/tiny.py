@@ -45,3 +45,23 @@ def greedy_tokens(model: Transformer, prompts: list[list[int]], n: int = 10, **c
         for o in engine.step():
             out[o.request_id] += o.token_ids
     return [out[str(i)] for i in range(len(prompts))]
+
+
+# The LLaMA-family switches (model/config.py) as tiny models turn them on: the architectures of
+# model/loaders/families.py, built directly (tests/hf_checkpoints.py saves the same through transformers).
+FAMILY_SWITCHES: dict[str, dict] = {
+    "llama": {},
+    "qwen2": dict(qkv_bias=True, rope_theta=1e6),
+    "qwen3": dict(qk_norm="head", head_dim=32),
+    "mistral": dict(sliding_window=8),
+    "phi3": dict(max_seq_len=64, rope_scaling=__import__("model.config", fromlist=["RopeScaling"]).RopeScaling(
+        "longrope", 4.0, original_max_position_embeddings=16, short_factor=tuple(1.0 + 0.1 * i for i in range(8)),
+        long_factor=tuple(1.0 + 0.7 * i for i in range(8)), attention_factor=1.5 ** 0.5)),
+    "granite": dict(embedding_multiplier=6.0, residual_multiplier=0.3, attention_multiplier=0.08, logits_scaling=4.0),
+    "olmo2": dict(norm_placement="post", qk_norm="projection"),
+}
+
+
+def tiny_family(family: str, seed: int = 0, dtype=torch.float32, **overrides) -> Transformer:
+    """`tiny_model` with `family`'s switches on (FAMILY_SWITCHES)."""
+    return tiny_model(seed, dtype, **{**FAMILY_SWITCHES[family], **overrides})

@@ -25,7 +25,10 @@ from model.kernels.attention_telemetry import AttentionTelemetry  # noqa: E402
 from tiny import byte_tokenizer, greedy_tokens, tiny_model  # noqa: E402
 
 
-def kernel_vs_sdpa(dtype: torch.dtype, H: int, K: int, E: int, bs: int, device: str = "cpu") -> float:
+def kernel_vs_sdpa(dtype: torch.dtype, H: int, K: int, E: int, bs: int, device: str = "cpu", window: int = 0,
+                   scale: float = 0.0) -> float:
+    """`window`, `scale`: a sliding window (rows attend to their last `window` keys, the blocks before never read)
+    and an attention scale (0: 1/sqrt(E))."""
     lens = [1, 7, 16, 33, 100]
     g = torch.Generator().manual_seed(0)
     n_blocks = sum(-(-n // bs) for n in lens) + 3
@@ -43,14 +46,19 @@ def kernel_vs_sdpa(dtype: torch.dtype, H: int, K: int, E: int, bs: int, device: 
     out = torch.full((N, H, E), 7.0, dtype=dtype)
     on = [t.to(device) for t in (q, k_pool, v_pool, torch.tensor(rows),
                                  torch.tensor([t + [0] * (width - len(t)) for t in tables]), torch.tensor(lens), out)]
-    triton_attention.paged_decode_attention(*on)
+    if window:  # the blocks wholly before each row's window hold NaN: a read of one would show in the output
+        for n, table in zip(lens, tables):
+            for b in table[: max(0, n - window) // bs]:
+                on[1][b], on[2][b] = float("nan"), float("nan")
+    triton_attention.paged_decode_attention(*on, None, window, scale)
     out = on[-1].cpu()
     assert (out[[2, 4]] == 7).all(), "rows that are not decode rows must stay untouched"
     err = 0.0
     for r, n, table in zip(rows, lens, tables):
-        kd = k_pool[table].reshape(1, -1, K, E)[:, :n]
-        vd = v_pool[table].reshape(1, -1, K, E)[:, :n]
-        want = sdpa(q[r][None, None], kd, vd)[0, 0]
+        first = max(0, n - window) if window else 0
+        kd = k_pool[table].reshape(1, -1, K, E)[:, first:n]
+        vd = v_pool[table].reshape(1, -1, K, E)[:, first:n]
+        want = sdpa(q[r][None, None], kd, vd, scale=scale)[0, 0]
         err = max(err, ((out[r].float() - want.float()).abs().max() / want.float().abs().max()).item())
     return err
 
@@ -151,6 +159,10 @@ def kernels_vs_references(device: str) -> None:
             err = kernel_vs_sdpa(dtype, H, K, E, bs, device)
             print(f"kernel vs SDPA {dtype} H={H} K={K} E={E} block={bs} on {device}: max rel err {err:.1e}")
             assert err < tol, err
+            if dtype == torch.float32:
+                err = kernel_vs_sdpa(dtype, H, K, E, bs, device, window=11, scale=0.05)
+                print(f"kernel vs SDPA, window 11, scale 0.05, {dtype} H={H} K={K} E={E} block={bs}: max rel err {err:.1e}")
+                assert err < tol, err
     for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
         for H, K, E, bs in ((6, 2, 64, 4), (4, 1, 128, 16), (4, 2, 24, 16)):
             err = prefill_kernel_vs_sdpa(dtype, H, K, E, bs, device)
@@ -238,6 +250,19 @@ def main() -> None:
         on_gather = windowed_engine(model)
     assert_same_steps(on_triton, on_gather)
     print("kv_window engine with telemetry: Triton path == gather path")
+    from tiny import tiny_family
+
+    for family in ("mistral", "granite"):  # a sliding window; an attention scale and multipliers
+        model = tiny_family(family)
+        os.environ["TRITON_INTERPRET"] = "1"
+        with kernels.disabled():
+            on_triton = greedy_tokens(model, prompts)
+            os.environ["TRITON_INTERPRET"] = "0"
+            assert greedy_tokens(model, prompts) == on_triton
+        with torch.no_grad():
+            for p, t in zip(prompts, on_triton):  # and the uncached forward's argmax at every step
+                assert model(torch.tensor([p + t]))[0, len(p) - 1 : -1].argmax(-1).tolist() == t
+    print("families on the Triton path == gather path == the uncached forward")
 
 
 if __name__ == "__main__":

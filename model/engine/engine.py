@@ -446,6 +446,11 @@ class Engine:
                 continue
             self._finish(seq, end.reason, end.stop_reason)
             step.finished[seq] = end
+        window = self.model.config.sliding_window
+        if window:  # the model's sliding window: blocks every later query attends past go back, as in `_settle`
+            for seq in rows:
+                if not seq.is_finished:
+                    self.kv.release_behind_window(seq, window)
         return step
 
     def _failed(self, seqs: list[Sequence], e: Exception) -> StepOutputs:
@@ -462,6 +467,7 @@ class Engine:
         """After a step computed tokens of `seq` (a drafting one's rejected drafts rolled back): its newly full
         blocks go to the prefix cache, and a windowed sequence that slid past a block gives it back."""
         self.kv.commit(seq)
+        self.kv.release_behind_window(seq, self.model.config.sliding_window)  # the model's sliding window
         eviction = self.kv.evict(seq)
         if eviction is not None:
             self.context_shift.apply(eviction)

@@ -11,14 +11,14 @@ rebuild the same context (`from_slices`). Nothing of a step is left on the cache
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import Tensor
 
-from model.attention import sdpa
-from model.engine.paged_cache import AttentionMetadata, PagedKVCache, SeqSlice
+from model.attention import causal_mask, sdpa
+from model.engine.paged_cache import AttentionMetadata, PagedKVCache, PrefillChunk, SeqSlice
 from model.kernels import ops
 
 if TYPE_CHECKING:
@@ -39,6 +39,7 @@ class ForwardContext:
     slices: list[SeqSlice]  # the step's sequences as plain data (what tensor-parallel ranks rebuild `meta` from)
     edits: Edits | None = None
     telemetry: StepTelemetry | None = None  # rows recording attention telemetry (model/engine/telemetry.py)
+    _masks: dict[int, Tensor | None] = field(default_factory=dict)  # prefill chunk -> its sliding-window mask
 
     @classmethod
     def from_slices(cls, cache: PagedKVCache, slices: list[SeqSlice], edits: Edits | None = None) -> "ForwardContext":
@@ -64,23 +65,44 @@ class ForwardContext:
         SDPA over their cached prefix and themselves."""
         meta, K, E = self.meta, k.shape[2], k.shape[3]
         k_pool, v_pool = self.cache.k[layer], self.cache.v[layer]  # (NB, bs, K, E)
+        window, scale = self.cache.window, self.cache.scale  # the model's (sliding window, attention scale)
         ops.paged_write(k[0], v[0], k_pool, v_pool, meta.slot_mapping)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # (1, N, H, E)
         tel = self.telemetry
         ops.decode_attention(q[0], k_pool, v_pool, meta.decode_rows, meta.decode_tables, meta.decode_lens, out[0],
-                             tel.layer(layer) if tel is not None else None)
+                             tel.layer(layer) if tel is not None else None, window, scale)
         if tel is not None:
-            tel.attend_prefill_rows(layer, q, k_pool, v_pool)
-        if meta.prefill_tiles is not None:  # every chunk in one launch
+            tel.attend_prefill_rows(layer, q, k_pool, v_pool, window, scale)
+        if meta.prefill_tiles is not None:  # every chunk in one launch (no window, the default scale: PagedKVCache)
             ops.prefill_attention(q[0], k_pool, v_pool, meta.prefill_tiles, meta.prefill_tables, out[0])
             return out
-        for p in meta.prefills:
+        for i, p in enumerate(meta.prefills):
             qp = q[:, p.start : p.end]  # (1, n, H, E)
+            mask = self._window_mask(i, p) if window else p.mask
             if p.blocks is None:  # (a 16-bit cache's chunk attends to its keys as the cache holds them)
                 kc, vc = (x[:, p.start : p.end].to(k_pool.dtype).to(q.dtype) for x in (k, v))
-                out[:, p.start : p.end] = sdpa(qp, kc, vc, is_causal=True)
+                out[:, p.start : p.end] = sdpa(qp, kc, vc, mask, is_causal=mask is None, scale=scale)
             else:
-                kp = k_pool.index_select(0, p.blocks).view(1, -1, K, E)[:, : p.context_len].to(q.dtype)  # (1, ctx, K, E)
-                vp = v_pool.index_select(0, p.blocks).view(1, -1, K, E)[:, : p.context_len].to(q.dtype)
-                out[:, p.start : p.end] = sdpa(qp, kp, vp, p.mask)
+                # (under a window: from the block of the chunk's first row's first key; earlier ones may be freed)
+                b0 = max(0, p.context_len - (p.end - p.start) + 1 - window) // self.cache.block_size if window else 0
+                kp = k_pool.index_select(0, p.blocks[b0:]).view(1, -1, K, E)  # (1, ctx - b0 bs, K, E)
+                vp = v_pool.index_select(0, p.blocks[b0:]).view(1, -1, K, E)
+                ctx = p.context_len - b0 * self.cache.block_size
+                out[:, p.start : p.end] = sdpa(qp, kp[:, :ctx].to(q.dtype), vp[:, :ctx].to(q.dtype), mask, scale=scale)
         return out
+
+    def _window_mask(self, i: int, p: PrefillChunk) -> Tensor | None:
+        """Prefill chunk i's mask under the model's sliding window (once per step, for every layer): its queries at
+        positions context_len - n .. context_len - 1 over the keys from the block `attend` gathers from; None where
+        the window changes nothing (a chunk of no more than `window` tokens from position 0)."""
+        if i not in self._masks:
+            window, bs, n = self.cache.window, self.cache.block_size, p.end - p.start
+            prefix = p.context_len - n
+            if p.blocks is None and n <= window:
+                self._masks[i] = None
+            else:
+                b0 = max(0, prefix + 1 - window) // bs if p.blocks is not None else 0
+                dev = self.cache.device
+                q_pos = torch.arange(prefix, p.context_len, device=dev)
+                self._masks[i] = causal_mask(q_pos, torch.arange(b0 * bs, p.context_len, device=dev), window)[None, None]
+        return self._masks[i]

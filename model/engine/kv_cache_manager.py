@@ -12,6 +12,10 @@ Design after vLLM (Kwon et al. 2023, "Efficient Memory Management for LLM Servin
 - Sequences free their blocks tail first, so a prefix's later blocks are evicted before its first ones.
 - A windowed sequence (kv_window.py) gives back a block from the middle of its table each time its window slides
   past one; its blocks are private (never looked up, registered or shared), since the slide rewrites them.
+- Under a model's own sliding window (Mistral v0.1: ModelConfig.sliding_window), a sequence's leading blocks go back
+  to the pool once every query it will compute attends past them (`release_behind_window`, vLLM's
+  `SlidingWindowManager.remove_skipped_blocks`): its memory follows the window, not the whole context. They stay
+  registered in the prefix cache: a block is released, never rewritten.
 """
 
 from __future__ import annotations
@@ -177,13 +181,33 @@ class KVCacheManager:
         seq.block_table_version += 1
 
     def free(self, seq: Sequence) -> None:
-        for block in reversed(seq.block_ids):  # tail first: the prefix's head stays cached longest
+        for block in reversed(seq.block_ids[seq.num_released_blocks :]):  # tail first: the prefix's head stays cached longest
             self.pool.release(block)
         seq.block_ids = []
         seq.block_table_version += 1
         seq.num_computed_tokens = 0
         seq.num_committed_blocks = 0
         seq.num_evicted = 0
+        seq.num_released_blocks = 0
+
+    def release_behind_window(self, seq: Sequence, window: int) -> int:
+        """After a step (its new blocks committed): give back `seq`'s blocks whose every position is behind the
+        sliding `window` of the next token it computes (position p = num_computed_tokens attends to keys > p -
+        window), and of every later one; -> how many went back. 0 (no window), a kv_window sequence (its own
+        bounded cache: kv_window.py) and one with drafts pending (a rollback may move p back) keep all theirs.
+
+        The attention kernels read keys in groups of 8 from the first one a query attends to rounded down to a
+        multiple of 8 (csrc/paged_attention.cpp `attend_tile`), so the blocks kept start at that position."""
+        if not window or seq.window is not None or seq.draft_token_ids:
+            return 0
+        keep_from = max(0, seq.num_computed_tokens + 1 - window) // 8 * 8  # the first position any query reads
+        behind = min(keep_from // self.block_size, len(seq.block_ids))
+        released = 0
+        for i in range(seq.num_released_blocks, behind):
+            self.pool.release(seq.block_ids[i])
+            released += 1
+        seq.num_released_blocks = max(seq.num_released_blocks, behind)
+        return released
 
     def evict(self, seq: Sequence) -> Eviction | None:
         """After a step: the eviction a windowed sequence is due (model/engine/kv_window.py), with its block table

@@ -38,10 +38,14 @@ def _linear_spec(layer: nn.Module) -> list[Tensor] | None:
 
 
 class NativeDecode:
-    def __init__(self, model: nn.Module, layers: list[list[Tensor]]) -> None:
-        self.model, self.layers = model, layers
+    def __init__(self, model: nn.Module, layers: list[list[Tensor]], extras: list[list[Tensor]]) -> None:
+        self.model, self.layers, self.extras = model, layers, extras
         c = model.config
         self.eps, self.H, self.K, self.E = c.norm_eps, c.n_heads, kv_config(model).n_kv_heads, c.head_dim
+        # the family switches the fused step honours (decode_layers.cpp's `Switches`)
+        self.switches = dict(window=c.sliding_window, scale=c.attention_multiplier, residual=c.residual_multiplier,
+                             post_norm=c.norm_placement == "post",
+                             qk_norm={"none": 0, "head": 1, "projection": 2}[c.qk_norm])
 
     @classmethod
     def for_model(cls, model: nn.Module) -> "NativeDecode | None":
@@ -50,10 +54,15 @@ class NativeDecode:
         if not isinstance(model, Transformer) or model.device.type != "cpu" or kernels.usable(model.norm.weight) is None:
             return None  # (a tensor-parallel model runs its blocks across processes: the module path)
         layers: list[list[Tensor]] = []
+        extras: list[list[Tensor]] = []  # per block [bqkv, q_norm, k_norm], empty where the model has none
+        none = model.norm.weight.new_empty(0)
         for block in model.layers:
             att, ffn = block.attention, block.feed_forward
             if block.attention_norm.weight.dtype != model.dtype:
                 return None
+            extras.append([att.bqkv.detach() if att.bqkv is not None else none,
+                           att.q_norm.weight.detach() if att.q_norm is not None else none,
+                           att.k_norm.weight.detach() if att.k_norm is not None else none])
             entry = [block.attention_norm.weight.detach(), block.ffn_norm.weight.detach()]
             for linear in (att.wqkv, att.wo, ffn.w13, ffn.w2):
                 spec = _linear_spec(linear)
@@ -61,7 +70,7 @@ class NativeDecode:
                     return None
                 entry += spec
             layers.append(entry)
-        return cls(model, layers)
+        return cls(model, layers, extras)
 
     def accepts(self, ctx: ForwardContext) -> bool:
         """A step whose every row attends over the paged pool (decode rows; prefill rows too where the cache does
@@ -81,6 +90,7 @@ class NativeDecode:
             meta.decode_rows, meta.decode_tables, meta.decode_lens, self.H, self.K, E,
             ctx.edits.tensors() if ctx.edits is not None else [],
             ctx.telemetry.native_args() if ctx.telemetry is not None else [],
+            self.extras, **self.switches,
         )  # (N, D); the rows' interventions applied inside the block loop, their reads and telemetry taken
         # logits rows are distinct and in order: as many as the rows means every row (a decode step), no gather
         every = batch.logits_rows.numel() == batch.tokens.numel()

@@ -135,6 +135,9 @@ class PagedKVCache:
         self.num_blocks, self.block_size = num_blocks, block_size
         self.device = torch.device(device)
         self.act_dtype = act_dtype or dtype
+        # how every step attends over these pools: the model's sliding window (0: none) and attention scale (0:
+        # 1/sqrt(E)), from its config (model/config.py)
+        self.window, self.scale = kv.sliding_window, kv.attention_multiplier
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, num_blocks: int, block_size: int,
@@ -169,8 +172,9 @@ class PagedKVCache:
 
     @property
     def prefill_tiles(self) -> bool:
-        """A step's prefill chunks attend over the pool in one kernel launch, by tiles (where Triton runs)."""
-        return self._backend() == "triton"
+        """A step's prefill chunks attend over the pool in one kernel launch, by tiles (where Triton runs). The tiles
+        kernel has neither a sliding window nor a scale of its own: such a model's chunks attend one by one."""
+        return self._backend() == "triton" and not self.window and not self.scale
 
     def _backend(self) -> str:
         q = torch.empty(0, dtype=self.act_dtype, device=self.device)  # what a step's queries are

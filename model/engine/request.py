@@ -60,6 +60,10 @@ class Sequence:
     # a kv_window's sequence (model/engine/kv_window.py): non-sink tokens evicted from its cache so far; token t >= S
     # of such a sequence sits at cache position t - num_evicted
     num_evicted: int = 0
+    # under the model's sliding window (ModelConfig.sliding_window): leading blocks of block_ids given back to the
+    # pool, no query of the sequence attending to their positions any more (KVCacheManager.release_behind_window);
+    # their ids stay in the table, never read
+    num_released_blocks: int = 0
     # prompt positions whose logits have been scored for prompt logprobs (position j scores prompt token j + 1)
     num_scored_prompt_positions: int = 0
     # positions whose hidden states (the request's `hidden_states` read) have been taken: never read twice, even

@@ -103,13 +103,16 @@ class StepTelemetry:
         """decode_layers' telemetry list (model/kernels/csrc/decode_layers.cpp)."""
         return [self.slot, self.sink_len, self.sink_mass, self.top_pos, self.top_prob, self.hidden]
 
-    def attend_prefill_rows(self, layer: int, q: Tensor, k_pool: Tensor, v_pool: Tensor) -> None:
+    def attend_prefill_rows(self, layer: int, q: Tensor, k_pool: Tensor, v_pool: Tensor, window: int = 0,
+                            scale: float = 0.0) -> None:
         """q (1, N, H, E) of the step; the prefill rows' K/V are in the pools already. Each asking prefill row's last
-        query once more through the decode kernel, its output thrown away, its telemetry kept."""
+        query once more through the decode kernel, its output thrown away, its telemetry kept. `window`, `scale`:
+        the model's sliding window and attention scale (`ops.decode_attention`)."""
         zero = torch.zeros(1, dtype=torch.long, device=q.device)
         for row, table, lens, slot in self.prefill:
             qr = q[0, row : row + 1]  # (1, H, E)
-            ops.decode_attention(qr, k_pool, v_pool, zero, table, lens, torch.empty_like(qr), self.layer(layer, slot))
+            ops.decode_attention(qr, k_pool, v_pool, zero, table, lens, torch.empty_like(qr), self.layer(layer, slot),
+                                 window, scale)
 
     @contextlib.contextmanager
     def hidden_hooks(self, model: torch.nn.Module) -> Iterator[None]:

@@ -46,12 +46,18 @@ def record(p: Tensor, lens: Tensor, tel: AttentionTelemetry) -> None:
     tel.top_pos[j] = torch.where(valid, top_i, -1)
 
 
-def reference(q: Tensor, k: Tensor, lens: Tensor, tel: AttentionTelemetry) -> None:
+def reference(q: Tensor, k: Tensor, lens: Tensor, tel: AttentionTelemetry, first: Tensor | None = None,
+              offset: int = 0, scale: float = 0.0) -> None:
     """The definition: q (R, H, E) the decode rows' queries, k (R, S, K, E) their gathered keys (cache positions
-    0..S-1), lens (R,) -> softmax(q k^T / sqrt(E)) over each row's first lens[r] keys, recorded into `tel`."""
+    offset..offset+S-1), lens (R,) -> softmax(scale q k^T) (scale 0: 1/sqrt(E)) over each row's keys [first[r],
+    lens[r]) (first None: 0; a sliding window's), recorded into `tel` by cache position."""
     R, H, E = q.shape
     K = k.shape[2]
     kh = k.float().repeat_interleave(H // K, dim=2)  # (R, S, H, E): query head h reads KV head h // (H / K)
-    scores = torch.einsum("rhe,rshe->rhs", q.float(), kh) / E**0.5  # (R, H, S)
-    mask = torch.arange(k.shape[1], device=q.device) < lens.view(-1, 1, 1)
+    scores = torch.einsum("rhe,rshe->rhs", q.float(), kh)  # (R, H, S)
+    scores = scores * scale if scale else scores / E**0.5
+    if offset:  # positions below the gathered ones: weight 0, so `record` indexes cache positions
+        scores = torch.nn.functional.pad(scores, (offset, 0), value=float("-inf"))
+    pos = torch.arange(scores.shape[-1], device=q.device)
+    mask = (pos < lens.view(-1, 1, 1)) & (pos >= (first if first is not None else torch.zeros_like(lens)).view(-1, 1, 1))
     record(scores.masked_fill(~mask, float("-inf")).softmax(-1), lens, tel)

@@ -217,28 +217,37 @@ def prefill_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, tiles: Tensor, 
 
 
 def decode_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, rows: Tensor, tables: Tensor, lens: Tensor,
-                     out: Tensor, telemetry: AttentionTelemetry | None = None) -> None:
+                     out: Tensor, telemetry: AttentionTelemetry | None = None, window: int = 0,
+                     scale: float = 0.0) -> None:
     """Rows `rows` (R,) of q (N, H, E) attend over their block tables (R, W) up to their lengths (R,) in pools
     (NB, bs, K, E); writes those rows of out (N, H, E). Native and Triton walk the tables in place (no gather); the
     PyTorch reference gathers each row's blocks and masks past its length. `telemetry`: the rows with a slot also
-    record their sink mass and top-k keys (model/kernels/attention_telemetry.py); the output is the same either way."""
+    record their sink mass and top-k keys (model/kernels/attention_telemetry.py); the output is the same either way.
+    `window`: a sliding window (0: none): a row of length n attends to positions [n - window, n) only, and the blocks
+    before them are never read (they may be back in the pool: model/engine/kv_cache_manager.py). `scale`: the
+    attention scale (0: 1/sqrt(E))."""
     if rows.numel() == 0:
         return
     backend = decode_attention_backend(q, k_pool)
     if backend == "native":
         if telemetry is None:
-            usable(q).paged_decode_attention(q, k_pool, v_pool, rows, tables, lens, out)
+            usable(q).paged_decode_attention(q, k_pool, v_pool, rows, tables, lens, out, window, scale)
         else:
-            usable(q).paged_decode_attention_telemetry(q, k_pool, v_pool, rows, tables, lens, out, *telemetry)
+            usable(q).paged_decode_attention_telemetry(q, k_pool, v_pool, rows, tables, lens, out, *telemetry,
+                                                       window, scale)
     elif backend == "triton":
-        _triton().paged_decode_attention(q, k_pool, v_pool, rows, tables, lens, out, telemetry)
+        _triton().paged_decode_attention(q, k_pool, v_pool, rows, tables, lens, out, telemetry, window, scale)
     else:
         R, (_, bs, K, E) = tables.shape[0], k_pool.shape
         W = -(-int(lens.max()) // bs)  # the blocks the longest row uses: the rest of the table is never read
-        ids = tables[:, :W].reshape(-1)  # (R * W,)
-        kd = k_pool.index_select(0, ids).view(R, W * bs, K, E).to(q.dtype)  # (R, S, K, E)
-        vd = v_pool.index_select(0, ids).view(R, W * bs, K, E).to(q.dtype)
-        mask = (torch.arange(W * bs, device=q.device) < lens.unsqueeze(1))[:, None, None, :]  # (R, 1, 1, S)
-        out[rows] = sdpa(q[rows].unsqueeze(1), kd, vd, mask).squeeze(1)  # (R, H, E)
+        first = (lens - window).clamp(min=0) if window else torch.zeros_like(lens)  # (R,) each row's first key
+        B0 = int(first.min()) // bs  # blocks before every row's window are not gathered
+        ids = tables[:, B0:W].reshape(-1)  # (R * (W - B0),)
+        S = (W - B0) * bs
+        kd = k_pool.index_select(0, ids).view(R, S, K, E).to(q.dtype)  # (R, S, K, E): positions B0 bs ..
+        vd = v_pool.index_select(0, ids).view(R, S, K, E).to(q.dtype)
+        pos = torch.arange(B0 * bs, W * bs, device=q.device)
+        seen = (pos < lens.unsqueeze(1)) & (pos >= first.unsqueeze(1))  # (R, S)
+        out[rows] = sdpa(q[rows].unsqueeze(1), kd, vd, seen[:, None, None, :], scale=scale).squeeze(1)  # (R, H, E)
         if telemetry is not None:
-            attention_telemetry.reference(q[rows], kd, lens, telemetry)
+            attention_telemetry.reference(q[rows], kd, lens, telemetry, first=first, offset=B0 * bs, scale=scale)

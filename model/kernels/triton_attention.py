@@ -132,7 +132,7 @@ if triton is not None:
     @triton.jit
     def _paged_decode_kernel(
         q_ptr, k_ptr, v_ptr, rows_ptr, tables_ptr, lens_ptr, out_ptr,
-        q_stride, W, scale,
+        q_stride, W, scale, window,
         slot_ptr, sink_len_ptr, sink_ptr, top_pos_ptr, top_prob_ptr,
         H: tl.constexpr, K: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr, BS: tl.constexpr,
         TELEMETRY: tl.constexpr, TOP_K: tl.constexpr, TOP_PAD: tl.constexpr,
@@ -144,6 +144,8 @@ if triton is not None:
         h = tl.program_id(1)
         row = tl.load(rows_ptr + r)
         n = tl.load(lens_ptr + r)
+        # a sliding window (Mistral): keys at positions < n - window are not attended, their blocks never read
+        first = tl.where(window > 0, tl.maximum(n - window, 0), 0)
         kh = h // (H // K)  # grouped-query attention: query head h reads KV head h / (H / K)
         offs_e = tl.arange(0, E_PAD)
         e_mask = offs_e < E
@@ -159,9 +161,9 @@ if triton is not None:
             best_v = tl.where(offs_t < TOP_K, float("-inf"), float("inf"))  # padding lanes are never displaced
             best_i = tl.full((TOP_PAD,), -1, tl.int32)
             sink_acc = tl.sum(tl.zeros((BS,), tl.float32), axis=0)
-        for b in range(0, tl.cdiv(n, BS)):
+        for b in range(first // BS, tl.cdiv(n, BS)):
             block = tl.load(tables_ptr + r * W + b)
-            s_mask = b * BS + offs_s < n
+            s_mask = (b * BS + offs_s < n) & (b * BS + offs_s >= first)
             kv = ((block * BS + offs_s) * K + kh) * E  # (BS,) offsets of this block's rows for KV head kh
             mask = s_mask[:, None] & e_mask[None, :]
             k = tl.load(k_ptr + kv[:, None] + offs_e[None, :], mask=mask, other=0.0).to(tl.float32)  # (BS, E)
@@ -294,25 +296,26 @@ def paged_prefill_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, tiles: Te
 
 
 def paged_decode_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, rows: Tensor, tables: Tensor, lens: Tensor,
-                           out: Tensor, telemetry=None) -> None:
-    """`telemetry`: model/kernels/attention_telemetry.py's AttentionTelemetry for this call, or None."""
+                           out: Tensor, telemetry=None, window: int = 0, scale: float = 0.0) -> None:
+    """`telemetry`: model/kernels/attention_telemetry.py's AttentionTelemetry for this call, or None. `window`: the
+    model's sliding window (0: none); `scale`: the attention scale (0: 1/sqrt(E))."""
     E = q.shape[-1]
     if q.stride(-1) != 1 or q.stride(-2) != E or not (k_pool.is_contiguous() and v_pool.is_contiguous() and out.is_contiguous()):
         raise ValueError("paged_decode_attention: heads of q, the pools and out must be contiguous")
     if tables.shape[0] == 0:
         return
-    _launch(q, k_pool, v_pool, rows, tables, lens, out, telemetry)
+    _launch(q, k_pool, v_pool, rows, tables, lens, out, telemetry, window, scale)
 
 
 def _launch(q: Tensor, k_pool: Tensor, v_pool: Tensor, rows: Tensor, tables: Tensor, lens: Tensor, out: Tensor,
-            telemetry=None) -> None:
+            telemetry=None, window: int = 0, scale: float = 0.0) -> None:
     (R, W), (_, H, E), (_, bs, K, _) = tables.shape, q.shape, k_pool.shape
     # without telemetry its pointers are never read (TELEMETRY is a compile-time switch): any tensor will do
     tel = telemetry if telemetry is not None else (lens,) * 5
     top_k = telemetry.top_pos.shape[-1] if telemetry is not None else 1
     _paged_decode_kernel[(R, H)](
         q, k_pool, v_pool, rows, tables, lens, out,
-        q.stride(0), W, 1.0 / math.sqrt(E), *tel,
+        q.stride(0), W, scale or 1.0 / math.sqrt(E), window, *tel,
         H=H, K=K, E=E, E_PAD=triton.next_power_of_2(E), BS=bs,
         TELEMETRY=telemetry is not None, TOP_K=top_k, TOP_PAD=triton.next_power_of_2(top_k),
     )

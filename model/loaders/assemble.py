@@ -16,7 +16,8 @@ from model.loaders.errors import CheckpointError
 from model.loaders.progress import LoadProgress
 from model.loaders.shard import WeightShard
 from model.quantize import GROUP_SIZE, Int4Linear, Int8Linear, Quantization, QuantLinear, quantize_model
-from model.transformer import FUSED_PARTS, Transformer
+from model.loaders.families import OPTIONAL_NAMES, Family
+from model.transformer import FUSED_BIAS_PARTS, FUSED_PARTS, Transformer
 
 _LAYER_SHAPES = {
     "attention_norm.weight": lambda c: (c.dim,),
@@ -31,12 +32,28 @@ _LAYER_SHAPES = {
 }
 
 
+def _optional_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The family switches' own tensors (model/loaders/families.py OPTIONAL_NAMES) this config has."""
+    H, K, E = c.n_heads, c.n_kv_heads, c.head_dim
+    shapes: dict[str, tuple[int, ...]] = {}
+    if c.qkv_bias:
+        shapes.update({"attention.bq": (H * E,), "attention.bk": (K * E,), "attention.bv": (K * E,)})
+    if c.qk_norm != "none":
+        q, k = (E, E) if c.qk_norm == "head" else (H * E, K * E)
+        shapes.update({"attention.q_norm.weight": (q,), "attention.k_norm.weight": (k,)})
+    return shapes
+
+
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Our parameter name -> shape, in `Transformer.state_dict()` naming. `output.weight` only when untied."""
+    """Our parameter name -> shape, in `Transformer.state_dict()` naming (fused modules as their parts). `output.weight`
+    only when untied."""
     shapes = {"tok_embeddings.weight": (config.vocab_size, config.dim)}
+    optional = _optional_shapes(config)
     for i in range(config.n_layers):
         for name, shape in _LAYER_SHAPES.items():
             shapes[f"layers.{i}.{name}"] = shape(config)
+        for name, shape in optional.items():
+            shapes[f"layers.{i}.{name}"] = shape
     shapes["norm.weight"] = (config.dim,)
     if not config.tie_embeddings:
         shapes["output.weight"] = (config.vocab_size, config.dim)
@@ -56,6 +73,25 @@ LAYER_NAMES: list[tuple[str, str, str]] = [
     ("feed_forward.w3.weight", "mlp.up_proj.weight", "ffn_up"),
     ("feed_forward.w2.weight", "mlp.down_proj.weight", "ffn_down"),
 ]
+
+
+def layer_names(family: Family) -> list[tuple[str, str, str]]:
+    """`LAYER_NAMES` with `family`'s own names (model/loaders/families.py) and the optional tensors: ours, HF, GGUF."""
+    table = {ours: (hf, gguf + ".weight") for ours, hf, gguf in LAYER_NAMES}
+    table.update({ours: (hf, gguf) for ours, hf, gguf in OPTIONAL_NAMES})
+    for ours in family.hf_names.keys() | family.gguf_names.keys():
+        hf, gguf = table.get(ours, (None, None))
+        table[ours] = (family.hf_names.get(ours, hf), family.gguf_names.get(ours, gguf))
+    if "feed_forward.w13.weight" in family.gguf_names:  # (its ffn_up is the fused gate/up: no part of that name)
+        table["feed_forward.w3.weight"] = (table["feed_forward.w3.weight"][0], None)
+    return [(ours, hf, gguf) for ours, (hf, gguf) in table.items()]
+
+
+def fused_parts(name: str) -> list[str] | None:
+    """Our fused parameter name ("layers.0.attention.wqkv.weight") -> its parts' names, in order; None otherwise."""
+    prefix, _, rest = name.partition(".")[2].partition(".")
+    parts = FUSED_PARTS.get(rest.removesuffix(".weight")) if name.startswith("layers.") and rest.endswith(".weight") else None
+    return None if parts is None else [f"layers.{prefix}.{p}.weight" for p in parts]
 
 
 class NameMap:
@@ -115,6 +151,9 @@ class ModelAssembler:
         """The shape our parameter `name` must have; a CheckpointError naming the file and tensor otherwise."""
         file = source_file or self.path
         want = self.expected.get(name)
+        parts = fused_parts(name)
+        if want is None and parts is not None and all(p in self.expected for p in parts):
+            want = (sum(self.expected[p][0] for p in parts), *self.expected[parts[0]][1:])  # a fused matrix (Phi-3)
         if want is None:
             raise CheckpointError(f"unexpected tensor (maps to {name!r}, which this config does not have)", path=file, tensor=source_name)
         if tuple(shape) != want:
@@ -122,8 +161,14 @@ class ModelAssembler:
         return want
 
     def add(self, name: str, tensor: Tensor, source_name: str, source_file: str | None = None) -> None:
-        """Take `tensor` for our parameter `name`, read from tensor `source_name` of `source_file` (a shard)."""
+        """Take `tensor` for our parameter `name`, read from tensor `source_name` of `source_file` (a shard). A
+        fused matrix (Phi-3's qkv_proj, gate_up_proj) is taken as its parts, each a view of its rows."""
         self.check(name, tuple(tensor.shape), source_name, source_file)
+        parts = fused_parts(name)
+        if parts is not None and name not in self.expected:
+            for part, piece in zip(parts, tensor.split([self.expected[p][0] for p in parts])):
+                self.add(part, piece, source_name, source_file)
+            return
         kind = quantized_kind(self.quantization, name, *tensor.shape) if tensor.dim() == 2 else None
         if kind is not None:
             cls = Int4Linear if kind == "int4" else Int8Linear
@@ -139,7 +184,9 @@ class ModelAssembler:
         shape = (rows or layer.out_features, layer.in_features)
         self.check(name, shape, source_name, source_file)
         self.layers[module_of(name, self.config.tie_embeddings)] = layer
-        self.tensors[name] = torch.empty(*shape, device="meta", dtype=self.dtype)
+        parts = fused_parts(name) if name not in self.expected else None
+        for part in parts or [name]:  # a fused matrix quantized whole: its parts are placeholders (`stack_fused`)
+            self.tensors[part] = torch.empty(*self.expected.get(part, shape), device="meta", dtype=self.dtype)
         self.progress.advance(source_name, layer.decode_bytes)
 
     def finish(self, rope_freq_factors: Tensor | None = None) -> Transformer:
@@ -164,9 +211,14 @@ class ModelAssembler:
 def split_fused(state: dict[str, Tensor], config: ModelConfig) -> dict[str, Tensor]:
     """The inverse of `stack_fused`: a state dict with each fused weight split back into its parts' names (views)."""
     rows = {name: shape(config)[0] for name, shape in _LAYER_SHAPES.items()}
+    rows.update({name: shape[0] for name, shape in _optional_shapes(config).items()})
     out: dict[str, Tensor] = {}
     for name, t in state.items():
         prefix, _, suffix = name.partition(".")[2].partition(".")  # "layers.0.attention.wqkv.weight": "0", ...
+        if name.startswith("layers.") and suffix in FUSED_BIAS_PARTS:
+            for part, piece in zip(FUSED_BIAS_PARTS[suffix], t.split([rows[p] for p in FUSED_BIAS_PARTS[suffix]])):
+                out[f"layers.{prefix}.{part}"] = piece
+            continue
         parts = FUSED_PARTS.get(suffix.removesuffix(".weight")) if name.startswith("layers.") else None
         if parts is None:
             out[name] = t
@@ -184,6 +236,10 @@ def stack_fused(tensors: dict[str, Tensor], n_layers: int) -> dict[str, Tensor]:
         for fused, parts in FUSED_PARTS.items():
             names = [f"layers.{i}.{p}.weight" for p in parts]
             out[f"layers.{i}.{fused}.weight"] = _cat_rows([out.pop(n) for n in names])
+        for fused, parts in FUSED_BIAS_PARTS.items():  # Qwen2's q/k/v biases, where the model has them
+            names = [f"layers.{i}.{p}" for p in parts]
+            if names[0] in out:
+                out[f"layers.{i}.{fused}"] = _cat_rows([out.pop(n) for n in names])
     return out
 
 

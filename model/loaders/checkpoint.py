@@ -222,7 +222,7 @@ def _load_model(path, dtype, device, quantization, shard, reserve_bytes, start: 
     cpu_kernels = kernels.status() if torch.device(device).type == "cpu" else "not used on " + str(device)
     seconds = time.perf_counter() - start
     loaded = LoadedModel(model, tokenizer, path, name, seconds, weight_bytes, process_peak_bytes())
-    log.info("loaded %s (%d parameters; %s (quantization %s%s); %s; CPU kernels: %s) in %.1fs", name,
-             model.config.num_parameters(), loaded.precision, requested,
+    log.info("loaded %s (%s, %d parameters; %s (quantization %s%s); %s; CPU kernels: %s) in %.1fs", name,
+             model.config.architecture, model.config.num_parameters(), loaded.precision, requested,
              f": {quantization}" if requested == "auto" else "", device, cpu_kernels, seconds)
     return loaded

@@ -18,9 +18,10 @@ import torch
 from torch import Tensor
 
 from model.config import ModelConfig
-from model.loaders.assemble import LAYER_NAMES, ModelAssembler, NameMap
-from model.loaders.config_keys import config_from_gguf
+from model.loaders.assemble import ModelAssembler, NameMap, fused_parts, layer_names
+from model.loaders.config_keys import config_from_gguf, with_longrope
 from model.loaders.errors import CheckpointError
+from model.loaders.families import BY_GGUF_ARCH, FAMILIES, Family
 from model.loaders.ggml_types import GGMLQuantizationType, dequantize
 from model.loaders.memory import served_bytes
 from model.loaders.gguf_reader import GGUFFile
@@ -31,11 +32,24 @@ from model.quantize import GROUP_SIZE, Quantization
 from model.loaders.shard import ShardFor, WeightShard
 from model.transformer import FUSED_PARTS, Transformer
 
-gguf_to_ours = NameMap(
-    top={"token_embd.weight": "tok_embeddings.weight", "output_norm.weight": "norm.weight", "output.weight": "output.weight"},
-    layer_re=r"blk\.(\d+)\.(\w+)\.weight",
-    layer={gguf: ours for ours, _, gguf in LAYER_NAMES},
-)
+def gguf_names(family: Family) -> NameMap:
+    """The GGUF tensor names llama.cpp's converter writes for `family` -> ours."""
+    return NameMap(
+        top={"token_embd.weight": "tok_embeddings.weight", "output_norm.weight": "norm.weight",
+             "output.weight": "output.weight"},
+        layer_re=r"blk\.(\d+)\.(\w+\.(?:weight|bias))",
+        layer={gguf: ours for ours, _, gguf in layer_names(family) if gguf is not None},
+    )
+
+
+gguf_to_ours = gguf_names(FAMILIES["llama"])  # a llama file's
+# Phi-3's longrope frequency divisors (conversion/phi.py `generate_extra_tensors`): read into the config
+LONGROPE_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
+
+
+def family_of(reader: GGUFFile) -> Family:
+    """The file's family by its general.architecture (an unknown one: llama's names; config_from_gguf refuses it)."""
+    return BY_GGUF_ARCH.get(reader.metadata.get("general.architecture"), FAMILIES["llama"])
 
 
 def open_gguf(path: str | Path) -> GGUFFile:
@@ -74,8 +88,9 @@ def served_formats(reader: GGUFFile, mode: str, per_tensor: bool, tied: bool) ->
     differ (Q4_K_M's Q6_K attn_v beside Q4_K attn_q) the module is a `quantize.StackedLinear` of them. Int4 needs
     whole groups of 16 rows: else int8. Matrices whose input is not whole blocks of 32 are not listed (float)."""
     kinds: dict[str, str] = {}
+    to_ours = gguf_names(family_of(reader))
     for t in reader.tensors:
-        ours = gguf_to_ours(t.name)
+        ours = to_ours(t.name)
         if ours is None or len(t.shape) != 2 or int(t.shape[0]) % GROUP_SIZE:
             continue
         own, rows = own_format(t.tensor_type.name), int(t.shape[1])
@@ -207,7 +222,13 @@ def load_gguf(
     reader = reader or open_gguf(path)
     meta = meta if meta is not None else read_metadata(reader)
     names = {t.name for t in reader.tensors}
+    family = family_of(reader)
+    to_ours = gguf_names(family)
     config = config_from_gguf(meta, source=path).replace(tie_embeddings="output.weight" not in names)
+    if all(n in names for n in LONGROPE_TENSORS):
+        long, short = (_dequantize(reader.tensors[[t.name for t in reader.tensors].index(n)], path).tolist()
+                       for n in LONGROPE_TENSORS)
+        config = with_longrope(config, meta, long, short, source=path)
     plan = shard(config) if shard is not None else None
     if plan is not None:
         quantization = "none"
@@ -216,7 +237,7 @@ def load_gguf(
     placement = None
     if kinds and torch.device(device).type == "cpu":
         capacity = served_bytes_gguf(reader, quantization, per_tensor, dtype) + 4096 * len(reader.tensors)
-        placement = _Placement(capacity, kinds, {gguf_to_ours(t.name): t for t in reader.tensors})
+        placement = _Placement(capacity, kinds, {to_ours(t.name): t for t in reader.tensors if to_ours(t.name)})
     rope_freq_factors = None
     mix: Counter[str] = Counter()
     for t in reader.tensors:
@@ -224,12 +245,18 @@ def load_gguf(
             # Llama 3.1 scaling as per-frequency divisors of inv_freq (llama.cpp `generate_extra_tensors`).
             rope_freq_factors = torch.from_numpy(_dequantize(t, path))
             continue
-        ours = gguf_to_ours(t.name)
+        if t.name in LONGROPE_TENSORS:
+            continue  # in the config already
+        ours = to_ours(t.name)
         if ours is None:
-            raise CheckpointError("unknown tensor name for a llama GGUF", path=path, tensor=t.name)
-        # (asm.config: this rank's head counts when sharded)
-        n_head = (asm.config.n_heads if t.name.endswith("attn_q.weight")
-                  else asm.config.n_kv_heads if t.name.endswith("attn_k.weight") else None)
+            raise CheckpointError(f"unknown tensor name for a {meta.get('general.architecture')} GGUF", path=path,
+                                  tensor=t.name)
+        # q/k rows (and biases) as llama.cpp's converter permuted them, for the architectures it permutes
+        # (families.py). (asm.config: this rank's head counts when sharded)
+        n_head = None
+        if family.permuted_qk:
+            n_head = (asm.config.n_heads if t.name.endswith(("attn_q.weight", "attn_q.bias"))
+                      else asm.config.n_kv_heads if t.name.endswith(("attn_k.weight", "attn_k.bias")) else None)
         kind = kinds.get(t.name)
         if kind is not None:
             shape = (int(t.shape[1]), int(t.shape[0]))
@@ -241,6 +268,18 @@ def load_gguf(
                 raise CheckpointError(str(e), path=path, tensor=t.name) from None
             asm.add_layer(ours, layer, t.name, rows=shape[0])
             mix[conversion(t.tensor_type.name, kind)] += 1
+            reader.release(t)
+            continue
+        parts = fused_parts(ours) if plan is not None else None
+        if parts is not None:  # a fused matrix (Phi-3's attn_qkv, ffn_up) under tensor parallelism: each part's slice
+            H, K, E, F = config.n_heads, config.n_kv_heads, config.head_dim, config.hidden_dim
+            whole = _dequantize(t, path)
+            pieces = np.split(whole, np.cumsum([H * E, K * E] if "wqkv" in ours else [F])[:], axis=0)
+            for part, piece in zip(parts, pieces):
+                cut = plan.slice_of(part)
+                piece = piece if cut is None else (piece[cut[1] : cut[2]] if cut[0] == 0 else piece[:, cut[1] : cut[2]])
+                asm.add(part, torch.from_numpy(np.ascontiguousarray(piece)), t.name)
+            mix[f"{t.tensor_type.name} -> {str(dtype).removeprefix('torch.')}"] += 1
             reader.release(t)
             continue
         cut = plan.slice_of(ours) if plan is not None else None

@@ -12,21 +12,27 @@ from pathlib import Path
 import torch
 
 from model.config import ModelConfig
-from model.loaders.assemble import LAYER_NAMES, ModelAssembler, NameMap, quantized_kind
+from model.loaders.assemble import ModelAssembler, NameMap, fused_parts, layer_names, quantized_kind
 from model.loaders.memory import served_bytes
 from model.loaders.config_keys import config_from_hf
 from model.loaders.errors import CheckpointError
+from model.loaders.families import FAMILIES, Family
 from model.loaders.safetensors_file import SafetensorsFile
 from model.loaders.shard import ShardFor, WeightShard
 from model.quantize import Quantization
 from model.transformer import Transformer
 
-# transformers' LlamaForCausalLM names -> ours (Meta's llama names).
-hf_to_ours = NameMap(
-    top={"model.embed_tokens.weight": "tok_embeddings.weight", "model.norm.weight": "norm.weight", "lm_head.weight": "output.weight"},
-    layer_re=r"model\.layers\.(\d+)\.(.+)",
-    layer={hf: ours for ours, hf, _ in LAYER_NAMES},
-)
+def hf_names(family: Family) -> NameMap:
+    """transformers' <Family>ForCausalLM names -> ours (Meta's llama names)."""
+    return NameMap(
+        top={"model.embed_tokens.weight": "tok_embeddings.weight", "model.norm.weight": "norm.weight",
+             "lm_head.weight": "output.weight"},
+        layer_re=r"model\.layers\.(\d+)\.(.+)",
+        layer={hf: ours for ours, hf, _ in layer_names(family) if hf is not None},
+    )
+
+
+hf_to_ours = hf_names(FAMILIES["llama"])  # LlamaForCausalLM's
 # Buffers some older exports saved; recomputed here from the config.
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
 
@@ -82,6 +88,7 @@ def load_hf(
     tensor). `quantization` "int8" / "int4": each matrix quantized as it is read (`ModelAssembler.add`)."""
     directory = Path(directory)
     config = read_hf_config(directory)
+    to_ours = hf_names(FAMILIES[config.architecture])
     plan = shard(config) if shard is not None else None
     asm = ModelAssembler(config, str(directory), dtype, device, f"load {directory.name}", plan,
                          quantization if plan is None else "none")
@@ -94,13 +101,24 @@ def load_hf(
             for name in names if names is not None else sorted(present):
                 if name not in present:
                     raise CheckpointError("tensor listed in the index is not in this shard", path=str(path), tensor=name)
-                ours = hf_to_ours(name)
+                ours = to_ours(name)
                 if ours is None:
                     if _IGNORED.fullmatch(name):
                         continue
-                    raise CheckpointError("unknown tensor name for a LLaMA checkpoint", path=str(path), tensor=name)
+                    raise CheckpointError(f"unknown tensor name for a {config.architecture} checkpoint", path=str(path),
+                                          tensor=name)
                 if ours == "output.weight" and config.tie_embeddings:
                     continue  # tied: the embedding serves as the head
+                parts = fused_parts(ours) if plan is not None else None
+                if parts is not None:  # a fused matrix (Phi-3) under tensor parallelism: each part's own slice
+                    H, K, E = config.n_heads, config.n_kv_heads, config.head_dim
+                    whole = f.read(name)
+                    sizes = [H * E, K * E, K * E] if "wqkv" in ours else [config.hidden_dim] * 2
+                    for part, piece in zip(parts, whole.split(sizes)):
+                        cut = plan.slice_of(part)
+                        piece = piece if cut is None else piece.narrow(cut[0], cut[1], cut[2] - cut[1])
+                        asm.add(part, piece.contiguous(), name, str(path))
+                    continue
                 asm.add(ours, _read(f, name, ours, plan), name, str(path))
     return asm.finish()
 
@@ -108,13 +126,14 @@ def load_hf(
 def served_bytes_hf(directory: Path, quantization: str, dtype: torch.dtype) -> int:
     """What the checkpoint's weights will take once served, from the files' headers alone (`memory.served_bytes`)."""
     config = read_hf_config(directory)
+    to_ours = hf_names(FAMILIES[config.architecture])
     fb, total = torch.empty((), dtype=dtype).element_size(), 0
     for file in _weight_files(directory):
         if not (directory / file).is_file():
             continue
         with SafetensorsFile(directory / file) as f:
             for name in f.keys():
-                ours, shape = hf_to_ours(name), f.shape(name)
+                ours, shape = to_ours(name), f.shape(name)
                 if ours is None or (ours == "output.weight" and config.tie_embeddings):
                     continue
                 rows, cols = (shape[0], shape[1]) if len(shape) == 2 else (1, shape[0] if shape else 1)

@@ -6,7 +6,9 @@ so a rank computes its slice end to end and one all-reduce per half-block sums t
 
     attention   wq, wk, wv column-parallel by whole heads: rank r of N owns query heads [r H/N, (r+1) H/N) and the
                 KV heads those read; attention runs on local heads only; wo row-parallel (its input columns are
-                the local heads' E-wide slices) -> partial (B, T, D), all-reduced (summed).
+                the local heads' E-wide slices) -> partial (B, T, D), all-reduced (summed). Biases of q, k, v
+                (Qwen2) are sliced with their rows; per-head q/k norms (Qwen3) are replicated; a q/k norm over the
+                whole projection (OLMo-2) would need its statistic all-reduced inside attention: refused.
     SwiGLU      w1, w3 column-parallel over the inner width F (rank r: [r F/N, (r+1) F/N)), silu(gate) * up is
                 elementwise so it stays local; w2 row-parallel over the same F slice -> partial (B, T, D), summed.
     the rest    tok_embeddings, the norms and the output head are replicated (see README "Tensor parallelism":
@@ -66,6 +68,11 @@ class ShardPlan:
                 f"and either divide n_kv_heads or be a multiple of it; this model allows {allowed_sizes(config)}")
         if F < N:
             raise CheckpointError(f"tensor-parallel size {N} exceeds the SwiGLU width {F}")
+        if config.qk_norm == "projection" and N > 1:
+            # OLMo-2's q/k RMSNorm takes its statistic over every head's values: a rank holding some heads cannot
+            # compute it without an all-reduce inside attention
+            raise CheckpointError(f"tensor parallelism is not supported for {config.architecture}: its q/k norm spans "
+                                  "every head (qk_norm 'projection'); serve it on one rank")
         self.config, self.tp = config, tp
         Hl = H // N
         self.q_heads = (r * Hl, (r + 1) * Hl)
@@ -93,6 +100,10 @@ class ShardPlan:
             "attention.wq.weight": (0, q0 * E, q1 * E),
             "attention.wk.weight": (0, k0 * E, k1 * E),
             "attention.wv.weight": (0, k0 * E, k1 * E),
+            # Qwen2's biases go with their rows; Qwen3's per-head q/k norms (E,) are the same for every head: replicated
+            "attention.bq": (0, q0 * E, q1 * E),
+            "attention.bk": (0, k0 * E, k1 * E),
+            "attention.bv": (0, k0 * E, k1 * E),
             "attention.wo.weight": (1, q0 * E, q1 * E),
             "feed_forward.w1.weight": (0, f0, f1),
             "feed_forward.w3.weight": (0, f0, f1),

@@ -68,6 +68,12 @@ class TPModel:
         self._generation = 0
         self.closed = False
 
+    def embed_tokens(self, tokens: Tensor) -> Tensor:
+        return self.shard.embed_tokens(tokens)  # (replicated on every rank)
+
+    def logits(self, h: Tensor) -> Tensor:
+        return self.shard.logits(h)
+
     @property
     def device(self) -> torch.device:
         return self.shard.device

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from model.attention import sdpa
+from model.attention import causal_mask, sdpa
 from model.edits import StepEdits
 from model.probes.options import AttentionMaps, ProbeOptions
 
@@ -36,7 +36,7 @@ class RankProbe:
         mine = self.stats and heads != []
         return ProbeAttention(dataclasses.replace(self.opts, heads=heads), config.n_heads, config.n_kv_heads,
                               {self.layer} if mine else set(), {self.layer} if mine and self.maps else set(),
-                              self.edits)
+                              self.edits, config.sliding_window, config.attention_multiplier)
 
     def result(self, ctx: "ProbeAttention") -> Stats | None:
         return ctx.stats.pop(self.layer, None)
@@ -52,8 +52,11 @@ class ProbeAttention:
     complete (in `stats`) after the call that ends at row T."""
 
     def __init__(self, opts: ProbeOptions, n_heads: int, n_kv_heads: int, stat_layers: set[int], map_layers: set[int],
-                 edits: StepEdits | None = None) -> None:
+                 edits: StepEdits | None = None, window: int = 0, scale: float = 0.0) -> None:
+        """`window`, `scale`: the model's sliding window and attention scale (`ModelConfig.sliding_window`,
+        `.attention_multiplier`; 0: none, 1/sqrt(E)), which the output and the reported weights both honour."""
         self.opts = opts
+        self.window, self.scale = window, scale
         self.edits = edits  # the inspected sequence's interventions, its rows being its positions
         self.heads = opts.selected_heads(n_heads)
         group = n_heads // n_kv_heads
@@ -99,15 +102,19 @@ class ProbeAttention:
         T, r1 = self.num_tokens or R, self.row_offset + R
         if r0 == 0 and r1 == T:  # the whole block in one call
             keys, values, mask = k[0], v[0], None
+            if self.window and T > self.window:
+                pos = torch.arange(T, device=q.device)
+                mask = causal_mask(pos, pos, self.window)[None, None]
         else:
             if r0 == 0:
                 self._kv = (k.new_empty((T,) + k.shape[2:]), v.new_empty((T,) + v.shape[2:]))
             kb, vb = self._kv
             kb[r0:r1], vb[r0:r1] = k[0], v[0]
             keys, values = kb[:r1], vb[:r1]  # (r1, K, E)
-            # causal with an offset: query row r0 + i sees keys 0 .. r0 + i
-            mask = (torch.arange(r1, device=q.device) <= torch.arange(r0, r1, device=q.device).unsqueeze(1))[None, None]
-        out = sdpa(q, keys[None], values[None], mask, is_causal=mask is None)
+            # causal with an offset: query row r0 + i sees keys 0 .. r0 + i (and > r0 + i - window)
+            mask = causal_mask(torch.arange(r0, r1, device=q.device), torch.arange(r1, device=q.device),
+                               self.window)[None, None]
+        out = sdpa(q, keys[None], values[None], mask, is_causal=mask is None, scale=self.scale)
         if layer in self.stat_layers:
             if r0 == 0:
                 self._acc = self._start(T, q.device, with_maps=layer in self.map_layers)
@@ -134,15 +141,15 @@ class ProbeAttention:
         received, entropy, maps = acc
         qh = q[:, self.heads].transpose(0, 1).float()  # (Hs, R, E)
         kh = k[:, self.kv_groups].transpose(0, 1).float()  # (Hs, S, E): each selected head's own KV head
-        scale = 1.0 / math.sqrt(E)
+        scale = self.scale or 1.0 / math.sqrt(E)
         b = opts.pool_size
         step = max(b, opts.row_block // b * b) if opts.mode == "pooled" else opts.row_block  # whole tiles per block
         for a0 in range(r0, r0 + R, step):
             a1 = min(r0 + R, a0 + step)
-            # causal: rows a0..a1-1 see keys 0..a1-1 only
+            # causal: rows a0..a1-1 see keys 0..a1-1 only (and those within the sliding window)
             scores = torch.einsum("hqe,hke->hqk", qh[:, a0 - r0 : a1 - r0], kh[:, :a1]) * scale  # (Hs, A, a1)
-            rows = torch.arange(a0, a1, device=q.device).unsqueeze(1)
-            scores.masked_fill_(torch.arange(a1, device=q.device).unsqueeze(0) > rows, float("-inf"))
+            seen = causal_mask(torch.arange(a0, a1, device=q.device), torch.arange(a1, device=q.device), self.window)
+            scores.masked_fill_(~seen, float("-inf"))
             p = scores.softmax(-1)  # (Hs, A, a1)
             counted = p[:, 1:] if a0 == 0 else p
             received[:, :a1] += counted.sum(1)

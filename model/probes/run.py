@@ -50,7 +50,7 @@ class ProbeRun:
             plan = InterventionPlan(interventions, num_prompt_tokens or T, c.n_layers, c.dim)
             edits, _ = EditTables(c.n_layers, c.dim, model.device).build([Segment(0, 0, T, plan)])
         self.ctx = ProbeAttention(opts, c.n_heads, c.n_kv_heads, every, set(self.report) if opts.mode != "none" else set(),
-                                  edits)
+                                  edits, c.sliding_window, c.attention_multiplier)
         self.hidden_positions = (sorted(opts.hidden_positions) if opts.hidden_positions is not None else list(range(T))) \
             if "hidden_states" in opts.include else None
         self.prediction: Prediction | None = None
@@ -90,7 +90,7 @@ class ProbeRun:
             tokens = torch.tensor([self.token_ids], device=m.device)  # (1, T)
             positions = torch.arange(T, device=m.device).unsqueeze(0)  # (1, T)
             self.cos, self.sin = m.rope(positions)  # (1, T, E)
-            self.h = m.tok_embeddings(tokens)  # (1, T, D)
+            self.h = m.embed_tokens(tokens)  # (1, T, D): the embeddings as every path starts (Granite's multiplier)
             self.next_layer = 0
             return
         i, r0 = self.next_layer, self.next_row
@@ -164,10 +164,10 @@ class ProbeRun:
         self.probes[i] = probe
 
     def _lens(self, h: Tensor) -> list[LensEntry]:
-        """h (T, D) -> top-k of softmax(output(norm(h))) at the lens positions."""
+        """h (T, D) -> top-k of softmax(logits(h)) at the lens positions (the final norm and head, as decoding)."""
         m = self.model
         pos = torch.tensor(self.lens_positions, device=h.device)
-        probs = m.output(m.norm(h[pos])).float().softmax(-1)  # (P, V)
+        probs = m.logits(h[pos]).float().softmax(-1)  # (P, V)
         top = probs.topk(min(self.opts.lens_top_k, probs.shape[-1]), dim=-1)
         return [LensEntry(p, ids, ps) for p, ids, ps in zip(self.lens_positions, top.indices.tolist(), top.values.tolist())]
 
@@ -180,9 +180,9 @@ class ProbeRun:
         nll = 0.0
         for a in range(0, T - 1, self.PREDICT_ROWS):
             b = min(T - 1, a + self.PREDICT_ROWS)
-            logits = m.output(m.norm(h[a:b])).float()  # (rows, V)
+            logits = m.logits(h[a:b]).float()  # (rows, V)
             nll += float(torch.nn.functional.cross_entropy(logits, targets[a:b], reduction="sum"))
-        last = m.output(m.norm(h[T - 1 :])).float().softmax(-1)[0]  # (V,)
+        last = m.logits(h[T - 1 :]).float().softmax(-1)[0]  # (V,)
         top = last.topk(min(self.opts.lens_top_k, last.shape[0]))
         return Prediction(math.exp(nll / (T - 1)) if T > 1 else None, T - 1, top.indices.tolist(), top.values.tolist())
 

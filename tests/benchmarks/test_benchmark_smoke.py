@@ -205,3 +205,29 @@ def test_prefill_attention_benchmark_times_a_chunk_against_a_base_build(tmp_path
     assert (run["shape"], run["positions"]) == ("default", 100)
     assert run["new"]["ms"] > 0 and run["base"]["gflops"] > 0 and run["ratio"] > 0
     assert run["bitwise_equal"] is True  # the same build on both sides
+
+
+@pytest.mark.parametrize("name", ["qwen2.5-1.5b", "qwen3-4b", "mistral-7b"])
+def test_shapes_writes_each_familys_file_as_the_converter_does(tmp_path, name):
+    """benchmarks.shapes' random files of the families' shapes (here at 2 layers and a tenth of the width, the same
+    heads) load as their family with its switches, and serve a greedy token."""
+    import dataclasses
+
+    from benchmarks.shapes import SHAPES, write_random
+    from model.loaders import default_model_path, load_model
+    from model.loaders.gguf_file import open_gguf, read_metadata
+
+    full = SHAPES[name]
+    small = dataclasses.replace(full, n_layers=2, dim=full.n_heads * 16, ffn=256, head_dim=32 if full.head_dim else 0)
+    path = tmp_path / f"{name}.gguf"
+    write_random(path, small, default_model_path())
+    meta = read_metadata(open_gguf(path))
+    assert meta["general.architecture"] == full.arch
+    m = load_model(path, quantization="auto")
+    c = m.model.config
+    assert (c.n_layers, c.n_heads, c.n_kv_heads, c.head_dim) == (2, full.n_heads, full.n_kv_heads, small.hd)
+    assert c.qkv_bias == full.qkv_bias and (c.qk_norm == "head") == full.qk_norm
+    assert m.quantization == "int8"  # Q8_0 blocks served at their own precision
+    from tiny import greedy_tokens
+
+    assert len(greedy_tokens(m.model, [[1, 2, 3]], n=2)[0]) == 2

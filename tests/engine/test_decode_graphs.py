@@ -15,10 +15,10 @@ from tiny import byte_tokenizer, tiny_model
 pytestmark = pytest.mark.skipif(kernels.native() is None, reason=f"native kernels: {kernels.status()}")
 
 
-def _engine(mode: str, **kw) -> Engine:
+def _engine(mode: str, model=None, **kw) -> Engine:
     cfg = dict(num_blocks=48, block_size=4, max_num_seqs=6, max_num_batched_tokens=40, decode_graphs=mode)
     cfg.update(kw)
-    return Engine(tiny_model(), byte_tokenizer(), EngineConfig(**cfg))
+    return Engine(model if model is not None else tiny_model(), byte_tokenizer(), EngineConfig(**cfg))
 
 
 def test_static_decode_step_gives_the_ordinary_steps_tokens():
@@ -38,6 +38,24 @@ def test_static_decode_step_gives_the_ordinary_steps_tokens():
     assert {r: c[0]["tokens"] for r, c in got.items()} == {r: c[0]["tokens"] for r, c in want.items()}
     assert len(calls) > 20 and set(calls) >= {1, 3, 5}  # it did run, at sizes that pad (3 -> 4, 5 -> 8)
     assert eager.runner.path_counts["cuda_graph"] == len(calls)  # and the runner recorded the path it took
+    assert_pool_clean(eager)
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen2", "qwen3", "granite", "olmo2"])
+def test_static_decode_step_on_the_families(family):
+    """The families' switches on the static step (Mistral's window over tables whose leading blocks went back to the
+    pool, biases, q/k norms, Granite's scale and multipliers, post-norms): the ordinary step's tokens."""
+    from tiny import tiny_family
+
+    model = tiny_family(family)
+    prompts = _prompts(5, seed=4, lo=10, hi=30)
+    requests = {str(i): (p, greedy(16)) for i, p in enumerate(prompts)}
+    arrive = {str(i): 2 * i for i in range(len(prompts))}
+    eager = _engine("eager", model)
+    got = run(eager, requests, arrive)
+    want = run(_engine("off", model), requests, arrive)
+    assert {r: c[0]["tokens"] for r, c in got.items()} == {r: c[0]["tokens"] for r, c in want.items()}
+    assert eager.runner.path_counts["cuda_graph"] > 10
     assert_pool_clean(eager)
 
 

@@ -74,6 +74,26 @@ def test_windowed_generation_is_the_papers_streaming_attention(model, sinks, win
     assert_pool_clean(engine)
 
 
+@pytest.mark.parametrize("family", ["mistral", "granite", "qwen3"])
+def test_windowed_generation_on_the_families(family):
+    """The sink + window cache beside a family's switches: Mistral's own sliding window (8 keys, over cache
+    positions, inside the kv_window's 4 + 10), Granite's attention scale, Qwen3's q/k norms: the engine still
+    computes the streaming reference's tokens and logprobs."""
+    from tiny import tiny_family
+
+    model = tiny_family(family)
+    w = KVWindow(4, 10)
+    prompt = _prompt(23, seed=7)
+    engine = _engine(model)
+    got = run(engine, {"a": (prompt, *_params(w, 50, logprobs=0, prompt_logprobs=0))})["a"][0]
+    greedy, lps, plps = _reference(model, w, prompt, got["tokens"])
+    assert got["tokens"] == greedy
+    assert [lp.logprob for lp in got["logprobs"]] == pytest.approx(lps, abs=2e-4)
+    assert [lp.logprob for lp in got["prompt_logprobs"][1:]] == pytest.approx(plps, abs=2e-4)
+    assert engine.kv.num_evicted_blocks > 0
+    assert_pool_clean(engine)
+
+
 def test_blocks_held_stay_within_the_bound(model):
     w = KVWindow(3, 9)
     engine = _engine(model, max_num_batched_tokens=12)  # long prompt in chunks, then decode

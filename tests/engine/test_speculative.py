@@ -142,6 +142,24 @@ def test_speculation_changes_no_output(model, method, kv):
     assert {"seeded", "steered", "penalty", "n3", "stop-str", "k1"} <= set(got)
 
 
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "mistral", "phi3", "granite", "olmo2"])
+def test_speculation_changes_no_output_on_the_families(family):
+    """The families' switches under speculation (a draft of the same family at int4, as `"model": "self"` drafts;
+    n-gram lookup too for Mistral, whose sliding window releases blocks behind each row as drafts are settled): the
+    mixed batch's output is the one without speculation."""
+    from tiny import tiny_family
+
+    model = tiny_family(family)
+    c = model.config
+    reqs = _mixed_requests(c.n_layers, c.dim)
+    reference = _serve(_engine(model), [_unspeculated(r) for r in reqs])
+    engine = _engine(model, _draft_config(), draft_model=quantize_model(tiny_family(family), "int4"))
+    assert _serve(engine, reqs) == reference
+    assert engine.stats().spec_decode.num_accepted_tokens > 20
+    if family == "mistral":
+        assert _serve(_engine(model, NGRAM), reqs) == reference
+
+
 def test_preemption_under_speculation(model, draft):
     """A KV pool too small for the batch: sequences are preempted and recomputed while drafting (their drafts
     dropped, the draft model's own cache kept), and the output is still the one without speculation."""

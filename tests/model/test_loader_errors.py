@@ -147,9 +147,13 @@ def test_gguf_shape_mismatch_and_unknown_tensor(tmp_path):
     write_tiny_gguf(tmp_path / "a.gguf", hf, raw_tensors={"blk.1.ffn_gate.weight": (bad, Q.F32)})
     with pytest.raises(CheckpointError, match=r"'blk\.1\.ffn_gate\.weight': expected shape \[96, 64\], found \[96, 32\]"):
         load_gguf(tmp_path / "a.gguf")
-    write_tiny_gguf(tmp_path / "b.gguf", hf, extra_tensors={"blk.0.attn_q.bias": (np.zeros(64, np.float32), Q.F32)})
-    with pytest.raises(CheckpointError, match=r"'blk\.0\.attn_q\.bias': unknown tensor name"):
+    write_tiny_gguf(tmp_path / "b.gguf", hf, extra_tensors={"blk.0.attn_sinks.weight": (np.zeros(64, np.float32), Q.F32)})
+    with pytest.raises(CheckpointError, match=r"'blk\.0\.attn_sinks\.weight': unknown tensor name"):
         load_gguf(tmp_path / "b.gguf")
+    # a tensor another family has (Qwen2's q bias) in a llama file: known, and refused as not this config's
+    write_tiny_gguf(tmp_path / "c.gguf", hf, extra_tensors={"blk.0.attn_q.bias": (np.zeros(64, np.float32), Q.F32)})
+    with pytest.raises(CheckpointError, match=r"'blk\.0\.attn_q\.bias': unexpected tensor .*does not have"):
+        load_gguf(tmp_path / "c.gguf")
 
 
 def test_cli_reports_errors_without_traceback(tmp_path, capsys):

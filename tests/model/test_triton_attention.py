@@ -25,6 +25,8 @@ def test_triton_paged_decode_attention_in_the_interpreter():
     assert "fused elementwise on cpu: Triton == PyTorch's chains" in r.stdout
     assert "Triton's TELEMETRY variant == the reference" in r.stdout
     assert "kv_window engine with telemetry: Triton path == gather path" in r.stdout
+    assert "families on the Triton path == gather path == the uncached forward" in r.stdout
+    assert "kernel vs SDPA, window 11" in r.stdout
 
 
 def _fresh(monkeypatch):
@@ -114,7 +116,7 @@ def test_the_kernel_compiles_for_hopper(dtype, telemetry):
 
     names = list(inspect.signature(kernel.fn).parameters)
     ptrs = dict(q_ptr=f"*{dtype}", k_ptr=f"*{dtype}", v_ptr=f"*{dtype}", out_ptr=f"*{dtype}", rows_ptr="*i64",
-                tables_ptr="*i64", lens_ptr="*i64", q_stride="i32", W="i32", scale="fp32", slot_ptr="*i64",
+                tables_ptr="*i64", lens_ptr="*i64", q_stride="i32", W="i32", scale="fp32", window="i32", slot_ptr="*i64",
                 sink_len_ptr="*i64", sink_ptr="*fp32", top_pos_ptr="*i64", top_prob_ptr="*fp32")
     consts = dict(H=8, K=2, E=64, E_PAD=64, BS=16, TELEMETRY=telemetry, TOP_K=5, TOP_PAD=8)
     signature = {n: ptrs.get(n, "constexpr") for n in names}

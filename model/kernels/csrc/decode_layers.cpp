@@ -7,7 +7,8 @@
 // and meet at a barrier between ops; each op splits its work the same way every time (rows, output columns or
 // (row, head) tasks), and no output depends on the split (qgemm.h), so the result is bitwise the modules'.
 // Every row attends over the paged pool up to its own position (paged_cache.py's `paged_prefill`), so the same
-// call serves decode rows, prefill chunks and mixed steps.
+// call serves decode rows, prefill chunks and mixed steps. The LLaMA-family switches of ModelConfig (`Switches`
+// below) are honoured in the same loop, each where `Block.forward` applies it.
 #include <omp.h>
 
 #include <cstring>
@@ -58,6 +59,17 @@ static Projection projection_of(const std::vector<torch::Tensor>& w, size_t firs
   }
   return p;
 }
+
+// The family switches of model/config.py's ModelConfig that change a block (model/transformer.py's Attention and
+// Block), with each layer's own tensors for them in decode_layers' `extras`: [bqkv, q_norm, k_norm], each empty where
+// the model has none.
+struct Switches {
+  int64_t window = 0;       // sliding window (Mistral): keys at positions <= p - window are not attended; 0: none
+  double scale = 0.0;       // attention scale (Granite's attention multiplier); 0: 1/sqrt(E)
+  float residual = 1.f;     // Granite: each sub-block's output times this before its residual add
+  bool post_norm = false;   // OLMo-2: attention_norm / ffn_norm after their sub-block, no norm before it
+  int64_t qk_norm = 0;      // RMSNorm of q and k before RoPE: 1 per head (Qwen3), 2 over the whole projection (OLMo-2)
+};
 
 // Scratch for one step's activations, allocated before the parallel region.
 template <typename T>
@@ -112,16 +124,18 @@ static std::pair<int64_t, int64_t> project(const Projection& p, const T* x, cons
 // gets about the same number of keys to attend over (a task costs its row's length, plus a fixed 16 keys' worth):
 // a prefill chunk's rows attend over 1 .. T keys, and an even split by count left the thread with the first rows
 // waiting at the next barrier for the one with the last. Which thread runs a task never changes its result.
-static void attention_share(const int64_t* lens, int64_t R, int64_t H, int tid, int nt, int64_t& begin, int64_t& end) {
+static void attention_share(const int64_t* lens, int64_t R, int64_t H, int64_t window, int tid, int nt, int64_t& begin,
+                            int64_t& end) {
   constexpr int64_t FIXED = 16;
+  const auto keys = [&](int64_t r) { return window > 0 ? std::min(lens[r], window) : lens[r]; };  // (a window's keys)
   int64_t total = 0;
-  for (int64_t r = 0; r < R; ++r) total += lens[r] + FIXED;
+  for (int64_t r = 0; r < R; ++r) total += keys(r) + FIXED;
   const auto bound = [&](int t) {  // the first task whose cumulative cost (tasks before it) reaches t / nt of the total
     if (t >= nt) return R * H;
     const int64_t target = total * H * t / nt;
     int64_t acc = 0;
     for (int64_t r = 0; r < R; ++r) {
-      const int64_t c = lens[r] + FIXED;
+      const int64_t c = keys(r) + FIXED;
       if (acc + c * H > target) return r * H + std::min<int64_t>(H, (target - acc + c - 1) / c);
       acc += c * H;
     }
@@ -175,11 +189,20 @@ static void run_layers(Step<T>& s, const std::vector<std::vector<torch::Tensor>>
                        torch::Tensor& att, const torch::Tensor& rows, const torch::Tensor& tables, const torch::Tensor& lens,
                        torch::Tensor& ht, torch::Tensor& subt, const std::vector<torch::Tensor>& edits,
                        const std::vector<torch::Tensor>& telemetry, const std::vector<Telemetry>& tel,
-                       const std::vector<Own<T>>& own) {
+                       const std::vector<Own<T>>& own, const std::vector<std::vector<torch::Tensor>>& extras,
+                       const Switches& sw) {
   // Interventions (interventions.cpp) and telemetry run on one thread between barriers (`omp single`, whose own
   // barrier ends it): they touch a few rows. With edits, a sub-block's output is rounded to T into `sub`, edited,
-  // then added: the module path's h + edit(a), bit for bit; without, the add is fused into the projection.
-  const bool edited = !edits.empty();
+  // then added: the module path's h + edit(a), bit for bit; without, the add is fused into the projection. A post-norm
+  // (OLMo-2) needs the whole row of the sub-block's output first: it goes through `sub` too.
+  const bool edited = !edits.empty(), via_sub = edited || sw.post_norm;
+  const bool scaled = sw.residual != 1.f;
+  const float mult = sw.residual;
+  // a sub-block's output y (float32, before rounding) as its residual add takes it: rounded to T, then (scaled)
+  // times Granite's multiplier and rounded again (the module path's `a * residual_multiplier`); each epilogue is
+  // chosen once per call below, so LLaMA's step runs the plain one with no test per element
+  const auto plain_out = [](float y) { return round_to<T>(y); };
+  const auto scaled_out = [mult](float y) { return round_to<T>(round_to<T>(y) * mult); };
   const int64_t N = s.N, D = s.D, H = s.H, K = s.K, E = s.E, F = s.F, QKV = (H + 2 * K) * E, R = rows.numel();
   const bool few = !own.empty();  // the few-row path (FEW_ROWS): never with edits
   const float feps = static_cast<float>(eps);
@@ -189,21 +212,69 @@ static void run_layers(Step<T>& s, const std::vector<std::vector<torch::Tensor>>
     int64_t rb, re;  // this thread's rows
     split_range(N, 1, tid, nt, rb, re);
     int64_t tb, te;  // this thread's attention tasks
-    attention_share(lens.data_ptr<int64_t>(), R, H, tid, nt, tb, te);
+    attention_share(lens.data_ptr<int64_t>(), R, H, sw.window, tid, nt, tb, te);
     const int64_t ob = few ? 0 : rb, oe = few ? N : re;  // the rows this thread runs the row-wise ops for
     const Own<T>* mine = few ? &own[tid] : nullptr;
     T* xn = few ? mine->xn : s.xn;         // the normed rows the next projection reads
     T* act = few ? mine->act : s.act;      // SiLU-mul's rows
     const QActs& acts = few ? mine->a : s.a;
-    // x (N, D) normed by w, then rounded for p: by every thread into its own buffers, or by each for its rows
-    const auto norm_for = [&](const Projection& p, const torch::Tensor& w) {
-      for (int64_t m = ob; m < oe; ++m) rms_norm_row(s.h + m * D, w.data_ptr<T>(), xn + m * D, D, feps);
+    // h (N, D) normed by w (no norm before the sub-block under post_norm: h itself), then rounded for p: by every
+    // thread into its own buffers, or by each for its rows; -> the rows the projection reads
+    const auto norm_for = [&](const Projection& p, const torch::Tensor& w) -> const T* {
+      const T* x = s.h;
+      if (!sw.post_norm) {
+        for (int64_t m = ob; m < oe; ++m) rms_norm_row(s.h + m * D, w.data_ptr<T>(), xn + m * D, D, feps);
+        x = xn;
+      }
       if (few) {
-        quantize_rows(p, xn, 0, N, acts);
+        quantize_rows(p, x, 0, N, acts);
       } else {
-        quantize_share(p, xn, N, s, tid, nt);
+        quantize_share(p, x, N, s, tid, nt);
 #pragma omp barrier
       }
+      return x;
+    };
+    // this thread's rows of `sub` (a sub-block's output, rounded to T; already scaled unless post-normed) ->
+    // post-normed by w and scaled, as the residual add takes them; then added to h (its rows), or edited and added
+    // by one thread (add_edited)
+    const auto finish_sub = [&](const torch::Tensor& w, int64_t site) {
+#pragma omp barrier
+      for (int64_t m = rb; m < re; ++m) {
+        T* row = s.sub + m * D;
+        if (sw.post_norm) {
+          rms_norm_row(row, w.data_ptr<T>(), row, D, feps);
+          if (scaled)
+            for (int64_t n = 0; n < D; ++n) row[n] = from_f<T>(to_f(row[n]) * sw.residual);
+        }
+        if (!edited)
+          for (int64_t n = 0; n < D; ++n) s.h[m * D + n] = from_f<T>(to_f(s.h[m * D + n]) + to_f(row[n]));
+      }
+#pragma omp barrier
+      if (edited) {
+#pragma omp single
+        add_edited(s, subt, edits, site);
+      }
+    };
+    // a sub-block's last projection p of x and its residual add: fused into the projection's epilogue (h += its
+    // output, rounded and scaled), or through `sub` (finish_sub: edits, post-norms by `norm`) at `site`
+    const auto project_out = [&](const Projection& p, const T* x, bool through_sub, int64_t site, const torch::Tensor& norm) {
+      const auto run = [&](const auto& out) {
+        if (through_sub) {
+          project(p, x, acts, s, 16, tid, nt, [&](int64_t m, int64_t n, float y) {
+            s.sub[m * D + n] = from_f<T>(sw.post_norm ? y : out(y));  // (a post-norm scales after the norm)
+          });
+          finish_sub(norm, site);
+        } else {
+          project(p, x, acts, s, 16, tid, nt, [&](int64_t m, int64_t n, float y) {
+            s.h[m * D + n] = from_f<T>(to_f(s.h[m * D + n]) + out(y));
+          });
+#pragma omp barrier
+        }
+      };
+      if (scaled)
+        run(scaled_out);
+      else
+        run(plain_out);
     };
     const auto round_for = [&](const Projection& p, const T* x) {  // x (N, p.K) complete: rounded for p
       if (few) {
@@ -218,6 +289,9 @@ static void run_layers(Step<T>& s, const std::vector<std::vector<torch::Tensor>>
     for (size_t l = 0; l < layers.size(); ++l) {
       const auto& w = layers[l];
       const Projection &wqkv = proj[l][0], &wo = proj[l][1], &w13 = proj[l][2], &w2 = proj[l][3];
+      const T* bqkv = extras.empty() || extras[l][0].numel() == 0 ? nullptr : extras[l][0].data_ptr<T>();
+      const T* qn = sw.qk_norm ? extras[l][1].data_ptr<T>() : nullptr;
+      const T* kn = sw.qk_norm ? extras[l][2].data_ptr<T>() : nullptr;
       char* kp = static_cast<char*>(k_pools[l].data_ptr());
       char* vp = static_cast<char*>(v_pools[l].data_ptr());
       const at::ScalarType pool_t = k_pools[l].scalar_type();  // T's, or a 16-bit cache under float32
@@ -225,16 +299,28 @@ static void run_layers(Step<T>& s, const std::vector<std::vector<torch::Tensor>>
       // rope the heads [h0, h1) of every row (q and k heads; v heads pass) and store its k and v heads in the pools
       const auto rope_store = [&](int64_t m, int64_t h0, int64_t h1) {
         T* row = s.qkv + m * QKV;
-        for (int64_t head = h0; head < std::min(h1, H + K); ++head) rope_head(row + head * E, s.cos + m * E, s.ssin + m * E, E);
+        if (sw.qk_norm == 2) {  // over the whole projection (only ever called for whole rows: no few-row path)
+          rms_norm_row(row, qn, row, H * E, feps);
+          rms_norm_row(row + H * E, kn, row + H * E, K * E, feps);
+        }
+        for (int64_t head = h0; head < std::min(h1, H + K); ++head) {
+          if (sw.qk_norm == 1) rms_norm_row(row + head * E, head < H ? qn : kn, row + head * E, E, feps);
+          rope_head(row + head * E, s.cos + m * E, s.ssin + m * E, E);
+        }
         for (int64_t head = std::max(h0, H); head < h1; ++head) {  // paged_write
           char* pool = head < H + K ? kp + (slots[m] * K + head - H) * E * el : vp + (slots[m] * K + head - H - K) * E * el;
           store_kv_row(pool, pool_t, row + head * E, E);
         }
       };
       // attention: h + wo(attend(rope(wqkv(norm(h)))))
-      norm_for(wqkv, w[0]);
-      const auto cols = project(wqkv, xn, acts, s, few ? E : 16, tid, nt,
-                                [&](int64_t m, int64_t n, float y) { s.qkv[m * QKV + n] = from_f<T>(y); });
+      const T* x = norm_for(wqkv, w[0]);
+      const auto cols = bqkv == nullptr
+          ? project(wqkv, x, acts, s, few ? E : 16, tid, nt,
+                    [&](int64_t m, int64_t n, float y) { s.qkv[m * QKV + n] = from_f<T>(y); })
+          // Qwen2's bias: added to the projection's output as the module path adds it (rounded to T first)
+          : project(wqkv, x, acts, s, few ? E : 16, tid, nt, [&](int64_t m, int64_t n, float y) {
+              s.qkv[m * QKV + n] = from_f<T>(round_to<T>(y) + to_f(bqkv[n]));
+            });
       if (few) {  // this thread's columns are whole heads
         for (int64_t m = 0; m < N; ++m) rope_store(m, cols.first / E, cols.second / E);
       } else {
@@ -242,43 +328,27 @@ static void run_layers(Step<T>& s, const std::vector<std::vector<torch::Tensor>>
         for (int64_t m = rb; m < re; ++m) rope_store(m, 0, H + 2 * K);
       }
 #pragma omp barrier
-      paged_attention_range(q, k_pools[l], v_pools[l], rows, tables, lens, att, tb, te, tel.empty() ? nullptr : &tel[l]);
+      paged_attention_range(q, k_pools[l], v_pools[l], rows, tables, lens, att, tb, te, tel.empty() ? nullptr : &tel[l],
+                            sw.window, sw.scale);
 #pragma omp barrier
       round_for(wo, s.att);
-      if (edited) {
-        project(wo, s.att, acts, s, 16, tid, nt, [&](int64_t m, int64_t n, float y) { s.sub[m * D + n] = from_f<T>(y); });
-#pragma omp barrier
-#pragma omp single
-        add_edited(s, subt, edits, 3 * l);  // attention_output
-      } else {
-        project(wo, s.att, acts, s, 16, tid, nt, [&](int64_t m, int64_t n, float y) {
-          s.h[m * D + n] = from_f<T>(to_f(s.h[m * D + n]) + round_to<T>(y));
-        });
-#pragma omp barrier
-      }
+      project_out(wo, s.att, via_sub, 3 * l, w[0]);  // attention_output
       // feed-forward: h + w2(silu(w1 x) * w3 x), x = norm(h)
-      norm_for(w13, w[1]);
-      project(w13, xn, acts, s, 16, tid, nt, [&](int64_t m, int64_t n, float y) { s.gu[m * 2 * F + n] = from_f<T>(y); });
+      const T* xf = norm_for(w13, w[1]);
+      project(w13, xf, acts, s, 16, tid, nt, [&](int64_t m, int64_t n, float y) { s.gu[m * 2 * F + n] = from_f<T>(y); });
 #pragma omp barrier
       for (int64_t m = ob; m < oe; ++m) silu_mul_row(s.gu + m * 2 * F, act + m * F, F);
       round_for(w2, act);
       if (!few && !w2.quantized) {
 #pragma omp barrier
       }
+      project_out(w2, act, via_sub, 3 * l + 1, w[1]);  // mlp_output
       if (edited) {
-        project(w2, act, acts, s, 16, tid, nt, [&](int64_t m, int64_t n, float y) { s.sub[m * D + n] = from_f<T>(y); });
-#pragma omp barrier
 #pragma omp single
         {
-          add_edited(s, subt, edits, 3 * l + 1);  // mlp_output
-          apply_site(ht, edits, 3 * l + 2);       // block_output
+          apply_site(ht, edits, 3 * l + 2);  // block_output
           read_site(ht, edits, 3 * l + 2);
         }
-      } else {
-        project(w2, act, acts, s, 16, tid, nt, [&](int64_t m, int64_t n, float y) {
-          s.h[m * D + n] = from_f<T>(to_f(s.h[m * D + n]) + round_to<T>(y));
-        });
-#pragma omp barrier
       }
       if (!telemetry.empty()) keep_rows(ht, rows, telemetry[0], telemetry[5], static_cast<int64_t>(l), rb, re);
     }
@@ -288,7 +358,9 @@ static void run_layers(Step<T>& s, const std::vector<std::vector<torch::Tensor>>
 // h (N, D) the residual stream of the step's N rows; layers: per block [attention_norm, ffn_norm, wqkv a, b, wo a,
 // b, w13 a, b, w2 a, b]; cos, ssin (N, E) `rotary_tables`; k_pools, v_pools (L, NB, bs, K, E); the step's slots
 // (N,); rows (N,) = 0..N-1, tables (N, W), lens (N,): every row attends over its block table up to its position
-// (`PagedKVCache.set_step` with paged_prefill); edits: the step's interventions table (empty: none;
+// (`PagedKVCache.set_step` with paged_prefill); extras: per block [bqkv, q_norm, k_norm] (each empty where the model
+// has none; the list empty: none at all); window, scale, residual, post_norm, qk_norm: the `Switches`; edits: the
+// step's interventions table (empty: none;
 // interventions.cpp), applied at the block's three sites as `Block.forward` hands them to its attention context;
 // telemetry: empty (off), or model/engine/telemetry.py's [slot (N,), sink_len (Rt,), sink_mass (L, Rt, H),
 // top_pos (L, Rt, H, k), top_prob (L, Rt, H, k), hidden (L, Rt, D)]: the attention telemetry of the rows with
@@ -297,8 +369,12 @@ torch::Tensor decode_layers(torch::Tensor h, const std::vector<std::vector<torch
                             const torch::Tensor& cos, const torch::Tensor& ssin, torch::Tensor& k_pools,
                             torch::Tensor& v_pools, const torch::Tensor& slots, const torch::Tensor& rows,
                             const torch::Tensor& tables, const torch::Tensor& lens, int64_t H, int64_t K, int64_t E,
-                            const std::vector<torch::Tensor>& edits, const std::vector<torch::Tensor>& telemetry) {
+                            const std::vector<torch::Tensor>& edits, const std::vector<torch::Tensor>& telemetry,
+                            const std::vector<std::vector<torch::Tensor>>& extras, int64_t window, double scale,
+                            double residual, bool post_norm, int64_t qk_norm) {
   TORCH_CHECK(telemetry.empty() || telemetry.size() == 6, "decode_layers: telemetry is empty or 6 tensors");
+  TORCH_CHECK(window >= 0 && qk_norm >= 0 && qk_norm <= 2, "decode_layers: window >= 0, qk_norm 0, 1 or 2");
+  const Switches sw{window, scale, static_cast<float>(residual), post_norm, qk_norm};
   TORCH_CHECK(h.dim() == 2 && k_pools.size(0) == static_cast<int64_t>(layers.size()), "decode_layers: shapes");
   const int64_t N = h.size(0), D = h.size(1), L = layers.size();
   const auto dtype = h.scalar_type();
@@ -314,6 +390,14 @@ torch::Tensor decode_layers(torch::Tensor h, const std::vector<std::vector<torch
   std::vector<std::vector<Projection>> proj(L);
   int64_t F = 0, widest_out = 0, widest_in = 0;
   bool any_k = false;  // a Q4_K or Q6_K projection somewhere: the rows' q8_K rounding too
+  TORCH_CHECK(extras.empty() ? qk_norm == 0 : static_cast<int64_t>(extras.size()) == L, "decode_layers: extras per block");
+  for (int64_t l = 0; l < static_cast<int64_t>(extras.size()); ++l) {
+    const auto& x = extras[l];
+    TORCH_CHECK(x.size() == 3, "decode_layers: extras [bqkv, q_norm, k_norm] per block");
+    TORCH_CHECK(x[0].numel() == 0 || (x[0].scalar_type() == dtype && x[0].is_contiguous() && x[0].numel() == (H + 2 * K) * E), "decode_layers: bqkv ((H + 2K) E,)");
+    const int64_t qw = qk_norm == 1 ? E : H * E, kw = qk_norm == 1 ? E : K * E;
+    TORCH_CHECK(qk_norm == 0 || (x[1].scalar_type() == dtype && x[2].scalar_type() == dtype && x[1].is_contiguous() && x[2].is_contiguous() && x[1].numel() == qw && x[2].numel() == kw), "decode_layers: q/k norm weights");
+  }
   for (int64_t l = 0; l < L; ++l) {
     const auto& w = layers[l];
     TORCH_CHECK(w.size() >= 10 && w.size() % 2 == 0, "decode_layers: 10 tensors per block, or more with stacked parts");
@@ -340,7 +424,7 @@ torch::Tensor decode_layers(torch::Tensor h, const std::vector<std::vector<torch
   auto opts = h.options();
   auto xn = torch::empty({N, D}, opts), qkv = torch::empty({N, H + 2 * K, E}, opts), att = torch::empty({N, H, E}, opts);
   auto gu = torch::empty({N, 2 * F}, opts), act = torch::empty({N, F}, opts);
-  auto sub = torch::empty({edits.empty() ? 0 : N, D}, opts);
+  auto sub = torch::empty({edits.empty() && !post_norm ? 0 : N, D}, opts);
   TORCH_CHECK(telemetry.empty() || (telemetry[5].scalar_type() == dtype && telemetry[5].is_contiguous()), "decode_layers: telemetry hidden");
   std::vector<Telemetry> tel;  // per layer, where the asking rows' attention goes (attention_telemetry.h)
   if (!telemetry.empty()) {
@@ -359,7 +443,8 @@ torch::Tensor decode_layers(torch::Tensor h, const std::vector<std::vector<torch
   const auto q = qkv.narrow(1, 0, H);
   const int64_t* sl = slots.data_ptr<int64_t>();
   // the few-row path's per-thread buffers (FEW_ROWS): xn (D), act (F), rounded activations, per row and thread
-  const bool few = edits.empty() && N <= FEW_ROWS && E % 8 == 0;
+  // (post-norms and a q/k norm over the whole projection need whole rows between barriers: the many-row path)
+  const bool few = edits.empty() && N <= FEW_ROWS && E % 8 == 0 && !post_norm && qk_norm != 2;
   const int64_t threads = few ? at::get_num_threads() : 0;
   auto own_t = torch::empty({threads, N, D + F}, opts);
   std::vector<ActBuffers> own_acts(threads, ActBuffers(N, widest_in, any_k));
@@ -375,12 +460,14 @@ torch::Tensor decode_layers(torch::Tensor h, const std::vector<std::vector<torch
     Step<float> s{N, D, H, K, E, F, h.data_ptr<float>(), xn.data_ptr<float>(), qkv.data_ptr<float>(), att.data_ptr<float>(),
                   gu.data_ptr<float>(), act.data_ptr<float>(), sub.data_ptr<float>(), cos.data_ptr<float>(), ssin.data_ptr<float>(), y.data_ptr<float>(),
                   shared.view(widest_in)};
-    run_layers(s, layers, proj, eps, kp, vp, sl, q, att, rows, tables, lens, h, sub, edits, telemetry, tel, owns(own_t.data_ptr<float>()));
+    run_layers(s, layers, proj, eps, kp, vp, sl, q, att, rows, tables, lens, h, sub, edits, telemetry, tel, owns(own_t.data_ptr<float>()),
+               extras, sw);
   } else {
     Step<bf16> s{N, D, H, K, E, F, h.data_ptr<bf16>(), xn.data_ptr<bf16>(), qkv.data_ptr<bf16>(), att.data_ptr<bf16>(),
                  gu.data_ptr<bf16>(), act.data_ptr<bf16>(), sub.data_ptr<bf16>(), cos.data_ptr<bf16>(), ssin.data_ptr<bf16>(), y.data_ptr<float>(),
                  shared.view(widest_in)};
-    run_layers(s, layers, proj, eps, kp, vp, sl, q, att, rows, tables, lens, h, sub, edits, telemetry, tel, owns(own_t.data_ptr<bf16>()));
+    run_layers(s, layers, proj, eps, kp, vp, sl, q, att, rows, tables, lens, h, sub, edits, telemetry, tel, owns(own_t.data_ptr<bf16>()),
+               extras, sw);
   }
   return h;
 }

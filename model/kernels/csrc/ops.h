@@ -10,13 +10,15 @@ struct Telemetry;  // attention_telemetry.h
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps);
 torch::Tensor silu_mul(const torch::Tensor& gu);
 void rope_(torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& ssin, int64_t n_rot);
+// window: the model's sliding window (0: none); scale: the attention scale (0: 1/sqrt(E)).
 void paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tensor& v_pool,
                             const torch::Tensor& rows, const torch::Tensor& tables, const torch::Tensor& lens,
-                            torch::Tensor& out);
+                            torch::Tensor& out, int64_t window = 0, double scale = 0.0);
 void paged_decode_attention_telemetry(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tensor& v_pool,
                                       const torch::Tensor& rows, const torch::Tensor& tables, const torch::Tensor& lens,
                                       torch::Tensor& out, const torch::Tensor& slot, const torch::Tensor& sink_len,
-                                      torch::Tensor& sink_mass, torch::Tensor& top_pos, torch::Tensor& top_prob);
+                                      torch::Tensor& sink_mass, torch::Tensor& top_pos, torch::Tensor& top_prob,
+                                      int64_t window = 0, double scale = 0.0);
 void paged_write(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& k_pool, torch::Tensor& v_pool,
                  const torch::Tensor& slots);
 torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& nibbles, const torch::Tensor& scales);
@@ -39,12 +41,15 @@ template <typename T>
 void store_kv_row(void* dst, at::ScalarType pool, const T* src, int64_t n);
 void paged_attention_range(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tensor& v_pool,
                            const torch::Tensor& rows, const torch::Tensor& tables, const torch::Tensor& lens,
-                           torch::Tensor& out, int64_t begin, int64_t end, const Telemetry* tel = nullptr);
+                           torch::Tensor& out, int64_t begin, int64_t end, const Telemetry* tel = nullptr,
+                           int64_t window = 0, double scale = 0.0);
 torch::Tensor decode_layers(torch::Tensor h, const std::vector<std::vector<torch::Tensor>>& layers, double eps,
                             const torch::Tensor& cos, const torch::Tensor& ssin, torch::Tensor& k_pools,
                             torch::Tensor& v_pools, const torch::Tensor& slots, const torch::Tensor& rows,
                             const torch::Tensor& tables, const torch::Tensor& lens, int64_t H, int64_t K, int64_t E,
-                            const std::vector<torch::Tensor>& edits, const std::vector<torch::Tensor>& telemetry);
+                            const std::vector<torch::Tensor>& edits, const std::vector<torch::Tensor>& telemetry,
+                            const std::vector<std::vector<torch::Tensor>>& extras = {}, int64_t window = 0,
+                            double scale = 0.0, double residual = 1.0, bool post_norm = false, int64_t qk_norm = 0);
 void gguf_convert(const torch::Tensor& raw, int64_t type, const torch::Tensor& order, torch::Tensor& data,
                   torch::Tensor& scales);
 void apply_edits(torch::Tensor& x, const torch::Tensor& ops, const torch::Tensor& bank);

@@ -305,12 +305,75 @@ static inline float exp_and_sum(float* sc, int64_t len, float mx) {
   return sum;
 }
 
+// A sliding window's query (first > 0): sc[s] := exp(sc[s] - mx) for s in [first, len) and 0 for s in [a, first), a =
+// first rounded down to 8, the group holding `first` through the vector exp with its lanes below `first` zeroed;
+// -> the sum over [a, len) as exp_and_sum adds it (8-lane groups in order, then the tail). A function of (first, len)
+// and the scores alone, whatever positions below `a` its tile computed.
+static inline float exp_and_sum_window(float* sc, int64_t first, int64_t len, float mx) {
+  int64_t s = first / 8 * 8;
+  float sum = 0.f;
+#if LS_AVX2
+  const __m256 m8 = _mm256_set1_ps(mx);
+  __m256 sv = _mm256_setzero_ps();
+  if (s < first && s + 8 <= len) {
+    const __m256i lane = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(s)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    const __m256 keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(lane, _mm256_set1_epi32(static_cast<int>(first) - 1)));
+    const __m256 e = _mm256_and_ps(exp8(_mm256_sub_ps(_mm256_loadu_ps(sc + s), m8)), keep);
+    _mm256_storeu_ps(sc + s, e);
+    sv = _mm256_add_ps(sv, e);
+    s += 8;
+  }
+#if LS_ZMM
+  const __m512 m16 = _mm512_set1_ps(mx);
+  for (; s + 16 <= len; s += 16) {
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(sc + s), m16));
+    _mm512_storeu_ps(sc + s, e);
+    sv = _mm256_add_ps(_mm256_add_ps(sv, lower8(e)), upper8(e));
+  }
+#endif
+  for (; s + 8 <= len; s += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sc + s), m8));
+    _mm256_storeu_ps(sc + s, e);
+    sv = _mm256_add_ps(sv, e);
+  }
+  sum = hsum(sv);
+#endif
+  for (; s < len; ++s) {
+    sc[s] = s < first ? 0.f : std::exp(sc[s] - mx);
+    sum += sc[s];
+  }
+  return sum;
+}
+
+// The first position a query at context length `len` attends to under a sliding `window` (0: none): keys at
+// positions <= p - window are not attended (transformers' `sliding_window_overlay`, p = len - 1).
+static inline int64_t window_first(int64_t len, int64_t window) { return window > 0 && len > window ? len - window : 0; }
+
 // One query head of one decode row over its context: scores (len) in `sc`, output (E) in `o`.
 // k_at(s) / v_at(s): the pool row (of type C) of position s for this head's KV head. On return sc holds
 // exp(score - max) and the function returns their sum, so sc[s] / sum is the softmax the output was weighted by
-// (the telemetry reads it).
+// (the telemetry reads it). `first`: a sliding window's first position (window_first); sc is 0 below it.
 template <typename T, typename C, typename At>
-static float attend_head(const float* q, int64_t len, int64_t E, At at, float* sc, T* o, std::vector<float>& acc) {
+static float attend_span(const float* q, int64_t len, int64_t E, At at, float* sc, T* o, std::vector<float>& acc);
+
+template <typename At>
+struct From {  // positions counted from `first`: a window's span as a context of its own
+  At at;
+  int64_t first;
+  auto k(int64_t s) const { return at.k(s + first); }
+  auto v(int64_t s) const { return at.v(s + first); }
+};
+
+template <typename T, typename C, typename At>
+static float attend_head(const float* q, int64_t first, int64_t len, int64_t E, At at, float* sc, T* o, std::vector<float>& acc) {
+  if (first == 0) return attend_span<T, C>(q, len, E, at, sc, o, acc);
+  const float sum = attend_span<T, C>(q, len - first, E, From<At>{at, first}, sc + first, o, acc);
+  std::fill(sc, sc + first, 0.f);
+  return sum;
+}
+
+template <typename T, typename C, typename At>
+static float attend_span(const float* q, int64_t len, int64_t E, At at, float* sc, T* o, std::vector<float>& acc) {
   int64_t s = 0;
   float mx = -INFINITY;
 #if LS_AVX2
@@ -385,17 +448,30 @@ struct Widened {  // a block's rows widened to float32: position s (in [b0, b0 +
 // so a thread reads its KV heads' parts of each pool row side by side rather than one head's E elements out of
 // every K * E at a time (without the prefetch below, walking 8 heads one at a time read a fraction of what
 // walking a pool of one head did; with it, the grouping's own share was not measured apart). qf (Qn, E) scaled
-// queries; len (Qn,); group (NG + 1,): queries [group[g], group[g + 1]) read `at[g]`; sc (Qn, ld) scores ->
-// exp(score - max), sums (Qn,) their sums; acc (Qn, E) the unnormalised outputs.
+// queries; len (Qn,); first (Qn,) a sliding window's first position per query (window_first; 0: none); group
+// (NG + 1,): queries [group[g], group[g + 1]) read `at[g]`; sc (Qn, ld) scores -> exp(score - max), sums (Qn,) their
+// sums; acc (Qn, E) the unnormalised outputs.
+//
+// Under a sliding window a group's queries walk the positions from the earliest one's first rounded down to 8
+// (`glo`): the keys no query of the group attends to are never read (their blocks may be back in the pool). A query
+// whose own first is later gets scores there too, which its max ignores (taken over [first, len) alone), its sum
+// never adds (exp_and_sum_window) and its values weigh by 0 (finite keys and values times 0 add nothing): its
+// output is the same alone or in any tile.
 template <typename T, typename At>
-static void attend_tile(const float* qf, const int64_t* len, int64_t Qn, int64_t E, const At* at, const int64_t* group,
-                        int64_t NG, float* sc, int64_t ld, float* sums, float* acc) {
+static void attend_tile(const float* qf, const int64_t* len, const int64_t* first, int64_t Qn, int64_t E, const At* at,
+                        const int64_t* group, int64_t NG, float* sc, int64_t ld, float* sums, float* acc) {
   const int64_t BS = E <= 64 ? 64 : 32;  // positions per block: its K (or V) rows stay in L1 across the tile's queries
-  int64_t lmax = 0;
-  std::vector<int64_t> glen(NG, 0);  // per group: its longest query's length
+  int64_t lmax = 0, lo = INT64_MAX;
+  bool windowed = false;
+  std::vector<int64_t> glen(NG, 0), glo(NG, INT64_MAX);  // per group: its longest query's length, its first position
   for (int64_t g = 0; g < NG; ++g)
-    for (int64_t i = group[g]; i < group[g + 1]; ++i) glen[g] = std::max(glen[g], len[i]);
-  for (int64_t g = 0; g < NG; ++g) lmax = std::max(lmax, glen[g]);
+    for (int64_t i = group[g]; i < group[g + 1]; ++i) {
+      glen[g] = std::max(glen[g], len[i]);
+      glo[g] = std::min(glo[g], first[i] / 8 * 8);
+      windowed = windowed || first[i] > 0;
+    }
+  for (int64_t g = 0; g < NG; ++g) lmax = std::max(lmax, glen[g]), lo = std::min(lo, glo[g]);
+  const int64_t b_first = lo / BS * BS;  // the first block of positions any query reads
   // A 16-bit cache (T not float) under a prefill tile: each block's key, then value, rows are widened once into
   // `wide` for all the group's queries (up to TILE_ROWS x G) instead of once per query; a decode row's G <= 4 queries
   // widen on load as attend_head does (the scratch's store and reload cost more there). Widening is exact, so the
@@ -418,10 +494,10 @@ static void attend_tile(const float* qf, const int64_t* len, int64_t Qn, int64_t
   std::vector<__m256> mv(Qn, _mm256_set1_ps(-INFINITY));
   std::vector<float> tail_max(Qn, -INFINITY);
   std::vector<int64_t> done(Qn);  // per query: where a block's register tiles stopped (its own loop goes on from there)
-  // queries [qa, qb): their scores of positions [b0, b0 + BS)
-  const auto scores = [&](int64_t b0, int64_t qa, int64_t qb, const auto& rows) {
+  // queries [qa, qb): their scores of positions [b0, bb + BS), bb = the block's start, b0 >= bb (a window's first)
+  const auto scores = [&](int64_t bb, int64_t b0, int64_t qa, int64_t qb, const auto& rows) {
     using R = std::remove_cv_t<std::remove_pointer_t<decltype(rows.k(0))>>;
-    const int64_t b1 = b0 + BS;
+    const int64_t b1 = bb + BS;
     const int64_t pf = std::is_same_v<std::decay_t<decltype(rows)>, Widened> ? 0 : len[qa];  // positions to prefetch
     int64_t i = qa;
     in_tiles<SQ>(i, qb, [&](auto n) {  // the first tile of the group asks for the rows ahead
@@ -447,28 +523,40 @@ static void attend_tile(const float* qf, const int64_t* len, int64_t Qn, int64_t
       }
     }
   };
-  for (int64_t b0 = 0; b0 < lmax; b0 += BS)
+  for (int64_t bb = b_first; bb < lmax; bb += BS)
     for (int64_t g = 0; g < NG; ++g) {
-      if (b0 >= glen[g]) continue;
+      const int64_t b0 = std::max(bb, glo[g]);
+      if (b0 >= glen[g] || b0 >= bb + BS) continue;
       if (widens(g))
-        scores(b0, group[g], group[g + 1], widened(at[g], b0, std::min(b0 + BS, glen[g]), true, glen[g]));
+        scores(bb, b0, group[g], group[g + 1], widened(at[g], b0, std::min(bb + BS, glen[g]), true, glen[g]));
       else
-        scores(b0, group[g], group[g + 1], at[g]);
+        scores(bb, b0, group[g], group[g + 1], at[g]);
     }
-  for (int64_t i = 0; i < Qn; ++i) sums[i] = exp_and_sum(sc + i * ld, len[i], std::max(hmax(mv[i]), tail_max[i]));
+  if (!windowed) {
+    for (int64_t i = 0; i < Qn; ++i) sums[i] = exp_and_sum(sc + i * ld, len[i], std::max(hmax(mv[i]), tail_max[i]));
+  } else {
+    for (int64_t g = 0; g < NG; ++g)
+      for (int64_t i = group[g]; i < group[g + 1]; ++i) {
+        float* si = sc + i * ld;
+        float mx = -INFINITY;
+        for (int64_t s = first[i]; s < len[i]; ++s) mx = std::max(mx, si[s]);
+        sums[i] = exp_and_sum_window(si, first[i], len[i], mx);
+        std::fill(si + glo[g], si + first[i] / 8 * 8, 0.f);  // the group's positions this query does not attend to
+      }
+  }
   std::fill(acc, acc + Qn * E, 0.f);
   const int64_t NV = E / 8;
-  // queries [qa, qb): acc += p[s] v(s) for positions [b0, b0 + BS), position by position (as axpy)
-  const auto values = [&](int64_t b0, int64_t qa, int64_t qb, const auto& rows) {
+  // queries [qa, qb): acc += p[s] v(s) for positions [b0, bb + BS), position by position (as axpy)
+  const auto values = [&](int64_t bb, int64_t b0, int64_t qa, int64_t qb, const auto& rows) {
     const int64_t pf = std::is_same_v<std::decay_t<decltype(rows)>, Widened> ? 0 : len[qa];  // positions to prefetch
     int64_t i = qa;
     if (E % (8 * VV) == 0)
       in_tiles<VQ>(i, qb, [&](auto n) {
-        value_tiles<decltype(n)::value, VV>(sc, ld, acc, len, i, b0, b0 + BS, E, rows, done.data(), i == qa ? pf : 0);
+        value_tiles<decltype(n)::value, VV>(sc, ld, acc, len, i, b0, bb + BS, E, rows, done.data(), i == qa ? pf : 0);
       });
     for (; i < qb; ++i) done[i] = b0;
     for (i = qa; i < qb; ++i) {
-      const int64_t end = std::min(b0 + BS, len[i]);
+      const int64_t end = std::min(bb + BS, len[i]);
       const float* p = sc + i * ld;
       float* a = acc + i * E;
       if (E == 64) {
@@ -490,13 +578,14 @@ static void attend_tile(const float* qf, const int64_t* len, int64_t Qn, int64_t
       }
     }
   };
-  for (int64_t b0 = 0; b0 < lmax; b0 += BS)
+  for (int64_t bb = b_first; bb < lmax; bb += BS)
     for (int64_t g = 0; g < NG; ++g) {
-      if (b0 >= glen[g]) continue;
+      const int64_t b0 = std::max(bb, glo[g]);
+      if (b0 >= glen[g] || b0 >= bb + BS) continue;
       if (widens(g))
-        values(b0, group[g], group[g + 1], widened(at[g], b0, std::min(b0 + BS, glen[g]), false, glen[g]));
+        values(bb, b0, group[g], group[g + 1], widened(at[g], b0, std::min(bb + BS, glen[g]), false, glen[g]));
       else
-        values(b0, group[g], group[g + 1], at[g]);
+        values(bb, b0, group[g], group[g + 1], at[g]);
     }
 }
 #endif
@@ -512,17 +601,18 @@ constexpr int64_t TILE_ROWS = 16;
 // written. Task idx = (row, query head): tasks [begin, end). `tel`: where the rows that asked for it record their
 // softmax (attention_telemetry.h); null: nobody asked. Consecutive rows with the same block table (one sequence's
 // prefill chunk) run as one tile (`attend_tile`), its queries grouped by KV head; a task's result is the same
-// in any tile or alone, so neither the split between threads nor the neighbours change it.
+// in any tile or alone, so neither the split between threads nor the neighbours change it. `window`: the model's
+// sliding window (0: none; window_first); `scale`: the attention scale (0: 1/sqrt(E), else Granite's multiplier).
 template <typename T, typename C>
 static void decode_range(const T* q, int64_t q_stride, const C* kp, const C* vp, const int64_t* rows, const int64_t* tables,
                          const int64_t* lens, T* out, int64_t W, int64_t H, int64_t K, int64_t E, int64_t bs,
-                         int64_t begin, int64_t end, const Telemetry* tel) {
+                         int64_t begin, int64_t end, const Telemetry* tel, int64_t window, double scale_) {
   const int64_t G = H / K;
-  const float scale = 1.f / std::sqrt(static_cast<float>(E));
+  const float scale = scale_ > 0 ? static_cast<float>(scale_) : 1.f / std::sqrt(static_cast<float>(E));
 #if LS_AVX2
   if (E % 8 == 0) {
     std::vector<float> qf, sc, acc, sums;
-    std::vector<int64_t> qlen, qtask, group{0};  // group: the tile's queries by KV head (attend_tile)
+    std::vector<int64_t> qlen, qfirst, qtask, group{0};  // group: the tile's queries by KV head (attend_tile)
     std::vector<PoolRows<C>> ats;
     int64_t lmax = 0;
     for (int64_t idx = begin; idx < end;) {
@@ -544,18 +634,22 @@ static void decode_range(const T* q, int64_t q_stride, const C* kp, const C* vp,
             const int64_t r = qtask[i] / H, h = qtask[i] % H;
             for (int64_t e = 0; e < E; ++e) qf[i * E + e] = to_f(q[rows[r] * q_stride + h * E + e]) * scale;
           }
-          attend_tile<C>(qf.data(), qlen.data(), Qn, E, ats.data(), group.data(), static_cast<int64_t>(ats.size()),
-                         sc.data(), ld, sums.data(), acc.data());
+          attend_tile<C>(qf.data(), qlen.data(), qfirst.data(), Qn, E, ats.data(), group.data(),
+                         static_cast<int64_t>(ats.size()), sc.data(), ld, sums.data(), acc.data());
           for (int64_t i = 0; i < Qn; ++i) {
             const int64_t r = qtask[i] / H, h = qtask[i] % H;
             T* o = out + (rows[r] * H + h) * E;
             const float inv = 1.f / sums[i];
             for (int64_t e = 0; e < E; ++e) o[e] = from_f<T>(acc[i * E + e] * inv);
-            if (tel != nullptr && tel->slot[r] >= 0) tel->record(tel->slot[r], h, sc.data() + i * ld, qlen[i], sums[i]);
+            if (tel != nullptr && tel->slot[r] >= 0) {
+              std::fill(sc.data() + i * ld, sc.data() + i * ld + qfirst[i] / 8 * 8, 0.f);  // keys it did not see
+              tel->record(tel->slot[r], h, sc.data() + i * ld, qlen[i], sums[i]);
+            }
           }
         }
         qtask.clear();
         qlen.clear();
+        qfirst.clear();
         group.assign(1, 0);
         ats.clear();
         lmax = 0;
@@ -566,6 +660,7 @@ static void decode_range(const T* q, int64_t q_stride, const C* kp, const C* vp,
             if (r * H + h >= idx && r * H + h < t_end) {
               qtask.push_back(r * H + h);
               qlen.push_back(lens[r]);
+              qfirst.push_back(window_first(lens[r], window));
               lmax = std::max(lmax, lens[r]);
             }
         if (static_cast<int64_t>(qtask.size()) > group.back()) {
@@ -586,7 +681,8 @@ static void decode_range(const T* q, int64_t q_stride, const C* kp, const C* vp,
     for (int64_t i = 0; i < E; ++i) qf[i] = to_f(q[row * q_stride + h * E + i]) * scale;
     scores.resize(len);
     const PoolRows<C> at{kp, vp, tables + r * W, BlockOf(bs), K * E, (h / G) * E};
-    const float sum = attend_head<T, C>(qf.data(), len, E, at, scores.data(), out + (row * H + h) * E, acc);
+    const float sum = attend_head<T, C>(qf.data(), window_first(len, window), len, E, at, scores.data(),
+                                        out + (row * H + h) * E, acc);
     if (tel != nullptr && tel->slot[r] >= 0) tel->record(tel->slot[r], h, scores.data(), len, sum);
   }
 }
@@ -595,9 +691,9 @@ static void decode_range(const T* q, int64_t q_stride, const C* kp, const C* vp,
 template <typename T, typename C>
 static void decode_impl(const T* q, int64_t q_stride, const C* kp, const C* vp, const int64_t* rows, const int64_t* tables,
                         const int64_t* lens, T* out, int64_t R, int64_t W, int64_t H, int64_t K, int64_t E,
-                        int64_t bs, const Telemetry* tel) {
+                        int64_t bs, const Telemetry* tel, int64_t window, double scale) {
   at::parallel_for(0, R * H, 1, [&](int64_t begin, int64_t end) {
-    decode_range<T, C>(q, q_stride, kp, vp, rows, tables, lens, out, W, H, K, E, bs, begin, end, tel);
+    decode_range<T, C>(q, q_stride, kp, vp, rows, tables, lens, out, W, H, K, E, bs, begin, end, tel, window, scale);
   });
 }
 
@@ -619,7 +715,8 @@ static void with_types(at::ScalarType q, at::ScalarType pool, const char* who, F
 
 static void decode_dispatch(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tensor& v_pool,
                             const torch::Tensor& rows, const torch::Tensor& tables, const torch::Tensor& lens,
-                            torch::Tensor& out, const Telemetry* tel) {
+                            torch::Tensor& out, const Telemetry* tel, int64_t window, double scale) {
+  TORCH_CHECK(window >= 0, "paged_decode_attention: window >= 0");
   TORCH_CHECK(q.stride(-1) == 1 && q.stride(-2) == q.size(-1) && k_pool.is_contiguous() && v_pool.is_contiguous() && out.is_contiguous(), "paged_decode_attention: contiguous");
   TORCH_CHECK(rows.scalar_type() == at::kLong && tables.scalar_type() == at::kLong && lens.scalar_type() == at::kLong, "paged_decode_attention: int64 metadata");
   TORCH_CHECK(tables.is_contiguous() && tables.dim() == 2 && rows.numel() == tables.size(0) && lens.numel() == tables.size(0), "paged_decode_attention: metadata shapes");
@@ -631,34 +728,38 @@ static void decode_dispatch(const torch::Tensor& q, const torch::Tensor& k_pool,
     using T = std::remove_pointer_t<decltype(t)>;
     using C = std::remove_pointer_t<decltype(c)>;
     decode_impl<T, C>(q.data_ptr<T>(), q_stride, k_pool.data_ptr<C>(), v_pool.data_ptr<C>(), rows.data_ptr<int64_t>(),
-                      tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<T>(), R, W, H, K, E, bs, tel);
+                      tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<T>(), R, W, H, K, E, bs, tel,
+                      window, scale);
   });
 }
 
 void paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tensor& v_pool,
                             const torch::Tensor& rows, const torch::Tensor& tables, const torch::Tensor& lens,
-                            torch::Tensor& out) {
-  decode_dispatch(q, k_pool, v_pool, rows, tables, lens, out, nullptr);
+                            torch::Tensor& out, int64_t window, double scale) {
+  decode_dispatch(q, k_pool, v_pool, rows, tables, lens, out, nullptr, window, scale);
 }
 
 // The same attention, and for the rows with slot[r] >= 0 what their softmax put where (attention_telemetry.h).
 void paged_decode_attention_telemetry(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tensor& v_pool,
                                       const torch::Tensor& rows, const torch::Tensor& tables, const torch::Tensor& lens,
                                       torch::Tensor& out, const torch::Tensor& slot, const torch::Tensor& sink_len,
-                                      torch::Tensor& sink_mass, torch::Tensor& top_pos, torch::Tensor& top_prob) {
+                                      torch::Tensor& sink_mass, torch::Tensor& top_pos, torch::Tensor& top_prob,
+                                      int64_t window, double scale) {
   const Telemetry tel = Telemetry::of(slot, sink_len, sink_mass, top_pos, top_prob, q.size(-2), tables.size(0));
-  decode_dispatch(q, k_pool, v_pool, rows, tables, lens, out, &tel);
+  decode_dispatch(q, k_pool, v_pool, rows, tables, lens, out, &tel, window, scale);
 }
 
 void paged_attention_range(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tensor& v_pool,
                            const torch::Tensor& rows, const torch::Tensor& tables, const torch::Tensor& lens,
-                           torch::Tensor& out, int64_t begin, int64_t end, const Telemetry* tel) {
+                           torch::Tensor& out, int64_t begin, int64_t end, const Telemetry* tel, int64_t window,
+                           double scale) {
   const int64_t E = q.size(-1), H = q.size(-2), bs = k_pool.size(1), K = k_pool.size(2), W = tables.size(1);
   with_types(q.scalar_type(), k_pool.scalar_type(), "decode_layers", [&](auto* t, auto* c) {
     using T = std::remove_pointer_t<decltype(t)>;
     using C = std::remove_pointer_t<decltype(c)>;
     decode_range<T, C>(q.data_ptr<T>(), q.stride(-3), k_pool.data_ptr<C>(), v_pool.data_ptr<C>(), rows.data_ptr<int64_t>(),
-                       tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<T>(), W, H, K, E, bs, begin, end, tel);
+                       tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<T>(), W, H, K, E, bs, begin, end, tel,
+                       window, scale);
   });
 }
 
