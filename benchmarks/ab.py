@@ -83,7 +83,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{key:<{width}}  {v['base']:10.2f} {v['this']:10.2f} {v['ratio']:7.3f} "
               f"{v['base_spread']:8.1%} / {v['this_spread']:.1%}")
     if a.out:
-        a.out.write_text(json.dumps({"base": str(sides["base"]), "bench": a.bench, "args": args, "rounds": a.rounds,
+        from benchmarks.machine import machine_info
+
+        a.out.write_text(json.dumps({"machine": machine_info("cpu", os.cpu_count() or 1), "base": str(sides["base"]),
+                                     "bench": a.bench, "args": args, "rounds": a.rounds,
                                      "load_avg": list(os.getloadavg()), "figures": rows}, indent=2) + "\n")
     return 0
 

@@ -274,7 +274,7 @@ def load_gguf(
         if parts is not None:  # a fused matrix (Phi-3's attn_qkv, ffn_up) under tensor parallelism: each part's slice
             H, K, E, F = config.n_heads, config.n_kv_heads, config.head_dim, config.hidden_dim
             whole = _dequantize(t, path)
-            pieces = np.split(whole, np.cumsum([H * E, K * E] if "wqkv" in ours else [F])[:], axis=0)
+            pieces = np.split(whole, np.cumsum([H * E, K * E] if "wqkv" in ours else [F]), axis=0)
             for part, piece in zip(parts, pieces):
                 cut = plan.slice_of(part)
                 piece = piece if cut is None else (piece[cut[1] : cut[2]] if cut[0] == 0 else piece[:, cut[1] : cut[2]])

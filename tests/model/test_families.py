@@ -208,3 +208,19 @@ def test_phi3_window_as_transformers_applies_it(tmp_path):
             assert (ours(tokens) - ref).abs().max().item() <= TOL
         hf.config.sliding_window = None
         assert (hf(tokens).logits - ref).abs().max().item() > 1e-2  # the window matters at 40 tokens
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_quantized_on_load_from_the_folder(family_checkpoint, mode):
+    """`--quantization int8 / int4` of a folder: each matrix rounded as it is read (Phi-3's fused ones as their
+    parts), biases and norms kept in float; the logits' RMS error within the LLaMA test's bounds
+    (tests/model/test_quantize.py: they catch a broken scheme on random weights, not a quality change)."""
+    from test_quantize import _rms_rel
+
+    family, hf, directory = family_checkpoint
+    tokens = _prompts(hf.config.vocab_size)
+    ours = load_hf(directory, quantization=mode)
+    assert ours.quantization == mode
+    with torch.no_grad():
+        ref, got = hf(tokens).logits, ours(tokens)
+    assert _rms_rel(got, ref) < {"int8": 0.1, "int4": 0.7}[mode]

@@ -7,6 +7,7 @@
 // llama.cpp's default `--cache-type-k f16`, or bfloat16): each key and value was rounded once when written
 // (paged_write, decode_layers) and is widened exactly on load (load8), so every read of it, by any row in any step,
 // sees the same number, and the arithmetic is the float32 cache's. T: q and out; C: the pools.
+#include <algorithm>
 #include <cstring>
 #include <type_traits>
 #include <vector>
@@ -457,21 +458,33 @@ struct Widened {  // a block's rows widened to float32: position s (in [b0, b0 +
 // whose own first is later gets scores there too, which its max ignores (taken over [first, len) alone), its sum
 // never adds (exp_and_sum_window) and its values weigh by 0 (finite keys and values times 0 add nothing): its
 // output is the same alone or in any tile.
-template <typename T, typename At>
+// `Windowed` (a compile-time switch: the plain tile is the code it was before windows, instruction for instruction):
+// some query's first is above 0.
+template <bool Windowed, typename T, typename At>
 static void attend_tile(const float* qf, const int64_t* len, const int64_t* first, int64_t Qn, int64_t E, const At* at,
                         const int64_t* group, int64_t NG, float* sc, int64_t ld, float* sums, float* acc) {
   const int64_t BS = E <= 64 ? 64 : 32;  // positions per block: its K (or V) rows stay in L1 across the tile's queries
   int64_t lmax = 0, lo = INT64_MAX;
-  bool windowed = false;
-  std::vector<int64_t> glen(NG, 0), glo(NG, INT64_MAX);  // per group: its longest query's length, its first position
+  std::vector<int64_t> glen(NG, 0), glo(Windowed ? NG : 0, INT64_MAX);  // per group: its longest query, its first key
   for (int64_t g = 0; g < NG; ++g)
     for (int64_t i = group[g]; i < group[g + 1]; ++i) {
       glen[g] = std::max(glen[g], len[i]);
-      glo[g] = std::min(glo[g], first[i] / 8 * 8);
-      windowed = windowed || first[i] > 0;
+      if constexpr (Windowed) glo[g] = std::min(glo[g], first[i] / 8 * 8);
     }
-  for (int64_t g = 0; g < NG; ++g) lmax = std::max(lmax, glen[g]), lo = std::min(lo, glo[g]);
-  const int64_t b_first = lo / BS * BS;  // the first block of positions any query reads
+  for (int64_t g = 0; g < NG; ++g) {
+    lmax = std::max(lmax, glen[g]);
+    if constexpr (Windowed) lo = std::min(lo, glo[g]);
+  }
+  const int64_t b_first = Windowed ? lo / BS * BS : 0;  // the first block of positions any query reads
+  // where group g's positions of the block at bb start (a window's first, rounded down to 8), and whether it has any
+  const auto from = [&](int64_t g, int64_t bb) -> int64_t {
+    if constexpr (Windowed) return std::max(bb, glo[g]);
+    return bb;
+  };
+  const auto skips = [&](int64_t g, int64_t bb, int64_t b0) {
+    if constexpr (Windowed) return b0 >= glen[g] || b0 >= bb + BS;
+    return bb >= glen[g];
+  };
   // A 16-bit cache (T not float) under a prefill tile: each block's key, then value, rows are widened once into
   // `wide` for all the group's queries (up to TILE_ROWS x G) instead of once per query; a decode row's G <= 4 queries
   // widen on load as attend_head does (the scratch's store and reload cost more there). Widening is exact, so the
@@ -525,14 +538,14 @@ static void attend_tile(const float* qf, const int64_t* len, const int64_t* firs
   };
   for (int64_t bb = b_first; bb < lmax; bb += BS)
     for (int64_t g = 0; g < NG; ++g) {
-      const int64_t b0 = std::max(bb, glo[g]);
-      if (b0 >= glen[g] || b0 >= bb + BS) continue;
+      const int64_t b0 = from(g, bb);
+      if (skips(g, bb, b0)) continue;
       if (widens(g))
         scores(bb, b0, group[g], group[g + 1], widened(at[g], b0, std::min(bb + BS, glen[g]), true, glen[g]));
       else
         scores(bb, b0, group[g], group[g + 1], at[g]);
     }
-  if (!windowed) {
+  if constexpr (!Windowed) {
     for (int64_t i = 0; i < Qn; ++i) sums[i] = exp_and_sum(sc + i * ld, len[i], std::max(hmax(mv[i]), tail_max[i]));
   } else {
     for (int64_t g = 0; g < NG; ++g)
@@ -580,8 +593,8 @@ static void attend_tile(const float* qf, const int64_t* len, const int64_t* firs
   };
   for (int64_t bb = b_first; bb < lmax; bb += BS)
     for (int64_t g = 0; g < NG; ++g) {
-      const int64_t b0 = std::max(bb, glo[g]);
-      if (b0 >= glen[g] || b0 >= bb + BS) continue;
+      const int64_t b0 = from(g, bb);
+      if (skips(g, bb, b0)) continue;
       if (widens(g))
         values(bb, b0, group[g], group[g + 1], widened(at[g], b0, std::min(bb + BS, glen[g]), false, glen[g]));
       else
@@ -634,8 +647,10 @@ static void decode_range(const T* q, int64_t q_stride, const C* kp, const C* vp,
             const int64_t r = qtask[i] / H, h = qtask[i] % H;
             for (int64_t e = 0; e < E; ++e) qf[i * E + e] = to_f(q[rows[r] * q_stride + h * E + e]) * scale;
           }
-          attend_tile<C>(qf.data(), qlen.data(), qfirst.data(), Qn, E, ats.data(), group.data(),
-                         static_cast<int64_t>(ats.size()), sc.data(), ld, sums.data(), acc.data());
+          const bool windowed = std::any_of(qfirst.begin(), qfirst.end(), [](int64_t f) { return f > 0; });
+          (windowed ? attend_tile<true, C, PoolRows<C>> : attend_tile<false, C, PoolRows<C>>)(
+              qf.data(), qlen.data(), qfirst.data(), Qn, E, ats.data(), group.data(), static_cast<int64_t>(ats.size()),
+              sc.data(), ld, sums.data(), acc.data());
           for (int64_t i = 0; i < Qn; ++i) {
             const int64_t r = qtask[i] / H, h = qtask[i] % H;
             T* o = out + (rows[r] * H + h) * E;
