@@ -119,7 +119,8 @@ async def closed_loop(url: str, model: str, concurrency: int, per_client: int, m
                 r.raise_for_status()
                 tokens += r.json()["usage"]["completion_tokens"]
 
-        await one([_prompt(rng, prompt_len)])  # a warm-up request
+        await one([_prompt(rng, prompt_len)])  # a warm-up request, not counted
+        tokens = 0
         t0 = time.perf_counter()
         await asyncio.gather(*(one(p) for p in prompts))
         wall = time.perf_counter() - t0
