@@ -36,7 +36,8 @@ class ArrivalWorkload:
     seed: int = 0
 
 
-def _pct(xs: list[float], q: float) -> float:
+def percentile(xs: list[float], q: float) -> float:
+    """The q-th percentile of xs, linear between the two nearest ranks (numpy's default); nan for none."""
     if not xs:
         return float("nan")
     xs = sorted(xs)
@@ -87,8 +88,8 @@ def run_arrivals(engine: Engine, w: ArrivalWorkload, vocab_size: int) -> dict:
     wall = time.perf_counter() - start
     ttft = [first[r] - arrived[r] for r in first]
     return {"requests": len(arrivals), "output_tokens": tokens, "wall_s": wall, "tok_s": tokens / wall,
-            "ttft_ms": {f"p{q}": _pct(ttft, q) * 1e3 for q in (50, 90, 99)},
-            "itl_ms": {f"p{q}": _pct(itl, q) * 1e3 for q in (50, 90, 99)},
+            "ttft_ms": {f"p{q}": percentile(ttft, q) * 1e3 for q in (50, 90, 99)},
+            "itl_ms": {f"p{q}": percentile(itl, q) * 1e3 for q in (50, 90, 99)},
             "workload": vars(w)}
 
 

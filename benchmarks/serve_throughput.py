@@ -36,6 +36,7 @@ from pathlib import Path
 
 import httpx
 
+from benchmarks.arrivals import percentile
 from benchmarks.machine import machine_info
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -128,15 +129,6 @@ async def closed_loop(url: str, model: str, concurrency: int, per_client: int, m
             "wall_s": wall, "tok_s": tokens / wall}
 
 
-def _pct(xs: list[float], q: float) -> float:
-    if not xs:
-        return float("nan")
-    xs = sorted(xs)
-    k = (len(xs) - 1) * q / 100
-    lo = int(k)
-    return xs[lo] + (xs[min(lo + 1, len(xs) - 1)] - xs[lo]) * (k - lo)
-
-
 async def arrivals(url: str, model: str, rate: float, duration: float, max_tokens: int, prompt_len: int,
                    seed: int = 0) -> dict:
     rng = random.Random(seed)
@@ -178,8 +170,8 @@ async def arrivals(url: str, model: str, rate: float, duration: float, max_token
         await asyncio.gather(*tasks)
         wall = time.perf_counter() - t_start
     return {"rate": rate, "requests": done, "output_tokens": tokens, "wall_s": wall, "tok_s": tokens / wall,
-            "ttft_ms": {f"p{q}": _pct(ttft, q) * 1e3 for q in (50, 90, 99)},
-            "itl_ms": {f"p{q}": _pct(itl, q) * 1e3 for q in (50, 90, 99)}}
+            "ttft_ms": {f"p{q}": percentile(ttft, q) * 1e3 for q in (50, 90, 99)},
+            "itl_ms": {f"p{q}": percentile(itl, q) * 1e3 for q in (50, 90, 99)}}
 
 
 def measure(root: Path, model: str, args) -> dict:

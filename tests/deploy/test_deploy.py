@@ -120,7 +120,19 @@ def test_another_torch_spec_reinstalls_torch_in_an_existing_venv(tmp_path):
     assert "pip install" not in make("-n", "install")
     cuda = f"torch=={torch_pin()}+cu128 --index-url https://download.pytorch.org/whl/cu128"
     again = make("-n", "install", f"TORCH_SPEC={cuda}")
-    assert f"pip install --quiet {cuda}\n" in again and "pip install --quiet -e ." in again, again
+    assert f"pip install --quiet {cuda} 2>/dev/null ||" in again and "pip install --quiet -e ." in again, again
+
+
+def test_the_cpu_torch_comes_from_pips_own_sources_before_pytorchs_index(tmp_path):
+    """The default TORCH_SPEC names the CPU build; pip looks for it where it is configured to look first (a local
+    wheel mirror answers without the network) and on PyTorch's CPU index only when that fails."""
+    env = {**{k: v for k, v in os.environ.items() if k not in ("TORCH_SPEC", "TORCH_INDEX")}, "VENV": str(tmp_path)}
+    r = subprocess.run(["make", "-s", "-n", "install"], cwd=ROOT, capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == 0, r.stderr
+    spec = f"torch=={torch_pin()}+cpu" if sys.platform != "darwin" else f"torch=={torch_pin()}"
+    first, _, fallback = next(line for line in r.stdout.splitlines() if "pip install --quiet torch" in line).partition(" || ")
+    assert first.endswith(f"pip install --quiet {spec} 2>/dev/null"), first
+    assert fallback.endswith(f"pip install --quiet {spec} --extra-index-url https://download.pytorch.org/whl/cpu"), fallback
 
 
 def dockerfile_chain(target: str, device: str) -> list[tuple[str, list[tuple[str, str]]]]:

@@ -194,17 +194,17 @@ def test_bad_requests_name_their_field(attr_server, body, status, param):
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert err["param"] is not None and err["param"].split(".")[0] == param, err
-    assert live.app.state.serving.ready
+    assert live.app.state.server.ready
 
 
 def test_the_byte_budget_is_a_413_before_anything_runs(attr_server, monkeypatch):
     live, _, _ = attr_server
     app = live.app
-    monkeypatch.setattr(app.state.serving.settings, "max_inspect_response_bytes", 50_000)
-    jobs0 = app.state.serving.engine._num_jobs
+    monkeypatch.setattr(app.state.server.settings, "max_inspect_response_bytes", 50_000)
+    jobs0 = app.state.server.engine._num_jobs
     r = post(live, "/inspect/attribute", {**PAIR, "sites": ["block_output", "head_q"]})
     assert r.status_code == 413 and r.json()["error"]["code"] == "attribute_too_large", r.text
-    assert "budget" in r.json()["error"]["message"] and app.state.serving.engine._num_jobs == jobs0
+    assert "budget" in r.json()["error"]["message"] and app.state.server.engine._num_jobs == jobs0
     # the patching endpoint's head sites are held to its own budget
     r = post(live, "/inspect/patch", {**{k: v for k, v in PAIR.items() if k != "method"}, "sites": ["head_output"],
                                       "positions": "all"})

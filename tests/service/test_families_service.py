@@ -93,7 +93,7 @@ def test_an_unsupported_architecture_is_refused_at_start(tmp_path, caplog):
     cfg = json.loads((path / "config.json").read_text())
     cfg.update(model_type="gemma2", architectures=["Gemma2ForCausalLM"])
     (path / "config.json").write_text(json.dumps(cfg))
-    state = create_app(Settings(model=str(path))).state.serving
+    state = create_app(Settings(model=str(path))).state.server
     with caplog.at_level("ERROR", logger="llamascope.service"):
         state.start()  # what the app's start-up runs
     assert state.engine is None and "\n" not in state.load_error

@@ -133,7 +133,7 @@ def test_rows_share_batches_with_traffic_and_the_prefix_cache(patch_server):
     positions = [3, 20, 30, 35]
     body = {"clean": CLEAN, "corrupted": CORRUPTED, "answer": " ", "contrast": "x", "sites": ["mlp_output"],
             "layers": [1, 2], "positions": positions}
-    engine = app.state.serving.engine
+    engine = app.state.server.engine
     hits0 = engine.stats.prefix_cache_hits
     with completions_beside(live.url, 4) as (ref, texts):
         r = post(live, body)
