@@ -86,9 +86,11 @@ def hf_sweep(hf, clean: list[int], corrupted: list[int], answer: int, contrast: 
     return grid, time.perf_counter() - t0
 
 
-def completion_latency(url: str, n: int, gap: float, stop: threading.Event | None = None) -> list[float]:
-    """Latencies (s) of short completions, one every `gap` s: n of them, or until `stop` is set."""
-    out = []
+def completion_latency(url: str, n: int, gap: float, stop: threading.Event | None = None,
+                       out: list[float] | None = None) -> list[float]:
+    """Latencies (s) of short completions, one every `gap` s: n of them, or until `stop` is set. `out`: the list each
+    latency is appended to as it is measured (another thread may watch it grow)."""
+    out = [] if out is None else out
     with httpx.Client(timeout=300) as c:
         while (stop is None and len(out) < n) or (stop is not None and not stop.is_set()):
             t0 = time.perf_counter()
