@@ -277,39 +277,11 @@ static inline void value_tiles(const float* sc, int64_t ld, float* acc, const in
 }
 #endif
 
-// sc[s] := exp(sc[s] - mx) for s < len; -> their sum (8 lanes, then the tail in order): one order for every caller.
-static inline float exp_and_sum(float* sc, int64_t len, float mx) {
-  float sum = 0.f;
-  int64_t s = 0;
-#if LS_AVX2
-  const __m256 m8 = _mm256_set1_ps(mx);
-  __m256 sv = _mm256_setzero_ps();
-#if LS_ZMM  // 16 at a time, each half added as its own group of 8, in order
-  const __m512 m16 = _mm512_set1_ps(mx);
-  for (; s + 16 <= len; s += 16) {
-    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(sc + s), m16));
-    _mm512_storeu_ps(sc + s, e);
-    sv = _mm256_add_ps(_mm256_add_ps(sv, lower8(e)), upper8(e));
-  }
-#endif
-  for (; s + 8 <= len; s += 8) {
-    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sc + s), m8));
-    _mm256_storeu_ps(sc + s, e);
-    sv = _mm256_add_ps(sv, e);
-  }
-  sum = hsum(sv);
-#endif
-  for (; s < len; ++s) {
-    sc[s] = std::exp(sc[s] - mx);
-    sum += sc[s];
-  }
-  return sum;
-}
-
-// A sliding window's query (first > 0): sc[s] := exp(sc[s] - mx) for s in [first, len) and 0 for s in [a, first), a =
-// first rounded down to 8, the group holding `first` through the vector exp with its lanes below `first` zeroed;
-// -> the sum over [a, len) as exp_and_sum adds it (8-lane groups in order, then the tail). A function of (first, len)
-// and the scores alone, whatever positions below `a` its tile computed.
+// A query's scores from `first` on (a sliding window's first; 0: every score, as exp_and_sum asks):
+// sc[s] := exp(sc[s] - mx) for s in [first, len) and 0 for s in [a, first), a = first rounded down to 8, the group
+// holding `first` through the vector exp with its lanes below `first` zeroed; -> the sum over [a, len), 8-lane groups
+// in order, then the tail. A function of (first, len) and the scores alone, whatever positions below `a` its tile
+// computed.
 static inline float exp_and_sum_window(float* sc, int64_t first, int64_t len, float mx) {
   int64_t s = first / 8 * 8;
   float sum = 0.f;
@@ -345,6 +317,9 @@ static inline float exp_and_sum_window(float* sc, int64_t first, int64_t len, fl
   }
   return sum;
 }
+
+// sc[s] := exp(sc[s] - mx) for s < len; -> their sum (8 lanes, then the tail in order): one order for every caller.
+static inline float exp_and_sum(float* sc, int64_t len, float mx) { return exp_and_sum_window(sc, 0, len, mx); }
 
 // The first position a query at context length `len` attends to under a sliding `window` (0: none): keys at
 // positions <= p - window are not attended (transformers' `sliding_window_overlay`, p = len - 1).
