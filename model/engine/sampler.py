@@ -349,11 +349,8 @@ class Sampler:
         """`__call__` without reading the results back: they stay on the logits' device. With `sync_free` (the
         engine's overlapped steps) nothing here waits for the device; `plain_greedy`: every row is known to be
         `_plain_greedy` (None: checked here); then `rows` may be None, as nothing of them is read."""
-        if rows is None:
-            assert plain_greedy and allowed is None, "rows are read unless every row is plain greedy"
-            self._check(logits, range(logits.shape[0]))
-            return SampledTensors(ops.greedy_pick(logits), [])  # (B,)
-        self._check(logits, rows)
+        assert rows is not None or (plain_greedy and allowed is None), "rows are read unless every row is plain greedy"
+        self._check(logits, rows if rows is not None else range(logits.shape[0]))
         if allowed is not None and allowed.rows:
             logits = _apply_allowed(logits, allowed, self._shifts)
         if plain_greedy or (plain_greedy is None and all(_plain_greedy(r) for r in rows)):
