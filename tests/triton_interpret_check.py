@@ -25,27 +25,34 @@ from model.kernels.attention_telemetry import AttentionTelemetry  # noqa: E402
 from tiny import byte_tokenizer, greedy_tokens, tiny_model  # noqa: E402
 
 
+def scattered_pools(lens: list[int], bs: int, K: int, E: int, g: torch.Generator, seed: int, spare: int,
+                     dtype: torch.dtype = torch.float32):
+    """Random K and V pools with `spare` blocks beyond what `lens` need, each sequence's blocks scattered over them.
+    -> k_pool, v_pool (NB, bs, K, E), the block tables (lists) and them padded with 0 as a tensor (S, W)."""
+    n_blocks = sum(-(-n // bs) for n in lens) + spare
+    k_pool = torch.randn(n_blocks, bs, K, E, generator=g).to(dtype)
+    v_pool = torch.randn(n_blocks, bs, K, E, generator=g).to(dtype)
+    ids = list(range(n_blocks))
+    random.Random(seed).shuffle(ids)  # scattered blocks
+    tables, at = [], 0
+    for n in lens:
+        tables.append(ids[at : at + -(-n // bs)])
+        at += -(-n // bs)
+    width = max(map(len, tables))
+    return k_pool, v_pool, tables, torch.tensor([t + [0] * (width - len(t)) for t in tables])
+
+
 def kernel_vs_sdpa(dtype: torch.dtype, H: int, K: int, E: int, bs: int, device: str = "cpu", window: int = 0,
                    scale: float = 0.0) -> float:
     """`window`, `scale`: a sliding window (rows attend to their last `window` keys, the blocks before never read)
     and an attention scale (0: 1/sqrt(E))."""
     lens = [1, 7, 16, 33, 100]
-    g = torch.Generator().manual_seed(0)
-    n_blocks = sum(-(-n // bs) for n in lens) + 3
-    k_pool = torch.randn(n_blocks, bs, K, E, generator=g).to(dtype)
-    v_pool = torch.randn(n_blocks, bs, K, E, generator=g).to(dtype)
-    ids = list(range(n_blocks))
-    random.Random(0).shuffle(ids)  # scattered blocks
-    tables, at = [], 0
-    for n in lens:
-        tables.append(ids[at : at + -(-n // bs)])
-        at += -(-n // bs)
+    k_pool, v_pool, tables, tables_t = scattered_pools(lens, bs, K, E, torch.Generator().manual_seed(0), 0, 3, dtype)
     N = len(lens) + 2
     q = torch.randn(N, H + 2 * K, E).to(dtype)[:, :H]  # a view into a fused q/k/v output, as the model passes it
-    rows, width = [5, 0, 3, 1, 6], max(map(len, tables))
+    rows = [5, 0, 3, 1, 6]
     out = torch.full((N, H, E), 7.0, dtype=dtype)
-    on = [t.to(device) for t in (q, k_pool, v_pool, torch.tensor(rows),
-                                 torch.tensor([t + [0] * (width - len(t)) for t in tables]), torch.tensor(lens), out)]
+    on = [t.to(device) for t in (q, k_pool, v_pool, torch.tensor(rows), tables_t, torch.tensor(lens), out)]
     if window:  # the blocks wholly before each row's window hold NaN: a read of one would show in the output
         for n, table in zip(lens, tables):
             for b in table[: max(0, n - window) // bs]:
@@ -69,15 +76,7 @@ def prefill_kernel_vs_sdpa(dtype: torch.dtype, H: int, K: int, E: int, bs: int, 
     chunks = [(0, 1, 45), (13, 45, 3), (40, 6, 30)]  # (prefix cached, rows, unused) per chunk
     g = torch.Generator().manual_seed(1)
     lens = [pre + n for pre, n, _ in chunks]
-    n_blocks = sum(-(-n // bs) for n in lens) + 2
-    k_pool = torch.randn(n_blocks, bs, K, E, generator=g).to(dtype)
-    v_pool = torch.randn(n_blocks, bs, K, E, generator=g).to(dtype)
-    ids = list(range(n_blocks))
-    random.Random(1).shuffle(ids)
-    tables, at = [], 0
-    for n in lens:
-        tables.append(ids[at : at + -(-n // bs)])
-        at += -(-n // bs)
+    k_pool, v_pool, tables, tables_t = scattered_pools(lens, bs, K, E, g, 1, 2, dtype)
     N = sum(n for _, n, _ in chunks) + 2
     q = torch.randn(N, H + 2 * K, E, generator=g).to(dtype)[:, :H]
     out = torch.full((N, H, E), 7.0, dtype=dtype)
@@ -86,9 +85,7 @@ def prefill_kernel_vs_sdpa(dtype: torch.dtype, H: int, K: int, E: int, bs: int, 
         starts.append(row)
         row += n
     tiles = triton_attention.prefill_tiles([(r, n, pre) for r, (pre, n, _) in zip(starts, chunks)])
-    width = max(map(len, tables))
-    on = [t.to(device) for t in (q, k_pool, v_pool, torch.tensor(tiles),
-                                 torch.tensor([t + [0] * (width - len(t)) for t in tables]), out)]
+    on = [t.to(device) for t in (q, k_pool, v_pool, torch.tensor(tiles), tables_t, out)]
     triton_attention.paged_prefill_attention(*on)
     out = on[-1].cpu()
     assert (out[[0, N - 1]] == 7).all(), "rows outside the chunks must stay untouched"
@@ -107,16 +104,7 @@ def telemetry_vs_reference(H: int, K: int, E: int, bs: int, top_k: int, device: 
     than k, sinks of 0, 1 and 5 keys, a row that records nothing; the attention output is the plain variant's."""
     lens = [1, 3, 17, 40, 70]
     g = torch.Generator().manual_seed(1)
-    n_blocks = sum(-(-n // bs) for n in lens) + 2
-    k_pool, v_pool = torch.randn(n_blocks, bs, K, E, generator=g), torch.randn(n_blocks, bs, K, E, generator=g)
-    ids = list(range(n_blocks))
-    random.Random(1).shuffle(ids)
-    tables, at = [], 0
-    for n in lens:
-        tables.append(ids[at : at + -(-n // bs)])
-        at += -(-n // bs)
-    width = max(map(len, tables))
-    tables_t = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    k_pool, v_pool, _, tables_t = scattered_pools(lens, bs, K, E, g, 1, 2)
     q = (torch.randn(len(lens), H, E, generator=g) * 2)
     rows, lens_t = torch.arange(len(lens)), torch.tensor(lens)
     slots, sink_len = torch.tensor([0, 1, -1, 2, 3]), torch.tensor([1, 5, 0, 1])
