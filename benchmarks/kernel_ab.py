@@ -13,7 +13,7 @@ of `--reps` runs of `max(1, 64 // R)` calls a side, which side first alternating
 through all the layers in turn (one row: weights from memory, as a decode step reads them), medians of the passes,
 alternating likewise. Ratios > 1: this checkout faster. A line says where the two builds' outputs differ.
 
-`--step`: instead, whole steps of `decode_layers` (csrc/decode_layers.cpp: every block of the file in one call, as
+`--step`: instead, whole steps of `step_layers` (csrc/step_layers.cpp: every block of the file in one call, as
 the engine's native step runs it), R decode rows each over `--context` cached positions of a float16 pool, the two
 builds alternating, medians of `--reps` x `max(1, 16 // R)` calls a side.
 """
@@ -45,7 +45,7 @@ def main() -> None:
     p.add_argument("--model", type=Path, nargs="+", required=True)
     p.add_argument("--rows", type=int, nargs="+", default=[1, 32, 512])
     p.add_argument("--reps", type=int, default=4)
-    p.add_argument("--step", action="store_true", help="whole decode_layers steps instead of the linear layers")
+    p.add_argument("--step", action="store_true", help="whole step_layers steps instead of the linear layers")
     p.add_argument("--context", type=int, default=512, help="with --step: cached positions each row attends over")
     args = p.parse_args()
     base, new = kernels.import_built(args.base_so), kernels.native()
@@ -98,13 +98,13 @@ def main() -> None:
 
 
 def step_ab(name: str, model, base: ModuleType, new: ModuleType, rows: int, context: int, reps: int) -> None:
-    """One decode step of `rows` rows over `context` positions each, every block in one decode_layers call, on both
+    """One decode step of `rows` rows over `context` positions each, every block in one step_layers call, on both
     builds (the base's takes the arguments of a LLaMA step: no family switches), alternating."""
-    from model.engine.native_decode import NativeDecode
+    from model.engine.native_step import NativeStep
     from model.engine.paged_cache import PagedKVCache
     from model.transformer import rotary_tables
 
-    nd = NativeDecode.for_model(model)
+    nd = NativeStep.for_model(model)
     c, bs = model.config, 16
     per_row = -(-(context + 1) // bs)
     cache = PagedKVCache.for_model(model, rows * per_row, bs, torch.float16)
@@ -116,7 +116,7 @@ def step_ab(name: str, model, base: ModuleType, new: ModuleType, rows: int, cont
     h = torch.randn(rows, c.dim)
     args = (h, nd.layers, nd.eps, cos.view(-1, c.head_dim), sin.view(-1, c.head_dim), cache.k, cache.v, slots,
             torch.arange(rows), tables, lens, nd.H, nd.K, nd.E, [], [])
-    outs = {side: lib.decode_layers(*args) for side, lib in (("base", base), ("new", new))}
+    outs = {side: lib.step_layers(*args) for side, lib in (("base", base), ("new", new))}
     if not torch.equal(outs["base"], outs["new"]):
         print(f"  {name} step of {rows} rows: the builds' outputs differ")
     inner = max(1, 16 // rows)
@@ -124,9 +124,9 @@ def step_ab(name: str, model, base: ModuleType, new: ModuleType, rows: int, cont
     for r in range(reps):
         for side, lib in ((("base", base), ("new", new)) if r % 2 == 0 else (("new", new), ("base", base))):
             for _ in range(inner):
-                t = time.perf_counter(); lib.decode_layers(*args); times[side].append(time.perf_counter() - t)
+                t = time.perf_counter(); lib.step_layers(*args); times[side].append(time.perf_counter() - t)
     tb, tn = statistics.median(times["base"]), statistics.median(times["new"])
-    print(f"{name} decode_layers, {rows} rows x {context} positions: {tb * 1e3:.2f} -> {tn * 1e3:.2f} ms a step "
+    print(f"{name} step_layers, {rows} rows x {context} positions: {tb * 1e3:.2f} -> {tn * 1e3:.2f} ms a step "
           f"({tb / tn:.2f}x)", flush=True)
 
 

@@ -87,7 +87,7 @@ class QuantLinear(nn.Module):
     native_op = ""  # the model/kernels function that multiplies by this weight: (x, *native_buffers()) -> y
 
     def native_buffers(self) -> list[Tensor] | None:
-        """The two buffers the native kernel reads (model/kernels/csrc/decode_layers.cpp's `linear`), or None."""
+        """The two buffers the native kernel reads (model/kernels/csrc/step_layers.cpp's `linear`), or None."""
         return None
 
     def packed_matmul(self, x: Tensor) -> Tensor:  # (M, in) bfloat16 -> (M, out) bfloat16, PyTorch's packed kernel
@@ -331,7 +331,7 @@ class StackedLinear(QuantLinear):
     then int6 rows, `parts` stacked along the output dim. Each part runs its own kernel on the same rounded
     activations and the outputs are concatenated, so no part's weights are rounded again (int8 for all of them read
     8.5 bits a weight where the file holds 4.625 and 6.5625). The fused native step takes the parts as one
-    projection (decode_layers.cpp's `Projection`)."""
+    projection (step_layers.cpp's `Projection`)."""
 
     def __init__(self, parts: list[QuantLinear]) -> None:
         if len({p.in_features for p in parts}) != 1 or any(isinstance(p, StackedLinear) for p in parts):

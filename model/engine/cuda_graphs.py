@@ -83,7 +83,7 @@ class CudaGraphs:
         n = batch.meta.num_tokens
         edited = batch.edits is not None
         # graphs are captured without attention telemetry: a step recording it runs another path instead
-        return (batch.meta.pure_decode and batch.num_seqs == n and ctx.telemetry is None
+        return (batch.meta.all_paged and batch.num_seqs == n and ctx.telemetry is None
                 and 0 < n <= self.buckets[-1] and (self._bucket(n), edited) not in self.failed
                 and (not edited or (self.edits.fits(batch.edits) and not batch.edits.reads_sub_blocks
                                     and not batch.edits.has_head_edits)))
@@ -94,7 +94,7 @@ class CudaGraphs:
     def _static(self, b: int) -> tuple[Tensor, Tensor, AttentionMetadata]:
         """The first b entries of the runner's device buffers: what bucket b's graph reads."""
         d = self.buffers.dev
-        meta = AttentionMetadata(d["slots"][:b], self.rows[:b], d["decode_tables"][:b], d["decode_lens"][:b])
+        meta = AttentionMetadata(d["slots"][:b], self.rows[:b], d["paged_tables"][:b], d["paged_lens"][:b])
         return d["tokens"][None, :b], d["positions"][None, :b], meta
 
     def _pad(self, n: int, b: int) -> None:
@@ -103,8 +103,8 @@ class CudaGraphs:
         d["tokens"][n:b] = 0
         d["positions"][n:b] = 0
         d["slots"][n:b] = self.scratch_slot
-        d["decode_tables"][n:b, 0] = self.scratch_block
-        d["decode_lens"][n:b] = 1
+        d["paged_tables"][n:b, 0] = self.scratch_block
+        d["paged_lens"][n:b] = 1
 
     @torch.inference_mode()
     def run(self, batch: StepBatch) -> Tensor:

@@ -67,9 +67,10 @@ class EngineConfig:
     # Pure decode steps as CUDA graphs per batch-size bucket (model/engine/cuda_graphs.py): "auto" on CUDA with
     # Triton, "off" (--enforce-eager), "eager" (the same static-buffer step without capture: for tests on CPU).
     decode_graphs: DecodeGraphMode = "auto"
-    # Pure decode steps through every block in one native call on CPU (model/engine/native_decode.py); False runs
-    # them through the modules (tests compare the two).
-    native_decode: bool = True
+    # Steps whose rows all attend over the paged pool (decode rows, and on CPU prefill chunks too) through every
+    # block in one native call on CPU (model/engine/native_step.py); False runs them through the modules (tests
+    # compare the two).
+    native_step: bool = True
     # Speculative decoding (model/engine/speculative/): drafts verified in the engine's own step; None: off
     speculative: SpeculativeConfig | None = None
     # The KV cache's dtype: "auto" (float16 under quantized weights on CPU with the native kernels, else the
@@ -163,7 +164,7 @@ class Engine:
         self.runner = ModelRunner(
             model, self.cache, Sampler(model.config.vocab_size, model.device, sync_free=self.async_scheduling),
             config.max_num_batched_tokens,
-            config.max_num_seqs, self.max_model_len, config.decode_graphs, config.native_decode,
+            config.max_num_seqs, self.max_model_len, config.decode_graphs, config.native_step,
             scratch_block=num_blocks if graphs else None, structured=self.structured, batch=self.batch,
             stream=stream, max_logprobs=config.max_logprobs,
         )

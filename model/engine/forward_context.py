@@ -69,7 +69,7 @@ class ForwardContext:
         ops.paged_write(k[0], v[0], k_pool, v_pool, meta.slot_mapping)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # (1, N, H, E)
         tel = self.telemetry
-        ops.decode_attention(q[0], k_pool, v_pool, meta.decode_rows, meta.decode_tables, meta.decode_lens, out[0],
+        ops.decode_attention(q[0], k_pool, v_pool, meta.paged_rows, meta.paged_tables, meta.paged_lens, out[0],
                              tel.layer(layer) if tel is not None else None, window, scale)
         if tel is not None:
             tel.attend_prefill_rows(layer, q, k_pool, v_pool, window, scale)

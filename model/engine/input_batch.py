@@ -56,7 +56,7 @@ class StepBatch:
 
 
 # The per-token fields, each a row of one (F, capacity) int64 array: where they live on the host and the device
-FIELDS = ("tokens", "positions", "slots", "logits_rows", "decode_rows", "decode_lens", "prev_rows")
+FIELDS = ("tokens", "positions", "slots", "logits_rows", "paged_rows", "paged_lens", "prev_rows")
 
 
 class InputBuffers:
@@ -103,7 +103,7 @@ class InputBuffers:
     @staticmethod
     def _views(fields: Tensor, tables: Tensor) -> dict[str, Tensor]:
         views = {name: fields[i] for i, name in enumerate(FIELDS)}
-        views["decode_tables"] = tables
+        views["paged_tables"] = tables
         return views
 
     def _use(self, k: int) -> None:
@@ -149,9 +149,9 @@ class InputBuffers:
                 np_["tokens"][off] = seq.token_ids(start, start + 1)[0]
                 np_["positions"][off] = c0
                 np_["slots"][off] = blocks[c0 // bs] * bs + c0 % bs
-                np_["decode_rows"][r] = off
-                np_["decode_lens"][r] = c0 + 1
-                np_["decode_tables"][r, : len(blocks)] = blocks
+                np_["paged_rows"][r] = off
+                np_["paged_lens"][r] = c0 + 1
+                np_["paged_tables"][r, : len(blocks)] = blocks
                 r += 1
             else:
                 np_["tokens"][off : off + n] = seq.token_ids(start, start + n)
@@ -159,9 +159,9 @@ class InputBuffers:
                 np_["positions"][off : off + n] = pos
                 np_["slots"][off : off + n] = np.asarray(blocks)[pos // bs] * bs + pos % bs
                 if paged_prefill:
-                    np_["decode_rows"][r : r + n] = np.arange(off, off + n)
-                    np_["decode_lens"][r : r + n] = pos + 1
-                    np_["decode_tables"][r : r + n, : len(blocks)] = blocks
+                    np_["paged_rows"][r : r + n] = np.arange(off, off + n)
+                    np_["paged_lens"][r : r + n] = pos + 1
+                    np_["paged_tables"][r : r + n, : len(blocks)] = blocks
                     r += n
             sl = SeqSlice(off, n, c0 + n, blocks)
             slices.append(sl)
@@ -186,8 +186,8 @@ class InputBuffers:
         self._upload(r)
         d = self.dev
         meta = AttentionMetadata(
-            slot_mapping=d["slots"][:off], decode_rows=d["decode_rows"][:r], decode_tables=d["decode_tables"][:r],
-            decode_lens=d["decode_lens"][:r],
+            slot_mapping=d["slots"][:off], paged_rows=d["paged_rows"][:r], paged_tables=d["paged_tables"][:r],
+            paged_lens=d["paged_lens"][:r],
         )
         if prefill_tiles and prefill:  # every chunk in one kernel launch: its tiles and the chunks' block tables
             width = max(len(p.block_ids) for p in prefill)
@@ -221,20 +221,20 @@ class InputBuffers:
             np_["prev_rows"][:n] = prev_rows
         np_["positions"][:n] = pos
         np_["slots"][:n] = tables[rows, pos // bs] * bs + pos % bs
-        np_["decode_rows"][:n] = rows
-        np_["decode_lens"][:n] = pos + 1
+        np_["paged_rows"][:n] = rows
+        np_["paged_lens"][:n] = pos + 1
         np_["logits_rows"][:n] = rows
-        decode_tables = None
+        paged_tables = None
         if tables_in_place and in_order and not self.separate:
-            decode_tables = self._batch_tables(batch)[:n]
+            paged_tables = self._batch_tables(batch)[:n]
         else:
             width = -(-int(pos.max(initial=0) + 1) // bs)  # the widest row's blocks: nothing past them is read
-            np_["decode_tables"][:n, :width] = tables[:, :width]
-        self._upload(n if decode_tables is None else 0)
+            np_["paged_tables"][:n, :width] = tables[:, :width]
+        self._upload(n if paged_tables is None else 0)
         d = self.dev
-        meta = AttentionMetadata(slot_mapping=d["slots"][:n], decode_rows=d["decode_rows"][:n],
-                                 decode_tables=d["decode_tables"][:n] if decode_tables is None else decode_tables,
-                                 decode_lens=d["decode_lens"][:n])
+        meta = AttentionMetadata(slot_mapping=d["slots"][:n], paged_rows=d["paged_rows"][:n],
+                                 paged_tables=d["paged_tables"][:n] if paged_tables is None else paged_tables,
+                                 paged_lens=d["paged_lens"][:n])
         return StepBatch(d["tokens"][:n], d["positions"][:n], d["logits_rows"][:n], meta, [], num_seqs=n,
                          host_positions=pos)
 

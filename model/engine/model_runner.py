@@ -33,7 +33,7 @@ from model.edits import EditTables, Segment, gather_reads
 from model.engine.cuda_graphs import CudaGraphs, buckets
 from model.engine.forward_context import ForwardContext
 from model.engine.input_batch import InputBuffers, StepBatch
-from model.engine.native_decode import NativeDecode
+from model.engine.native_step import NativeStep
 from model.engine.paged_cache import PagedKVCache
 from model.engine.persistent_batch import PersistentBatch
 from model.engine.request import Sequence
@@ -86,7 +86,7 @@ class RunnerOutput:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, cache: PagedKVCache, sampler: Sampler, max_num_batched_tokens: int,
-                 max_num_seqs: int, max_model_len: int, graph_mode: str, native_decode: bool,
+                 max_num_seqs: int, max_model_len: int, graph_mode: str, native_step: bool,
                  scratch_block: int | None, structured: StructuredOutputs | None = None,
                  batch: PersistentBatch | None = None, stream: Stream | None = None, max_logprobs: int = 20) -> None:
         self.model, self.cache, self.sampler = model, cache, sampler
@@ -104,7 +104,7 @@ class ModelRunner:
         self._out_host = [torch.zeros(rows * (3 + 2 * max_logprobs), dtype=torch.long, pin_memory=pin)
                           for _ in range(2)]
         self._parity = 0
-        self.native = NativeDecode.for_model(model) if native_decode else None
+        self.native = NativeStep.for_model(model) if native_step else None
         self.graphs = CudaGraphs(model, cache, self.buffers, scratch_block, max_num_seqs, capture=graph_mode == "auto") \
             if scratch_block is not None else None
         self.path_counts: Counter[str] = Counter({p: 0 for p in PATHS})

@@ -62,9 +62,9 @@ class AttentionMetadata:
     """What every layer's attention reads in one step: where each token's K/V goes, and how each row attends."""
 
     slot_mapping: Tensor  # (N,) pool slot of each packed token
-    decode_rows: Tensor  # (R,) packed rows attending over their block tables: decode rows (every row with paged_prefill)
-    decode_tables: Tensor  # (R, W) their block tables (padding past a row's blocks is never read)
-    decode_lens: Tensor  # (R,) their context lengths (position + 1)
+    paged_rows: Tensor  # (R,) packed rows attending over their block tables: decode rows (every row with paged_prefill)
+    paged_tables: Tensor  # (R, W) their block tables (padding past a row's blocks is never read)
+    paged_lens: Tensor  # (R,) their context lengths (position + 1)
     prefills: list[PrefillChunk] = field(default_factory=list)
     # where prefill chunks attend in one kernel over the pool (`PagedKVCache.prefill_tiles`): its tiles (Tn, 4) and
     # each chunk's blocks (C, W) (model/kernels/triton_attention.py, `paged_prefill_attention`); else per chunk
@@ -76,7 +76,7 @@ class AttentionMetadata:
         return self.slot_mapping.shape[0]
 
     @property
-    def pure_decode(self) -> bool:
+    def all_paged(self) -> bool:
         return not self.prefills
 
     @classmethod
@@ -90,10 +90,10 @@ class AttentionMetadata:
         rows = [(s.start + i, s.context_len - s.num_new + i + 1, s) for s in paged for i in range(s.num_new)]
         return cls(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
-            decode_rows=torch.tensor([r for r, _, _ in rows], dtype=torch.long, device=device),
-            decode_tables=torch.tensor([(s.block_ids + [0] * width)[:width] for _, _, s in rows], dtype=torch.long,
+            paged_rows=torch.tensor([r for r, _, _ in rows], dtype=torch.long, device=device),
+            paged_tables=torch.tensor([(s.block_ids + [0] * width)[:width] for _, _, s in rows], dtype=torch.long,
                                        device=device).view(len(rows), width),
-            decode_lens=torch.tensor([n for _, n, _ in rows], dtype=torch.long, device=device),
+            paged_lens=torch.tensor([n for _, n, _ in rows], dtype=torch.long, device=device),
             prefills=[prefill_chunk(s, block_size, device) for s in slices if s.num_new != 1 and not paged_prefill],
         )
 

@@ -9,7 +9,7 @@ Where each number comes from:
   decode-kernel row like any other; elsewhere that row is run once more through the decode kernel for its telemetry
   only (its output is discarded, so the SDPA output the model used is untouched);
 - the residual stream after each block: the fused native decode call copies the asking rows out after each block
-  (decode_layers' `telemetry` list); the module path reads them with forward hooks on the blocks, installed for
+  (step_layers' `telemetry` list); the module path reads them with forward hooks on the blocks, installed for
   the step only.
 A step in which no sequence asked runs none of this: no buffers, no hooks, the kernels' plain variants. The CUDA
 graphs' step declines such steps (its graphs are captured without telemetry) and the module path serves them.
@@ -100,7 +100,7 @@ class StepTelemetry:
                                   self.top_pos[layer], self.top_prob[layer])
 
     def native_args(self) -> list[Tensor]:
-        """decode_layers' telemetry list (model/kernels/csrc/decode_layers.cpp)."""
+        """step_layers' telemetry list (model/kernels/csrc/step_layers.cpp)."""
         return [self.slot, self.sink_len, self.sink_mass, self.top_pos, self.top_prob, self.hidden]
 
     def attend_prefill_rows(self, layer: int, q: Tensor, k_pool: Tensor, v_pool: Tensor, window: int = 0,

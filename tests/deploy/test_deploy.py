@@ -309,7 +309,7 @@ def test_wheel_installs_and_serves_like_the_image(tmp_path):
     wheels, venv = tmp_path / "wheels", tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(wheels), str(ROOT)], check=True)
     with zipfile.ZipFile(next(wheels.glob("llamascope-*.whl"))) as whl:  # the kernels' sources are package data
-        assert {"model/kernels/csrc/decode_layers.cpp", "model/kernels/csrc/simd.h"} <= set(whl.namelist())
+        assert {"model/kernels/csrc/step_layers.cpp", "model/kernels/csrc/simd.h"} <= set(whl.namelist())
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     py = str(venv / "bin" / "python")
     pip = [py, "-m", "pip", "install", "-q"]

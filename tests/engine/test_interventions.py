@@ -197,7 +197,7 @@ def test_native_apply_equals_the_reference(dtype):
 # ---- every path equals the hooked forward -----------------------------------------------------------------------
 
 
-PATHS = {"module": dict(native_decode=False, decode_graphs="off"), "native": dict(decode_graphs="off"),
+PATHS = {"module": dict(native_step=False, decode_graphs="off"), "native": dict(decode_graphs="off"),
          "graph": dict(decode_graphs="eager")}
 
 
@@ -224,7 +224,7 @@ def test_native_decode_is_bitwise_the_module_path_with_edits(model):
     prompts = _prompts(4, seed=2)
     reqs = {str(i): (p, greedy(10, logprobs=3), _mixed(i) if i % 2 else None) for i, p in enumerate(prompts)}
     a = serve(_engine(model, decode_graphs="off"), reqs)
-    b = serve(_engine(model, native_decode=False, decode_graphs="off"), reqs)
+    b = serve(_engine(model, native_step=False, decode_graphs="off"), reqs)
     for r in reqs:
         assert a[r]["tokens"] == b[r]["tokens"] and a[r]["lp"] == b[r]["lp"], r  # every logprob, bitwise
 

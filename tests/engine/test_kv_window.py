@@ -119,7 +119,7 @@ def test_batched_with_others_prefix_cache_and_paths_give_the_same_tokens(model, 
             "plain": (shared + [5], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)),
             "plain2": (shared, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, n=2))}
     alone = {r: run(_engine(model, kv_cache_dtype=kv), {r: reqs[r]})[r][0]["tokens"] for r in ("w1", "w2")}
-    configs = [{}, {"native_decode": False}, {"decode_graphs": "eager"}]
+    configs = [{}, {"native_step": False}, {"decode_graphs": "eager"}]
     for cfg in configs:
         engine = _engine(model, kv_cache_dtype=kv, **cfg)
         got = run(engine, reqs, arrive_at={"w2": 3, "plain2": 5})

@@ -20,7 +20,7 @@ from tiny import byte_tokenizer
 
 pytestmark = pytest.mark.skipif(kernels.native() is None, reason=f"native kernels: {kernels.status()}")
 
-PATHS = {"native": {}, "module": {"native_decode": False}}
+PATHS = {"native": {}, "module": {"native_step": False}}
 NEW_TOKENS = 48
 # drafts proposed at successive steps of the drafting sequence: 0, 2 and 4 (rows of 1, 3 and 5 tokens); "bad2" is
 # four drafts whose last two are wrong (a rollback of two), "bad4" four wrong ones

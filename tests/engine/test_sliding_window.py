@@ -55,7 +55,7 @@ def _check(model, prompt: list[int], got: dict) -> None:
 def test_window_on_decode_prefill_and_chunked_prefill(mistral, chunk, native):
     """Prompts of 3 to 45 tokens together, in one prefill or chunks of 5; the native fused step or the module path."""
     engine = Engine(mistral, byte_tokenizer(), EngineConfig(num_blocks=96, block_size=BS, max_num_batched_tokens=chunk,
-                                                            native_decode=native))
+                                                            native_step=native))
     prompts = {str(n): _prompt(n, n) for n in (3, 9, 20, 45)}
     res = run(engine, {k: (p, greedy(20, logprobs=0, prompt_logprobs=0)) for k, p in prompts.items()})
     for k, p in prompts.items():

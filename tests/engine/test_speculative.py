@@ -245,8 +245,8 @@ TELEMETRY_FIELDS = ("position", "sink_tokens", "sink_mass", "top_positions", "to
                     "top_dims", "top_values", "top_massive", "num_massive")
 
 
-@pytest.mark.parametrize("method,cfg", [("ngram", {}), ("draft", {}), ("draft", {"native_decode": False}),
-                                        ("draft", {"native_decode": False, "paged_prefill": False})],
+@pytest.mark.parametrize("method,cfg", [("ngram", {}), ("draft", {}), ("draft", {"native_step": False}),
+                                        ("draft", {"native_step": False, "paged_prefill": False})],
                          ids=["ngram", "draft", "draft-module", "draft-sdpa-prefill"])
 def test_telemetry_of_kept_tokens_under_speculation(model, draft, method, cfg, monkeypatch):
     """Rows with attention telemetry draft like any: every verification row records its own, and each kept token

@@ -95,7 +95,7 @@ def _generate(model, prompt, n, tel: TelemetryOptions | None, window=None, **cfg
     return engine, outs
 
 
-PATHS = [{}, {"native_decode": False}, {"decode_graphs": "eager"}]
+PATHS = [{}, {"native_step": False}, {"decode_graphs": "eager"}]
 
 
 @pytest.mark.parametrize("cfg", PATHS, ids=["native", "module", "graph_step"])

@@ -106,13 +106,13 @@ def test_engine_greedy_equals_the_uncached_forward(family):
                                         ("int4", torch.float32)])
 @pytest.mark.parametrize("family", list(FAMILY_SWITCHES))
 def test_native_step_equals_the_module_path(family, mode, dtype):
-    """decode_layers honours every switch in its layer loop: bitwise the module path's logprobs and tokens, prefill
+    """step_layers honours every switch in its layer loop: bitwise the module path's logprobs and tokens, prefill
     and decode, at every precision (a bias added after the quantized product)."""
     from test_native_kernels import _decode_run
 
     model = quantize_model(tiny_family(family, dtype=dtype), mode)
-    fast, fast_paths = _decode_run(model, native_decode=True)
-    slow, slow_paths = _decode_run(model, native_decode=False)
+    fast, fast_paths = _decode_run(model, native_step=True)
+    slow, slow_paths = _decode_run(model, native_step=False)
     assert fast_paths["native"] >= 6 and fast_paths["module"] == 0
     assert slow_paths["native"] == 0
     assert fast == slow
@@ -129,7 +129,7 @@ def test_native_step_over_a_16_bit_cache(family):
     model = quantize_model(tiny_family(family), "int4")
     runs = []
     for native in (True, False):
-        engine = Engine(model, byte_tokenizer(), EngineConfig(num_blocks=64, block_size=4, native_decode=native,
+        engine = Engine(model, byte_tokenizer(), EngineConfig(num_blocks=64, block_size=4, native_step=native,
                                                               kv_cache_dtype="float16"))
         assert engine.cache.k.dtype == torch.float16
         for i, p in enumerate([[5, 9, 2, 7, 1] * k for k in (1, 3, 7)]):

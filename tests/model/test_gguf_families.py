@@ -85,8 +85,8 @@ def _quantized_file(tmp_path, family: str, qtype_of, **shapes) -> tuple:
 
 
 def _native_equals_module(model) -> None:
-    fast, paths = _decode_run(model, native_decode=True)
-    slow, _ = _decode_run(model, native_decode=False)
+    fast, paths = _decode_run(model, native_step=True)
+    slow, _ = _decode_run(model, native_step=False)
     assert paths["native"] >= 6 and paths["module"] == 0
     assert fast == slow
 

@@ -186,8 +186,8 @@ def test_q4_k_m_mix_per_tensor_with_fused_parts_in_their_own_formats(tmp_path):
     # activations rounded to int8 by the kernels, per 256 for the Q4_K and Q6_K layers (ggml's q8_K): 0.084 of the
     # largest logit here (0.093 with every layer's per 32, 0.107 with the Q4_K layers' alone per 256)
     assert ((got - ref).abs().max() / ref.abs().max()).item() < 0.1
-    fast, paths = _decode_run(m, native_decode=True)
-    slow, _ = _decode_run(m, native_decode=False)
+    fast, paths = _decode_run(m, native_step=True)
+    slow, _ = _decode_run(m, native_step=False)
     assert paths["native"] >= 6 and paths["module"] == 0  # the stacked wqkv taken by the native step
     assert fast == slow
     prompts = [[5, 9, 2, 7, 1] * k for k in (1, 3, 7)]
@@ -241,8 +241,8 @@ def test_a_k_quant_file_is_served_as_it_holds_its_weights(tmp_path, qtype):
     assert kind == "int6" or fused.k_scales
     buffers = [b for mod in m.modules() if isinstance(mod, QuantLinear) for b in mod.buffers()]
     assert len({b.untyped_storage().data_ptr() for b in buffers}) == 1
-    fast, _ = _decode_run(m, native_decode=True)
-    slow, _ = _decode_run(m, native_decode=False)
+    fast, _ = _decode_run(m, native_step=True)
+    slow, _ = _decode_run(m, native_step=False)
     assert fast == slow
     prompts = [[5, 9, 2, 7, 1] * k for k in (1, 3, 7)]
     assert greedy_tokens(m, prompts) == [greedy_tokens(m, [p])[0] for p in prompts]

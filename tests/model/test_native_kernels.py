@@ -314,9 +314,9 @@ def test_int4_symmetric_layout_is_bitwise_the_one_holding_m():
 # ---- the native decode step ----------------------------------------------------------------------------------
 
 
-def _decode_run(model, native_decode: bool, ks=(1, 3, 7)):
+def _decode_run(model, native_step: bool, ks=(1, 3, 7)):
     """The prompts' greedy tokens with every logprob, and the steps per execution path."""
-    engine = Engine(model, byte_tokenizer(), EngineConfig(num_blocks=64, block_size=4, native_decode=native_decode))
+    engine = Engine(model, byte_tokenizer(), EngineConfig(num_blocks=64, block_size=4, native_step=native_step))
     prompts = [[5, 9, 2, 7, 1] * k for k in ks]
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=5)
     for i, p in enumerate(prompts):
@@ -331,11 +331,11 @@ def _decode_run(model, native_decode: bool, ks=(1, 3, 7)):
 @pytest.mark.parametrize("mode", ["none", "int8", "int4"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_native_decode_step_equals_the_module_path(mode, dtype):
-    """`decode_layers` composes the very functions the modules' ops call: bitwise the same logprobs, the same greedy
+    """`step_layers` composes the very functions the modules' ops call: bitwise the same logprobs, the same greedy
     tokens, for prefill steps as for decode steps (every row attends over the paged pool)."""
     model = quantize_model(tiny_model(dtype=dtype), mode)
-    fast, fast_paths = _decode_run(model, native_decode=True)
-    slow, slow_paths = _decode_run(model, native_decode=False)
+    fast, fast_paths = _decode_run(model, native_step=True)
+    slow, slow_paths = _decode_run(model, native_step=False)
     assert fast_paths["native"] >= 6 and fast_paths["module"] == 0  # the prefill step too
     assert slow_paths["native"] == 0 and slow_paths["module"] >= 6
     assert fast == slow
@@ -347,7 +347,7 @@ def test_native_decode_step_equals_the_module_path(mode, dtype):
 @pytest.mark.parametrize("ks", [(2,), (1, 2, 3, 4), (1, 2, 3, 4, 5)])
 @pytest.mark.parametrize("mode", ["none", "int4"])
 def test_few_and_many_row_steps_equal_the_module_path(mode, ks):
-    """Decode steps of 1 and 4 rows take decode_layers' few-row path (every thread computes the row-wise ops
+    """Decode steps of 1 and 4 rows take step_layers' few-row path (every thread computes the row-wise ops
     itself, 5 barriers a block), 5 rows the shared one: both bitwise the module path, on 2 threads."""
     threads = torch.get_num_threads()
     torch.set_num_threads(2)

@@ -33,7 +33,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_dequantize", &ls::int8_dequantize, nogil(), "int8 W -> (N, K) float32");
   m.def("int6_dequantize", &ls::int6_dequantize, nogil(), "int6 W -> (N, K) float32");
   m.def("argmax_rows", &ls::argmax_rows, nogil(), "greedy: each row's torch.argmax of logits (B, V) float32, -1 where not finite -> (B,)");
-  m.def("decode_layers", &ls::decode_layers, nogil(), "every block of a pure decode step: h (N, D) -> (N, D)",
+  m.def("step_layers", &ls::step_layers, nogil(), "every block of a step whose rows all attend over the paged pool: h (N, D) -> (N, D)",
         py::arg("h"), py::arg("layers"), py::arg("eps"), py::arg("cos"), py::arg("ssin"), py::arg("k_pools"),
         py::arg("v_pools"), py::arg("slots"), py::arg("rows"), py::arg("tables"), py::arg("lens"), py::arg("H"),
         py::arg("K"), py::arg("E"), py::arg("edits"), py::arg("telemetry"),

@@ -3,7 +3,7 @@
 // activation dtype, exactly as model/edits.py's `apply_reference` defines it. Rows no op names are not touched.
 //
 // The table (one forward's, `StepEdits`): ops (Q, 4) int64 [row, u, keep, put] (rows of bank (V, D) float32,
-// -1: absent). decode_layers (decode_layers.cpp) calls `apply_site` and then `read_site` at a block's three sites
+// -1: absent). step_layers (step_layers.cpp) calls `apply_site` and then `read_site` at a block's three sites
 // (k = 3 layer + site: attention_output, mlp_output, block_output), with the whole table as its trailing argument
 // [site_ptr, ops, bank, read_ptr (3L + 1), read_rows, read_out].
 #include "ops.h"

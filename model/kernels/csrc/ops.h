@@ -1,4 +1,4 @@
-// The native ops, as bindings.cpp exposes them to Python and decode_layers.cpp composes them.
+// The native ops, as bindings.cpp exposes them to Python and step_layers.cpp composes them.
 #pragma once
 
 #include <vector>
@@ -43,7 +43,7 @@ void paged_attention_range(const torch::Tensor& q, const torch::Tensor& k_pool, 
                            const torch::Tensor& rows, const torch::Tensor& tables, const torch::Tensor& lens,
                            torch::Tensor& out, int64_t begin, int64_t end, const Telemetry* tel = nullptr,
                            int64_t window = 0, double scale = 0.0);
-torch::Tensor decode_layers(torch::Tensor h, const std::vector<std::vector<torch::Tensor>>& layers, double eps,
+torch::Tensor step_layers(torch::Tensor h, const std::vector<std::vector<torch::Tensor>>& layers, double eps,
                             const torch::Tensor& cos, const torch::Tensor& ssin, torch::Tensor& k_pools,
                             torch::Tensor& v_pools, const torch::Tensor& slots, const torch::Tensor& rows,
                             const torch::Tensor& tables, const torch::Tensor& lens, int64_t H, int64_t K, int64_t E,

@@ -5,7 +5,7 @@
 //
 // The pools hold the activation dtype (float32, bfloat16) or, for float32 activations, a 16-bit cache (float16 as
 // llama.cpp's default `--cache-type-k f16`, or bfloat16): each key and value was rounded once when written
-// (paged_write, decode_layers) and is widened exactly on load (load8), so every read of it, by any row in any step,
+// (paged_write, step_layers) and is widened exactly on load (load8), so every read of it, by any row in any step,
 // sees the same number, and the arithmetic is the float32 cache's. T: q and out; C: the pools.
 #include <algorithm>
 #include <cstring>
@@ -744,7 +744,7 @@ void paged_attention_range(const torch::Tensor& q, const torch::Tensor& k_pool, 
                            torch::Tensor& out, int64_t begin, int64_t end, const Telemetry* tel, int64_t window,
                            double scale) {
   const int64_t E = q.size(-1), H = q.size(-2), bs = k_pool.size(1), K = k_pool.size(2), W = tables.size(1);
-  with_types(q.scalar_type(), k_pool.scalar_type(), "decode_layers", [&](auto* t, auto* c) {
+  with_types(q.scalar_type(), k_pool.scalar_type(), "step_layers", [&](auto* t, auto* c) {
     using T = std::remove_pointer_t<decltype(t)>;
     using C = std::remove_pointer_t<decltype(c)>;
     decode_range<T, C>(q.data_ptr<T>(), q.stride(-3), k_pool.data_ptr<C>(), v_pool.data_ptr<C>(), rows.data_ptr<int64_t>(),

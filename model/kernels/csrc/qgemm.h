@@ -1,5 +1,5 @@
 // The raw-pointer linear kernels every native path shares (quant_linear.cpp, float_linear.cpp), so that the modules'
-// ops (bindings.cpp) and the fused step (decode_layers.cpp) compute each output with one and the same sequence of
+// ops (bindings.cpp) and the fused step (step_layers.cpp) compute each output with one and the same sequence of
 // float operations, whatever the number of rows, the tile a row falls in, or the thread that computes it.
 //
 // Batch invariance (Thinking Machines, "Defeating Nondeterminism in LLM Inference", 2025): a row's result must not

@@ -1,4 +1,4 @@
-"""The fused native path: every block of a step in one native call (model/kernels/csrc/decode_layers.cpp).
+"""The fused native path: every block of a step in one native call (model/kernels/csrc/step_layers.cpp).
 
 The module path runs the very same native ops (RMSNorm, the linear layers, RoPE, the KV write, paged attention,
 SiLU-mul) one module call at a time, each its own parallel region; at the default model's size that per-call cost
@@ -22,7 +22,7 @@ from model.transformer import Transformer
 
 
 def _linear_spec(layer: nn.Module) -> list[Tensor] | None:
-    """A linear layer as decode_layers takes it: [float weight, empty] or a quantized layer's two native buffers
+    """A linear layer as step_layers takes it: [float weight, empty] or a quantized layer's two native buffers
     (a `StackedLinear`'s parts: each part's two, in order); None for anything else (a tensor-parallel row-parallel
     layer, say, whose output must be all-reduced)."""
     if isinstance(layer, nn.Linear):
@@ -37,18 +37,18 @@ def _linear_spec(layer: nn.Module) -> list[Tensor] | None:
     return None
 
 
-class NativeDecode:
+class NativeStep:
     def __init__(self, model: nn.Module, layers: list[list[Tensor]], extras: list[list[Tensor]]) -> None:
         self.model, self.layers, self.extras = model, layers, extras
         c = model.config
         self.eps, self.H, self.K, self.E = c.norm_eps, c.n_heads, kv_config(model).n_kv_heads, c.head_dim
-        # the family switches the fused step honours (decode_layers.cpp's `Switches`)
+        # the family switches the fused step honours (step_layers.cpp's `Switches`)
         self.switches = dict(window=c.sliding_window, scale=c.attention_multiplier, residual=c.residual_multiplier,
                              post_norm=c.norm_placement == "post",
                              qk_norm={"none": 0, "head": 1, "projection": 2}[c.qk_norm])
 
     @classmethod
-    def for_model(cls, model: nn.Module) -> "NativeDecode | None":
+    def for_model(cls, model: nn.Module) -> "NativeStep | None":
         """The path for `model` when the native kernels are available and every block is in the form the kernel
         takes (CPU, float32 or bfloat16, plain or weight-only quantized linear layers); else None."""
         if not isinstance(model, Transformer) or model.device.type != "cpu" or kernels.usable(model.norm.weight) is None:
@@ -78,16 +78,16 @@ class NativeDecode:
         meta = ctx.meta
         if ctx.edits is not None and ctx.edits.has_head_edits:  # edits of single heads: the module path's sites
             return False
-        return (meta.pure_decode and meta.decode_rows.numel() == meta.num_tokens
+        return (meta.all_paged and meta.paged_rows.numel() == meta.num_tokens
                 and ops.native_pool(self.model.dtype, ctx.cache.k.dtype) and kernels.native() is not None)
 
     def run(self, batch: StepBatch, ctx: ForwardContext) -> Tensor:
         """-> logits (M, V) at the batch's logits rows."""
         m, meta, cache, E = self.model, ctx.meta, ctx.cache, self.E
         h, cos, sin = m.embed(batch.tokens[None], batch.positions[None])  # (1, N, D), (1, N, 1, E) x 2
-        h = kernels.native().decode_layers(
+        h = kernels.native().step_layers(
             h[0], self.layers, self.eps, cos.view(-1, E), sin.view(-1, E), cache.k, cache.v, meta.slot_mapping,
-            meta.decode_rows, meta.decode_tables, meta.decode_lens, self.H, self.K, E,
+            meta.paged_rows, meta.paged_tables, meta.paged_lens, self.H, self.K, E,
             ctx.edits.tensors() if ctx.edits is not None else [],
             ctx.telemetry.native_args() if ctx.telemetry is not None else [],
             self.extras, **self.switches,

@@ -22,7 +22,7 @@
 
 namespace ls {
 
-// One projection as decode_layers takes it: a float weight (N, K) of the activation dtype (b empty), or a quantized
+// One projection as step_layers takes it: a float weight (N, K) of the activation dtype (b empty), or a quantized
 // layer's two buffers (model/quantize.py's `native_buffers`), or the parts of a quantized `StackedLinear` (several
 // quantized layers of one input in different formats, stacked along the output: `stacked`, each with its first
 // output column; q is then unused).
@@ -40,7 +40,7 @@ static Projection projection(const torch::Tensor& a, const torch::Tensor& b, at:
     const QWeight q = qweight_of(a, b);
     return Projection{true, q, nullptr, q.N, q.K, {}, k_acts(q)};
   }
-  TORCH_CHECK(a.scalar_type() == dtype && a.dim() == 2 && a.is_contiguous(), "decode_layers: float weights of the activation dtype");
+  TORCH_CHECK(a.scalar_type() == dtype && a.dim() == 2 && a.is_contiguous(), "step_layers: float weights of the activation dtype");
   return Projection{false, QWeight{}, a.data_ptr(), a.size(0), a.size(1), {}};
 }
 
@@ -51,7 +51,7 @@ static Projection projection_of(const std::vector<torch::Tensor>& w, size_t firs
   Projection p{true, QWeight{}, nullptr, 0, 0, {}};
   for (size_t i = first; i < last; ++i) {
     const Projection part = projection(w[2 * i], w[2 * i + 1], dtype);
-    TORCH_CHECK(part.quantized && (p.N == 0 || part.K == p.K), "decode_layers: stacked parts are quantized, of one input");
+    TORCH_CHECK(part.quantized && (p.N == 0 || part.K == p.K), "step_layers: stacked parts are quantized, of one input");
     p.stacked.emplace_back(p.N, part.q);
     p.k_acts = p.k_acts || part.k_acts;
     p.N += part.N;
@@ -61,7 +61,7 @@ static Projection projection_of(const std::vector<torch::Tensor>& w, size_t firs
 }
 
 // The family switches of model/config.py's ModelConfig that change a block (model/transformer.py's Attention and
-// Block), with each layer's own tensors for them in decode_layers' `extras`: [bqkv, q_norm, k_norm], each empty where
+// Block), with each layer's own tensors for them in step_layers' `extras`: [bqkv, q_norm, k_norm], each empty where
 // the model has none.
 struct Switches {
   int64_t window = 0;       // sliding window (Mistral): keys at positions <= p - window are not attended; 0: none
@@ -365,43 +365,43 @@ static void run_layers(Step<T>& s, const std::vector<std::vector<torch::Tensor>>
 // telemetry: empty (off), or model/engine/telemetry.py's [slot (N,), sink_len (Rt,), sink_mass (L, Rt, H),
 // top_pos (L, Rt, H, k), top_prob (L, Rt, H, k), hidden (L, Rt, D)]: the attention telemetry of the rows with
 // slot >= 0, and their residual stream after each block.  -> h after every block (N, D)
-torch::Tensor decode_layers(torch::Tensor h, const std::vector<std::vector<torch::Tensor>>& layers, double eps,
+torch::Tensor step_layers(torch::Tensor h, const std::vector<std::vector<torch::Tensor>>& layers, double eps,
                             const torch::Tensor& cos, const torch::Tensor& ssin, torch::Tensor& k_pools,
                             torch::Tensor& v_pools, const torch::Tensor& slots, const torch::Tensor& rows,
                             const torch::Tensor& tables, const torch::Tensor& lens, int64_t H, int64_t K, int64_t E,
                             const std::vector<torch::Tensor>& edits, const std::vector<torch::Tensor>& telemetry,
                             const std::vector<std::vector<torch::Tensor>>& extras, int64_t window, double scale,
                             double residual, bool post_norm, int64_t qk_norm) {
-  TORCH_CHECK(telemetry.empty() || telemetry.size() == 6, "decode_layers: telemetry is empty or 6 tensors");
-  TORCH_CHECK(window >= 0 && qk_norm >= 0 && qk_norm <= 2, "decode_layers: window >= 0, qk_norm 0, 1 or 2");
+  TORCH_CHECK(telemetry.empty() || telemetry.size() == 6, "step_layers: telemetry is empty or 6 tensors");
+  TORCH_CHECK(window >= 0 && qk_norm >= 0 && qk_norm <= 2, "step_layers: window >= 0, qk_norm 0, 1 or 2");
   const Switches sw{window, scale, static_cast<float>(residual), post_norm, qk_norm};
-  TORCH_CHECK(h.dim() == 2 && k_pools.size(0) == static_cast<int64_t>(layers.size()), "decode_layers: shapes");
+  TORCH_CHECK(h.dim() == 2 && k_pools.size(0) == static_cast<int64_t>(layers.size()), "step_layers: shapes");
   const int64_t N = h.size(0), D = h.size(1), L = layers.size();
   const auto dtype = h.scalar_type();
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "decode_layers: float32 or bfloat16");
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "step_layers: float32 or bfloat16");
   const bool kv16 = dtype == at::kFloat && (k_pools.scalar_type() == at::kHalf || k_pools.scalar_type() == at::kBFloat16);
-  TORCH_CHECK((k_pools.scalar_type() == dtype || kv16) && v_pools.scalar_type() == k_pools.scalar_type() && k_pools.is_contiguous() && v_pools.is_contiguous(), "decode_layers: pools of the activation dtype, or 16-bit under float32");
-  TORCH_CHECK(cos.scalar_type() == dtype && ssin.scalar_type() == dtype && cos.is_contiguous() && ssin.is_contiguous() && cos.numel() == N * E && ssin.numel() == N * E, "decode_layers: rope tables");
-  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == N, "decode_layers: slots");
-  TORCH_CHECK(rows.numel() == N && rows.scalar_type() == at::kLong && lens.scalar_type() == at::kLong && tables.scalar_type() == at::kLong && tables.is_contiguous() && tables.size(0) == N, "decode_layers: every row attends over its table");
-  TORCH_CHECK(E <= 1024 && H % K == 0 && k_pools.size(3) == K && k_pools.size(4) == E, "decode_layers: heads");
+  TORCH_CHECK((k_pools.scalar_type() == dtype || kv16) && v_pools.scalar_type() == k_pools.scalar_type() && k_pools.is_contiguous() && v_pools.is_contiguous(), "step_layers: pools of the activation dtype, or 16-bit under float32");
+  TORCH_CHECK(cos.scalar_type() == dtype && ssin.scalar_type() == dtype && cos.is_contiguous() && ssin.is_contiguous() && cos.numel() == N * E && ssin.numel() == N * E, "step_layers: rope tables");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == N, "step_layers: slots");
+  TORCH_CHECK(rows.numel() == N && rows.scalar_type() == at::kLong && lens.scalar_type() == at::kLong && tables.scalar_type() == at::kLong && tables.is_contiguous() && tables.size(0) == N, "step_layers: every row attends over its table");
+  TORCH_CHECK(E <= 1024 && H % K == 0 && k_pools.size(3) == K && k_pools.size(4) == E, "step_layers: heads");
   const int64_t n_slots = k_pools.size(1) * k_pools.size(2);
-  for (int64_t n = 0; n < N; ++n) TORCH_CHECK(slots.data_ptr<int64_t>()[n] >= 0 && slots.data_ptr<int64_t>()[n] < n_slots, "decode_layers: slot out of range");
+  for (int64_t n = 0; n < N; ++n) TORCH_CHECK(slots.data_ptr<int64_t>()[n] >= 0 && slots.data_ptr<int64_t>()[n] < n_slots, "step_layers: slot out of range");
   std::vector<std::vector<Projection>> proj(L);
   int64_t F = 0, widest_out = 0, widest_in = 0;
   bool any_k = false;  // a Q4_K or Q6_K projection somewhere: the rows' q8_K rounding too
-  TORCH_CHECK(extras.empty() ? qk_norm == 0 : static_cast<int64_t>(extras.size()) == L, "decode_layers: extras per block");
+  TORCH_CHECK(extras.empty() ? qk_norm == 0 : static_cast<int64_t>(extras.size()) == L, "step_layers: extras per block");
   for (int64_t l = 0; l < static_cast<int64_t>(extras.size()); ++l) {
     const auto& x = extras[l];
-    TORCH_CHECK(x.size() == 3, "decode_layers: extras [bqkv, q_norm, k_norm] per block");
-    TORCH_CHECK(x[0].numel() == 0 || (x[0].scalar_type() == dtype && x[0].is_contiguous() && x[0].numel() == (H + 2 * K) * E), "decode_layers: bqkv ((H + 2K) E,)");
+    TORCH_CHECK(x.size() == 3, "step_layers: extras [bqkv, q_norm, k_norm] per block");
+    TORCH_CHECK(x[0].numel() == 0 || (x[0].scalar_type() == dtype && x[0].is_contiguous() && x[0].numel() == (H + 2 * K) * E), "step_layers: bqkv ((H + 2K) E,)");
     const int64_t qw = qk_norm == 1 ? E : H * E, kw = qk_norm == 1 ? E : K * E;
-    TORCH_CHECK(qk_norm == 0 || (x[1].scalar_type() == dtype && x[2].scalar_type() == dtype && x[1].is_contiguous() && x[2].is_contiguous() && x[1].numel() == qw && x[2].numel() == kw), "decode_layers: q/k norm weights");
+    TORCH_CHECK(qk_norm == 0 || (x[1].scalar_type() == dtype && x[2].scalar_type() == dtype && x[1].is_contiguous() && x[2].is_contiguous() && x[1].numel() == qw && x[2].numel() == kw), "step_layers: q/k norm weights");
   }
   for (int64_t l = 0; l < L; ++l) {
     const auto& w = layers[l];
-    TORCH_CHECK(w.size() >= 10 && w.size() % 2 == 0, "decode_layers: 10 tensors per block, or more with stacked parts");
-    TORCH_CHECK(w[0].scalar_type() == dtype && w[1].scalar_type() == dtype && w[0].numel() == D && w[1].numel() == D, "decode_layers: norms");
+    TORCH_CHECK(w.size() >= 10 && w.size() % 2 == 0, "step_layers: 10 tensors per block, or more with stacked parts");
+    TORCH_CHECK(w[0].scalar_type() == dtype && w[1].scalar_type() == dtype && w[0].numel() == D && w[1].numel() == D, "step_layers: norms");
     // pairs 1 .. P - 1 after the norms' pair 0: wqkv's parts up to its (H + 2K) E rows, wo, w13's parts, w2 (last)
     const size_t P = w.size() / 2;
     size_t qkv_end = 1;
@@ -412,12 +412,12 @@ torch::Tensor decode_layers(torch::Tensor h, const std::vector<std::vector<torch
     proj[l].push_back(projection_of(w, P - 1, P, dtype));
     const auto& p = proj[l];
     F = p[2].N / 2;
-    TORCH_CHECK(p[0].K == D && p[0].N == (H + 2 * K) * E && p[1].K == H * E && p[1].N == D && p[2].K == D && p[3].K == F && p[3].N == D, "decode_layers: projection shapes");
+    TORCH_CHECK(p[0].K == D && p[0].N == (H + 2 * K) * E && p[1].K == H * E && p[1].N == D && p[2].K == D && p[3].K == F && p[3].N == D, "step_layers: projection shapes");
     for (const auto& q : p) {
       widest_out = std::max(widest_out, q.N);
       widest_in = std::max(widest_in, q.K);
       any_k = any_k || q.k_acts;
-      TORCH_CHECK(!q.quantized || q.K % QK == 0, "decode_layers: quantized inputs in blocks of 32");
+      TORCH_CHECK(!q.quantized || q.K % QK == 0, "step_layers: quantized inputs in blocks of 32");
     }
   }
   h = h.clone().contiguous();  // the residual stream is updated in place from here on; the caller's tensor stays as it was
@@ -425,13 +425,13 @@ torch::Tensor decode_layers(torch::Tensor h, const std::vector<std::vector<torch
   auto xn = torch::empty({N, D}, opts), qkv = torch::empty({N, H + 2 * K, E}, opts), att = torch::empty({N, H, E}, opts);
   auto gu = torch::empty({N, 2 * F}, opts), act = torch::empty({N, F}, opts);
   auto sub = torch::empty({edits.empty() && !post_norm ? 0 : N, D}, opts);
-  TORCH_CHECK(telemetry.empty() || (telemetry[5].scalar_type() == dtype && telemetry[5].is_contiguous()), "decode_layers: telemetry hidden");
+  TORCH_CHECK(telemetry.empty() || (telemetry[5].scalar_type() == dtype && telemetry[5].is_contiguous()), "step_layers: telemetry hidden");
   std::vector<Telemetry> tel;  // per layer, where the asking rows' attention goes (attention_telemetry.h)
   if (!telemetry.empty()) {
     const int64_t Rt = telemetry[1].numel();
     TORCH_CHECK(telemetry[2].dim() == 3 && telemetry[2].size(0) == L && telemetry[3].dim() == 4 && telemetry[3].size(0) == L &&
                 telemetry[4].sizes() == telemetry[3].sizes() && telemetry[5].dim() == 3 && telemetry[5].size(0) == L &&
-                telemetry[5].size(1) == Rt && telemetry[5].size(2) == D, "decode_layers: telemetry buffers (L, ...)");
+                telemetry[5].size(1) == Rt && telemetry[5].size(2) == D, "step_layers: telemetry buffers (L, ...)");
     torch::Tensor sink = telemetry[2][0], pos = telemetry[3][0], prob = telemetry[4][0];
     const Telemetry first = Telemetry::of(telemetry[0], telemetry[1], sink, pos, prob, H, N);  // checks layer 0's view
     for (int64_t l = 0; l < L; ++l) tel.push_back(first.layer(l, Rt));
