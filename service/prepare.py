@@ -14,7 +14,7 @@ from service.option_fields import to_options
 from service.sampling_fields import to_sampling_params
 from service.schemas import ChatCompletionRequest, ChatMessage
 from service.serving import Serving
-from service.structured_outputs import compile_spec, requested_spec
+from service.structured_outputs import requested_spec
 from service.tool_calls import ToolPlan, plan_tools, template_messages, template_renders_tools, template_tools
 from service.tool_parsers import template_tool_format
 
@@ -100,8 +100,8 @@ async def prepare_chat(serving: Serving, req: ChatCompletionRequest) -> ChatRun:
         raise APIError(400, f"{structured.source} cannot be combined with tool calls (tool_choice "
                        f"{plan.named or plan.mode.split('_')[0]}): give one output constraint", param=structured.source,
                        code="invalid_value")
-    for spec in [*plan.tool_specs, plan.spec or structured]:  # each tool alone first: its error names the tool
-        await compile_spec(serving, spec)
+    for spec in plan.tool_specs:  # each tool's grammar alone first, so that a refusal names the tool
+        await serving.check(RequestOptions(structured=spec))
     top = (req.top_logprobs or 0) if req.logprobs else None
     params = to_sampling_params(req, serving.settings, req.max_completion_tokens or req.max_tokens, top, None,
                                 default_max_tokens=max(1, serving.max_model_len - len(prompt)))
@@ -109,7 +109,7 @@ async def prepare_chat(serving: Serving, req: ChatCompletionRequest) -> ChatRun:
         # Mistral's [TOOL_CALLS] is a control token: kept in the text for the parser (vLLM's MistralToolParser
         # adjust_request does the same)
         params = dataclasses.replace(params, skip_special_tokens=False)
-    return ChatRun(text, prompt, plan, params, to_options(req, serving, params, structured=plan.spec or structured))
+    return ChatRun(text, prompt, plan, params, await to_options(req, serving, params, structured=plan.spec or structured))
 
 
 def check_inspect_length(serving: Serving, T: int, param: str = "prompt") -> None:

@@ -5,12 +5,13 @@ the engine thread publishes; never the engine's internals, whose state only the 
 
 from __future__ import annotations
 
+import asyncio
+
 from fastapi import Request
 
 from model.config import ModelConfig
-from model.engine import (PLAIN, AsyncEngine, EngineJob, EngineStats, KVWindow, RequestOptions, RequestStream,
+from model.engine import (PLAIN, AsyncEngine, EngineJob, EngineStats, InvalidOption, RequestOptions, RequestStream,
                           SamplingParams)
-from model.engine.structured import StructuredOutputSpec
 from model.interventions import Intervention
 from model.probes import (AttributionPatchingRun, CaptureRun, DirectLogitRun, PatchSweep, ProbeOptions, ProbeRun,
                           SiteCapture)
@@ -84,24 +85,17 @@ class Serving:
                                  qk_fix: bool) -> AttributionPatchingRun:
         return AttributionPatchingRun(self._local_model("attribution"), sweep, source, target, qk_fix)
 
-    def check_window(self, window: KVWindow) -> None:
-        """400 naming `kv_window` unless the engine can serve this sink + window cache."""
+    async def check(self, options: RequestOptions) -> None:
+        """400 naming the request field the engine cannot serve (`Engine.check`: the sink + window cache, telemetry,
+        speculation, the grammar). A grammar compiles on a worker thread into the engine's cache (thread-safe), so
+        the engine thread finds it there and the event loop never waits for a compile."""
         try:
-            self._engine.check_window(window)
-        except ValueError as e:
-            raise APIError(400, str(e), param="kv_window", code="invalid_value") from None
-
-    def check_speculation(self, k: int | None) -> None:
-        """400 naming `num_speculative_tokens` unless the engine can serve it."""
-        try:
-            self._engine.check_speculation(k)
-        except ValueError as e:
-            raise APIError(400, str(e), param="num_speculative_tokens", code="invalid_value") from None
-
-    def compile_structured(self, spec: StructuredOutputSpec) -> None:
-        """Compile a request's grammar into the engine's cache, so the engine thread finds it there (the compiler and
-        its cache are thread-safe; called on a worker thread). ValueError when the grammar engine refuses it."""
-        self._engine.compile_structured(spec)
+            if options.structured is not None:
+                await asyncio.to_thread(self._engine.check, options)
+            else:
+                self._engine.check(options)
+        except InvalidOption as e:
+            raise APIError(400, str(e), param=e.param, code="invalid_value") from None
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:

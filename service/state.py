@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from model.engine import AsyncEngine
-from model.engine import Engine, KVWindow, SpeculativeConfig
+from model.engine import Engine, KVWindow, RequestOptions, SpeculativeConfig
 from model.loaders import LoadedModel, load_model
 from model.parallel import TPModel, launch
 from model.dtypes import DTYPES
@@ -90,7 +90,7 @@ class ServerState:
             draft = _load_draft(config.speculative, loaded, s) if config.speculative is not None else None
             core = Engine(loaded.model, loaded.tokenizer, config, draft_model=draft)
             if s.kv_window is not None:  # the default window must fit this engine: refuse to start, not every request
-                core.check_window(KVWindow(s.sink_tokens, s.kv_window))
+                core.check(RequestOptions(kv_window=KVWindow(s.sink_tokens, s.kv_window)))
             # Ready means full speed: the KV pool resident and the weights on 2 MB pages before /health says ready,
             # not in the background while the first requests decode (docs/performance.md#ready-means-full-speed)
             core.cache.wait_resident(torch.get_num_threads())

@@ -10,7 +10,6 @@ on one.
 
 from __future__ import annotations
 
-import asyncio
 import copy
 import json
 from typing import Any
@@ -18,7 +17,6 @@ from typing import Any
 from model.engine.structured import StructuredOutputSpec
 from service.errors import APIError
 from service.schemas import SamplingFields
-from service.serving import Serving
 
 
 # Keywords whose values are schemas, or maps / lists of schemas (JSON Schema 2020-12, "Core" sec. 10)
@@ -110,14 +108,3 @@ def _spec(kind: str, value, source: str) -> StructuredOutputSpec:
     if kind == "json_object":
         return StructuredOutputSpec("json_object", source=source)
     return StructuredOutputSpec(kind, value, source)
-
-
-async def compile_spec(serving: Serving, spec: StructuredOutputSpec | None) -> None:
-    """Compile (into the engine's cache) on a worker thread; 400 naming spec.source when the grammar engine
-    refuses it."""
-    if spec is None:
-        return
-    try:
-        await asyncio.to_thread(serving.compile_structured, spec)
-    except ValueError as e:
-        raise _refuse(str(e), spec.source) from None

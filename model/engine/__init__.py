@@ -6,7 +6,7 @@ from model.engine.async_engine import AsyncEngine, EngineDeadError, EngineJob, R
 from model.engine.engine import Engine, EngineConfig, EngineStats, FatalEngineError, RequestOutput
 from model.engine.kv_window import KVWindow
 from model.engine.output_processor import HiddenStates
-from model.engine.request_options import PLAIN, RequestOptions
+from model.engine.request_options import PLAIN, InvalidOption, RequestOptions
 from model.engine.sampler import TokenLogprobs
 from model.engine.sampling_params import SamplingParams
 from model.engine.scheduler import QueueFullError
@@ -16,7 +16,7 @@ from model.engine.telemetry_options import TelemetryOptions
 
 __all__ = [
     "AsyncEngine", "Engine", "EngineConfig", "EngineDeadError", "EngineJob", "EngineStats", "FatalEngineError",
-    "HiddenStates", "KVWindow", "PLAIN", "QueueFullError", "RequestOptions", "RequestOutput", "RequestStream",
+    "HiddenStates", "InvalidOption", "KVWindow", "PLAIN", "QueueFullError", "RequestOptions", "RequestOutput", "RequestStream",
     "SamplingParams", "SpecDecodeStats", "SpeculativeConfig",
     "TelemetryOptions", "TokenLogprobs", "TokenTelemetry",
 ]

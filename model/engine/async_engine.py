@@ -26,11 +26,7 @@ from model.engine.output_processor import Finish, StepOutputs
 from model.engine.request import FinishReason, Sequence
 from model.engine.sampling_params import SamplingParams
 from model.engine.scheduler import QueueFullError
-from model.engine.kv_window import KVWindow
 from model.engine.request_options import PLAIN, RequestOptions
-
-if TYPE_CHECKING:
-    from model.engine.structured.spec import StructuredOutputSpec
 
 log = logging.getLogger("llamascope.engine")
 
@@ -179,20 +175,11 @@ class AsyncEngine:
         """The longest prompt + max_tokens the engine serves (the model's context, clamped to the KV pool)."""
         return self.engine.max_model_len
 
-    def check_window(self, window: KVWindow) -> None:
-        """ValueError unless the engine can serve this sink + window cache (`Engine.check_window`: reads only its
-        fixed configuration, so any thread may ask)."""
-        self.engine.check_window(window)
-
-    def check_speculation(self, k: int | None) -> None:
-        """ValueError unless the engine can serve a request's `num_speculative_tokens` (`Engine.check_speculation`:
-        reads only its fixed configuration, so any thread may ask)."""
-        self.engine.check_speculation(k)
-
-    def compile_structured(self, spec: StructuredOutputSpec) -> None:
-        """Compile a request's grammar into the engine's cache, so the engine thread finds it there (the compiler
-        and its cache are thread-safe: call it on a worker thread). ValueError when the grammar engine refuses it."""
-        self.engine.structured.compile(spec)
+    def check(self, options: RequestOptions) -> None:
+        """InvalidOption naming the request field this engine cannot serve (`Engine.check`: fixed configuration and
+        the thread-safe grammar cache only, so any thread may ask; a grammar compiles here, so call it on a worker
+        thread when the request carries one)."""
+        self.engine.check(options)
 
     async def generate(
         self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None

@@ -23,7 +23,7 @@ from model.engine.output_processor import Finish, OutputProcessor, RequestOutput
 from model.engine.paged_cache import PagedKVCache, cache_dtype, kv_config
 from model.engine.persistent_batch import PersistentBatch
 from model.engine.request import FinishReason, Request, Sequence, SequenceStatus
-from model.engine.request_options import PLAIN, RequestOptions
+from model.engine.request_options import PLAIN, InvalidOption, RequestOptions
 from model.engine.sampler import Sampler, SamplingRow, TokenLogprobs, replay_noise
 from model.engine.sampling_params import SamplingParams
 from model.engine.scheduler import QueueFullError, ScheduledSeq, Scheduler, SchedulerConfig
@@ -209,8 +209,7 @@ class Engine:
         params.validate(V, self.config.max_logprobs)
         c = self.model.config
         options.validate(c.n_layers)
-        self._check_extensions(options)
-        self.check_speculation(options.num_speculative_tokens)
+        self.check(options)
         P, total = len(prompt_token_ids), len(prompt_token_ids) + params.max_tokens
         if total > self.max_model_len and options.kv_window is None:  # a window's cache stays within the context
             raise ValueError(
@@ -220,7 +219,7 @@ class Engine:
         # n > 1 choices share the first one's cached prompt blocks; windowed choices own theirs (kv_cache_manager.py)
         share_prefix = params.n > 1 and self.config.enable_prefix_caching and options.kv_window is None
         self.scheduler.check_capacity(1 if share_prefix else params.n)
-        # [structured outputs] compiled once per request (a cache hit when the service compiled it already)
+        # [structured outputs] the grammar `check` compiled: a cache hit
         grammar = self.structured.compile(options.structured) if options.structured is not None else None
         req = Request(request_id, list(prompt_token_ids), params, options=options, interventions=plan)
         for i in range(params.n):
@@ -245,33 +244,42 @@ class Engine:
             self._sibling_requests.add(req)
         return req
 
-    def check_window(self, w: KVWindow) -> None:
-        """ValueError unless this engine can serve a sink + window cache of this size."""
+    def check(self, options: RequestOptions) -> None:
+        """The one check of what a request carries beside prompt and sampling against this engine: the sink + window
+        cache fits, telemetry and speculation are served here, the grammar compiles (into the thread-safe cache the
+        engine thread reads later). InvalidOption naming the request field. Reads only fixed configuration, so any
+        thread may ask; the service asks before it queues a request, on a worker thread when a grammar compiles."""
+        if options.kv_window is not None:
+            self._check_window(options.kv_window)
+        if options.telemetry is not None and self.distributed:
+            raise InvalidOption("inspect", "attention telemetry is not supported with tensor parallelism")
+        self._check_speculation(options.num_speculative_tokens)
+        if options.structured is not None:
+            try:
+                self.structured.compile(options.structured)
+            except ValueError as e:
+                raise InvalidOption(options.structured.source, str(e)) from None
+
+    def _check_window(self, w: KVWindow) -> None:
         if self.distributed:  # the ranks' caches would need every eviction too
-            raise ValueError("kv_window is not supported with tensor parallelism")
+            raise InvalidOption("kv_window", "kv_window is not supported with tensor parallelism")
         need = w.max_cache_tokens(self.config.block_size)
         if need > self.max_model_len:
-            raise ValueError(f"kv_window: sink_tokens ({w.sink_tokens}) + window ({w.window}) + block_size "
-                             f"({self.config.block_size}) = {need} exceeds the context length of {self.max_model_len}")
+            raise InvalidOption("kv_window", f"kv_window: sink_tokens ({w.sink_tokens}) + window ({w.window}) + "
+                                f"block_size ({self.config.block_size}) = {need} exceeds the context length of "
+                                f"{self.max_model_len}")
 
-    def _check_extensions(self, options: RequestOptions) -> None:
-        """ValueError for a kv_window or telemetry this engine cannot serve."""
-        if options.kv_window is not None:
-            self.check_window(options.kv_window)
-        if options.telemetry is not None and self.distributed:
-            raise ValueError("attention telemetry is not supported with tensor parallelism")
-
-    def check_speculation(self, k: int | None) -> None:
-        """ValueError unless this engine can serve a request's `num_speculative_tokens` (None or 0: always)."""
+    def _check_speculation(self, k: int | None) -> None:
+        """A request's `num_speculative_tokens` (None or 0: always served)."""
         if k is None or k == 0:
             return
         spec = self.config.speculative
         if spec is None:
-            raise ValueError("num_speculative_tokens: speculative decoding is not configured on this server "
-                             "(--speculative-config)")
+            raise InvalidOption("num_speculative_tokens", "num_speculative_tokens: speculative decoding is not "
+                                "configured on this server (--speculative-config)")
         if k > spec.num_speculative_tokens:
-            raise ValueError(f"num_speculative_tokens must be at most {spec.num_speculative_tokens} (the server's "
-                             f"--speculative-config), got {k}")
+            raise InvalidOption("num_speculative_tokens", f"num_speculative_tokens must be at most "
+                                f"{spec.num_speculative_tokens} (the server's --speculative-config), got {k}")
 
     def abort(self, request_id: str) -> list[RequestOutput]:
         """Cancel a request at any moment; its blocks return to the pool at once. -> its choices' final outputs."""

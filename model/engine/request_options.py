@@ -19,6 +19,14 @@ if TYPE_CHECKING:
     from model.engine.structured.spec import StructuredOutputSpec
 
 
+class InvalidOption(ValueError):
+    """A request option this engine cannot serve (`Engine.check`), naming the request field the API reports."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 @dataclass(frozen=True)
 class RequestOptions:
     """Per request, for each of its choices. All optional: `RequestOptions()` is a plain completion."""

@@ -19,7 +19,7 @@ from service.sampling_fields import to_sampling_params
 from service.schemas import CompletionRequest, InspectSummaryOptions
 from service.serving import Serving, get_serving
 from service.sse_response import stream_response
-from service.structured_outputs import compile_spec, requested_spec
+from service.structured_outputs import requested_spec
 
 router = APIRouter()
 
@@ -40,14 +40,13 @@ async def prepare(serving: Serving, req: CompletionRequest,
     """The request's sampling and options, every refusal raised before anything is submitted."""
     telemetry = stream_telemetry(req)
     structured = requested_spec(req)
-    await compile_spec(serving, structured)
     prompt_lp = req.logprobs if req.echo and req.logprobs is not None else None
     params = to_sampling_params(req, serving.settings, req.max_tokens, req.logprobs, prompt_lp,
                                 default_max_tokens=max(1, serving.max_model_len - max(len(p) for p in prompts)))
     if req.inspect and telemetry is None:  # the summary inspects each prompt: the inspection limit applies
         for p in prompts:
             check_inspect_length(serving, len(p))
-    return params, to_options(req, serving, params, telemetry, structured)
+    return params, await to_options(req, serving, params, telemetry, structured)
 
 
 @router.post("/v1/completions")
