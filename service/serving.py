@@ -10,7 +10,7 @@ import asyncio
 from fastapi import Request
 
 from model.config import ModelConfig
-from model.engine import (PLAIN, AsyncEngine, EngineJob, EngineStats, InvalidOption, RequestOptions, RequestStream,
+from model.engine import (PLAIN, EngineJob, EngineStats, InvalidOption, RequestOptions, RequestStream,
                           SamplingParams)
 from model.interventions import Intervention
 from model.probes import (AttributionPatchingRun, CaptureRun, DirectLogitRun, PatchSweep, ProbeOptions, ProbeRun,

@@ -19,7 +19,7 @@ import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from model.engine.engine import Engine, EngineStats, FatalEngineError, RequestOutput
 from model.engine.output_processor import Finish, StepOutputs

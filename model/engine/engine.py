@@ -16,6 +16,7 @@ import torch
 
 from model.engine.context_shift import ContextShift
 from model.engine.cuda_graphs import CudaGraphs, DecodeGraphMode
+from model.engine.engine_sizes import EngineSizes
 from model.engine.kv_cache_manager import KVCacheManager
 from model.engine.kv_window import KVWindow
 from model.engine.model_runner import DecodeLaunch, ModelRunner, RunnerOutput
@@ -137,6 +138,8 @@ class Engine:
         num_blocks = config.num_blocks or max(1, config.kv_cache_bytes // per_block)
         self.max_model_len = resolve_max_model_len(config.max_model_len, model.config.max_seq_len,
                                                    num_blocks * config.block_size)
+        self.sizes = EngineSizes(num_blocks, config.block_size, config.max_num_seqs, config.max_num_batched_tokens,
+                                 self.max_model_len, config.max_logprobs)
         graphs = CudaGraphs.enabled(config.decode_graphs, model, config.block_size)
         if draft_model is not None and config.speculative is not None and torch.device(model.device).type == "cpu":
             # the draft's pool: as many blocks as the engine's, in the draft's dtype (draft_model.DraftModelProposer)
@@ -146,7 +149,7 @@ class Engine:
         # with decode graphs, one block more than the manager hands out: the padding rows' scratch block
         self.cache = PagedKVCache.for_model(model, num_blocks + graphs, config.block_size, kv_dtype)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.batch = PersistentBatch(config.max_num_seqs, -(-self.max_model_len // config.block_size))
+        self.batch = PersistentBatch(config.max_num_seqs, self.sizes.max_blocks_per_seq)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.max_waiting,
                             config.max_background_tokens), self.kv, self.batch
@@ -163,10 +166,8 @@ class Engine:
         self.in_flight: DecodeLaunch | None = None  # an overlapped decode step not read back yet
         self.runner = ModelRunner(
             model, self.cache, Sampler(model.config.vocab_size, model.device, sync_free=self.async_scheduling),
-            config.max_num_batched_tokens,
-            config.max_num_seqs, self.max_model_len, config.decode_graphs, config.native_step,
-            scratch_block=num_blocks if graphs else None, structured=self.structured, batch=self.batch,
-            stream=stream, max_logprobs=config.max_logprobs,
+            self.sizes, graph_mode=config.decode_graphs, native_step=config.native_step,
+            scratch_block=num_blocks if graphs else None, structured=self.structured, batch=self.batch, stream=stream,
         )
         self.context_shift = ContextShift(model, self.cache)  # windowed sequences' evictions (kv_window.py)
         self.output = OutputProcessor(tokenizer)
@@ -182,11 +183,8 @@ class Engine:
         self.drafter: Drafter | None = None
         self._noise_states: dict[Sequence, torch.Tensor] = {}  # seeded drafting rows' generator before the step
         if config.speculative is not None:
-            self.drafter = build_speculator(
-                config.speculative, model, draft_model, distributed=self.distributed,
-                num_blocks=num_blocks, block_size=config.block_size,
-                max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
-                max_model_len=self.max_model_len)
+            self.drafter = build_speculator(config.speculative, model, draft_model, self.sizes,
+                                            distributed=self.distributed)
         log.info("engine: %d KV blocks of %d tokens (%.0f MB, %s%s), max_model_len %d", num_blocks, config.block_size,
                  self.cache.nbytes / 1e6, str(kv_dtype).removeprefix("torch."),
                  "; made resident in the background" if self.cache.device.type == "cpu" else "", self.max_model_len)

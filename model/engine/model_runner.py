@@ -33,6 +33,7 @@ from model.edits import EditTables, Segment, gather_reads
 from model.engine.cuda_graphs import CudaGraphs, buckets
 from model.engine.forward_context import ForwardContext
 from model.engine.input_batch import InputBuffers, StepBatch
+from model.engine.engine_sizes import EngineSizes
 from model.engine.native_step import NativeStep
 from model.engine.paged_cache import PagedKVCache
 from model.engine.persistent_batch import PersistentBatch
@@ -85,28 +86,30 @@ class RunnerOutput:
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, cache: PagedKVCache, sampler: Sampler, max_num_batched_tokens: int,
-                 max_num_seqs: int, max_model_len: int, graph_mode: str, native_step: bool,
-                 scratch_block: int | None, structured: StructuredOutputs | None = None,
-                 batch: PersistentBatch | None = None, stream: Stream | None = None, max_logprobs: int = 20) -> None:
+    def __init__(self, model: torch.nn.Module, cache: PagedKVCache, sampler: Sampler, sizes: EngineSizes, *,
+                 graph_mode: str = "off", native_step: bool = True, scratch_block: int | None = None,
+                 structured: StructuredOutputs | None = None, batch: PersistentBatch | None = None,
+                 stream: Stream | None = None) -> None:
+        """`graph_mode`: EngineConfig.decode_graphs, where `scratch_block` (the padding rows' block) is given;
+        `native_step`: EngineConfig.native_step."""
         self.model, self.cache, self.sampler = model, cache, sampler
         self.structured = structured  # grammar masks of constrained rows (model/engine/structured/)
         self.batch = batch  # the running sequences' rows: the decode path's block tables
         self.stream = stream or HostStream()  # where the device work runs (model/engine/stream.py)
         bs = cache.block_size
-        rows = buckets(max_num_seqs)[-1] if scratch_block is not None else max_num_seqs  # a graph's padded batch
-        self.buffers = InputBuffers(max(max_num_batched_tokens, rows), rows, -(-max_model_len // bs), bs, cache.device,
-                                    separate=cache.device.type != "cpu" or self.stream.asynchronous)
+        rows = buckets(sizes.max_num_seqs)[-1] if scratch_block is not None else sizes.max_num_seqs  # graphs pad
+        self.buffers = InputBuffers(max(sizes.max_num_batched_tokens, rows), rows, sizes.max_blocks_per_seq, bs,
+                                    cache.device, separate=cache.device.type != "cpu" or self.stream.asynchronous)
         # the decode path's samples, two sets used in turn: on the device (the next step's input tokens) and their
         # packed copy on the host (tokens, and logprobs with up to MAX_LOGPROBS alternatives a row)
         pin = cache.device.type == "cuda"
         self._sampled = [torch.zeros(rows, dtype=torch.long, device=cache.device) for _ in range(2)]
-        self._out_host = [torch.zeros(rows * (3 + 2 * max_logprobs), dtype=torch.long, pin_memory=pin)
+        self._out_host = [torch.zeros(rows * (3 + 2 * sizes.max_logprobs), dtype=torch.long, pin_memory=pin)
                           for _ in range(2)]
         self._parity = 0
         self.native = NativeStep.for_model(model) if native_step else None
-        self.graphs = CudaGraphs(model, cache, self.buffers, scratch_block, max_num_seqs, capture=graph_mode == "auto") \
-            if scratch_block is not None else None
+        self.graphs = None if scratch_block is None else CudaGraphs(
+            model, cache, self.buffers, scratch_block, sizes.max_num_seqs, capture=graph_mode == "auto")
         self.path_counts: Counter[str] = Counter({p: 0 for p in PATHS})
         # prefill chunks in one kernel launch per layer where the attention backend is Triton (CUDA); the pools'
         # backend is fixed once the model is loaded, so asked once

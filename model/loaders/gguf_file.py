@@ -17,7 +17,6 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from model.config import ModelConfig
 from model.loaders.assemble import ModelAssembler, NameMap, fused_parts, layer_names
 from model.loaders.config_keys import config_from_gguf, with_longrope
 from model.loaders.errors import CheckpointError
@@ -29,7 +28,7 @@ from model.loaders.gguf_blocks import (CHUNK_ELEMENTS, Alloc, buffer_shapes, con
                                       scales_layout, unpermute_qk)
 from model.huge_pages import WeightArena
 from model.quantize import GROUP_SIZE, Quantization
-from model.loaders.shard import ShardFor, WeightShard
+from model.loaders.shard import ShardFor
 from model.transformer import FUSED_PARTS, Transformer
 
 def gguf_names(family: Family) -> NameMap:

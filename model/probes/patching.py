@@ -37,7 +37,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 from torch import Tensor
 
 from model.interventions import HEAD_SITES, SITES, HeadShape, HiddenStateRead, Intervention

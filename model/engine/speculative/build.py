@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from model.engine.engine_sizes import EngineSizes
 from model.engine.speculative.config import SpeculativeConfig
 from model.engine.speculative.draft_model import DraftModelProposer
 from model.engine.speculative.ngram import NgramProposer
@@ -13,9 +14,8 @@ if TYPE_CHECKING:
     from model.transformer import Transformer
 
 
-def build_speculator(config: SpeculativeConfig, target: Transformer, draft_model: Transformer | None, *,
-                     distributed: bool, num_blocks: int, block_size: int, max_num_batched_tokens: int,
-                     max_num_seqs: int, max_model_len: int) -> Speculator:
+def build_speculator(config: SpeculativeConfig, target: Transformer, draft_model: Transformer | None,
+                     sizes: EngineSizes, *, distributed: bool) -> Speculator:
     """The speculator for an engine of these sizes (the draft model's KV pool holds as many tokens as the engine's).
     ValueError when the configuration does not fit the engine (a draft model missing or of another vocabulary)."""
     if config.method == "ngram":
@@ -28,8 +28,7 @@ def build_speculator(config: SpeculativeConfig, target: Transformer, draft_model
         raise ValueError(f"the draft model's vocabulary ({Vd} tokens) differs from the served model's ({V})")
     if distributed:
         raise ValueError("a draft model with tensor parallelism is not supported (the ngram method is)")
-    proposer = DraftModelProposer(draft_model, num_blocks, block_size, max_num_batched_tokens, max_num_seqs,
-                                  max_model_len)
+    proposer = DraftModelProposer(draft_model, sizes)
     # a one-row decode step reads every weight once: the draft's step costs about its share of the bytes
     return Speculator(config, proposer.propose, proposer.release,
                       draft_cost=_weight_bytes(draft_model) / max(1, _weight_bytes(target)))

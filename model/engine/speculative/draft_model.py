@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
+from model.engine.engine_sizes import EngineSizes
 from model.engine.kv_cache_manager import KVCacheManager
 from model.engine.model_runner import ModelRunner
 from model.engine.paged_cache import PagedKVCache
@@ -53,17 +54,17 @@ _GREEDY = SamplingParams(max_tokens=1 << 30, temperature=0.0, ignore_eos=True)
 
 
 class DraftModelProposer:
-    def __init__(self, model: Transformer, num_blocks: int, block_size: int, max_num_batched_tokens: int,
-                 max_num_seqs: int, max_model_len: int) -> None:
+    def __init__(self, model: Transformer, sizes: EngineSizes) -> None:
+        """A draft over the engine's sizes: as many blocks as the engine's pool, the same step budget."""
         self.model = model
-        self.budget = max_num_batched_tokens
-        self.max_model_len = max_model_len  # the draft holds a sequence's whole history (no window)
-        self.cache = PagedKVCache.for_model(model, num_blocks, block_size)
-        self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False)
-        self.runner = ModelRunner(model, self.cache, Sampler(model.config.vocab_size, model.device),
-                                  max_num_batched_tokens, max_num_seqs, max_model_len, "off", True, scratch_block=None)
+        self.budget = sizes.max_num_batched_tokens
+        self.max_model_len = sizes.max_model_len  # the draft holds a sequence's whole history (no window)
+        self.cache = PagedKVCache.for_model(model, sizes.num_blocks, sizes.block_size)
+        self.kv = KVCacheManager(sizes.num_blocks, sizes.block_size, enable_prefix_caching=False)
+        self.runner = ModelRunner(model, self.cache, Sampler(model.config.vocab_size, model.device), sizes)
         self.shadows: dict[Sequence, _Shadow] = {}
-        log.info("draft model: %d KV blocks of %d tokens (%.0f MB)", num_blocks, block_size, self.cache.nbytes / 1e6)
+        log.info("draft model: %d KV blocks of %d tokens (%.0f MB)", sizes.num_blocks, sizes.block_size,
+                 self.cache.nbytes / 1e6)
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[list[int]]:
         drafts: dict[Sequence, list[int]] = {}
