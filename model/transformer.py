@@ -240,7 +240,7 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(Block(config, i) for i in range(config.n_layers))
         self.norm = RMSNorm(config.dim, config.norm_eps)
         self.output = Linear(config.dim, config.vocab_size)
-        self.quantization = "none"  # model/quantize.py's quantize_model sets "int8" / "int4"
+        self.quantization = "none"  # model/quantize/convert.py's quantize_model sets "int8" / "int4"
         self.tie_weights()
 
     def tie_weights(self) -> None:

@@ -35,7 +35,7 @@ KERNEL_DTYPE = torch.bfloat16  # activations, scales and zeros as PyTorch's pack
 
 
 class QuantLinear(Protocol):
-    """What these ops read of a weight-only quantized layer (model/quantize.py's modules); a Protocol, so the kernels
+    """What these ops read of a weight-only quantized layer (model/quantize/'s modules); a Protocol, so the kernels
     do not import the modules that call them."""
 
     out_features: int
@@ -137,7 +137,7 @@ def quantized_linear(layer: "QuantLinear", x: Tensor) -> Tensor:
     native = usable(x) if x.device.type == "cpu" else None
     if native is not None:
         y = getattr(native, layer.native_op)(x.contiguous(), *layer.native_buffers())  # (M, out padded to 8) float32
-        if y.shape[1] != layer.out_features:  # an int8 layer's zero rows past out_features (model/quantize.py)
+        if y.shape[1] != layer.out_features:  # an int8 layer's zero rows past out_features (model/quantize/)
             y = y[:, : layer.out_features].contiguous()
     elif x.shape[0] <= layer.kernel_row_limit(False):
         y = layer.packed_matmul(x.to(KERNEL_DTYPE))

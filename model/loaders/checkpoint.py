@@ -133,7 +133,7 @@ def load_model(
     reserve_bytes: int = 0,
 ) -> LoadedModel:
     """A GGUF file or HF directory (None: the default model) -> model on `device` in `dtype`, plus its tokenizer.
-    `quantization` "int8" / "int4": weight-only quantized linear layers (CPU; model/quantize.py), each matrix
+    `quantization` "int8" / "int4": weight-only quantized linear layers (CPU; model/quantize/), each matrix
     converted as it is read; "auto": each GGUF matrix at its own type's precision where the native kernels can serve
     it (`resolve_quantization`), else "none". `shard`: only that tensor-parallel rank's share of the weights
     (model/parallel/plan.py). `reserve_bytes`: what the caller will allocate next (the KV pool): a model whose

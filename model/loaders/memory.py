@@ -9,7 +9,7 @@ from pathlib import Path
 
 from model.quantize import GROUP_SIZE
 
-# Bytes per weight of the served formats (model/quantize.py): int4 nibbles + float16 d and m per 32 (symmetric: d
+# Bytes per weight of the served formats (model/quantize/): int4 nibbles + float16 d and m per 32 (symmetric: d
 # alone; Q4_K's scales: bytes sc and m per 32, float16 D and Dmin per 256); int8 + float16 d; int6 as Q6_K.
 INT4_BYTES = 0.5 + 4 / GROUP_SIZE
 INT4_SYMMETRIC_BYTES = 0.5 + 2 / GROUP_SIZE

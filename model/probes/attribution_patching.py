@@ -27,7 +27,7 @@ at the swept positions, the target's block inputs kept); the metric's gradient a
 its kept input with autograd on (gradient checkpointing: one block's activations held at a time) and its gradient
 passed down. Every recomputed block runs the served modules: float32 and bfloat16 weights through PyTorch's own ops
 (the native kernels have no backward), a quantized layer's forward through its kernel and its backward through its
-weight dequantized for the call (model/quantize.py).
+weight dequantized for the call (model/quantize/).
 """
 
 from __future__ import annotations

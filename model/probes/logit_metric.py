@@ -5,7 +5,7 @@
 
 with n = final_norm(x) the normed last residual stream and W the head's weight (V, D): the metrics of
 /inspect/patch (model/probes/patching.py). The head's rows are read one block of the vocabulary at a time, each
-dequantized as it is gathered for a quantized head (model/quantize.py's `QuantEmbedding`), so neither metric holds a
+dequantized as it is gathered for a quantized head (model/quantize/'s `QuantEmbedding`), so neither metric holds a
 float copy of a quantized head.
 """
 

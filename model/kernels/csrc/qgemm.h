@@ -27,7 +27,7 @@ inline int64_t act_row_bytes(int64_t nb) { return (nb + 1) / 2 * 64; }  // int8 
 
 enum class QFormat { Int4, Int8, Int6 };
 
-// Weight formats (model/quantize.py), blocks of 32 along K, nb = K / 32:
+// Weight formats (model/quantize/), blocks of 32 along K, nb = K / 32:
 //   Int4  w[n, k] = q d[n, b] + m[n, b], b = k / 32 (GGUF Q4_1; Q4_0 is m = -8 d), 8 outputs interleaved:
 //         data (N/8, nb, 4, 8, 4) uint8, byte (g, b, p, j, t) = q[8g + j, 32b + 4p + t] | q[8g + j, 32b + 16 + 4p + t] << 4
 //         (one 32-byte vector per p: lane j holds output 8g + j's chunks p and p + 4 of block b);
@@ -40,7 +40,7 @@ enum class QFormat { Int4, Int8, Int6 };
 //         (exact: an 11-bit float times a 6-bit integer), 4.625 bits a weight
 //   Int8  w[n, k] = q d[n, b] (GGUF Q8_0), 8 outputs interleaved: data (N/8, nb, 8, 8, 4) int8, byte (g, b, c, j, t)
 //         = q[8g + j, 32b + 4c + t] (one 32-byte vector per chunk c of 4 weights); scales (N/8, nb, 8) float16.
-//         N is padded with zero rows to a multiple of 8: the kernels compute whole groups (model/quantize.py).
+//         N is padded with zero rows to a multiple of 8: the kernels compute whole groups (model/quantize/).
 //   Int6  w[n, k] = (d[n, B] sc[n, k / 16]) (q - 32), q in [0, 63], B = k / 256 (GGUF Q6_K as the file holds it:
 //         6.5625 bits a weight), 8 outputs interleaved: data (N/8, nb, 208) uint8, per block b: 128 bytes of q's low
 //         nibbles laid out as Int4's (byte (p, j, t) = lo(q[32b + 4p + t]) | lo(q[32b + 16 + 4p + t]) << 4), 64
@@ -104,7 +104,7 @@ struct ActBuffers {
   }
 };
 
-// A quantized layer's two buffers (model/quantize.py's `native_buffers`: uint8 nibbles -> Int4, int8 -> Int8).
+// A quantized layer's two buffers (model/quantize/'s `native_buffers`: uint8 nibbles -> Int4, int8 -> Int8).
 QWeight qweight_of(const torch::Tensor& data, const torch::Tensor& scales);
 
 // Columns n in [n_begin, n_end) of y (M, ldy) float32 for rows m in [0, M): y[m, n] = sum_k xq[m, k] w[n, k].

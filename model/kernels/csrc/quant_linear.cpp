@@ -295,7 +295,7 @@ static inline void q8_pair_tile(const QWeight& w, const QActs& a, int64_t m0, in
 // from cache pairs gain from 2 rows on (docs/performance.md#native-cpu-kernels).
 constexpr int64_t PAIR_ROWS = 16;
 
-// Output columns [n_begin, n_end), whole groups of 8 (the buffers are padded to them; model/quantize.py).
+// Output columns [n_begin, n_end), whole groups of 8 (the buffers are padded to them; model/quantize/).
 static void q8_range(const QWeight& w, const QActs& a, int64_t M, int64_t n_begin, int64_t n_end, float* y, int64_t ldy) {
   const auto one = [&](auto mr, int64_t m, int64_t g) { q8_tile<decltype(mr)::value>(w, a, m, g, y, ldy); };
 #if LS_ZMM

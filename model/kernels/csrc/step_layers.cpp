@@ -23,7 +23,7 @@
 namespace ls {
 
 // One projection as step_layers takes it: a float weight (N, K) of the activation dtype (b empty), or a quantized
-// layer's two buffers (model/quantize.py's `native_buffers`), or the parts of a quantized `StackedLinear` (several
+// layer's two buffers (model/quantize/'s `native_buffers`), or the parts of a quantized `StackedLinear` (several
 // quantized layers of one input in different formats, stacked along the output: `stacked`, each with its first
 // output column; q is then unused).
 struct Projection {
