@@ -1,4 +1,4 @@
-"""Native CPU kernels for the decode step: C++ (AVX2 where the CPU has it), built with PyTorch's cpp_extension.
+"""Native CPU kernels for the engine's step: C++ (AVX2 where the CPU has it), built with PyTorch's cpp_extension.
 
 Eager PyTorch spends most of a small model's decode step outside the matmuls: about 200 aten calls per block
 (RMSNorm alone is 8, RoPE 4, the paged cache write, gather and SDPA plumbing dozens), each a few microseconds of
@@ -14,7 +14,7 @@ dispatch and a temporary. These kernels do each of those in one call, on the sam
     int8_dequantize
     float_linear                          float_linear.cpp     x @ W^T with one reduction order for any row count
     argmax_rows                           argmax.cpp           greedy picks, torch.argmax's index (ops.greedy_pick)
-    step_layers                         step_layers.cpp    every block of a step in one parallel region
+    step_layers                           step_layers.cpp      every block of a step in one parallel region
     apply_edits                           interventions.cpp    a step's interventions on chosen rows (model/edits.py)
     gguf_convert                          gguf_convert.cpp     a GGUF matrix's blocks into the int4 / int6 / int8
                                                                 layout, on every thread (model/loaders/gguf_blocks.py)

@@ -3,7 +3,7 @@
 Each function below picks, for the tensors it is given, the native C++ kernel (CPU, float32/bfloat16, built), the
 Triton kernel (CUDA) or the PyTorch implementation, and the caller never knows which. The PyTorch implementations
 are the references the tests compare the kernels with (`kernels.disabled()` runs them everywhere). Notation as in
-model/transformer.py; N packed tokens, R decode rows, W block-table width, NB pool blocks, bs block size.
+model/transformer.py; N packed tokens, R rows attending over the pool, W block-table width, NB pool blocks, bs block size.
 
     rms_norm          (..., D)                      Zhang & Sennrich 2019
     silu_mul          (..., 2F) -> (..., F)         SwiGLU's gate, Shazeer 2020
