@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> dict:
             s = step_time(heads, kv_heads, dim, layers, length, args.reps)
             gbs = layers * length * kv_heads * dim * 2 * 2 / s / 1e9  # keys and values, 2 bytes each
             results["runs"].append({"shape": name, "positions": length, "layers": layers, "ms_per_step": round(s * 1e3, 2),
-                                    "gbs": round(gbs, 1)})
+                                    "gbs": round(gbs, 3)})
             print(f"{name:8s} {length:6d} positions x {layers} layers: {s * 1e3:7.2f} ms/step  {gbs:5.1f} GB/s", flush=True)
     if args.out is not None:
         args.out.write_text(json.dumps(results, indent=1) + "\n")
