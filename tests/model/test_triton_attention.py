@@ -27,6 +27,8 @@ def test_triton_paged_decode_attention_in_the_interpreter():
     assert "kv_window engine with telemetry: Triton path == gather path" in r.stdout
     assert "families on the Triton path == gather path == the uncached forward" in r.stdout
     assert "kernel vs SDPA, window 11" in r.stdout
+    assert "int8 cache on cpu: Triton == SDPA over the dequantized pools" in r.stdout
+    assert "int8 cache engine tokens: Triton path == gather path, batched == alone" in r.stdout
 
 
 def _fresh(monkeypatch):
