@@ -13,7 +13,8 @@ served request sees. float32 is the reference; `ratio` is each perplexity over f
 
 With `--kv-cache-dtypes`, each setting is also scored through the engine, as the server computes a prompt: chunked
 prefill over the paged KV cache in each of those dtypes (`--kv-cache-dtype`), the text's prompt logprobs; `kv` in the
-results holds those perplexities and each one's ratio to the same setting's float32-cache score (else "auto"'s).
+results holds those perplexities and each one's ratio to the same setting's float32-cache score (else "auto"'s, else
+the first listed's).
 The int8 cache against the 16-bit one at 4k tokens, on a longer text (Debian's GPL-3, as benchmarks/streaming.py):
 
     .venv/bin/python -m benchmarks.perplexity --settings auto --kv-cache-dtypes float16 int8 \
@@ -130,7 +131,7 @@ def run(model_path: str | None, settings: list[str], text: str, kv_dtypes: list[
         print(f"[ppl] {name} ({lm.quantization}): {ppl:.4f}", file=sys.stderr, flush=True)
         if kv_dtypes:
             entry["kv"] = {kv: engine_perplexity(lm, ids, kv)[1] for kv in kv_dtypes}
-            base = entry["kv"].get("float32", entry["kv"].get("auto"))
+            base = entry["kv"].get("float32", entry["kv"].get("auto", entry["kv"][kv_dtypes[0]]))
             entry["kv_ratio"] = {kv: p / base for kv, p in entry["kv"].items()} if base else {}
             print(f"[ppl] {name} through the engine, by KV cache dtype: {entry['kv']}", file=sys.stderr, flush=True)
         del lm
@@ -168,6 +169,7 @@ def main(argv: list[str] | None = None) -> dict:
         return out
     out = run(args.model, args.settings, args.text.read_text(), args.kv_cache_dtypes, args.max_tokens)
     out["model"] = args.model or "default (SmolLM2-135M-Instruct Q4_1)"
+    out["machine"] = machine_info("cpu", args.threads)
     if args.text != TEXT:  # (run names the shipped text)
         out["text"] = str(args.text)
     args.out.parent.mkdir(parents=True, exist_ok=True)
