@@ -7,7 +7,14 @@ Both servers are up for the whole run, each sized for the longest prompt: llama-
 (its default f16 KV cache), ours `--kv-cache-bytes` for LONGEST+64 tokens at its cache dtype (float16 like the
 peer's, unless its args name another: `shapes.kv_cache_args`) and `--max-model-len` to match. `--ours-args` given
 several times runs one of ours per value beside the same llama-server (e.g. the float16 and the float32 KV cache,
-`--ours-args '' --ours-args '--kv-cache-dtype float32'`). Per length and round, on each side in turn (the order
+`--ours-args '' --ours-args '--kv-cache-dtype float32'`), and `--peer-args` given several times one llama-server per
+value beside the first (e.g. its q8_0 cache beside its f16 one). The int8 cache against both caches of each side:
+
+    python -m benchmarks.long_prompts --ours-args '' --ours-args '--kv-cache-dtype int8' \
+        --peer-args '' --peer-args '--cache-type-k q8_0 --cache-type-v q8_0' --out benchmarks/results/long-prompts-int8.json
+
+`ratio` compares each of ours with the first llama-server, `ratios` with every one, and `vs_first_ours` each of ours
+with the first of ours. Per length and round, on each side in turn (the order
 flipping each round): one streamed `/v1/completions` request with a prompt of random token ids (a fresh seed each
 time, so no prompt cache serves it), greedy, EOS ignored, 32 new tokens. Prefill tok/s = prompt length / time to
 the first token; decode tok/s = 31 / (last token - first). Medians over rounds. Not part of CI (llama-server is an
@@ -39,10 +46,11 @@ NEW_TOKENS = 32
 
 
 class LongLlamaServer(ServedProcess):
-    def __init__(self, binary: Path, model: Path, threads: int, context: int, log_path: Path) -> None:
+    def __init__(self, binary: Path, model: Path, threads: int, context: int, log_path: Path,
+                 extra: list[str] = ()) -> None:
         self.port = self.free_port()
         self.start([str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(self.port), "-np", "1",
-                    "-c", str(context), "-t", str(threads)], log_path, timeout=600)
+                    "-c", str(context), "-t", str(threads), *extra], log_path, timeout=600)
 
 
 def one(url: str, length: int, vocab: int, seed: int) -> dict:
@@ -73,6 +81,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ours-args", action="append", default=None,
                    help="flags for our server; given again, one more of our servers in the same run (e.g. '' and "
                         "'--kv-cache-dtype float32'), each compared with llama-server")
+    p.add_argument("--peer-args", action="append", default=None,
+                   help="flags for llama-server; given again, one more llama-server in the same run (e.g. '' and "
+                        "'--cache-type-k q8_0 --cache-type-v q8_0')")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/long-prompts.json"))
     args = p.parse_args(argv)
     if not args.llama_server.is_file():
@@ -88,11 +99,15 @@ def main(argv: list[str] | None = None) -> int:
     ours = {("ours " + a).strip(): ServedProcess(base + kv_cache_args(model, context, a.split()) + a.split(),
                                                  logs / f"ours{i}.log")
             for i, a in enumerate(args.ours_args or [""])}  # "ours", "ours --kv-cache-dtype float16", ...
-    peer = LongLlamaServer(args.llama_server, model, args.threads, context, logs / "peer.log")
-    sides = {**{n: o.url for n, o in ours.items()}, "llama-server": peer.url}
+    peers = {("llama-server " + a).strip(): LongLlamaServer(args.llama_server, model, args.threads, context,
+                                                             logs / f"peer{i}.log", a.split())
+             for i, a in enumerate(args.peer_args or [""])}  # "llama-server", "llama-server --cache-type-k q8_0 ..."
+    first_peer, first_ours = next(iter(peers)), next(iter(ours))
+    sides = {**{n: o.url for n, o in ours.items()}, **{n: p.url for n, p in peers.items()}}
     result: dict = {"machine": machine_info("cpu", args.threads), "model": str(model), "context": context,
-                    "ours_cmd": {n: o.cmd for n, o in ours.items()}, "peer_cmd": peer.cmd, "new_tokens": NEW_TOKENS,
-                    "lengths": {}}
+                    "ours_cmd": {n: o.cmd for n, o in ours.items()}, "peer_cmd": peers[first_peer].cmd,
+                    "peer_cmds": {n: p.cmd for n, p in peers.items()}, "new_tokens": NEW_TOKENS, "lengths": {}}
+    keys = ("prefill_tok_s", "decode_tok_s")
     try:
         for url in sides.values():
             one(url, 64, args.vocab, seed=99)  # warm-up
@@ -101,21 +116,24 @@ def main(argv: list[str] | None = None) -> int:
             for r in range(args.rounds):
                 for name in (list(sides) if r % 2 == 0 else list(sides)[::-1]):
                     runs[name].append(one(sides[name], length, args.vocab, seed=1000 * length + r))
-            entry = {n: {k: statistics.median(x[k] for x in v) for k in ("prefill_tok_s", "decode_tok_s")}
-                     for n, v in runs.items()}
-            peer_s = entry["llama-server"]
-            entry["ratio"] = {n: {k: entry[n][k] / peer_s[k] for k in ("prefill_tok_s", "decode_tok_s")} for n in ours}
+            entry = {n: {k: statistics.median(x[k] for x in v) for k in keys} for n, v in runs.items()}
+            ratios = {n: {p: {k: entry[n][k] / entry[p][k] for k in keys} for p in peers} for n in ours}
+            entry["ratio"] = {n: ratios[n][first_peer] for n in ours}
+            entry["ratios"] = ratios
+            entry["vs_first_ours"] = {n: {k: entry[n][k] / entry[first_ours][k] for k in keys} for n in ours}
             result["lengths"][length] = entry
             for n in ours:
-                x, ratio = entry[n], entry["ratio"][n]
-                print(f"{length:6d} tokens, {n}: prefill {x['prefill_tok_s']:7.1f} vs {peer_s['prefill_tok_s']:7.1f} "
-                      f"tok/s ({ratio['prefill_tok_s']:.2f}x); decode after it {x['decode_tok_s']:6.1f} vs "
-                      f"{peer_s['decode_tok_s']:6.1f} ({ratio['decode_tok_s']:.2f}x)", flush=True)
+                for peer in peers:
+                    x, peer_s, ratio = entry[n], entry[peer], ratios[n][peer]
+                    print(f"{length:6d} tokens, {n} vs {peer}: prefill {x['prefill_tok_s']:7.1f} vs "
+                          f"{peer_s['prefill_tok_s']:7.1f} tok/s ({ratio['prefill_tok_s']:.2f}x); decode after it "
+                          f"{x['decode_tok_s']:6.1f} vs {peer_s['decode_tok_s']:6.1f} ({ratio['decode_tok_s']:.2f}x)",
+                          flush=True)
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(json.dumps(result, indent=2) + "\n")
     finally:
         result["ours_exit"] = {n: o.stop() for n, o in ours.items()}
-        result["peer_exit"] = peer.stop(grace=0)
+        result["peer_exit"] = {n: p.stop(grace=0) for n, p in peers.items()}
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")
     return 0

@@ -1,7 +1,7 @@
 """The quality cost of each dtype / weight quantization: perplexity on a fixed text shipped in the repository.
 
     .venv/bin/python -m benchmarks.perplexity [--model PATH] [--settings auto float32 bfloat16 int8 int4] [--threads N]
-        [--kv-cache-dtypes auto float16 bfloat16]
+        [--kv-cache-dtypes auto float16 bfloat16 int8] [--text FILE --max-tokens N]
     .venv/bin/python -m benchmarks.perplexity --model FILE.gguf --llama-perplexity PATH/llama-perplexity [--ctx 256]
 
 Perplexity = exp(mean negative log-likelihood of every token given all before it), one causal forward over the
@@ -13,7 +13,12 @@ served request sees. float32 is the reference; `ratio` is each perplexity over f
 
 With `--kv-cache-dtypes`, each setting is also scored through the engine, as the server computes a prompt: chunked
 prefill over the paged KV cache in each of those dtypes (`--kv-cache-dtype`), the text's prompt logprobs; `kv` in the
-results holds those perplexities and each one's ratio to the same setting's float32-cache score (else "auto"'s).
+results holds those perplexities and each one's ratio to the same setting's float32-cache score (else "auto"'s, else
+the first listed's).
+The int8 cache against the 16-bit one at 4k tokens, on a longer text (Debian's GPL-3, as benchmarks/streaming.py):
+
+    .venv/bin/python -m benchmarks.perplexity --settings auto --kv-cache-dtypes float16 int8 \
+        --text /usr/share/common-licenses/GPL-3 --max-tokens 4096 --out benchmarks/results/perplexity-kv-int8.json
 
 With `--llama-perplexity`, the served model (`--quantization auto`: the file's own precision, e.g. a Q4_K_M's Q4_K
 as int4 and its Q6_K as int8) is scored the way llama.cpp's `llama-perplexity` scores it (tools/perplexity/
@@ -110,14 +115,15 @@ def against_llama(model_path: str, binary: Path, text: Path, ctx: int, threads: 
             "ratio": ours / peer}
 
 
-def run(model_path: str | None, settings: list[str], text: str, kv_dtypes: list[str] = ()) -> dict:
+def run(model_path: str | None, settings: list[str], text: str, kv_dtypes: list[str] = (), max_tokens: int = 0) -> dict:
+    """`max_tokens`: score the text's first that many tokens (0: all of it)."""
     results: dict = {}
     ids: list[int] | None = None
     for name in settings:
         dtype, quant = SETTINGS.get(name, (torch.float32, name))  # "auto": the server's default
         t0 = time.perf_counter()
         lm = load_model(model_path, dtype, "cpu", quantization=quant)
-        ids = ids or lm.tokenizer.encode(text)
+        ids = ids or lm.tokenizer.encode(text)[: max_tokens or None]
         nll, ppl = perplexity(lm.model, ids)
         entry = {"dtype": str(dtype).removeprefix("torch."), "quantization": quant, "resolved": lm.quantization,
                  "nll": nll, "perplexity": ppl, "seconds": time.perf_counter() - t0}
@@ -125,7 +131,7 @@ def run(model_path: str | None, settings: list[str], text: str, kv_dtypes: list[
         print(f"[ppl] {name} ({lm.quantization}): {ppl:.4f}", file=sys.stderr, flush=True)
         if kv_dtypes:
             entry["kv"] = {kv: engine_perplexity(lm, ids, kv)[1] for kv in kv_dtypes}
-            base = entry["kv"].get("float32", entry["kv"].get("auto"))
+            base = entry["kv"].get("float32", entry["kv"].get("auto", entry["kv"][kv_dtypes[0]]))
             entry["kv_ratio"] = {kv: p / base for kv, p in entry["kv"].items()} if base else {}
             print(f"[ppl] {name} through the engine, by KV cache dtype: {entry['kv']}", file=sys.stderr, flush=True)
         del lm
@@ -143,7 +149,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--threads", type=int, default=os.cpu_count())
     p.add_argument("--text", type=Path, default=TEXT)
     p.add_argument("--out", type=Path, default=RESULTS)
-    p.add_argument("--kv-cache-dtypes", nargs="*", default=[], choices=["auto", "float32", "float16", "bfloat16"],
+    p.add_argument("--max-tokens", type=int, default=0, help="score the text's first N tokens only (0: all)")
+    p.add_argument("--kv-cache-dtypes", nargs="*", default=[], choices=["auto", "float32", "float16", "bfloat16", "int8"],
                    help="also score through the engine over a KV cache of each dtype (the server's prompt path)")
     p.add_argument("--llama-perplexity", type=Path, default=None,
                    help="compare the served model (--quantization auto) with llama.cpp's llama-perplexity (module doc)")
@@ -160,8 +167,11 @@ def main(argv: list[str] | None = None) -> dict:
               f"({out['ours']['resolved']}) {out['ours']['perplexity']:.4f}, llama-perplexity "
               f"{out['llama_perplexity']:.4f}, ratio {out['ratio']:.5f}")
         return out
-    out = run(args.model, args.settings, args.text.read_text(), args.kv_cache_dtypes)
+    out = run(args.model, args.settings, args.text.read_text(), args.kv_cache_dtypes, args.max_tokens)
     out["model"] = args.model or "default (SmolLM2-135M-Instruct Q4_1)"
+    out["machine"] = machine_info("cpu", args.threads)
+    if args.text != TEXT:  # (run names the shipped text)
+        out["text"] = str(args.text)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=2) + "\n")
     print(f"perplexity on {out['text']} ({out['num_tokens']} tokens), {out['model']}:")

@@ -193,21 +193,23 @@ def _peak_bytes(pid: int) -> int:
     return 0
 
 
-def _kv_bytes_per_token(path: Path, itemsize: int = 4) -> int:
-    """Our KV cache per token: K and V, every layer, the KV heads' width, `itemsize` bytes each."""
+def _kv_bytes_per_token(path: Path, dtype: str = "float32") -> int:
+    """Our KV cache per token in a cache of `dtype`: K and V, every layer, the KV heads' rows (an int8 row with its
+    scale: model/kernels/kv_int8.py)."""
+    from model.kernels.kv_int8 import row_width
     from model.loaders.gguf_file import open_gguf, read_metadata
     from model.loaders.config_keys import config_from_gguf
 
     c = config_from_gguf(read_metadata(open_gguf(path)), source=str(path))
-    return 2 * c.n_layers * c.n_kv_heads * c.head_dim * itemsize
+    t = torch.float16 if dtype == "auto" else getattr(torch, dtype)  # (auto: float16 under quantized weights)
+    return 2 * c.n_layers * c.n_kv_heads * row_width(c.head_dim, t) * torch.empty((), dtype=t).element_size()
 
 
 def kv_cache_args(path: Path, tokens: int, ours_args: list[str]) -> list[str]:
     """Our flags for a KV pool of `tokens` tokens: the cache dtype `ours_args` name, else float16 (llama-server's f16
     default, and ours' `auto` under quantized weights, said here so the pool's size cannot depend on it)."""
     dtype = ours_args[ours_args.index("--kv-cache-dtype") + 1] if "--kv-cache-dtype" in ours_args else "float16"
-    itemsize = 4 if dtype == "float32" else 2
-    return ["--kv-cache-bytes", str(tokens * _kv_bytes_per_token(path, itemsize)), "--kv-cache-dtype", dtype]
+    return ["--kv-cache-bytes", str(tokens * _kv_bytes_per_token(path, dtype)), "--kv-cache-dtype", dtype]
 
 
 FIGURES = ("load_s", "decode_tok_s", "throughput_tok_s", "prefill_tok_s")

@@ -63,12 +63,14 @@ class Settings(BaseSettings):
                                       json_schema_extra={"shown_default": "the model's context, clamped to what the KV pool holds"})
     enable_prefix_caching: bool = Field(EngineConfig.enable_prefix_caching,
                                         description="share KV blocks of equal prompt prefixes")
-    kv_cache_dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
+    kv_cache_dtype: Literal["auto", "float32", "float16", "bfloat16", "int8"] = Field(
         EngineConfig.kv_cache_dtype, description="the KV cache's dtype (vLLM's flag). auto: float16 under int8 / int4 "
         "weights on CPU with the native kernels (the default model's), else the model's dtype (a float32 model's keys and values stay HF's). "
         "float16 / bfloat16 under a float32 model on CPU: each key and value rounded once when written (float16 is "
         "llama.cpp's default cache), half the bytes a long context's attention reads and twice the tokens in "
-        "--kv-cache-bytes")
+        "--kv-cache-bytes. int8: each head's keys and values of a token quantized to int8 with one float32 scale "
+        "(llama.cpp's --cache-type-k q8_0 --cache-type-v q8_0 with a block per head), about half a 16-bit cache's "
+        "bytes; under a float32 model on CPU, or any model on a GPU")
     kv_window: int | None = Field(
         None, ge=1, description="default sink + window KV cache (StreamingLLM): keep the first --sink-tokens tokens and "
         "the most recent KV_WINDOW, so generation runs past the context; a request's `kv_window` overrides it",

@@ -41,6 +41,7 @@ class ServerState:
     responses: ResponseStore = field(default=None)  # stored responses (service/response_store.py)
     speculative: dict | None = None  # --speculative-config as served (/v1/models), None when off
     kv_cache_dtype: str = ""  # the KV cache's dtype as served (--kv-cache-dtype resolved)
+    kv_cache_tokens: int = 0  # the tokens the KV pool holds (--kv-cache-bytes over the bytes a token takes)
     loader: threading.Thread | None = None  # the thread loading the model, once `start_in_background` began it
 
     def __post_init__(self) -> None:
@@ -103,8 +104,9 @@ class ServerState:
             self.loaded, self.model_name = loaded, s.served_model_name or loaded.name
             self.speculative = config.speculative.to_dict() if config.speculative is not None else None
             self.kv_cache_dtype = str(core.cache.k.dtype).removeprefix("torch.")
+            self.kv_cache_tokens = core.kv_cache_tokens
             self.engine = engine
-            log.info("serving %s: %s", self.model_name, _precision(loaded))
+            log.info("serving %s: %s", self.model_name, self.precision)
             if self.speculative is not None:
                 log.info("speculative decoding: %s", self.speculative)
         except Exception as e:  # nothing this process can serve (docs/development.md rule 9): /health 503 with the
@@ -117,8 +119,8 @@ class ServerState:
 
     @property
     def precision(self) -> dict:
-        """What /v1/models says the weights, activations and KV cache run in."""
-        return {**_precision(self.loaded), "kv_cache_dtype": self.kv_cache_dtype}
+        """What /v1/models says the weights, activations and KV cache run in, and the tokens the KV pool holds."""
+        return {**_precision(self.loaded), "kv_cache_dtype": self.kv_cache_dtype, "kv_cache_tokens": self.kv_cache_tokens}
 
     def _engine_died(self, error: BaseException | None) -> None:
         """The engine thread ended while serving (its open requests end with errors right after this). Nothing in

@@ -20,7 +20,7 @@ from model import kernels  # noqa: E402
 from model.attention import sdpa  # noqa: E402
 from model.kernels import triton_attention  # noqa: E402
 from model.engine import Engine, EngineConfig, KVWindow, RequestOptions, SamplingParams, TelemetryOptions  # noqa: E402
-from model.kernels import attention_telemetry  # noqa: E402
+from model.kernels import attention_telemetry, kv_int8  # noqa: E402
 from model.kernels.attention_telemetry import AttentionTelemetry  # noqa: E402
 from tiny import byte_tokenizer, greedy_tokens, tiny_model  # noqa: E402
 
@@ -28,10 +28,12 @@ from tiny import byte_tokenizer, greedy_tokens, tiny_model  # noqa: E402
 def scattered_pools(lens: list[int], bs: int, K: int, E: int, g: torch.Generator, seed: int, spare: int,
                      dtype: torch.dtype = torch.float32):
     """Random K and V pools with `spare` blocks beyond what `lens` need, each sequence's blocks scattered over them.
-    -> k_pool, v_pool (NB, bs, K, E), the block tables (lists) and them padded with 0 as a tensor (S, W)."""
+    -> k_pool, v_pool (NB, bs, K, E) (E + 4 int8 rows for dtype int8: kv_int8.py), the block tables (lists) and them
+    padded with 0 as a tensor (S, W)."""
     n_blocks = sum(-(-n // bs) for n in lens) + spare
-    k_pool = torch.randn(n_blocks, bs, K, E, generator=g).to(dtype)
-    v_pool = torch.randn(n_blocks, bs, K, E, generator=g).to(dtype)
+    store = kv_int8.quantize if dtype == torch.int8 else (lambda x: x.to(dtype))
+    k_pool = store(torch.randn(n_blocks, bs, K, E, generator=g))
+    v_pool = store(torch.randn(n_blocks, bs, K, E, generator=g))
     ids = list(range(n_blocks))
     random.Random(seed).shuffle(ids)  # scattered blocks
     tables, at = [], 0
@@ -43,11 +45,12 @@ def scattered_pools(lens: list[int], bs: int, K: int, E: int, g: torch.Generator
 
 
 def kernel_vs_sdpa(dtype: torch.dtype, H: int, K: int, E: int, bs: int, device: str = "cpu", window: int = 0,
-                   scale: float = 0.0) -> float:
+                   scale: float = 0.0, kv: torch.dtype | None = None) -> float:
     """`window`, `scale`: a sliding window (rows attend to their last `window` keys, the blocks before never read)
-    and an attention scale (0: 1/sqrt(E))."""
+    and an attention scale (0: 1/sqrt(E)); `kv`: the pools' dtype (None: `dtype`; int8: SDPA over their dequantized
+    values)."""
     lens = [1, 7, 16, 33, 100]
-    k_pool, v_pool, tables, tables_t = scattered_pools(lens, bs, K, E, torch.Generator().manual_seed(0), 0, 3, dtype)
+    k_pool, v_pool, tables, tables_t = scattered_pools(lens, bs, K, E, torch.Generator().manual_seed(0), 0, 3, kv or dtype)
     N = len(lens) + 2
     q = torch.randn(N, H + 2 * K, E).to(dtype)[:, :H]  # a view into a fused q/k/v output, as the model passes it
     rows = [5, 0, 3, 1, 6]
@@ -56,27 +59,33 @@ def kernel_vs_sdpa(dtype: torch.dtype, H: int, K: int, E: int, bs: int, device: 
     if window:  # the blocks wholly before each row's window hold NaN: a read of one would show in the output
         for n, table in zip(lens, tables):
             for b in table[: max(0, n - window) // bs]:
-                on[1][b], on[2][b] = float("nan"), float("nan")
+                if kv == torch.int8:  # (NaN scales)
+                    nan = torch.tensor([float("nan")]).view(torch.int8).to(device)
+                    on[1][b, ..., -4:], on[2][b, ..., -4:] = nan, nan
+                else:
+                    on[1][b], on[2][b] = float("nan"), float("nan")
     triton_attention.paged_decode_attention(*on, None, window, scale)
     out = on[-1].cpu()
     assert (out[[2, 4]] == 7).all(), "rows that are not decode rows must stay untouched"
     err = 0.0
     for r, n, table in zip(rows, lens, tables):
         first = max(0, n - window) if window else 0
-        kd = k_pool[table].reshape(1, -1, K, E)[:, first:n]
-        vd = v_pool[table].reshape(1, -1, K, E)[:, first:n]
+        kd = kv_int8.read(k_pool[table], dtype).reshape(1, -1, K, E)[:, first:n]
+        vd = kv_int8.read(v_pool[table], dtype).reshape(1, -1, K, E)[:, first:n]
         want = sdpa(q[r][None, None], kd, vd, scale=scale)[0, 0]
         err = max(err, ((out[r].float() - want.float()).abs().max() / want.float().abs().max()).item())
     return err
 
 
-def prefill_kernel_vs_sdpa(dtype: torch.dtype, H: int, K: int, E: int, bs: int, device: str = "cpu") -> float:
+def prefill_kernel_vs_sdpa(dtype: torch.dtype, H: int, K: int, E: int, bs: int, device: str = "cpu",
+                           kv: torch.dtype | None = None) -> float:
     """Three chunks of a step (one with nothing cached before it, two after a cached prefix; 1 to 45 rows, so tiles
-    of 32 split) through `paged_prefill_attention` against SDPA over each chunk's gathered keys."""
+    of 32 split) through `paged_prefill_attention` against SDPA over each chunk's gathered keys (`kv`: as
+    kernel_vs_sdpa)."""
     chunks = [(0, 1, 45), (13, 45, 3), (40, 6, 30)]  # (prefix cached, rows, unused) per chunk
     g = torch.Generator().manual_seed(1)
     lens = [pre + n for pre, n, _ in chunks]
-    k_pool, v_pool, tables, tables_t = scattered_pools(lens, bs, K, E, g, 1, 2, dtype)
+    k_pool, v_pool, tables, tables_t = scattered_pools(lens, bs, K, E, g, 1, 2, kv or dtype)
     N = sum(n for _, n, _ in chunks) + 2
     q = torch.randn(N, H + 2 * K, E, generator=g).to(dtype)[:, :H]
     out = torch.full((N, H, E), 7.0, dtype=dtype)
@@ -91,20 +100,21 @@ def prefill_kernel_vs_sdpa(dtype: torch.dtype, H: int, K: int, E: int, bs: int, 
     assert (out[[0, N - 1]] == 7).all(), "rows outside the chunks must stay untouched"
     err = 0.0
     for r, (pre, n, _), table, total in zip(starts, chunks, tables, lens):
-        kd = k_pool[table].reshape(1, -1, K, E)[:, :total]
-        vd = v_pool[table].reshape(1, -1, K, E)[:, :total]
+        kd = kv_int8.read(k_pool[table], dtype).reshape(1, -1, K, E)[:, :total]
+        vd = kv_int8.read(v_pool[table], dtype).reshape(1, -1, K, E)[:, :total]
         mask = (torch.arange(total) <= torch.arange(pre, total)[:, None])[None, None]  # (1, 1, n, total)
         want = sdpa(q[r : r + n][None], kd, vd, mask)[0]  # (n, H, E)
         err = max(err, ((out[r : r + n].float() - want.float()).abs().max() / want.float().abs().max()).item())
     return err
 
 
-def telemetry_vs_reference(H: int, K: int, E: int, bs: int, top_k: int, device: str = "cpu") -> None:
+def telemetry_vs_reference(H: int, K: int, E: int, bs: int, top_k: int, device: str = "cpu",
+                           kv: torch.dtype = torch.float32) -> None:
     """The TELEMETRY variant's record equals the definition (model/kernels/attention_telemetry.py): rows shorter
     than k, sinks of 0, 1 and 5 keys, a row that records nothing; the attention output is the plain variant's."""
     lens = [1, 3, 17, 40, 70]
     g = torch.Generator().manual_seed(1)
-    k_pool, v_pool, _, tables_t = scattered_pools(lens, bs, K, E, g, 1, 2)
+    k_pool, v_pool, _, tables_t = scattered_pools(lens, bs, K, E, g, 1, 2, kv)
     q = (torch.randn(len(lens), H, E, generator=g) * 2)
     rows, lens_t = torch.arange(len(lens)), torch.tensor(lens)
     slots, sink_len = torch.tensor([0, 1, -1, 2, 3]), torch.tensor([1, 5, 0, 1])
@@ -122,7 +132,7 @@ def telemetry_vs_reference(H: int, K: int, E: int, bs: int, top_k: int, device: 
     out_plain, out_tel = on[6].cpu(), on[7].cpu()
     got = AttentionTelemetry(*(t.cpu() for t in got_d))
     assert torch.equal(out_plain, out_tel)
-    kd = k_pool.index_select(0, tables_t.reshape(-1)).view(len(lens), -1, K, E)
+    kd = kv_int8.read(k_pool.index_select(0, tables_t.reshape(-1)), torch.float32).view(len(lens), -1, K, E)
     attention_telemetry.reference(q, kd, lens_t, want)
     assert torch.allclose(got.sink_mass, want.sink_mass, atol=1e-5), (got.sink_mass - want.sink_mass).abs().max()
     assert torch.allclose(got.top_prob, want.top_prob, atol=1e-5)
@@ -160,7 +170,26 @@ def kernels_vs_references(device: str) -> None:
     for H, K, E, bs, top_k in ((4, 2, 64, 4, 5), (3, 1, 24, 16, 3), (2, 2, 32, 8, 8)):
         telemetry_vs_reference(H, K, E, bs, top_k, device)
     print(f"telemetry on {device}: Triton's TELEMETRY variant == the reference")
+    int8_kernels_vs_references(device)
     elementwise_vs_reference(device)
+
+
+def int8_kernels_vs_references(device: str) -> None:
+    """An int8 cache (E + 4 byte rows, model/kernels/kv_int8.py) under float32 and 16-bit queries: decode (with a
+    window whose earlier blocks hold NaN scales, and a scale), prefill tiles and telemetry against SDPA over the
+    dequantized pools; E = 20 puts the scales at addresses not 4-byte aligned."""
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 2e-3)):
+        for H, K, E, bs in ((6, 2, 64, 4), (4, 1, 128, 16), (4, 2, 20, 8)):
+            err = kernel_vs_sdpa(dtype, H, K, E, bs, device, kv=torch.int8)
+            print(f"kernel vs SDPA, int8 cache, {dtype} H={H} K={K} E={E} block={bs} on {device}: max rel err {err:.1e}")
+            assert err < tol, err
+            if dtype == torch.float32:
+                assert kernel_vs_sdpa(dtype, H, K, E, bs, device, window=11, scale=0.05, kv=torch.int8) < tol
+                err = prefill_kernel_vs_sdpa(dtype, H, K, E, 16, device, kv=torch.int8)
+                print(f"prefill kernel vs SDPA, int8 cache, H={H} K={K} E={E} on {device}: max rel err {err:.1e}")
+                assert err < tol, err
+    telemetry_vs_reference(4, 2, 64, 4, 5, device, kv=torch.int8)
+    print(f"int8 cache on {device}: Triton == SDPA over the dequantized pools")
 
 
 def elementwise_vs_reference(device: str) -> None:
@@ -211,6 +240,14 @@ def engines_on_cuda() -> None:
     print("engine tokens on cuda: Triton path == gather path, batched == alone")
     assert_same_steps(tel_triton, windowed_engine(model))
     print("kv_window engine with telemetry on cuda: Triton path == gather path")
+    triton_attention._checked.clear()
+    on_triton = greedy_tokens(model, prompts, kv_cache_dtype="int8")
+    assert triton_attention._checked[("cuda:0", torch.float32, torch.int8)], "the Triton kernel did not serve int8"
+    assert on_triton == [greedy_tokens(model, [p], kv_cache_dtype="int8")[0] for p in prompts]
+    for key in list(triton_attention._checked):
+        triton_attention._checked[key] = False
+    assert greedy_tokens(model, prompts, kv_cache_dtype="int8") == on_triton
+    print("int8 cache engine tokens on cuda: Triton path == gather path, batched == alone")
 
 
 def main() -> None:
@@ -238,6 +275,14 @@ def main() -> None:
         on_gather = windowed_engine(model)
     assert_same_steps(on_triton, on_gather)
     print("kv_window engine with telemetry: Triton path == gather path")
+    os.environ["TRITON_INTERPRET"] = "1"
+    with kernels.disabled():  # an int8 cache: quantized writes in PyTorch, the Triton kernels' reads
+        on_triton = greedy_tokens(model, prompts, kv_cache_dtype="int8")
+        assert triton_attention._checked[("cpu", torch.float32, torch.int8)]
+        assert on_triton == [greedy_tokens(model, [p], kv_cache_dtype="int8")[0] for p in prompts]
+        os.environ["TRITON_INTERPRET"] = "0"
+        assert greedy_tokens(model, prompts, kv_cache_dtype="int8") == on_triton
+    print("int8 cache engine tokens: Triton path == gather path, batched == alone")
     from tiny import tiny_family
 
     for family in ("mistral", "granite"):  # a sliding window; an attention scale and multipliers

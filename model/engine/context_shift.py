@@ -5,7 +5,8 @@ RoPE rotates each pair (i, i + E/2) of a key at position p by the angle p * inv_
 key rotated for position p becomes the key for p - shift by one more rotation by -shift * inv_freq[i] (llama.cpp's
 K-shift, `llama_kv_cache::build_rope_shift`, applies `ggml_rope_ext` with the shift as the position). The tables
 come from the model's own RoPE module, so its frequency scaling (Llama 3.1, linear, GGUF rope_freqs) is the one
-applied. The rotation runs in float32 and rounds once to the cache's dtype.
+applied. The rotation runs in float32 and rounds once to the cache's dtype (an int8 cache's keys: dequantized,
+rotated, quantized again with new scales, model/kernels/kv_int8.py; their rows move with their scales).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from torch import Tensor
 
 from model.engine.kv_window import Eviction
 from model.engine.paged_cache import PagedKVCache
+from model.kernels import kv_int8
 from model.kernels.ops import apply_rotary_tables
 from model.transformer import rotary_tables
 
@@ -34,7 +36,7 @@ class ContextShift:
         """Rows first (the released block is only read here, before anything can be allocated into it), then the
         rotation of cache positions [S, cache_len) of the new table."""
         assert ev.shift == self.shift, "evictions move keys by one block"
-        k, v, bs = self.cache.k, self.cache.v, self.cache.block_size  # (L, NB, bs, K, E)
+        k, v, bs = self.cache.k, self.cache.v, self.cache.block_size  # (L, NB, bs, K, E) (E + 4: int8)
         if ev.copy is not None:
             src, dst, r = ev.copy
             k[:, dst, r:] = k[:, src, r:]
@@ -48,4 +50,5 @@ class ContextShift:
         self.num_evictions += 1
 
     def _rotate(self, keys: Tensor) -> Tensor:  # (L, n, K, E) -> the same keys at cache positions `shift` lower
-        return apply_rotary_tables(keys.float(), self.cos, self.ssin).to(keys.dtype)
+        rotated = apply_rotary_tables(kv_int8.read(keys, torch.float32), self.cos, self.ssin)
+        return kv_int8.quantize(rotated) if keys.dtype == torch.int8 else rotated.to(keys.dtype)

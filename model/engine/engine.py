@@ -75,7 +75,8 @@ class EngineConfig:
     # Speculative decoding (model/engine/speculative/): drafts verified in the engine's own step; None: off
     speculative: SpeculativeConfig | None = None
     # The KV cache's dtype: "auto" (float16 under quantized weights on CPU with the native kernels, else the
-    # model's), "float32", or "float16" / "bfloat16" under a float32 model on CPU (paged_cache.cache_dtype)
+    # model's), "float32", "float16" / "bfloat16" under a float32 model on CPU, or "int8" (quantized per token and
+    # head: under a float32 model on CPU, any model on a GPU) (paged_cache.cache_dtype)
     kv_cache_dtype: str = "auto"
     # Overlapped steps (model/engine/engine.py, `_overlapped_step`): decode step N + 1 launched before step N's
     # tokens are read back. None: where the model's stream runs beside the host (a GPU), not across tensor-parallel
@@ -185,8 +186,8 @@ class Engine:
         if config.speculative is not None:
             self.drafter = build_speculator(config.speculative, model, draft_model, self.sizes,
                                             distributed=self.distributed)
-        log.info("engine: %d KV blocks of %d tokens (%.0f MB, %s%s), max_model_len %d", num_blocks, config.block_size,
-                 self.cache.nbytes / 1e6, str(kv_dtype).removeprefix("torch."),
+        log.info("engine: %d KV blocks of %d tokens (%d tokens, %.0f MB, %s%s), max_model_len %d", num_blocks,
+                 config.block_size, self.kv_cache_tokens, self.cache.nbytes / 1e6, str(kv_dtype).removeprefix("torch."),
                  "; made resident in the background" if self.cache.device.type == "cpu" else "", self.max_model_len)
         self.runner.capture_graphs()
 
@@ -241,6 +242,11 @@ class Engine:
         if req.pending_siblings:
             self._sibling_requests.add(req)
         return req
+
+    @property
+    def kv_cache_tokens(self) -> int:
+        """The tokens the KV pool holds: the blocks the manager hands out, times their size."""
+        return self.kv.num_blocks * self.config.block_size
 
     def check(self, options: RequestOptions) -> None:
         """The one check of what a request carries beside prompt and sampling against this engine: the sink + window

@@ -19,7 +19,7 @@ from torch import Tensor
 
 from model.attention import causal_mask, sdpa
 from model.engine.paged_cache import AttentionMetadata, PagedKVCache, PrefillChunk, SeqSlice
-from model.kernels import ops
+from model.kernels import kv_int8, ops
 
 if TYPE_CHECKING:
     from model.engine.telemetry import StepTelemetry
@@ -63,8 +63,9 @@ class ForwardContext:
         """q (1, N, H, E), k/v (1, N, K, E) -> (1, N, H, E); writes k/v into their slots first. Rows attending over
         their block tables go through the decode kernel (recording telemetry where asked); prefill chunks through
         SDPA over their cached prefix and themselves."""
-        meta, K, E = self.meta, k.shape[2], k.shape[3]
-        k_pool, v_pool = self.cache.k[layer], self.cache.v[layer]  # (NB, bs, K, E)
+        meta, K = self.meta, k.shape[2]
+        k_pool, v_pool = self.cache.k[layer], self.cache.v[layer]  # (NB, bs, K, E), or E + 4 int8 (kv_int8.py)
+        width = k_pool.shape[-1]
         window, scale = self.cache.window, self.cache.scale  # the model's (sliding window, attention scale)
         ops.paged_write(k[0], v[0], k_pool, v_pool, meta.slot_mapping)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # (1, N, H, E)
@@ -79,16 +80,17 @@ class ForwardContext:
         for i, p in enumerate(meta.prefills):
             qp = q[:, p.start : p.end]  # (1, n, H, E)
             mask = self._window_mask(i, p) if window else p.mask
-            if p.blocks is None:  # (a 16-bit cache's chunk attends to its keys as the cache holds them)
-                kc, vc = (x[:, p.start : p.end].to(k_pool.dtype).to(q.dtype) for x in (k, v))
+            if p.blocks is None:  # (a 16-bit or int8 cache's chunk attends to its keys as the cache holds them)
+                kc, vc = (kv_int8.as_stored(x[:, p.start : p.end], k_pool.dtype).to(q.dtype) for x in (k, v))
                 out[:, p.start : p.end] = sdpa(qp, kc, vc, mask, is_causal=mask is None, scale=scale)
             else:
                 # (under a window: from the block of the chunk's first row's first key; earlier ones may be freed)
                 b0 = max(0, p.context_len - (p.end - p.start) + 1 - window) // self.cache.block_size if window else 0
-                kp = k_pool.index_select(0, p.blocks[b0:]).view(1, -1, K, E)  # (1, ctx - b0 bs, K, E)
-                vp = v_pool.index_select(0, p.blocks[b0:]).view(1, -1, K, E)
+                kp = k_pool.index_select(0, p.blocks[b0:]).view(1, -1, K, width)  # (1, ctx - b0 bs, K, width)
+                vp = v_pool.index_select(0, p.blocks[b0:]).view(1, -1, K, width)
                 ctx = p.context_len - b0 * self.cache.block_size
-                out[:, p.start : p.end] = sdpa(qp, kp[:, :ctx].to(q.dtype), vp[:, :ctx].to(q.dtype), mask, scale=scale)
+                kd, vd = kv_int8.read(kp[:, :ctx], q.dtype), kv_int8.read(vp[:, :ctx], q.dtype)  # (1, ctx, K, E)
+                out[:, p.start : p.end] = sdpa(qp, kd, vd, mask, scale=scale)
         return out
 
     def _window_mask(self, i: int, p: PrefillChunk) -> Tensor | None:

@@ -74,7 +74,7 @@ class NativeStep:
 
     def accepts(self, ctx: ForwardContext) -> bool:
         """A step whose every row attends over the paged pool (decode rows; prefill rows too where the cache does
-        `paged_prefill`), over a cache of the model's dtype (or a 16-bit one under float32), with the kernels on."""
+        `paged_prefill`), over a cache of the model's dtype (or a 16-bit or int8 one under float32), with the kernels on."""
         meta = ctx.meta
         if ctx.edits is not None and ctx.edits.has_head_edits:  # edits of single heads: the module path's sites
             return False

@@ -26,6 +26,7 @@ from torch import Tensor
 
 from model import huge_pages
 from model.config import ModelConfig
+from model.kernels import kv_int8
 from model.kernels import native as native_kernels
 from model.kernels import ops
 
@@ -115,13 +116,15 @@ def kv_config(model):
 
 
 class PagedKVCache:
-    """The pools: K and V of every layer, (L, NB, bs, K, E) each. A step's view of them is its ForwardContext."""
+    """The pools: K and V of every layer, (L, NB, bs, K, E) each, or (L, NB, bs, K, E + 4) int8 for an int8 cache
+    (each head's row of a token: its quants and their scale, model/kernels/kv_int8.py). A step's view of them is its
+    ForwardContext."""
 
     def __init__(self, kv: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device | str,
                  act_dtype: torch.dtype | None = None) -> None:
         """`kv`: the config whose layers and KV heads the pool holds (`kv_config`: a tensor-parallel rank's share).
         `dtype`: the pools'; `act_dtype`: the queries' (the model's; None: `dtype`)."""
-        shape = (kv.n_layers, num_blocks, block_size, kv.n_kv_heads, kv.head_dim)  # (L, NB, bs, K, E)
+        shape = (kv.n_layers, num_blocks, block_size, kv.n_kv_heads, kv_int8.row_width(kv.head_dim, dtype))  # (L, NB, bs, K, E)
         # Zero-filled, not empty: padded gathers read unused slots, and garbage NaNs would survive the -inf mask.
         # On CPU on 2 MB pages (model/huge_pages.py): a step's attention reads every row's keys and values. Their
         # pages are faulted in by a background thread (`huge_pages.populate_later`) while the engine is set up;
@@ -147,9 +150,9 @@ class PagedKVCache:
 
     @staticmethod
     def bytes_per_block(config, block_size: int, dtype: torch.dtype) -> int:
-        """K and V of `block_size` tokens over all layers."""
+        """K and V of `block_size` tokens over all layers (an int8 cache's rows with their scales)."""
         itemsize = torch.empty((), dtype=dtype).element_size()
-        return 2 * config.n_layers * block_size * config.n_kv_heads * config.head_dim * itemsize
+        return 2 * config.n_layers * block_size * config.n_kv_heads * kv_int8.row_width(config.head_dim, dtype) * itemsize
 
     @property
     def nbytes(self) -> int:
@@ -181,7 +184,7 @@ class PagedKVCache:
         return ops.decode_attention_backend(q, self.k[0])
 
 
-KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
+KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "int8")
 
 
 def cache_dtype(name: str, model_dtype: torch.dtype, device: torch.device | str, quantized: bool = False) -> torch.dtype:
@@ -191,8 +194,11 @@ def cache_dtype(name: str, model_dtype: torch.dtype, device: torch.device | str,
     context's attention reads, and twice the tokens in the same pool. "auto": float16 under quantized (int8 / int4)
     weights on CPU where the native kernels run (they keep every row batch invariant over it), whose own rounding is
     far coarser (benchmarks/perplexity.py --kv-cache-dtypes measures what the cache's rounding adds), else the
-    model's dtype, so a float32 model's keys and values stay HF's. Any other pair is refused (ValueError): a bfloat16
-    model's cache is bfloat16 already, and the GPU kernels read the model's dtype."""
+    model's dtype, so a float32 model's keys and values stay HF's. "int8": each head's row of a token quantized with
+    its own scale (model/kernels/kv_int8.py, llama.cpp's `--cache-type-k q8_0` with a block per head row), about half
+    a 16-bit cache's bytes: under a float32 model on CPU (the native kernels) or any model on a GPU (the Triton
+    kernel, or the PyTorch path that dequantizes what it gathers). Any other pair is refused (ValueError): a bfloat16
+    model's cache is bfloat16 already, and the GPU kernels read the model's dtype or int8."""
     if name not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {name!r}")
     if name == "auto":
@@ -200,6 +206,11 @@ def cache_dtype(name: str, model_dtype: torch.dtype, device: torch.device | str,
         return torch.float16 if quantized and cpu_float32 and native_kernels() is not None else model_dtype
     dtype = getattr(torch, name)
     if dtype == model_dtype:
+        return dtype
+    if dtype == torch.int8:
+        if model_dtype != torch.float32 and torch.device(device).type == "cpu":
+            raise ValueError(f"kv_cache_dtype int8 with a {str(model_dtype).removeprefix('torch.')} model on cpu: "
+                             "an int8 cache on CPU is read under float32 activations (--dtype float32)")
         return dtype
     if model_dtype != torch.float32 or torch.device(device).type != "cpu":
         raise ValueError(f"kv_cache_dtype {name} with a {str(model_dtype).removeprefix('torch.')} model on "

@@ -10,7 +10,7 @@ model/transformer.py; N packed tokens, R rows attending over the pool, W block-t
     rope_             (B, T, heads, E) in place     RoPE, rotate-half layout
     linear            (..., in) @ float W           one reduction order per output for any row count (native)
     quantized_linear  (M, in) @ int8 / int6 / int4 W  integer block dot products, any row count (native)
-    paged_write       k, v (N, K, E) -> pool slots
+    paged_write       k, v (N, K, E) -> pool slots (an int8 cache's rows quantized: kv_int8.py)
     greedy_pick       logits (B, V) -> (B,)           torch.argmax of nan_to_num(logits, nan=-inf)
     decode_attention  q (N, H, E) rows over their block tables (PagedAttention's decode, Kwon et al. 2023),
                       optionally recording attention telemetry (attention_telemetry.py)
@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from model.attention import sdpa
-from model.kernels import attention_telemetry, usable
+from model.kernels import attention_telemetry, kv_int8, usable
 from model.kernels import native as native_kernels
 from model.kernels.attention_telemetry import AttentionTelemetry
 
@@ -168,22 +168,24 @@ def greedy_pick(logits: Tensor) -> Tensor:  # (B, V) -> (B,) int64
 
 
 def paged_write(k: Tensor, v: Tensor, k_pool: Tensor, v_pool: Tensor, slots: Tensor) -> None:
-    """Write one step's k, v (N, K, E) into their pool slots (N,) (block * bs + offset) of pools (NB, bs, K, E)."""
+    """Write one step's k, v (N, K, E) into their pool slots (N,) (block * bs + offset) of pools (NB, bs, K, E), or
+    (NB, bs, K, E + 4) for an int8 cache (kv_int8.py)."""
     native = usable(k)
     if native is not None and native_pool(k.dtype, k_pool.dtype):
         native.paged_write(k, v, k_pool, v_pool, slots)
     else:
-        K, E = k.shape[-2], k.shape[-1]
-        k_pool.view(-1, K, E)[slots] = k.to(k_pool.dtype)  # a 16-bit cache: rounded once, here
-        v_pool.view(-1, K, E)[slots] = v.to(v_pool.dtype)
+        K, width = k_pool.shape[-2], k_pool.shape[-1]
+        store = kv_int8.quantize if k_pool.dtype == torch.int8 else (lambda x: x.to(k_pool.dtype))
+        k_pool.view(-1, K, width)[slots] = store(k)  # a 16-bit or int8 cache: rounded once, here
+        v_pool.view(-1, K, width)[slots] = store(v)
 
 
-KV16 = (torch.float16, torch.bfloat16)
+NARROW_KV = (torch.float16, torch.bfloat16, torch.int8)
 
 
 def native_pool(act: torch.dtype, pool: torch.dtype) -> bool:
-    """The native kernels' (activations, cache) pairs: one dtype, or float32 over a 16-bit cache."""
-    return act == pool or (act == torch.float32 and pool in KV16)
+    """The native kernels' (activations, cache) pairs: one dtype, or float32 over a 16-bit or int8 cache."""
+    return act == pool or (act == torch.float32 and pool in NARROW_KV)
 
 
 def decode_attention_backend(q: Tensor, k_pool: Tensor) -> str:
@@ -191,7 +193,7 @@ def decode_attention_backend(q: Tensor, k_pool: Tensor) -> str:
     native = usable(q)
     if native is not None and native_pool(q.dtype, k_pool.dtype):
         return "native"
-    if (q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1") and _triton().available(q, k_pool.shape[1]):
+    if (q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1") and _triton().available(q, k_pool.shape[1], k_pool.dtype):
         return "triton"
     return "torch"
 
@@ -220,7 +222,7 @@ def decode_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, rows: Tensor, ta
                      out: Tensor, telemetry: AttentionTelemetry | None = None, window: int = 0,
                      scale: float = 0.0) -> None:
     """Rows `rows` (R,) of q (N, H, E) attend over their block tables (R, W) up to their lengths (R,) in pools
-    (NB, bs, K, E); writes those rows of out (N, H, E). Native and Triton walk the tables in place (no gather); the
+    (NB, bs, K, E) (E + 4: an int8 cache, kv_int8.py); writes those rows of out (N, H, E). Native and Triton walk the tables in place (no gather); the
     PyTorch reference gathers each row's blocks and masks past its length. `telemetry`: the rows with a slot also
     record their sink mass and top-k keys (model/kernels/attention_telemetry.py); the output is the same either way.
     `window`: a sliding window (0: none): a row of length n attends to positions [n - window, n) only, and the blocks
@@ -238,14 +240,14 @@ def decode_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, rows: Tensor, ta
     elif backend == "triton":
         _triton().paged_decode_attention(q, k_pool, v_pool, rows, tables, lens, out, telemetry, window, scale)
     else:
-        R, (_, bs, K, E) = tables.shape[0], k_pool.shape
+        R, (_, bs, K, width) = tables.shape[0], k_pool.shape
         W = -(-int(lens.max()) // bs)  # the blocks the longest row uses: the rest of the table is never read
         first = (lens - window).clamp(min=0) if window else torch.zeros_like(lens)  # (R,) each row's first key
         B0 = int(first.min()) // bs  # blocks before every row's window are not gathered
         ids = tables[:, B0:W].reshape(-1)  # (R * (W - B0),)
         S = (W - B0) * bs
-        kd = k_pool.index_select(0, ids).view(R, S, K, E).to(q.dtype)  # (R, S, K, E): positions B0 bs ..
-        vd = v_pool.index_select(0, ids).view(R, S, K, E).to(q.dtype)
+        kd = kv_int8.read(k_pool.index_select(0, ids).view(R, S, K, width), q.dtype)  # (R, S, K, E): positions B0 bs ..
+        vd = kv_int8.read(v_pool.index_select(0, ids).view(R, S, K, width), q.dtype)
         pos = torch.arange(B0 * bs, W * bs, device=q.device)
         seen = (pos < lens.unsqueeze(1)) & (pos >= first.unsqueeze(1))  # (R, S)
         out[rows] = sdpa(q[rows].unsqueeze(1), kd, vd, seen[:, None, None, :], scale=scale).squeeze(1)  # (R, H, E)

@@ -8,6 +8,10 @@ et al. 2023). Same contract as the native CPU kernel (`model/kernels/csrc/paged_
     q (N, H, E) packed rows (token stride free, heads contiguous); k_pool, v_pool (NB, bs, K, E); rows (R,) the
     decode rows; tables (R, W) their block ids; lens (R,) their context lengths; out (N, H, E): rows `rows` written.
 
+An int8 cache's pools are (NB, bs, K, E + 4): each row's quants, then its float32 scale's bytes (model/kernels/
+kv_int8.py); both kernels multiply a key's score by its scale and a value's weight by its own (INT8, a compile-time
+switch), as the native kernel does.
+
 `paged_prefill_attention` is its counterpart for a step's prefill chunks: one launch serves every chunk of the step
 (tiles of up to 32 query rows of one chunk each, causal over the chunk's cached prefix and itself), instead of a
 gather and an SDPA call per chunk per layer (vLLM's varlen attention over the block tables).
@@ -35,6 +39,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from model.kernels import kv_int8
+
 try:  # Triton is optional: CPU-only installs do not have it, and the CUDA path then gathers as before
     import triton
     import triton.language as tl
@@ -44,31 +50,34 @@ except ImportError:  # pragma: no cover - exercised where triton is absent
 
 log = logging.getLogger(__name__)
 
-_checked: dict[tuple[str, torch.dtype], bool] = {}  # (device, dtype) -> whether the one-off launch matched SDPA
+_checked: dict[tuple[str, torch.dtype, torch.dtype], bool] = {}  # (device, dtype, cache dtype) -> whether the
+# one-off launch matched SDPA
 
 
-def available(q: Tensor, block_size: int) -> bool:
-    """Whether this kernel can serve `q`'s decode rows: Triton present, a CUDA tensor (or Triton's interpreter),
-    a power-of-two block size (Triton's ranges are powers of two), and a first launch on q's device and dtype that
-    ran and matched SDPA (`_launch_check`, once per process)."""
+def available(q: Tensor, block_size: int, kv_dtype: torch.dtype | None = None) -> bool:
+    """Whether this kernel can serve `q`'s decode rows over a cache of `kv_dtype` (None: q's): Triton present, a CUDA
+    tensor (or Triton's interpreter), a power-of-two block size (Triton's ranges are powers of two), and a first
+    launch on q's device and dtype over such a cache that ran and matched SDPA (`_launch_check`, once per process)."""
     if triton is None or block_size & (block_size - 1):
         return False
     if not (q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
         return False
-    key = (str(q.device), q.dtype)
+    key = (str(q.device), q.dtype, kv_dtype or q.dtype)
     if key not in _checked:
         if q.is_cuda and torch.cuda.is_current_stream_capturing():
             return True  # no launch + sync inside a graph capture; the capture itself fails (and falls back) if it must
-        _checked[key] = _launch_check(q.device, q.dtype, block_size)
+        _checked[key] = _launch_check(q.device, q.dtype, block_size, kv_dtype or q.dtype)
     return _checked[key]
 
 
-def _launch_check(device: torch.device, dtype: torch.dtype, block_size: int) -> bool:
+def _launch_check(device: torch.device, dtype: torch.dtype, block_size: int, kv_dtype: torch.dtype) -> bool:
     """One tiny launch against SDPA: 2 query heads on 1 KV head (GQA), a context of block_size + 3 tokens over two
-    out-of-order blocks, the second partly filled."""
+    out-of-order blocks, the second partly filled; over a cache of `kv_dtype` (SDPA reads its values as stored)."""
     H, K, E, n, table = 2, 1, 16, block_size + 3, [2, 0]
     g = torch.Generator().manual_seed(0)
     k_pool, v_pool = (torch.randn(3, block_size, K, E, generator=g).to(device, dtype) for _ in range(2))
+    if kv_dtype == torch.int8:
+        k_pool, v_pool = kv_int8.quantize(k_pool), kv_int8.quantize(v_pool)  # (3, bs, K, E + 4)
     q = torch.randn(1, H, E, generator=g).to(device, dtype)  # (N=1, H, E)
     out = torch.zeros(1, H, E, dtype=dtype, device=device)
     try:
@@ -76,14 +85,15 @@ def _launch_check(device: torch.device, dtype: torch.dtype, block_size: int) -> 
             _point_triton_at_libcuda()
         rows, lens = torch.tensor([0], device=device), torch.tensor([n], device=device)
         paged_decode_attention(q, k_pool, v_pool, rows, torch.tensor([table], device=device), lens, out)
-        k = k_pool[table].reshape(-1, K, E)[:n].float().transpose(0, 1).expand(H, n, E)  # (H, n, E)
-        v = v_pool[table].reshape(-1, K, E)[:n].float().transpose(0, 1).expand(H, n, E)
+        k = kv_int8.read(k_pool[table], torch.float32).reshape(-1, K, E)[:n].transpose(0, 1).expand(H, n, E)  # (H, n, E)
+        v = kv_int8.read(v_pool[table], torch.float32).reshape(-1, K, E)[:n].transpose(0, 1).expand(H, n, E)
         want = F.scaled_dot_product_attention(q.float().transpose(0, 1), k, v)[:, 0]  # (H, 1, E) -> (H, E)
         err = (out[0].float() - want).abs().max().item()
     except Exception as e:  # no C compiler, no libcuda.so, ptxas, an old GPU, ...: whatever it is, do not serve on it
         lines = str(e).strip().splitlines()
-        log.warning("Triton paged decode attention failed its first launch on %s %s (%s: %s); decode attention uses "
-                    "gather + SDPA", device, dtype, type(e).__name__, (lines[0] if lines else "")[:300])
+        log.warning("Triton paged decode attention failed its first launch on %s %s (cache %s) (%s: %s); decode "
+                    "attention uses gather + SDPA", device, dtype, kv_dtype, type(e).__name__,
+                    (lines[0] if lines else "")[:300])
         return False
     tol = 1e-4 if dtype == torch.float32 else 2e-2  # as tests/triton_interpret_check.py (relative there; |v| ~ 1)
     if not err <= tol:  # NaN too
@@ -130,12 +140,20 @@ def _point_triton_at_libcuda() -> None:
 if triton is not None:
 
     @triton.jit
+    def _row_scales(ptr, rows, E: tl.constexpr, mask):
+        # int8 rows at offsets `rows` (BS,): each one's float32 scale, the 4 bytes after its E quants (little-endian),
+        # assembled from bytes and reinterpreted (a float load would be misaligned where E % 4 != 0)
+        offs = tl.arange(0, 4)
+        b = tl.load(ptr + rows[:, None] + E + offs[None, :], mask=mask[:, None], other=0).to(tl.int32) & 0xFF
+        return tl.sum(b << (8 * offs)[None, :], axis=1).to(tl.float32, bitcast=True)  # (BS,)
+
+    @triton.jit
     def _paged_decode_kernel(
         q_ptr, k_ptr, v_ptr, rows_ptr, tables_ptr, lens_ptr, out_ptr,
         q_stride, W, scale, window,
         slot_ptr, sink_len_ptr, sink_ptr, top_pos_ptr, top_prob_ptr,
         H: tl.constexpr, K: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr, BS: tl.constexpr,
-        TELEMETRY: tl.constexpr, TOP_K: tl.constexpr, TOP_PAD: tl.constexpr,
+        TELEMETRY: tl.constexpr, TOP_K: tl.constexpr, TOP_PAD: tl.constexpr, ROW: tl.constexpr, INT8: tl.constexpr,
     ):
         # TELEMETRY (a separate compilation; the plain kernel has none of it): the row's sink mass rescaled along
         # with the running sum, and its top-k scores merged block by block (softmax keeps the order of the scores,
@@ -164,15 +182,21 @@ if triton is not None:
         for b in range(first // BS, tl.cdiv(n, BS)):
             block = tl.load(tables_ptr + r * W + b)
             s_mask = (b * BS + offs_s < n) & (b * BS + offs_s >= first)
-            kv = ((block * BS + offs_s) * K + kh) * E  # (BS,) offsets of this block's rows for KV head kh
+            kv = ((block * BS + offs_s) * K + kh) * ROW  # (BS,) offsets of this block's rows for KV head kh
             mask = s_mask[:, None] & e_mask[None, :]
-            k = tl.load(k_ptr + kv[:, None] + offs_e[None, :], mask=mask, other=0.0).to(tl.float32)  # (BS, E)
-            scores = tl.where(s_mask, tl.sum(k * q[None, :], axis=1), float("-inf"))  # (BS,)
+            k = tl.load(k_ptr + kv[:, None] + offs_e[None, :], mask=mask, other=0).to(tl.float32)  # (BS, E)
+            dots = tl.sum(k * q[None, :], axis=1)  # (BS,)
+            if INT8:  # the quants' dot product times the key's scale
+                dots = dots * _row_scales(k_ptr, kv, E, s_mask)
+            scores = tl.where(s_mask, dots, float("-inf"))  # (BS,)
             m_new = tl.maximum(m_i, tl.max(scores, axis=0))
             p = tl.exp(scores - m_new)
             alpha = tl.exp(m_i - m_new)
-            v = tl.load(v_ptr + kv[:, None] + offs_e[None, :], mask=mask, other=0.0).to(tl.float32)  # (BS, E)
-            acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
+            v = tl.load(v_ptr + kv[:, None] + offs_e[None, :], mask=mask, other=0).to(tl.float32)  # (BS, E)
+            pv = p
+            if INT8:  # a value's weight times its scale
+                pv = p * _row_scales(v_ptr, kv, E, s_mask)
+            acc = acc * alpha + tl.sum(pv[:, None] * v, axis=0)
             l_i = l_i * alpha + tl.sum(p, axis=0)
             m_i = m_new
             if TELEMETRY:
@@ -214,7 +238,7 @@ if triton is not None:
     def _paged_prefill_kernel(
         q_ptr, k_ptr, v_ptr, tiles_ptr, tables_ptr, out_ptr, q_stride, W, scale,
         H: tl.constexpr, K: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr, BS: tl.constexpr,
-        BLOCK_M: tl.constexpr, USE_DOT: tl.constexpr,
+        BLOCK_M: tl.constexpr, USE_DOT: tl.constexpr, ROW: tl.constexpr, INT8: tl.constexpr,
     ):
         # One program per (tile, query head): a tile is up to BLOCK_M consecutive rows of one chunk, at consecutive
         # positions from `first`; each row attends to the keys at positions up to its own (flash attention's online
@@ -242,22 +266,27 @@ if triton is not None:
         for b in range(0, last // BS + 1):
             block = tl.load(tables_ptr + c * W + b)
             key = b * BS + offs_s  # (BS,) the keys' positions
-            kv = ((block * BS + offs_s) * K + kh) * E
+            kv = ((block * BS + offs_s) * K + kh) * ROW
             kmask = (key <= last)[:, None] & e_mask[None, :]
-            k = tl.load(k_ptr + kv[:, None] + offs_e[None, :], mask=kmask, other=0.0).to(tl.float32)  # (BS, E)
+            k = tl.load(k_ptr + kv[:, None] + offs_e[None, :], mask=kmask, other=0).to(tl.float32)  # (BS, E)
             if USE_DOT:
                 scores = tl.dot(q, tl.trans(k))  # (M, BS)
             else:
                 scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2)
+            if INT8:  # each key's column times its scale
+                scores = scores * _row_scales(k_ptr, kv, E, key <= last)[None, :]
             scores = tl.where(key[None, :] <= pos[:, None], scores, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(scores, axis=1))  # finite: every row's key 0 is in the first block
             p = tl.exp(scores - m_new[:, None])
             alpha = tl.exp(m_i - m_new)
-            v = tl.load(v_ptr + kv[:, None] + offs_e[None, :], mask=kmask, other=0.0).to(tl.float32)  # (BS, E)
+            v = tl.load(v_ptr + kv[:, None] + offs_e[None, :], mask=kmask, other=0).to(tl.float32)  # (BS, E)
+            pv = p
+            if INT8:  # (M, BS) the weights times their values' scales
+                pv = p * _row_scales(v_ptr, kv, E, key <= last)[None, :]
             if USE_DOT:
-                acc = acc * alpha[:, None] + tl.dot(p, v)
+                acc = acc * alpha[:, None] + tl.dot(pv, v)
             else:
-                acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+                acc = acc * alpha[:, None] + tl.sum(pv[:, :, None] * v[None, :, :], axis=1)
             l_i = l_i * alpha + tl.sum(p, axis=1)
             m_i = m_new
         out = acc / l_i[:, None]
@@ -280,28 +309,34 @@ def prefill_tiles(chunks: list[tuple[int, int, int]]) -> list[tuple[int, int, in
 
 def paged_prefill_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, tiles: Tensor, tables: Tensor,
                             out: Tensor) -> None:
-    """q (N, H, E) packed rows (heads contiguous); pools (NB, bs, K, E) already holding the chunks' keys and values;
-    tiles (Tn, 4) int32 or int64 (`prefill_tiles`); tables (C, W) each chunk's blocks; writes the tiles' rows of out."""
-    E = q.shape[-1]
-    if q.stride(-1) != 1 or q.stride(-2) != E or not (k_pool.is_contiguous() and v_pool.is_contiguous() and out.is_contiguous()):
-        raise ValueError("paged_prefill_attention: heads of q, the pools and out must be contiguous")
+    """q (N, H, E) packed rows (heads contiguous); pools (NB, bs, K, E) (E + 4: int8) already holding the chunks' keys
+    and values; tiles (Tn, 4) int32 or int64 (`prefill_tiles`); tables (C, W) each chunk's blocks; writes the tiles'
+    rows of out."""
+    _check(q, k_pool, v_pool, out, "paged_prefill_attention")
     if tiles.shape[0] == 0:
         return
-    (_, W), (_, H, E), (_, bs, K, _) = tables.shape, q.shape, k_pool.shape
+    (_, W), (_, H, E), (_, bs, K, row) = tables.shape, q.shape, k_pool.shape
     E_PAD = triton.next_power_of_2(E)
     _paged_prefill_kernel[(tiles.shape[0], H)](
         q, k_pool, v_pool, tiles, tables, out, q.stride(0), W, 1.0 / math.sqrt(E),
         H=H, K=K, E=E, E_PAD=E_PAD, BS=bs, BLOCK_M=PREFILL_TILE, USE_DOT=bs >= 16 and E_PAD >= 16,
+        ROW=row, INT8=k_pool.dtype == torch.int8,
     )
+
+
+def _check(q: Tensor, k_pool: Tensor, v_pool: Tensor, out: Tensor, who: str) -> None:
+    E = q.shape[-1]
+    if q.stride(-1) != 1 or q.stride(-2) != E or not (k_pool.is_contiguous() and v_pool.is_contiguous() and out.is_contiguous()):
+        raise ValueError(f"{who}: heads of q, the pools and out must be contiguous")
+    if k_pool.shape[-1] != kv_int8.row_width(E, k_pool.dtype) or v_pool.shape != k_pool.shape:
+        raise ValueError(f"{who}: pools (NB, bs, K, {kv_int8.row_width(E, k_pool.dtype)}) for heads of {E}")
 
 
 def paged_decode_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, rows: Tensor, tables: Tensor, lens: Tensor,
                            out: Tensor, telemetry=None, window: int = 0, scale: float = 0.0) -> None:
     """`telemetry`: model/kernels/attention_telemetry.py's AttentionTelemetry for this call, or None. `window`: the
     model's sliding window (0: none); `scale`: the attention scale (0: 1/sqrt(E))."""
-    E = q.shape[-1]
-    if q.stride(-1) != 1 or q.stride(-2) != E or not (k_pool.is_contiguous() and v_pool.is_contiguous() and out.is_contiguous()):
-        raise ValueError("paged_decode_attention: heads of q, the pools and out must be contiguous")
+    _check(q, k_pool, v_pool, out, "paged_decode_attention")
     if tables.shape[0] == 0:
         return
     _launch(q, k_pool, v_pool, rows, tables, lens, out, telemetry, window, scale)
@@ -309,7 +344,7 @@ def paged_decode_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, rows: Tens
 
 def _launch(q: Tensor, k_pool: Tensor, v_pool: Tensor, rows: Tensor, tables: Tensor, lens: Tensor, out: Tensor,
             telemetry=None, window: int = 0, scale: float = 0.0) -> None:
-    (R, W), (_, H, E), (_, bs, K, _) = tables.shape, q.shape, k_pool.shape
+    (R, W), (_, H, E), (_, bs, K, row) = tables.shape, q.shape, k_pool.shape
     # without telemetry its pointers are never read (TELEMETRY is a compile-time switch): any tensor will do
     tel = telemetry if telemetry is not None else (lens,) * 5
     top_k = telemetry.top_pos.shape[-1] if telemetry is not None else 1
@@ -318,4 +353,5 @@ def _launch(q: Tensor, k_pool: Tensor, v_pool: Tensor, rows: Tensor, tables: Ten
         q.stride(0), W, scale or 1.0 / math.sqrt(E), window, *tel,
         H=H, K=K, E=E, E_PAD=triton.next_power_of_2(E), BS=bs,
         TELEMETRY=telemetry is not None, TOP_K=top_k, TOP_PAD=triton.next_power_of_2(top_k),
+        ROW=row, INT8=k_pool.dtype == torch.int8,
     )

@@ -54,7 +54,7 @@ class CacheSpec:
     generation: int  # a new engine (cache) on rank 0 -> a new cache on every rank
     num_blocks: int
     block_size: int
-    dtype: torch.dtype  # the cache's: the model's, or a 16-bit cache under float32 (EngineConfig.kv_cache_dtype)
+    dtype: torch.dtype  # the cache's: the model's, or a 16-bit or int8 cache under float32 (EngineConfig.kv_cache_dtype)
 
 
 @dataclass

@@ -32,3 +32,16 @@ def test_chunked_perplexity_scores_the_second_half_of_each_chunk(add_bos):
                 count += 1
     assert scored == count == 3 * (ctx - 1 - ctx // 2)
     assert ppl == pytest.approx(math.exp(nll / count), rel=1e-5)
+
+
+def test_engine_perplexity_over_an_int8_cache_is_close_to_float32s():
+    """`--kv-cache-dtypes ... int8` scores the prompt through the engine over an int8 pool: a perplexity close to
+    the float32 cache's (a tiny random model's, whose perplexity is large), not equal (the cache did round)."""
+    from types import SimpleNamespace
+
+    from benchmarks.perplexity import engine_perplexity
+
+    lm = SimpleNamespace(model=tiny_model(seed=3), tokenizer=byte_tokenizer())
+    ids = torch.randint(0, 256, (300,), generator=torch.Generator().manual_seed(1)).tolist()
+    ppl = {kv: engine_perplexity(lm, ids, kv)[1] for kv in ("float32", "int8")}
+    assert ppl["int8"] != ppl["float32"] and ppl["int8"] / ppl["float32"] == pytest.approx(1.0, abs=0.01)

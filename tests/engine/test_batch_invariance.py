@@ -3,7 +3,8 @@
 Alone, among 24 concurrent requests, with its prompt prefilled in small chunks beside other sequences' decode rows,
 and preempted and recomputed (its prompt and generated tokens prefilled again): the same tokens, the same logprob
 floats, the same prompt logprobs, on float32, bfloat16, int8 and int4, and for the float32-activation precisions
-over a 16-bit KV cache too (float16, bfloat16: each key and value rounded once when written). What makes it hold (qgemm.h, paged_cache.py):
+over a 16-bit KV cache too (float16, bfloat16: each key and value rounded once when written) and an int8 one (each
+head's row of a token quantized once, with its own scale, when written). What makes it hold (qgemm.h, paged_cache.py):
 one linear kernel per precision whose per-output arithmetic does not depend on the number of rows, and every row,
 prefill rows included, attending over the paged pool through the same per-row kernel. Without the native kernels
 (PyTorch's GEMM, SDPA for prefill) none of this is promised, so the test needs them."""
@@ -54,9 +55,10 @@ def _engine(precision_model, **kw) -> Engine:
     return Engine(precision_model, byte_tokenizer(), EngineConfig(**{"num_blocks": 256, "block_size": 4, **kw}))
 
 
-# Each precision with its default cache, and the float32 ones also over a 16-bit cache (a 16-bit KV cache is for
-# float32 activations: a bfloat16 model's cache is bfloat16 already)
-CASES = [(p, kv) for p in PRECISIONS for kv in ("auto", "float16", "bfloat16") if kv == "auto" or p[1] == torch.float32]
+# Each precision with its default cache, and the float32 ones also over a 16-bit and an int8 cache (on CPU these are
+# for float32 activations: a bfloat16 model's cache is bfloat16 already)
+CASES = [(p, kv) for p in PRECISIONS for kv in ("auto", "float16", "bfloat16", "int8")
+         if kv == "auto" or p[1] == torch.float32]
 
 
 @pytest.fixture(scope="module", params=CASES, ids=[f"{p[0]}-kv-{kv}" for p, kv in CASES])

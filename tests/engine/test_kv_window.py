@@ -108,11 +108,12 @@ def test_blocks_held_stay_within_the_bound(model):
     assert_pool_clean(engine)
 
 
-@pytest.mark.parametrize("kv", ["auto", "float16"])
+@pytest.mark.parametrize("kv", ["auto", "float16", "int8"])
 def test_batched_with_others_prefix_cache_and_paths_give_the_same_tokens(model, kv):
     """Windowed and ordinary requests in one batch, sharing prompt prefixes (the prefix cache serves the ordinary
     ones and never the windowed), on every decode path: the windowed tokens are those of the request alone; over a
-    float16 cache too (its keys re-rotated in float32 and rounded once to float16 at each eviction)."""
+    float16 and an int8 cache too (its keys re-rotated in float32 and rounded once to float16, or quantized again,
+    at each eviction)."""
     w = KVWindow(2, 6)
     shared = _prompt(12, 7)
     reqs = {"w1": (shared + [5], *_params(w, 40)), "w2": (shared + [9, 4], *_params(w, 33)),
@@ -131,7 +132,7 @@ def test_batched_with_others_prefix_cache_and_paths_give_the_same_tokens(model, 
     assert {r: got[r][0]["tokens"] for r in alone} == alone
 
 
-@pytest.mark.parametrize("kv", ["auto", "float16"])
+@pytest.mark.parametrize("kv", ["auto", "float16", "int8"])
 def test_preempted_windowed_sequence_recomputes_the_same_cache(model, kv):
     """A pool too small for everyone: windowed sequences are preempted (their blocks freed, evictions forgotten)
     and recomputed in chunks, which land on the same keys at the same cache positions as before."""

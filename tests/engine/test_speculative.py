@@ -121,10 +121,11 @@ def test_ngram_lookup():
 
 
 @pytest.mark.parametrize("method,kv", [("ngram", "auto"), ("draft_int8", "auto"), ("draft_int4", "auto"),
-                                       ("draft_int4", "float16")])
+                                       ("draft_int4", "float16"), ("draft_int4", "int8")])
 def test_speculation_changes_no_output(model, method, kv):
     """Every request of a mixed batch (arriving over several steps) gets exactly what the engine gives without
-    speculation, and drafts were verified, accepted and rejected along the way (over a float16 KV cache too)."""
+    speculation, and drafts were verified, accepted and rejected along the way (over a float16 and an int8 KV cache
+    too: a rejected draft's keys and values, with their int8 scales, are simply written over)."""
     c = model.config
     reqs = _mixed_requests(c.n_layers, c.dim)
     reference = _serve(_engine(model, kv_cache_dtype=kv), [_unspeculated(r) for r in reqs])
@@ -246,8 +247,9 @@ TELEMETRY_FIELDS = ("position", "sink_tokens", "sink_mass", "top_positions", "to
 
 
 @pytest.mark.parametrize("method,cfg", [("ngram", {}), ("draft", {}), ("draft", {"native_step": False}),
-                                        ("draft", {"native_step": False, "paged_prefill": False})],
-                         ids=["ngram", "draft", "draft-module", "draft-sdpa-prefill"])
+                                        ("draft", {"native_step": False, "paged_prefill": False}),
+                                        ("draft", {"kv_cache_dtype": "int8"})],
+                         ids=["ngram", "draft", "draft-module", "draft-sdpa-prefill", "draft-kv-int8"])
 def test_telemetry_of_kept_tokens_under_speculation(model, draft, method, cfg, monkeypatch):
     """Rows with attention telemetry draft like any: every verification row records its own, and each kept token
     arrives in its own delta with the record of decoding one token at a time (equal, field by field), none of a

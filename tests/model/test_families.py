@@ -118,10 +118,11 @@ def test_native_step_equals_the_module_path(family, mode, dtype):
     assert fast == slow
 
 
+@pytest.mark.parametrize("cache", [torch.float16, torch.int8])
 @pytest.mark.parametrize("family", ["qwen2", "mistral", "granite", "olmo2"])
-def test_native_step_over_a_16_bit_cache(family):
-    """A float16 KV cache (--kv-cache-dtype float16) under each family's switches: the native step bitwise the module
-    path over the same cache."""
+def test_native_step_over_a_16_bit_or_int8_cache(family, cache):
+    """A float16 or int8 KV cache (--kv-cache-dtype float16 / int8) under each family's switches: the native step
+    bitwise the module path over the same cache."""
     from model.engine import Engine, EngineConfig
     from model.engine.sampling_params import SamplingParams
     from tiny import byte_tokenizer
@@ -130,8 +131,8 @@ def test_native_step_over_a_16_bit_cache(family):
     runs = []
     for native in (True, False):
         engine = Engine(model, byte_tokenizer(), EngineConfig(num_blocks=64, block_size=4, native_step=native,
-                                                              kv_cache_dtype="float16"))
-        assert engine.cache.k.dtype == torch.float16
+                                                              kv_cache_dtype=str(cache).removeprefix("torch.")))
+        assert engine.cache.k.dtype == cache
         for i, p in enumerate([[5, 9, 2, 7, 1] * k for k in (1, 3, 7)]):
             engine.add_request(str(i), p, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=3))
         got = []

@@ -176,7 +176,7 @@ def test_a_16_bit_cache_is_the_float32_cache_of_its_rounded_values(cache, E):
         native.paged_decode_attention_telemetry(q, kp, vp, rows, tables, lens, out, *tel)
         outs.append((out, tel[2:]))
     assert torch.equal(outs[0][0], outs[1][0]) and all(torch.equal(a, b) for a, b in zip(outs[0][1], outs[1][1]))
-    with pytest.raises(RuntimeError, match="float32 over a 16-bit cache"):
+    with pytest.raises(RuntimeError, match="float32 over a 16-bit or int8 cache"):
         native.paged_decode_attention(q.bfloat16(), k_pool.half(), v_pool.half(), rows, tables, lens, out.bfloat16())
 
 

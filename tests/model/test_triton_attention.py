@@ -27,6 +27,8 @@ def test_triton_paged_decode_attention_in_the_interpreter():
     assert "kv_window engine with telemetry: Triton path == gather path" in r.stdout
     assert "families on the Triton path == gather path == the uncached forward" in r.stdout
     assert "kernel vs SDPA, window 11" in r.stdout
+    assert "int8 cache on cpu: Triton == SDPA over the dequantized pools" in r.stdout
+    assert "int8 cache engine tokens: Triton path == gather path, batched == alone" in r.stdout
 
 
 def _fresh(monkeypatch):
@@ -100,12 +102,13 @@ def test_triton_is_pointed_at_a_linkable_libcuda(tmp_path, monkeypatch):
     assert os.environ["TRITON_LIBCUDA_PATH"] == str(driver)
 
 
-@pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("dtype,cache", [("bf16", "bf16"), ("fp16", "fp16"), ("fp32", "fp32"), ("bf16", "i8"),
+                                         ("fp32", "i8")])
 @pytest.mark.parametrize("telemetry", [False, True])
-def test_the_kernel_compiles_for_hopper(dtype, telemetry):
+def test_the_kernel_compiles_for_hopper(dtype, cache, telemetry):
     """Compiled ahead of time for sm_90 (Triton's own ptxas, no GPU needed): the interpreter above runs the kernel
     but does not type-check it, and an H200 run found the TELEMETRY variant refused at compile time (a loop-carried
-    int32 re-assigned an int64)."""
+    int32 re-assigned an int64). Over an int8 cache too (rows of E + 4: the quants, then the scale's bytes)."""
     import inspect
 
     import triton
@@ -115,19 +118,20 @@ def test_the_kernel_compiles_for_hopper(dtype, telemetry):
     from model.kernels.triton_attention import _paged_decode_kernel as kernel
 
     names = list(inspect.signature(kernel.fn).parameters)
-    ptrs = dict(q_ptr=f"*{dtype}", k_ptr=f"*{dtype}", v_ptr=f"*{dtype}", out_ptr=f"*{dtype}", rows_ptr="*i64",
+    ptrs = dict(q_ptr=f"*{dtype}", k_ptr=f"*{cache}", v_ptr=f"*{cache}", out_ptr=f"*{dtype}", rows_ptr="*i64",
                 tables_ptr="*i64", lens_ptr="*i64", q_stride="i32", W="i32", scale="fp32", window="i32", slot_ptr="*i64",
                 sink_len_ptr="*i64", sink_ptr="*fp32", top_pos_ptr="*i64", top_prob_ptr="*fp32")
-    consts = dict(H=8, K=2, E=64, E_PAD=64, BS=16, TELEMETRY=telemetry, TOP_K=5, TOP_PAD=8)
+    consts = dict(H=8, K=2, E=64, E_PAD=64, BS=16, TELEMETRY=telemetry, TOP_K=5, TOP_PAD=8,
+                  ROW=68 if cache == "i8" else 64, INT8=cache == "i8")
     signature = {n: ptrs.get(n, "constexpr") for n in names}
     src = ASTSource(fn=kernel, signature=signature, constexprs={(names.index(n),): v for n, v in consts.items()})
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32))
     assert compiled.asm["cubin"]
 
 
-@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("dtype,cache", [("bf16", "bf16"), ("fp16", "fp16"), ("bf16", "i8")])
 @pytest.mark.parametrize("use_dot", [False, True])
-def test_the_prefill_kernel_compiles_for_hopper(dtype, use_dot):
+def test_the_prefill_kernel_compiles_for_hopper(dtype, cache, use_dot):
     """The prefill tiles' kernel likewise (the tensor-core `tl.dot` variant is what a 16-token block runs)."""
     import inspect
 
@@ -138,9 +142,10 @@ def test_the_prefill_kernel_compiles_for_hopper(dtype, use_dot):
     from model.kernels.triton_attention import PREFILL_TILE, _paged_prefill_kernel as kernel
 
     names = list(inspect.signature(kernel.fn).parameters)
-    ptrs = dict(q_ptr=f"*{dtype}", k_ptr=f"*{dtype}", v_ptr=f"*{dtype}", out_ptr=f"*{dtype}", tiles_ptr="*i64",
+    ptrs = dict(q_ptr=f"*{dtype}", k_ptr=f"*{cache}", v_ptr=f"*{cache}", out_ptr=f"*{dtype}", tiles_ptr="*i64",
                 tables_ptr="*i64", q_stride="i32", W="i32", scale="fp32")
-    consts = dict(H=8, K=2, E=128, E_PAD=128, BS=16, BLOCK_M=PREFILL_TILE, USE_DOT=use_dot)
+    consts = dict(H=8, K=2, E=128, E_PAD=128, BS=16, BLOCK_M=PREFILL_TILE, USE_DOT=use_dot,
+                  ROW=132 if cache == "i8" else 128, INT8=cache == "i8")
     signature = {n: ptrs.get(n, "constexpr") for n in names}
     src = ASTSource(fn=kernel, signature=signature, constexprs={(names.index(n),): v for n, v in consts.items()})
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32))

@@ -1,7 +1,8 @@
-"""--kv-cache-dtype over HTTP: a float32 model over a float16 or bfloat16 KV cache says so in /v1/models, holds
-twice the tokens in the same --kv-cache-bytes, and answers through the `openai` client with logprobs within the
-16-bit rounding of the float32 cache's; a 16-bit cache of another dtype than a bfloat16 model's is refused at start
-with the reason, and an unknown dtype by the settings."""
+"""--kv-cache-dtype over HTTP: a float32 model over a float16, bfloat16 or int8 KV cache says so in /v1/models with
+the tokens its pool holds (twice the float32 cache's in the same --kv-cache-bytes for 16 bits; 2E / (E + 4) times
+the 16-bit one's for int8, whose head rows carry a 4-byte scale), and answers through the `openai` client with
+logprobs within the cache's rounding of the float32 cache's; a 16-bit or int8 cache under a bfloat16 model on CPU is
+refused at start with the reason, and an unknown dtype by the settings."""
 
 from __future__ import annotations
 
@@ -37,13 +38,28 @@ def test_a_16_bit_cache_under_a_float32_model(dtype):
     assert model_info["kv_cache_dtype"] == "float32" and model_info["dtype"] == "float32"
     assert info16["kv_cache_dtype"] == dtype and info16["dtype"] == "float32"
     assert blocks16 == 2 * blocks
+    assert model_info["kv_cache_tokens"] == 16 * blocks and info16["kv_cache_tokens"] == 16 * blocks16  # (block_size)
     # the first token's logprob reads the prompt's keys and values rounded to 16 bits: close, not equal
     assert got[0] == pytest.approx(reference[0], abs=0.05) and got[0] != reference[0]
 
 
-def test_refused_where_the_cache_would_not_be_16_bit_under_float32():
-    state = create_app(Settings(dtype="bfloat16", kv_cache_dtype="float16")).state.server
+def test_an_int8_cache_under_a_float32_model():
+    model = tiny_model()  # head_dim 16: an int8 head row is 20 bytes against float16's 32
+    settings = dict(kv_cache_bytes=1 << 22)
+    with tiny_live_server(Settings(kv_cache_dtype="float16", **settings), model=model) as live:
+        info16, reference, blocks16 = _answer(live)
+    with tiny_live_server(Settings(kv_cache_dtype="int8", **settings), model=model) as live:
+        info8, got, blocks8 = _answer(live)
+    assert info8["kv_cache_dtype"] == "int8" and info8["dtype"] == "float32"
+    assert info8["kv_cache_tokens"] == 16 * blocks8 and blocks8 == pytest.approx(blocks16 * 32 / 20, rel=1e-3)
+    # int8's rounding (half a step: a row's largest entry / 254) against float16's: close, not equal
+    assert got[0] == pytest.approx(reference[0], abs=0.1) and got[0] != reference[0]
+
+
+@pytest.mark.parametrize("kv", ["float16", "int8"])
+def test_refused_where_the_cache_cannot_be_read_under_bfloat16_on_cpu(kv):
+    state = create_app(Settings(dtype="bfloat16", kv_cache_dtype=kv)).state.server
     state.start()  # what the app's start-up runs
-    assert state.engine is None and "kv_cache_dtype float16 with a bfloat16 model" in state.load_error
+    assert state.engine is None and f"kv_cache_dtype {kv} with a bfloat16 model" in state.load_error
     with pytest.raises(ValidationError, match="kv_cache_dtype"):
         Settings(kv_cache_dtype="fp8")

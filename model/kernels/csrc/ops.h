@@ -34,11 +34,17 @@ torch::Tensor float_linear(const torch::Tensor& x, const torch::Tensor& w);
 template <typename T> void rms_norm_row(const T* x, const T* w, T* out, int64_t D, float eps);
 template <typename T> void silu_mul_row(const T* gu, T* out, int64_t F);
 template <typename T> void rope_head(T* x, const T* cos, const T* ssin, int64_t E);
-// (row, head) tasks [begin, end) of paged_decode_attention, for a caller that splits them across its own threads.
+// A head's row of K or V in a pool of dtype `pool`: its last dimension (E values, or for an int8 cache E quants and
+// their float32 scale's 4 bytes: paged_attention.cpp) and its bytes.
+inline int64_t kv_row_width(at::ScalarType pool, int64_t E) { return pool == at::kChar ? E + 4 : E; }
+inline int64_t kv_row_bytes(at::ScalarType pool, int64_t E) {
+  return pool == at::kChar ? E + 4 : E * static_cast<int64_t>(c10::elementSize(pool));
+}
 // One row of n values into a KV pool row of dtype `pool` (the row's own dtype: copied; float16 / bfloat16 from
-// float32: rounded once). paged_attention.cpp.
+// float32: rounded once; int8: one head's row, quantized with its scale). paged_attention.cpp.
 template <typename T>
 void store_kv_row(void* dst, at::ScalarType pool, const T* src, int64_t n);
+// (row, head) tasks [begin, end) of paged_decode_attention, for a caller that splits them across its own threads.
 void paged_attention_range(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tensor& v_pool,
                            const torch::Tensor& rows, const torch::Tensor& tables, const torch::Tensor& lens,
                            torch::Tensor& out, int64_t begin, int64_t end, const Telemetry* tel = nullptr,

@@ -7,6 +7,14 @@
 // llama.cpp's default `--cache-type-k f16`, or bfloat16): each key and value was rounded once when written
 // (paged_write, step_layers) and is widened exactly on load (load8), so every read of it, by any row in any step,
 // sees the same number, and the arithmetic is the float32 cache's. T: q and out; C: the pools.
+//
+// An int8 cache (`--kv-cache-dtype int8`, float32 activations) holds each head's row of a token as E int8 quants
+// and their float32 scale d after them, E + 4 bytes: llama.cpp's q8_0 (ggml-common.h `block_q8_0`, the scale beside
+// its quants; ggml-quants.c `quantize_row_q8_0_ref`: d = max|x| / 127, q = round(x / d)) with one block per head row
+// instead of per 32 values, so that a key's score is one dot product times one scale. The kernels read the quants
+// widened exactly to float (load8) and apply the scale once per key and value: a score is (q . k_q) d_k, and a value
+// is accumulated with weight p d_v. Every path below applies it at the same place in the same order (`scaled1`,
+// `key_scales8`, `weight`), so a row's numbers stay the same alone, in a tile or beside any other rows.
 #include <algorithm>
 #include <cstring>
 #include <type_traits>
@@ -16,6 +24,47 @@
 #include "ops.h"
 
 namespace ls {
+
+// An int8 cache's quants: exact in float.
+static inline float to_f(int8_t x) { return static_cast<float>(x); }
+#if LS_AVX2
+static inline __m256 load8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+#endif
+#if LS_ZMM
+static inline __m512 load16(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+#endif
+
+// An int8 row's scale: the 4 bytes after its E quants (unaligned where E % 4 != 0).
+static inline float row_scale(const int8_t* row, int64_t E) {
+  float d;
+  std::memcpy(&d, row + E, sizeof d);
+  return d;
+}
+
+// The scale's three places, each a no-op for a float cache (At::scaled false): a score (the dot product with the
+// key's quants) times the key's scale, one at a time and 8 positions at a time; and a value's weight, p times its
+// scale. Applied identically by every path, so the numbers do not depend on which path ran.
+template <typename At>
+static inline float scaled1(float score, const At& at, int64_t s) {
+  if constexpr (At::scaled) return score * at.ks(s);
+  return score;
+}
+template <typename At>
+static inline float weight(const float* p, const At& at, int64_t s) {
+  if constexpr (At::scaled) return p[s] * at.vs(s);
+  return p[s];
+}
+#if LS_AVX2
+template <typename At>
+static inline __m256 key_scales8(const At& at, int64_t s) {
+  return _mm256_setr_ps(at.ks(s), at.ks(s + 1), at.ks(s + 2), at.ks(s + 3), at.ks(s + 4), at.ks(s + 5), at.ks(s + 6),
+                        at.ks(s + 7));
+}
+#endif
 
 template <typename T>
 static inline float dot(const float* q, const T* k, int64_t E) {
@@ -57,7 +106,7 @@ static inline void pv_in_registers(const float* p, int64_t len, const At& at, fl
   __m256 acc[NV];
   for (int i = 0; i < NV; ++i) acc[i] = _mm256_setzero_ps();
   for (int64_t s = 0; s < len; ++s) {
-    const __m256 ps = _mm256_set1_ps(p[s]);
+    const __m256 ps = _mm256_set1_ps(weight(p, at, s));
     const T* v = at.v(s);
     for (int i = 0; i < NV; ++i) acc[i] = _mm256_fmadd_ps(ps, load8(v + 8 * i), acc[i]);
   }
@@ -77,6 +126,7 @@ static inline __m256 score8(const float* q, int64_t s, int64_t E, const At& at) 
     for (int64_t i = 8; i < E; i += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), load8(k + i), a);
     d[j] = a;
   }
+  if constexpr (At::scaled) return _mm256_mul_ps(hsum8x8(d), key_scales8(at, s));
   return hsum8x8(d);
 }
 #endif
@@ -181,7 +231,7 @@ template <typename At>
 static inline void prefetch_row(const At& at, int64_t s, int64_t end, int64_t E, bool keys) {
   if (s >= end) return;
   const char* row = reinterpret_cast<const char*>(keys ? at.k(s) : at.v(s));
-  const int64_t bytes = E * static_cast<int64_t>(sizeof(*at.k(0)));
+  const int64_t bytes = E * static_cast<int64_t>(sizeof(*at.k(0))) + (At::scaled ? 4 : 0);  // (an int8 row's scale)
   for (int64_t off = 0; off < bytes; off += 64) asm volatile("prefetcht1 %0" : : "m"(row[off]));
 }
 constexpr int64_t PREFETCH_POSITIONS = 64;  // how far ahead of its use a row is asked for
@@ -196,6 +246,10 @@ static inline void score8_tile(const float* q, int64_t s, int64_t E, const At& a
   for (int j0 = 0; j0 < 8; j0 += NK) key_products<R, NQ, NK>(q, s, E, at, j0, d);
 #endif
   for (int i = 0; i < NQ; ++i) out[i] = hsum8x8(d[i]);
+  if constexpr (At::scaled) {  // as score8: the lane sums' vector times the keys' scales
+    const __m256 ks = key_scales8(at, s);
+    for (int i = 0; i < NQ; ++i) out[i] = _mm256_mul_ps(out[i], ks);
+  }
 }
 
 // Queries [i, i + NQ) (qf, len, sc rows of ld, running max mv): their scores of the groups of 8 in [b0, b1) that all
@@ -231,7 +285,7 @@ static inline void values_tile(const float* const* p, float* const* acc, int64_t
     prefetch_row(at, s + PREFETCH_POSITIONS, pf_end, E, false);
     const auto* vs = at.v(s) + e0;
     __m512 ps[NQ];
-    for (int i = 0; i < NQ; ++i) ps[i] = _mm512_set1_ps(p[i][s]);
+    for (int i = 0; i < NQ; ++i) ps[i] = _mm512_set1_ps(weight(p[i], at, s));
     for (int v = 0; v < NW; ++v) {
       const __m512 x = load16(vs + 16 * v);
       for (int i = 0; i < NQ; ++i) w[i][v] = _mm512_fmadd_ps(ps[i], x, w[i][v]);
@@ -247,7 +301,7 @@ static inline void values_tile(const float* const* p, float* const* acc, int64_t
     prefetch_row(at, s + PREFETCH_POSITIONS, pf_end, E, false);  // the whole row (E), in the first lane pass
     const auto* vs = at.v(s) + e0;
     __m256 ps[NQ];
-    for (int i = 0; i < NQ; ++i) ps[i] = _mm256_set1_ps(p[i][s]);
+    for (int i = 0; i < NQ; ++i) ps[i] = _mm256_set1_ps(weight(p[i], at, s));
     for (int v = 0; v < NV; ++v) {
       const __m256 x = load8(vs + 8 * v);
       for (int i = 0; i < NQ; ++i) r[i][v] = _mm256_fmadd_ps(ps[i], x, r[i][v]);
@@ -336,8 +390,11 @@ template <typename At>
 struct From {  // positions counted from `first`: a window's span as a context of its own
   At at;
   int64_t first;
+  static constexpr bool scaled = At::scaled;
   auto k(int64_t s) const { return at.k(s + first); }
   auto v(int64_t s) const { return at.v(s + first); }
+  float ks(int64_t s) const { return at.ks(s + first); }
+  float vs(int64_t s) const { return at.vs(s + first); }
 };
 
 template <typename T, typename C, typename At>
@@ -364,7 +421,7 @@ static float attend_span(const float* q, int64_t len, int64_t E, At at, float* s
   }
 #endif
   for (; s < len; ++s) {
-    sc[s] = dot(q, at.k(s), E);
+    sc[s] = scaled1(dot(q, at.k(s), E), at, s);
     mx = std::max(mx, sc[s]);
   }
   const float sum = exp_and_sum(sc, len, mx);
@@ -376,7 +433,7 @@ static float attend_span(const float* q, int64_t len, int64_t E, At at, float* s
     pv_in_registers<C, 16>(sc, len, at, acc.data());
   else
 #endif
-    for (s = 0; s < len; ++s) axpy(sc[s], at.v(s), acc.data(), E);
+    for (s = 0; s < len; ++s) axpy(weight(sc, at, s), at.v(s), acc.data(), E);
   const float inv = 1.f / sum;
   for (int64_t i = 0; i < E; ++i) o[i] = from_f<T>(acc[i] * inv);
   return sum;
@@ -398,19 +455,36 @@ struct PoolRows {  // position s of one sequence, one KV head -> its K and V row
   const T* vp;
   const int64_t* table;
   BlockOf bo;
-  int64_t stride, head;  // stride = K * E
+  int64_t stride, head;  // stride = K * row, head = the KV head * row (row: E, or E + 4 for int8: kv_row_width)
+  int64_t E;
+  static constexpr bool scaled = std::is_same_v<T, int8_t>;  // an int8 cache: rows carry their scales
   int64_t at(int64_t s) const { return (table[bo.block(s)] * bo.bs + bo.row(s)) * stride + head; }
   const T* k(int64_t s) const { return kp + at(s); }
   const T* v(int64_t s) const { return vp + at(s); }
+  float ks(int64_t s) const {
+    if constexpr (scaled) return row_scale(k(s), E);
+    return 1.f;
+  }
+  float vs(int64_t s) const {
+    if constexpr (scaled) return row_scale(v(s), E);
+    return 1.f;
+  }
 };
 
 #if LS_AVX2
-struct Widened {  // a block's rows widened to float32: position s (in [b0, b0 + BS)) -> its row
+template <typename At>
+struct Widened {  // a block's rows widened to float32: position s (in [b0, b0 + BS)) -> its row; scales: src's
   const float* rows;
   int64_t b0, E;
+  const At* src;
+  static constexpr bool scaled = At::scaled;
   const float* k(int64_t s) const { return rows + (s - b0) * E; }
   const float* v(int64_t s) const { return rows + (s - b0) * E; }
+  float ks(int64_t s) const { return src->ks(s); }
+  float vs(int64_t s) const { return src->vs(s); }
 };
+template <typename X> struct IsWidened : std::false_type {};
+template <typename At> struct IsWidened<Widened<At>> : std::true_type {};
 #endif
 
 #if LS_AVX2
@@ -460,10 +534,11 @@ static void attend_tile(const float* qf, const int64_t* len, const int64_t* firs
     if constexpr (Windowed) return b0 >= glen[g] || b0 >= bb + BS;
     return bb >= glen[g];
   };
-  // A 16-bit cache (T not float) under a prefill tile: each block's key, then value, rows are widened once into
-  // `wide` for all the group's queries (up to TILE_ROWS x G) instead of once per query; a decode row's G <= 4 queries
-  // widen on load as attend_head does (the scratch's store and reload cost more there). Widening is exact, so the
-  // numbers, and the arithmetic on them, are the same either way.
+  // A 16-bit or int8 cache (T not float) under a prefill tile: each block's key, then value, rows are widened once
+  // into `wide` for all the group's queries (up to TILE_ROWS x G) instead of once per query; a decode row's G <= 4
+  // queries widen on load as attend_head does (the scratch's store and reload cost more there). Widening is exact
+  // (an int8 row's scale stays apart, applied where the unwidened rows apply it), so the numbers, and the
+  // arithmetic on them, are the same either way.
   const auto widens = [&](int64_t g) { return !std::is_same_v<T, float> && group[g + 1] - group[g] > 4; };
   std::vector<float> wide(std::is_same_v<T, float> ? 0 : BS * E);
   // rows [b0, b1) -> over `wide`, asking for the rows PREFETCH_POSITIONS ahead (below end): unasked, the widening's
@@ -477,7 +552,7 @@ static void attend_tile(const float* qf, const int64_t* len, const int64_t* firs
       for (; e + 8 <= E; e += 8) _mm256_storeu_ps(dst + e, load8(src + e));
       for (; e < E; ++e) dst[e] = to_f(src[e]);
     }
-    return Widened{wide.data(), b0, E};
+    return Widened<At>{wide.data(), b0, E, &rows};
   };
   std::vector<__m256> mv(Qn, _mm256_set1_ps(-INFINITY));
   std::vector<float> tail_max(Qn, -INFINITY);
@@ -486,7 +561,7 @@ static void attend_tile(const float* qf, const int64_t* len, const int64_t* firs
   const auto scores = [&](int64_t bb, int64_t b0, int64_t qa, int64_t qb, const auto& rows) {
     using R = std::remove_cv_t<std::remove_pointer_t<decltype(rows.k(0))>>;
     const int64_t b1 = bb + BS;
-    const int64_t pf = std::is_same_v<std::decay_t<decltype(rows)>, Widened> ? 0 : len[qa];  // positions to prefetch
+    const int64_t pf = IsWidened<std::decay_t<decltype(rows)>>::value ? 0 : len[qa];  // positions to prefetch
     int64_t i = qa;
     in_tiles<SQ>(i, qb, [&](auto n) {  // the first tile of the group asks for the rows ahead
       score_tiles<R, decltype(n)::value, SK>(qf, len, i, b0, b1, E, rows, sc, ld, mv.data(), done.data(),
@@ -506,7 +581,7 @@ static void attend_tile(const float* qf, const int64_t* len, const int64_t* firs
         mv[i] = _mm256_max_ps(mv[i], v);
       }
       for (int64_t s = std::max(b0, vec_end); s < std::min(b1, L); ++s) {
-        si[s] = dot(q, rows.k(s), E);
+        si[s] = scaled1(dot(q, rows.k(s), E), rows, s);
         tail_max[i] = std::max(tail_max[i], si[s]);
       }
     }
@@ -536,7 +611,7 @@ static void attend_tile(const float* qf, const int64_t* len, const int64_t* firs
   const int64_t NV = E / 8;
   // queries [qa, qb): acc += p[s] v(s) for positions [b0, bb + BS), position by position (as axpy)
   const auto values = [&](int64_t bb, int64_t b0, int64_t qa, int64_t qb, const auto& rows) {
-    const int64_t pf = std::is_same_v<std::decay_t<decltype(rows)>, Widened> ? 0 : len[qa];  // positions to prefetch
+    const int64_t pf = IsWidened<std::decay_t<decltype(rows)>>::value ? 0 : len[qa];  // positions to prefetch
     int64_t i = qa;
     if (E % (8 * VV) == 0)
       in_tiles<VQ>(i, qb, [&](auto n) {
@@ -552,14 +627,14 @@ static void attend_tile(const float* qf, const int64_t* len, const int64_t* firs
         for (int v = 0; v < 8; ++v) r[v] = _mm256_loadu_ps(a + 8 * v);
         for (int64_t s = done[i]; s < end; ++s) {
           if (i == qa) prefetch_row(rows, s + PREFETCH_POSITIONS, pf, E, false);
-          const __m256 ps = _mm256_set1_ps(p[s]);
+          const __m256 ps = _mm256_set1_ps(weight(p, rows, s));
           const auto* vs = rows.v(s);
           for (int v = 0; v < 8; ++v) r[v] = _mm256_fmadd_ps(ps, load8(vs + 8 * v), r[v]);
         }
         for (int v = 0; v < 8; ++v) _mm256_storeu_ps(a + 8 * v, r[v]);
       } else {
         for (int64_t s = done[i]; s < end; ++s) {
-          const __m256 ps = _mm256_set1_ps(p[s]);
+          const __m256 ps = _mm256_set1_ps(weight(p, rows, s));
           const auto* vs = rows.v(s);
           for (int64_t v = 0; v < NV; ++v) _mm256_storeu_ps(a + 8 * v, _mm256_fmadd_ps(ps, load8(vs + 8 * v), _mm256_loadu_ps(a + 8 * v)));
         }
@@ -595,7 +670,7 @@ template <typename T, typename C>
 static void decode_range(const T* q, int64_t q_stride, const C* kp, const C* vp, const int64_t* rows, const int64_t* tables,
                          const int64_t* lens, T* out, int64_t W, int64_t H, int64_t K, int64_t E, int64_t bs,
                          int64_t begin, int64_t end, const Telemetry* tel, int64_t window, double scale_) {
-  const int64_t G = H / K;
+  const int64_t G = H / K, kv_row = std::is_same_v<C, int8_t> ? E + 4 : E;  // a head's row in the pool (kv_row_width)
   const float scale = scale_ > 0 ? static_cast<float>(scale_) : 1.f / std::sqrt(static_cast<float>(E));
 #if LS_AVX2
   if (E % 8 == 0) {
@@ -655,7 +730,7 @@ static void decode_range(const T* q, int64_t q_stride, const C* kp, const C* vp,
             }
         if (static_cast<int64_t>(qtask.size()) > group.back()) {
           group.push_back(static_cast<int64_t>(qtask.size()));
-          ats.push_back(PoolRows<C>{kp, vp, tables + r0 * W, BlockOf(bs), K * E, kh * E});
+          ats.push_back(PoolRows<C>{kp, vp, tables + r0 * W, BlockOf(bs), K * kv_row, kh * kv_row, E});
         }
         if (r1 - r0 > 1) run();
       }
@@ -670,7 +745,7 @@ static void decode_range(const T* q, int64_t q_stride, const C* kp, const C* vp,
     const int64_t r = idx / H, h = idx % H, row = rows[r], len = lens[r];
     for (int64_t i = 0; i < E; ++i) qf[i] = to_f(q[row * q_stride + h * E + i]) * scale;
     scores.resize(len);
-    const PoolRows<C> at{kp, vp, tables + r * W, BlockOf(bs), K * E, (h / G) * E};
+    const PoolRows<C> at{kp, vp, tables + r * W, BlockOf(bs), K * kv_row, (h / G) * kv_row, E};
     const float sum = attend_head<T, C>(qf.data(), window_first(len, window), len, E, at, scores.data(),
                                         out + (row * H + h) * E, acc);
     if (tel != nullptr && tel->slot[r] >= 0) tel->record(tel->slot[r], h, scores.data(), len, sum);
@@ -688,7 +763,7 @@ static void decode_impl(const T* q, int64_t q_stride, const C* kp, const C* vp, 
 }
 
 // Calls f(T*, C*) with q's and the pools' element types: (float32, float32), (bfloat16, bfloat16), or float32
-// activations over a 16-bit cache (float16, bfloat16).
+// activations over a 16-bit cache (float16, bfloat16) or an int8 one.
 template <typename F>
 static void with_types(at::ScalarType q, at::ScalarType pool, const char* who, F&& f) {
   if (q == at::kFloat && pool == at::kFloat)
@@ -699,8 +774,10 @@ static void with_types(at::ScalarType q, at::ScalarType pool, const char* who, F
     f(static_cast<float*>(nullptr), static_cast<f16*>(nullptr));
   else if (q == at::kFloat && pool == at::kBFloat16)
     f(static_cast<float*>(nullptr), static_cast<bf16*>(nullptr));
+  else if (q == at::kFloat && pool == at::kChar)
+    f(static_cast<float*>(nullptr), static_cast<int8_t*>(nullptr));
   else
-    TORCH_CHECK(false, who, ": activations and cache float32/float32, bfloat16/bfloat16 or float32 over a 16-bit cache");
+    TORCH_CHECK(false, who, ": activations and cache float32/float32, bfloat16/bfloat16 or float32 over a 16-bit or int8 cache");
 }
 
 static void decode_dispatch(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tensor& v_pool,
@@ -711,7 +788,7 @@ static void decode_dispatch(const torch::Tensor& q, const torch::Tensor& k_pool,
   TORCH_CHECK(rows.scalar_type() == at::kLong && tables.scalar_type() == at::kLong && lens.scalar_type() == at::kLong, "paged_decode_attention: int64 metadata");
   TORCH_CHECK(tables.is_contiguous() && tables.dim() == 2 && rows.numel() == tables.size(0) && lens.numel() == tables.size(0), "paged_decode_attention: metadata shapes");
   const int64_t E = q.size(-1), H = q.size(-2), bs = k_pool.size(1), K = k_pool.size(2);
-  TORCH_CHECK(k_pool.size(3) == E && H % K == 0 && k_pool.scalar_type() == v_pool.scalar_type() && out.sizes() == q.sizes() && out.scalar_type() == q.scalar_type(), "paged_decode_attention: shapes");
+  TORCH_CHECK(k_pool.size(3) == kv_row_width(k_pool.scalar_type(), E) && H % K == 0 && k_pool.scalar_type() == v_pool.scalar_type() && out.sizes() == q.sizes() && out.scalar_type() == q.scalar_type(), "paged_decode_attention: shapes");
   const int64_t q_stride = q.stride(-3);  // q may be a view into the fused q/k/v output
   const int64_t R = tables.size(0), W = tables.size(1);
   with_types(q.scalar_type(), k_pool.scalar_type(), "paged_decode_attention", [&](auto* t, auto* c) {
@@ -753,16 +830,29 @@ void paged_attention_range(const torch::Tensor& q, const torch::Tensor& k_pool, 
   });
 }
 
-// Row `src` (n values of T) into a pool row of type `pool` at `dst`: copied, or rounded once to a 16-bit cache.
+// Row `src` (n values of T) into a pool row of type `pool` at `dst`: copied, rounded once to a 16-bit cache, or
+// quantized to an int8 one (n quants, then their float32 scale: the module doc). The scale is max|x| times the float
+// nearest 1/127 and each quant x / d rounded half to even, as model/kernels/kv_int8.py's `quantize` (the PyTorch
+// path) computes them, so either writer stores the same bytes. llama.cpp rounds halves away from zero (roundf).
 template <typename T>
 void store_kv_row(void* dst, at::ScalarType pool, const T* src, int64_t n) {
   if (pool == c10::CppTypeToScalarType<T>::value) {
     std::memcpy(dst, src, n * sizeof(T));
+  } else if (pool == at::kChar) {
+    int8_t* d8 = static_cast<int8_t*>(dst);
+    float amax = 0.f;
+    for (int64_t i = 0; i < n; ++i) amax = std::max(amax, std::fabs(to_f(src[i])));
+    const float d = amax * static_cast<float>(1.0 / 127.0);
+    for (int64_t i = 0; i < n; ++i) {
+      const float x = d > 0.f ? to_f(src[i]) / d : 0.f;
+      d8[i] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, std::nearbyint(x))));
+    }
+    std::memcpy(d8 + n, &d, sizeof d);
   } else if (pool == at::kHalf) {
     f16* d = static_cast<f16*>(dst);
     for (int64_t i = 0; i < n; ++i) d[i] = from_f<f16>(to_f(src[i]));
   } else {
-    TORCH_CHECK(pool == at::kBFloat16, "paged_write: a float32, float16 or bfloat16 cache");
+    TORCH_CHECK(pool == at::kBFloat16, "paged_write: a float32, float16, bfloat16 or int8 cache");
     bf16* d = static_cast<bf16*>(dst);
     for (int64_t i = 0; i < n; ++i) d[i] = from_f<bf16>(to_f(src[i]));
   }
@@ -771,13 +861,14 @@ template void store_kv_row<float>(void*, at::ScalarType, const float*, int64_t);
 template void store_kv_row<bf16>(void*, at::ScalarType, const bf16*, int64_t);
 
 // Write this step's K and V into their pool slots.   k, v (N, K, E) (views into the fused q/k/v output);
-// pools (NB, bs, K, E), slot = block * bs + offset; slots (N,)
+// pools (NB, bs, K, E) (E + 4 for int8: kv_row_width), slot = block * bs + offset; slots (N,)
 void paged_write(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& k_pool, torch::Tensor& v_pool,
                  const torch::Tensor& slots) {
-  const int64_t N = slots.numel(), KE = k_pool.size(2) * k_pool.size(3);
+  TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes(), "paged_write: k, v (N, K, E)");
+  const int64_t N = slots.numel(), Kh = k.size(1), E = k.size(2), KE = Kh * E;
   TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous() && slots.scalar_type() == at::kLong && slots.is_contiguous(), "paged_write: pools and slots");
   TORCH_CHECK(k.scalar_type() == v.scalar_type() && k_pool.scalar_type() == v_pool.scalar_type(), "paged_write: dtype");
-  TORCH_CHECK(k.numel() == N * KE && v.numel() == N * KE, "paged_write: shapes");
+  TORCH_CHECK(k.size(0) == N && k_pool.dim() == 4 && k_pool.size(2) == Kh && k_pool.size(3) == kv_row_width(k_pool.scalar_type(), E) && v_pool.sizes() == k_pool.sizes(), "paged_write: shapes");
   const int64_t n_slots = k_pool.size(0) * k_pool.size(1);
   const int64_t* s = slots.data_ptr<int64_t>();
   for (int64_t n = 0; n < N; ++n) TORCH_CHECK(s[n] >= 0 && s[n] < n_slots, "paged_write: slot out of range");
@@ -785,16 +876,19 @@ void paged_write(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& 
   auto kc = k.reshape({N, KE}), vc = v.reshape({N, KE});
   TORCH_CHECK(kc.stride(1) == 1 && vc.stride(1) == 1, "paged_write: token rows must be contiguous");
   const int64_t ks = kc.stride(0), vs = vc.stride(0);
-  if (k.scalar_type() != k_pool.scalar_type()) {  // float32 rows into a 16-bit cache: rounded once, here
+  if (k.scalar_type() != k_pool.scalar_type()) {  // float32 rows into a 16-bit or int8 cache: rounded once, here
     TORCH_CHECK(k.scalar_type() == at::kFloat, "paged_write: only float32 rows go into a cache of another dtype");
     const float *kd = kc.data_ptr<float>(), *vd = vc.data_ptr<float>();
-    const size_t row = KE * k_pool.element_size();
+    // a 16-bit token's K E values at once; an int8 cache's head by head, each row with its own scale
+    const int64_t heads = k_pool.scalar_type() == at::kChar ? Kh : 1, n_el = KE / heads;
+    const size_t row = kv_row_bytes(k_pool.scalar_type(), n_el);
     char* kp = static_cast<char*>(k_pool.data_ptr());
     char* vp = static_cast<char*>(v_pool.data_ptr());
-    for (int64_t n = 0; n < N; ++n) {
-      store_kv_row(kp + s[n] * row, k_pool.scalar_type(), kd + n * ks, KE);
-      store_kv_row(vp + s[n] * row, v_pool.scalar_type(), vd + n * vs, KE);
-    }
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t h = 0; h < heads; ++h) {
+        store_kv_row(kp + (s[n] * heads + h) * row, k_pool.scalar_type(), kd + n * ks + h * n_el, n_el);
+        store_kv_row(vp + (s[n] * heads + h) * row, v_pool.scalar_type(), vd + n * vs + h * n_el, n_el);
+      }
     return;
   }
   const size_t bytes = KE * k.element_size();

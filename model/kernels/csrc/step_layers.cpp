@@ -294,8 +294,8 @@ static void run_layers(Step<T>& s, const std::vector<std::vector<torch::Tensor>>
       const T* kn = sw.qk_norm ? extras[l][2].data_ptr<T>() : nullptr;
       char* kp = static_cast<char*>(k_pools[l].data_ptr());
       char* vp = static_cast<char*>(v_pools[l].data_ptr());
-      const at::ScalarType pool_t = k_pools[l].scalar_type();  // T's, or a 16-bit cache under float32
-      const int64_t el = k_pools[l].element_size();
+      const at::ScalarType pool_t = k_pools[l].scalar_type();  // T's, or a 16-bit or int8 cache under float32
+      const int64_t row_bytes = kv_row_bytes(pool_t, E);  // a head's row (an int8 row ends with its scale)
       // rope the heads [h0, h1) of every row (q and k heads; v heads pass) and store its k and v heads in the pools
       const auto rope_store = [&](int64_t m, int64_t h0, int64_t h1) {
         T* row = s.qkv + m * QKV;
@@ -308,7 +308,7 @@ static void run_layers(Step<T>& s, const std::vector<std::vector<torch::Tensor>>
           rope_head(row + head * E, s.cos + m * E, s.ssin + m * E, E);
         }
         for (int64_t head = std::max(h0, H); head < h1; ++head) {  // paged_write
-          char* pool = head < H + K ? kp + (slots[m] * K + head - H) * E * el : vp + (slots[m] * K + head - H - K) * E * el;
+          char* pool = head < H + K ? kp + (slots[m] * K + head - H) * row_bytes : vp + (slots[m] * K + head - H - K) * row_bytes;
           store_kv_row(pool, pool_t, row + head * E, E);
         }
       };
@@ -356,7 +356,8 @@ static void run_layers(Step<T>& s, const std::vector<std::vector<torch::Tensor>>
 }
 
 // h (N, D) the residual stream of the step's N rows; layers: per block [attention_norm, ffn_norm, wqkv a, b, wo a,
-// b, w13 a, b, w2 a, b]; cos, ssin (N, E) `rotary_tables`; k_pools, v_pools (L, NB, bs, K, E); the step's slots
+// b, w13 a, b, w2 a, b]; cos, ssin (N, E) `rotary_tables`; k_pools, v_pools (L, NB, bs, K, E) (E + 4 for an int8
+// cache: kv_row_width); the step's slots
 // (N,); rows (N,) = 0..N-1, tables (N, W), lens (N,): every row attends over its block table up to its position
 // (`PagedKVCache.set_step` with paged_prefill); extras: per block [bqkv, q_norm, k_norm] (each empty where the model
 // has none; the list empty: none at all); window, scale, residual, post_norm, qk_norm: the `Switches`; edits: the
@@ -379,12 +380,13 @@ torch::Tensor step_layers(torch::Tensor h, const std::vector<std::vector<torch::
   const int64_t N = h.size(0), D = h.size(1), L = layers.size();
   const auto dtype = h.scalar_type();
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "step_layers: float32 or bfloat16");
-  const bool kv16 = dtype == at::kFloat && (k_pools.scalar_type() == at::kHalf || k_pools.scalar_type() == at::kBFloat16);
-  TORCH_CHECK((k_pools.scalar_type() == dtype || kv16) && v_pools.scalar_type() == k_pools.scalar_type() && k_pools.is_contiguous() && v_pools.is_contiguous(), "step_layers: pools of the activation dtype, or 16-bit under float32");
+  const auto pool_t = k_pools.scalar_type();
+  const bool narrow = dtype == at::kFloat && (pool_t == at::kHalf || pool_t == at::kBFloat16 || pool_t == at::kChar);
+  TORCH_CHECK((pool_t == dtype || narrow) && v_pools.scalar_type() == pool_t && k_pools.is_contiguous() && v_pools.is_contiguous(), "step_layers: pools of the activation dtype, or 16-bit or int8 under float32");
   TORCH_CHECK(cos.scalar_type() == dtype && ssin.scalar_type() == dtype && cos.is_contiguous() && ssin.is_contiguous() && cos.numel() == N * E && ssin.numel() == N * E, "step_layers: rope tables");
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == N, "step_layers: slots");
   TORCH_CHECK(rows.numel() == N && rows.scalar_type() == at::kLong && lens.scalar_type() == at::kLong && tables.scalar_type() == at::kLong && tables.is_contiguous() && tables.size(0) == N, "step_layers: every row attends over its table");
-  TORCH_CHECK(E <= 1024 && H % K == 0 && k_pools.size(3) == K && k_pools.size(4) == E, "step_layers: heads");
+  TORCH_CHECK(E <= 1024 && H % K == 0 && k_pools.size(3) == K && k_pools.size(4) == kv_row_width(pool_t, E), "step_layers: heads");
   const int64_t n_slots = k_pools.size(1) * k_pools.size(2);
   for (int64_t n = 0; n < N; ++n) TORCH_CHECK(slots.data_ptr<int64_t>()[n] >= 0 && slots.data_ptr<int64_t>()[n] < n_slots, "step_layers: slot out of range");
   std::vector<std::vector<Projection>> proj(L);
