@@ -59,7 +59,7 @@ def streams(url: str, n: int, vocab: int, seed: int) -> list[float]:
 def run(args: argparse.Namespace) -> dict:
     roots = [Path(r).resolve() for r in (args.root or [str(ROOT)])]
     server_args = (["--model", args.model] if args.model else []) + args.server_args.split()
-    results: dict[str, dict] = {str(r): {"first": [], "later": [], "ratios": [], "load_s": []} for r in roots}
+    results: dict[str, dict] = {str(r): {"first": [], "later": [], "ratios": [], "load_s_rounds": []} for r in roots}
     with tempfile.TemporaryDirectory() as tmp:
         for rnd in range(args.rounds):
             order = roots if rnd % 2 == 0 else roots[::-1]
@@ -78,14 +78,14 @@ def run(args: argparse.Namespace) -> dict:
                 r["first"] += first
                 r["later"] += later
                 r["ratios"].append(ratio)
-                r["load_s"].append(server.load_s)
+                r["load_s_rounds"].append(server.load_s)
                 print(f"round {rnd + 1} {root}: ready in {server.load_s:.1f} s; first {len(first)} streams (done "
                       f"{first_end:.1f} s after ready) {', '.join(f'{x:.1f}' for x in first)} tok/s; after "
                       f"{args.later_s:.0f} s {', '.join(f'{x:.1f}' for x in later)}; first / later {ratio:.3f}; "
                       f"exit {code}", flush=True)
     summary = {root: {"first_tok_s": statistics.median(r["first"]), "later_tok_s": statistics.median(r["later"]),
-                      "first_over_later": statistics.median(r["ratios"]), "load_s": statistics.median(r["load_s"]),
-                      **r} for root, r in results.items()}
+                      "first_over_later": statistics.median(r["ratios"]),
+                      "load_s": statistics.median(r["load_s_rounds"]), **r} for root, r in results.items()}
     return {"command": "python -m benchmarks.ready_speed " + " ".join(args.argv), "machine": machine_info("cpu", 0),
             "server_args": server_args, "streams": args.streams, "tokens": NEW_TOKENS, "later_s": args.later_s,
             "rounds": args.rounds, "checkouts": summary}
