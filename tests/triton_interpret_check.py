@@ -7,7 +7,6 @@ TELEMETRY variant against its reference) compiled for the GPU instead; the engin
 from __future__ import annotations
 
 import os
-import random
 import sys
 
 CUDA = "--cuda" in sys.argv
@@ -22,26 +21,8 @@ from model.kernels import triton_attention  # noqa: E402
 from model.engine import Engine, EngineConfig, KVWindow, RequestOptions, SamplingParams, TelemetryOptions  # noqa: E402
 from model.kernels import attention_telemetry, kv_int8  # noqa: E402
 from model.kernels.attention_telemetry import AttentionTelemetry  # noqa: E402
+from paged_pools import scattered_pools  # noqa: E402
 from tiny import byte_tokenizer, greedy_tokens, tiny_model  # noqa: E402
-
-
-def scattered_pools(lens: list[int], bs: int, K: int, E: int, g: torch.Generator, seed: int, spare: int,
-                     dtype: torch.dtype = torch.float32):
-    """Random K and V pools with `spare` blocks beyond what `lens` need, each sequence's blocks scattered over them.
-    -> k_pool, v_pool (NB, bs, K, E) (E + 4 int8 rows for dtype int8: kv_int8.py), the block tables (lists) and them
-    padded with 0 as a tensor (S, W)."""
-    n_blocks = sum(-(-n // bs) for n in lens) + spare
-    store = kv_int8.quantize if dtype == torch.int8 else (lambda x: x.to(dtype))
-    k_pool = store(torch.randn(n_blocks, bs, K, E, generator=g))
-    v_pool = store(torch.randn(n_blocks, bs, K, E, generator=g))
-    ids = list(range(n_blocks))
-    random.Random(seed).shuffle(ids)  # scattered blocks
-    tables, at = [], 0
-    for n in lens:
-        tables.append(ids[at : at + -(-n // bs)])
-        at += -(-n // bs)
-    width = max(map(len, tables))
-    return k_pool, v_pool, tables, torch.tensor([t + [0] * (width - len(t)) for t in tables])
 
 
 def kernel_vs_sdpa(dtype: torch.dtype, H: int, K: int, E: int, bs: int, device: str = "cpu", window: int = 0,

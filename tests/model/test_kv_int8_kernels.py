@@ -11,6 +11,7 @@ import torch
 from model import kernels
 from model.attention import sdpa
 from model.kernels import kv_int8, ops
+from paged_pools import scattered_pools
 
 native = kernels.native()
 needs_native = pytest.mark.skipif(native is None, reason=f"native kernels: {kernels.status()}")
@@ -58,16 +59,7 @@ def test_native_writer_stores_the_pytorch_bytes(E):
 
 
 def _int8_pools(lens: list[int], bs: int, K: int, E: int, seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    n_blocks = sum(-(-n // bs) for n in lens) + 3
-    k_pool, v_pool = (kv_int8.quantize(torch.randn(n_blocks, bs, K, E, generator=g) * 2) for _ in range(2))
-    ids = torch.randperm(n_blocks, generator=g).tolist()  # scattered blocks
-    tables, at = [], 0
-    for n in lens:
-        tables.append(ids[at : at + -(-n // bs)])
-        at += -(-n // bs)
-    width = max(map(len, tables))
-    return k_pool, v_pool, tables, torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    return scattered_pools(lens, bs, K, E, torch.Generator().manual_seed(seed), seed, 3, torch.int8)
 
 
 @needs_native
