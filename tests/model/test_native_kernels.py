@@ -210,6 +210,23 @@ def test_quantized_kernels_give_each_row_bitwise_its_one_row_result(cls, N):
     assert all(torch.equal(op(x[m : m + 1], *buffers)[0], many[m]) for m in range(x.shape[0]))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+# K = 64: an LM head over a narrow model (the packed tiles); 67, 13: a k % 8 tail; 257, 576: too long to pack.
+# N = 1000: 62 groups of 16 and 8 outputs left; 37 (per thread: fewer than one group of 16, or one and a few)
+@pytest.mark.parametrize("K, N", [(64, 1000), (67, 1000), (13, 37), (256, 100), (257, 100), (576, 37)])
+def test_float_linear_gives_each_row_bitwise_its_one_row_result(dtype, K, N):
+    """Few rows take the 8-lane tiles with horizontal sums, many rows (and short K) the packed tiles that keep a lane
+    of 8 or 16 outputs in a register (csrc/float_linear.cpp): the same multiply-adds in the same order, so a row's
+    outputs are the same floats whatever the number of rows beside it, and close to PyTorch's GEMM."""
+    torch.manual_seed(5)
+    w, x = torch.randn(N, K).to(dtype), torch.randn(97, K).to(dtype)
+    many = native.float_linear(x, w)
+    _close(many, F.linear(x.float(), w.float()).to(dtype), dtype, f32_tol=1e-4)
+    for M in (2, 15, 16, 17, 32, 50):
+        assert torch.equal(native.float_linear(x[:M], w), many[:M])
+    assert all(torch.equal(native.float_linear(x[m : m + 1], w)[0], many[m]) for m in range(x.shape[0]))
+
+
 @pytest.mark.parametrize("cls", [Int8Linear, Int4Linear])
 def test_native_dequantize_is_bitwise_the_pytorch_one(cls):
     layer = cls.from_float(torch.randn(48, 96))

@@ -63,10 +63,14 @@ torch::Tensor argmax_rows(const torch::Tensor& logits) {
   auto out = torch::empty({B}, logits.options().dtype(at::kLong));
   const float* x = logits.data_ptr<float>();
   int64_t* o = out.data_ptr<int64_t>();
-  for (int64_t r = 0; r < B; ++r) {
-    o[r] = argmax_row(x + r * V, V);
-    if (o[r] < 0) o[r] = argmax_row_nan_to_num(x + r * V, V);
-  }
+  // rows in parallel (a batch's logits are read from memory once, by both cores' bandwidth); each row is one pass
+  // of one thread, so the pick does not depend on the split
+  at::parallel_for(0, B, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      o[r] = argmax_row(x + r * V, V);
+      if (o[r] < 0) o[r] = argmax_row_nan_to_num(x + r * V, V);
+    }
+  });
   return out;
 }
 

@@ -7,6 +7,16 @@
 // k = l mod 8 in order), one fixed horizontal sum, then the k % 8 tail in order: tiles of several rows and outputs
 // share loads, never arithmetic, so decode and prefill agree bit for bit (qgemm.h). bfloat16 inputs are widened on
 // load and accumulated in float32, as oneDNN's bfloat16 GEMM accumulates.
+//
+// Two tilings of that one order. For a few rows, each output's 8 lanes sit in one register and end in a horizontal
+// sum (`f_tile`). For many rows the horizontal sums would cost as much as the multiply-adds when K is small (an LM
+// head over a narrow model), so `p_tile` turns the tile around: a group of 8 (16 with 512-bit registers) outputs'
+// weights is transposed once into a scratch buffer (k-major), and a register then holds one lane of the 8-lane order
+// for 8 or 16 outputs. Each lane's chain is the same multiply-adds in the same order, and the horizontal sum's tree
+// ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)) becomes vertical adds: the same bits, with no per-output
+// shuffles, and the transposition paid once for all the rows.
+#include <vector>
+
 #include "ops.h"
 #include "qgemm.h"
 
@@ -58,7 +68,125 @@ static void f_rows(const T* x, int64_t ldx, const T* w, int64_t K, int64_t n_beg
   for (; n + NR <= n_end; n += NR) f_tile<T, MR, NR>(x, ldx, w, K, n, y, ldy, ahead, part, parts);
   for (; n < n_end; ++n) f_tile<T, MR, 1>(x, ldx, w, K, n, y, ldy, ahead, part, parts);
 }
+
+// One register of float32 lanes: 8 (AVX2) or 16 (AVX-512) outputs side by side.
+struct Lanes8 {
+  using R = __m256;
+  static constexpr int W = 8, MR = 3;  // 4 * MR accumulators and partial sums live at once, of 16 registers
+  static R zero() { return _mm256_setzero_ps(); }
+  static R load(const float* p) { return _mm256_loadu_ps(p); }
+  static R set1(float v) { return _mm256_set1_ps(v); }
+  static R fma(R a, R b, R c) { return _mm256_fmadd_ps(a, b, c); }
+  static R add(R a, R b) { return _mm256_add_ps(a, b); }
+  static void store(float* p, R v) { _mm256_storeu_ps(p, v); }
+};
+#if LS_ZMM
+struct Lanes16 {
+  using R = __m512;
+  static constexpr int W = 16, MR = 5;  // of 32 registers (6 rows spill)
+  static R zero() { return _mm512_setzero_ps(); }
+  static R load(const float* p) { return _mm512_loadu_ps(p); }
+  static R set1(float v) { return _mm512_set1_ps(v); }
+  static R fma(R a, R b, R c) { return _mm512_fmadd_ps(a, b, c); }
+  static R add(R a, R b) { return _mm512_add_ps(a, b); }
+  static void store(float* p, R v) { _mm512_storeu_ps(p, v); }
+};
+using PackLanes = Lanes16;
+#else
+using PackLanes = Lanes8;
 #endif
+
+// wt (K8, W) <- w's rows n0 .. n0 + W (each K long), columns [0, K8), widened to float32: 8 x 8 blocks transposed in
+// registers (unpack, shuffle, permute: the usual 24-shuffle transpose).
+template <typename T, int W>
+static void pack_group(const T* w, int64_t K, int64_t K8, int64_t n0, float* wt) {
+  for (int h = 0; h < W; h += 8)
+    for (int64_t k = 0; k < K8; k += 8) {
+      __m256 r[8];
+      for (int j = 0; j < 8; ++j) r[j] = load8(w + (n0 + h + j) * K + k);
+      const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+      const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+      const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+      const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+      const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+      const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+      const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+      const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+      const __m256 c[8] = {_mm256_permute2f128_ps(u0, u4, 0x20), _mm256_permute2f128_ps(u1, u5, 0x20),
+                           _mm256_permute2f128_ps(u2, u6, 0x20), _mm256_permute2f128_ps(u3, u7, 0x20),
+                           _mm256_permute2f128_ps(u0, u4, 0x31), _mm256_permute2f128_ps(u1, u5, 0x31),
+                           _mm256_permute2f128_ps(u2, u6, 0x31), _mm256_permute2f128_ps(u3, u7, 0x31)};
+      for (int j = 0; j < 8; ++j) store8(wt + (k + j) * W + h, c[j]);  // column k + j of the 8 rows
+    }
+}
+
+// Lanes l and l + 4 of the 8-lane order for MR rows and one packed group: sum_k x[i, k] w[n, k] over k = l (mod 8)
+// and over k = l + 4 (mod 8), each in order from zero, then added (the first add of the horizontal sum's tree).
+template <class L, typename T, int MR>
+static inline void lane_pair(const T* x, int64_t ldx, const float* wt, int64_t K8, int l, typename L::R* out) {
+  typename L::R a[MR], b[MR];
+  for (int i = 0; i < MR; ++i) a[i] = b[i] = L::zero();
+  for (int64_t k = l; k < K8; k += 8) {
+    const typename L::R w0 = L::load(wt + k * L::W), w1 = L::load(wt + (k + 4) * L::W);
+    for (int i = 0; i < MR; ++i) {
+      a[i] = L::fma(L::set1(to_f(x[i * ldx + k])), w0, a[i]);
+      b[i] = L::fma(L::set1(to_f(x[i * ldx + k + 4])), w1, b[i]);
+    }
+  }
+  for (int i = 0; i < MR; ++i) out[i] = L::add(a[i], b[i]);
+}
+
+// y[i, n0 .. n0 + W) for MR rows from a packed group wt (K8, W); w (the unpacked rows) for the k % 8 tail.
+template <class L, typename T, int MR>
+static void p_tile(const T* x, int64_t ldx, const float* wt, const T* w, int64_t K, int64_t K8, int64_t n0, float* y,
+                   int64_t ldy) {
+  typename L::R u0[MR], t[MR], v[MR];
+  lane_pair<L, T, MR>(x, ldx, wt, K8, 0, u0);
+  lane_pair<L, T, MR>(x, ldx, wt, K8, 2, t);
+  for (int i = 0; i < MR; ++i) u0[i] = L::add(u0[i], t[i]);
+  lane_pair<L, T, MR>(x, ldx, wt, K8, 1, t);
+  lane_pair<L, T, MR>(x, ldx, wt, K8, 3, v);
+  for (int i = 0; i < MR; ++i) L::store(y + i * ldy + n0, L::add(u0[i], L::add(t[i], v[i])));
+  if (K8 == K) return;
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < L::W; ++j) {
+      float s = y[i * ldy + n0 + j];
+      for (int64_t k = K8; k < K; ++k) s += to_f(x[i * ldx + k]) * to_f(w[(n0 + j) * K + k]);
+      y[i * ldy + n0 + j] = s;
+    }
+}
+
+// The last M % MR rows of a group: one tile of that many rows.
+template <class L, typename T, int R>
+static void p_rest(const T* x, int64_t ldx, const float* wt, const T* w, int64_t K, int64_t K8, int64_t n0, int64_t r,
+                   float* y, int64_t ldy) {
+  if constexpr (R > 0) {
+    if (r == R) return p_tile<L, T, R>(x, ldx, wt, w, K, K8, n0, y, ldy);
+    p_rest<L, T, R - 1>(x, ldx, wt, w, K, K8, n0, r, y, ldy);
+  }
+}
+
+// Rows [0, M) of a packed group. `next` (or null): the next group's `bytes` of weights, asked for a share at each
+// tile so that they stream from memory while this group computes.
+template <class L, typename T>
+static void p_rows(const T* x, int64_t ldx, const float* wt, const T* w, int64_t K, int64_t K8, int64_t n0, int64_t M,
+                   float* y, int64_t ldy, const char* next, int64_t bytes) {
+  constexpr int MR = L::MR;
+  const int64_t tiles = (M + MR - 1) / MR, lines = (bytes + 63) / 64;
+  for (int64_t t = 0, m = 0; m < M; ++t, m += MR) {
+    if (next)
+      for (int64_t l = t * lines / tiles; l < (t + 1) * lines / tiles; ++l) _mm_prefetch(next + 64 * l, _MM_HINT_T0);
+    if (m + MR <= M)
+      p_tile<L, T, MR>(x + m * ldx, ldx, wt, w, K, K8, n0, y + m * ldy, ldy);
+    else
+      p_rest<L, T, MR - 1>(x + m * ldx, ldx, wt, w, K, K8, n0, M - m, y + m * ldy, ldy);
+  }
+}
+#endif
+
+// The packed tiles from this many rows on (below, the transposition is not repaid), for rows up to this long (a
+// longer row's horizontal sum is a small share of its multiply-adds, and its packed group no longer fits in L1).
+constexpr int64_t PACKED_MIN_ROWS = 16, PACKED_MAX_K = 256;
 
 template <typename T>
 void float_gemm_range(const T* x, int64_t M, const T* w, int64_t K, int64_t n_begin, int64_t n_end, float* y,
@@ -66,6 +194,25 @@ void float_gemm_range(const T* x, int64_t M, const T* w, int64_t K, int64_t n_be
 #if LS_AVX2
   // Blocks of weight rows (kept in L2) times blocks of activation rows (kept in L1 / L2).
   constexpr int64_t NB = 32, MB = 48;
+  constexpr int G = PackLanes::W;
+  const int64_t K8 = K / 8 * 8;
+  if (M >= PACKED_MIN_ROWS && K8 > 0 && K <= PACKED_MAX_K && n_end - n_begin >= G) {
+    // packed groups of G outputs, each transposed once per block of rows; the last n % G outputs as below
+    thread_local std::vector<float> wt;
+    wt.resize(static_cast<size_t>(K8) * G);
+    const int64_t n_packed = n_begin + (n_end - n_begin) / G * G;
+    for (int64_t m0 = 0; m0 < M; m0 += MB) {
+      const int64_t m1 = std::min(M, m0 + MB);
+      for (int64_t n = n_begin; n < n_packed; n += G) {
+        pack_group<T, G>(w, K, K8, n, wt.data());
+        const char* next = n + G < n_packed ? reinterpret_cast<const char*>(w + (n + G) * K) : nullptr;
+        p_rows<PackLanes, T>(x + m0 * K, K, wt.data(), w, K, K8, n, m1 - m0, y + m0 * ldy, ldy, next,
+                             G * K * static_cast<int64_t>(sizeof(T)));
+      }
+    }
+    if (n_packed == n_end) return;
+    n_begin = n_packed;
+  }
   for (int64_t m0 = 0; m0 < M; m0 += MB) {
     const int64_t m1 = std::min(M, m0 + MB);
     for (int64_t nb0 = n_begin; nb0 < n_end; nb0 += NB) {
