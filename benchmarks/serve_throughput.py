@@ -9,7 +9,11 @@ client runs in this process (asyncio, httpx, one connection per concurrent reque
 
 - closed loop (`--concurrency C ...`): C clients each send `--requests-per-client` non-streaming greedy
   completions back to back (EOS ignored, `--max-tokens` each, prompts of `--prompt-len` random words); output
-  tok/s = every completion token / the wall time from the first request to the last answer.
+  tok/s = every completion token / the wall time from the first request to the last answer. `--clients`: through
+  httpx (what a Python user writes; its HTTP/1.1 parser is pure Python) and / or `raw` (one asyncio socket per
+  client, keep-alive, the response's JSON read by its Content-Length: the least client work a request). On a
+  machine whose cores the server shares with its client, httpx's CPU time is taken from the server's: at 256 tiny
+  requests in flight on 2 cores it was about a quarter of the machine.
 - continuous arrivals (`--arrivals RATE`): streamed requests arrive as a Poisson process of RATE a second for
   `--duration` seconds, prompt lengths uniform in 16..4x`--prompt-len` words and output lengths uniform in
   8..2x`--max-tokens`; throughput, and TTFT and inter-token latency percentiles (p50, p90, p99) as the client sees
@@ -52,6 +56,8 @@ def _parse(argv):
     p.add_argument("--server-args", default="", help="more `python -m service` flags, the same for every side")
     p.add_argument("--concurrency", type=int, nargs="*", default=[1, 256])
     p.add_argument("--requests-per-client", type=int, default=2)
+    p.add_argument("--clients", nargs="+", choices=["httpx", "raw"], default=["httpx"],
+                   help="the closed loop's HTTP clients, each measured")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--prompt-len", type=int, default=32, help="words per prompt (closed loop)")
     p.add_argument("--arrivals", type=float, default=None, help="requests a second, Poisson (continuous arrivals)")
@@ -106,7 +112,9 @@ def _prompt(rng: random.Random, words: int) -> str:
 
 
 async def closed_loop(url: str, model: str, concurrency: int, per_client: int, max_tokens: int, prompt_len: int,
-                      seed: int = 0) -> dict:
+                      seed: int = 0, client: str = "httpx") -> dict:
+    if client == "raw":
+        return await raw_closed_loop(url, model, concurrency, per_client, max_tokens, prompt_len, seed)
     rng = random.Random(seed)
     prompts = [[_prompt(rng, prompt_len) for _ in range(per_client)] for _ in range(concurrency)]
     tokens = 0
@@ -127,6 +135,42 @@ async def closed_loop(url: str, model: str, concurrency: int, per_client: int, m
         wall = time.perf_counter() - t0
     return {"concurrency": concurrency, "requests": concurrency * per_client, "output_tokens": tokens,
             "wall_s": wall, "tok_s": tokens / wall}
+
+
+async def raw_closed_loop(url: str, model: str, concurrency: int, per_client: int, max_tokens: int, prompt_len: int,
+                          seed: int = 0) -> dict:
+    """`closed_loop` over raw keep-alive connections: the same prompts and requests, the least client work."""
+    rng = random.Random(seed)
+    prompts = [[_prompt(rng, prompt_len) for _ in range(per_client)] for _ in range(concurrency)]
+    host, port = url.removeprefix("http://").split(":")
+    tokens = 0
+
+    async def one(texts):
+        nonlocal tokens
+        reader, writer = await asyncio.open_connection(host, int(port))
+        try:
+            for text in texts:
+                body = json.dumps({"model": model, "prompt": text, "max_tokens": max_tokens, "temperature": 0,
+                                   "ignore_eos": True}).encode()
+                writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
+                             b"Content-Length: %d\r\n\r\n" % (host.encode(), len(body)) + body)
+                status, length = await reader.readline(), None
+                while (line := await reader.readline()) not in (b"\r\n", b""):
+                    if line.lower().startswith(b"content-length:"):
+                        length = int(line.split(b":")[1])
+                if b" 200 " not in status or length is None:
+                    raise RuntimeError(f"{url}: {status!r}")
+                tokens += json.loads(await reader.readexactly(length))["usage"]["completion_tokens"]
+        finally:
+            writer.close()
+
+    await one([_prompt(rng, prompt_len)])  # a warm-up request, not counted
+    tokens = 0
+    t0 = time.perf_counter()
+    await asyncio.gather(*(one(p) for p in prompts))
+    wall = time.perf_counter() - t0
+    return {"concurrency": concurrency, "requests": concurrency * per_client, "output_tokens": tokens,
+            "wall_s": wall, "tok_s": tokens / wall, "client": "raw"}
 
 
 async def arrivals(url: str, model: str, rate: float, duration: float, max_tokens: int, prompt_len: int,
@@ -174,14 +218,20 @@ async def arrivals(url: str, model: str, rate: float, duration: float, max_token
             "itl_ms": {f"p{q}": percentile(itl, q) * 1e3 for q in (50, 90, 99)}}
 
 
+def _key(concurrency: int, client: str) -> str:
+    """A closed loop's name in the results: its concurrency, and the client where it is not httpx."""
+    return str(concurrency) if client == "httpx" else f"{concurrency}_{client}"
+
+
 def measure(root: Path, model: str, args) -> dict:
     out = {"root": str(root), "closed_loop": {}}
     with Server(root, model, args.server_args, args.python) as server:
         name = httpx.get(server.url + "/v1/models").json()["data"][0]["id"]
         for c in args.concurrency:
-            print(f"[serve_throughput] {root.name}: {c} concurrent", file=sys.stderr, flush=True)
-            out["closed_loop"][str(c)] = asyncio.run(closed_loop(server.url, name, c, args.requests_per_client,
-                                                                 args.max_tokens, args.prompt_len))
+            for client in args.clients:
+                print(f"[serve_throughput] {root.name}: {c} concurrent ({client})", file=sys.stderr, flush=True)
+                out["closed_loop"][_key(c, client)] = asyncio.run(closed_loop(
+                    server.url, name, c, args.requests_per_client, args.max_tokens, args.prompt_len, client=client))
         if args.arrivals:
             print(f"[serve_throughput] {root.name}: arrivals at {args.arrivals}/s", file=sys.stderr, flush=True)
             out["arrivals"] = asyncio.run(arrivals(server.url, name, args.arrivals, args.duration, args.max_tokens,
@@ -204,10 +254,11 @@ def main(argv: list[str] | None = None) -> int:
                 runs[side].append(measure(sides[side], model, args))
     summary = {}
     for c in args.concurrency:
-        row = {s: statistics.median(x["closed_loop"][str(c)]["tok_s"] for x in runs[s]) for s in sides}
-        if "base" in row:
-            row["ratio"] = row["this"] / row["base"]
-        summary[f"closed_loop_{c}_tok_s"] = row
+        for client in args.clients:
+            row = {s: statistics.median(x["closed_loop"][_key(c, client)]["tok_s"] for x in runs[s]) for s in sides}
+            if "base" in row:
+                row["ratio"] = row["this"] / row["base"]
+            summary[f"closed_loop_{_key(c, client)}_tok_s"] = row
     results = {"machine": machine_info("cpu", os.cpu_count() or 1),
                "workload": {k: v for k, v in vars(args).items() if k not in ("out", "ab", "python")},
                "summary": summary, "runs": runs}

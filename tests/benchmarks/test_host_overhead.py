@@ -35,7 +35,9 @@ def test_host_overhead_measures_decode_steps(tmp_path):
 
 def test_serve_throughput_counts_every_token(tmp_path):
     r = _run(["benchmarks.serve_throughput", "--tiny", "--concurrency", "3", "--requests-per-client", "2",
-              "--max-tokens", "5", "--prompt-len", "4"], tmp_path)
-    m = r["runs"]["this"][0]["closed_loop"]["3"]
-    assert (m["requests"], m["output_tokens"]) == (6, 30) and m["tok_s"] > 0
+              "--max-tokens", "5", "--prompt-len", "4", "--clients", "httpx", "raw"], tmp_path)
+    for key in ("3", "3_raw"):  # both clients, each over its own connections
+        m = r["runs"]["this"][0]["closed_loop"][key]
+        assert (m["requests"], m["output_tokens"]) == (6, 30) and m["tok_s"] > 0
+    assert set(r["summary"]) == {"closed_loop_3_tok_s", "closed_loop_3_raw_tok_s"}
     assert r["machine"]["commit"]
