@@ -142,18 +142,26 @@ def _observe(state: Serving, stats: RunStats, out: RequestOutput, choice: int) -
 
 async def until_disconnect(request: Request, coro):
     """Await `coro` (a non-streamed generation) unless the client leaves first; then cancel it, which aborts
-    the engine request and frees its blocks."""
+    the engine request and frees its blocks. The body is read by now, so the connection's next message is its
+    disconnect: one waiter for it (as Starlette's streamed responses listen), not a poll of every open request."""
     task = asyncio.ensure_future(coro)
+    left = asyncio.ensure_future(_disconnected(request))
     try:
-        while not task.done():
-            done, _ = await asyncio.wait({task}, timeout=0.25)
-            if not done and await request.is_disconnected():
-                task.cancel()
-                raise APIError(499, "client disconnected")
-        return task.result()
-    finally:
+        await asyncio.wait({task, left}, return_when=asyncio.FIRST_COMPLETED)
         if not task.done():
             task.cancel()
+            raise APIError(499, "client disconnected")
+        return task.result()
+    finally:
+        left.cancel()
+        if not task.done():
+            task.cancel()
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client has gone (or the server answered and the connection is done with this request)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 async def collect_all(request: Request, state: Serving, stats: RunStats, coro):

@@ -103,9 +103,10 @@ class Serving:
                            param="model", code="model_not_found")
 
 
-def get_serving(request: Request) -> Serving:
+async def get_serving(request: Request) -> Serving:
     """Dependency: the routes' view of the server (`app.state.server.serving`), or a 503 envelope while the model
-    loads (or after it failed to, or while the server drains)."""
+    loads (or after it failed to, or while the server drains). A coroutine, though it awaits nothing: FastAPI runs a
+    plain function dependency on its thread pool, a hop (and a capacity limiter's bookkeeping) every request."""
     state: ServerState = request.app.state.server
     if not state.ready:
         reason = "the server is shutting down" if state.draining else state.fatal_error or "the model is loading"
