@@ -214,7 +214,9 @@ class InputBuffers:
         slots = np.fromiter((s.slot for s in seqs), np.int64, n)  # its row in the batch (n,)
         rows = self._arange[:n]
         in_order = n == len(batch) and (n == 0 or (slots[0] == 0 and slots[-1] == n - 1))
-        tables = batch.tables[:n] if in_order else batch.tables[slots]  # (n, W)
+        width = -(-int(pos.max(initial=0) + 1) // bs)  # the widest row's blocks: nothing past them is read
+        # (n, width): a gather of the rows' used blocks only (a table is max_model_len / block_size wide)
+        tables = batch.tables[:n] if in_order else batch.tables[:, :width][slots]
         if prev_rows is None:
             np_["tokens"][:n] = [s.last_token_id for s in seqs]
         else:
@@ -228,7 +230,6 @@ class InputBuffers:
         if tables_in_place and in_order and not self.separate:
             paged_tables = self._batch_tables(batch)[:n]
         else:
-            width = -(-int(pos.max(initial=0) + 1) // bs)  # the widest row's blocks: nothing past them is read
             np_["paged_tables"][:n, :width] = tables[:, :width]
         self._upload(n if paged_tables is None else 0)
         d = self.dev
