@@ -16,6 +16,10 @@ from memory once, as in a decode step. Twice: the copies on 4 KB pages (a plain 
 the loader places a model's weights, model/huge_pages.py). Reported as GB/s of weights read, beside the plain read
 bandwidth (a sum over a large tensor) measured in the same round. `--stream-rows R` does the same with R rows a call,
 as a step of R streams reads its weights.
+
+A narrow model's float32 LM head (`--head V K`, e.g. `--head 49152 64`: the served tiny model's; 0: skip): our
+`float_linear` against PyTorch's GEMM (`F.linear`, MKL / oneDNN) on the same weights, by rows, alternating; the
+rows from 16 up take its packed tiles where K <= 256 (model/kernels/csrc/float_linear.cpp).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from benchmarks.ceilings import read_bandwidth
 from benchmarks.machine import machine_info
@@ -131,6 +136,29 @@ def measure(rows: list[int], rounds: int, min_seconds: float = 0.2) -> dict:
     return out
 
 
+def measure_head(vocab: int, k: int, rows: list[int], rounds: int, min_seconds: float = 0.2) -> dict:
+    """An LM head (vocab, k) float32: GMAC/s of `float_linear` and of F.linear by rows, medians of rounds."""
+    native = kernels.native()
+    torch.manual_seed(2)
+    w = torch.randn(vocab, k) * 0.05
+    out: dict[str, dict] = {}
+    for m in rows:
+        x = torch.randn(m, k)
+        sides = {"ours": lambda: native.float_linear(x, w), "torch": lambda: F.linear(x, w)}
+        reps = max(3, int(min_seconds * 20e9 / (vocab * k * m)))
+        per: dict[str, list[float]] = {name: [] for name in sides}
+        for _ in range(rounds):
+            for name, f in sides.items():
+                f()
+                t = time.perf_counter()
+                for _ in range(reps):
+                    f()
+                per[name].append(vocab * k * m * reps / (time.perf_counter() - t) / 1e9)
+        gmac = {name: statistics.median(v) for name, v in per.items()}
+        out[str(m)] = {"gmac_s": gmac, "rounds": per, "ours_over_torch": gmac["ours"] / gmac["torch"]}
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rows", type=int, nargs="+", default=[1, 32, 128, 512])
@@ -139,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stream-mb", type=int, default=256, help="one row from memory over this many MB a precision (0: skip)")
     p.add_argument("--stream-rows", type=int, default=1, help="rows a call in the from-memory measurement (R: a "
                    "decode step of R streams)")
+    p.add_argument("--head", type=int, nargs=2, default=[49152, 64], metavar=("V", "K"),
+                   help="a float32 LM head's shape, ours against F.linear (0 0: skip)")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/cpu-gemm.json"))
     args = p.parse_args(argv)
     if args.threads:
@@ -150,6 +180,12 @@ def main(argv: list[str] | None = None) -> int:
         g = r["gmac_s"]
         print(f"{m:>6} {g['int4']:8.1f} {g['int8']:8.1f} {g['float32']:8.1f} {r['int4_over_float32']:8.2f}x {r['int8_over_float32']:8.2f}x")
     report = {"machine": machine_info("cpu", torch.get_num_threads()), "shapes": SHAPES, "rows": results}
+    if args.head[0]:
+        report["head"] = {"shape": args.head, "rows": measure_head(*args.head, args.rows, args.rounds)}
+        for m, r in report["head"]["rows"].items():
+            g = r["gmac_s"]
+            print(f"LM head {args.head[0]} x {args.head[1]}, {m} rows: ours {g['ours']:.1f}, F.linear {g['torch']:.1f} "
+                  f"GMAC/s ({r['ours_over_torch']:.2f}x)")
     if args.stream_mb:
         report["stream"] = st = measure_stream(args.stream_mb, args.rounds, args.stream_rows)
         g = st["gb_s"]

@@ -163,7 +163,7 @@ def test_gpu_script_dry_run_on_cpu(tmp_path):
 def test_gemm_benchmark_reports_every_precision(tmp_path):
     out = tmp_path / "gemm.json"
     proc = subprocess.run([sys.executable, "-m", "benchmarks.gemm", "--rows", "1", "5", "--rounds", "1", "--stream-mb", "8",
-                           "--out", str(out)],
+                           "--head", "4096", "64", "--out", str(out)],
                           cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr[-4000:]
     r = json.loads(out.read_text())["rows"]
@@ -173,6 +173,10 @@ def test_gemm_benchmark_reports_every_precision(tmp_path):
         assert math.isfinite(row["int4_over_float32"]) and row["int4_over_float32"] > 0
     stream = json.loads(out.read_text())["stream"]
     _positive(stream["gb_s"], {"int4", "int8", "float32", "read"})
+    head = json.loads(out.read_text())["head"]
+    assert head["shape"] == [4096, 64] and set(head["rows"]) == {"1", "5"}
+    for row in head["rows"].values():
+        _positive(row["gmac_s"], {"ours", "torch"})
 
 
 def test_attention_memory_benchmark_times_every_shape(tmp_path):

@@ -201,8 +201,10 @@ void float_gemm_range(const T* x, int64_t M, const T* w, int64_t K, int64_t n_be
     thread_local std::vector<float> wt;
     wt.resize(static_cast<size_t>(K8) * G);
     const int64_t n_packed = n_begin + (n_end - n_begin) / G * G;
-    for (int64_t m0 = 0; m0 < M; m0 += MB) {
-      const int64_t m1 = std::min(M, m0 + MB);
+    // a group is packed (and its weights read) once per block of rows: as many rows as fit 256 KB of activations
+    const int64_t MBP = std::max<int64_t>(MB, 65536 / K);
+    for (int64_t m0 = 0; m0 < M; m0 += MBP) {
+      const int64_t m1 = std::min(M, m0 + MBP);
       for (int64_t n = n_begin; n < n_packed; n += G) {
         pack_group<T, G>(w, K, K8, n, wt.data());
         const char* next = n + G < n_packed ? reinterpret_cast<const char*>(w + (n + G) * K) : nullptr;
