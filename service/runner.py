@@ -159,9 +159,13 @@ async def until_disconnect(request: Request, coro):
 
 
 async def _disconnected(request: Request) -> None:
-    """Returns when the client has gone (or the server answered and the connection is done with this request)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
+    """Returns when the client has gone (or the server answered and the connection is done with this request); never,
+    where the transport cannot tell (the generation then runs to its end, as it would without the client)."""
+    try:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+    except Exception:
+        await asyncio.Future()
 
 
 async def collect_all(request: Request, state: Serving, stats: RunStats, coro):
