@@ -113,47 +113,42 @@ def _prompt(rng: random.Random, words: int) -> str:
 
 async def closed_loop(url: str, model: str, concurrency: int, per_client: int, max_tokens: int, prompt_len: int,
                       seed: int = 0, client: str = "httpx") -> dict:
-    if client == "raw":
-        return await raw_closed_loop(url, model, concurrency, per_client, max_tokens, prompt_len, seed)
+    """Each of `concurrency` clients sends its `per_client` requests one after another, through httpx or over a raw
+    keep-alive socket (the same prompts and requests, the least client work)."""
     rng = random.Random(seed)
     prompts = [[_prompt(rng, prompt_len) for _ in range(per_client)] for _ in range(concurrency)]
-    tokens = 0
+    warm = _prompt(rng, prompt_len)
+
+    def body(text: str) -> dict:
+        return {"model": model, "prompt": text, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+
+    if client == "raw":
+        return await _timed(_raw_client(url, body), warm, prompts, client)
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=600) as client:
-        async def one(texts):
-            nonlocal tokens
+    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=600) as c:
+        async def one(texts: list[str]) -> int:
+            tokens = 0
             for text in texts:
-                r = await client.post("/v1/completions", json={
-                    "model": model, "prompt": text, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True})
+                r = await c.post("/v1/completions", json=body(text))
                 r.raise_for_status()
                 tokens += r.json()["usage"]["completion_tokens"]
+            return tokens
 
-        await one([_prompt(rng, prompt_len)])  # a warm-up request, not counted
-        tokens = 0
-        t0 = time.perf_counter()
-        await asyncio.gather(*(one(p) for p in prompts))
-        wall = time.perf_counter() - t0
-    return {"concurrency": concurrency, "requests": concurrency * per_client, "output_tokens": tokens,
-            "wall_s": wall, "tok_s": tokens / wall}
+        return await _timed(one, warm, prompts, client)
 
 
-async def raw_closed_loop(url: str, model: str, concurrency: int, per_client: int, max_tokens: int, prompt_len: int,
-                          seed: int = 0) -> dict:
-    """`closed_loop` over raw keep-alive connections: the same prompts and requests, the least client work."""
-    rng = random.Random(seed)
-    prompts = [[_prompt(rng, prompt_len) for _ in range(per_client)] for _ in range(concurrency)]
+def _raw_client(url: str, body):
+    """A client's requests over one keep-alive socket, each response's JSON read by its Content-Length."""
     host, port = url.removeprefix("http://").split(":")
-    tokens = 0
 
-    async def one(texts):
-        nonlocal tokens
+    async def one(texts: list[str]) -> int:
+        tokens = 0
         reader, writer = await asyncio.open_connection(host, int(port))
         try:
             for text in texts:
-                body = json.dumps({"model": model, "prompt": text, "max_tokens": max_tokens, "temperature": 0,
-                                   "ignore_eos": True}).encode()
+                data = json.dumps(body(text)).encode()
                 writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
-                             b"Content-Length: %d\r\n\r\n" % (host.encode(), len(body)) + body)
+                             b"Content-Length: %d\r\n\r\n" % (host.encode(), len(data)) + data)
                 status, length = await reader.readline(), None
                 while (line := await reader.readline()) not in (b"\r\n", b""):
                     if line.lower().startswith(b"content-length:"):
@@ -163,14 +158,19 @@ async def raw_closed_loop(url: str, model: str, concurrency: int, per_client: in
                 tokens += json.loads(await reader.readexactly(length))["usage"]["completion_tokens"]
         finally:
             writer.close()
+        return tokens
 
-    await one([_prompt(rng, prompt_len)])  # a warm-up request, not counted
-    tokens = 0
+    return one
+
+
+async def _timed(one, warm: str, prompts: list[list[str]], client: str) -> dict:
+    """A warm-up request (not counted), then every client at once: output tok/s over the wall time."""
+    await one([warm])
     t0 = time.perf_counter()
-    await asyncio.gather(*(one(p) for p in prompts))
+    tokens = sum(await asyncio.gather(*(one(p) for p in prompts)))
     wall = time.perf_counter() - t0
-    return {"concurrency": concurrency, "requests": concurrency * per_client, "output_tokens": tokens,
-            "wall_s": wall, "tok_s": tokens / wall, "client": "raw"}
+    return {"concurrency": len(prompts), "requests": sum(map(len, prompts)), "output_tokens": tokens, "wall_s": wall,
+            "tok_s": tokens / wall, "client": client}
 
 
 async def arrivals(url: str, model: str, rate: float, duration: float, max_tokens: int, prompt_len: int,
