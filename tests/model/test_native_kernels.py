@@ -212,7 +212,7 @@ def test_quantized_kernels_give_each_row_bitwise_its_one_row_result(cls, N):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 # K = 64: an LM head over a narrow model (the packed tiles); 67, 13: a k % 8 tail; 257, 576: too long to pack.
-# N = 1000: 62 groups of 16 and 8 outputs left; 37 (per thread: fewer than one group of 16, or one and a few)
+# N = 1000: whole groups of 16 (8 with AVX2) and a few outputs left in each thread's share; 37: about one group each
 @pytest.mark.parametrize("K, N", [(64, 1000), (67, 1000), (13, 37), (256, 100), (257, 100), (576, 37)])
 def test_float_linear_gives_each_row_bitwise_its_one_row_result(dtype, K, N):
     """Few rows take the 8-lane tiles with horizontal sums, many rows (and short K) the packed tiles that keep a lane
