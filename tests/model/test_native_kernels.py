@@ -3,8 +3,6 @@ module-by-module path, and the fall-back when the kernels are off or cannot be b
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -16,6 +14,7 @@ from model.engine import Engine, EngineConfig, SamplingParams
 from model.quantize import (Int4Linear, Int6Linear, Int8Linear, int4_k_scales, int4_layout, int4_nibbles, int6_layout,
                             quantize_model, round_activations)
 from model.transformer import RMSNorm, apply_rotary_tables, rotary_tables
+from paged_pools import scattered_pools
 from tiny import byte_tokenizer, greedy_tokens, tiny_model
 
 native = kernels.native()
@@ -68,35 +67,17 @@ def test_rope_in_place(dtype, E):
     _close(got, want, dtype)
 
 
-def _pool_and_tables(lens: list[int], bs: int, K: int, E: int, dtype, seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    n_blocks = sum(-(-n // bs) for n in lens) + 3
-    k_pool = torch.randn(n_blocks, bs, K, E, generator=g).to(dtype)
-    v_pool = torch.randn(n_blocks, bs, K, E, generator=g).to(dtype)
-    ids = list(range(n_blocks))
-    random.Random(seed).shuffle(ids)  # scattered blocks
-    tables, at = [], 0
-    for n in lens:
-        tables.append(ids[at : at + -(-n // bs)])
-        at += -(-n // bs)
-    return k_pool, v_pool, tables
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("H,K,E", [(6, 2, 64), (4, 1, 128), (3, 3, 64), (4, 2, 24)])  # GQA, MQA, MHA, odd E
 @pytest.mark.parametrize("bs", [4, 6])  # a power of two (positions to blocks by shifts) and not (by division)
 def test_paged_decode_attention_equals_sdpa_over_the_gathered_context(dtype, H, K, E, bs):
     lens = [1, 7, 16, 33, 100]
-    k_pool, v_pool, tables = _pool_and_tables(lens, bs, K, E, dtype)
+    k_pool, v_pool, tables, padded = scattered_pools(lens, bs, K, E, torch.Generator().manual_seed(0), 0, 3, dtype)
     N = len(lens) + 2  # two packed rows that are not decode rows: left as they were
     q = torch.randn(N, H, E).to(dtype)
     rows = [5, 0, 3, 1, 6]
-    width = max(map(len, tables))
     out = torch.full((N, H, E), 7.0, dtype=dtype)
-    native.paged_decode_attention(
-        q, k_pool, v_pool, torch.tensor(rows), torch.tensor([t + [0] * (width - len(t)) for t in tables]),
-        torch.tensor(lens), out,
-    )
+    native.paged_decode_attention(q, k_pool, v_pool, torch.tensor(rows), padded, torch.tensor(lens), out)
     for r, n, table in zip(rows, lens, tables):
         kd = k_pool[table].reshape(1, -1, K, E)[:, :n]  # (1, n, K, E)
         vd = v_pool[table].reshape(1, -1, K, E)[:, :n]
@@ -113,10 +94,9 @@ def test_prefill_rows_attend_in_tiles_bitwise_as_each_row_alone(dtype, H, K, E):
     bitwise what the row gets alone (a decode step), whatever tile it lands in: chunks crossing the 8-key groups,
     the 64-position blocks and the 16-row tiles (3- and 2-query register tiles), beside another sequence's rows."""
     bs, n0, T = 16, 53, 21  # the chunk: positions 53..73, so lengths 54..74
-    k_pool, v_pool, tables = _pool_and_tables([n0 + T, 40], bs, K, E, dtype)
-    width = max(map(len, tables))
-    table = tables[0] + [0] * (width - len(tables[0]))
-    other = tables[1] + [0] * (width - len(tables[1]))
+    k_pool, v_pool, tables, padded = scattered_pools([n0 + T, 40], bs, K, E, torch.Generator().manual_seed(0), 0, 3,
+                                                     dtype)
+    table, other = padded.tolist()
     q = torch.randn(T + 3, H, E).to(dtype)
     rows = torch.tensor([T + 1, *range(T), T + 2])  # another sequence's rows around the chunk
     lens = torch.tensor([40, *range(n0 + 1, n0 + T + 1), 17])
