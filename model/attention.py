@@ -28,6 +28,12 @@ class AttentionContext(Protocol):
         the heads' outputs before wo."""
         ...
 
+    def adapt(self, layer: int, site: str, x: Tensor, y: Tensor) -> Tensor:
+        """Block `layer`'s projection at `site` ("qkv", "o", "w13", "w2"), its input x (B, T, in) and output y
+        (B, T, out) -> y with the LoRA deltas of the rows whose request named an adapter (model/lora.py), or y as it
+        is."""
+        ...
+
 
 class KVCacheContext(AttentionContext, Protocol):
     def begin_forward(self, positions: Tensor) -> None:
@@ -75,3 +81,6 @@ class CausalAttention:
 
     def edit(self, layer: int, site: str, x: Tensor) -> Tensor:
         return x
+
+    def adapt(self, layer: int, site: str, x: Tensor, y: Tensor) -> Tensor:
+        return y

@@ -59,3 +59,6 @@ class KVCache:
 
     def edit(self, layer: int, site: str, x: Tensor) -> Tensor:
         return x  # no interventions on this path (model/interventions.py: the engine and the probes have them)
+
+    def adapt(self, layer: int, site: str, x: Tensor, y: Tensor) -> Tensor:
+        return y  # no adapters on this path (model/lora.py: the engine's rows have them)

@@ -154,11 +154,12 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(width[0], config.norm_eps) if width else None  # (E,) or (H E,)
         self.k_norm = RMSNorm(width[1], config.norm_eps) if width else None  # (E,) or (K E,)
 
-    def project(self, x: Tensor) -> Tensor:
-        """x (B, T, D) -> q, k, v (B, T, H + 2K, E) before RoPE: the projection, its bias and the q/k norms."""
+    def project(self, x: Tensor, ctx: AttentionContext) -> Tensor:
+        """x (B, T, D) -> q, k, v (B, T, H + 2K, E) before RoPE: the projection (with its rows' adapters), its bias
+        and the q/k norms."""
         B, T, _ = x.shape
         H, K, E = self.n_heads, self.n_kv_heads, self.head_dim
-        qkv = self.wqkv(x)  # (B, T, (H + 2K) E)
+        qkv = ctx.adapt(self.layer_idx, "qkv", x, self.wqkv(x))  # (B, T, (H + 2K) E)
         if self.bqkv is not None:
             qkv = qkv + self.bqkv
         qkv = qkv.view(B, T, H + 2 * K, E)
@@ -176,7 +177,7 @@ class Attention(nn.Module):
         H, K, E = self.n_heads, self.n_kv_heads, self.head_dim
         if cos.dim() == 3:
             cos, sin = rotary_tables(cos, sin, x.dtype)
-        qkv = self.project(x)  # (B, T, H + 2K, E)
+        qkv = self.project(x, ctx)  # (B, T, H + 2K, E)
         q, k, v = qkv[:, :, :H], qkv[:, :, H : H + K], qkv[:, :, H + K :]  # views: (B, T, H | K | K, E)
         for site, heads in (("head_q", q), ("head_k", k), ("head_v", v)):  # before RoPE, as TransformerLens'
             ctx.edit(self.layer_idx, site, heads)  # hook_q / hook_k / hook_v: edited in place (interventions.py)
@@ -184,17 +185,21 @@ class Attention(nn.Module):
         q, k, v = qkv[:, :, :H], qkv[:, :, H : H + K], qkv[:, :, H + K :]
         out = ctx.attend(self.layer_idx, q, k, v)  # (B, T, H, E); a cache stores k, v and attends over its keys
         out = ctx.edit(self.layer_idx, "head_output", out)  # each head's output before wo (TransformerLens' hook_z)
-        return self.wo(out.reshape(B, T, H * E))  # (B, T, D)
+        out = out.reshape(B, T, H * E)
+        return ctx.adapt(self.layer_idx, "o", out, self.wo(out))  # (B, T, D)
 
 
 class FeedForward(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
+        self.layer_idx = layer_idx
         self.w13 = Linear(config.dim, 2 * config.hidden_dim)  # gate (w1) and up (w3) stacked: (2F, D)
         self.w2 = Linear(config.hidden_dim, config.dim)  # down
 
-    def forward(self, x: Tensor) -> Tensor:  # (B, T, D) -> (B, T, D), via (B, T, F)
-        return self.w2(ops.silu_mul(self.w13(x)))  # (B, T, 2F) -> (B, T, F) -> (B, T, D)
+    def forward(self, x: Tensor, ctx: AttentionContext) -> Tensor:  # (B, T, D) -> (B, T, D), via (B, T, F)
+        layer = self.layer_idx
+        g = ops.silu_mul(ctx.adapt(layer, "w13", x, self.w13(x)))  # (B, T, 2F) -> (B, T, F)
+        return ctx.adapt(layer, "w2", g, self.w2(g))  # (B, T, D)
 
 
 class Block(nn.Module):
@@ -206,7 +211,7 @@ class Block(nn.Module):
         self.attention_norm = RMSNorm(config.dim, config.norm_eps)
         self.attention = Attention(config, layer_idx)
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
-        self.feed_forward = FeedForward(config)
+        self.feed_forward = FeedForward(config, layer_idx)
 
     def forward(self, h: Tensor, cos: Tensor, sin: Tensor, ctx: AttentionContext) -> Tensor:
         # (B, T, D) -> (B, T, D): the residual stream after both residual adds. The context may edit the three
@@ -220,7 +225,7 @@ class Block(nn.Module):
         if self.residual_multiplier != 1.0:
             a = a * self.residual_multiplier
         h = h + ctx.edit(layer, "attention_output", a)
-        m = self.ffn_norm(self.feed_forward(h)) if self.post_norm else self.feed_forward(self.ffn_norm(h))  # (B, T, D)
+        m = self.ffn_norm(self.feed_forward(h, ctx)) if self.post_norm else self.feed_forward(self.ffn_norm(h), ctx)
         if self.residual_multiplier != 1.0:
             m = m * self.residual_multiplier
         return ctx.edit(layer, "block_output", h + ctx.edit(layer, "mlp_output", m))

@@ -40,6 +40,9 @@ class StreamingReference:
     def edit(self, layer: int, site: str, x: Tensor) -> Tensor:
         return x  # no interventions here
 
+    def adapt(self, layer: int, site: str, x: Tensor, y: Tensor) -> Tensor:
+        return y
+
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """q (1, 1, H, E), k/v (1, 1, K, E) of token t, both rotated at its cache position."""
         t, S = self.t, self.window.sink_tokens

@@ -83,7 +83,7 @@ class CudaGraphs:
         n = batch.meta.num_tokens
         edited = batch.edits is not None
         # graphs are captured without attention telemetry: a step recording it runs another path instead
-        return (batch.meta.all_paged and batch.num_seqs == n and ctx.telemetry is None
+        return (batch.meta.all_paged and batch.num_seqs == n and ctx.telemetry is None and ctx.lora is None
                 and 0 < n <= self.buckets[-1] and (self._bucket(n), edited) not in self.failed
                 and (not edited or (self.edits.fits(batch.edits) and not batch.edits.reads_sub_blocks
                                     and not batch.edits.has_head_edits)))

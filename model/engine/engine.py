@@ -35,6 +35,7 @@ from model.engine.speculative.build import build_speculator
 from model.engine.structured import StructuredOutputs
 from model.interventions import HeadShape, InterventionPlan
 from model.loaders.memory import check_fits
+from model.lora import LoRAAdapter
 from model.text.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -243,6 +244,12 @@ class Engine:
             self._sibling_requests.add(req)
         return req
 
+    def add_lora(self, adapter: LoRAAdapter) -> None:
+        """Serve `adapter` (model/lora.py) to the requests that name it (`RequestOptions.lora`), beside the base."""
+        if self.distributed:
+            raise ValueError("LoRA adapters are not supported with tensor parallelism")
+        self.runner.adapters[adapter.name] = adapter.to(self.model.dtype, torch.device(self.model.device))
+
     @property
     def kv_cache_tokens(self) -> int:
         """The tokens the KV pool holds: the blocks the manager hands out, times their size."""
@@ -258,6 +265,8 @@ class Engine:
         if options.telemetry is not None and self.distributed:
             raise InvalidOption("inspect", "attention telemetry is not supported with tensor parallelism")
         self._check_speculation(options.num_speculative_tokens)
+        if options.lora is not None and options.lora not in self.runner.adapters:
+            raise InvalidOption("model", f"no LoRA adapter {options.lora!r} is loaded")
         if options.structured is not None:
             try:
                 self.structured.compile(options.structured)

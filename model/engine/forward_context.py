@@ -3,10 +3,11 @@ vllm/forward_context.py: the per-step attention metadata beside the model call r
 
 The runner builds one per step from its input batch: the cache's pools, the step's attention metadata and slices,
 its edits of the residual stream (interventions and reads, model/edits.py, or the graphs' static copy of them,
-graph_edits.py) and the rows recording attention telemetry. The module path hands it to the model as its attention
-context (model/attention.py: `begin_forward`, `attend`, `edit`); the native path passes its tensors to the fused
-call; the CUDA graphs capture a static one; tensor parallelism sends its slices and edits to the other ranks, which
-rebuild the same context (`from_slices`). Nothing of a step is left on the cache.
+graph_edits.py), the rows recording attention telemetry and the rows under LoRA adapters (model/lora.py). The module
+path hands it to the model as its attention context (model/attention.py: `begin_forward`, `attend`, `edit`,
+`adapt`); the native path passes its tensors to the fused call; the CUDA graphs capture a static one; tensor
+parallelism sends its slices and edits to the other ranks, which rebuild the same context (`from_slices`). Nothing of
+a step is left on the cache.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from model.kernels import kv_int8, ops
 
 if TYPE_CHECKING:
     from model.engine.telemetry import StepTelemetry
+    from model.lora import LoRARows
 
 
 class Edits(Protocol):
@@ -39,6 +41,7 @@ class ForwardContext:
     slices: list[SeqSlice]  # the step's sequences as plain data (what tensor-parallel ranks rebuild `meta` from)
     edits: Edits | None = None
     telemetry: StepTelemetry | None = None  # rows recording attention telemetry (model/engine/telemetry.py)
+    lora: LoRARows | None = None  # rows under LoRA adapters (model/lora.py)
     _masks: dict[int, Tensor | None] = field(default_factory=dict)  # prefill chunk -> its sliding-window mask
 
     @classmethod
@@ -58,6 +61,10 @@ class ForwardContext:
     def edit(self, layer: int, site: str, x: Tensor) -> Tensor:
         """x (1, N, D): each packed row gets its own sequence's edits at (layer, site); rows without any are untouched."""
         return x if self.edits is None else self.edits.apply(layer, site, x)
+
+    def adapt(self, layer: int, site: str, x: Tensor, y: Tensor) -> Tensor:
+        """A projection's output y (1, N, out): the rows under an adapter get its deltas; the others are untouched."""
+        return y if self.lora is None else self.lora.apply(layer, site, x, y)
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """q (1, N, H, E), k/v (1, N, K, E) -> (1, N, H, E); writes k/v into their slots first. Rows attending over

@@ -8,7 +8,7 @@
            native         any step (decode, prefill chunks, both) through every block in one native call (CPU,
                           where every row attends over the paged pool: `PagedKVCache.paged_prefill`)
            module         the model's modules, one call each (CUDA prefill and mixed steps, tensor parallelism,
-                          the PyTorch reference ops)
+                          rows under LoRA adapters, the PyTorch reference ops)
        All three compute the same logits (the module path is the reference; tests hold the others to it);
     3. runs it, scores prompt logprobs, and samples every sequence that caught up (a constrained one from the
        tokens its grammar allows: the masks are started before the forward, model/engine/structured/).
@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 
 from model.edits import EditTables, Segment, gather_reads
+from model.lora import LoRAAdapter, LoRARows
 from model.engine.cuda_graphs import CudaGraphs, buckets
 from model.engine.forward_context import ForwardContext
 from model.engine.input_batch import InputBuffers, StepBatch
@@ -115,6 +116,7 @@ class ModelRunner:
         # backend is fixed once the model is loaded, so asked once
         self._prefill_tiles = cache.prefill_tiles
         self.tables = EditTables(model.config.n_layers, model.config.dim, cache.device)
+        self.adapters: dict[str, LoRAAdapter] = {}  # LoRA adapters by name (`Engine.add_lora`); none on a draft's runner
 
     def capture_graphs(self) -> None:
         if self.graphs is not None and self.graphs.capture:
@@ -129,7 +131,7 @@ class ModelRunner:
             batch.edits, layouts = self.tables.build(_segments(scheduled, batch))
         tel = step_telemetry(scheduled, batch.slices, batch.sample, self.model, self.cache.device, paged_prefill)
         # the step as every path reads it; telemetry None unless a sampled sequence asked: then nothing changes
-        ctx = ForwardContext(self.cache, batch.meta, batch.slices, batch.edits, tel)
+        ctx = ForwardContext(self.cache, batch.meta, batch.slices, batch.edits, tel, self._lora_rows(scheduled, batch))
         # [structured outputs] the sampling rows' grammar masks, filled on a worker thread during the forward
         masks = self.structured.start_masks(_mask_rows(batch.sample)) if self.structured is not None else None
         path = self._choose(batch, ctx)
@@ -196,6 +198,21 @@ class ModelRunner:
         """The host memory steps write inputs to and read results from (tests and benchmarks/host_overhead.py tell
         host reads of it, which wait for nothing, from reads of device memory)."""
         return self.buffers.host_buffers() + self._out_host
+
+    def _lora_rows(self, scheduled: list[ScheduledSeq], batch: StepBatch) -> LoRARows | None:
+        """The step's rows under each adapter this runner serves (a draft model's runner serves none: its drafts come
+        from the base, and the target's verification applies the adapter)."""
+        if not self.adapters:
+            return None
+        rows: dict[str, list[int]] = {}
+        for s, sl in zip(scheduled, batch.slices):
+            name = s.seq.request.options.lora
+            if name is not None and name in self.adapters:
+                rows.setdefault(name, []).extend(range(sl.start, sl.start + sl.num_new))
+        if not rows:
+            return None
+        device = self.cache.device
+        return LoRARows([(self.adapters[n], torch.tensor(r, dtype=torch.long, device=device)) for n, r in rows.items()])
 
     def _choose(self, batch: StepBatch, ctx: ForwardContext) -> str:
         if self.graphs is not None and self.graphs.accepts(batch, ctx):

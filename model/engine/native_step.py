@@ -78,6 +78,8 @@ class NativeStep:
         meta = ctx.meta
         if ctx.edits is not None and ctx.edits.has_head_edits:  # edits of single heads: the module path's sites
             return False
+        if ctx.lora is not None:  # rows under LoRA adapters: the module path's projections (model/lora.py)
+            return False
         return (meta.all_paged and meta.paged_rows.numel() == meta.num_tokens
                 and ops.native_pool(self.model.dtype, ctx.cache.k.dtype) and kernels.native() is not None)
 

@@ -161,7 +161,7 @@ class Request:
     def __post_init__(self) -> None:
         o, p = self.options, self.params
         self.plain_decode = (o.kv_window is None and o.structured is None and o.telemetry is None and not o.background
-                             and self.interventions is None and o.hidden_states is None)
+                             and self.interventions is None and o.hidden_states is None and o.lora is None)
         if p is None:  # (bookkeeping tests build requests without sampling)
             return
         penalties = p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0

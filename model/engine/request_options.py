@@ -46,6 +46,9 @@ class RequestOptions:
     # speculative decoding (model/engine/speculative/): at most this many drafts a step for its rows, 0: none;
     # None: the server's --speculative-config
     num_speculative_tokens: int | None = None
+    # the LoRA adapter its rows run under, by the name it was loaded with (`Engine.add_lora`, model/lora.py); None:
+    # the base model
+    lora: str | None = None
 
     def __post_init__(self) -> None:
         if self.interventions is not None and not isinstance(self.interventions, tuple):

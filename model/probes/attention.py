@@ -96,6 +96,9 @@ class ProbeAttention:
                                  torch.cat([p[2].indices for p in parts]) if m.indices is not None else None, m.rows)
         self.stats[layer] = (received, entropy, maps)
 
+    def adapt(self, layer: int, site: str, x: Tensor, y: Tensor) -> Tensor:
+        return y  # probes run the base weights (an adapter's rows are served by the engine's steps)
+
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         # q (1, R, H, E), k/v (1, R, K, E): query rows r0 .. r0 + R - 1 of a T-token sequence -> (1, R, H, E)
         r0, R = self.row_offset, q.shape[1]

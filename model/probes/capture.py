@@ -64,6 +64,9 @@ class SiteCapture:
             return x.add_(probe)  # in place: the view's base, the fused projection, is what RoPE then rotates
         return x + probe
 
+    def adapt(self, layer: int, site: str, x: Tensor, y: Tensor) -> Tensor:
+        return y  # the base weights (model/lora.py's adapters are served by the engine's steps)
+
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """q (1, T, H, E), k/v (1, T, K, E), rotated -> (1, T, H, E)."""
         if layer in self.rotated:

@@ -1,0 +1,155 @@
+"""LoRA adapters served beside their base model, per row (Hu et al. 2021, "LoRA: Low-Rank Adaptation of Large
+Language Models"): a targeted projection's output gets scale * B (A x) for the rows of a request that named the
+adapter, and nothing for every other row of the step.
+
+An adapter is read from PEFT's format (`adapter_config.json` + `adapter_model.safetensors`, as `save_pretrained`
+writes them: peft/tuners/lora/layer.py's `Linear.forward`, `result + lora_B(lora_A(x)) * scaling`, with scaling
+lora_alpha / r, or lora_alpha / sqrt(r) under rsLoRA, Kalajdzievski 2023). Its targets are the HF names of the
+LLaMA block's projections; here q, k and v are one fused projection (and gate and up another,
+model/transformer.py's FUSED_PARTS), so each target becomes a column range of the fused output.
+
+Each low-rank product goes through `ops.linear`, whose reduction order does not depend on the number of rows: a
+row's output under its adapter is the same floats whichever rows share its step (docs/development.md rule 8).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from model.config import ModelConfig
+from model.kernels import ops
+
+# HF module name -> (site in model/transformer.py, which part of the site's fused output); None: the whole output
+TARGETS: dict[str, tuple[str, str | None]] = {
+    "q_proj": ("qkv", "q"), "k_proj": ("qkv", "k"), "v_proj": ("qkv", "v"), "qkv_proj": ("qkv", None),
+    "o_proj": ("o", None),
+    "gate_proj": ("w13", "gate"), "up_proj": ("w13", "up"), "gate_up_proj": ("w13", None),
+    "down_proj": ("w2", None),
+}
+_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+
+
+@dataclass
+class LoRAPart:
+    """One target: columns [start, stop) of its site's output get scale * B (A x)."""
+
+    start: int
+    stop: int
+    A: Tensor  # (r, in)
+    B: Tensor  # (stop - start, r)
+    scale: float
+
+
+@dataclass
+class LoRAAdapter:
+    name: str
+    path: str
+    rank: int  # the largest of its targets' ranks
+    # (layer, site) -> its targets there
+    parts: dict[tuple[int, str], list[LoRAPart]] = field(default_factory=dict)
+
+    def to(self, dtype: torch.dtype, device: torch.device) -> "LoRAAdapter":
+        for parts in self.parts.values():
+            for p in parts:
+                p.A, p.B = p.A.to(device, dtype).contiguous(), p.B.to(device, dtype).contiguous()
+        return self
+
+
+def _columns(config: ModelConfig, site: str, part: str | None) -> tuple[int, int, int]:
+    """(start, stop, in_features) of a target in its site's fused output."""
+    H, K, E, D, F = config.n_heads, config.n_kv_heads, config.head_dim, config.dim, config.hidden_dim
+    spans = {
+        ("qkv", "q"): (0, H * E, D), ("qkv", "k"): (H * E, (H + K) * E, D), ("qkv", "v"): ((H + K) * E, (H + 2 * K) * E, D),
+        ("qkv", None): (0, (H + 2 * K) * E, D), ("o", None): (0, D, H * E),
+        ("w13", "gate"): (0, F, D), ("w13", "up"): (F, 2 * F, D), ("w13", None): (0, 2 * F, D), ("w2", None): (0, D, F),
+    }
+    return spans[(site, part)]
+
+
+def _alpha(cfg: dict, module: str) -> float:
+    """lora_alpha, or alpha_pattern's entry for this module (PEFT matches a pattern key against the name's end)."""
+    for key, alpha in (cfg.get("alpha_pattern") or {}).items():
+        if re.match(rf"(.*\.)?{key}$", module):
+            return float(alpha)
+    return float(cfg.get("lora_alpha", 8))
+
+
+def load_peft(name: str, path: str | Path, config: ModelConfig, max_rank: int) -> LoRAAdapter:
+    """A PEFT LoRA adapter folder for a model of `config` -> its parts (float32, on the CPU). ValueError, naming the
+    folder and what is wrong, for anything this cannot serve exactly."""
+    from safetensors.torch import load_file
+
+    folder = Path(path)
+    cfg_path, weights = folder / "adapter_config.json", folder / "adapter_model.safetensors"
+    if not cfg_path.is_file() or not weights.is_file():
+        raise ValueError(f"LoRA adapter {name!r}: {folder} needs adapter_config.json and adapter_model.safetensors "
+                         "(PEFT's save_pretrained)")
+    cfg = json.loads(cfg_path.read_text())
+    if cfg.get("peft_type", "LORA") != "LORA":
+        raise ValueError(f"LoRA adapter {name!r}: peft_type {cfg.get('peft_type')!r}; only LORA is served")
+    refusals = {"use_dora": "DoRA", "fan_in_fan_out": "fan_in_fan_out weights", "modules_to_save": "modules_to_save",
+                "layers_pattern": "layers_pattern", "use_qalora": "QALoRA"}
+    for key, what in refusals.items():
+        if cfg.get(key):
+            raise ValueError(f"LoRA adapter {name!r}: {what} is not supported")
+    if cfg.get("bias", "none") != "none":
+        raise ValueError(f"LoRA adapter {name!r}: bias {cfg['bias']!r} is not supported (only 'none')")
+    tensors = load_file(str(weights))
+    pairs: dict[tuple[int, str], dict[str, Tensor]] = {}
+    for key, t in tensors.items():
+        m = _KEY.search(key)
+        if m is None or m.group(2) not in TARGETS:
+            raise ValueError(f"LoRA adapter {name!r}: tensor {key!r} targets a module this server cannot adapt "
+                             f"(adaptable: {', '.join(TARGETS)} of each block)")
+        layer = int(m.group(1))
+        if layer >= config.n_layers:
+            raise ValueError(f"LoRA adapter {name!r}: {key!r} names block {layer}; the model has {config.n_layers}")
+        pairs.setdefault((layer, m.group(2)), {})[m.group(3)] = t
+    if not pairs:
+        raise ValueError(f"LoRA adapter {name!r}: {weights} holds no lora_A / lora_B weights")
+    adapter = LoRAAdapter(name, str(folder), 0)
+    for (layer, module), ab in sorted(pairs.items()):
+        if set(ab) != {"A", "B"}:
+            raise ValueError(f"LoRA adapter {name!r}: block {layer} {module} has lora_{''.join(ab)} without its pair")
+        A, B = ab["A"].float(), ab["B"].float()
+        site, part = TARGETS[module]
+        start, stop, fan_in = _columns(config, site, part)
+        r = A.shape[0]
+        if A.shape != (r, fan_in) or B.shape != (stop - start, r):
+            raise ValueError(f"LoRA adapter {name!r}: block {layer} {module} has A {tuple(A.shape)}, B "
+                             f"{tuple(B.shape)}; this model needs A (r, {fan_in}) and B ({stop - start}, r)")
+        if r > max_rank:
+            raise ValueError(f"LoRA adapter {name!r}: rank {r} exceeds --max-lora-rank {max_rank}")
+        alpha = _alpha(cfg, f"model.layers.{layer}.{'mlp' if site in ('w13', 'w2') else 'self_attn'}.{module}")
+        scale = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
+        adapter.parts.setdefault((layer, site), []).append(LoRAPart(start, stop, A, B, scale))
+        adapter.rank = max(adapter.rank, r)
+    return adapter
+
+
+@dataclass
+class LoRARows:
+    """A step's rows under adapters: for each adapter with rows in the step, the packed rows (n,) it owns."""
+
+    groups: list[tuple[LoRAAdapter, Tensor]]
+
+    def apply(self, layer: int, site: str, x: Tensor, y: Tensor) -> Tensor:
+        """x (B, T, in), y (B, T, out): a projection's input and output; each adapter's rows of y get its deltas
+        (in place, y returned)."""
+        xf, yf = x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1])
+        for adapter, rows in self.groups:
+            parts = adapter.parts.get((layer, site))
+            if not parts:
+                continue
+            xs = xf.index_select(0, rows)  # (n, in)
+            for p in parts:
+                delta = ops.linear(ops.linear(xs, p.A), p.B) * p.scale  # (n, r) -> (n, stop - start)
+                yf[rows, p.start : p.stop] += delta.to(yf.dtype)
+        return y

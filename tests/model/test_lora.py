@@ -1,0 +1,63 @@
+"""model/lora.py's PEFT reader: what it maps where (a fused projection's column ranges, the scaling), and the one-line
+refusals of adapters it cannot serve exactly. The served numbers against PEFT itself: tests/service/test_lora_service.py."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from model.lora import load_peft
+from tiny import tiny_model
+
+PREFIX = "base_model.model.model.layers"
+
+
+def _write(folder, tensors: dict, **config) -> str:
+    folder.mkdir(exist_ok=True)
+    (folder / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 8, **config}))
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(folder / "adapter_model.safetensors"))
+    return str(folder)
+
+
+def _pair(layer: int, kind: str, module: str, r: int, fan_in: int, fan_out: int) -> dict:
+    return {f"{PREFIX}.{layer}.{kind}.{module}.lora_A.weight": torch.randn(r, fan_in),
+            f"{PREFIX}.{layer}.{kind}.{module}.lora_B.weight": torch.randn(fan_out, r)}
+
+
+def test_targets_become_column_ranges_of_the_fused_projections(tmp_path):
+    c = tiny_model().config
+    H, K, E, D, F = c.n_heads, c.n_kv_heads, c.head_dim, c.dim, c.hidden_dim
+    t = {**_pair(0, "self_attn", "k_proj", 4, D, K * E), **_pair(1, "mlp", "up_proj", 4, D, F),
+         **_pair(1, "mlp", "down_proj", 2, F, D)}
+    a = load_peft("x", _write(tmp_path / "a", t, use_rslora=True, alpha_pattern={"down_proj": 3}), c, 64)
+    (k,) = a.parts[(0, "qkv")]
+    assert (k.start, k.stop) == (H * E, (H + K) * E) and k.scale == 8 / math.sqrt(4)
+    (up,) = a.parts[(1, "w13")]
+    assert (up.start, up.stop) == (F, 2 * F)
+    (down,) = a.parts[(1, "w2")]
+    assert (down.start, down.stop) == (0, D) and down.scale == 3 / math.sqrt(2) and a.rank == 4
+
+
+@pytest.mark.parametrize("tensors, config, message", [
+    (lambda c: _pair(0, "self_attn", "q_proj", 4, c.dim, 7), {}, "needs A (r, 64) and B (64, r)"),
+    (lambda c: _pair(0, "self_attn", "q_proj", 128, c.dim, c.dim), {}, "rank 128 exceeds --max-lora-rank 64"),
+    (lambda c: _pair(9, "self_attn", "q_proj", 4, c.dim, c.dim), {}, "names block 9; the model has 2"),
+    (lambda c: {"base_model.model.lm_head.lora_A.weight": torch.randn(4, c.dim)}, {}, "cannot adapt"),
+    (lambda c: _pair(0, "self_attn", "q_proj", 4, c.dim, c.dim), {"use_dora": True}, "DoRA is not supported"),
+    (lambda c: _pair(0, "self_attn", "q_proj", 4, c.dim, c.dim), {"bias": "all"}, "bias 'all' is not supported"),
+    (lambda c: {f"{PREFIX}.0.self_attn.q_proj.lora_A.weight": torch.randn(4, c.dim)}, {}, "without its pair"),
+])
+def test_adapters_it_cannot_serve_exactly_are_refused_by_name(tmp_path, tensors, config, message):
+    c = tiny_model().config
+    with pytest.raises(ValueError, match="LoRA adapter 'x'") as e:
+        load_peft("x", _write(tmp_path / "a", tensors(c), **config), c, 64)
+    assert message in str(e.value)
+
+
+def test_a_folder_without_peft_files_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="needs adapter_config.json and adapter_model.safetensors"):
+        load_peft("x", tmp_path, tiny_model().config, 64)
