@@ -110,6 +110,12 @@ class Settings(BaseSettings):
         None, description="llama.cpp control-vector GGUF files to store at start, `FILE[:SCALE]`, comma-separated: "
         "each becomes a stored vector named after its file (direction.N at block N's output) that requests name in "
         "their interventions", json_schema_extra={"shown_default": "none"})
+    lora_modules: list[str] = Field(
+        default_factory=list, description="LoRA adapters served beside the base model, `NAME=PATH` each (a PEFT "
+        "adapter folder: adapter_config.json + adapter_model.safetensors), as vLLM's flag: a request whose `model` is "
+        "NAME runs under that adapter, in the same steps as every other request; /v1/models lists them",
+        json_schema_extra={"shown_default": "none"})
+    max_lora_rank: int = Field(64, ge=1, description="largest LoRA rank --lora-modules accepts")
     max_vectors: int = Field(64, ge=1, description="stored vectors (POST /v1/vectors, --control-vector) held at once")
     max_stored_responses: int = Field(
         1024, ge=0, description="responses kept for `previous_response_id` and GET /v1/responses/{id} (`store: true`), "
@@ -129,6 +135,14 @@ class Settings(BaseSettings):
             ChatTemplate(read_template_option(v))
         return v
 
+    @field_validator("lora_modules")
+    @classmethod
+    def _lora_modules(cls, v: list[str]) -> list[str]:
+        names = [lora_module(spec)[0] for spec in v]  # a malformed entry stops the server at start
+        if len(set(names)) != len(names):
+            raise ValueError(f"LoRA adapter names must differ, got {names}")
+        return v
+
     @field_validator("speculative_config")
     @classmethod
     def _speculative(cls, v: str | None) -> str | None:
@@ -142,6 +156,14 @@ class Settings(BaseSettings):
         shared = {f.name: getattr(self, f.name) for f in dataclasses.fields(EngineConfig) if f.name in type(self).model_fields}
         speculative = SpeculativeConfig.parse(self.speculative_config) if self.speculative_config else None
         return EngineConfig(**shared, decode_graphs="off" if self.enforce_eager else "auto", speculative=speculative)
+
+
+def lora_module(spec: str) -> tuple[str, str]:
+    """`NAME=PATH` (--lora-modules) -> (name, path)."""
+    name, sep, path = spec.partition("=")
+    if not sep or not name.strip() or not path.strip():
+        raise ValueError(f"--lora-modules entries are NAME=PATH, got {spec!r}")
+    return name.strip(), path.strip()
 
 
 def flag(name: str) -> str:
@@ -197,6 +219,8 @@ def build_parser(prog: str = "python -m service") -> argparse.ArgumentParser:
         help = help_text(name).replace("%", "%%")  # argparse %-formats help strings
         if field.annotation is bool:
             p.add_argument(flag(name), action=argparse.BooleanOptionalAction, default=None, help=help)
+        elif get_origin(field.annotation) is list:  # several values after one flag, as vLLM's --lora-modules
+            p.add_argument(flag(name), nargs="+", default=None, help=help)
         else:
             p.add_argument(flag(name), default=None, choices=choices(name), help=help)
     return p

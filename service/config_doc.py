@@ -112,6 +112,8 @@ def _values(name: str) -> str:
         return "seconds" if name.endswith("_seconds") else "number"
     if kind in (SecretStr, SecretStr | None):
         return "secret text"
+    if kind == list[str]:  # several values after one flag; the environment variable holds a JSON list
+        return "texts (space-separated; JSON list in the variable)"
     return "text"
 
 

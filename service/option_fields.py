@@ -39,7 +39,7 @@ async def to_options(req: SamplingFields, serving: Serving, params: SamplingPara
         interventions=to_interventions(req.interventions, serving.vectors, c.n_layers, c.dim),
         hidden_states=to_read(req.return_hidden_states, c.n_layers),
         telemetry=telemetry, kv_window=kv_window(req, serving, params.max_tokens), structured=structured,
-        num_speculative_tokens=req.num_speculative_tokens)
+        num_speculative_tokens=req.num_speculative_tokens, lora=serving.check_model(req.model, adapters=True))
     await serving.check(options)
     return options
 

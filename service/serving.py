@@ -38,6 +38,7 @@ class Serving:
         self.responses: ResponseStore = state.responses  # stored responses /v1/responses continues (thread-safe)
         self.precision: dict = state.precision  # {"quantization": ..., "dtype": ...} as served
         self.speculative: dict | None = state.speculative  # --speculative-config as served, or None
+        self.adapters: dict[str, str] = state.adapters  # LoRA adapters (--lora-modules): name -> path
 
     @property
     def draining(self) -> bool:
@@ -97,10 +98,19 @@ class Serving:
         except InvalidOption as e:
             raise APIError(400, str(e), param=e.param, code="invalid_value") from None
 
-    def check_model(self, name: str | None) -> None:
-        if name is not None and name != self.model_name:
-            raise APIError(404, f"model {name!r} does not exist; this server serves {self.model_name!r}",
-                           param="model", code="model_not_found")
+    def check_model(self, name: str | None, adapters: bool = False) -> str | None:
+        """A request's `model`: the base model's name (or none) -> None; a LoRA adapter's name -> that name where
+        the endpoint serves adapters (`adapters`), else 400; anything else 404."""
+        if name is None or name == self.model_name:
+            return None
+        if name in self.adapters:
+            if adapters:
+                return name
+            raise APIError(400, f"model {name!r} is a LoRA adapter; this endpoint runs the base model "
+                                f"{self.model_name!r}", param="model", code="invalid_value")
+        served = ", ".join(repr(n) for n in [self.model_name, *self.adapters])
+        raise APIError(404, f"model {name!r} does not exist; this server serves {served}",
+                       param="model", code="model_not_found")
 
 
 async def get_serving(request: Request) -> Serving:

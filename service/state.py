@@ -14,10 +14,11 @@ import torch
 from model.engine import AsyncEngine
 from model.engine import Engine, KVWindow, RequestOptions, SpeculativeConfig
 from model.loaders import LoadedModel, load_model
+from model.lora import load_peft
 from model.parallel import TPModel, launch
 from model.dtypes import DTYPES
 from model.text.chat_template import read_template_option
-from service.config import Settings
+from service.config import Settings, lora_module
 from service.metrics import Metrics
 from service.response_store import ResponseStore
 from service.vectors import VectorStore, control_vector_specs, load_control_vector
@@ -32,6 +33,7 @@ class ServerState:
     loaded: LoadedModel | None = None
     engine: AsyncEngine | None = None
     model_name: str = ""
+    adapters: dict[str, str] = field(default_factory=dict)  # LoRA adapters served (--lora-modules): name -> path
     load_error: str | None = None
     draining: bool = False
     fatal_error: str | None = None  # the model failed to load or the engine thread ended: /health 503, exit 1
@@ -90,6 +92,13 @@ class ServerState:
                 self.vectors.add(load_control_vector(spec, c.n_layers, c.dim))
             draft = _load_draft(config.speculative, loaded, s) if config.speculative is not None else None
             core = Engine(loaded.model, loaded.tokenizer, config, draft_model=draft)
+            for spec in s.lora_modules:  # an adapter this model cannot serve stops the server at start, naming it
+                name, path = lora_module(spec)
+                if name == (s.served_model_name or loaded.name):
+                    raise ValueError(f"LoRA adapter name {name!r} is the base model's name")
+                core.add_lora(load_peft(name, path, c, s.max_lora_rank))
+                self.adapters[name] = path
+                log.info("LoRA adapter %s: %s", name, path)
             if s.kv_window is not None:  # the default window must fit this engine: refuse to start, not every request
                 core.check(RequestOptions(kv_window=KVWindow(s.sink_tokens, s.kv_window)))
             # Ready means full speed: the KV pool resident and the weights on 2 MB pages before /health says ready,

@@ -32,12 +32,12 @@ def reasoning_splits(serving: Serving, req: ChatCompletionRequest, prompt_text: 
 
 @router.post("/v1/chat/completions")
 async def chat_completions(req: ChatCompletionRequest, request: Request, serving: Serving = Depends(get_serving)):
-    serving.check_model(req.model)
+    model = serving.check_model(req.model, adapters=True) or serving.model_name  # the base's name, or the adapter's
     run = await prepare_chat(serving, req)
     params = run.params
     stats = RunStats("chat")
     choices = ChatChoices(serving.tokenizer, params.n, run.plan, bool(req.logprobs), f"chatcmpl-{stats.request_id}",
-                          serving.model_name, hidden_dtype(req),
+                          model, hidden_dtype(req),
                           reasoning_splits(serving, req, run.text, run.options.structured is not None),
                           req.include_reasoning)
     outputs = await start(serving, [run.prompt], params, stats, run.options)  # refusals raise here, before any response

@@ -51,12 +51,12 @@ async def prepare(serving: Serving, req: CompletionRequest,
 
 @router.post("/v1/completions")
 async def completions(req: CompletionRequest, request: Request, serving: Serving = Depends(get_serving)):
-    serving.check_model(req.model)
+    model = serving.check_model(req.model, adapters=True) or serving.model_name  # the base's name, or the adapter's
     prompts = tokenize_prompts(serving, req.prompt)
     params, options = await prepare(serving, req, prompts)
     stats = RunStats("completions")
     choices = CompletionChoices(serving.tokenizer, prompts, params.n, req, f"cmpl-{stats.request_id}",
-                                serving.model_name, hidden_dtype(req))
+                                model, hidden_dtype(req))
     outputs = await start(serving, prompts, params, stats, options)  # refusals raise here, before any response
     # the `inspect` extension: probes step on the engine thread between generation steps (under the same edits);
     # with inspect.stream, per-token telemetry instead

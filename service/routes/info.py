@@ -28,10 +28,12 @@ async def health(request: Request):
 
 @router.get("/v1/models")
 async def models(serving: Serving = Depends(get_serving)):
-    return {"object": "list", "data": [{
-        "id": serving.model_name, "object": "model", "created": 0, "owned_by": "llamascope",
-        "max_model_len": serving.max_model_len, **serving.precision, "speculative_config": serving.speculative,
-    }]}
+    base = {"id": serving.model_name, "object": "model", "created": 0, "owned_by": "llamascope",
+            "max_model_len": serving.max_model_len, **serving.precision, "speculative_config": serving.speculative}
+    # each LoRA adapter as vLLM lists one: its own id, its folder as root, the base as parent
+    loras = [{"id": name, "object": "model", "created": 0, "owned_by": "llamascope", "root": path,
+              "parent": serving.model_name, "max_model_len": serving.max_model_len} for name, path in serving.adapters.items()]
+    return {"object": "list", "data": [base, *loras]}
 
 
 @router.get("/metrics")
@@ -44,7 +46,7 @@ async def metrics(request: Request):
 
 @router.post("/tokenize")
 async def tokenize(req: TokenizeRequest, serving: Serving = Depends(get_serving)):
-    serving.check_model(req.model)
+    serving.check_model(req.model, adapters=True)  # an adapter shares the base's tokenizer
     if (req.prompt is None) == (req.messages is None):
         raise APIError(400, "give exactly one of prompt or messages", param="prompt", code="invalid_value")
     if req.messages is not None:
@@ -56,6 +58,6 @@ async def tokenize(req: TokenizeRequest, serving: Serving = Depends(get_serving)
 
 @router.post("/detokenize")
 async def detokenize(req: DetokenizeRequest, serving: Serving = Depends(get_serving)):
-    serving.check_model(req.model)
+    serving.check_model(req.model, adapters=True)
     check_token_ids(req.tokens, serving, "tokens")
     return JSONResponse({"prompt": serving.tokenizer.decode(req.tokens)})

@@ -28,7 +28,7 @@ def _not_found(response_id: str, param: str | None = None) -> APIError:
 
 @router.post("/v1/responses")
 async def create_response(req: ResponsesRequest, request: Request, serving: Serving = Depends(get_serving)):
-    serving.check_model(req.model)
+    model = serving.check_model(req.model, adapters=True) or serving.model_name  # the base's name, or the adapter's
     conversation: list[dict] = []
     if req.previous_response_id is not None:
         previous = serving.responses.get(req.previous_response_id)
@@ -39,7 +39,7 @@ async def create_response(req: ResponsesRequest, request: Request, serving: Serv
     stats = RunStats("responses")
     try:
         run = await prepare_chat(serving, chat_request(req, conversation))
-        out = ResponseOutput(serving.tokenizer, run.plan, req, stats.request_id, serving.model_name)
+        out = ResponseOutput(serving.tokenizer, run.plan, req, stats.request_id, model)
         outputs = await start(serving, [run.prompt], run.params, stats, run.options)  # refusals raise here
     except APIError as e:
         raise in_responses_terms(e) from None

@@ -1,0 +1,159 @@
+"""LoRA adapters served per request (--lora-modules, model/lora.py) against HF transformers + PEFT on the same
+files: a random-weight LLaMA saved by transformers, and two random adapters saved by PEFT (rank 8 on every
+projection; rank 64 with rsLoRA on some). Over HTTP through the openai package: prompt logprobs at every position
+within 1e-4 of PEFT's forward (float32) and the same greedy tokens; requests for the base and both adapters sent at
+once give each exactly what it gives alone; the adapters are listed by /v1/models and refused where an endpoint runs
+the base alone."""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+import torch
+
+from hf_checkpoints import save_tiny_checkpoint
+from hf_reference import top_margins
+from live_server import LiveServer
+from service.config import Settings
+from service.main import create_app
+
+TOL = 1e-4
+PROMPTS = ["The quick brown fox", "LoRA adapts a few matrices", "0123456789 abcdef"]
+ADAPTERS = {
+    # name: (rank, alpha, rsLoRA, targets)
+    "r8": (8, 16, False, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
+    "r64": (64, 32, True, ["q_proj", "v_proj", "down_proj"]),
+}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """The base folder and each adapter's folder, written by transformers and PEFT."""
+    peft = pytest.importorskip("peft")
+    root = tmp_path_factory.mktemp("lora")
+    base_dir = save_tiny_checkpoint(root / "base")
+    from transformers import LlamaForCausalLM
+
+    folders = {}
+    for seed, (name, (r, alpha, rs, targets)) in enumerate(ADAPTERS.items()):
+        base = LlamaForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+        cfg = peft.LoraConfig(r=r, lora_alpha=alpha, use_rslora=rs, target_modules=targets, init_lora_weights=False)
+        torch.manual_seed(200 + seed)
+        model = peft.get_peft_model(base, cfg)
+        with torch.no_grad():  # PEFT's random init leaves B small: make each adapter move the logits visibly
+            for n, p in model.named_parameters():
+                if "lora_" in n:
+                    p.normal_(0, 0.3 / r**0.25)
+        model.save_pretrained(root / name)
+        folders[name] = root / name
+    return base_dir, folders
+
+
+@pytest.fixture(scope="module")
+def references(checkpoint):
+    """name (None: the base) -> the HF model (PEFT-wrapped for an adapter), float32, eval."""
+    from peft import PeftModel
+    from transformers import LlamaForCausalLM
+
+    base_dir, folders = checkpoint
+    refs = {None: LlamaForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()}
+    for name, folder in folders.items():
+        base = LlamaForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+        refs[name] = PeftModel.from_pretrained(base, folder).eval()
+    return refs
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint):
+    base_dir, folders = checkpoint
+    settings = Settings(model=str(base_dir), dtype="float32", device="cpu", quantization="none",
+                        kv_cache_bytes=32 << 20, max_num_seqs=8, served_model_name="base",
+                        chat_template="{% for m in messages %}{{ m.content }}\n{% endfor %}",
+                        lora_modules=[f"{n}={p}" for n, p in folders.items()])
+    with LiveServer(create_app(settings, wait_ready=True)) as live:
+        yield live
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+
+
+def _ids(server, text: str) -> list[int]:
+    return httpx.post(server.url + "/tokenize", json={"prompt": text}).json()["tokens"]
+
+
+@torch.no_grad()
+def _reference(model, ids: list[int], n: int) -> tuple[torch.Tensor, list[int], torch.Tensor]:
+    """The prompt's (T - 1,) log-probabilities of each next prompt token, then n greedy tokens (whole-sequence
+    forwards) and the (n, V) log-probabilities each was chosen from."""
+    prompt_lp = model(torch.tensor([ids])).logits[0].float().log_softmax(-1)
+    lp_prompt = prompt_lp[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+    seq, lps = list(ids), []
+    for _ in range(n):
+        lp = model(torch.tensor([seq])).logits[0, -1].float().log_softmax(-1)
+        lps.append(lp)
+        seq.append(int(lp.argmax()))
+    return lp_prompt, seq[len(ids):], torch.stack(lps)
+
+
+def test_models_lists_each_adapter_with_its_base(server):
+    data = httpx.get(server.url + "/v1/models").json()["data"]
+    assert [m["id"] for m in data] == ["base", *ADAPTERS]
+    for m in data[1:]:
+        assert m["parent"] == "base" and m["root"].endswith(m["id"])
+
+
+@pytest.mark.parametrize("name", [None, *ADAPTERS])
+def test_served_logprobs_equal_peft(server, client, references, name):
+    """Every prompt position's logprob within 1e-4 of PEFT's forward, and the same 12 greedy tokens (the reference's
+    top-1 leads by far more than the tolerance at every step, so the tokens cannot flip)."""
+    model = name or "base"
+    for text in PROMPTS:
+        ids = _ids(server, text)
+        want_prompt, want_tokens, want_lps = _reference(references[name], ids, 12)
+        assert float(top_margins(want_lps).min()) > 100 * TOL
+        r = client.completions.create(model=model, prompt=ids, max_tokens=12, temperature=0, logprobs=1, echo=True)
+        assert r.model == model
+        lp = r.choices[0].logprobs.token_logprobs
+        T = len(ids)
+        assert max(abs(a - float(b)) for a, b in zip(lp[1:T], want_prompt)) <= TOL
+        got = client.completions.create(model=model, prompt=ids, max_tokens=12, temperature=0, logprobs=1)
+        # each token's text as the server writes it in logprobs (the byte tokenizer: one id a text)
+        want_texts = [httpx.post(server.url + "/detokenize", json={"tokens": [t]}).json()["prompt"] for t in want_tokens]
+        assert got.choices[0].logprobs.tokens == want_texts
+        chosen = torch.tensor(got.choices[0].logprobs.token_logprobs)
+        assert float((chosen - want_lps.max(-1).values).abs().max()) <= TOL
+
+
+def test_adapters_and_base_in_one_batch_give_what_each_gives_alone(server, client):
+    """The base and both adapters on the same prompts (so also on each other's cached prefixes), sent at once: each
+    request's tokens and logprobs exactly as alone."""
+    jobs = [(model, text) for text in PROMPTS for model in ("base", *ADAPTERS)] * 2
+
+    def one(job):
+        model, text = job
+        r = client.completions.create(model=model, prompt=text, max_tokens=16, temperature=0, logprobs=2)
+        lp = r.choices[0].logprobs
+        return r.choices[0].text, lp.token_logprobs, [sorted(t.items()) for t in lp.top_logprobs]
+
+    alone = [one(j) for j in jobs[: len(jobs) // 2]]
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        together = list(pool.map(one, jobs))
+    assert together == alone + alone
+    # and an adapter changes what the base says
+    assert len({a[0] for a in alone[:3]}) > 1 or len({json.dumps(a[1]) for a in alone[:3]}) == 3
+
+
+def test_unknown_model_and_adapter_on_a_base_only_endpoint_are_refused(server, client):
+    with pytest.raises(openai.NotFoundError) as e:
+        client.completions.create(model="no-such-adapter", prompt="hi", max_tokens=2)
+    assert e.value.body["code"] == "model_not_found" and "'r8'" in e.value.body["message"]
+    r = httpx.post(server.url + "/inspect", json={"model": "r8", "prompt": "hi"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "model"
+    chat = client.chat.completions.create(model="r8", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+    assert chat.model == "r8"
