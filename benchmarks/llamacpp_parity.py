@@ -111,6 +111,9 @@ class GgmlAttention:
     def edit(self, layer: int, site: str, x: Tensor) -> Tensor:
         return x  # no interventions here
 
+    def adapt(self, layer: int, site: str, x: Tensor, y: Tensor) -> Tensor:
+        return y  # no adapters here
+
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:  # (B, T, H|K, E) -> (B, T, H, E)
         B, T, H, E = q.shape
         rep = H // k.shape[2]

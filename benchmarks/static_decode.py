@@ -42,6 +42,9 @@ class StaticKV:
     def edit(self, layer: int, site: str, x: torch.Tensor) -> torch.Tensor:
         return x  # no interventions here
 
+    def adapt(self, layer: int, site: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return y  # no adapters here
+
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         self.k[layer][self.rows, self.positions] = k  # (B, T, K, E) at their positions
         self.v[layer][self.rows, self.positions] = v
