@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import random
@@ -111,16 +112,19 @@ def _prompt(rng: random.Random, words: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(words))
 
 
-async def closed_loop(url: str, model: str, concurrency: int, per_client: int, max_tokens: int, prompt_len: int,
-                      seed: int = 0, client: str = "httpx") -> dict:
+async def closed_loop(url: str, model: str | list[str], concurrency: int, per_client: int, max_tokens: int,
+                      prompt_len: int, seed: int = 0, client: str = "httpx") -> dict:
     """Each of `concurrency` clients sends its `per_client` requests one after another, through httpx or over a raw
-    keep-alive socket (the same prompts and requests, the least client work)."""
+    keep-alive socket (the same prompts and requests, the least client work). Several models (a base and its LoRA
+    adapters): the requests name them in turn."""
     rng = random.Random(seed)
     prompts = [[_prompt(rng, prompt_len) for _ in range(per_client)] for _ in range(concurrency)]
     warm = _prompt(rng, prompt_len)
+    models, sent = ([model] if isinstance(model, str) else list(model)), itertools.count()
 
     def body(text: str) -> dict:
-        return {"model": model, "prompt": text, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+        return {"model": models[next(sent) % len(models)], "prompt": text, "max_tokens": max_tokens, "temperature": 0,
+                "ignore_eos": True}
 
     if client == "raw":
         return await _timed(_raw_client(url, body), warm, prompts, client)

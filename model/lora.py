@@ -8,8 +8,10 @@ lora_alpha / r, or lora_alpha / sqrt(r) under rsLoRA, Kalajdzievski 2023). Its t
 LLaMA block's projections; here q, k and v are one fused projection (and gate and up another,
 model/transformer.py's FUSED_PARTS), so each target becomes a column range of the fused output.
 
-Each low-rank product goes through `ops.linear`, whose reduction order does not depend on the number of rows: a
-row's output under its adapter is the same floats whichever rows share its step (docs/development.md rule 8).
+The low-rank products go through `ops.linear` (x A^T) and `ops.lora_expand` (t B^T, by fused multiply-adds over the
+rank in order), whose reduction orders do not depend on the number of rows: a row's output under its adapter is the
+same floats whichever rows share its step (docs/development.md rule 8), and the native fused step
+(csrc/step_layers.cpp) computes the same floats in its block loop.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ class LoRAPart:
     start: int
     stop: int
     A: Tensor  # (r, in)
-    B: Tensor  # (stop - start, r)
+    BT: Tensor  # B transposed, (r, stop - start): the expanding product's layout (csrc/lora.cpp)
     scale: float
 
 
@@ -58,7 +60,7 @@ class LoRAAdapter:
     def to(self, dtype: torch.dtype, device: torch.device) -> "LoRAAdapter":
         for parts in self.parts.values():
             for p in parts:
-                p.A, p.B = p.A.to(device, dtype).contiguous(), p.B.to(device, dtype).contiguous()
+                p.A, p.BT = p.A.to(device, dtype).contiguous(), p.BT.to(device, dtype).contiguous()
         return self
 
 
@@ -129,9 +131,15 @@ def load_peft(name: str, path: str | Path, config: ModelConfig, max_rank: int) -
             raise ValueError(f"LoRA adapter {name!r}: rank {r} exceeds --max-lora-rank {max_rank}")
         alpha = _alpha(cfg, f"model.layers.{layer}.{'mlp' if site in ('w13', 'w2') else 'self_attn'}.{module}")
         scale = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
-        adapter.parts.setdefault((layer, site), []).append(LoRAPart(start, stop, A, B, scale))
+        for other in adapter.parts.get((layer, site), []):  # (qkv_proj beside q_proj, say): added in one pass
+            if start < other.stop and other.start < stop:
+                raise ValueError(f"LoRA adapter {name!r}: block {layer} {module} overlaps another of its targets")
+        adapter.parts.setdefault((layer, site), []).append(LoRAPart(start, stop, A, B.t().contiguous(), scale))
         adapter.rank = max(adapter.rank, r)
     return adapter
+
+
+SITES = ("qkv", "o", "w13", "w2")  # the native step's site numbers (csrc/ops.h's LoRAPart)
 
 
 @dataclass
@@ -139,6 +147,15 @@ class LoRARows:
     """A step's rows under adapters: for each adapter with rows in the step, the packed rows (n,) it owns."""
 
     groups: list[tuple[LoRAAdapter, Tensor]]
+
+    def native_args(self, n_layers: int) -> tuple[list[Tensor], list[list[tuple]]]:
+        """The same targets as step_layers takes them: each group's rows, and per block its targets (group, site,
+        start, stop, scale, A, B)."""
+        per_layer: list[list[tuple]] = [[] for _ in range(n_layers)]
+        for g, (adapter, _) in enumerate(self.groups):
+            for (layer, site), parts in adapter.parts.items():
+                per_layer[layer] += [(g, SITES.index(site), p.start, p.stop, p.scale, p.A, p.BT) for p in parts]
+        return [rows for _, rows in self.groups], per_layer
 
     def apply(self, layer: int, site: str, x: Tensor, y: Tensor) -> Tensor:
         """x (B, T, in), y (B, T, out): a projection's input and output; each adapter's rows of y get its deltas
@@ -150,6 +167,7 @@ class LoRARows:
                 continue
             xs = xf.index_select(0, rows)  # (n, in)
             for p in parts:
-                delta = ops.linear(ops.linear(xs, p.A), p.B) * p.scale  # (n, r) -> (n, stop - start)
-                yf[rows, p.start : p.stop] += delta.to(yf.dtype)
+                t = ops.linear(xs, p.A)  # (n, r)
+                delta = ops.lora_expand(t, p.BT).to(yf.dtype) * p.scale  # (n, stop - start)
+                yf[rows, p.start : p.stop] += delta
         return y

@@ -78,10 +78,14 @@ class NativeStep:
         meta = ctx.meta
         if ctx.edits is not None and ctx.edits.has_head_edits:  # edits of single heads: the module path's sites
             return False
-        if ctx.lora is not None:  # rows under LoRA adapters: the module path's projections (model/lora.py)
-            return False
         return (meta.all_paged and meta.paged_rows.numel() == meta.num_tokens
                 and ops.native_pool(self.model.dtype, ctx.cache.k.dtype) and kernels.native() is not None)
+
+    def _lora(self, ctx: ForwardContext) -> dict:
+        if ctx.lora is None:
+            return {}
+        rows, parts = ctx.lora.native_args(len(self.layers))
+        return {"lora_rows": rows, "lora": parts}
 
     def run(self, batch: StepBatch, ctx: ForwardContext) -> Tensor:
         """-> logits (M, V) at the batch's logits rows."""
@@ -92,8 +96,8 @@ class NativeStep:
             meta.paged_rows, meta.paged_tables, meta.paged_lens, self.H, self.K, E,
             ctx.edits.tensors() if ctx.edits is not None else [],
             ctx.telemetry.native_args() if ctx.telemetry is not None else [],
-            self.extras, **self.switches,
-        )  # (N, D); the rows' interventions applied inside the block loop, their reads and telemetry taken
+            self.extras, **self.switches, **self._lora(ctx),
+        )  # (N, D); the rows' interventions and adapters applied inside the block loop, their reads and telemetry taken
         # logits rows are distinct and in order: as many as the rows means every row (a decode step), no gather
         every = batch.logits_rows.numel() == batch.tokens.numel()
         return m.head(h[None], None if every else batch.logits_rows)[0]  # (M, V)

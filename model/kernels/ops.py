@@ -128,6 +128,15 @@ def linear(x: Tensor, weight: Tensor) -> Tensor:
     return F.linear(x, weight)
 
 
+def lora_expand(t: Tensor, bt: Tensor) -> Tensor:
+    """t (n, r) @ bt (r, out) -> (n, out) float32: LoRA's expanding product (B stored transposed), each output summed
+    over r in order by fused multiply-adds whatever the number of rows (csrc/lora.cpp), else one float32 matmul."""
+    native = usable(t, bt)
+    if native is not None and t.dtype == bt.dtype and bt.is_contiguous():
+        return native.lora_expand(t.contiguous(), bt)
+    return t.float() @ bt.float()
+
+
 def quantized_linear(layer: "QuantLinear", x: Tensor) -> Tensor:
     """x (M, in) -> (M, out) in x's dtype through a weight-only quantized layer.
 

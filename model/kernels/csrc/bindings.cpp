@@ -32,13 +32,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_dequantize", &ls::int4_dequantize, nogil(), "int4 W -> (N, K) float32");
   m.def("int8_dequantize", &ls::int8_dequantize, nogil(), "int8 W -> (N, K) float32");
   m.def("int6_dequantize", &ls::int6_dequantize, nogil(), "int6 W -> (N, K) float32");
+  m.def("lora_expand", &ls::lora_expand, nogil(), "LoRA's B product: t (n, r) @ bt (r, out) -> (n, out) float32, each output summed over r in order by fused multiply-adds");
   m.def("argmax_rows", &ls::argmax_rows, nogil(), "greedy: each row's torch.argmax of logits (B, V) float32, -1 where not finite -> (B,)");
   m.def("step_layers", &ls::step_layers, nogil(), "every block of a step whose rows all attend over the paged pool: h (N, D) -> (N, D)",
         py::arg("h"), py::arg("layers"), py::arg("eps"), py::arg("cos"), py::arg("ssin"), py::arg("k_pools"),
         py::arg("v_pools"), py::arg("slots"), py::arg("rows"), py::arg("tables"), py::arg("lens"), py::arg("H"),
         py::arg("K"), py::arg("E"), py::arg("edits"), py::arg("telemetry"),
         py::arg("extras") = std::vector<std::vector<torch::Tensor>>{}, py::arg("window") = 0, py::arg("scale") = 0.0,
-        py::arg("residual") = 1.0, py::arg("post_norm") = false, py::arg("qk_norm") = 0);
+        py::arg("residual") = 1.0, py::arg("post_norm") = false, py::arg("qk_norm") = 0,
+        py::arg("lora_rows") = std::vector<torch::Tensor>{}, py::arg("lora") = std::vector<std::vector<ls::LoRAPart>>{});
   m.def("gguf_convert", &ls::gguf_convert, nogil(), "a GGUF matrix's rows (N, row bytes) -> an int4 / int8 layer's buffers");
   m.def("apply_edits", &ls::apply_edits, nogil(), "interventions: each op row (Q, 4) of x (N, D) gets its entry from bank (V, D)");
 }

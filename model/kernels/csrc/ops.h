@@ -1,6 +1,7 @@
 // The native ops, as bindings.cpp exposes them to Python and step_layers.cpp composes them.
 #pragma once
 
+#include <tuple>
 #include <vector>
 
 #include "simd.h"
@@ -49,13 +50,20 @@ void paged_attention_range(const torch::Tensor& q, const torch::Tensor& k_pool, 
                            const torch::Tensor& rows, const torch::Tensor& tables, const torch::Tensor& lens,
                            torch::Tensor& out, int64_t begin, int64_t end, const Telemetry* tel = nullptr,
                            int64_t window = 0, double scale = 0.0);
+torch::Tensor lora_expand(const torch::Tensor& t, const torch::Tensor& bt);
+// One LoRA target of a block in step_layers (model/lora.py's LoRAPart): (group: which of the step's row lists it
+// adapts, site: 0 wqkv, 1 wo, 2 w13, 3 w2, start, stop: the columns of the site's output it adds to, scale, A (r, in),
+// B transposed (r, stop - start)), A and B in the activation dtype.
+using LoRAPart = std::tuple<int64_t, int64_t, int64_t, int64_t, double, torch::Tensor, torch::Tensor>;
 torch::Tensor step_layers(torch::Tensor h, const std::vector<std::vector<torch::Tensor>>& layers, double eps,
                             const torch::Tensor& cos, const torch::Tensor& ssin, torch::Tensor& k_pools,
                             torch::Tensor& v_pools, const torch::Tensor& slots, const torch::Tensor& rows,
                             const torch::Tensor& tables, const torch::Tensor& lens, int64_t H, int64_t K, int64_t E,
                             const std::vector<torch::Tensor>& edits, const std::vector<torch::Tensor>& telemetry,
                             const std::vector<std::vector<torch::Tensor>>& extras = {}, int64_t window = 0,
-                            double scale = 0.0, double residual = 1.0, bool post_norm = false, int64_t qk_norm = 0);
+                            double scale = 0.0, double residual = 1.0, bool post_norm = false, int64_t qk_norm = 0,
+                            const std::vector<torch::Tensor>& lora_rows = {},
+                            const std::vector<std::vector<LoRAPart>>& lora = {});
 void gguf_convert(const torch::Tensor& raw, int64_t type, const torch::Tensor& order, torch::Tensor& data,
                   torch::Tensor& scales);
 void apply_edits(torch::Tensor& x, const torch::Tensor& ops, const torch::Tensor& bank);

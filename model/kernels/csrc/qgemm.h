@@ -116,6 +116,12 @@ template <typename T>
 void float_gemm_range(const T* x, int64_t M, const T* w, int64_t K, int64_t n_begin, int64_t n_end, float* y,
                       int64_t ldy);
 
+// Columns c in [c0, c1) of y (n, ldy) float32: y[i, c] = sum_k t[i, k] bt[k, c], k = 0 .. r - 1 in order by fused
+// multiply-adds (lora.cpp: LoRA's expanding product, bt (r, width) the B matrix transposed).
+template <typename T>
+void lora_expand_range(const T* t, int64_t n, const T* bt, int64_t r, int64_t width, int64_t c0, int64_t c1, float* y,
+                       int64_t ldy);
+
 // The thread's share of [0, n) in whole tiles of `tile` (static: the same split in every region of a step).
 inline void split_range(int64_t n, int64_t tile, int tid, int nthreads, int64_t& begin, int64_t& end) {
   const int64_t tiles = (n + tile - 1) / tile, per = tiles / nthreads, extra = tiles % nthreads;

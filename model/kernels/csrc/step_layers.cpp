@@ -120,6 +120,23 @@ static std::pair<int64_t, int64_t> project(const Projection& p, const T* x, cons
   return {b, e};
 }
 
+// A step's LoRA targets (model/lora.py) and scratch for their products, allocated before the parallel region.
+template <typename T>
+struct LoRAStep {
+  const std::vector<torch::Tensor>& rows;           // per group: the packed rows (n,) under one adapter
+  const std::vector<std::vector<LoRAPart>>& parts;  // per block
+  std::vector<int64_t> roff;                        // group g's rows are [roff[g], roff[g + 1]) of the gathered inputs
+  T *x, *t;      // the groups' input rows (sum n, widest in); a site's A products rounded (sum over targets n r)
+  float *tf, *df;  // float32 products before rounding: a site's A products, its B products (sum over targets n out)
+  // block l has a target at `site` (of group `g`; -1: any)
+  bool at(size_t l, int64_t site, int64_t g = -1) const {
+    if (l >= parts.size()) return false;
+    for (const auto& p : parts[l])
+      if (std::get<1>(p) == site && (g < 0 || std::get<0>(p) == g)) return true;
+    return false;
+  }
+};
+
 // This thread's (row, head) attention tasks [begin, end) of R rows x H heads, contiguous, split so that every thread
 // gets about the same number of keys to attend over (a task costs its row's length, plus a fixed 16 keys' worth):
 // a prefill chunk's rows attend over 1 .. T keys, and an even split by count left the thread with the first rows
@@ -190,7 +207,7 @@ static void run_layers(Step<T>& s, const std::vector<std::vector<torch::Tensor>>
                        torch::Tensor& ht, torch::Tensor& subt, const std::vector<torch::Tensor>& edits,
                        const std::vector<torch::Tensor>& telemetry, const std::vector<Telemetry>& tel,
                        const std::vector<Own<T>>& own, const std::vector<std::vector<torch::Tensor>>& extras,
-                       const Switches& sw) {
+                       const Switches& sw, const LoRAStep<T>& lora) {
   // Interventions (interventions.cpp) and telemetry run on one thread between barriers (`omp single`, whose own
   // barrier ends it): they touch a few rows. With edits, a sub-block's output is rounded to T into `sub`, edited,
   // then added: the module path's h + edit(a), bit for bit; without, the add is fused into the projection. A post-norm
@@ -286,6 +303,74 @@ static void run_layers(Step<T>& s, const std::vector<std::vector<torch::Tensor>>
         }
       }
     };
+    // LoRA (model/lora.py's LoRARows.apply, op for op): each of block l's targets at `site` adds scale * B (A x) to
+    // its group's rows of `out` (ld wide, from its column `start`), x (N, in) the projection's input. A's product
+    // goes through float_gemm_range as `ops.linear` does, B's through lora_expand_range as `ops.lora_expand` does
+    // (each rounded to T), the delta is rounded times the scale, then added to the output as T: the module path's
+    // `y[rows, start:stop] += delta`, bit for bit. Called by every
+    // thread, three barriers a site whatever the number of targets: the groups' rows gathered, every target's A
+    // products, every target's B products added (tasks of a few columns of one target, dealt round the threads).
+    const auto apply_lora = [&](size_t l, int64_t site, const T* x, int64_t in, T* out, int64_t ld) {
+      const auto& parts = lora.parts[l];
+      int64_t b, e;
+      split_range(lora.roff.back(), 1, tid, nt, b, e);
+      for (size_t g = 0; g + 1 < lora.roff.size(); ++g) {
+        if (!lora.at(l, site, static_cast<int64_t>(g))) continue;
+        const int64_t r0 = lora.roff[g], r1 = lora.roff[g + 1];
+        const int64_t* rws = lora.rows[g].template data_ptr<int64_t>();
+        for (int64_t i = std::max(b, r0); i < std::min(e, r1); ++i)
+          std::memcpy(lora.x + i * in, x + rws[i - r0] * in, in * sizeof(T));
+      }
+#pragma omp barrier
+      int64_t task = 0, toff = 0;
+      for (const auto& [g, part_site, start, stop, scale, A, B] : parts) {
+        if (part_site != site) continue;
+        const int64_t n = lora.roff[g + 1] - lora.roff[g], r = A.size(0);
+        for (int64_t c = 0; c < r; c += 16, ++task) {
+          if (task % nt != tid) continue;
+          const int64_t c1 = std::min(r, c + 16);
+          float_gemm_range<T>(lora.x + lora.roff[g] * in, n, A.template data_ptr<T>(), in, c, c1, lora.tf + toff, r);
+          for (int64_t i = 0; i < n; ++i)
+            for (int64_t j = c; j < c1; ++j) lora.t[toff + i * r + j] = from_f<T>(lora.tf[toff + i * r + j]);
+        }
+        toff += n * r;
+      }
+#pragma omp barrier
+      task = toff = 0;
+      int64_t doff = 0;
+      for (const auto& [g, part_site, start, stop, scale, A, B] : parts) {
+        if (part_site != site) continue;
+        const int64_t n = lora.roff[g + 1] - lora.roff[g], r = A.size(0), width = stop - start;
+        const int64_t* rws = lora.rows[g].template data_ptr<int64_t>();
+        const float sc = static_cast<float>(scale);
+        for (int64_t c = 0; c < width; c += 64, ++task) {
+          if (task % nt != tid) continue;
+          const int64_t c1 = std::min(width, c + 64);
+          lora_expand_range<T>(lora.t + toff, n, B.template data_ptr<T>(), r, width, c, c1, lora.df + doff, width);
+          for (int64_t i = 0; i < n; ++i)
+            for (int64_t j = c; j < c1; ++j) {
+              T* o = out + rws[i] * ld + start + j;
+              *o = from_f<T>(to_f(*o) + round_to<T>(round_to<T>(lora.df[doff + i * width + j]) * sc));
+            }
+        }
+        toff += n * r;
+        doff += n * width;
+      }
+#pragma omp barrier
+    };
+    // project_out for a site with LoRA targets (`apply_lora`): the projection rounded into `sub`, the adapters' deltas
+    // added, Granite's multiplier (unless post-normed, which scales after its norm), then finish_sub: the module
+    // path's h + edit(scale(adapt(p(x)))) in its order
+    const auto project_out_adapted = [&](const Projection& p, const T* x, int64_t site, const torch::Tensor& norm,
+                                         size_t l, int64_t lsite) {
+      project(p, x, acts, s, 16, tid, nt, [&](int64_t m, int64_t n, float y) { s.sub[m * D + n] = from_f<T>(y); });
+#pragma omp barrier
+      apply_lora(l, lsite, x, p.K, s.sub, D);
+      if (scaled && !sw.post_norm)
+        for (int64_t m = rb; m < re; ++m)
+          for (int64_t n = 0; n < D; ++n) s.sub[m * D + n] = from_f<T>(to_f(s.sub[m * D + n]) * mult);
+      finish_sub(norm, site);
+    };
     for (size_t l = 0; l < layers.size(); ++l) {
       const auto& w = layers[l];
       const Projection &wqkv = proj[l][0], &wo = proj[l][1], &w13 = proj[l][2], &w2 = proj[l][3];
@@ -314,7 +399,8 @@ static void run_layers(Step<T>& s, const std::vector<std::vector<torch::Tensor>>
       };
       // attention: h + wo(attend(rope(wqkv(norm(h)))))
       const T* x = norm_for(wqkv, w[0]);
-      const auto cols = bqkv == nullptr
+      const bool qkv_lora = lora.at(l, 0);
+      const auto cols = bqkv == nullptr || qkv_lora
           ? project(wqkv, x, acts, s, few ? E : 16, tid, nt,
                     [&](int64_t m, int64_t n, float y) { s.qkv[m * QKV + n] = from_f<T>(y); })
           // Qwen2's bias: added to the projection's output as the module path adds it (rounded to T first)
@@ -325,6 +411,12 @@ static void run_layers(Step<T>& s, const std::vector<std::vector<torch::Tensor>>
         for (int64_t m = 0; m < N; ++m) rope_store(m, cols.first / E, cols.second / E);
       } else {
 #pragma omp barrier
+        if (qkv_lora) {  // the adapters' deltas on the rounded projection, then the bias (the module path's order)
+          apply_lora(l, 0, x, D, s.qkv, QKV);
+          if (bqkv != nullptr)
+            for (int64_t m = rb; m < re; ++m)
+              for (int64_t n = 0; n < QKV; ++n) s.qkv[m * QKV + n] = from_f<T>(to_f(s.qkv[m * QKV + n]) + to_f(bqkv[n]));
+        }
         for (int64_t m = rb; m < re; ++m) rope_store(m, 0, H + 2 * K);
       }
 #pragma omp barrier
@@ -332,17 +424,24 @@ static void run_layers(Step<T>& s, const std::vector<std::vector<torch::Tensor>>
                             sw.window, sw.scale);
 #pragma omp barrier
       round_for(wo, s.att);
-      project_out(wo, s.att, via_sub, 3 * l, w[0]);  // attention_output
+      if (lora.at(l, 1))
+        project_out_adapted(wo, s.att, 3 * l, w[0], l, 1);
+      else
+        project_out(wo, s.att, via_sub, 3 * l, w[0]);  // attention_output
       // feed-forward: h + w2(silu(w1 x) * w3 x), x = norm(h)
       const T* xf = norm_for(w13, w[1]);
       project(w13, xf, acts, s, 16, tid, nt, [&](int64_t m, int64_t n, float y) { s.gu[m * 2 * F + n] = from_f<T>(y); });
 #pragma omp barrier
+      if (lora.at(l, 2)) apply_lora(l, 2, xf, D, s.gu, 2 * F);
       for (int64_t m = ob; m < oe; ++m) silu_mul_row(s.gu + m * 2 * F, act + m * F, F);
       round_for(w2, act);
       if (!few && !w2.quantized) {
 #pragma omp barrier
       }
-      project_out(w2, act, via_sub, 3 * l + 1, w[1]);  // mlp_output
+      if (lora.at(l, 3))
+        project_out_adapted(w2, act, 3 * l + 1, w[1], l, 3);
+      else
+        project_out(w2, act, via_sub, 3 * l + 1, w[1]);  // mlp_output
       if (edited) {
 #pragma omp single
         {
@@ -365,14 +464,16 @@ static void run_layers(Step<T>& s, const std::vector<std::vector<torch::Tensor>>
 // interventions.cpp), applied at the block's three sites as `Block.forward` hands them to its attention context;
 // telemetry: empty (off), or model/engine/telemetry.py's [slot (N,), sink_len (Rt,), sink_mass (L, Rt, H),
 // top_pos (L, Rt, H, k), top_prob (L, Rt, H, k), hidden (L, Rt, D)]: the attention telemetry of the rows with
-// slot >= 0, and their residual stream after each block.  -> h after every block (N, D)
+// slot >= 0, and their residual stream after each block; lora_rows, lora: the rows under LoRA adapters and each
+// block's targets (`LoRAPart`, model/lora.py's LoRARows.native_args; empty: none).  -> h after every block (N, D)
 torch::Tensor step_layers(torch::Tensor h, const std::vector<std::vector<torch::Tensor>>& layers, double eps,
                             const torch::Tensor& cos, const torch::Tensor& ssin, torch::Tensor& k_pools,
                             torch::Tensor& v_pools, const torch::Tensor& slots, const torch::Tensor& rows,
                             const torch::Tensor& tables, const torch::Tensor& lens, int64_t H, int64_t K, int64_t E,
                             const std::vector<torch::Tensor>& edits, const std::vector<torch::Tensor>& telemetry,
                             const std::vector<std::vector<torch::Tensor>>& extras, int64_t window, double scale,
-                            double residual, bool post_norm, int64_t qk_norm) {
+                            double residual, bool post_norm, int64_t qk_norm,
+                            const std::vector<torch::Tensor>& lora_rows, const std::vector<std::vector<LoRAPart>>& lora) {
   TORCH_CHECK(telemetry.empty() || telemetry.size() == 6, "step_layers: telemetry is empty or 6 tensors");
   TORCH_CHECK(window >= 0 && qk_norm >= 0 && qk_norm <= 2, "step_layers: window >= 0, qk_norm 0, 1 or 2");
   const Switches sw{window, scale, static_cast<float>(residual), post_norm, qk_norm};
@@ -422,11 +523,42 @@ torch::Tensor step_layers(torch::Tensor h, const std::vector<std::vector<torch::
       TORCH_CHECK(!q.quantized || q.K % QK == 0, "step_layers: quantized inputs in blocks of 32");
     }
   }
+  // LoRA targets: per block, each in its site's columns, A (r, in) and B (stop - start, r) of the activation dtype
+  TORCH_CHECK(lora.empty() || static_cast<int64_t>(lora.size()) == L, "step_layers: lora per block");
+  std::vector<int64_t> roff{0};
+  for (const auto& rws : lora_rows) {
+    TORCH_CHECK(rws.scalar_type() == at::kLong && rws.is_contiguous(), "step_layers: lora rows int64");
+    for (int64_t i = 0; i < rws.numel(); ++i) TORCH_CHECK(rws.data_ptr<int64_t>()[i] >= 0 && rws.data_ptr<int64_t>()[i] < N, "step_layers: lora row out of range");
+    roff.push_back(roff.back() + rws.numel());
+  }
+  TORCH_CHECK(roff.back() <= N, "step_layers: a row under two adapters");
+  bool any_lora = false;
+  int64_t lora_t = 0, lora_d = 0;  // the most a site's targets need of the A and B products' scratch
+  for (int64_t l = 0; l < static_cast<int64_t>(lora.size()); ++l)
+    for (int64_t site = 0; site < 4; ++site) {
+      int64_t t = 0, d = 0;
+      for (const auto& [g, part_site, start, stop, sc, A, B] : lora[l]) {
+        TORCH_CHECK(g >= 0 && g < static_cast<int64_t>(lora_rows.size()) && part_site >= 0 && part_site < 4, "step_layers: lora group, site");
+        if (part_site != site) continue;
+        const Projection& p = proj[l][site];
+        TORCH_CHECK(A.dim() == 2 && B.dim() == 2 && A.scalar_type() == dtype && B.scalar_type() == dtype && A.is_contiguous() && B.is_contiguous() &&
+                    A.size(1) == p.K && B.size(0) == A.size(0) && 0 <= start && start < stop && stop <= p.N && B.size(1) == stop - start,
+                    "step_layers: lora A (r, in), B transposed (r, stop - start) within the site's output");
+        const int64_t n = roff[g + 1] - roff[g];
+        t += n * A.size(0);
+        d += n * (stop - start);
+        any_lora = true;
+      }
+      lora_t = std::max(lora_t, t);
+      lora_d = std::max(lora_d, d);
+    }
   h = h.clone().contiguous();  // the residual stream is updated in place from here on; the caller's tensor stays as it was
   auto opts = h.options();
   auto xn = torch::empty({N, D}, opts), qkv = torch::empty({N, H + 2 * K, E}, opts), att = torch::empty({N, H, E}, opts);
   auto gu = torch::empty({N, 2 * F}, opts), act = torch::empty({N, F}, opts);
-  auto sub = torch::empty({edits.empty() && !post_norm ? 0 : N, D}, opts);
+  auto sub = torch::empty({edits.empty() && !post_norm && !any_lora ? 0 : N, D}, opts);
+  auto lora_x = torch::empty({any_lora ? roff.back() * widest_in + lora_t : 0}, opts);
+  auto lora_f = torch::empty({any_lora ? lora_t + lora_d : 0}, opts.dtype(at::kFloat));
   TORCH_CHECK(telemetry.empty() || (telemetry[5].scalar_type() == dtype && telemetry[5].is_contiguous()), "step_layers: telemetry hidden");
   std::vector<Telemetry> tel;  // per layer, where the asking rows' attention goes (attention_telemetry.h)
   if (!telemetry.empty()) {
@@ -446,7 +578,7 @@ torch::Tensor step_layers(torch::Tensor h, const std::vector<std::vector<torch::
   const int64_t* sl = slots.data_ptr<int64_t>();
   // the few-row path's per-thread buffers (FEW_ROWS): xn (D), act (F), rounded activations, per row and thread
   // (post-norms and a q/k norm over the whole projection need whole rows between barriers: the many-row path)
-  const bool few = edits.empty() && N <= FEW_ROWS && E % 8 == 0 && !post_norm && qk_norm != 2;
+  const bool few = edits.empty() && !any_lora && N <= FEW_ROWS && E % 8 == 0 && !post_norm && qk_norm != 2;
   const int64_t threads = few ? at::get_num_threads() : 0;
   auto own_t = torch::empty({threads, N, D + F}, opts);
   std::vector<ActBuffers> own_acts(threads, ActBuffers(N, widest_in, any_k));
@@ -462,14 +594,20 @@ torch::Tensor step_layers(torch::Tensor h, const std::vector<std::vector<torch::
     Step<float> s{N, D, H, K, E, F, h.data_ptr<float>(), xn.data_ptr<float>(), qkv.data_ptr<float>(), att.data_ptr<float>(),
                   gu.data_ptr<float>(), act.data_ptr<float>(), sub.data_ptr<float>(), cos.data_ptr<float>(), ssin.data_ptr<float>(), y.data_ptr<float>(),
                   shared.view(widest_in)};
+    float* lx = lora_x.data_ptr<float>();
+    float* lf = lora_f.data_ptr<float>();
+    const LoRAStep<float> ls{lora_rows, lora, roff, lx, lx + roff.back() * widest_in, lf, lf + lora_t};
     run_layers(s, layers, proj, eps, kp, vp, sl, q, att, rows, tables, lens, h, sub, edits, telemetry, tel, owns(own_t.data_ptr<float>()),
-               extras, sw);
+               extras, sw, ls);
   } else {
     Step<bf16> s{N, D, H, K, E, F, h.data_ptr<bf16>(), xn.data_ptr<bf16>(), qkv.data_ptr<bf16>(), att.data_ptr<bf16>(),
                  gu.data_ptr<bf16>(), act.data_ptr<bf16>(), sub.data_ptr<bf16>(), cos.data_ptr<bf16>(), ssin.data_ptr<bf16>(), y.data_ptr<float>(),
                  shared.view(widest_in)};
+    bf16* lx = lora_x.data_ptr<bf16>();
+    float* lf = lora_f.data_ptr<float>();
+    const LoRAStep<bf16> ls{lora_rows, lora, roff, lx, lx + roff.back() * widest_in, lf, lf + lora_t};
     run_layers(s, layers, proj, eps, kp, vp, sl, q, att, rows, tables, lens, h, sub, edits, telemetry, tel, owns(own_t.data_ptr<bf16>()),
-               extras, sw);
+               extras, sw, ls);
   }
   return h;
 }

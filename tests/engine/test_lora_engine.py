@@ -1,0 +1,79 @@
+"""LoRA rows in the engine's steps (model/lora.py): the native fused step applies each adapter's deltas inside its
+block loop bitwise as the module path does (every family's switches, float32, bfloat16 and int4 bases, prefill and
+decode, adapters and base rows mixed), and a request's tokens and logprobs do not depend on the rows beside it.
+HF transformers + PEFT as the reference: tests/service/test_lora_service.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from model.engine import Engine, EngineConfig, RequestOptions
+from model.engine.sampling_params import SamplingParams
+from model.lora import LoRAAdapter, LoRAPart
+from model.quantize import quantize_model
+from tiny import byte_tokenizer, tiny_family, tiny_model
+
+PROMPTS = [[5, 9, 2, 7, 1] * k for k in (1, 3, 7)]
+
+
+def random_adapter(name: str, config, rank: int, seed: int, sites=("q", "v", "o", "gate", "up", "down")) -> LoRAAdapter:
+    """Targets on every block: q and v (two ranges of wqkv), o, gate and up (two of w13), down; rsLoRA-like scales."""
+    g = torch.Generator().manual_seed(seed)
+    H, K, E, D, F = config.n_heads, config.n_kv_heads, config.head_dim, config.dim, config.hidden_dim
+    spans = {"q": ("qkv", 0, H * E, D), "k": ("qkv", H * E, (H + K) * E, D), "v": ("qkv", (H + K) * E, (H + 2 * K) * E, D),
+             "o": ("o", 0, D, H * E), "gate": ("w13", 0, F, D), "up": ("w13", F, 2 * F, D), "down": ("w2", 0, D, F)}
+    adapter = LoRAAdapter(name, name, rank)
+    for layer in range(config.n_layers):
+        for target in sites:
+            site, start, stop, fan_in = spans[target]
+            A = torch.randn(rank, fan_in, generator=g) * 0.3
+            BT = torch.randn(rank, stop - start, generator=g) * 0.3  # B transposed
+            adapter.parts.setdefault((layer, site), []).append(LoRAPart(start, stop, A, BT, 2.0 / rank**0.5))
+    return adapter
+
+
+def _run(model, native: bool, jobs: list[tuple[str | None, list[int]]], adapters: list[LoRAAdapter]):
+    """Each job's (request: adapter name or None, prompt) greedy tokens with every logprob; and the steps by path."""
+    engine = Engine(model, byte_tokenizer(), EngineConfig(num_blocks=96, block_size=4, native_step=native))
+    for a in adapters:
+        engine.add_lora(a)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=3)
+    for i, (lora, prompt) in enumerate(jobs):
+        engine.add_request(str(i), prompt, params, RequestOptions(lora=lora))
+    got: dict[str, list] = {str(i): [] for i in range(len(jobs))}
+    while engine.has_unfinished():
+        for o in engine.step():
+            got[o.request_id] += [(t, lp.logprob, lp.top) for t, lp in zip(o.token_ids, o.logprobs)]
+    return [got[str(i)] for i in range(len(jobs))], engine.stats().steps_by_path
+
+
+def _jobs() -> list[tuple[str | None, list[int]]]:
+    return [(lora, p) for p in PROMPTS for lora in (None, "a", "b")]
+
+
+@pytest.mark.parametrize("mode,dtype", [("none", torch.float32), ("none", torch.bfloat16), ("int4", torch.float32)])
+def test_native_step_applies_adapters_bitwise_as_the_module_path(mode, dtype):
+    model = quantize_model(tiny_model(dtype=dtype), mode)
+    adapters = [random_adapter("a", model.config, 8, 1), random_adapter("b", model.config, 16, 2, sites=("k", "down"))]
+    fast, fast_paths = _run(model, True, _jobs(), adapters)
+    slow, slow_paths = _run(model, False, _jobs(), adapters)
+    assert fast_paths["native"] >= 6 and fast_paths["module"] == 0 and slow_paths["native"] == 0
+    assert fast == slow
+    assert fast[0] != fast[1] and fast[1] != fast[2]  # each adapter changes what the base says
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "granite", "olmo2"])
+def test_adapters_under_each_familys_switches(family):
+    """A bias after the adapted projection (Qwen2), q/k norms (Qwen3), multipliers (Granite), post-norms (OLMo-2)."""
+    model = tiny_family(family)
+    adapters = [random_adapter("a", model.config, 8, 3), random_adapter("b", model.config, 4, 4)]
+    assert _run(model, True, _jobs(), adapters)[0] == _run(model, False, _jobs(), adapters)[0]
+
+
+def test_a_request_under_an_adapter_gets_what_it_gets_alone():
+    model = quantize_model(tiny_model(), "int4")
+    adapters = [random_adapter("a", model.config, 8, 5), random_adapter("b", model.config, 32, 6)]
+    together, _ = _run(model, True, _jobs(), adapters)
+    alone = [_run(model, True, [job], adapters)[0][0] for job in _jobs()]
+    assert together == alone
