@@ -115,7 +115,10 @@ class Settings(BaseSettings):
         "adapter folder: adapter_config.json + adapter_model.safetensors), as vLLM's flag: a request whose `model` is "
         "NAME runs under that adapter, in the same steps as every other request; /v1/models lists them",
         json_schema_extra={"shown_default": "none"})
-    max_lora_rank: int = Field(64, ge=1, description="largest LoRA rank --lora-modules accepts")
+    max_lora_rank: int = Field(64, ge=1, description="largest LoRA rank an adapter may have")
+    enable_lora_runtime_updates: bool = Field(
+        False, description="POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's endpoints): adapters "
+        "loaded and unloaded while serving, from folders on the server's disk")
     max_vectors: int = Field(64, ge=1, description="stored vectors (POST /v1/vectors, --control-vector) held at once")
     max_stored_responses: int = Field(
         1024, ge=0, description="responses kept for `previous_response_id` and GET /v1/responses/{id} (`store: true`), "

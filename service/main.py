@@ -28,7 +28,7 @@ def create_app(settings: Settings | None = None, loaded: LoadedModel | None = No
 
     from service import errors, openapi
     from service.middleware import GuardMiddleware
-    from service.routes import attribute, chat, completions, info, inspect, patch, responses, vectors
+    from service.routes import attribute, chat, completions, info, inspect, lora, patch, responses, vectors
 
     settings = settings or Settings()
     state = state or ServerState(settings)
@@ -52,6 +52,8 @@ def create_app(settings: Settings | None = None, loaded: LoadedModel | None = No
               attribute.router,
               vectors.router):
         app.include_router(r)
+    if settings.enable_lora_runtime_updates:
+        app.include_router(lora.router)
     key = settings.api_key.get_secret_value() if settings.api_key else None
     app.add_middleware(GuardMiddleware, api_key=key, max_body_bytes=settings.max_body_bytes,
                        metrics_require_key=settings.metrics_require_key, requests_counter=state.metrics.requests)

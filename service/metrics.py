@@ -31,6 +31,9 @@ class Metrics:
         self.cached_tokens = Counter(p + "prefix_cache_hit_tokens", "prompt tokens served from the prefix cache", registry=r)
         self.preemptions = Counter(p + "preemptions", "sequences preempted for KV blocks", registry=r)
         self.aborts = Counter(p + "aborted_requests", "requests aborted (client gone or cancelled)", registry=r)
+        self.lora_requests = Counter(p + "lora_requests", "requests finished under a LoRA adapter (200s)", ["adapter"], registry=r)
+        self.lora_generation_tokens = Counter(p + "lora_generation_tokens", "tokens generated under a LoRA adapter",
+                                              ["adapter"], registry=r)
         self.inspect_seconds = Histogram(p + "inspect_seconds", "one /inspect probe on the engine thread (queue + compute)", registry=r, buckets=_LATENCY)
         self.inspect_tokens = Counter(p + "inspect_tokens", "tokens run through /inspect probes", registry=r)
         self.running = Gauge(p + "num_requests_running", "sequences in the running batch", registry=r)

@@ -35,6 +35,7 @@ class RunStats:
     last_token_at: dict[int, float] = field(default_factory=dict)
     finish_reasons: list[str] = field(default_factory=list)
     prompts: list[list[int]] = field(default_factory=list)
+    adapter: str | None = None  # the LoRA adapter the request ran under
 
 
 _SUBMITTED = object()  # run()'s first item for a final-only request, once the engine accepted it
@@ -71,6 +72,7 @@ async def run(state: Serving, prompts: list[list[int]], params: SamplingParams, 
     prompt_index * n + choice (OpenAI's order). Engine refusals raise APIError before anything is yielded."""
     stats.prompts = prompts
     stats.prompt_tokens = sum(len(p) for p in prompts)
+    stats.adapter = options.lora
     # every prompt in one submission: admitted together, so they prefill in the same steps
     streams = await state.add_requests([(f"{stats.request_id}-{i}", p) for i, p in enumerate(prompts)], params, options)
     queue: asyncio.Queue = asyncio.Queue()
@@ -194,6 +196,9 @@ def finish(state: Serving, stats: RunStats, status: int) -> None:
         m.gen_len.observe(stats.completion_tokens)
         m.prompt_tokens.inc(stats.prompt_tokens)
         m.cached_tokens.inc(stats.cached_tokens)
+        if stats.adapter is not None:
+            m.lora_requests.labels(stats.adapter).inc()
+            m.lora_generation_tokens.labels(stats.adapter).inc(stats.completion_tokens)
     ttft = f"{(stats.first_token_at - stats.start) * 1e3:.0f}" if stats.first_token_at else "-"
     prompt = ""
     if state.settings.log_prompts and stats.prompts:  # opt-in only: prompts are user data

@@ -13,6 +13,7 @@ from model.config import ModelConfig
 from model.engine import (PLAIN, EngineJob, EngineStats, InvalidOption, RequestOptions, RequestStream,
                           SamplingParams)
 from model.interventions import Intervention
+from model.lora import load_peft
 from model.probes import (AttributionPatchingRun, CaptureRun, DirectLogitRun, PatchSweep, ProbeOptions, ProbeRun,
                           SiteCapture)
 from model.text import Tokenizer
@@ -97,6 +98,28 @@ class Serving:
                 self._engine.check(options)
         except InvalidOption as e:
             raise APIError(400, str(e), param=e.param, code="invalid_value") from None
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        """Load a PEFT adapter folder (read on a worker thread) and serve it under `name` from the next step; 400 for
+        a name in use or an adapter this model cannot serve."""
+        if name == self.model_name or name in self.adapters:
+            raise APIError(400, f"the name {name!r} is already served", param="lora_name", code="invalid_value")
+        try:
+            adapter = await asyncio.to_thread(load_peft, name, path, self.config, self.settings.max_lora_rank)
+            await self._engine.add_lora(adapter)
+        except ValueError as e:
+            raise APIError(400, str(e), param="lora_path", code="invalid_value") from None
+        self.adapters[name] = path
+
+    async def unload_adapter(self, name: str) -> None:
+        """Stop serving adapter `name`: 404 for no such adapter, 400 while requests run under it."""
+        if name not in self.adapters:
+            raise APIError(404, f"no LoRA adapter {name!r} is loaded", param="lora_name", code="model_not_found")
+        try:
+            await self._engine.remove_lora(name)
+        except ValueError as e:
+            raise APIError(400, str(e), param="lora_name", code="invalid_value") from None
+        del self.adapters[name]
 
     def check_model(self, name: str | None, adapters: bool = False) -> str | None:
         """A request's `model`: the base model's name (or none) -> None; a LoRA adapter's name -> that name where

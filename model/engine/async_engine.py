@@ -27,6 +27,7 @@ from model.engine.request import FinishReason, Sequence
 from model.engine.sampling_params import SamplingParams
 from model.engine.scheduler import QueueFullError
 from model.engine.request_options import PLAIN, RequestOptions
+from model.lora import LoRAAdapter
 
 log = logging.getLogger("llamascope.engine")
 
@@ -82,6 +83,17 @@ class _Ended:
 
     seq: Sequence
     end: Finish
+
+
+class _Call:
+    """An EngineJob of one call on the engine thread (what only that thread may change: the adapters a step serves)."""
+
+    def __init__(self, fn: Callable[[], None]) -> None:
+        self.fn = fn
+
+    def step(self, budget_s: float) -> bool:
+        self.fn()
+        return True
 
 
 class _QueuedJob:
@@ -218,6 +230,14 @@ class AsyncEngine:
             queued.cancelled = True  # a no-op once finished; otherwise the engine thread drops it
             with self._lock:
                 self._num_jobs -= 1
+
+    async def add_lora(self, adapter: LoRAAdapter) -> None:
+        """Serve `adapter` from the next step on (`Engine.add_lora`, on the engine thread); ValueError as it raises."""
+        await self.run_job(_Call(lambda: self.engine.add_lora(adapter)))
+
+    async def remove_lora(self, name: str) -> None:
+        """Stop serving adapter `name` (`Engine.remove_lora`: ValueError while a request is under it)."""
+        await self.run_job(_Call(lambda: self.engine.remove_lora(name)))
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(_Abort(request_id))

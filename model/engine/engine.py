@@ -183,6 +183,7 @@ class Engine:
         # last one (model/engine/speculative/drafter.py); None: one token a row. Drafts change no output: a draft is
         # kept only where it equals the token sampled at its position.
         self.drafter: Drafter | None = None
+        self._loras_loaded = 0  # adapters loaded so far (`add_lora`): each load's serial roots its prefix keys
         self._noise_states: dict[Sequence, torch.Tensor] = {}  # seeded drafting rows' generator before the step
         if config.speculative is not None:
             self.drafter = build_speculator(config.speculative, model, draft_model, self.sizes,
@@ -222,6 +223,8 @@ class Engine:
         # [structured outputs] the grammar `check` compiled: a cache hit
         grammar = self.structured.compile(options.structured) if options.structured is not None else None
         req = Request(request_id, list(prompt_token_ids), params, options=options, interventions=plan)
+        if options.lora is not None:  # an adapter's K/V differs from the base's and other loads': its own prefix keys
+            req.prefix_root = f"lora {self.runner.adapters[options.lora].serial} {options.lora}".encode()
         for i in range(params.n):
             seq = Sequence(self._next_seq_id, req, i, req.prompt_token_ids)
             self._next_seq_id += 1
@@ -248,7 +251,20 @@ class Engine:
         """Serve `adapter` (model/lora.py) to the requests that name it (`RequestOptions.lora`), beside the base."""
         if self.distributed:
             raise ValueError("LoRA adapters are not supported with tensor parallelism")
+        if adapter.name in self.runner.adapters:
+            raise ValueError(f"a LoRA adapter named {adapter.name!r} is already loaded")
+        self._loras_loaded += 1
+        adapter.serial = self._loras_loaded  # (its K/V is never another load's under the same name: the prefix key)
         self.runner.adapters[adapter.name] = adapter.to(self.model.dtype, torch.device(self.model.device))
+
+    def remove_lora(self, name: str) -> None:
+        """Stop serving adapter `name` (engine thread). ValueError while a request runs or waits under it."""
+        if name not in self.runner.adapters:
+            raise ValueError(f"no LoRA adapter {name!r} is loaded")
+        users = sum(r.options.lora == name for r in self.requests.values())
+        if users:
+            raise ValueError(f"LoRA adapter {name!r} is serving {users} request(s); unload it once they finish")
+        del self.runner.adapters[name]
 
     @property
     def kv_cache_tokens(self) -> int:

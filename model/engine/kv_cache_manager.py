@@ -228,10 +228,7 @@ class KVCacheManager:
     def _extend_hashes(self, seq: Sequence, num_tokens: int) -> None:
         bs = self.block_size
         plan = seq.request.interventions
-        lora = seq.request.options.lora
-        # an adapter's K/V differs from the base's from the first block on: its name roots the chain
-        root = b"" if lora is None else b"lora " + lora.encode()
         for i in range(len(seq.block_hashes), num_tokens // bs):
-            parent = seq.block_hashes[i - 1] if i else root
+            parent = seq.block_hashes[i - 1] if i else seq.request.prefix_root
             edits = plan.block_digest(i * bs, (i + 1) * bs) if plan is not None else None
             seq.block_hashes.append(block_hash(parent, seq.token_ids(i * bs, (i + 1) * bs), edits))

@@ -148,6 +148,8 @@ class Request:
     # everything it carries beside prompt and sampling (model/engine/request_options.py)
     options: RequestOptions = PLAIN
     interventions: "InterventionPlan | None" = None  # its options' edits, planned against its prompt
+    # the root of its blocks' prefix-cache hash chain: b"" for the base model, a loaded LoRA adapter's own key
+    prefix_root: bytes = b""
     # Its rows need nothing per step but tokens, positions and block tables: no kv window, grammar, edits, reads,
     # telemetry or background budget. A step whose every row is such a decode row takes the engine's decode path
     # (`Scheduler.schedule_decode`, `ModelRunner.execute_decode`).

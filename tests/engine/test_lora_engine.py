@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model.engine import Engine, EngineConfig, RequestOptions
+from model.engine import Engine, EngineConfig, InvalidOption, RequestOptions
 from model.engine.sampling_params import SamplingParams
 from model.lora import LoRAAdapter, LoRAPart
 from model.quantize import quantize_model
@@ -77,3 +77,20 @@ def test_a_request_under_an_adapter_gets_what_it_gets_alone():
     together, _ = _run(model, True, _jobs(), adapters)
     alone = [_run(model, True, [job], adapters)[0][0] for job in _jobs()]
     assert together == alone
+
+
+def test_an_adapter_is_removed_only_when_no_request_runs_under_it():
+    model = tiny_model()
+    engine = Engine(model, byte_tokenizer(), EngineConfig(num_blocks=32, block_size=4))
+    engine.add_lora(random_adapter("a", model.config, 4, 7))
+    with pytest.raises(ValueError, match="already loaded"):
+        engine.add_lora(random_adapter("a", model.config, 4, 8))
+    engine.add_request("r", PROMPTS[0], SamplingParams(max_tokens=4, ignore_eos=True), RequestOptions(lora="a"))
+    engine.step()
+    with pytest.raises(ValueError, match="serving 1 request"):
+        engine.remove_lora("a")
+    while engine.has_unfinished():
+        engine.step()
+    engine.remove_lora("a")
+    with pytest.raises(InvalidOption, match="no LoRA adapter 'a'"):
+        engine.check(RequestOptions(lora="a"))

@@ -88,7 +88,7 @@ def _ids(server, text: str) -> list[int]:
 
 
 @torch.no_grad()
-def _reference(model, ids: list[int], n: int) -> tuple[torch.Tensor, list[int], torch.Tensor]:
+def _reference(model, ids: list[int], n: int) -> tuple[torch.Tensor, list[int], torch.Tensor | None]:
     """The prompt's (T - 1,) log-probabilities of each next prompt token, then n greedy tokens (whole-sequence
     forwards) and the (n, V) log-probabilities each was chosen from."""
     prompt_lp = model(torch.tensor([ids])).logits[0].float().log_softmax(-1)
@@ -98,7 +98,7 @@ def _reference(model, ids: list[int], n: int) -> tuple[torch.Tensor, list[int], 
         lp = model(torch.tensor([seq])).logits[0, -1].float().log_softmax(-1)
         lps.append(lp)
         seq.append(int(lp.argmax()))
-    return lp_prompt, seq[len(ids):], torch.stack(lps)
+    return lp_prompt, seq[len(ids):], torch.stack(lps) if lps else None
 
 
 def test_models_lists_each_adapter_with_its_base(server):
@@ -157,3 +157,62 @@ def test_unknown_model_and_adapter_on_a_base_only_endpoint_are_refused(server, c
     assert r.status_code == 400 and r.json()["error"]["param"] == "model"
     chat = client.chat.completions.create(model="r8", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
     assert chat.model == "r8"
+
+
+def test_requests_under_each_adapter_are_counted(server, client):
+    client.completions.create(model="r64", prompt="count me", max_tokens=3)
+    metrics = httpx.get(server.url + "/metrics").text
+    line = next(x for x in metrics.splitlines() if x.startswith('llamascope_lora_requests_total{adapter="r64"}'))
+    assert float(line.split()[-1]) >= 1
+    assert 'llamascope_lora_generation_tokens_total{adapter="r64"}' in metrics
+
+
+@pytest.fixture(scope="module")
+def runtime_server(checkpoint):
+    base_dir, _ = checkpoint
+    settings = Settings(model=str(base_dir), dtype="float32", device="cpu", quantization="none",
+                        kv_cache_bytes=32 << 20, max_num_seqs=8, served_model_name="base",
+                        enable_lora_runtime_updates=True)
+    with LiveServer(create_app(settings, wait_ready=True)) as live:
+        yield live
+
+
+def _prompt_logprobs(url: str, model: str, ids: list[int]) -> list[float]:
+    r = httpx.post(url + "/v1/completions", json={"model": model, "prompt": ids, "max_tokens": 1, "echo": True,
+                                                  "logprobs": 0, "temperature": 0}, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["logprobs"]["token_logprobs"][1 : len(ids)]
+
+
+def test_adapters_load_and_unload_at_run_time(runtime_server, checkpoint, references):
+    """vLLM's endpoints: a loaded adapter serves PEFT's numbers; a second load of a name, a folder that is not an
+    adapter and an unknown name are refused; an unloaded name is a 404; a name loaded again with other weights serves
+    the new ones (its prompt's cached K/V under the old load is not reused)."""
+    url, (_, folders) = runtime_server.url, checkpoint
+    load = lambda name, path: httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(path)})
+    unload = lambda name: httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": name})
+    ids = httpx.post(url + "/tokenize", json={"prompt": PROMPTS[0] * 3}).json()["tokens"]  # several KV blocks
+
+    def assert_serves(ref_name):  # greedy over the prompt's blocks as the prefix cache holds them, and echoed
+        _, _, want = _reference(references[ref_name], ids, 8)
+        assert float(top_margins(want).min()) > 100 * TOL  # no near-tie on the greedy path
+        r = httpx.post(url + "/v1/completions", json={"model": "live", "prompt": ids, "max_tokens": 8, "logprobs": 1,
+                                                      "temperature": 0}, timeout=60).json()
+        got = torch.tensor(r["choices"][0]["logprobs"]["token_logprobs"])
+        assert float((got - want.max(-1).values).abs().max()) <= TOL
+        want_prompt, _, _ = _reference(references[ref_name], ids, 0)
+        assert max(abs(a - float(b)) for a, b in zip(_prompt_logprobs(url, "live", ids), want_prompt)) <= TOL
+
+    r = load("live", folders["r8"])
+    assert r.status_code == 200 and "added" in r.text
+    assert "live" in [m["id"] for m in httpx.get(url + "/v1/models").json()["data"]]
+    assert_serves("r8")
+    assert load("live", folders["r64"]).json()["error"]["param"] == "lora_name"
+    bad = load("other", folders["r8"].parent / "base")
+    assert bad.status_code == 400 and "adapter_config.json" in bad.json()["error"]["message"]
+    assert unload("nobody").status_code == 404
+    assert unload("live").status_code == 200
+    gone = httpx.post(url + "/v1/completions", json={"model": "live", "prompt": "x", "max_tokens": 1})
+    assert gone.status_code == 404
+    assert load("live", folders["r64"]).status_code == 200
+    assert_serves("r64")
