@@ -18,12 +18,13 @@ from service.serving import Serving
 
 
 async def run_probe(serving: Serving, request: Request | None, ids: list[int], opts: ProbeOptions,
-                    interventions: list[Intervention] | None = None, num_prompt_tokens: int | None = None) -> ProbeRun:
+                    interventions: list[Intervention] | None = None, num_prompt_tokens: int | None = None,
+                    adapter: str | None = None) -> ProbeRun:
     """Step a ProbeRun on the engine thread to its end; cancelled if the client of `request` leaves (without a
     request, the caller's own cancellation is the only stop). A full inspection queue or a dead engine raise the
     engine's errors (429 / 503 through errors.install)."""
     try:
-        run = serving.new_probe(ids, opts, interventions, num_prompt_tokens)
+        run = serving.new_probe(ids, opts, interventions, num_prompt_tokens, adapter)
     except ValueError as e:
         raise APIError(400, str(e), code="invalid_value") from None
     await run_job(serving, request, run, len(ids))
@@ -42,16 +43,17 @@ async def run_job(serving: Serving, request: Request | None, job: EngineJob, tok
 
 
 async def completion_summaries(serving: Serving, prompts: list[list[int]], options: bool | InspectSummaryOptions,
-                               interventions: list[Intervention] | None = None) -> list[dict]:
+                               interventions: list[Intervention] | None = None,
+                               adapter: str | None = None) -> list[dict]:
     """The `inspect` extension of /v1/completions: each prompt's inspection summary (no maps), under the request's
-    interventions. Runs beside the generation as a task the route cancels if the client leaves."""
+    interventions and LoRA adapter. Runs beside the generation as a task the route cancels if the client leaves."""
     o = options if isinstance(options, InspectSummaryOptions) else InspectSummaryOptions()
     out = []
     for i, ids in enumerate(prompts):
         # the summary covers every block whatever `layers` says; one layer keeps the per-layer part small
         opts = ProbeOptions(include=frozenset({"massive", "attention"}), massive_threshold=o.massive_threshold,
                             massive_ratio=o.massive_ratio, layers=[0])
-        result = (await run_probe(serving, None, ids, opts, interventions)).result()
+        result = (await run_probe(serving, None, ids, opts, interventions, adapter=adapter)).result()
         tokens = fmt.token_list(serving.tokenizer, ids)
         out.append({"prompt_index": i, "summary": fmt.summary(result, tokens, serving.config.n_layers),
                     "compute_ms": round(result.compute_ms, 1)})

@@ -13,7 +13,7 @@ from model.config import ModelConfig
 from model.engine import (PLAIN, EngineJob, EngineStats, InvalidOption, RequestOptions, RequestStream,
                           SamplingParams)
 from model.interventions import Intervention
-from model.lora import load_peft
+from model.lora import LoRAAdapter, load_peft
 from model.probes import (AttributionPatchingRun, CaptureRun, DirectLogitRun, PatchSweep, ProbeOptions, ProbeRun,
                           SiteCapture)
 from model.text import Tokenizer
@@ -39,7 +39,7 @@ class Serving:
         self.responses: ResponseStore = state.responses  # stored responses /v1/responses continues (thread-safe)
         self.precision: dict = state.precision  # {"quantization": ..., "dtype": ...} as served
         self.speculative: dict | None = state.speculative  # --speculative-config as served, or None
-        self.adapters: dict[str, str] = state.adapters  # LoRA adapters (--lora-modules): name -> path
+        self.adapters: dict[str, LoRAAdapter] = state.adapters  # LoRA adapters served, by name (the engine's own)
 
     @property
     def draining(self) -> bool:
@@ -63,10 +63,11 @@ class Serving:
         await self._engine.run_job(job, max_queued)
 
     def new_probe(self, token_ids: list[int], opts: ProbeOptions, interventions: list[Intervention] | None = None,
-                  num_prompt_tokens: int | None = None) -> ProbeRun:
-        """An inspection of `token_ids` over the serving weights, edited by `interventions` (ValueError for options
-        out of range)."""
-        return ProbeRun(self._state.loaded.model, token_ids, opts, interventions, num_prompt_tokens)
+                  num_prompt_tokens: int | None = None, adapter: str | None = None) -> ProbeRun:
+        """An inspection of `token_ids` over the serving weights, under LoRA adapter `adapter` (a served name) or the
+        base, edited by `interventions` (ValueError for options out of range)."""
+        return ProbeRun(self._state.loaded.model, token_ids, opts, interventions, num_prompt_tokens,
+                        self.adapters[adapter] if adapter is not None else None)
 
     def _local_model(self, what: str) -> Transformer:
         """The served model where its modules run in this process; 400 under tensor parallelism."""
@@ -109,7 +110,7 @@ class Serving:
             await self._engine.add_lora(adapter)
         except ValueError as e:
             raise APIError(400, str(e), param="lora_path", code="invalid_value") from None
-        self.adapters[name] = path
+        self.adapters[name] = adapter
 
     async def unload_adapter(self, name: str) -> None:
         """Stop serving adapter `name`: 404 for no such adapter, 400 while requests run under it."""

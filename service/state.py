@@ -14,7 +14,7 @@ import torch
 from model.engine import AsyncEngine
 from model.engine import Engine, KVWindow, RequestOptions, SpeculativeConfig
 from model.loaders import LoadedModel, load_model
-from model.lora import load_peft
+from model.lora import LoRAAdapter, load_peft
 from model.parallel import TPModel, launch
 from model.dtypes import DTYPES
 from model.text.chat_template import read_template_option
@@ -33,7 +33,7 @@ class ServerState:
     loaded: LoadedModel | None = None
     engine: AsyncEngine | None = None
     model_name: str = ""
-    adapters: dict[str, str] = field(default_factory=dict)  # LoRA adapters served (--lora-modules): name -> path
+    adapters: dict[str, LoRAAdapter] = field(default_factory=dict)  # LoRA adapters served (--lora-modules), by name
     load_error: str | None = None
     draining: bool = False
     fatal_error: str | None = None  # the model failed to load or the engine thread ended: /health 503, exit 1
@@ -96,8 +96,8 @@ class ServerState:
                 name, path = lora_module(spec)
                 if name == (s.served_model_name or loaded.name):
                     raise ValueError(f"LoRA adapter name {name!r} is the base model's name")
-                core.add_lora(load_peft(name, path, c, s.max_lora_rank))
-                self.adapters[name] = path
+                self.adapters[name] = load_peft(name, path, c, s.max_lora_rank)
+                core.add_lora(self.adapters[name])
                 log.info("LoRA adapter %s: %s", name, path)
             if s.kv_window is not None:  # the default window must fit this engine: refuse to start, not every request
                 core.check(RequestOptions(kv_window=KVWindow(s.sink_tokens, s.kv_window)))

@@ -13,6 +13,7 @@ from torch import Tensor
 
 from model.attention import causal_mask, sdpa
 from model.edits import StepEdits
+from model.lora import LoRAAdapter, LoRARows
 from model.probes.options import AttentionMaps, ProbeOptions
 
 Stats = tuple[Tensor, Tensor, "AttentionMaps | None"]  # mass each key receives (Hs, T), row entropy (Hs,), maps
@@ -52,10 +53,13 @@ class ProbeAttention:
     complete (in `stats`) after the call that ends at row T."""
 
     def __init__(self, opts: ProbeOptions, n_heads: int, n_kv_heads: int, stat_layers: set[int], map_layers: set[int],
-                 edits: StepEdits | None = None, window: int = 0, scale: float = 0.0) -> None:
+                 edits: StepEdits | None = None, window: int = 0, scale: float = 0.0,
+                 adapter: LoRAAdapter | None = None) -> None:
         """`window`, `scale`: the model's sliding window and attention scale (`ModelConfig.sliding_window`,
-        `.attention_multiplier`; 0: none, 1/sqrt(E)), which the output and the reported weights both honour."""
+        `.attention_multiplier`; 0: none, 1/sqrt(E)), which the output and the reported weights both honour.
+        `adapter`: the LoRA adapter every row runs under (model/lora.py), or None: the base."""
         self.opts = opts
+        self.adapter = adapter
         self.window, self.scale = window, scale
         self.edits = edits  # the inspected sequence's interventions, its rows being its positions
         self.heads = opts.selected_heads(n_heads)
@@ -97,7 +101,11 @@ class ProbeAttention:
         self.stats[layer] = (received, entropy, maps)
 
     def adapt(self, layer: int, site: str, x: Tensor, y: Tensor) -> Tensor:
-        return y  # probes run the base weights (an adapter's rows are served by the engine's steps)
+        """x (1, R, in), y (1, R, out): every row under the inspected sequence's adapter, if any."""
+        if self.adapter is None:
+            return y
+        rows = torch.arange(x.shape[0] * x.shape[1], device=x.device)
+        return LoRARows([(self.adapter, rows)]).apply(layer, site, x, y)
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         # q (1, R, H, E), k/v (1, R, K, E): query rows r0 .. r0 + R - 1 of a T-token sequence -> (1, R, H, E)

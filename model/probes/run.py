@@ -11,6 +11,7 @@ from torch import Tensor
 
 from model.edits import EditTables, Segment
 from model.interventions import Intervention, InterventionPlan
+from model.lora import LoRAAdapter
 from model.probes.activations import massive_activations
 from model.probes.attention import ProbeAttention
 from model.probes.options import HeadStats, LayerProbe, LensEntry, Prediction, ProbeOptions, ProbeResult
@@ -34,9 +35,11 @@ class ProbeRun:
     MIN_CHUNK_ROWS = 4
 
     def __init__(self, model: Transformer, token_ids: list[int], opts: ProbeOptions,
-                 interventions: list[Intervention] | None = None, num_prompt_tokens: int | None = None) -> None:
+                 interventions: list[Intervention] | None = None, num_prompt_tokens: int | None = None,
+                 adapter: LoRAAdapter | None = None) -> None:
         """`interventions` edit the inspected forward as they would a completion's (model/interventions.py), its
-        "prompt" being the first `num_prompt_tokens` tokens (default: all of them)."""
+        "prompt" being the first `num_prompt_tokens` tokens (default: all of them); `adapter`: a LoRA adapter the
+        whole sequence runs under (model/lora.py), as a completion naming it does."""
         c = model.config
         T = len(token_ids)
         if T == 0:
@@ -50,7 +53,7 @@ class ProbeRun:
             plan = InterventionPlan(interventions, num_prompt_tokens or T, c.n_layers, c.dim)
             edits, _ = EditTables(c.n_layers, c.dim, model.device).build([Segment(0, 0, T, plan)])
         self.ctx = ProbeAttention(opts, c.n_heads, c.n_kv_heads, every, set(self.report) if opts.mode != "none" else set(),
-                                  edits, c.sliding_window, c.attention_multiplier)
+                                  edits, c.sliding_window, c.attention_multiplier, adapter)
         self.hidden_positions = (sorted(opts.hidden_positions) if opts.hidden_positions is not None else list(range(T))) \
             if "hidden_states" in opts.include else None
         self.prediction: Prediction | None = None

@@ -62,7 +62,7 @@ async def completions(req: CompletionRequest, request: Request, serving: Serving
     # with inspect.stream, per-token telemetry instead
     if req.inspect and options.telemetry is None:
         choices.inspection = asyncio.ensure_future(completion_summaries(serving, prompts, req.inspect,
-                                                                        options.interventions))
+                                                                        options.interventions, options.lora))
     if req.stream:
         return stream_response(serving, stats, outputs, choices,
                                include_usage=bool(req.stream_options and req.stream_options.include_usage))

@@ -94,12 +94,12 @@ def _absolute(positions: list[int] | None, T: int, param: str) -> list[int] | No
 
 
 async def _generate(serving: Serving, request: Request, ids: list[int], req: InspectRequest,
-                    interventions: list[Intervention] | None) -> dict:
-    """The completion to inspect with the prompt (generated under the same interventions): its tokens, text and
-    finish reason."""
+                    interventions: list[Intervention] | None, adapter: str | None) -> dict:
+    """The completion to inspect with the prompt (generated under the same interventions and LoRA adapter): its
+    tokens, text and finish reason."""
     params = SamplingParams(max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p, seed=req.seed)
     stats = RunStats("inspect")
-    outputs = await start(serving, [ids], params, stats, RequestOptions(interventions=interventions))
+    outputs = await start(serving, [ids], params, stats, RequestOptions(interventions=interventions, lora=adapter))
 
     async def collect():
         tokens, text, reason, error = [], "", None, None
@@ -120,7 +120,7 @@ async def _generate(serving: Serving, request: Request, ids: list[int], req: Ins
 
 @router.post("/inspect")
 async def inspect(req: InspectRequest, request: Request, serving: Serving = Depends(get_serving)):
-    serving.check_model(req.model)
+    adapter = serving.check_model(req.model, adapters=True)  # the whole inspection under a LoRA adapter, or the base
     c = serving.config
     started = time.perf_counter()
     ids = _sequence(serving, req)
@@ -133,15 +133,15 @@ async def inspect(req: InspectRequest, request: Request, serving: Serving = Depe
     interventions = to_interventions(req.interventions, serving.vectors, c.n_layers, c.dim)
     completion = None
     if req.max_tokens:
-        completion = await _generate(serving, request, ids, req, interventions)
+        completion = await _generate(serving, request, ids, req, interventions, adapter)
         T = len(ids) + len(completion["token_ids"])
         opts.rows = _absolute(req.rows, T, "rows")
         opts.hidden_positions = _absolute(req.hidden_positions, T, "hidden_positions")
     sequence = ids + (completion["token_ids"] if completion else [])
-    run = await run_probe(serving, request, sequence, opts, interventions, len(ids))
+    run = await run_probe(serving, request, sequence, opts, interventions, len(ids), adapter)
     result = run.result()
     body = {"id": f"insp-{uuid.uuid4().hex[:24]}", "object": "inspection", "created": now(),
-            "model": serving.model_name,
+            "model": adapter or serving.model_name,
             "mode": opts.mode, "format": req.format,
             "config": {"n_layers": c.n_layers, "n_heads": c.n_heads, "n_kv_heads": c.n_kv_heads, "head_dim": c.head_dim,
                        "dim": c.dim, "vocab_size": c.vocab_size},

@@ -2,15 +2,18 @@
 files: a random-weight LLaMA saved by transformers, and two random adapters saved by PEFT (rank 8 on every
 projection; rank 64 with rsLoRA on some). Over HTTP through the openai package: prompt logprobs at every position
 within 1e-4 of PEFT's forward (float32) and the same greedy tokens; requests for the base and both adapters sent at
-once give each exactly what it gives alone; the adapters are listed by /v1/models and refused where an endpoint runs
-the base alone."""
+once give each exactly what it gives alone; /inspect under an adapter reads PEFT's residual stream; the adapters are
+listed by /v1/models, counted in /metrics, loaded and unloaded at run time, and refused where an endpoint runs the
+base alone."""
 
 from __future__ import annotations
 
+import base64
 import json
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import numpy as np
 import openai
 import pytest
 import torch
@@ -153,7 +156,8 @@ def test_unknown_model_and_adapter_on_a_base_only_endpoint_are_refused(server, c
     with pytest.raises(openai.NotFoundError) as e:
         client.completions.create(model="no-such-adapter", prompt="hi", max_tokens=2)
     assert e.value.body["code"] == "model_not_found" and "'r8'" in e.value.body["message"]
-    r = httpx.post(server.url + "/inspect", json={"model": "r8", "prompt": "hi"})
+    r = httpx.post(server.url + "/inspect/patch", json={"model": "r8", "clean": "hi there", "corrupted": "ho there",
+                                                        "answer": "a"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "model"
     chat = client.chat.completions.create(model="r8", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
     assert chat.model == "r8"
@@ -216,3 +220,26 @@ def test_adapters_load_and_unload_at_run_time(runtime_server, checkpoint, refere
     assert gone.status_code == 404
     assert load("live", folders["r64"]).status_code == 200
     assert_serves("r64")
+
+
+@pytest.mark.parametrize("name", [None, "r64"])
+def test_inspect_under_an_adapter_reads_its_residual_stream(server, references, name):
+    """/inspect naming an adapter runs the whole probe under it: a block's output equals PEFT's hidden state
+    (transformers' output_hidden_states[l + 1]) within 1e-5 of the layer's scale, and the sequence's perplexity its."""
+    ids = _ids(server, PROMPTS[1])
+    # block 0 (transformers' last hidden state is after the final norm, ours before it), and the whole model's perplexity
+    body = {"model": name or "base", "input_ids": ids, "layers": [0], "include": ["hidden_states", "prediction"],
+            "hidden_dtype": "float32"}
+    r = httpx.post(server.url + "/inspect", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    insp = r.json()
+    assert insp["model"] == (name or "base")
+    with torch.no_grad():
+        out = references[name](torch.tensor([ids]), output_hidden_states=True)
+    for layer in insp["layers"]:
+        v = layer["hidden_states"]["values"]
+        got = np.frombuffer(base64.b64decode(v["data"]), dtype="<f4").reshape(v["shape"])
+        want = out.hidden_states[layer["layer"] + 1][0].numpy()
+        assert np.abs(got - want).max() / np.abs(want).max() <= 1e-5
+    lp = out.logits[0, :-1].float().log_softmax(-1).gather(1, torch.tensor(ids[1:])[:, None])
+    assert insp["prediction"]["perplexity"] == pytest.approx(float((-lp.mean()).exp()), rel=1e-4)
