@@ -4,7 +4,10 @@ adapter, and nothing for every other row of the step.
 
 An adapter is read from PEFT's format (`adapter_config.json` + `adapter_model.safetensors`, as `save_pretrained`
 writes them: peft/tuners/lora/layer.py's `Linear.forward`, `result + lora_B(lora_A(x)) * scaling`, with scaling
-lora_alpha / r, or lora_alpha / sqrt(r) under rsLoRA, Kalajdzievski 2023). Its targets are the HF names of the
+lora_alpha / r, or lora_alpha / sqrt(r) under rsLoRA, Kalajdzievski 2023), or from llama.cpp's LoRA GGUF
+(`convert_lora_to_gguf.py`: `<tensor>.lora_a` (r, in) and `.lora_b` (out, r) beside each adapted base tensor's name,
+`adapter.lora.alpha`, scaling alpha / r as `llama-adapter.cpp` applies it, and lora_b's q/k rows permuted as the
+base's are for architectures llama.cpp ropes interleaved). Its targets are the HF names of the
 LLaMA block's projections; here q, k and v are one fused projection (and gate and up another,
 model/transformer.py's FUSED_PARTS), so each target becomes a column range of the fused output.
 
@@ -84,6 +87,81 @@ def _alpha(cfg: dict, module: str) -> float:
     return float(cfg.get("lora_alpha", 8))
 
 
+def load_adapter(name: str, path: str | Path, config: ModelConfig, max_rank: int) -> LoRAAdapter:
+    """A PEFT adapter folder, or llama.cpp's LoRA GGUF (a `.gguf` file), for a model of `config`."""
+    if str(path).endswith(".gguf"):
+        return load_gguf_lora(name, path, config, max_rank)
+    return load_peft(name, path, config, max_rank)
+
+
+def _add_part(adapter: LoRAAdapter, layer: int, module: str, A: Tensor, B: Tensor, alpha: float | None,
+              rs: bool, config: ModelConfig, max_rank: int) -> None:
+    """One target (HF module name) of block `layer`: checked against the model and added. alpha None: scale 1."""
+    name = adapter.name
+    site, part = TARGETS[module]
+    start, stop, fan_in = _columns(config, site, part)
+    r = A.shape[0]
+    if A.shape != (r, fan_in) or B.shape != (stop - start, r):
+        raise ValueError(f"LoRA adapter {name!r}: block {layer} {module} has A {tuple(A.shape)}, B "
+                         f"{tuple(B.shape)}; this model needs A (r, {fan_in}) and B ({stop - start}, r)")
+    if r > max_rank:
+        raise ValueError(f"LoRA adapter {name!r}: rank {r} exceeds --max-lora-rank {max_rank}")
+    scale = 1.0 if alpha is None else alpha / math.sqrt(r) if rs else alpha / r
+    for other in adapter.parts.get((layer, site), []):  # (qkv_proj beside q_proj, say): added in one pass
+        if start < other.stop and other.start < stop:
+            raise ValueError(f"LoRA adapter {name!r}: block {layer} {module} overlaps another of its targets")
+    adapter.parts.setdefault((layer, site), []).append(LoRAPart(start, stop, A, B.t().contiguous(), scale))
+    adapter.rank = max(adapter.rank, r)
+
+
+# llama.cpp's GGUF names of the adapted tensors (conversion's tensor map) -> the HF module names above
+GGUF_TARGETS = {"attn_q": "q_proj", "attn_k": "k_proj", "attn_v": "v_proj", "attn_qkv": "qkv_proj",
+                "attn_output": "o_proj", "ffn_gate": "gate_proj", "ffn_up": "up_proj", "ffn_down": "down_proj"}
+_GGUF_KEY = re.compile(r"^blk\.(\d+)\.(\w+)\.weight\.lora_([ab])$")
+
+
+def load_gguf_lora(name: str, path: str | Path, config: ModelConfig, max_rank: int) -> LoRAAdapter:
+    """llama.cpp's LoRA GGUF for a model of `config` -> its parts (float32, on the CPU); ValueError naming the file
+    and what is wrong."""
+    from model.loaders.gguf_file import dequantized, family_of, open_gguf, unpermute_qk
+
+    try:
+        reader = open_gguf(path)
+    except Exception as e:  # noqa: BLE001 - not a GGUF at all: the one-line reason
+        raise ValueError(f"LoRA adapter {name!r}: {path} is not a readable GGUF file ({e})") from None
+    meta = reader.metadata
+    if meta.get("general.type") != "adapter" or meta.get("adapter.type") != "lora":
+        raise ValueError(f"LoRA adapter {name!r}: {path} is not a LoRA adapter GGUF (general.type "
+                         f"{meta.get('general.type')!r}, adapter.type {meta.get('adapter.type')!r})")
+    family = family_of(reader)
+    fused_up = "feed_forward.w13.weight" in family.gguf_names  # (Phi-3: its ffn_up is gate and up together)
+    alpha = float(meta.get("adapter.lora.alpha") or 0.0)
+    pairs: dict[tuple[int, str], dict[str, Tensor]] = {}
+    for t in reader.tensors:
+        m = _GGUF_KEY.match(t.name)
+        if m is None or m.group(2) not in GGUF_TARGETS:
+            raise ValueError(f"LoRA adapter {name!r}: tensor {t.name!r} targets a tensor this server cannot adapt "
+                             f"(adaptable: {', '.join(GGUF_TARGETS)} of each block)")
+        layer, module = int(m.group(1)), GGUF_TARGETS[m.group(2)]
+        if fused_up and module == "up_proj":
+            module = "gate_up_proj"
+        if layer >= config.n_layers:
+            raise ValueError(f"LoRA adapter {name!r}: {t.name!r} names block {layer}; the model has {config.n_layers}")
+        w = dequantized(t, str(path))  # lora_a (r, in), lora_b (out, r)
+        if m.group(3) == "b" and family.permuted_qk and module in ("q_proj", "k_proj"):
+            w = unpermute_qk(w, config.n_heads if module == "q_proj" else config.n_kv_heads)
+        pairs.setdefault((layer, module), {})[m.group(3).upper()] = torch.from_numpy(w.copy())
+    if not pairs:
+        raise ValueError(f"LoRA adapter {name!r}: {path} holds no lora_a / lora_b tensors")
+    adapter = LoRAAdapter(name, str(path), 0)
+    for (layer, module), ab in sorted(pairs.items()):
+        if set(ab) != {"A", "B"}:
+            raise ValueError(f"LoRA adapter {name!r}: block {layer} {module} has lora_{''.join(ab).lower()} without its pair")
+        # llama-adapter.cpp: scale = alpha / rank, or 1 without an alpha
+        _add_part(adapter, layer, module, ab["A"], ab["B"], alpha or None, False, config, max_rank)
+    return adapter
+
+
 def load_peft(name: str, path: str | Path, config: ModelConfig, max_rank: int) -> LoRAAdapter:
     """A PEFT LoRA adapter folder for a model of `config` -> its parts (float32, on the CPU). ValueError, naming the
     folder and what is wrong, for anything this cannot serve exactly."""
@@ -121,22 +199,10 @@ def load_peft(name: str, path: str | Path, config: ModelConfig, max_rank: int) -
     for (layer, module), ab in sorted(pairs.items()):
         if set(ab) != {"A", "B"}:
             raise ValueError(f"LoRA adapter {name!r}: block {layer} {module} has lora_{''.join(ab)} without its pair")
-        A, B = ab["A"].float(), ab["B"].float()
-        site, part = TARGETS[module]
-        start, stop, fan_in = _columns(config, site, part)
-        r = A.shape[0]
-        if A.shape != (r, fan_in) or B.shape != (stop - start, r):
-            raise ValueError(f"LoRA adapter {name!r}: block {layer} {module} has A {tuple(A.shape)}, B "
-                             f"{tuple(B.shape)}; this model needs A (r, {fan_in}) and B ({stop - start}, r)")
-        if r > max_rank:
-            raise ValueError(f"LoRA adapter {name!r}: rank {r} exceeds --max-lora-rank {max_rank}")
-        alpha = _alpha(cfg, f"model.layers.{layer}.{'mlp' if site in ('w13', 'w2') else 'self_attn'}.{module}")
-        scale = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
-        for other in adapter.parts.get((layer, site), []):  # (qkv_proj beside q_proj, say): added in one pass
-            if start < other.stop and other.start < stop:
-                raise ValueError(f"LoRA adapter {name!r}: block {layer} {module} overlaps another of its targets")
-        adapter.parts.setdefault((layer, site), []).append(LoRAPart(start, stop, A, B.t().contiguous(), scale))
-        adapter.rank = max(adapter.rank, r)
+        kind = "mlp" if TARGETS[module][0] in ("w13", "w2") else "self_attn"
+        alpha = _alpha(cfg, f"model.layers.{layer}.{kind}.{module}")
+        _add_part(adapter, layer, module, ab["A"].float(), ab["B"].float(), alpha, bool(cfg.get("use_rslora")),
+                  config, max_rank)
     return adapter
 
 

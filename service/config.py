@@ -112,8 +112,8 @@ class Settings(BaseSettings):
         "their interventions", json_schema_extra={"shown_default": "none"})
     lora_modules: list[str] = Field(
         default_factory=list, description="LoRA adapters served beside the base model, `NAME=PATH` each (a PEFT "
-        "adapter folder: adapter_config.json + adapter_model.safetensors), as vLLM's flag: a request whose `model` is "
-        "NAME runs under that adapter, in the same steps as every other request; /v1/models lists them",
+        "adapter folder: adapter_config.json + adapter_model.safetensors, or llama.cpp's LoRA GGUF), as vLLM's flag: "
+        "a request whose `model` is NAME runs under that adapter, in the same steps as every other request",
         json_schema_extra={"shown_default": "none"})
     max_lora_rank: int = Field(64, ge=1, description="largest LoRA rank an adapter may have")
     enable_lora_runtime_updates: bool = Field(

@@ -13,7 +13,8 @@ from model.config import ModelConfig
 from model.engine import (PLAIN, EngineJob, EngineStats, InvalidOption, RequestOptions, RequestStream,
                           SamplingParams)
 from model.interventions import Intervention
-from model.lora import LoRAAdapter, load_peft
+from model.lora import LoRAAdapter
+from model.lora import load_adapter as read_adapter
 from model.probes import (AttributionPatchingRun, CaptureRun, DirectLogitRun, PatchSweep, ProbeOptions, ProbeRun,
                           SiteCapture)
 from model.text import Tokenizer
@@ -106,7 +107,7 @@ class Serving:
         if name == self.model_name or name in self.adapters:
             raise APIError(400, f"the name {name!r} is already served", param="lora_name", code="invalid_value")
         try:
-            adapter = await asyncio.to_thread(load_peft, name, path, self.config, self.settings.max_lora_rank)
+            adapter = await asyncio.to_thread(read_adapter, name, path, self.config, self.settings.max_lora_rank)
             await self._engine.add_lora(adapter)
         except ValueError as e:
             raise APIError(400, str(e), param="lora_path", code="invalid_value") from None

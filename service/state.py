@@ -14,7 +14,7 @@ import torch
 from model.engine import AsyncEngine
 from model.engine import Engine, KVWindow, RequestOptions, SpeculativeConfig
 from model.loaders import LoadedModel, load_model
-from model.lora import LoRAAdapter, load_peft
+from model.lora import LoRAAdapter, load_adapter
 from model.parallel import TPModel, launch
 from model.dtypes import DTYPES
 from model.text.chat_template import read_template_option
@@ -96,7 +96,7 @@ class ServerState:
                 name, path = lora_module(spec)
                 if name == (s.served_model_name or loaded.name):
                     raise ValueError(f"LoRA adapter name {name!r} is the base model's name")
-                self.adapters[name] = load_peft(name, path, c, s.max_lora_rank)
+                self.adapters[name] = load_adapter(name, path, c, s.max_lora_rank)
                 core.add_lora(self.adapters[name])
                 log.info("LoRA adapter %s: %s", name, path)
             if s.kv_window is not None:  # the default window must fit this engine: refuse to start, not every request

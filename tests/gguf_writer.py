@@ -146,3 +146,29 @@ def write_tiny_gguf(
     w.write_tensors_to_file()
     w.close()
     return encoded
+
+
+def write_lora_gguf(path: Path, peft_dir: Path, n_heads: int, n_kv_heads: int, architecture: str = "llama") -> None:
+    """A PEFT LoRA folder written as llama.cpp's `convert_lora_to_gguf.py` writes it (f32): general.type "adapter",
+    adapter.type "lora", adapter.lora.alpha, and `<base tensor>.lora_a` (r, in) / `.lora_b` (out, r) for each adapted
+    tensor, lora_b's q/k rows permuted as the base's are (its LoraTorchTensor.permute moves B's rows)."""
+    import json
+
+    from safetensors.numpy import load_file
+
+    cfg = json.loads((peft_dir / "adapter_config.json").read_text())
+    w = GGUFWriter(str(path), architecture)
+    w.add_type("adapter")
+    w.add_string("adapter.type", "lora")
+    w.add_float32("adapter.lora.alpha", float(cfg["lora_alpha"]))
+    for key, arr in sorted(load_file(str(peft_dir / "adapter_model.safetensors")).items()):
+        base = key.removeprefix("base_model.model.").replace(".lora_A.weight", ".weight").replace(".lora_B.weight", ".weight")
+        name = gguf_name(base) + (".lora_a" if ".lora_A." in key else ".lora_b")
+        arr = arr.astype(np.float32)
+        if ".lora_B." in key and architecture in PERMUTED and ("q_proj" in key or "k_proj" in key):
+            arr = permute(arr, n_heads if "q_proj" in key else n_kv_heads)
+        w.add_tensor(name, np.ascontiguousarray(arr))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()

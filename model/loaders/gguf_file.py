@@ -147,6 +147,11 @@ def _dequantize(reader_tensor: Any, path: str, rows: slice = slice(None)) -> np.
     return out
 
 
+def dequantized(reader_tensor: Any, path: str) -> np.ndarray:
+    """A whole tensor of the file as float32, its dims outermost first (a LoRA GGUF's small matrices, model/lora.py)."""
+    return _dequantize(reader_tensor, path)
+
+
 class _Placement:
     """Where the served matrices' buffers go: one `WeightArena` of `capacity` bytes (on 2 MB pages, written once),
     and a fused module's parts (q/k/v, gate/up: `transformer.FUSED_PARTS`) as row slices of the module's own buffers,
@@ -300,4 +305,5 @@ def load_gguf(
     return model
 
 
-__all__ = ["load_gguf", "open_gguf", "read_metadata", "native_quantization", "unpermute_qk", "GGMLQuantizationType"]
+__all__ = ["load_gguf", "open_gguf", "read_metadata", "native_quantization", "unpermute_qk", "dequantized",
+           "GGMLQuantizationType"]

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from model.lora import load_peft
+from model.lora import load_adapter, load_peft
 from tiny import tiny_model
 
 PREFIX = "base_model.model.model.layers"
@@ -61,3 +61,17 @@ def test_adapters_it_cannot_serve_exactly_are_refused_by_name(tmp_path, tensors,
 def test_a_folder_without_peft_files_is_refused(tmp_path):
     with pytest.raises(ValueError, match="needs adapter_config.json and adapter_model.safetensors"):
         load_peft("x", tmp_path, tiny_model().config, 64)
+
+
+def test_a_gguf_that_is_not_a_lora_adapter_is_refused(tmp_path):
+    from gguf import GGUFWriter
+
+    path = tmp_path / "model.gguf"
+    w = GGUFWriter(str(path), "llama")
+    w.add_tensor("blk.0.attn_q.weight", torch.zeros(64, 64).numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ValueError, match="is not a LoRA adapter GGUF"):
+        load_adapter("x", str(path), tiny_model().config, 64)

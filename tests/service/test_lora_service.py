@@ -18,6 +18,7 @@ import openai
 import pytest
 import torch
 
+from gguf_writer import write_lora_gguf
 from hf_checkpoints import save_tiny_checkpoint
 from hf_reference import top_margins
 from live_server import LiveServer
@@ -73,10 +74,13 @@ def references(checkpoint):
 @pytest.fixture(scope="module")
 def server(checkpoint):
     base_dir, folders = checkpoint
+    config = json.loads((base_dir / "config.json").read_text())
+    gguf = base_dir.parent / "r8.gguf"  # the rank-8 adapter as llama.cpp's converter writes it
+    write_lora_gguf(gguf, folders["r8"], config["num_attention_heads"], config["num_key_value_heads"])
     settings = Settings(model=str(base_dir), dtype="float32", device="cpu", quantization="none",
                         kv_cache_bytes=32 << 20, max_num_seqs=8, served_model_name="base",
                         chat_template="{% for m in messages %}{{ m.content }}\n{% endfor %}",
-                        lora_modules=[f"{n}={p}" for n, p in folders.items()])
+                        lora_modules=[f"{n}={p}" for n, p in folders.items()] + [f"r8-gguf={gguf}"])
     with LiveServer(create_app(settings, wait_ready=True)) as live:
         yield live
 
@@ -106,9 +110,9 @@ def _reference(model, ids: list[int], n: int) -> tuple[torch.Tensor, list[int], 
 
 def test_models_lists_each_adapter_with_its_base(server):
     data = httpx.get(server.url + "/v1/models").json()["data"]
-    assert [m["id"] for m in data] == ["base", *ADAPTERS]
+    assert [m["id"] for m in data] == ["base", *ADAPTERS, "r8-gguf"]
     for m in data[1:]:
-        assert m["parent"] == "base" and m["root"].endswith(m["id"])
+        assert m["parent"] == "base" and m["root"].endswith(m["id"].replace("-", "."))
 
 
 @pytest.mark.parametrize("name", [None, *ADAPTERS])
@@ -243,3 +247,14 @@ def test_inspect_under_an_adapter_reads_its_residual_stream(server, references, 
         assert np.abs(got - want).max() / np.abs(want).max() <= 1e-5
     lp = out.logits[0, :-1].float().log_softmax(-1).gather(1, torch.tensor(ids[1:])[:, None])
     assert insp["prediction"]["perplexity"] == pytest.approx(float((-lp.mean()).exp()), rel=1e-4)
+
+
+def test_an_adapter_from_its_converted_gguf_serves_what_its_peft_files_serve(client):
+    """The rank-8 adapter from PEFT's files and from the GGUF llama.cpp's converter makes of them (q/k rows of B
+    permuted, alpha in the metadata): the same tokens and logprobs."""
+    for text in PROMPTS:
+        a, b = (client.completions.create(model=m, prompt=text, max_tokens=12, temperature=0, logprobs=2)
+                for m in ("r8", "r8-gguf"))
+        assert a.choices[0].text == b.choices[0].text
+        lp_a, lp_b = a.choices[0].logprobs.token_logprobs, b.choices[0].logprobs.token_logprobs
+        assert max(abs(x - y) for x, y in zip(lp_a, lp_b)) <= TOL
