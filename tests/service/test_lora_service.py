@@ -31,6 +31,8 @@ ADAPTERS = {
     # name: (rank, alpha, rsLoRA, targets)
     "r8": (8, 16, False, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
     "r64": (64, 32, True, ["q_proj", "v_proj", "down_proj"]),
+    "r4": (4, 8, False, ["q_proj", "k_proj"]),
+    "r16": (16, 16, False, ["gate_proj", "up_proj", "down_proj"]),
 }
 
 
@@ -78,7 +80,7 @@ def server(checkpoint):
     gguf = base_dir.parent / "r8.gguf"  # the rank-8 adapter as llama.cpp's converter writes it
     write_lora_gguf(gguf, folders["r8"], config["num_attention_heads"], config["num_key_value_heads"])
     settings = Settings(model=str(base_dir), dtype="float32", device="cpu", quantization="none",
-                        kv_cache_bytes=32 << 20, max_num_seqs=8, served_model_name="base",
+                        kv_cache_bytes=32 << 20, max_num_seqs=32, served_model_name="base",
                         chat_template="{% for m in messages %}{{ m.content }}\n{% endfor %}",
                         lora_modules=[f"{n}={p}" for n, p in folders.items()] + [f"r8-gguf={gguf}"])
     with LiveServer(create_app(settings, wait_ready=True)) as live:
@@ -117,30 +119,34 @@ def test_models_lists_each_adapter_with_its_base(server):
 
 @pytest.mark.parametrize("name", [None, *ADAPTERS])
 def test_served_logprobs_equal_peft(server, client, references, name):
-    """Every prompt position's logprob within 1e-4 of PEFT's forward, and the same 12 greedy tokens (the reference's
-    top-1 leads by far more than the tolerance at every step, so the tokens cannot flip)."""
+    """Every prompt position's logprob within 1e-4 of PEFT's forward, and PEFT's greedy tokens with their logprobs up
+    to the first step where the reference's top-1 leads by less than 100x the tolerance (a near-tie could flip)."""
     model = name or "base"
     for text in PROMPTS:
         ids = _ids(server, text)
         want_prompt, want_tokens, want_lps = _reference(references[name], ids, 12)
-        assert float(top_margins(want_lps).min()) > 100 * TOL
         r = client.completions.create(model=model, prompt=ids, max_tokens=12, temperature=0, logprobs=1, echo=True)
         assert r.model == model
         lp = r.choices[0].logprobs.token_logprobs
         T = len(ids)
         assert max(abs(a - float(b)) for a, b in zip(lp[1:T], want_prompt)) <= TOL
+        safe = top_margins(want_lps) > 100 * TOL
+        k = int(safe.int().argmin()) if not bool(safe.all()) else len(want_tokens)  # the steps before a near-tie
+        assert k >= 2
         got = client.completions.create(model=model, prompt=ids, max_tokens=12, temperature=0, logprobs=1)
         # each token's text as the server writes it in logprobs (the byte tokenizer: one id a text)
-        want_texts = [httpx.post(server.url + "/detokenize", json={"tokens": [t]}).json()["prompt"] for t in want_tokens]
-        assert got.choices[0].logprobs.tokens == want_texts
-        chosen = torch.tensor(got.choices[0].logprobs.token_logprobs)
-        assert float((chosen - want_lps.max(-1).values).abs().max()) <= TOL
+        want_texts = [httpx.post(server.url + "/detokenize", json={"tokens": [t]}).json()["prompt"]
+                      for t in want_tokens[:k]]
+        assert got.choices[0].logprobs.tokens[:k] == want_texts
+        chosen = torch.tensor(got.choices[0].logprobs.token_logprobs[:k])
+        assert float((chosen - want_lps[:k].max(-1).values).abs().max()) <= TOL
 
 
 def test_adapters_and_base_in_one_batch_give_what_each_gives_alone(server, client):
-    """The base and both adapters on the same prompts (so also on each other's cached prefixes), sent at once: each
-    request's tokens and logprobs exactly as alone."""
-    jobs = [(model, text) for text in PROMPTS for model in ("base", *ADAPTERS)] * 2
+    """32 requests over the base and four adapters on the same prompts (so also on each other's cached prefixes),
+    sent at once into one batch: each request's tokens and logprobs exactly as alone."""
+    models = ["base", *ADAPTERS]
+    jobs = [(models[i % len(models)], PROMPTS[i % len(PROMPTS)]) for i in range(32)]
 
     def one(job):
         model, text = job
@@ -148,12 +154,13 @@ def test_adapters_and_base_in_one_batch_give_what_each_gives_alone(server, clien
         lp = r.choices[0].logprobs
         return r.choices[0].text, lp.token_logprobs, [sorted(t.items()) for t in lp.top_logprobs]
 
-    alone = [one(j) for j in jobs[: len(jobs) // 2]]
+    alone = {job: one(job) for job in sorted(set(jobs))}
     with ThreadPoolExecutor(len(jobs)) as pool:
         together = list(pool.map(one, jobs))
-    assert together == alone + alone
-    # and an adapter changes what the base says
-    assert len({a[0] for a in alone[:3]}) > 1 or len({json.dumps(a[1]) for a in alone[:3]}) == 3
+    assert together == [alone[j] for j in jobs]
+    # and each adapter changes what the base says
+    first = [alone[(m, PROMPTS[0])][1] for m in models]
+    assert len({json.dumps(lp) for lp in first}) == len(models)
 
 
 def test_unknown_model_and_adapter_on_a_base_only_endpoint_are_refused(server, client):
