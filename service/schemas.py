@@ -459,6 +459,13 @@ class InspectRequest(BaseModel):
         return v
 
 
+class CompareRequest(InspectRequest):
+    """POST /inspect/compare: one sequence inspected under `model` (the reference: the base, or an adapter) and under
+    each of `compare` (LoRA adapters, or the base), with the /inspect options each inspection takes."""
+
+    compare: list[str] = Field(min_length=1, max_length=4)
+
+
 class PatchRequest(BaseModel):
     """POST /inspect/patch: an activation-patching sweep (model/probes/patching.py; docs/inspection.md)."""
 

@@ -70,7 +70,7 @@ class Serving:
         return ProbeRun(self._state.loaded.model, token_ids, opts, interventions, num_prompt_tokens,
                         self.adapters[adapter] if adapter is not None else None)
 
-    def _local_model(self, what: str) -> Transformer:
+    def local_model(self, what: str) -> Transformer:
         """The served model where its modules run in this process; 400 under tensor parallelism."""
         model = self._state.loaded.model
         if not isinstance(model, Transformer):
@@ -80,14 +80,14 @@ class Serving:
 
     def new_capture(self, token_ids: list[int], capture: SiteCapture) -> CaptureRun:
         """A forward of `token_ids` over the serving weights recording `capture`'s sites (model/probes/capture.py)."""
-        return CaptureRun(self._local_model("a head-level sweep"), token_ids, capture)
+        return CaptureRun(self.local_model("a head-level sweep"), token_ids, capture)
 
     def new_direct_logit(self, token_ids: list[int], answer: int, contrast: int) -> DirectLogitRun:
-        return DirectLogitRun(self._local_model("attribution"), token_ids, answer, contrast)
+        return DirectLogitRun(self.local_model("attribution"), token_ids, answer, contrast)
 
     def new_attribution_patching(self, sweep: PatchSweep, source: list[int], target: list[int],
                                  qk_fix: bool) -> AttributionPatchingRun:
-        return AttributionPatchingRun(self._local_model("attribution"), sweep, source, target, qk_fix)
+        return AttributionPatchingRun(self.local_model("attribution"), sweep, source, target, qk_fix)
 
     async def check(self, options: RequestOptions) -> None:
         """400 naming the request field the engine cannot serve (`Engine.check`: the sink + window cache, telemetry,

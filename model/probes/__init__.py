@@ -28,6 +28,7 @@ from model.probes.activations import BlockActivations, massive_activations
 from model.probes.attention import ProbeAttention
 from model.probes.attribution_patching import AttributionPatchingRun
 from model.probes.capture import CaptureRun, SiteCapture
+from model.probes.compare import CompareRun, LayerComparison
 from model.probes.direct_logit import DirectLogitResult, DirectLogitRun
 from model.probes.options import (
     DEFAULT_INCLUDES, INCLUDES, ActivationEntry, AttentionMaps, AttentionMode, HeadStats, LayerProbe, LensEntry, Prediction,
@@ -42,6 +43,6 @@ __all__ = [
     "LayerProbe", "Prediction",
     "LensEntry", "ProbeAttention", "ProbeOptions", "ProbeResult", "ProbeRun", "estimate_map_elements", "inspect",
     "massive_activations",
-    "AttributionPatchingRun", "CaptureRun", "Cell", "DirectLogitResult", "DirectLogitRun", "PatchSweep", "SiteCapture",
+    "AttributionPatchingRun", "CaptureRun", "Cell", "CompareRun", "LayerComparison", "DirectLogitResult", "DirectLogitRun", "PatchSweep", "SiteCapture",
     "cell_interventions", "grid", "metric", "normalise",
 ]

@@ -19,15 +19,15 @@ from fastapi.responses import HTMLResponse, Response
 
 from model.engine import RequestOptions, SamplingParams
 from model.interventions import Intervention
-from model.probes import DEFAULT_INCLUDES, ProbeOptions
+from model.probes import DEFAULT_INCLUDES, CompareRun, ProbeOptions
 from service import inspect_format as fmt
 from service.errors import APIError
 from service.edit_fields import to_interventions
 from service.prepare import check_inspect_length, check_token_ids, render_chat
-from service.probing import run_probe
+from service.probing import run_job, run_probe
 from service.openai_format import now
 from service.runner import RunStats, start, until_disconnect
-from service.schemas import InspectRequest
+from service.schemas import CompareRequest, InspectRequest
 from service.serving import Serving, get_serving
 
 router = APIRouter()
@@ -155,6 +155,47 @@ async def inspect(req: InspectRequest, request: Request, serving: Serving = Depe
     data = await run_in_threadpool(fmt.dumps_with_size, body)
     log.info("inspect tokens=%d mode=%s layers=%d compute_ms=%.0f latency_ms=%.0f bytes=%d", len(sequence), opts.mode,
              len(result.layers), result.compute_ms, (time.perf_counter() - started) * 1e3, len(data))
+    return Response(data, media_type="application/json")
+
+
+@router.post("/inspect/compare")
+async def compare(req: CompareRequest, request: Request, serving: Serving = Depends(get_serving)):
+    """One sequence under `model` (the reference) and under each of `compare`: per selected block, how far each moved
+    the residual stream, its heads' attention maps and the logit lens (model/probes/compare.py)."""
+    ref = serving.check_model(req.model, adapters=True)
+    others = [serving.check_model(name, adapters=True) for name in req.compare]
+    if req.max_tokens or req.interventions:
+        raise APIError(400, "compare inspects the given sequence as it is: no max_tokens, no interventions",
+                       param="max_tokens" if req.max_tokens else "interventions", code="invalid_value")
+    started = time.perf_counter()
+    ids = _sequence(serving, req)
+    check_inspect_length(serving, len(ids), "prompt")
+    opts = _options(serving, req, len(ids))
+    if opts.mode == "topk":  # (asked, or what "auto" fits in the byte budget)
+        raise APIError(400, "top-k maps hold each side's own keys: compare maps in full, rows or pooled mode (or none)",
+                       param="mode", code="invalid_value")
+    opts.include = opts.include | {"hidden_states"}  # the block outputs both sides are compared on
+    model = serving.local_model("/inspect/compare")
+    runs = [(await run_probe(serving, request, ids, opts, None, len(ids), name)).result() for name in [ref, *others]]
+    comparisons = []
+    for name, result in zip(req.compare, runs[1:]):
+        job = await run_job(serving, request, CompareRun(model, runs[0], result), len(ids))
+        comparisons.append({"model": name, "layers": [{
+            "layer": c.layer,
+            "residual": {"delta_norm": c.delta_norm.tolist(), "relative": c.relative.tolist(), "cosine": c.cosine.tolist()},
+            "logit_lens": {"kl": c.lens_kl.tolist()},
+            "attention": fmt.encode_maps(c.maps, opts, req.format) if c.maps is not None else None,
+        } for c in job.layers]})
+    body = {"id": f"cmp-{uuid.uuid4().hex[:24]}", "object": "inspection.compare", "created": now(),
+            "model": req.model or serving.model_name, "format": req.format,
+            "tokens": fmt.token_list(serving.tokenizer, ids), "positions": runs[0].hidden_positions,
+            "layers_selected": opts.selected_layers(serving.config.n_layers), "heads_selected": runs[0].heads,
+            "comparisons": comparisons,
+            "usage": {"prompt_tokens": len(ids), "total_tokens": len(ids) * len(runs),
+                      "compute_ms": round(sum(r.compute_ms for r in runs), 1), "response_bytes": 0}}
+    data = await run_in_threadpool(fmt.dumps_with_size, body)
+    log.info("inspect/compare tokens=%d sides=%d latency_ms=%.0f bytes=%d", len(ids), len(runs),
+             (time.perf_counter() - started) * 1e3, len(data))
     return Response(data, media_type="application/json")
 
 

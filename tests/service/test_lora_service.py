@@ -265,3 +265,54 @@ def test_an_adapter_from_its_converted_gguf_serves_what_its_peft_files_serve(cli
         assert a.choices[0].text == b.choices[0].text
         lp_a, lp_b = a.choices[0].logprobs.token_logprobs, b.choices[0].logprobs.token_logprobs
         assert max(abs(x - y) for x, y in zip(lp_a, lp_b)) <= TOL
+
+
+def _hidden(layer: dict) -> np.ndarray:
+    v = layer["hidden_states"]["values"]
+    if v["encoding"] == "list":
+        return np.array(v["data"], dtype=np.float32)
+    return np.frombuffer(base64.b64decode(v["data"]), dtype="<f4").reshape(v["shape"])
+
+
+def test_compare_is_the_difference_of_two_inspections(server, references):
+    """/inspect/compare between the base and an adapter: the residual stream's moves equal those of the two
+    inspections' block outputs, the attention maps' difference theirs, and the logit lens' KL divergence PEFT's."""
+    ids = _ids(server, PROMPTS[2])
+    common = {"input_ids": ids, "layers": [0, 1], "mode": "full", "format": "list"}
+    r = httpx.post(server.url + "/inspect/compare", json={**common, "compare": ["r8"]}, timeout=60)
+    assert r.status_code == 200, r.text
+    (cmp,) = r.json()["comparisons"]
+    assert cmp["model"] == "r8" and r.json()["positions"] == list(range(len(ids)))
+    sides = [httpx.post(server.url + "/inspect", json={**common, "model": m, "include": ["attention", "hidden_states"],
+                                                      "hidden_dtype": "float32"}, timeout=60).json()
+             for m in ("base", "r8")]
+    with torch.no_grad():
+        peft = references["r8"]
+        out = peft(torch.tensor([ids]), output_hidden_states=True)
+        with peft.disable_adapter():
+            base_out = peft(torch.tensor([ids]), output_hidden_states=True)
+    model = peft.get_base_model()
+    for layer, a, b in zip(cmp["layers"], sides[0]["layers"], sides[1]["layers"]):
+        ha, hb = _hidden(a), _hidden(b)
+        delta = np.linalg.norm(hb - ha, axis=-1)
+        assert np.allclose(layer["residual"]["delta_norm"], delta, rtol=1e-5, atol=1e-5)
+        cosine = (ha * hb).sum(-1) / np.linalg.norm(ha, axis=-1) / np.linalg.norm(hb, axis=-1)
+        assert np.allclose(layer["residual"]["cosine"], cosine, atol=1e-5)
+        maps = np.array(b["attention"]["maps"]["values"]["data"]) - np.array(a["attention"]["maps"]["values"]["data"])
+        assert np.abs(np.array(layer["attention"]["values"]["data"]) - maps).max() <= 2e-3  # (float16 on the wire)
+        # the lens: the final norm and head on each block output (transformers' last hidden state is normed already)
+        with torch.no_grad():
+            def lens(o):
+                h = o.hidden_states[layer["layer"] + 1][0]
+                return (o.logits[0] if layer["layer"] == 1 else model.lm_head(model.model.norm(h))).float().log_softmax(-1)
+            la, lb = lens(base_out), lens(out)
+            kl = (la.exp() * (la - lb)).sum(-1)
+        assert np.allclose(layer["logit_lens"]["kl"], kl.numpy(), rtol=1e-3, atol=1e-5)
+        assert float(kl.max()) > 1e-3  # the adapter moved the lens
+
+
+def test_compare_refuses_what_it_cannot_compare(server):
+    body = {"prompt": "hi there", "compare": ["r8"]}
+    assert httpx.post(server.url + "/inspect/compare", json={**body, "mode": "topk"}).json()["error"]["param"] == "mode"
+    r = httpx.post(server.url + "/inspect/compare", json={**body, "compare": ["nobody"]})
+    assert r.status_code == 404
