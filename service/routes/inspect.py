@@ -229,6 +229,12 @@ async def viewer_patch_script():
                     media_type="text/javascript")
 
 
+@router.get("/inspect/ui/lora.js", include_in_schema=False)
+async def viewer_lora_script():
+    return Response(resources.files("service").joinpath("static/lora.js").read_text(encoding="utf-8"),
+                    media_type="text/javascript")
+
+
 @router.get("/inspect/ui/attribute.js", include_in_schema=False)
 async def viewer_attribute_script():
     return Response(resources.files("service").joinpath("static/attribute.js").read_text(encoding="utf-8"),

@@ -22,6 +22,7 @@ from gguf_writer import write_lora_gguf
 from hf_checkpoints import save_tiny_checkpoint
 from hf_reference import top_margins
 from live_server import LiveServer
+from test_inspect_viewer import needs_chromium, page  # noqa: F401 (page: the browser fixture)
 from service.config import Settings
 from service.main import create_app
 
@@ -316,3 +317,29 @@ def test_compare_refuses_what_it_cannot_compare(server):
     assert httpx.post(server.url + "/inspect/compare", json={**body, "mode": "topk"}).json()["error"]["param"] == "mode"
     r = httpx.post(server.url + "/inspect/compare", json={**body, "compare": ["nobody"]})
     assert r.status_code == 404
+
+
+@needs_chromium
+def test_the_viewers_adapters_tab_draws_a_comparison(server, page):
+    """The viewer's Adapters tab in a real browser: it lists the served models, compares the base with an adapter
+    through /inspect/compare and says the same largest move and lens KL the API returns."""
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.goto(server.url + "/inspect/ui#adapters")
+    page.wait_for_function("document.getElementById('lora-other').options.length > 1")
+    assert page.input_value("#lora-ref") == "base" and page.input_value("#lora-other") == "r8"
+    page.fill("#lora-prompt", PROMPTS[0])
+    page.click("#lora-run")
+    page.wait_for_selector("#lora-section:not([hidden])")
+    summary = page.text_content("#lora-summary")
+    api = httpx.post(server.url + "/inspect/compare", json={"prompt": PROMPTS[0], "compare": ["r8"], "mode": "none"}).json()
+    layers = api["comparisons"][0]["layers"]
+    moved = max(max(l["residual"]["relative"]) for l in layers)
+    kl = max(max(l["logit_lens"]["kl"]) for l in layers)
+    assert f"up to {moved:.3f} of its norm" in summary and f"up to {kl:.3f} nats" in summary, summary
+    # the heatmaps are drawn: the largest cell is the full colour
+    painted = page.evaluate("""() => { const c = document.getElementById('lora-kl');
+        const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
+        for (let i = 0; i < d.length; i += 4) if (d[i] === 194 && d[i + 1] === 65 && d[i + 2] === 12) return true;
+        return false; }""")
+    assert painted and not errors
