@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -94,6 +95,21 @@ def load_adapter(name: str, path: str | Path, config: ModelConfig, max_rank: int
     return load_peft(name, path, config, max_rank)
 
 
+def _assemble(name: str, source: str | Path, pairs: dict[tuple[int, str], dict[str, Tensor]],
+              alpha_of: Callable[[int, str], float | None], rs: bool, config: ModelConfig,
+              max_rank: int) -> LoRAAdapter:
+    """(block, HF module) -> {"A": (r, in), "B": (out, r)} read from a file -> the adapter (each pair whole)."""
+    if not pairs:
+        raise ValueError(f"LoRA adapter {name!r}: {source} holds no LoRA weights")
+    adapter = LoRAAdapter(name, str(source), 0)
+    for (layer, module), ab in sorted(pairs.items()):
+        if set(ab) != {"A", "B"}:
+            raise ValueError(f"LoRA adapter {name!r}: block {layer} {module} has lora_{''.join(ab)} without its pair")
+        _add_part(adapter, layer, module, ab["A"].float(), ab["B"].float(), alpha_of(layer, module), rs, config,
+                  max_rank)
+    return adapter
+
+
 def _add_part(adapter: LoRAAdapter, layer: int, module: str, A: Tensor, B: Tensor, alpha: float | None,
               rs: bool, config: ModelConfig, max_rank: int) -> None:
     """One target (HF module name) of block `layer`: checked against the model and added. alpha None: scale 1."""
@@ -151,15 +167,8 @@ def load_gguf_lora(name: str, path: str | Path, config: ModelConfig, max_rank: i
         if m.group(3) == "b" and family.permuted_qk and module in ("q_proj", "k_proj"):
             w = unpermute_qk(w, config.n_heads if module == "q_proj" else config.n_kv_heads)
         pairs.setdefault((layer, module), {})[m.group(3).upper()] = torch.from_numpy(w.copy())
-    if not pairs:
-        raise ValueError(f"LoRA adapter {name!r}: {path} holds no lora_a / lora_b tensors")
-    adapter = LoRAAdapter(name, str(path), 0)
-    for (layer, module), ab in sorted(pairs.items()):
-        if set(ab) != {"A", "B"}:
-            raise ValueError(f"LoRA adapter {name!r}: block {layer} {module} has lora_{''.join(ab).lower()} without its pair")
-        # llama-adapter.cpp: scale = alpha / rank, or 1 without an alpha
-        _add_part(adapter, layer, module, ab["A"], ab["B"], alpha or None, False, config, max_rank)
-    return adapter
+    # llama-adapter.cpp: scale = alpha / rank, or 1 without an alpha
+    return _assemble(name, path, pairs, lambda layer, module: alpha or None, False, config, max_rank)
 
 
 def load_peft(name: str, path: str | Path, config: ModelConfig, max_rank: int) -> LoRAAdapter:
@@ -193,17 +202,12 @@ def load_peft(name: str, path: str | Path, config: ModelConfig, max_rank: int) -
         if layer >= config.n_layers:
             raise ValueError(f"LoRA adapter {name!r}: {key!r} names block {layer}; the model has {config.n_layers}")
         pairs.setdefault((layer, m.group(2)), {})[m.group(3)] = t
-    if not pairs:
-        raise ValueError(f"LoRA adapter {name!r}: {weights} holds no lora_A / lora_B weights")
-    adapter = LoRAAdapter(name, str(folder), 0)
-    for (layer, module), ab in sorted(pairs.items()):
-        if set(ab) != {"A", "B"}:
-            raise ValueError(f"LoRA adapter {name!r}: block {layer} {module} has lora_{''.join(ab)} without its pair")
+
+    def alpha_of(layer: int, module: str) -> float:
         kind = "mlp" if TARGETS[module][0] in ("w13", "w2") else "self_attn"
-        alpha = _alpha(cfg, f"model.layers.{layer}.{kind}.{module}")
-        _add_part(adapter, layer, module, ab["A"].float(), ab["B"].float(), alpha, bool(cfg.get("use_rslora")),
-                  config, max_rank)
-    return adapter
+        return _alpha(cfg, f"model.layers.{layer}.{kind}.{module}")
+
+    return _assemble(name, folder, pairs, alpha_of, bool(cfg.get("use_rslora")), config, max_rank)
 
 
 SITES = ("qkv", "o", "w13", "w2")  # the native step's site numbers (csrc/ops.h's LoRAPart)
