@@ -94,3 +94,36 @@ def test_an_adapter_is_removed_only_when_no_request_runs_under_it():
     engine.remove_lora("a")
     with pytest.raises(InvalidOption, match="no LoRA adapter 'a'"):
         engine.check(RequestOptions(lora="a"))
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_speculation_changes_no_token_of_an_adapters_rows(method):
+    """Drafts (prompt lookup, or the base model drafting for itself at int8: it has no adapter) verified in the
+    target's step under the row's adapter: the same greedy tokens and logprobs as without speculation."""
+    from model.engine import SpeculativeConfig
+
+    model = tiny_model()
+    spec = SpeculativeConfig.parse({"method": method, "num_speculative_tokens": 4, "disable_by_batch_size": None,
+                                    **({"prompt_lookup_min": 1} if method == "ngram" else
+                                       {"model": "self", "quantization": "int8"})})
+    draft = quantize_model(tiny_model(), "int8") if method == "draft_model" else None
+    adapters = [random_adapter("a", model.config, 8, 9), random_adapter("b", model.config, 4, 10)]
+    prompts = [[5, 9, 2, 7, 1] * 4, [3, 3, 4, 3, 3, 4] * 3]
+    runs = []
+    for speculative in (None, spec):
+        engine = Engine(model, byte_tokenizer(), EngineConfig(num_blocks=96, block_size=4, speculative=speculative),
+                        draft_model=draft if speculative else None)
+        if speculative is not None:
+            engine.drafter.row_cost = engine.drafter.draft_cost = 0.0  # draft whatever a row may
+        for a in adapters:
+            engine.add_lora(a)
+        params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=2)
+        for i, (lora, p) in enumerate((lora, p) for p in prompts for lora in (None, "a", "b")):
+            engine.add_request(str(i), p, params, RequestOptions(lora=lora))
+        got: dict[str, list] = {}
+        while engine.has_unfinished():
+            for o in engine.step():
+                got.setdefault(o.request_id, []).extend((t, lp.logprob, lp.top) for t, lp in zip(o.token_ids, o.logprobs))
+        runs.append((got, engine.stats()))
+    assert runs[1][0] == runs[0][0]
+    assert runs[1][1].spec_decode.num_draft_tokens > 0  # drafts were verified
