@@ -102,15 +102,19 @@ class Serving:
             raise APIError(400, str(e), param=e.param, code="invalid_value") from None
 
     async def load_adapter(self, name: str, path: str) -> None:
-        """Load a PEFT adapter folder (read on a worker thread) and serve it under `name` from the next step; 400 for
-        a name in use or an adapter this model cannot serve."""
+        """Load a PEFT adapter folder or a llama.cpp LoRA GGUF (read on a worker thread) and serve it under `name` from
+        the next step; 400 for a name in use, or a file that does not read or that this model cannot serve."""
         if name == self.model_name or name in self.adapters:
             raise APIError(400, f"the name {name!r} is already served", param="lora_name", code="invalid_value")
         try:
             adapter = await asyncio.to_thread(read_adapter, name, path, self.config, self.settings.max_lora_rank)
+        except Exception as e:  # noqa: BLE001 - a client's file: whatever fails to read it is that client's 400
+            raise APIError(400, f"{e}" if isinstance(e, ValueError) else f"LoRA adapter {name!r}: {path}: {e}",
+                           param="lora_path", code="invalid_value") from None
+        try:
             await self._engine.add_lora(adapter)
         except ValueError as e:
-            raise APIError(400, str(e), param="lora_path", code="invalid_value") from None
+            raise APIError(400, str(e), param="lora_name", code="invalid_value") from None
         self.adapters[name] = adapter
 
     async def unload_adapter(self, name: str) -> None:

@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -75,3 +79,36 @@ def test_a_gguf_that_is_not_a_lora_adapter_is_refused(tmp_path):
     w.close()
     with pytest.raises(ValueError, match="is not a LoRA adapter GGUF"):
         load_adapter("x", str(path), tiny_model().config, 64)
+
+
+# llama.cpp's own converter, where a llama.cpp checkout is at hand (LLAMA_CPP_DIR: the folder holding
+# convert_lora_to_gguf.py and its gguf-py); CI has none, so there this test skips and tests/gguf_writer.py's
+# write_lora_gguf (the converter's layout, written by hand) stands in for it.
+CONVERTER = Path(os.environ.get("LLAMA_CPP_DIR", "/nonexistent")) / "convert_lora_to_gguf.py"
+
+
+@pytest.mark.skipif(not CONVERTER.is_file(), reason="set LLAMA_CPP_DIR to a llama.cpp checkout to run its converter")
+def test_llama_cpps_converter_output_reads_as_its_peft_source(tmp_path):
+    """A PEFT adapter of a random LLaMA converted by llama.cpp's convert_lora_to_gguf.py (f32): the GGUF reads back as
+    exactly the PEFT folder's targets, scales and weights (lora_b's q/k rows un-permuted)."""
+    peft = pytest.importorskip("peft")
+    from transformers import LlamaForCausalLM
+
+    from hf_checkpoints import save_tiny_checkpoint
+    from model.loaders.hf import read_hf_config
+    from model.lora import load_gguf_lora
+
+    base = save_tiny_checkpoint(tmp_path / "base")
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    model = peft.get_peft_model(LlamaForCausalLM.from_pretrained(base), peft.LoraConfig(
+        r=8, lora_alpha=16, target_modules=targets, init_lora_weights=False))
+    model.save_pretrained(tmp_path / "adapter")
+    subprocess.run([sys.executable, str(CONVERTER), "--base", str(base), "--outfile", str(tmp_path / "a.gguf"),
+                    "--outtype", "f32", str(tmp_path / "adapter")], check=True, capture_output=True)
+    config = read_hf_config(base)
+    want, got = load_peft("p", tmp_path / "adapter", config, 64), load_gguf_lora("g", tmp_path / "a.gguf", config, 64)
+    assert want.parts.keys() == got.parts.keys()
+    for key in want.parts:
+        for a, b in zip(want.parts[key], got.parts[key]):
+            assert (a.start, a.stop, a.scale) == (b.start, b.stop, b.scale)
+            assert torch.equal(a.A, b.A) and torch.equal(a.BT, b.BT)

@@ -307,9 +307,9 @@ static void run_layers(Step<T>& s, const std::vector<std::vector<torch::Tensor>>
     // its group's rows of `out` (ld wide, from its column `start`), x (N, in) the projection's input. A's product
     // goes through float_gemm_range as `ops.linear` does, B's through lora_expand_range as `ops.lora_expand` does
     // (each rounded to T), the delta is rounded times the scale, then added to the output as T: the module path's
-    // `y[rows, start:stop] += delta`, bit for bit. Called by every
-    // thread, three barriers a site whatever the number of targets: the groups' rows gathered, every target's A
-    // products, every target's B products added (tasks of a few columns of one target, dealt round the threads).
+    // `y[rows, start:stop] += delta`, bit for bit. Called by every thread, three barriers a site whatever the number
+    // of targets: the groups' rows gathered, every target's A products, every target's B products added (tasks of a
+    // few columns of one target, dealt round the threads).
     const auto apply_lora = [&](size_t l, int64_t site, const T* x, int64_t in, T* out, int64_t ld) {
       const auto& parts = lora.parts[l];
       int64_t b, e;
@@ -523,7 +523,8 @@ torch::Tensor step_layers(torch::Tensor h, const std::vector<std::vector<torch::
       TORCH_CHECK(!q.quantized || q.K % QK == 0, "step_layers: quantized inputs in blocks of 32");
     }
   }
-  // LoRA targets: per block, each in its site's columns, A (r, in) and B (stop - start, r) of the activation dtype
+  // LoRA targets: per block, each in its site's columns, A (r, in) and B transposed (r, stop - start) of the
+  // activation dtype
   TORCH_CHECK(lora.empty() || static_cast<int64_t>(lora.size()) == L, "step_layers: lora per block");
   std::vector<int64_t> roff{0};
   for (const auto& rws : lora_rows) {
