@@ -343,3 +343,17 @@ def test_the_viewers_adapters_tab_draws_a_comparison(server, page):
         for (let i = 0; i < d.length; i += 4) if (d[i] === 194 && d[i + 1] === 65 && d[i + 2] === 12) return true;
         return false; }""")
     assert painted and not errors
+
+
+def test_the_responses_api_runs_under_an_adapter(client):
+    """`client.responses.create(model=adapter)`: the adapter's answer (greedy), the same text as chat's under it, and
+    the response names the adapter."""
+    r = client.responses.create(model="r16", input="hi there", max_output_tokens=6, temperature=0)
+    chat = client.chat.completions.create(model="r16", messages=[{"role": "user", "content": "hi there"}],
+                                          max_tokens=6, temperature=0)
+    base = client.chat.completions.create(model="base", messages=[{"role": "user", "content": "hi there"}],
+                                          max_tokens=6, temperature=0, logprobs=True)
+    under = client.chat.completions.create(model="r16", messages=[{"role": "user", "content": "hi there"}],
+                                           max_tokens=6, temperature=0, logprobs=True)
+    assert r.model == "r16" and r.output_text == chat.choices[0].message.content
+    assert [t.logprob for t in base.choices[0].logprobs.content] != [t.logprob for t in under.choices[0].logprobs.content]
