@@ -29,6 +29,7 @@ from safetensors.torch import save_file
 from benchmarks.machine import machine_info
 from benchmarks.serve_throughput import ROOT, Server, closed_loop
 from model.config import ModelConfig
+from model.lora import hf_module, target
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -46,18 +47,14 @@ def model_config(path: str) -> ModelConfig:
 
 def write_adapter(folder: Path, config: ModelConfig, rank: int, seed: int, targets=TARGETS) -> None:
     """A random PEFT LoRA adapter on `targets` of every block for a model of `config`."""
-    H, K, E, D, F = config.n_heads, config.n_kv_heads, config.head_dim, config.dim, config.hidden_dim
-    shapes = {"q_proj": (D, H * E), "k_proj": (D, K * E), "v_proj": (D, K * E), "o_proj": (H * E, D),
-              "gate_proj": (D, F), "up_proj": (D, F), "down_proj": (F, D)}
     g = torch.Generator().manual_seed(seed)
     tensors = {}
     for layer in range(config.n_layers):
         for t in targets:
-            fan_in, fan_out = shapes[t]
-            kind = "mlp" if t in ("gate_proj", "up_proj", "down_proj") else "self_attn"
-            key = f"base_model.model.model.layers.{layer}.{kind}.{t}"
+            _, start, stop, fan_in = target(config, t)
+            key = f"base_model.model.{hf_module(layer, t)}"
             tensors[f"{key}.lora_A.weight"] = torch.randn(rank, fan_in, generator=g) / fan_in**0.5
-            tensors[f"{key}.lora_B.weight"] = torch.randn(fan_out, rank, generator=g) * 0.01
+            tensors[f"{key}.lora_B.weight"] = torch.randn(stop - start, rank, generator=g) * 0.01
     folder.mkdir(parents=True)
     (folder / "adapter_config.json").write_text(json.dumps(
         {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(targets), "bias": "none"}))

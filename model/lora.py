@@ -69,15 +69,23 @@ class LoRAAdapter:
         return self
 
 
-def _columns(config: ModelConfig, site: str, part: str | None) -> tuple[int, int, int]:
-    """(start, stop, in_features) of a target in its site's fused output."""
+def target(config: ModelConfig, module: str) -> tuple[str, int, int, int]:
+    """An HF module name (`TARGETS`) -> its site, the columns [start, stop) it adds to in the site's fused output, and
+    its input width."""
+    site, part = TARGETS[module]
     H, K, E, D, F = config.n_heads, config.n_kv_heads, config.head_dim, config.dim, config.hidden_dim
     spans = {
         ("qkv", "q"): (0, H * E, D), ("qkv", "k"): (H * E, (H + K) * E, D), ("qkv", "v"): ((H + K) * E, (H + 2 * K) * E, D),
         ("qkv", None): (0, (H + 2 * K) * E, D), ("o", None): (0, D, H * E),
         ("w13", "gate"): (0, F, D), ("w13", "up"): (F, 2 * F, D), ("w13", None): (0, 2 * F, D), ("w2", None): (0, D, F),
     }
-    return spans[(site, part)]
+    return (site, *spans[(site, part)])
+
+
+def hf_module(layer: int, module: str) -> str:
+    """Block `layer`'s module `module` as transformers names it (`model.layers.0.self_attn.q_proj`)."""
+    kind = "mlp" if TARGETS[module][0] in ("w13", "w2") else "self_attn"
+    return f"model.layers.{layer}.{kind}.{module}"
 
 
 def _alpha(cfg: dict, module: str) -> float:
@@ -114,8 +122,7 @@ def _add_part(adapter: LoRAAdapter, layer: int, module: str, A: Tensor, B: Tenso
               rs: bool, config: ModelConfig, max_rank: int) -> None:
     """One target (HF module name) of block `layer`: checked against the model and added. alpha None: scale 1."""
     name = adapter.name
-    site, part = TARGETS[module]
-    start, stop, fan_in = _columns(config, site, part)
+    site, start, stop, fan_in = target(config, module)
     r = A.shape[0]
     if A.shape != (r, fan_in) or B.shape != (stop - start, r):
         raise ValueError(f"LoRA adapter {name!r}: block {layer} {module} has A {tuple(A.shape)}, B "
@@ -203,11 +210,8 @@ def load_peft(name: str, path: str | Path, config: ModelConfig, max_rank: int) -
             raise ValueError(f"LoRA adapter {name!r}: {key!r} names block {layer}; the model has {config.n_layers}")
         pairs.setdefault((layer, m.group(2)), {})[m.group(3)] = t
 
-    def alpha_of(layer: int, module: str) -> float:
-        kind = "mlp" if TARGETS[module][0] in ("w13", "w2") else "self_attn"
-        return _alpha(cfg, f"model.layers.{layer}.{kind}.{module}")
-
-    return _assemble(name, folder, pairs, alpha_of, bool(cfg.get("use_rslora")), config, max_rank)
+    return _assemble(name, folder, pairs, lambda layer, module: _alpha(cfg, hf_module(layer, module)),
+                     bool(cfg.get("use_rslora")), config, max_rank)
 
 
 SITES = ("qkv", "o", "w13", "w2")  # the native step's site numbers (csrc/ops.h's LoRAPart)

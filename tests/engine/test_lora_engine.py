@@ -10,23 +10,21 @@ import torch
 
 from model.engine import Engine, EngineConfig, InvalidOption, RequestOptions
 from model.engine.sampling_params import SamplingParams
-from model.lora import LoRAAdapter, LoRAPart
+from model.lora import LoRAAdapter, LoRAPart, target
 from model.quantize import quantize_model
 from tiny import byte_tokenizer, tiny_family, tiny_model
 
 PROMPTS = [[5, 9, 2, 7, 1] * k for k in (1, 3, 7)]
 
 
-def random_adapter(name: str, config, rank: int, seed: int, sites=("q", "v", "o", "gate", "up", "down")) -> LoRAAdapter:
+def random_adapter(name: str, config, rank: int, seed: int,
+                   sites=("q_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")) -> LoRAAdapter:
     """Targets on every block: q and v (two ranges of wqkv), o, gate and up (two of w13), down; rsLoRA-like scales."""
     g = torch.Generator().manual_seed(seed)
-    H, K, E, D, F = config.n_heads, config.n_kv_heads, config.head_dim, config.dim, config.hidden_dim
-    spans = {"q": ("qkv", 0, H * E, D), "k": ("qkv", H * E, (H + K) * E, D), "v": ("qkv", (H + K) * E, (H + 2 * K) * E, D),
-             "o": ("o", 0, D, H * E), "gate": ("w13", 0, F, D), "up": ("w13", F, 2 * F, D), "down": ("w2", 0, D, F)}
     adapter = LoRAAdapter(name, name, rank)
     for layer in range(config.n_layers):
-        for target in sites:
-            site, start, stop, fan_in = spans[target]
+        for module in sites:
+            site, start, stop, fan_in = target(config, module)
             A = torch.randn(rank, fan_in, generator=g) * 0.3
             BT = torch.randn(rank, stop - start, generator=g) * 0.3  # B transposed
             adapter.parts.setdefault((layer, site), []).append(LoRAPart(start, stop, A, BT, 2.0 / rank**0.5))
@@ -55,7 +53,8 @@ def _jobs() -> list[tuple[str | None, list[int]]]:
 @pytest.mark.parametrize("mode,dtype", [("none", torch.float32), ("none", torch.bfloat16), ("int4", torch.float32)])
 def test_native_step_applies_adapters_bitwise_as_the_module_path(mode, dtype):
     model = quantize_model(tiny_model(dtype=dtype), mode)
-    adapters = [random_adapter("a", model.config, 8, 1), random_adapter("b", model.config, 16, 2, sites=("k", "down"))]
+    adapters = [random_adapter("a", model.config, 8, 1),
+                random_adapter("b", model.config, 16, 2, sites=("k_proj", "down_proj"))]
     fast, fast_paths = _run(model, True, _jobs(), adapters)
     slow, slow_paths = _run(model, False, _jobs(), adapters)
     assert fast_paths["native"] >= 6 and fast_paths["module"] == 0 and slow_paths["native"] == 0
