@@ -27,30 +27,35 @@ class LayerComparison:
 
 
 class CompareRun:
-    """An EngineJob (the lens needs the model's final norm and head, which only the engine thread may run): both
-    inspections' block outputs at the same positions -> a `LayerComparison` per selected block."""
+    """An EngineJob (the lens needs the model's final norm and head, which only the engine thread may run): the
+    reference's and each other inspection's block outputs at the same positions -> per other, a `LayerComparison`
+    per selected block (`comparisons`). The reference's lens is read once for all of them."""
 
-    def __init__(self, model: Transformer, ref: ProbeResult, other: ProbeResult) -> None:
-        if ref.token_ids != other.token_ids or ref.hidden_positions != other.hidden_positions:
-            raise ValueError("the two inspections must read the same sequence at the same positions")
-        if any(layer.hidden is None for layer in ref.layers + other.layers):
-            raise ValueError("both inspections must read their block outputs (include hidden_states)")
-        self.model, self.ref, self.other = model, ref, other
-        self.layers: list[LayerComparison] = []
+    def __init__(self, model: Transformer, ref: ProbeResult, others: list[ProbeResult]) -> None:
+        for other in others:
+            if ref.token_ids != other.token_ids or ref.hidden_positions != other.hidden_positions:
+                raise ValueError("the inspections must read the same sequence at the same positions")
+        if any(layer.hidden is None for r in (ref, *others) for layer in r.layers):
+            raise ValueError("every inspection must read its block outputs (include hidden_states)")
+        self.model, self.ref, self.others = model, ref, others
+        self.comparisons: list[list[LayerComparison]] = [[] for _ in others]
+
+    def _lens(self, h: Tensor) -> Tensor:  # (P, D) -> (P, V) log-probabilities
+        return self.model.logits(h.to(self.model.device, self.model.dtype)).float().log_softmax(-1)
 
     @torch.inference_mode()
     def step(self, budget_s: float) -> bool:
-        for a, b in zip(self.ref.layers, self.other.layers):
-            ha, hb = a.hidden.float(), b.hidden.float()  # (P, D)
-            delta = (hb - ha).norm(dim=-1)
-            ref_norm = ha.norm(dim=-1)
-            cosine = torch.nn.functional.cosine_similarity(ha, hb, dim=-1)
-            dev, dtype = self.model.device, self.model.dtype
-            la = self.model.logits(ha.to(dev, dtype)).float().log_softmax(-1)  # (P, V)
-            lb = self.model.logits(hb.to(dev, dtype)).float().log_softmax(-1)
-            kl = (la.exp() * (la - lb)).sum(-1).clamp_min(0.0).cpu()
-            maps = None
-            if a.maps is not None and b.maps is not None:
-                maps = AttentionMaps(a.maps.mode, b.maps.values - a.maps.values, None, a.maps.rows)
-            self.layers.append(LayerComparison(a.layer, delta, delta / ref_norm.clamp_min(1e-30), cosine, kl, maps))
+        for i, a in enumerate(self.ref.layers):
+            ha = a.hidden.float()  # (P, D)
+            ref_norm, la = ha.norm(dim=-1), self._lens(ha)
+            for out, other in zip(self.comparisons, self.others):
+                b = other.layers[i]
+                hb = b.hidden.float()
+                delta = (hb - ha).norm(dim=-1)
+                cosine = torch.nn.functional.cosine_similarity(ha, hb, dim=-1)
+                kl = (la.exp() * (la - self._lens(hb))).sum(-1).clamp_min(0.0).cpu()
+                maps = None
+                if a.maps is not None and b.maps is not None:
+                    maps = AttentionMaps(a.maps.mode, b.maps.values - a.maps.values, None, a.maps.rows)
+                out.append(LayerComparison(a.layer, delta, delta / ref_norm.clamp_min(1e-30), cosine, kl, maps))
         return True

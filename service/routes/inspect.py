@@ -177,15 +177,15 @@ async def compare(req: CompareRequest, request: Request, serving: Serving = Depe
     opts.include = opts.include | {"hidden_states"}  # the block outputs both sides are compared on
     model = serving.local_model("/inspect/compare")
     runs = [(await run_probe(serving, request, ids, opts, None, len(ids), name)).result() for name in [ref, *others]]
+    job = await run_job(serving, request, CompareRun(model, runs[0], runs[1:]), len(ids))
     comparisons = []
-    for name, result in zip(req.compare, runs[1:]):
-        job = await run_job(serving, request, CompareRun(model, runs[0], result), len(ids))
+    for name, layers in zip(req.compare, job.comparisons):
         comparisons.append({"model": name, "layers": [{
             "layer": c.layer,
             "residual": {"delta_norm": c.delta_norm.tolist(), "relative": c.relative.tolist(), "cosine": c.cosine.tolist()},
             "logit_lens": {"kl": c.lens_kl.tolist()},
             "attention": fmt.encode_maps(c.maps, opts, req.format) if c.maps is not None else None,
-        } for c in job.layers]})
+        } for c in layers]})
     body = {"id": f"cmp-{uuid.uuid4().hex[:24]}", "object": "inspection.compare", "created": now(),
             "model": req.model or serving.model_name, "format": req.format,
             "tokens": fmt.token_list(serving.tokenizer, ids), "positions": runs[0].hidden_positions,

@@ -284,6 +284,11 @@ def test_compare_is_the_difference_of_two_inspections(server, references):
     assert r.status_code == 200, r.text
     (cmp,) = r.json()["comparisons"]
     assert cmp["model"] == "r8" and r.json()["positions"] == list(range(len(ids)))
+    both = httpx.post(server.url + "/inspect/compare", json={**common, "compare": ["r64", "r8"]}, timeout=60).json()
+    assert [c["model"] for c in both["comparisons"]] == ["r64", "r8"]
+    for one, two in zip(cmp["layers"], both["comparisons"][1]["layers"]):  # (a probe's row chunks follow its timing)
+        for key, got in (("residual", "delta_norm"), ("residual", "cosine"), ("logit_lens", "kl")):
+            assert np.allclose(one[key][got], two[key][got], rtol=1e-5, atol=1e-6)
     sides = [httpx.post(server.url + "/inspect", json={**common, "model": m, "include": ["attention", "hidden_states"],
                                                       "hidden_dtype": "float32"}, timeout=60).json()
              for m in ("base", "r8")]
