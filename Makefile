@@ -20,6 +20,9 @@ TORCH_SPEC ?= torch==$(TORCH_VERSION)+cpu
 endif
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 TORCH_STAMP := $(VENV)/.torch-$(shell printf '%s' '$(TORCH_SPEC)' | cksum | cut -d' ' -f1)
+# llama-cpp-python's sdist, whose vendored llama.cpp the tests take the LoRA converter from (below)
+LLAMA_CPP_PYTHON := 0.3.36
+LLAMA_CPP_CONVERTER := $(VENV)/llama.cpp/convert_lora_to_gguf.py
 PROMPT ?= What is the capital of Japan?
 ARGS ?=
 # The container image: `make image` builds it (docker where its daemon answers, else podman on a Debian-made base),
@@ -46,10 +49,25 @@ $(VENV)/.installed: pyproject.toml $(TORCH_STAMP)
 
 # The test extra for the torch just installed: `cpu-test` (test + Triton, for the interpreter run of the CUDA kernel)
 # beside a CPU torch, plain `test` beside a CUDA torch, which brings the Triton it was built with.
-$(VENV)/.installed-test: $(VENV)/.installed
+$(VENV)/.installed-test: $(VENV)/.installed $(LLAMA_CPP_CONVERTER)
 	$(PIP) install --quiet -e ".[$$($(PY) -c 'import torch; print("test" if torch.version.cuda else "cpu-test")')]"
 	$(PY) -m model.kernels  # the tests compare the native kernels with PyTorch: here they must build
 	touch $@
+
+# llama.cpp's LoRA converter (convert_lora_to_gguf.py, the converter modules and gguf-py it imports), the reference a
+# test reads our LoRA GGUF loader against: taken from llama-cpp-python's sdist, which vendors llama.cpp (a 75 MB
+# download from PyPI; nothing is built). tests/model/test_lora.py finds it here unless LLAMA_CPP_DIR names a checkout.
+$(LLAMA_CPP_CONVERTER):
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	rm -rf $(VENV)/llama.cpp $(VENV)/sdist && mkdir -p $(VENV)/llama.cpp
+	$(PIP) download --quiet --no-deps --no-binary :all: llama-cpp-python==$(LLAMA_CPP_PYTHON) -d $(VENV)/sdist
+	tar -xzf $(VENV)/sdist/llama_cpp_python-$(LLAMA_CPP_PYTHON).tar.gz -C $(VENV)/llama.cpp --strip-components=3 \
+	  llama_cpp_python-$(LLAMA_CPP_PYTHON)/vendor/llama.cpp/convert_lora_to_gguf.py \
+	  llama_cpp_python-$(LLAMA_CPP_PYTHON)/vendor/llama.cpp/convert_hf_to_gguf.py \
+	  llama_cpp_python-$(LLAMA_CPP_PYTHON)/vendor/llama.cpp/conversion \
+	  llama_cpp_python-$(LLAMA_CPP_PYTHON)/vendor/llama.cpp/gguf-py
+	rm -rf $(VENV)/sdist
+	test -f $@
 
 install: $(VENV)/.installed
 install-test: $(VENV)/.installed-test

@@ -81,13 +81,13 @@ def test_a_gguf_that_is_not_a_lora_adapter_is_refused(tmp_path):
         load_adapter("x", str(path), tiny_model().config, 64)
 
 
-# llama.cpp's own converter, where a llama.cpp checkout is at hand (LLAMA_CPP_DIR: the folder holding
-# convert_lora_to_gguf.py and its gguf-py); CI has none, so there this test skips and tests/gguf_writer.py's
-# write_lora_gguf (the converter's layout, written by hand) stands in for it.
-CONVERTER = Path(os.environ.get("LLAMA_CPP_DIR", "/nonexistent")) / "convert_lora_to_gguf.py"
+# llama.cpp's own converter: `make install-test` puts it in the virtual environment (taken from llama-cpp-python's
+# sdist, which vendors llama.cpp); LLAMA_CPP_DIR names another checkout (the folder holding convert_lora_to_gguf.py,
+# conversion/ and gguf-py/).
+CONVERTER = Path(os.environ.get("LLAMA_CPP_DIR", Path(sys.prefix) / "llama.cpp")) / "convert_lora_to_gguf.py"
 
 
-@pytest.mark.skipif(not CONVERTER.is_file(), reason="set LLAMA_CPP_DIR to a llama.cpp checkout to run its converter")
+@pytest.mark.skipif(not CONVERTER.is_file(), reason=f"no {CONVERTER}: `make install-test` fetches it, or set LLAMA_CPP_DIR")
 def test_llama_cpps_converter_output_reads_as_its_peft_source(tmp_path):
     """A PEFT adapter of a random LLaMA converted by llama.cpp's convert_lora_to_gguf.py (f32): the GGUF reads back as
     exactly the PEFT folder's targets, scales and weights (lora_b's q/k rows un-permuted)."""
