@@ -308,6 +308,13 @@ class Transformer(nn.Module):
         out = self.output(self.norm(h))
         return out / self.config.logits_scaling if self.config.logits_scaling != 1.0 else out
 
+    def greedy_picks(self, h: Tensor) -> Tensor | None:
+        """h (M, D) -> (M,) int64: `ops.greedy_pick(self.logits(h))`, without forming the (M, V) logits, where the
+        head allows it (a float32 `Linear` with no logits scaling: `ops.linear_argmax`); else None."""
+        if type(self.output) is not Linear or self.config.logits_scaling != 1.0:
+            return None
+        return ops.linear_argmax(self.norm(h), self.output.weight)
+
     def head(self, h: Tensor, logits_indices: Tensor | None = None) -> Tensor:
         """The final norm and the LM head: h (B, T, D) -> logits (B, T, V), or (B, M, V) at `logits_indices`."""
         if logits_indices is not None:

@@ -135,8 +135,12 @@ class ModelRunner:
         # [structured outputs] the sampling rows' grammar masks, filled on a worker thread during the forward
         masks = self.structured.start_masks(_mask_rows(batch.sample)) if self.structured is not None else None
         path = self._choose(batch, ctx)
+        # every logits row a plain greedy row's (no prompt logprobs): the native head may pick without the logits
+        greedy = (bool(batch.sample) and not batch.prompt_logprobs and masks is None
+                  and all(seq.request.plain_greedy for seq, _ in batch.sample))
         with tel.hidden_hooks(self.model) if tel is not None and path == "module" else contextlib.nullcontext():
-            logits = self._forward(path, batch, ctx).float()  # (M, V): the batch's logits rows
+            logits = self._forward(path, batch, ctx, greedy)  # (M, V): the batch's logits rows; or (M,) picks
+        logits = logits if logits.dim() == 1 else logits.float()
         self.path_counts[path] += 1
         out = RunnerOutput(path, telemetry=tel.results() if tel is not None else {})
         if batch.edits is not None:
@@ -153,7 +157,8 @@ class ModelRunner:
             # without prompt-logprob rows, the logits rows are the sampling rows in order
             picked = _rows(logits, [r for _, r in batch.sample],
                            identity=not batch.prompt_logprobs and logits.shape[0] == len(batch.sample))
-            sampled = self.sampler(picked, rows, masks.result() if masks is not None else None)
+            sampled = (SampledTensors(picked, []).read() if picked.dim() == 1
+                       else self.sampler(picked, rows, masks.result() if masks is not None else None))
             out.sampled = [(seq, t, lp) for (seq, _), t, lp in zip(batch.sample, sampled.token_ids, sampled.logprobs)]
         return out
 
@@ -178,12 +183,15 @@ class ModelRunner:
             batch.tokens.copy_(prev.tokens.index_select(0, self.buffers.dev["prev_rows"][:n]))
         ctx = ForwardContext(self.cache, batch.meta, batch.slices)
         path = self._choose(batch, ctx)
-        logits = self._forward(path, batch, ctx).float()  # (n, V)
+        greedy = self.batch.all_plain_greedy(seqs)  # an argmax a row: the rows' sampling state is not read
+        out = self._forward(path, batch, ctx, greedy)
         self.path_counts[path] += 1
-        if self.batch.all_plain_greedy(seqs):  # an argmax a row: the rows' sampling state is not read
-            sampled = self.sampler.sample(logits, None, plain_greedy=True)
+        if out.dim() == 1:  # the picks themselves (the native step's head)
+            sampled = SampledTensors(out, [])
+        elif greedy:
+            sampled = self.sampler.sample(out.float(), None, plain_greedy=True)
         else:
-            sampled = self.sampler.sample(logits, [s.sampling.row for s in seqs])
+            sampled = self.sampler.sample(out.float(), [s.sampling.row for s in seqs])
         k = self._parity = self._parity ^ 1  # the buffers the step before did not use
         tokens = self._sampled[k][:n]
         tokens.copy_(sampled.tokens)  # where the next step reads its input tokens
@@ -221,12 +229,14 @@ class ModelRunner:
             return "native"
         return "module"
 
-    def _forward(self, path: str, batch: StepBatch, ctx: ForwardContext) -> Tensor:
+    def _forward(self, path: str, batch: StepBatch, ctx: ForwardContext, greedy: bool = False) -> Tensor:
+        """The step's logits (M, V) at its logits rows; with `greedy` (every such row plain greedy), on the native path,
+        their greedy picks (M,) where the head makes them without the logits (`NativeStep.run`)."""
         if path == "cuda_graph":  # the graph's logits are one per token row: keep the logits rows (M, V)
             return _rows(self.graphs.run(batch), batch.logits_rows,
                          identity=batch.logits_rows.numel() == batch.meta.num_tokens)
         if path == "native":
-            return self.native.run(batch, ctx)
+            return self.native.run(batch, ctx, greedy)
         return self.model(batch.tokens[None], batch.positions[None], ctx, logits_indices=batch.logits_rows)[0]
 
 

@@ -87,8 +87,10 @@ class NativeStep:
         rows, parts = ctx.lora.native_args(len(self.layers))
         return {"lora_rows": rows, "lora": parts}
 
-    def run(self, batch: StepBatch, ctx: ForwardContext) -> Tensor:
-        """-> logits (M, V) at the batch's logits rows."""
+    def run(self, batch: StepBatch, ctx: ForwardContext, greedy: bool = False) -> Tensor:
+        """-> logits (M, V) at the batch's logits rows. `greedy` (every logits row is a plain greedy row): the rows'
+        greedy picks (M,) int64 instead where the head makes them without the logits (`Transformer.greedy_picks`);
+        the result's dim tells which."""
         m, meta, cache, E = self.model, ctx.meta, ctx.cache, self.E
         h, cos, sin = m.embed(batch.tokens[None], batch.positions[None])  # (1, N, D), (1, N, 1, E) x 2
         h = kernels.native().step_layers(
@@ -100,4 +102,8 @@ class NativeStep:
         )  # (N, D); the rows' interventions and adapters applied inside the block loop, their reads and telemetry taken
         # logits rows are distinct and in order: as many as the rows means every row (a decode step), no gather
         every = batch.logits_rows.numel() == batch.tokens.numel()
+        if greedy:
+            picks = m.greedy_picks(h if every else h[batch.logits_rows])  # (M,)
+            if picks is not None:
+                return picks
         return m.head(h[None], None if every else batch.logits_rows)[0]  # (M, V)

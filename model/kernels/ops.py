@@ -128,6 +128,16 @@ def linear(x: Tensor, weight: Tensor) -> Tensor:
     return F.linear(x, weight)
 
 
+def linear_argmax(x: Tensor, weight: Tensor) -> Tensor | None:
+    """x (M, in), a float32 weight (out, in) -> (M,) int64: `greedy_pick(linear(x, weight))`, natively without forming
+    the (M, out) product (csrc/float_linear.cpp: an LM head's logits are most of its cost to write and read back).
+    None where that kernel does not apply (no native kernels, not float32): then the caller forms the logits."""
+    native = usable(x, weight)
+    if native is None or x.dtype != torch.float32 or weight.dtype != torch.float32 or not weight.is_contiguous():
+        return None
+    return native.float_linear_argmax(x.contiguous(), weight)
+
+
 def lora_expand(t: Tensor, bt: Tensor) -> Tensor:
     """t (n, r) @ bt (r, out) -> (n, out) float32: LoRA's expanding product (B stored transposed), each output summed
     over r in order by fused multiply-adds whatever the number of rows (csrc/lora.cpp), else one float32 matmul."""

@@ -107,3 +107,35 @@ def test_requests_are_bitwise_the_same_whatever_shares_their_steps(precision_mod
     assert got.keys() == alone.keys()
     for r in alone:
         assert got[r] == alone[r], r  # tokens, logprob floats and prompt logprob floats, compared exactly
+
+
+def test_plain_greedy_rows_pick_without_logits_the_tokens_their_logits_give(monkeypatch):
+    """A step whose every logits row is a plain greedy row (no logprobs, penalties or bias) picks on the native path
+    without forming the logits (`Transformer.greedy_picks`, csrc/float_linear.cpp): in steps that prefill beside
+    decode rows and in decode-only steps, the same tokens as the same requests asking for logprobs (whose steps form
+    the logits and sample from them), all at once and one at a time."""
+    from model.kernels import ops
+
+    picked: list[int] = []
+    real = ops.linear_argmax
+    monkeypatch.setattr(ops, "linear_argmax", lambda x, w: picked.append(x.shape[0]) or real(x, w))
+    model, prompts = tiny_model(seed=3), _prompts()
+
+    def tokens(logprobs, **kw) -> dict[str, list[int]]:
+        engine = _engine(model, **kw)
+        params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=logprobs)
+        for i, p in enumerate(prompts):
+            engine.add_request(str(i), p, params)
+        got: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
+        while engine.has_unfinished():
+            for o in engine.step():
+                got[o.request_id] += o.token_ids
+        return got
+
+    want = tokens(logprobs=1)
+    assert not picked  # a row asking for logprobs forms its step's logits
+    assert tokens(logprobs=None) == want
+    assert max(picked) == len(prompts) and len(picked) >= 10  # the first step prefills all 24; then decode steps
+    picked.clear()
+    assert tokens(logprobs=None, max_num_seqs=1) == want
+    assert picked and max(picked) == 1

@@ -207,6 +207,34 @@ def test_float_linear_gives_each_row_bitwise_its_one_row_result(dtype, K, N):
     assert all(torch.equal(native.float_linear(x[m : m + 1], w)[0], many[m]) for m in range(x.shape[0]))
 
 
+# K = 64: the packed tiles (from 16 rows); 67: a k % 8 tail; 576: the 8-lane tiles. N = 49,152: the default
+# vocabulary, blocks of 1,024 columns claimed by the threads; 1,000, 37: a last block of a few columns.
+@pytest.mark.parametrize("K, N", [(64, 49152), (67, 1000), (576, 1000), (64, 37)])
+@pytest.mark.parametrize("M", [1, 3, 16, 33, 256])
+def test_float_linear_argmax_is_argmax_rows_of_float_linear(K, N, M):
+    """The greedy head's pick without the logits (csrc/float_linear.cpp) is argmax_rows of float_linear's logits:
+    the same tiles give the same values; ties (two equal weight rows, far apart) go to the first column."""
+    torch.manual_seed(K + N + M)
+    w, x, u = torch.randn(N, K), torch.randn(M, K), torch.randn(K)
+    w[N - 1] = w[N // 3] = 3 * u  # equal logits at columns N // 3 and N - 1, the largest in the even rows
+    x[::2] += 3 * u
+    picks = native.float_linear_argmax(x, w)
+    assert torch.equal(picks, native.argmax_rows(native.float_linear(x, w)))
+    assert (picks[::2] == N // 3).all()
+
+
+def test_float_linear_argmax_answers_rows_that_are_not_finite_as_argmax_rows_does():
+    torch.manual_seed(1)
+    w, x = torch.randn(3000, 64), torch.randn(40, 64)
+    x[3, 5] = float("nan")  # a whole row of NaN logits
+    x[7, 0] = float("inf")  # +-inf logits, and NaN where a weight is 0
+    w[2999, 0] = 0.0
+    x[11] = 1e30  # sums that overflow
+    x[12] = 0.0  # every logit 0 (and -0): index 0
+    picks = native.float_linear_argmax(x, w)
+    assert torch.equal(picks, native.argmax_rows(native.float_linear(x, w)))
+
+
 @pytest.mark.parametrize("cls", [Int8Linear, Int4Linear])
 def test_native_dequantize_is_bitwise_the_pytorch_one(cls):
     layer = cls.from_float(torch.randn(48, 96))

@@ -55,6 +55,11 @@ static int64_t argmax_row_nan_to_num(const float* x, int64_t V) {
   return idx;
 }
 
+int64_t greedy_pick_row(const float* x, int64_t V) {
+  const int64_t i = argmax_row(x, V);
+  return i >= 0 ? i : argmax_row_nan_to_num(x, V);
+}
+
 // logits (B, V) float32, contiguous -> (B,) int64: each row's pick
 torch::Tensor argmax_rows(const torch::Tensor& logits) {
   TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() && logits.scalar_type() == at::kFloat && logits.size(1) > 0,
@@ -66,10 +71,7 @@ torch::Tensor argmax_rows(const torch::Tensor& logits) {
   // rows in parallel (a batch's logits are read from memory once, by both cores' bandwidth); each row is one pass
   // of one thread, so the pick does not depend on the split
   at::parallel_for(0, B, 4, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      o[r] = argmax_row(x + r * V, V);
-      if (o[r] < 0) o[r] = argmax_row_nan_to_num(x + r * V, V);
-    }
+    for (int64_t r = begin; r < end; ++r) o[r] = greedy_pick_row(x + r * V, V);
   });
   return out;
 }

@@ -33,6 +33,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_dequantize", &ls::int8_dequantize, nogil(), "int8 W -> (N, K) float32");
   m.def("int6_dequantize", &ls::int6_dequantize, nogil(), "int6 W -> (N, K) float32");
   m.def("lora_expand", &ls::lora_expand, nogil(), "LoRA's B product: t (n, r) @ bt (r, out) -> (n, out) float32, each output summed over r in order by fused multiply-adds");
+  m.def("float_linear_argmax", &ls::float_linear_argmax, nogil(), "argmax_rows(float_linear(x, W)) for float32, the logits never formed -> (M,)");
   m.def("argmax_rows", &ls::argmax_rows, nogil(), "greedy: each row's torch.argmax of logits (B, V) float32, -1 where not finite -> (B,)");
   m.def("step_layers", &ls::step_layers, nogil(), "every block of a step whose rows all attend over the paged pool: h (N, D) -> (N, D)",
         py::arg("h"), py::arg("layers"), py::arg("eps"), py::arg("cos"), py::arg("ssin"), py::arg("k_pools"),

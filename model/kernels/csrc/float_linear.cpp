@@ -15,6 +15,8 @@
 // for 8 or 16 outputs. Each lane's chain is the same multiply-adds in the same order, and the horizontal sum's tree
 // ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)) becomes vertical adds: the same bits, with no per-output
 // shuffles, and the transposition paid once for all the rows.
+#include <atomic>
+#include <cmath>
 #include <vector>
 
 #include "ops.h"
@@ -243,6 +245,190 @@ void float_gemm_range(const T* x, int64_t M, const T* w, int64_t K, int64_t n_be
 }
 template void float_gemm_range<float>(const float*, int64_t, const float*, int64_t, int64_t, int64_t, float*, int64_t);
 template void float_gemm_range<bf16>(const bf16*, int64_t, const bf16*, int64_t, int64_t, int64_t, float*, int64_t);
+
+// Greedy decoding's pick fused into a float32 LM head: each row's `argmax_rows` of x W^T without forming the logits.
+// Written out, a step's logits are rows x vocabulary floats (tens of MB for a few hundred rows), stored a tile at a
+// time at the vocabulary's stride, each line read for ownership first and then read again by the pick: for a narrow
+// model that traffic, not the multiply-adds, sets the head's pace. Here each tile's outputs go to a scratch tile that
+// stays in L1 and are folded into a running pick per row: the same tiles as float_gemm_range, so the same values,
+// and per row the greatest value's first column, as argmax_rows picks it.
+namespace {
+
+// The running pick of M rows, 8 lanes a row (lane l: the columns = l mod 8, each lane fed in increasing column
+// order, so a strict > keeps a value's first column): the lane's greatest value, its column, and whether it saw a NaN
+// or an infinity (v - v is NaN then; or-ing the bits keeps a NaN a NaN).
+struct Picks {
+  std::vector<float> best, bad;
+  std::vector<int32_t> col;
+
+  void reset(int64_t M) {
+    best.assign(M * 8, -INFINITY);
+    bad.assign(M * 8, 0.f);
+    col.assign(M * 8, -1);
+  }
+
+  // y (rows, W) at stride ldy: columns n0 .. n0 + W (n0 a multiple of 8) of rows m0 .. m0 + rows
+  void fold(const float* y, int64_t ldy, int64_t m0, int64_t rows, int64_t W, int64_t n0) {
+    for (int64_t i = 0; i < rows; ++i) {
+      const float* r = y + i * ldy;
+      float *b = best.data() + (m0 + i) * 8, *f = bad.data() + (m0 + i) * 8;
+      int32_t* c = col.data() + (m0 + i) * 8;
+      int64_t j = 0;
+#if LS_AVX2
+      __m256 vb = _mm256_loadu_ps(b), vf = _mm256_loadu_ps(f);
+      __m256 vc = _mm256_castsi256_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c)));
+      const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+      for (; j + 8 <= W; j += 8) {
+        const __m256 v = _mm256_loadu_ps(r + j);
+        vf = _mm256_or_ps(vf, _mm256_sub_ps(v, v));
+        const __m256 gt = _mm256_cmp_ps(v, vb, _CMP_GT_OQ);
+        vb = _mm256_blendv_ps(vb, v, gt);
+        const __m256i at = _mm256_add_epi32(lanes, _mm256_set1_epi32(static_cast<int32_t>(n0 + j)));
+        vc = _mm256_blendv_ps(vc, _mm256_castsi256_ps(at), gt);
+      }
+      _mm256_storeu_ps(b, vb);
+      _mm256_storeu_ps(f, vf);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(c), _mm256_castps_si256(vc));
+#endif
+      for (; j < W; ++j) {
+        const float v = r[j];
+        const int64_t l = j % 8;
+        if (!std::isfinite(v)) f[l] = NAN;
+        else if (v > b[l]) {
+          b[l] = v;
+          c[l] = static_cast<int32_t>(n0 + j);
+        }
+      }
+    }
+  }
+
+  // row i's pick over its lanes: the greatest value's first column; false where a lane saw a non-finite value
+  bool pick(int64_t i, float& value, int64_t& column) const {
+    value = -INFINITY;
+    column = -1;
+    for (int l = 0; l < 8; ++l) {
+      const int64_t k = i * 8 + l;
+      if (std::isnan(bad[k])) return false;
+      if (col[k] >= 0 && (best[k] > value || (best[k] == value && col[k] < column))) {
+        value = best[k];
+        column = col[k];
+      }
+    }
+    return true;
+  }
+};
+
+// Rows [0, M) of x against w's rows [n_begin, n_end) (n_begin a multiple of 8), folded into `picks` (reset first):
+// float_gemm_range's tiles and blocking, each tile's outputs to a scratch tile.
+void pick_range(const float* x, int64_t M, const float* w, int64_t K, int64_t n_begin, int64_t n_end, Picks& picks) {
+  picks.reset(M);
+  thread_local std::vector<float> scratch;
+#if LS_AVX2
+  constexpr int64_t NB = 32, MB = 48;
+  constexpr int G = PackLanes::W;
+  const int64_t K8 = K / 8 * 8;
+  if (M >= PACKED_MIN_ROWS && K8 > 0 && K <= PACKED_MAX_K && n_end - n_begin >= G) {
+    thread_local std::vector<float> wt;
+    wt.resize(static_cast<size_t>(K8) * G);
+    const int64_t n_packed = n_begin + (n_end - n_begin) / G * G;
+    const int64_t MBP = std::max<int64_t>(MB, 65536 / K);
+    scratch.resize(static_cast<size_t>(std::min(M, MBP)) * G);
+    for (int64_t m0 = 0; m0 < M; m0 += MBP) {
+      const int64_t m1 = std::min(M, m0 + MBP);
+      for (int64_t n = n_begin; n < n_packed; n += G) {
+        pack_group<float, G>(w, K, K8, n, wt.data());
+        const char* next = n + G < n_packed ? reinterpret_cast<const char*>(w + (n + G) * K) : nullptr;
+        // w from the group's first row, so the group's outputs land at scratch columns [0, G)
+        p_rows<PackLanes, float>(x + m0 * K, K, wt.data(), w + n * K, K, K8, 0, m1 - m0, scratch.data(), G, next,
+                                 G * K * static_cast<int64_t>(sizeof(float)));
+        picks.fold(scratch.data(), G, m0, m1 - m0, G, n);
+      }
+    }
+    if (n_packed == n_end) return;
+    n_begin = n_packed;
+  }
+  scratch.resize(static_cast<size_t>(MB) * NB);
+  float* y = scratch.data();
+  for (int64_t m0 = 0; m0 < M; m0 += MB) {
+    const int64_t m1 = std::min(M, m0 + MB);
+    for (int64_t nb0 = n_begin; nb0 < n_end; nb0 += NB) {
+      const int64_t nb1 = std::min(n_end, nb0 + NB), W = nb1 - nb0;
+      const int64_t ahead = (m1 - m0 > 3 && nb1 + NB <= n_end) ? NB : 0;
+      const int parts = static_cast<int>((m1 - m0 + 2) / 3);
+      const float* wb = w + nb0 * K;  // the block's outputs at scratch columns [0, W)
+      int64_t m = m0;
+      int part = 0;
+      for (; m + 3 <= m1; m += 3) f_rows<float, 3>(x + m * K, K, wb, K, 0, W, y + (m - m0) * NB, NB, ahead, part++, parts);
+      if (m + 2 == m1)
+        f_rows<float, 2>(x + m * K, K, wb, K, 0, W, y + (m - m0) * NB, NB, ahead, part, parts);
+      else if (m < m1)
+        f_rows<float, 1>(x + m * K, K, wb, K, 0, W, y + (m - m0) * NB, NB, ahead, part, parts);
+      picks.fold(y, NB, m0, m1 - m0, W, nb0);
+    }
+  }
+#else
+  scratch.resize(64);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t n0 = n_begin; n0 < n_end; n0 += 64) {
+      const int64_t n1 = std::min(n_end, n0 + 64);
+      for (int64_t n = n0; n < n1; ++n) {
+        float s = 0.f;
+        for (int64_t k = 0; k < K; ++k) s += x[m * K + k] * w[n * K + k];
+        scratch[n - n0] = s;
+      }
+      picks.fold(scratch.data(), 64, m, 1, n1 - n0, n0);
+    }
+#endif
+}
+
+}  // namespace
+
+// x (M, K), w (N, K) float32 -> (M,) int64: argmax_rows(float_linear(x, w)). The columns go in blocks to the threads
+// as they come for them (a thread the OS has put off does not hold the others up with a fixed half of the work); each
+// block's picks are kept and merged in column order, so the answer does not depend on which thread took which block.
+torch::Tensor float_linear_argmax(const torch::Tensor& x, const torch::Tensor& w) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1) && x.is_contiguous() && w.is_contiguous() &&
+                  x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat && w.size(0) > 0,
+              "float_linear_argmax: x (M, K), w (N, K) float32, contiguous");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  constexpr int64_t BLOCK = 1024;  // columns a claim: a multiple of every tile's width
+  const int64_t blocks = (N + BLOCK - 1) / BLOCK;
+  std::vector<float> best(blocks * M);
+  std::vector<int64_t> col(blocks * M);
+  std::atomic<int64_t> claimed{0};
+  const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    thread_local Picks picks;
+    for (int64_t b; (b = claimed.fetch_add(1)) < blocks;) {
+      pick_range(xp, M, wp, K, b * BLOCK, std::min(N, (b + 1) * BLOCK), picks);
+      for (int64_t i = 0; i < M; ++i)
+        if (!picks.pick(i, best[b * M + i], col[b * M + i])) col[b * M + i] = -1 - N;  // not finite
+    }
+  });
+  auto out = torch::empty({M}, x.options().dtype(at::kLong));
+  int64_t* o = out.data_ptr<int64_t>();
+  std::vector<float> row;
+  for (int64_t i = 0; i < M; ++i) {
+    float value = -INFINITY;
+    int64_t column = -1;
+    for (int64_t b = 0; b < blocks && column >= -1; ++b) {
+      const float v = best[b * M + i];
+      const int64_t c = col[b * M + i];
+      if (c < -1) column = c;
+      else if (c >= 0 && (column < 0 || v > value)) {
+        value = v;
+        column = c;
+      }
+    }
+    if (column < 0) {  // a NaN or an infinity in the row: its logits formed and picked as argmax_rows picks
+      row.resize(N);
+      float_gemm_range(xp + i * K, 1, wp, K, 0, N, row.data(), N);
+      column = greedy_pick_row(row.data(), N);
+    }
+    o[i] = column;
+  }
+  return out;
+}
 
 // x (M, K), w (N, K) of one dtype -> y (M, N) in that dtype (float32 sums rounded once)
 torch::Tensor float_linear(const torch::Tensor& x, const torch::Tensor& w) {

@@ -31,6 +31,8 @@ torch::Tensor int6_dequantize(const torch::Tensor& data, const torch::Tensor& sc
 torch::Tensor round_activations(const torch::Tensor& x, int64_t block);
 torch::Tensor argmax_rows(const torch::Tensor& logits);
 torch::Tensor float_linear(const torch::Tensor& x, const torch::Tensor& w);
+torch::Tensor float_linear_argmax(const torch::Tensor& x, const torch::Tensor& w);
+int64_t greedy_pick_row(const float* x, int64_t V);  // argmax_rows' pick of one row
 // One row (one head) of the elementwise ops, as the ops above apply them to every row: the fused step calls these.
 template <typename T> void rms_norm_row(const T* x, const T* w, T* out, int64_t D, float eps);
 template <typename T> void silu_mul_row(const T* gu, T* out, int64_t F);
