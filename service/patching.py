@@ -104,9 +104,11 @@ def scoring(sweep: PatchSweep) -> SamplingParams:
 
 
 async def run_rows(serving: Serving, rid: str, prompts: list[list[int]], params: SamplingParams,
-                   each: list[list[Intervention] | None], read: HiddenStateRead | None = None) -> list[tuple[list[float], object]]:
-    """Submit prompts as background rows; -> per prompt (scored logprobs, hidden states or None)."""
-    options = [RequestOptions(interventions=cell, hidden_states=read, background=True) for cell in each]
+                   each: list[list[Intervention] | None], read: HiddenStateRead | None = None,
+                   adapter: str | None = None) -> list[tuple[list[float], object]]:
+    """Submit prompts as background rows (under LoRA adapter `adapter`, or the base); -> per prompt (scored
+    logprobs, hidden states or None)."""
+    options = [RequestOptions(interventions=cell, hidden_states=read, background=True, lora=adapter) for cell in each]
     streams = await serving.add_requests([(f"{rid}-{i}", p) for i, p in enumerate(prompts)], params, options)
 
     async def one(stream) -> tuple[list[float], object]:
@@ -132,8 +134,8 @@ async def run_rows(serving: Serving, rid: str, prompts: list[list[int]], params:
 
 
 async def run_cells(serving: Serving, rid: str, sweep: PatchSweep, target: list[int],
-                    each: list[list[Intervention]]) -> list[float]:
-    """The target prompt once per cell, with that cell's edits -> the metric of each, in order."""
+                    each: list[list[Intervention]], adapter: str | None = None) -> list[float]:
+    """The target prompt once per cell, with that cell's edits (under `adapter`) -> the metric of each, in order."""
     values: list[float] = [0.0] * len(each)
     waves = [range(i, min(i + WAVE, len(each))) for i in range(0, len(each), WAVE)]
     limit = asyncio.Semaphore(2)
@@ -141,7 +143,8 @@ async def run_cells(serving: Serving, rid: str, sweep: PatchSweep, target: list[
 
     async def wave(n: int, rows: range) -> None:
         async with limit:
-            out = await run_rows(serving, f"{rid}-c{n}", [target] * len(rows), params, [each[i] for i in rows])
+            out = await run_rows(serving, f"{rid}-c{n}", [target] * len(rows), params, [each[i] for i in rows],
+                                 adapter=adapter)
         for i, (scored, _) in zip(rows, out):
             values[i] = metric(sweep, scored)
 
@@ -149,29 +152,33 @@ async def run_cells(serving: Serving, rid: str, sweep: PatchSweep, target: list[
     return values
 
 
-async def capture_heads(serving: Serving, sweep: PatchSweep, source: list[int]) -> dict | None:
+async def capture_heads(serving: Serving, sweep: PatchSweep, source: list[int], adapter: str | None = None) -> dict | None:
     """The source's values at the sweep's head sites and positions (one capture forward on the engine thread)."""
     if not sweep.head_sites:
         return None
-    capture = SiteCapture(tuple(sweep.head_sites), frozenset(sweep.layers), sorted(sweep.positions))
+    capture = SiteCapture(tuple(sweep.head_sites), frozenset(sweep.layers), sorted(sweep.positions),
+                          adapter=serving.adapter(adapter))
     await run_job(serving, None, serving.new_capture(source, capture))
     return capture.values
 
 
-async def sweep_grid(serving: Serving, sweep: PatchSweep, source: list[int], target: list[int]) -> dict:
-    """Run the sweep -> the baselines and the metric of every cell (in `sweep.cells()` order)."""
+async def sweep_grid(serving: Serving, sweep: PatchSweep, source: list[int], target: list[int],
+                     adapter: str | None = None) -> dict:
+    """Run the sweep (every row under LoRA adapter `adapter`, or the base) -> the baselines and the metric of every
+    cell (in `sweep.cells()` order)."""
     rid = f"patch-{uuid.uuid4().hex[:16]}"
     params = scoring(sweep)
     read = sweep.source_read()
     # the two baselines at once (and the heads' capture); the target's blocks are in the prefix cache before any cell
     [(src_scored, hidden)], [(tgt_scored, _)], heads = await asyncio.gather(
-        run_rows(serving, f"{rid}-s", [source], params, [None], read), run_rows(serving, f"{rid}-t", [target], params, [None]),
-        capture_heads(serving, sweep, source))
+        run_rows(serving, f"{rid}-s", [source], params, [None], read, adapter),
+        run_rows(serving, f"{rid}-t", [target], params, [None], adapter=adapter),
+        capture_heads(serving, sweep, source, adapter))
     positions = sorted(sweep.positions)
     if read is not None and (hidden is None or hidden.positions != positions):
         raise APIError(500, "the source run's hidden states did not come back", code="generation_failed")
     each = cell_interventions(sweep, hidden.values if read is not None else None, positions, heads)
-    values = await run_cells(serving, rid, sweep, target, each)
+    values = await run_cells(serving, rid, sweep, target, each, adapter)
     return {"source": metric(sweep, src_scored), "target": metric(sweep, tgt_scored), "values": values}
 
 

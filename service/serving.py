@@ -68,7 +68,7 @@ class Serving:
         """An inspection of `token_ids` over the serving weights, under LoRA adapter `adapter` (a served name) or the
         base, edited by `interventions` (ValueError for options out of range)."""
         return ProbeRun(self._state.loaded.model, token_ids, opts, interventions, num_prompt_tokens,
-                        self.adapters[adapter] if adapter is not None else None)
+                        self.adapter(adapter))
 
     def local_model(self, what: str) -> Transformer:
         """The served model where its modules run in this process; 400 under tensor parallelism."""
@@ -82,12 +82,18 @@ class Serving:
         """A forward of `token_ids` over the serving weights recording `capture`'s sites (model/probes/capture.py)."""
         return CaptureRun(self.local_model("a head-level sweep"), token_ids, capture)
 
-    def new_direct_logit(self, token_ids: list[int], answer: int, contrast: int) -> DirectLogitRun:
-        return DirectLogitRun(self.local_model("attribution"), token_ids, answer, contrast)
+    def adapter(self, name: str | None) -> LoRAAdapter | None:
+        """A served LoRA adapter by name (`check_model`'s answer), or None: the base."""
+        return self.adapters[name] if name is not None else None
+
+    def new_direct_logit(self, token_ids: list[int], answer: int, contrast: int,
+                         adapter: str | None = None) -> DirectLogitRun:
+        return DirectLogitRun(self.local_model("attribution"), token_ids, answer, contrast, self.adapter(adapter))
 
     def new_attribution_patching(self, sweep: PatchSweep, source: list[int], target: list[int],
-                                 qk_fix: bool) -> AttributionPatchingRun:
-        return AttributionPatchingRun(self.local_model("attribution"), sweep, source, target, qk_fix)
+                                 qk_fix: bool, adapter: str | None = None) -> AttributionPatchingRun:
+        return AttributionPatchingRun(self.local_model("attribution"), sweep, source, target, qk_fix,
+                                      adapter=self.adapter(adapter))
 
     async def check(self, options: RequestOptions) -> None:
         """400 naming the request field the engine cannot serve (`Engine.check`: the sink + window cache, telemetry,

@@ -37,6 +37,7 @@ import math
 import torch
 from torch import Tensor
 
+from model.lora import LoRAAdapter
 from model.probes.capture import CaptureRun, SiteCapture, SteppedJob
 from model.probes.logit_metric import metric_gradient, scored
 from model.probes.patching import Cell, PatchSweep, metric
@@ -52,17 +53,18 @@ class AttributionPatchingRun(SteppedJob):
     two runs' metrics) once done."""
 
     def __init__(self, model: Transformer, sweep: PatchSweep, source_ids: list[int], target_ids: list[int],
-                 qk_fix: bool = True, keep_gradients: bool = False) -> None:
+                 qk_fix: bool = True, keep_gradients: bool = False, adapter: LoRAAdapter | None = None) -> None:
         """`keep_gradients`: keep dm/da at every swept (layer, site) and position in `gradients` (the tests compare
-        them with HF autograd's)."""
+        them with HF autograd's). `adapter`: a LoRA adapter both runs and the backward go under (model/lora.py)."""
         if len(source_ids) != len(target_ids) or len(source_ids) != sweep.num_tokens:
             raise ValueError("the two prompts must have the sweep's token count")
-        self.model, self.sweep = model, sweep
+        self.model, self.sweep, self.adapter = model, sweep, adapter
         self.positions = sorted(sweep.positions)
         self.qk_layers = frozenset(sweep.layers) if qk_fix and set(QK_SITES) & set(sweep.sites) else frozenset()
 
         def capture() -> SiteCapture:
-            return SiteCapture(tuple(sweep.sites), frozenset(sweep.layers), self.positions, rotated=self.qk_layers)
+            return SiteCapture(tuple(sweep.sites), frozenset(sweep.layers), self.positions, rotated=self.qk_layers,
+                               adapter=adapter)
 
         self.source = CaptureRun(model, source_ids, capture())
         self.target = CaptureRun(model, target_ids, capture(), keep_inputs=True)
@@ -131,7 +133,7 @@ class AttributionPatchingRun(SteppedJob):
         s, block = self.sweep, self.model.layers[layer]
         swept = layer in s.layers
         cap = SiteCapture(tuple(s.sites) if swept else (), frozenset([layer]), None, grad=True,
-                          rotated=self.qk_layers & {layer}, patterns=self.qk_layers & {layer})
+                          rotated=self.qk_layers & {layer}, patterns=self.qk_layers & {layer}, adapter=self.adapter)
         with torch.enable_grad():
             h = self.target.inputs[layer].detach().clone()[None].requires_grad_(True)  # (1, T, D)
             out = block(h, self.target.cos, self.target.sin, cap)  # (1, T, D)

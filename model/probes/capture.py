@@ -21,6 +21,7 @@ from torch import Tensor
 
 from model.attention import sdpa
 from model.interventions import HEAD_SITES, SITES
+from model.lora import LoRAAdapter, LoRARows
 from model.transformer import Transformer
 
 IN_PLACE_SITES = ("head_q", "head_k", "head_v")  # views of the fused projection, edited in place
@@ -31,7 +32,8 @@ class SiteCapture:
     """Records `sites` of `layers` at `positions` (None: every position) in `values`; with `grad`, adds a probe to
     each (`probes`). `rotated`: layers whose rotated q, k (T, heads, E) to keep at `positions`; `patterns`: layers
     whose attention runs explicitly, softmax(q k^T / sqrt(E)) with a probe on the pattern (the QK fix reads the
-    logits and the pattern's gradient)."""
+    logits and the pattern's gradient). `adapter`: a LoRA adapter the forward runs under (model/lora.py), as a
+    completion naming it does, or None (the base)."""
 
     sites: tuple[str, ...]
     layers: frozenset[int]
@@ -43,6 +45,7 @@ class SiteCapture:
     probes: dict[tuple[int, str], Tensor] = field(default_factory=dict)  # the activation's shape, zeros
     qk: dict[int, tuple[Tensor, Tensor]] = field(default_factory=dict)  # layer -> q (P, H, E), k (P, K, E) float32
     attention: dict[int, tuple[Tensor, Tensor]] = field(default_factory=dict)  # layer -> logits (H, T, T), probe
+    adapter: LoRAAdapter | None = None
 
     def __post_init__(self) -> None:
         if unknown := set(self.sites) - set(SITES + HEAD_SITES):
@@ -65,7 +68,11 @@ class SiteCapture:
         return x + probe
 
     def adapt(self, layer: int, site: str, x: Tensor, y: Tensor) -> Tensor:
-        return y  # the base weights (model/lora.py's adapters are served by the engine's steps)
+        """x (1, T, in), y (1, T, out): every position under the adapter, if any (with autograd on, through
+        PyTorch's ops: the native kernels have no backward)."""
+        if self.adapter is None:
+            return y
+        return LoRARows([(self.adapter, torch.arange(x.shape[1], device=x.device))]).apply(layer, site, x, y)
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """q (1, T, H, E), k/v (1, T, K, E), rotated -> (1, T, H, E)."""

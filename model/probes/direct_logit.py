@@ -21,7 +21,8 @@ logit difference were that component removed (that is what activation patching m
 Per head the term is u . wo_l[:, head] z_lh, with wo's weight in float32 (a quantized layer's dequantized for the
 call). `remainder` per block is u . attn_l minus the sum of its heads: zero up to rounding for float weights
 (LLaMA's wo has no bias); under a quantized wo, the kernel rounds the heads' outputs to int8 blocks before the
-product, and the remainder is what that rounding adds. The served logit difference (the head as it serves, and
+product, and the remainder is what that rounding adds. Under a LoRA adapter with targets on wo, wo_l is the
+adapted map wo_l + scale B A (LoRA is linear in z, so the heads still split it). The served logit difference (the head as it serves, and
 under a quantized head its own rounding) is reported beside the sum.
 """
 
@@ -32,6 +33,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from model.lora import LoRAAdapter
 from model.probes.capture import CaptureRun, SiteCapture, SteppedJob
 from model.probes.logit_metric import head_rows, scored
 from model.quantize import QuantLinear
@@ -64,11 +66,15 @@ class DirectLogitRun(SteppedJob):
     """An `EngineJob`: one capture forward of `token_ids` a block per unit of work (`CaptureRun`), then the
     attribution above at its last position; `result` once `step` returned True."""
 
-    def __init__(self, model: Transformer, token_ids: list[int], answer: int, contrast: int) -> None:
+    def __init__(self, model: Transformer, token_ids: list[int], answer: int, contrast: int,
+                 adapter: LoRAAdapter | None = None) -> None:
+        """`adapter`: a LoRA adapter the forward runs under (model/lora.py); each block's wo is then wo + its delta."""
         c = model.config
         T = len(token_ids)
         self.model, self.token_ids, self.answer, self.contrast = model, list(token_ids), answer, contrast
-        capture = SiteCapture(("head_output", "attention_output", "mlp_output"), frozenset(range(c.n_layers)), [T - 1])
+        self.adapter = adapter
+        capture = SiteCapture(("head_output", "attention_output", "mlp_output"), frozenset(range(c.n_layers)), [T - 1],
+                              adapter=adapter)
         self.forward = CaptureRun(model, token_ids, capture)
         self.result: DirectLogitResult | None = None
 
@@ -94,7 +100,7 @@ class DirectLogitRun(SteppedJob):
         H, E = c.n_heads, c.head_dim
         heads, mlp, attention, remainder = [], [], [], []
         for layer, block in enumerate(m.layers):
-            w = u @ dense_weight(block.attention.wo).double()  # (H E,): u through wo, per input column
+            w = u @ self._wo(layer, block.attention.wo)  # (H E,): u through wo, per input column
             z = values[(layer, "head_output")][0].double()  # (H, E)
             per_head = (w.view(H, E) * z).sum(-1)  # (H,)
             a = float(u @ values[(layer, "attention_output")][0].double())
@@ -107,3 +113,11 @@ class DirectLogitRun(SteppedJob):
         return DirectLogitResult(
             position=T - 1, logit_diff=a_lp - c_lp, total=embedding + sum(attention) + sum(mlp), embedding=embedding,
             heads=heads, mlp=mlp, attention=attention, remainder=remainder, final_norm_scale=scale)
+
+    def _wo(self, layer: int, wo: nn.Module) -> Tensor:
+        """Block `layer`'s wo (D, H E) in float64 as the forward applied it: under the adapter, plus each of its o
+        targets' scale * B A on that target's rows."""
+        w = dense_weight(wo).double()
+        for p in self.adapter.parts.get((layer, "o"), []) if self.adapter is not None else []:
+            w[p.start : p.stop] += p.scale * (p.BT.double().T @ p.A.double())  # (stop - start, H E)
+        return w

@@ -62,12 +62,13 @@ def _token(tok, i: int | None) -> dict | None:
     return None if i is None else {"text": tok.decode([i]), "token_id": i}
 
 
-async def _direct_logit(serving: Serving, req: AttributeRequest, request: Request, started: float) -> dict:
+async def _direct_logit(serving: Serving, req: AttributeRequest, request: Request, started: float,
+                        adapter: str | None) -> dict:
     ids = prompt_tokens(serving, req.prompt if req.prompt is not None else req.messages, req.add_generation_prompt,
                         "prompt" if req.prompt is not None else "messages")
     check_inspect_length(serving, len(ids), "prompt" if req.prompt is not None else "messages")
     answer, contrast = one_token(serving, req.answer, "answer"), one_token(serving, req.contrast, "contrast")
-    job = serving.new_direct_logit(ids, answer, contrast)
+    job = serving.new_direct_logit(ids, answer, contrast, adapter)
     await run_job(serving, request, job, len(ids))
     r = job.result
     contributions = {"embed": r.embedding}
@@ -113,14 +114,15 @@ def _pearson(a: list[float], b: list[float]) -> float | None:
     return None if sa == 0 or sb == 0 else sum((x - ma) * (y - mb) for x, y in zip(a, b)) / (sa * sb)
 
 
-async def _attribution_patching(serving: Serving, req: AttributeRequest, request: Request, started: float) -> dict:
+async def _attribution_patching(serving: Serving, req: AttributeRequest, request: Request, started: float,
+                                adapter: str | None) -> dict:
     clean = prompt_tokens(serving, req.clean, req.add_generation_prompt, "clean")
     corrupted = prompt_tokens(serving, req.corrupted, req.add_generation_prompt, "corrupted")
     check_inspect_length(serving, len(clean), "clean")
     sweep = build_sweep(serving, req, clean, corrupted)
     _check_budget(serving, req, sweep)
     source, target = (clean, corrupted) if sweep.direction == "denoise" else (corrupted, clean)
-    job = serving.new_attribution_patching(sweep, source, target, req.qk_fix)
+    job = serving.new_attribution_patching(sweep, source, target, req.qk_fix, adapter)
     await run_job(serving, request, job, 2 * len(clean))
     attributed = time.perf_counter()
     m_source, m_target = job.baselines
@@ -144,7 +146,7 @@ async def _attribution_patching(serving: Serving, req: AttributeRequest, request
         chosen = [cells[i] for i in order]
         each = cell_interventions(sweep, None, sorted(sweep.positions), job.source.capture.values, chosen)
         rid = f"attribute-{uuid.uuid4().hex[:16]}"
-        exact = await until_disconnect(request, run_cells(serving, rid, sweep, target, each))
+        exact = await until_disconnect(request, run_cells(serving, rid, sweep, target, each, adapter))
         exact_n = normalise(exact, m_clean, m_corrupted)
         body["verified"] = {
             "cells": [{"site": c.site, "layer": c.layer, "head": c.head, "position": c.position,
@@ -161,13 +163,13 @@ async def _attribution_patching(serving: Serving, req: AttributeRequest, request
 
 @router.post("/inspect/attribute")
 async def attribute(req: AttributeRequest, request: Request, serving: Serving = Depends(get_serving)):
-    serving.check_model(req.model)
+    adapter = serving.check_model(req.model, adapters=True)  # the runs under a LoRA adapter, or the base
     started = time.perf_counter()
     _check_fields(req)
     if req.method == "direct_logit":
-        result = await _direct_logit(serving, req, request, started)
+        result = await _direct_logit(serving, req, request, started, adapter)
     else:
-        result = await _attribution_patching(serving, req, request, started)
+        result = await _attribution_patching(serving, req, request, started, adapter)
     log.info("attribute method=%s seconds=%.2f", req.method, time.perf_counter() - started)
     return {"id": f"attribute-{uuid.uuid4().hex[:24]}", "object": "inspection.attribution", "created": now(),
-            "model": serving.model_name, "method": req.method, "precision": serving.precision, **result}
+            "model": adapter or serving.model_name, "method": req.method, "precision": serving.precision, **result}

@@ -27,7 +27,7 @@ log = logging.getLogger("llamascope.service")
 
 @router.post("/inspect/patch")
 async def patch(req: PatchRequest, request: Request, serving: Serving = Depends(get_serving)):
-    serving.check_model(req.model)
+    adapter = serving.check_model(req.model, adapters=True)  # every row under a LoRA adapter, or the base
     started = time.perf_counter()
     clean = prompt_tokens(serving, req.clean, req.add_generation_prompt, "clean")
     corrupted = prompt_tokens(serving, req.corrupted, req.add_generation_prompt, "corrupted")
@@ -35,7 +35,7 @@ async def patch(req: PatchRequest, request: Request, serving: Serving = Depends(
     sweep = build_sweep(serving, req, clean, corrupted)
     check_patch_budget(serving, sweep)
     source, target = (clean, corrupted) if sweep.direction == "denoise" else (corrupted, clean)
-    result = await until_disconnect(request, sweep_grid(serving, sweep, source, target))
+    result = await until_disconnect(request, sweep_grid(serving, sweep, source, target, adapter))
     m_clean, m_corrupted = (result["source"], result["target"]) if sweep.direction == "denoise" \
         else (result["target"], result["source"])
     try:
@@ -46,7 +46,7 @@ async def patch(req: PatchRequest, request: Request, serving: Serving = Depends(
     tok = serving.tokenizer
     body = {
         "id": f"patch-{uuid.uuid4().hex[:24]}", "object": "inspection.patch", "created": now(),
-        "model": serving.model_name,
+        "model": adapter or serving.model_name,
         "precision": serving.precision, "metric": sweep.metric, "direction": sweep.direction,
         "answer": {"text": tok.decode([sweep.answer]), "token_id": sweep.answer},
         "contrast": {"text": tok.decode([sweep.contrast]), "token_id": sweep.contrast} if sweep.contrast is not None else None,

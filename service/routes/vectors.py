@@ -39,7 +39,7 @@ def _found(serving: Serving, name: str) -> StoredVector:
 
 @router.post("/v1/vectors")
 async def create_vector(req: VectorRequest, request: Request, serving: Serving = Depends(get_serving)):
-    serving.check_model(req.model)
+    adapter = serving.check_model(req.model, adapters=True)  # the prompts read under a LoRA adapter, or the base
     c = serving.config
     if serving.vectors.get(req.name) is not None:
         raise APIError(409, f"a vector named {req.name!r} exists: DELETE /v1/vectors/{req.name} first", param="name",
@@ -62,11 +62,12 @@ async def create_vector(req: VectorRequest, request: Request, serving: Serving =
             T = len(ids)
             opts = ProbeOptions(layers=list(req.layers), include=frozenset({"hidden_states"}),
                                 hidden_positions=[T - 1] if req.position == "last" else None)
-            result = (await run_probe(serving, request, ids, opts)).result()
+            result = (await run_probe(serving, request, ids, opts, adapter=adapter)).result()
             reps.append({p.layer: p.hidden.mean(0) for p in result.layers})  # (P, D) -> (D,)
         sides.append(reps)
     vector = StoredVector(req.name, contrastive_mean(sides[0], sides[1], req.normalize), "contrastive",
-                          details={"pairs": len(req.positive), "position": req.position, "normalize": req.normalize})
+                          details={"pairs": len(req.positive), "position": req.position, "normalize": req.normalize,
+                                   **({"adapter": adapter} if adapter is not None else {})})
     try:
         serving.vectors.add(vector)
     except KeyError:

@@ -164,13 +164,13 @@ def test_adapters_and_base_in_one_batch_give_what_each_gives_alone(server, clien
     assert len({json.dumps(lp) for lp in first}) == len(models)
 
 
-def test_unknown_model_and_adapter_on_a_base_only_endpoint_are_refused(server, client):
+def test_an_unknown_model_is_refused_naming_what_is_served(server, client):
     with pytest.raises(openai.NotFoundError) as e:
         client.completions.create(model="no-such-adapter", prompt="hi", max_tokens=2)
     assert e.value.body["code"] == "model_not_found" and "'r8'" in e.value.body["message"]
-    r = httpx.post(server.url + "/inspect/patch", json={"model": "r8", "clean": "hi there", "corrupted": "ho there",
+    r = httpx.post(server.url + "/inspect/patch", json={"model": "r9", "clean": "hi there", "corrupted": "ho there",
                                                         "answer": "a"})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "model"
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model"
     chat = client.chat.completions.create(model="r8", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
     assert chat.model == "r8"
 
@@ -362,3 +362,123 @@ def test_the_responses_api_runs_under_an_adapter(client):
                                            max_tokens=6, temperature=0, logprobs=True)
     assert r.model == "r16" and r.output_text == chat.choices[0].message.content
     assert [t.logprob for t in base.choices[0].logprobs.content] != [t.logprob for t in under.choices[0].logprobs.content]
+
+
+# Patching, attribution and steering vectors under an adapter, against the same references the base's tests use
+# (tests/attribution_reference.py: HF forward hooks and autograd, written from the definitions) on the adapter merged
+# into its base's weights by PEFT: the same function of the input, up to float32 rounding.
+CLEAN, CORRUPTED = "The quick brown fox jumps over a dog.", "The quick green cat jumps over a dog."
+
+
+@pytest.fixture(scope="module")
+def merged(checkpoint):
+    """The rank-8 adapter (every projection) merged into its base by PEFT (`merge_and_unload`): a LlamaForCausalLM."""
+    from peft import PeftModel
+    from transformers import LlamaForCausalLM
+
+    base_dir, folders = checkpoint
+    base = LlamaForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    return PeftModel.from_pretrained(base, folders["r8"]).merge_and_unload().eval()
+
+
+def _prompts(server):
+    (answer,), (contrast,) = _ids(server, " "), _ids(server, "x")
+    return _ids(server, CLEAN), _ids(server, CORRUPTED), answer, contrast
+
+
+@pytest.mark.parametrize("direction", ["denoise", "noise"])
+def test_patching_under_an_adapter_equals_hooks_on_its_merged_weights(server, merged, direction):
+    """/inspect/patch naming an adapter runs every row (the baselines, each cell, the heads' capture) under it: each
+    cell within 1e-4 of the merged model's hooked forward, at residual and head sites; the base's grid differs."""
+    from attribution_reference import HEADS, metric, patch_cell, run
+
+    clean, corrupted, answer, contrast = _prompts(server)
+    assert len(clean) == len(corrupted)
+    sites, positions = ["block_output", "mlp_output", "head_q", "head_k", "head_output"], [11, 14, len(clean) - 1]
+    body = {"model": "r8", "clean": CLEAN, "corrupted": CORRUPTED, "answer": " ", "contrast": "x", "sites": sites,
+            "layers": "all", "positions": positions, "heads": [0, 3], "direction": direction}
+    r = httpx.post(server.url + "/inspect/patch", json=body, timeout=300)
+    assert r.status_code == 200, r.text
+    got = r.json()
+    assert got["model"] == "r8"
+    source, target = (clean, corrupted) if direction == "denoise" else (corrupted, clean)
+    layers = range(merged.config.num_hidden_layers)
+    with torch.no_grad():
+        src = run(merged, source, sites, layers)["values"]
+        m_clean, m_corr = (float(metric(run(merged, ids, (), ())["logits"].double(), answer, contrast))
+                           for ids in (clean, corrupted))
+    assert got["baselines"]["clean"] == pytest.approx(m_clean, abs=1e-4)
+    assert got["baselines"]["corrupted"] == pytest.approx(m_corr, abs=1e-4)
+    worst = 0.0
+    for s, site in enumerate(sites):
+        for l in layers:
+            heads = (got["kv_heads"] if site in ("head_k", "head_v") else got["heads"]) if site in HEADS else [None]
+            for j, head in enumerate(heads):
+                for i, p in enumerate(positions):
+                    cell = got["raw"][s][l][j][i] if head is not None else got["raw"][s][l][i]
+                    worst = max(worst, abs(cell - patch_cell(merged, src, target, answer, contrast, site, l, head, p)))
+    assert worst <= 1e-4
+    base = httpx.post(server.url + "/inspect/patch", json={**body, "model": "base"}, timeout=300).json()
+    assert base["model"] == "base" and abs(base["baselines"]["clean"] - m_clean) > 1e-2
+
+
+def test_attribution_under_an_adapter_equals_autograd_on_its_merged_weights(server, merged):
+    """/inspect/attribute naming an adapter: direct logit attribution (each head through wo plus the adapter's o
+    delta) and attribution patching's estimates (the backward through the adapter's deltas) within 1e-4 of HF's on
+    the merged weights; `verify` patches its cells exactly under the adapter."""
+    from attribution_reference import attribution_patching, direct_logit
+
+    clean, corrupted, answer, contrast = _prompts(server)
+    r = httpx.post(server.url + "/inspect/attribute", timeout=300, json={
+        "model": "r8", "method": "direct_logit", "prompt": CLEAN, "answer": " ", "contrast": "x"})
+    assert r.status_code == 200, r.text
+    got, ref = r.json(), direct_logit(merged, clean, answer, contrast)
+    assert got["model"] == "r8" and got["logit_diff"] == pytest.approx(ref["logit_diff"], abs=1e-4)
+    assert torch.tensor(got["heads"]).sub(torch.tensor(ref["heads"])).abs().max() <= 1e-4
+    assert torch.tensor(got["mlp"]).sub(torch.tensor(ref["mlp"])).abs().max() <= 1e-4
+    assert max(map(abs, got["remainder"])) <= 1e-4  # the heads split the adapted attention output
+    sites = ["block_output", "head_v", "head_output"]
+    r = httpx.post(server.url + "/inspect/attribute", timeout=300, json={
+        "model": "r8", "method": "attribution_patching", "clean": CLEAN, "corrupted": CORRUPTED, "answer": " ",
+        "contrast": "x", "sites": sites, "qk_fix": False, "verify": 4})
+    assert r.status_code == 200, r.text
+    got = r.json()
+    T, L = len(clean), merged.config.num_hidden_layers
+    want, _ = attribution_patching(merged, clean, corrupted, answer, contrast, sites, range(L), range(T))
+    base, worst = got["baselines"]["corrupted"], 0.0
+    for s, site in enumerate(sites):
+        for l in range(L):
+            heads = [None] if site == "block_output" else got["kv_heads"] if site == "head_v" else got["heads"]
+            for j, head in enumerate(heads):
+                for p in range(T):
+                    cell = got["raw"][s][l][p] if head is None else got["raw"][s][l][j][p]
+                    worst = max(worst, abs(cell - base - want[(site, l, head, p)]))
+    assert worst <= 1e-4 * max(1.0, max(map(abs, want.values())))
+    for c in got["verified"]["cells"]:  # exact patches under the adapter: what /inspect/patch gives for the cell
+        exact = httpx.post(server.url + "/inspect/patch", timeout=300, json={
+            "model": "r8", "clean": CLEAN, "corrupted": CORRUPTED, "answer": " ", "contrast": "x", "sites": [c["site"]],
+            "layers": [c["layer"]], "positions": [c["position"]],
+            **({"heads": [c["head"]]} if c["site"] == "head_output" else {})}).json()
+        cell = exact["raw"][0][0]
+        if c["head"] is not None:
+            cell = cell[(exact["kv_heads"] if c["site"] == "head_v" else exact["heads"]).index(c["head"])]
+        assert cell[0] == pytest.approx(c["exact_raw"], abs=1e-5)
+
+
+def test_a_steering_vector_read_under_an_adapter_is_its_residual_difference(server, merged):
+    """POST /v1/vectors naming an adapter reads the prompts' block outputs under it (the merged model's hidden
+    states within 1e-5 of their scale) and says so."""
+    pos, neg = ["I love this", "What a joy"], ["I hate this", "What a pain"]
+    body = {"name": "joy-r8", "model": "r8", "layers": [0], "positive": pos, "negative": neg}  # (HF: normed last)
+    r = httpx.post(server.url + "/v1/vectors", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    got = r.json()
+    assert got["adapter"] == "r8"
+    with torch.no_grad():
+        last = {t: merged(torch.tensor([_ids(server, t)]), output_hidden_states=True).hidden_states for t in pos + neg}
+    for layer in (0,):
+        v = np.frombuffer(base64.b64decode(got["data"][str(layer)]), dtype="<f4")
+        want = torch.stack([last[p][layer + 1][0, -1].double() - last[n][layer + 1][0, -1].double()
+                            for p, n in zip(pos, neg)]).mean(0).numpy()
+        assert np.abs(v - want).max() <= 1e-5 * np.abs(want).max()
+    httpx.delete(server.url + "/v1/vectors/joy-r8")
