@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from model.config import ModelConfig
@@ -51,6 +52,9 @@ class LoRAPart:
     A: Tensor  # (r, in)
     BT: Tensor  # B transposed, (r, stop - start): the expanding product's layout (csrc/lora.cpp)
     scale: float
+    # A holds this tensor-parallel rank's input columns only (a row-parallel site: model/parallel/plan.py), so x A^T
+    # is a partial sum, all-reduced over the ranks before B
+    partial: bool = False
 
 
 @dataclass
@@ -243,6 +247,8 @@ class LoRARows:
             xs = xf.index_select(0, rows)  # (n, in)
             for p in parts:
                 t = ops.linear(xs, p.A)  # (n, r)
+                if p.partial:
+                    dist.all_reduce(t)  # every rank the same (n, r), then the same delta on the all-reduced output
                 delta = ops.lora_expand(t, p.BT).to(yf.dtype) * p.scale  # (n, stop - start)
                 yf[rows, p.start : p.stop] += delta
         return y

@@ -67,8 +67,9 @@ class Serving:
                   num_prompt_tokens: int | None = None, adapter: str | None = None) -> ProbeRun:
         """An inspection of `token_ids` over the serving weights, under LoRA adapter `adapter` (a served name) or the
         base, edited by `interventions` (ValueError for options out of range)."""
-        return ProbeRun(self._state.loaded.model, token_ids, opts, interventions, num_prompt_tokens,
-                        self.adapter(adapter))
+        # (under tensor parallelism a probe's blocks run on every rank, which serve no adapter outside engine steps)
+        model = self._state.loaded.model if adapter is None else self.local_model("an inspection under a LoRA adapter")
+        return ProbeRun(model, token_ids, opts, interventions, num_prompt_tokens, self.adapter(adapter))
 
     def local_model(self, what: str) -> Transformer:
         """The served model where its modules run in this process; 400 under tensor parallelism."""

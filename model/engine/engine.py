@@ -248,13 +248,14 @@ class Engine:
         return req
 
     def add_lora(self, adapter: LoRAAdapter) -> None:
-        """Serve `adapter` (model/lora.py) to the requests that name it (`RequestOptions.lora`), beside the base."""
-        if self.distributed:
-            raise ValueError("LoRA adapters are not supported with tensor parallelism")
+        """Serve `adapter` (model/lora.py) to the requests that name it (`RequestOptions.lora`), beside the base.
+        Under tensor parallelism every rank serves its share of it (`TPModel.add_lora`)."""
         if adapter.name in self.runner.adapters:
             raise ValueError(f"a LoRA adapter named {adapter.name!r} is already loaded")
         self._loras_loaded += 1
         adapter.serial = self._loras_loaded  # (its K/V is never another load's under the same name: the prefix key)
+        if self.distributed:
+            adapter = self.model.add_lora(adapter)
         self.runner.adapters[adapter.name] = adapter.to(self.model.dtype, torch.device(self.model.device))
 
     def remove_lora(self, name: str) -> None:
@@ -265,6 +266,8 @@ class Engine:
         if users:
             raise ValueError(f"LoRA adapter {name!r} is serving {users} request(s); unload it once they finish")
         del self.runner.adapters[name]
+        if self.distributed:
+            self.model.remove_lora(name)
 
     @property
     def kv_cache_tokens(self) -> int:

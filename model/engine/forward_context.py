@@ -45,11 +45,12 @@ class ForwardContext:
     _masks: dict[int, Tensor | None] = field(default_factory=dict)  # prefill chunk -> its sliding-window mask
 
     @classmethod
-    def from_slices(cls, cache: PagedKVCache, slices: list[SeqSlice], edits: Edits | None = None) -> "ForwardContext":
+    def from_slices(cls, cache: PagedKVCache, slices: list[SeqSlice], edits: Edits | None = None,
+                    lora: LoRARows | None = None) -> "ForwardContext":
         """The context of a step known by its slices alone (tensor-parallel workers, which follow rank 0's steps, and
         tests); the runner writes the same metadata into its persistent buffers instead."""
         meta = AttentionMetadata.from_slices(slices, cache.block_size, cache.device, cache.paged_prefill)
-        return cls(cache, meta, slices, edits)
+        return cls(cache, meta, slices, edits, lora=lora)
 
     # ---- the attention context the model's modules call (model/attention.py) ---------------------------------
 

@@ -34,6 +34,7 @@ from torch import Tensor, nn
 
 from model.config import ModelConfig
 from model.loaders.errors import CheckpointError
+from model.lora import LoRAAdapter, LoRAPart
 
 
 @dataclass(frozen=True)
@@ -114,6 +115,34 @@ class ShardPlan:
         """This rank's slice of a full tensor (a view; the loaders copy it on the cast)."""
         s = self.slice_of(name)
         return full if s is None else full.narrow(s[0], s[1], s[2] - s[1])
+
+    def shard_adapter(self, adapter: LoRAAdapter) -> LoRAAdapter:
+        """This rank's share of a LoRA adapter (model/lora.py) of the whole model, as its weights are split: at a
+        column-parallel site (qkv, w13) each target keeps the output columns this rank holds (B's columns; A whole, the
+        input being replicated); at a row-parallel one (o, w2), A's input columns this rank holds (its x A^T a partial
+        sum, `LoRAPart.partial`), B whole."""
+        E, (q0, q1), (k0, k1), (f0, f1) = self.config.head_dim, self.q_heads, self.kv_heads, self.ffn
+        H, K, F = self.config.n_heads, self.config.n_kv_heads, self.config.hidden_dim
+        # the global fused columns of this rank's local output columns, in order
+        local_cols = {"qkv": [*range(q0 * E, q1 * E), *range((H + k0) * E, (H + k1) * E),
+                              *range((H + K + k0) * E, (H + K + k1) * E)],
+                      "w13": [*range(f0, f1), *range(F + f0, F + f1)]}
+        inputs = {"o": (q0 * E, q1 * E), "w2": (f0, f1)}
+        out = LoRAAdapter(adapter.name, adapter.path, adapter.rank, adapter.serial)
+        for (layer, site), parts in adapter.parts.items():
+            mine = []
+            for p in parts:
+                if site in inputs:
+                    a0, a1 = inputs[site]
+                    mine.append(LoRAPart(p.start, p.stop, p.A[:, a0:a1].contiguous(), p.BT, p.scale, partial=True))
+                    continue
+                js = [j for j, c in enumerate(local_cols[site]) if p.start <= c < p.stop]  # one run: both increase
+                if js:
+                    cols = torch.tensor(local_cols[site][js[0] : js[-1] + 1]) - p.start
+                    mine.append(LoRAPart(js[0], js[-1] + 1, p.A, p.BT[:, cols].contiguous(), p.scale))
+            if mine:
+                out.parts[(layer, site)] = mine
+        return out
 
     def local_heads(self, heads: list[int] | None) -> list[int] | None:
         """Global query-head ids (None: all) -> this rank's local indices of those it owns."""

@@ -27,10 +27,11 @@ from torch import Tensor
 from model.loaders.checkpoint import LoadedModel, default_model_path, load_model
 from model.loaders.errors import CheckpointError
 from model.loaders.hub import resolve_checkpoint
+from model.lora import LoRAAdapter
 from model.dtypes import dtype_name
 from model.engine.forward_context import ForwardContext
 from model.parallel.plan import ShardPlan, TPRank, cuda_device, install_row_parallel, parameter_bytes
-from model.parallel.worker import STOP, BlockMsg, CacheSpec, Channel, StepMsg, init_group, run_block, run_step
+from model.parallel.worker import STOP, BlockMsg, CacheSpec, Channel, LoRAMsg, StepMsg, init_group, run_block, run_step
 from model.transformer import Transformer
 
 log = logging.getLogger("llamascope.tp")
@@ -107,13 +108,23 @@ class TPModel:
                 self._cache = weakref.ref(cache)
                 spec = CacheSpec(self._generation, cache.num_blocks, cache.block_size, cache.k.dtype)
         edits = ctx.edits if ctx is not None else None
+        lora = [(a.name, rows.tolist()) for a, rows in ctx.lora.groups] if ctx is not None and ctx.lora else None
         msg = StepMsg(tokens.tolist(), positions.tolist() if positions is not None else None,
                       ctx.slices if ctx is not None else None, spec,
-                      edits.without_reads() if edits is not None and edits.has_edits else None)
+                      edits.without_reads() if edits is not None and edits.has_edits else None, lora)
         self.channel.send(msg)
         if ctx is None:
             return run_step(self.shard, msg, None, logits_indices)
         return self.shard(tokens, positions, ctx, logits_indices=logits_indices)
+
+    def add_lora(self, adapter: LoRAAdapter) -> LoRAAdapter:
+        """Serve a LoRA adapter of the whole model on every rank: the workers are sent it and each keeps its share;
+        -> rank 0's share (`ShardPlan.shard_adapter`), what its runner applies."""
+        self.channel.send(LoRAMsg(adapter.name, adapter))
+        return self.plan.shard_adapter(adapter)
+
+    def remove_lora(self, name: str) -> None:
+        self.channel.send(LoRAMsg(name, None))
 
     def abort(self) -> None:
         """After a failed step: the workers may be blocked in a collective that will never complete, so they are

@@ -37,6 +37,7 @@ from torch import Tensor
 from model.edits import StepEdits
 from model.engine.forward_context import ForwardContext
 from model.engine.paged_cache import PagedKVCache, SeqSlice
+from model.lora import LoRAAdapter, LoRARows
 from model.parallel.plan import ShardPlan, TPRank, cuda_device, install_row_parallel
 from model.transformer import Transformer
 from model.dtypes import DTYPES
@@ -64,6 +65,16 @@ class StepMsg:
     slices: list[SeqSlice] | None  # None: an uncached forward
     cache: CacheSpec | None = None  # set when the cache is (re)built
     edits: StepEdits | None = None  # the step's interventions (reads left to rank 0), applied alike on every rank
+    lora: list[tuple[str, list[int]]] | None = None  # the packed rows under each LoRA adapter, by name
+
+
+@dataclass
+class LoRAMsg:
+    """A LoRA adapter of the whole model to serve (each rank keeps its share: `ShardPlan.shard_adapter`), or with
+    `adapter` None, the adapter `name` to drop."""
+
+    name: str
+    adapter: LoRAAdapter | None
 
 
 class RankRequest(Protocol):
@@ -114,13 +125,17 @@ class Channel:
         return out
 
 
-def run_step(model: Transformer, msg: StepMsg, cache: PagedKVCache | None, logits_indices: Tensor | None) -> Tensor:
-    """The step's forward on this rank's shard (every rank runs this; workers pass empty `logits_indices`)."""
+def run_step(model: Transformer, msg: StepMsg, cache: PagedKVCache | None, logits_indices: Tensor | None,
+             adapters: dict[str, LoRAAdapter] | None = None) -> Tensor:
+    """The step's forward on this rank's shard (every rank runs this; workers pass empty `logits_indices`), its
+    adapter rows under this rank's share of each adapter (`adapters`, by name)."""
     dev = model.device
     tokens = torch.tensor(msg.tokens, device=dev)
     positions = torch.tensor(msg.positions, device=dev) if msg.positions is not None else None
     if msg.slices is not None:
-        ctx = ForwardContext.from_slices(cache, msg.slices, msg.edits)  # the same metadata rank 0's runner built
+        lora = LoRARows([(adapters[name], torch.tensor(rows, dtype=torch.long, device=dev)) for name, rows in msg.lora]) \
+            if msg.lora else None
+        ctx = ForwardContext.from_slices(cache, msg.slices, msg.edits, lora)  # the same metadata rank 0's runner built
         return model(tokens, positions, ctx, logits_indices=logits_indices)
     return model(tokens, positions, logits_indices=logits_indices)
 
@@ -201,6 +216,7 @@ def load_shard(path: str, dtype: torch.dtype, device: torch.device, tp: TPRank) 
 def serve(model: Transformer, plan: ShardPlan, channel: Channel) -> None:
     """Follow rank 0: run each step and probe block it broadcasts, until STOP."""
     cache: PagedKVCache | None = None
+    adapters: dict[str, LoRAAdapter] = {}  # this rank's share of each LoRA adapter served
     no_logits = torch.empty(0, dtype=torch.long, device=model.device)
     while True:
         msg = channel.recv()
@@ -208,7 +224,12 @@ def serve(model: Transformer, plan: ShardPlan, channel: Channel) -> None:
             if msg.cache is not None:
                 cache = None  # free the old pool before allocating the new one
                 cache = PagedKVCache.for_model(model, msg.cache.num_blocks, msg.cache.block_size, msg.cache.dtype)
-            run_step(model, msg, cache, no_logits)
+            run_step(model, msg, cache, no_logits, adapters)
+        elif isinstance(msg, LoRAMsg):
+            if msg.adapter is None:
+                adapters.pop(msg.name, None)
+            else:
+                adapters[msg.name] = plan.shard_adapter(msg.adapter).to(model.dtype, model.device)
         elif isinstance(msg, BlockMsg):
             h = channel.broadcast(torch.empty(msg.shape, dtype=model.dtype, device=model.device))
             _, measured = run_block(model, plan, msg, h)

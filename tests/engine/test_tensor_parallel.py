@@ -215,6 +215,52 @@ def test_interventions_apply_once_after_the_all_reduce(tp_pair):
     assert a.sink_mass_by_layer != pytest.approx(c.sink_mass_by_layer, abs=1e-3)
 
 
+def test_lora_adapters_under_tensor_parallelism(tp_pair):
+    """Rows of the base and two LoRA adapters (one on every projection) in shared steps: each rank serves its share of
+    an adapter (`ShardPlan.shard_adapter`: B's output columns of its q/k/v heads and FFN slice; A's input columns of
+    its heads and FFN slice for wo and w2, x A^T all-reduced), and TP=2 gives TP=1's tokens and logprobs (<= 1e-4).
+    An adapter removed and loaded again under its name with other weights: every rank serves the new one."""
+    from test_lora_engine import random_adapter
+
+    one, two = tp_pair
+    c = one.model.config
+    every = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+    def adapters(seed: int):
+        return [random_adapter("a", c, 4, seed, sites=every),
+                random_adapter("b", c, 8, seed + 1, sites=("k_proj", "o_proj", "down_proj"))]
+
+    prompts = _prompts(5, 7)
+    jobs = [(None, prompts[0]), ("a", prompts[1]), ("b", prompts[2]), ("a", prompts[3]), ("b", prompts[4])]
+
+    def serve(engine) -> dict[str, list]:
+        for i, (lora, p) in enumerate(jobs):
+            engine.add_request(f"{lora}-{i}", p, SamplingParams(max_tokens=6, temperature=0, logprobs=2,
+                                                                ignore_eos=True), RequestOptions(lora=lora))
+        out: dict[str, list] = {}
+        while engine.has_unfinished():
+            for o in engine.step():
+                out.setdefault(o.request_id, []).extend((t, lp.logprob) for t, lp in zip(o.token_ids, o.logprobs))
+        return out
+
+    config = EngineConfig(num_blocks=60, block_size=4, max_num_batched_tokens=32, max_num_seqs=5)
+    results = []
+    for model in (one.model, two.model):
+        engine = Engine(model, one.tokenizer, config)
+        for a in adapters(10):
+            engine.add_lora(a)
+        first = serve(engine)
+        engine.remove_lora("a")
+        engine.add_lora(adapters(20)[0])
+        results.append((first, serve(engine)))
+    for ref, got in zip(*results):
+        for rid in ref:
+            assert [t for t, _ in got[rid]] == [t for t, _ in ref[rid]], rid
+            assert [lp for _, lp in got[rid]] == pytest.approx([lp for _, lp in ref[rid]], abs=1e-4)
+    (before, after), _ = results
+    assert before["None-0"] == after["None-0"] and before["a-1"] != after["a-1"]  # the base's unchanged, "a" new
+
+
 def test_rows_of_several_tokens_under_tensor_parallelism(tp_pair):
     """Drafted rows (the engine's `drafter`: 1 + 2 or 4 tokens a step, half of them rejected and rolled back) on the
     TP=2 engine: every rank computes the same rows from the step's slices, and the tokens and logprobs are those of

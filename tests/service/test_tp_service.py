@@ -15,8 +15,17 @@ from hf_checkpoints import save_tiny_checkpoint
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
-    path = save_tiny_checkpoint(tmp_path_factory.mktemp("tpsvc") / "tiny", num_key_value_heads=2)
-    common = dict(model=str(path), kv_cache_bytes=1 << 20, max_num_seqs=4)
+    """(TP=1, TP=2) services on one checkpoint, each serving a PEFT LoRA adapter on every projection as "ad"."""
+    peft = pytest.importorskip("peft")
+    from transformers import LlamaForCausalLM
+
+    root = tmp_path_factory.mktemp("tpsvc")
+    path = save_tiny_checkpoint(root / "tiny", num_key_value_heads=2)
+    torch.manual_seed(3)
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    peft.get_peft_model(LlamaForCausalLM.from_pretrained(path), peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False)).save_pretrained(root / "ad")
+    common = dict(model=str(path), kv_cache_bytes=1 << 20, max_num_seqs=4, lora_modules=[f"ad={root / 'ad'}"])
     threads = torch.get_num_threads()  # a TP service on CPU splits the cores among its ranks: restored after
     try:
         with LiveServer(create_app(Settings(**common), wait_ready=True)) as one, \
@@ -61,6 +70,21 @@ def test_inspect_maps_equal(servers):
         assert max(abs(x - y) for x, y in zip(flat(ma), flat(mb))) <= 1e-4
         for ha, hb in zip(la["attention"]["heads"], lb["attention"]["heads"]):
             assert ha["sink_mass"] == pytest.approx(hb["sink_mass"], abs=1e-4)
+
+
+def test_completions_under_a_lora_adapter_equal(servers):
+    """`--lora-modules` with `--tensor-parallel-size 2`: every rank serves its share of the adapter, and a request
+    naming it gets TP=1's tokens and logprobs; /inspect under it needs the whole model in one process (a 400)."""
+    body = {"model": "ad", "prompt": ["Summer is warm.", "a b c d e f"], "max_tokens": 8, "temperature": 0,
+            "logprobs": 2}
+    a, b = (_post(s, "/v1/completions", body) for s in servers)
+    base = _post(servers[0], "/v1/completions", {**body, "model": None})
+    for ca, cb, cbase in zip(a["choices"], b["choices"], base["choices"]):
+        assert ca["text"] == cb["text"] and ca["logprobs"]["token_logprobs"] == pytest.approx(
+            cb["logprobs"]["token_logprobs"], abs=1e-4)
+        assert ca["logprobs"]["token_logprobs"] != pytest.approx(cbase["logprobs"]["token_logprobs"], abs=1e-3)
+    r = httpx.post(servers[1].url + "/inspect", json={"model": "ad", "prompt": "hi there", "layers": [0]}, timeout=60)
+    assert r.status_code == 400 and "tensor-parallel" in r.json()["error"]["message"]
 
 
 def test_a_failing_step_under_tensor_parallelism_is_fatal(servers, monkeypatch):
