@@ -226,6 +226,7 @@ class LoRARows:
     """A step's rows under adapters: for each adapter with rows in the step, the packed rows (n,) it owns."""
 
     groups: list[tuple[LoRAAdapter, Tensor]]
+    host_rows: list[list[int]] = field(default_factory=list)  # the same rows on the host, where the caller has them
 
     def native_args(self, n_layers: int) -> tuple[list[Tensor], list[list[tuple]]]:
         """The same targets as step_layers takes them: each group's rows, and per block its targets (group, site,

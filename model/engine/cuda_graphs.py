@@ -14,7 +14,9 @@ needs the host anyway: stop strings, detokenization).
 Every bucket is captured when the engine starts, largest first and sharing one memory pool (vLLM's order: the
 largest graph's buffers are reused by the smaller ones), so no request ever pays a capture. Each bucket has two
 graphs: the plain step, and the step with interventions and hidden-state reads from static buffers
-(graph_edits.py), replayed only when some row of the step has them.
+(graph_edits.py), replayed only when some row of the step has them. A step with rows under LoRA adapters replays a
+variant of either that applies every loaded adapter by a per-row slot (graph_lora.py), captured the first time one
+is needed for the adapters loaded then.
 
 Modes (`EngineConfig.decode_graphs`): "auto" captures on CUDA where the Triton decode kernel is available, "off"
 runs every step eagerly, "eager" runs the static-buffer step without capture (what the CPU tests check, with the
@@ -32,9 +34,11 @@ from torch import Tensor
 
 from model.engine.forward_context import ForwardContext
 from model.engine.graph_edits import GraphEdits
+from model.engine.graph_lora import GraphLoRA
 from model.engine.input_batch import InputBuffers, StepBatch
 from model.engine.paged_cache import AttentionMetadata, PagedKVCache
 from model.kernels import ops
+from model.lora import LoRAAdapter, LoRARows
 
 log = logging.getLogger("llamascope.engine")
 
@@ -49,16 +53,21 @@ def buckets(max_num_seqs: int) -> list[int]:
 
 class CudaGraphs:
     def __init__(self, model: torch.nn.Module, cache: PagedKVCache, buffers: InputBuffers, scratch_block: int,
-                 max_num_seqs: int, capture: bool) -> None:
+                 max_num_seqs: int, capture: bool, adapters: dict[str, LoRAAdapter] | None = None) -> None:
+        """`adapters`: the runner's LoRA adapters by name (read at each step with adapter rows)."""
         self.model, self.cache, self.buffers, self.capture = model, cache, buffers, capture
         self.buckets = buckets(max_num_seqs)
         self.scratch_block, self.scratch_slot = scratch_block, scratch_block * cache.block_size
         self.rows = torch.arange(self.buckets[-1], dtype=torch.long, device=cache.device)  # decode rows 0..B-1
-        # one graph per (bucket, edited): the edited variant applies the step's interventions from static buffers
-        # and records block outputs (graph_edits.py); steps without any replay the plain one
-        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[tuple[int, bool], Tensor] = {}  # the logits each graph writes, (1, b, V)
-        self.failed: set[tuple[int, bool]] = set()
+        # one graph per (bucket, edited, adapted): the edited variant applies the step's interventions from static
+        # buffers and records block outputs (graph_edits.py), the adapted one applies the loaded LoRA adapters to the
+        # rows under them (graph_lora.py); steps without any replay the plain one
+        self.graphs: dict[tuple[int, bool, bool], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[int, bool, bool], Tensor] = {}  # the logits each graph writes, (1, b, V)
+        self.failed: set[tuple[int, bool, bool]] = set()
+        self.adapters = adapters if adapters is not None else {}
+        self.lora = GraphLoRA(self.buckets[-1], cache.device)
+        self._lora_set: tuple = ()  # the adapters the adapted graphs hold (`GraphLoRA.key`)
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         c = model.config
         capacity = min(4096, max(64, max_num_seqs * 3 * c.n_layers))  # vectors a step's interventions may use
@@ -81,12 +90,16 @@ class CudaGraphs:
         """A pure decode step: one new token per sequence (not prefill rows that attend over the pool one by one,
         `PagedKVCache.paged_prefill`), within the largest bucket."""
         n = batch.meta.num_tokens
-        edited = batch.edits is not None
         # graphs are captured without attention telemetry: a step recording it runs another path instead
-        return (batch.meta.all_paged and batch.num_seqs == n and ctx.telemetry is None and ctx.lora is None
-                and 0 < n <= self.buckets[-1] and (self._bucket(n), edited) not in self.failed
-                and (not edited or (self.edits.fits(batch.edits) and not batch.edits.reads_sub_blocks
-                                    and not batch.edits.has_head_edits)))
+        if not (batch.meta.all_paged and batch.num_seqs == n and ctx.telemetry is None and 0 < n <= self.buckets[-1]):
+            return False
+        edited, adapted = batch.edits is not None, ctx.lora is not None
+        # (an adapted graph's failed capture counts for the adapters it was tried with: another set is tried afresh)
+        if (self._bucket(n), edited, adapted) in self.failed and (
+                not adapted or GraphLoRA.key(self.adapters) == self._lora_set):
+            return False
+        return not edited or (self.edits.fits(batch.edits) and not batch.edits.reads_sub_blocks
+                              and not batch.edits.has_head_edits)
 
     def _bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)
@@ -107,14 +120,18 @@ class CudaGraphs:
         d["paged_lens"][n:b] = 1
 
     @torch.inference_mode()
-    def run(self, batch: StepBatch) -> Tensor:
-        """A pure decode step of n rows, already written into the buffers -> logits (n, V)."""
+    def run(self, batch: StepBatch, lora: LoRARows | None = None) -> Tensor:
+        """A pure decode step of n rows, already written into the buffers (`lora`: its rows under adapters) -> logits
+        (n, V)."""
         n = batch.meta.num_tokens
         b = self._bucket(n)
         self._pad(n, b)
-        key = (b, batch.edits is not None)
+        key = (b, batch.edits is not None, lora is not None)
         if key[1]:
             self.edits.load(batch.edits)
+        if key[2]:
+            self._use_adapters()
+            self.lora.load(lora)
         if not self.capture:
             logits = self._forward(*key)[0, :n]
         else:
@@ -129,6 +146,18 @@ class CudaGraphs:
             self.edits.store_reads(batch.edits)
         return logits
 
+    def _use_adapters(self) -> None:
+        """The adapted graphs hold the adapters loaded now: those captured for another set are dropped (and their
+        failures forgotten), to be captured again when next needed."""
+        loaded = GraphLoRA.key(self.adapters)
+        if loaded == self._lora_set:
+            return
+        for key in [k for k in self.graphs if k[2]]:
+            del self.graphs[key], self.outputs[key]
+        self.failed = {k for k in self.failed if not k[2]}
+        self.lora.use(self.adapters)
+        self._lora_set = loaded
+
     def capture_all(self) -> None:
         """Capture every bucket now, largest first into one shared pool; logs the time it took."""
         start = time.perf_counter()
@@ -137,30 +166,32 @@ class CudaGraphs:
             for edited in (False, True):
                 self._capture(b, edited)
         log.info("decode graphs: %d graphs (plain and edited) captured in %.1fs (%s)", len(self.graphs),
-                 time.perf_counter() - start, ", ".join(str(b) for b, e in sorted(self.graphs) if not e)
+                 time.perf_counter() - start, ", ".join(str(b) for b, e, _ in sorted(self.graphs) if not e)
                  + (f"; failed: {sorted(self.failed)}" if self.failed else ""))
 
-    def _forward(self, b: int, edited: bool = False) -> Tensor:  # -> (1, b, V)
+    def _forward(self, b: int, edited: bool = False, adapted: bool = False) -> Tensor:  # -> (1, b, V)
         tokens, positions, meta = self._static(b)
-        # the captured step's context: the static buffers' metadata, and the static interventions when edited
-        ctx = ForwardContext(self.cache, meta, [], self.edits if edited else None)
+        # the captured step's context: the static buffers' metadata, the static interventions when edited, the
+        # static adapter slots when adapted
+        ctx = ForwardContext(self.cache, meta, [], self.edits if edited else None, lora=self.lora if adapted else None)
         return self.model(tokens, positions, ctx)
 
-    def _capture(self, b: int, edited: bool = False) -> None:
-        key = (b, edited)
+    def _capture(self, b: int, edited: bool = False, adapted: bool = False) -> None:
+        key = (b, edited, adapted)
         try:
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
                 for _ in range(2):  # warm-up outside the graph: Triton compiles, the allocator settles
-                    self._forward(b, edited)
+                    self._forward(*key)
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
-                self.outputs[key] = self._forward(b, edited)
+                self.outputs[key] = self._forward(*key)
             self.graphs[key] = graph
         except Exception:  # never fail a request over a capture: that bucket runs eagerly from now on
-            log.exception("CUDA graph capture failed for batch size %d (edited: %s); decoding it eagerly", b, edited)
+            log.exception("CUDA graph capture failed for batch size %d (edited: %s, adapted: %s); decoding it eagerly",
+                          b, edited, adapted)
             self.failed.add(key)
             self.graphs.pop(key, None)
             self.outputs.pop(key, None)

@@ -109,14 +109,15 @@ class ModelRunner:
                           for _ in range(2)]
         self._parity = 0
         self.native = NativeStep.for_model(model) if native_step else None
+        self.adapters: dict[str, LoRAAdapter] = {}  # LoRA adapters by name (`Engine.add_lora`); none on a draft's runner
         self.graphs = None if scratch_block is None else CudaGraphs(
-            model, cache, self.buffers, scratch_block, sizes.max_num_seqs, capture=graph_mode == "auto")
+            model, cache, self.buffers, scratch_block, sizes.max_num_seqs, capture=graph_mode == "auto",
+            adapters=self.adapters)
         self.path_counts: Counter[str] = Counter({p: 0 for p in PATHS})
         # prefill chunks in one kernel launch per layer where the attention backend is Triton (CUDA); the pools'
         # backend is fixed once the model is loaded, so asked once
         self._prefill_tiles = cache.prefill_tiles
         self.tables = EditTables(model.config.n_layers, model.config.dim, cache.device)
-        self.adapters: dict[str, LoRAAdapter] = {}  # LoRA adapters by name (`Engine.add_lora`); none on a draft's runner
 
     def capture_graphs(self) -> None:
         if self.graphs is not None and self.graphs.capture:
@@ -220,7 +221,8 @@ class ModelRunner:
         if not rows:
             return None
         device = self.cache.device
-        return LoRARows([(self.adapters[n], torch.tensor(r, dtype=torch.long, device=device)) for n, r in rows.items()])
+        return LoRARows([(self.adapters[n], torch.tensor(r, dtype=torch.long, device=device)) for n, r in rows.items()],
+                        list(rows.values()))
 
     def _choose(self, batch: StepBatch, ctx: ForwardContext) -> str:
         if self.graphs is not None and self.graphs.accepts(batch, ctx):
@@ -233,7 +235,7 @@ class ModelRunner:
         """The step's logits (M, V) at its logits rows; with `greedy` (every such row plain greedy), on the native path,
         their greedy picks (M,) where the head makes them without the logits (`NativeStep.run`)."""
         if path == "cuda_graph":  # the graph's logits are one per token row: keep the logits rows (M, V)
-            return _rows(self.graphs.run(batch), batch.logits_rows,
+            return _rows(self.graphs.run(batch, ctx.lora), batch.logits_rows,
                          identity=batch.logits_rows.numel() == batch.meta.num_tokens)
         if path == "native":
             return self.native.run(batch, ctx, greedy)

@@ -32,7 +32,7 @@ def test_static_decode_step_gives_the_ordinary_steps_tokens():
     assert eager.cache.num_blocks == eager.kv.num_blocks + 1 == 49
     calls = []
     original = graphs.run
-    graphs.run = lambda batch: calls.append(batch.meta.num_tokens) or original(batch)
+    graphs.run = lambda batch, lora=None: calls.append(batch.meta.num_tokens) or original(batch, lora)
     got = run(eager, requests, arrive)
     want = run(_engine("off"), requests, arrive)
     assert {r: c[0]["tokens"] for r, c in got.items()} == {r: c[0]["tokens"] for r, c in want.items()}
@@ -67,6 +67,52 @@ def test_sampled_and_logprob_requests_take_the_static_step_too():
     for r in requests:
         assert got[r][0]["tokens"] == want[r][0]["tokens"]
         assert [lp.logprob for lp in got[r][0]["logprobs"]] == pytest.approx([lp.logprob for lp in want[r][0]["logprobs"]], abs=1e-4)
+
+
+def test_adapter_rows_replay_the_adapted_step_over_every_loaded_adapter():
+    """Rows of the base and of LoRA adapters decoding together on the static step (graph_lora.py: each row's adapter
+    by its slot, every loaded adapter applied to the bucket with the others' rows masked to exact zeros): the tokens
+    and logprobs of the ordinary step (LoRARows over the native kernels); an adapter loaded mid-run makes a new set,
+    which the next adapted step holds."""
+    from model.engine import RequestOptions
+    from test_lora_engine import random_adapter
+
+    model = tiny_model()
+    every = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    prompts = _prompts(6, seed=8, lo=5, hi=30)
+    names = [None, "a", "b", "a", None, "b"]
+
+    def serve(mode: str):
+        engine = _engine(mode, model)
+        for name, seed in (("a", 1), ("b", 2)):
+            engine.add_lora(random_adapter(name, model.config, 4, seed, sites=every))
+        adapted = []
+        if engine.runner.graphs is not None:
+            graphs, original = engine.runner.graphs, engine.runner.graphs.run
+            graphs.run = lambda batch, lora=None: adapted.append(lora is not None) or original(batch, lora)
+        out: dict[str, list] = {}
+        params = greedy(10, logprobs=1)
+        for i, (p, name) in enumerate(zip(prompts, names)):
+            engine.add_request(str(i), p, params, RequestOptions(lora=name))
+        step = 0
+        while engine.has_unfinished():
+            if step == 6:  # a third adapter, mid-run, and a request under it
+                engine.add_lora(random_adapter("c", model.config, 8, 3, sites=("v_proj", "down_proj")))
+                engine.add_request("c", prompts[0], params, RequestOptions(lora="c"))
+            for o in engine.step():
+                out.setdefault(o.request_id, []).extend((t, lp.logprob) for t, lp in zip(o.token_ids, o.logprobs))
+            step += 1
+        return out, engine, adapted
+
+    got, eager, adapted = serve("eager")
+    want, _, _ = serve("off")
+    assert got.keys() == want.keys()
+    for r in want:
+        assert [t for t, _ in got[r]] == [t for t, _ in want[r]], r
+        assert [lp for _, lp in got[r]] == pytest.approx([lp for _, lp in want[r]], abs=1e-5)
+    assert got["c"] != got["0"]  # the third adapter changes what the base says on the same prompt
+    assert sum(adapted) > 10 and eager.runner.graphs._lora_set == (("a", 1), ("b", 2), ("c", 3))
+    assert_pool_clean(eager)
 
 
 def test_auto_captures_only_on_cuda():
