@@ -152,17 +152,27 @@ constexpr int SQ = 3, SK = 4, VQ = 3, VV = 4;
 #endif
 
 // Queries [i, qb) of a group in register tiles: f(std::integral_constant<int, n>) for each tile of n queries from i,
-// whole tiles of N, or of 2 where a tile of 3 would leave one query of four to run alone (a decode row of Llama's
-// G = 4: two tiles of 2); i := the first query no tile took (at most one left).
+// whole tiles of N where what is left then still tiles, else a tile of 3 (three left: the default model's G = 3
+// under 4-query tiles, whose third query ran alone, one key's latency-bound chain at a time) or of 2 (a tile of 3
+// would leave one query of four to run alone: a decode row of Llama's G = 4 under 3-query tiles, two tiles of 2);
+// and a query left alone a tile of its own (independent chains for its 8 keys, where score8 runs one key's chain at
+// a time: an MHA model's every decode query, a GQA group's odd one).
 template <int N, typename F>
 static inline void in_tiles(int64_t& i, int64_t qb, F&& f) {
-  while (qb - i >= 2) {
-    if (qb - i >= N && !(N == 3 && qb - i == 4)) {
+  while (qb - i >= 1) {
+    const int64_t left = qb - i;
+    if (left == N || left >= N + 2) {
       f(std::integral_constant<int, N>{});
       i += N;
-    } else {
+    } else if (left == 3) {
+      f(std::integral_constant<int, 3>{});
+      i += 3;
+    } else if (left >= 2) {
       f(std::integral_constant<int, 2>{});
       i += 2;
+    } else {
+      f(std::integral_constant<int, 1>{});
+      i += 1;
     }
   }
 }
@@ -458,14 +468,16 @@ struct PoolRows {  // position s of one sequence, one KV head -> its K and V row
   int64_t stride, head;  // stride = K * row, head = the KV head * row (row: E, or E + 4 for int8: kv_row_width)
   int64_t E;
   static constexpr bool scaled = std::is_same_v<T, int8_t>;  // an int8 cache: rows carry their scales
-  int64_t at(int64_t s) const { return (table[bo.block(s)] * bo.bs + bo.row(s)) * stride + head; }
-  const T* k(int64_t s) const { return kp + at(s); }
-  const T* v(int64_t s) const { return vp + at(s); }
-  float ks(int64_t s) const {
+  // always inlined: called per position in the innermost loops, and where GCC chose not to (the int8 cache's
+  // instantiations, whose scales call it once more per key and value) each call went through the PLT
+  [[gnu::always_inline]] int64_t at(int64_t s) const { return (table[bo.block(s)] * bo.bs + bo.row(s)) * stride + head; }
+  [[gnu::always_inline]] const T* k(int64_t s) const { return kp + at(s); }
+  [[gnu::always_inline]] const T* v(int64_t s) const { return vp + at(s); }
+  [[gnu::always_inline]] float ks(int64_t s) const {
     if constexpr (scaled) return row_scale(k(s), E);
     return 1.f;
   }
-  float vs(int64_t s) const {
+  [[gnu::always_inline]] float vs(int64_t s) const {
     if constexpr (scaled) return row_scale(v(s), E);
     return 1.f;
   }
