@@ -17,6 +17,7 @@
 // shuffles, and the transposition paid once for all the rows.
 #include <atomic>
 #include <cmath>
+#include <utility>
 #include <vector>
 
 #include "ops.h"
@@ -190,9 +191,11 @@ static void p_rows(const T* x, int64_t ldx, const float* wt, const T* w, int64_t
 // longer row's horizontal sum is a small share of its multiply-adds, and its packed group no longer fits in L1).
 constexpr int64_t PACKED_MIN_ROWS = 16, PACKED_MAX_K = 256;
 
-template <typename T>
-void float_gemm_range(const T* x, int64_t M, const T* w, int64_t K, int64_t n_begin, int64_t n_end, float* y,
-                      int64_t ldy) {
+// The blocking of x W^T over rows [0, M) and outputs [n_begin, n_end): each block's outputs are written where
+// `sink.at(m0, rows, n0, width)` says ({pointer to row m0's output n0, row stride}), then `sink.done` is told of
+// them. float_gemm_range's sink is y itself; the greedy pick's (below) a scratch tile it folds.
+template <typename T, typename Sink>
+static void gemm_blocks(const T* x, int64_t M, const T* w, int64_t K, int64_t n_begin, int64_t n_end, Sink& sink) {
 #if LS_AVX2
   // Blocks of weight rows (kept in L2) times blocks of activation rows (kept in L1 / L2).
   constexpr int64_t NB = 32, MB = 48;
@@ -210,8 +213,11 @@ void float_gemm_range(const T* x, int64_t M, const T* w, int64_t K, int64_t n_be
       for (int64_t n = n_begin; n < n_packed; n += G) {
         pack_group<T, G>(w, K, K8, n, wt.data());
         const char* next = n + G < n_packed ? reinterpret_cast<const char*>(w + (n + G) * K) : nullptr;
-        p_rows<PackLanes, T>(x + m0 * K, K, wt.data(), w, K, K8, n, m1 - m0, y + m0 * ldy, ldy, next,
+        const auto [y, ldy] = sink.at(m0, m1 - m0, n, G);
+        // w from the group's first row: its outputs counted from the group's (y points at output n)
+        p_rows<PackLanes, T>(x + m0 * K, K, wt.data(), w + n * K, K, K8, 0, m1 - m0, y, ldy, next,
                              G * K * static_cast<int64_t>(sizeof(T)));
+        sink.done(m0, m1 - m0, n, G);
       }
     }
     if (n_packed == n_end) return;
@@ -220,28 +226,51 @@ void float_gemm_range(const T* x, int64_t M, const T* w, int64_t K, int64_t n_be
   for (int64_t m0 = 0; m0 < M; m0 += MB) {
     const int64_t m1 = std::min(M, m0 + MB);
     for (int64_t nb0 = n_begin; nb0 < n_end; nb0 += NB) {
-      const int64_t nb1 = std::min(n_end, nb0 + NB);
+      const int64_t nb1 = std::min(n_end, nb0 + NB), W = nb1 - nb0;
       // with more than one row tile (4 rows or more), the row tiles of a block prefetch the next block's weights,
       // each its share of their columns
       const int64_t ahead = (m1 - m0 > 3 && nb1 + NB <= n_end) ? NB : 0;
       const int parts = static_cast<int>((m1 - m0 + 2) / 3);  // row tiles: 3 rows each, the last 1 or 2
+      const T* wb = w + nb0 * K;  // the block's rows: its outputs counted from nb0
+      const auto [y, ldy] = sink.at(m0, m1 - m0, nb0, W);
       int64_t m = m0;
       int part = 0;
-      for (; m + 3 <= m1; m += 3) f_rows<T, 3>(x + m * K, K, w, K, nb0, nb1, y + m * ldy, ldy, ahead, part++, parts);
+      for (; m + 3 <= m1; m += 3) f_rows<T, 3>(x + m * K, K, wb, K, 0, W, y + (m - m0) * ldy, ldy, ahead, part++, parts);
       if (m + 2 == m1)  // two rows left (a step of 2 or 5 rows: a speculative row's drafts) share their loads too
-        f_rows<T, 2>(x + m * K, K, w, K, nb0, nb1, y + m * ldy, ldy, ahead, part, parts);
+        f_rows<T, 2>(x + m * K, K, wb, K, 0, W, y + (m - m0) * ldy, ldy, ahead, part, parts);
       else if (m < m1)
-        f_rows<T, 1>(x + m * K, K, w, K, nb0, nb1, y + m * ldy, ldy, ahead, part, parts);
+        f_rows<T, 1>(x + m * K, K, wb, K, 0, W, y + (m - m0) * ldy, ldy, ahead, part, parts);
+      sink.done(m0, m1 - m0, nb0, W);
     }
   }
 #else
   for (int64_t m = 0; m < M; ++m)
-    for (int64_t n = n_begin; n < n_end; ++n) {
-      float s = 0.f;
-      for (int64_t k = 0; k < K; ++k) s += to_f(x[m * K + k]) * to_f(w[n * K + k]);
-      y[m * ldy + n] = s;
+    for (int64_t n0 = n_begin; n0 < n_end; n0 += 64) {
+      const int64_t n1 = std::min(n_end, n0 + 64);
+      const auto [y, ldy] = sink.at(m, 1, n0, n1 - n0);
+      for (int64_t n = n0; n < n1; ++n) {
+        float s = 0.f;
+        for (int64_t k = 0; k < K; ++k) s += to_f(x[m * K + k]) * to_f(w[n * K + k]);
+        y[n - n0] = s;
+      }
+      sink.done(m, 1, n0, n1 - n0);
     }
 #endif
+}
+
+// y itself: block (m0, n0) at y + m0 ldy + n0
+struct Into {
+  float* y;
+  int64_t ldy;
+  std::pair<float*, int64_t> at(int64_t m0, int64_t, int64_t n0, int64_t) const { return {y + m0 * ldy + n0, ldy}; }
+  void done(int64_t, int64_t, int64_t, int64_t) const {}
+};
+
+template <typename T>
+void float_gemm_range(const T* x, int64_t M, const T* w, int64_t K, int64_t n_begin, int64_t n_end, float* y,
+                      int64_t ldy) {
+  Into into{y, ldy};
+  gemm_blocks(x, M, w, K, n_begin, n_end, into);
 }
 template void float_gemm_range<float>(const float*, int64_t, const float*, int64_t, int64_t, int64_t, float*, int64_t);
 template void float_gemm_range<bf16>(const bf16*, int64_t, const bf16*, int64_t, int64_t, int64_t, float*, int64_t);
@@ -319,66 +348,23 @@ struct Picks {
 };
 
 // Rows [0, M) of x against w's rows [n_begin, n_end) (n_begin a multiple of 8), folded into `picks` (reset first):
-// float_gemm_range's tiles and blocking, each tile's outputs to a scratch tile.
+// float_gemm_range's blocks, each into a scratch tile (as many rows as a block has, at most 1,024 x 16 floats)
+// folded as soon as it is written.
+struct Folding {
+  Picks& picks;
+  std::vector<float>& scratch;
+  std::pair<float*, int64_t> at(int64_t, int64_t rows, int64_t, int64_t width) {
+    scratch.resize(std::max<size_t>(scratch.size(), static_cast<size_t>(rows * width)));
+    return {scratch.data(), width};
+  }
+  void done(int64_t m0, int64_t rows, int64_t n0, int64_t width) { picks.fold(scratch.data(), width, m0, rows, width, n0); }
+};
+
 void pick_range(const float* x, int64_t M, const float* w, int64_t K, int64_t n_begin, int64_t n_end, Picks& picks) {
   picks.reset(M);
   thread_local std::vector<float> scratch;
-#if LS_AVX2
-  constexpr int64_t NB = 32, MB = 48;
-  constexpr int G = PackLanes::W;
-  const int64_t K8 = K / 8 * 8;
-  if (M >= PACKED_MIN_ROWS && K8 > 0 && K <= PACKED_MAX_K && n_end - n_begin >= G) {
-    thread_local std::vector<float> wt;
-    wt.resize(static_cast<size_t>(K8) * G);
-    const int64_t n_packed = n_begin + (n_end - n_begin) / G * G;
-    const int64_t MBP = std::max<int64_t>(MB, 65536 / K);
-    scratch.resize(static_cast<size_t>(std::min(M, MBP)) * G);
-    for (int64_t m0 = 0; m0 < M; m0 += MBP) {
-      const int64_t m1 = std::min(M, m0 + MBP);
-      for (int64_t n = n_begin; n < n_packed; n += G) {
-        pack_group<float, G>(w, K, K8, n, wt.data());
-        const char* next = n + G < n_packed ? reinterpret_cast<const char*>(w + (n + G) * K) : nullptr;
-        // w from the group's first row, so the group's outputs land at scratch columns [0, G)
-        p_rows<PackLanes, float>(x + m0 * K, K, wt.data(), w + n * K, K, K8, 0, m1 - m0, scratch.data(), G, next,
-                                 G * K * static_cast<int64_t>(sizeof(float)));
-        picks.fold(scratch.data(), G, m0, m1 - m0, G, n);
-      }
-    }
-    if (n_packed == n_end) return;
-    n_begin = n_packed;
-  }
-  scratch.resize(static_cast<size_t>(MB) * NB);
-  float* y = scratch.data();
-  for (int64_t m0 = 0; m0 < M; m0 += MB) {
-    const int64_t m1 = std::min(M, m0 + MB);
-    for (int64_t nb0 = n_begin; nb0 < n_end; nb0 += NB) {
-      const int64_t nb1 = std::min(n_end, nb0 + NB), W = nb1 - nb0;
-      const int64_t ahead = (m1 - m0 > 3 && nb1 + NB <= n_end) ? NB : 0;
-      const int parts = static_cast<int>((m1 - m0 + 2) / 3);
-      const float* wb = w + nb0 * K;  // the block's outputs at scratch columns [0, W)
-      int64_t m = m0;
-      int part = 0;
-      for (; m + 3 <= m1; m += 3) f_rows<float, 3>(x + m * K, K, wb, K, 0, W, y + (m - m0) * NB, NB, ahead, part++, parts);
-      if (m + 2 == m1)
-        f_rows<float, 2>(x + m * K, K, wb, K, 0, W, y + (m - m0) * NB, NB, ahead, part, parts);
-      else if (m < m1)
-        f_rows<float, 1>(x + m * K, K, wb, K, 0, W, y + (m - m0) * NB, NB, ahead, part, parts);
-      picks.fold(y, NB, m0, m1 - m0, W, nb0);
-    }
-  }
-#else
-  scratch.resize(64);
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t n0 = n_begin; n0 < n_end; n0 += 64) {
-      const int64_t n1 = std::min(n_end, n0 + 64);
-      for (int64_t n = n0; n < n1; ++n) {
-        float s = 0.f;
-        for (int64_t k = 0; k < K; ++k) s += x[m * K + k] * w[n * K + k];
-        scratch[n - n0] = s;
-      }
-      picks.fold(scratch.data(), 64, m, 1, n1 - n0, n0);
-    }
-#endif
+  Folding sink{picks, scratch};
+  gemm_blocks(x, M, w, K, n_begin, n_end, sink);
 }
 
 }  // namespace
