@@ -140,7 +140,7 @@ static inline __m256 score8(const float* q, int64_t s, int64_t E, const At& at) 
 // the one score8 / the position loop computes, in the same order: tiling shares loads, never arithmetic. (4 x 4
 // tiles for a group of 4 queries, Llama 3's G, were no faster from cache and slower from memory: not kept; on AVX2,
 // 3-query tiles beat 2-query ones on long prefills: docs/performance.md#long-prompts-against-llama-server.) A
-// group's queries go in tiles of SQ (VQ) and the last 2 to 4 in tiles of 2 (`in_tiles`).
+// group's queries go in tiles of SQ (VQ), and what is left in tiles of 3, 2 or 1 (`in_tiles`).
 #if LS_ZMM
 // 512-bit tiles (below): a score tile holds 4 queries x 8 keys as 4 x 4 registers of two keys each, a value tile 4
 // queries x 64 output lanes; the same arithmetic again, each 256-bit half of a register the chain above computes.
