@@ -72,6 +72,12 @@ class LoRAAdapter:
                 p.A, p.BT = p.A.to(device, dtype).contiguous(), p.BT.to(device, dtype).contiguous()
         return self
 
+    def apply(self, layer: int, site: str, x: Tensor, y: Tensor) -> Tensor:
+        """x (..., in), y (..., out): a projection's input and output, every row under this adapter (`LoRARows.apply`,
+        y in place and returned): what a probe's context does for the one sequence it runs."""
+        rows = torch.arange(x.numel() // x.shape[-1], device=x.device)
+        return LoRARows([(self, rows)]).apply(layer, site, x, y)
+
 
 def target(config: ModelConfig, module: str) -> tuple[str, int, int, int]:
     """An HF module name (`TARGETS`) -> its site, the columns [start, stop) it adds to in the site's fused output, and

@@ -13,7 +13,7 @@ from torch import Tensor
 
 from model.attention import causal_mask, sdpa
 from model.edits import StepEdits
-from model.lora import LoRAAdapter, LoRARows
+from model.lora import LoRAAdapter
 from model.probes.options import AttentionMaps, ProbeOptions
 
 Stats = tuple[Tensor, Tensor, "AttentionMaps | None"]  # mass each key receives (Hs, T), row entropy (Hs,), maps
@@ -102,10 +102,7 @@ class ProbeAttention:
 
     def adapt(self, layer: int, site: str, x: Tensor, y: Tensor) -> Tensor:
         """x (1, R, in), y (1, R, out): every row under the inspected sequence's adapter, if any."""
-        if self.adapter is None:
-            return y
-        rows = torch.arange(x.shape[0] * x.shape[1], device=x.device)
-        return LoRARows([(self.adapter, rows)]).apply(layer, site, x, y)
+        return y if self.adapter is None else self.adapter.apply(layer, site, x, y)
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         # q (1, R, H, E), k/v (1, R, K, E): query rows r0 .. r0 + R - 1 of a T-token sequence -> (1, R, H, E)

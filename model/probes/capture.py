@@ -21,7 +21,7 @@ from torch import Tensor
 
 from model.attention import sdpa
 from model.interventions import HEAD_SITES, SITES
-from model.lora import LoRAAdapter, LoRARows
+from model.lora import LoRAAdapter
 from model.transformer import Transformer
 
 IN_PLACE_SITES = ("head_q", "head_k", "head_v")  # views of the fused projection, edited in place
@@ -70,9 +70,7 @@ class SiteCapture:
     def adapt(self, layer: int, site: str, x: Tensor, y: Tensor) -> Tensor:
         """x (1, T, in), y (1, T, out): every position under the adapter, if any (with autograd on, through
         PyTorch's ops: the native kernels have no backward)."""
-        if self.adapter is None:
-            return y
-        return LoRARows([(self.adapter, torch.arange(x.shape[1], device=x.device))]).apply(layer, site, x, y)
+        return y if self.adapter is None else self.adapter.apply(layer, site, x, y)
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """q (1, T, H, E), k/v (1, T, K, E), rotated -> (1, T, H, E)."""
