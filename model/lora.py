@@ -234,6 +234,10 @@ class LoRARows:
     groups: list[tuple[LoRAAdapter, Tensor]]
     host_rows: list[list[int]] = field(default_factory=list)  # the same rows on the host, where the caller has them
 
+    def rows_on_host(self, g: int) -> list[int]:
+        """Group g's rows as a host list: the caller's, else read back from the device."""
+        return self.host_rows[g] if self.host_rows else self.groups[g][1].tolist()
+
     def native_args(self, n_layers: int) -> tuple[list[Tensor], list[list[tuple]]]:
         """The same targets as step_layers takes them: each group's rows, and per block its targets (group, site,
         start, stop, scale, A, B)."""

@@ -46,8 +46,8 @@ class GraphLoRA:
         host = self._host
         host[:] = -1
         index = {(a.name, a.serial): s for s, a in enumerate(self.adapters)}
-        for g, (adapter, rows) in enumerate(lora.groups):
-            host[lora.host_rows[g] if lora.host_rows else rows.cpu().numpy()] = index[(adapter.name, adapter.serial)]
+        for g, (adapter, _) in enumerate(lora.groups):
+            host[lora.rows_on_host(g)] = index[(adapter.name, adapter.serial)]
         self.slot.copy_(torch.from_numpy(host), non_blocking=True)
 
     def apply(self, layer: int, site: str, x: Tensor, y: Tensor) -> Tensor:

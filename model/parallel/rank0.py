@@ -108,7 +108,8 @@ class TPModel:
                 self._cache = weakref.ref(cache)
                 spec = CacheSpec(self._generation, cache.num_blocks, cache.block_size, cache.k.dtype)
         edits = ctx.edits if ctx is not None else None
-        lora = [(a.name, rows.tolist()) for a, rows in ctx.lora.groups] if ctx is not None and ctx.lora else None
+        lora = [(a.name, ctx.lora.rows_on_host(g)) for g, (a, _) in enumerate(ctx.lora.groups)] \
+            if ctx is not None and ctx.lora else None
         msg = StepMsg(tokens.tolist(), positions.tolist() if positions is not None else None,
                       ctx.slices if ctx is not None else None, spec,
                       edits.without_reads() if edits is not None and edits.has_edits else None, lora)
