@@ -66,8 +66,7 @@ class CudaGraphs:
         self.outputs: dict[tuple[int, bool, bool], Tensor] = {}  # the logits each graph writes, (1, b, V)
         self.failed: set[tuple[int, bool, bool]] = set()
         self.adapters = adapters if adapters is not None else {}
-        self.lora = GraphLoRA(self.buckets[-1], cache.device)
-        self._lora_set: tuple = ()  # the adapters the adapted graphs hold (`GraphLoRA.key`)
+        self.lora = GraphLoRA(self.buckets[-1], cache.device)  # the adapted graphs' adapters and row slots
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         c = model.config
         capacity = min(4096, max(64, max_num_seqs * 3 * c.n_layers))  # vectors a step's interventions may use
@@ -95,8 +94,7 @@ class CudaGraphs:
             return False
         edited, adapted = batch.edits is not None, ctx.lora is not None
         # (an adapted graph's failed capture counts for the adapters it was tried with: another set is tried afresh)
-        if (self._bucket(n), edited, adapted) in self.failed and (
-                not adapted or GraphLoRA.key(self.adapters) == self._lora_set):
+        if (self._bucket(n), edited, adapted) in self.failed and (not adapted or self.lora.holds(self.adapters)):
             return False
         return not edited or (self.edits.fits(batch.edits) and not batch.edits.reads_sub_blocks
                               and not batch.edits.has_head_edits)
@@ -149,14 +147,11 @@ class CudaGraphs:
     def _use_adapters(self) -> None:
         """The adapted graphs hold the adapters loaded now: those captured for another set are dropped (and their
         failures forgotten), to be captured again when next needed."""
-        loaded = GraphLoRA.key(self.adapters)
-        if loaded == self._lora_set:
+        if not self.lora.use(self.adapters):
             return
         for key in [k for k in self.graphs if k[2]]:
             del self.graphs[key], self.outputs[key]
         self.failed = {k for k in self.failed if not k[2]}
-        self.lora.use(self.adapters)
-        self._lora_set = loaded
 
     def capture_all(self) -> None:
         """Capture every bucket now, largest first into one shared pool; logs the time it took."""

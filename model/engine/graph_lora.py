@@ -32,14 +32,17 @@ class GraphLoRA:
         self.adapters: list[LoRAAdapter] = []  # the adapters of the set in use, in slot order
         self._host = np.full(max_rows, -1, dtype=np.int64)
 
-    @staticmethod
-    def key(adapters: dict[str, LoRAAdapter]) -> tuple[tuple[str, int], ...]:
-        """The set of adapters loaded (name and load serial: a name loaded again is another adapter)."""
-        return tuple(sorted((a.name, a.serial) for a in adapters.values()))
+    def holds(self, adapters: dict[str, LoRAAdapter]) -> bool:
+        """Whether the set in use is `adapters` (by name and load serial: a name loaded again is another adapter)."""
+        return sorted(map(_ident, adapters.values())) == [_ident(a) for a in self.adapters]
 
-    def use(self, adapters: dict[str, LoRAAdapter]) -> None:
-        """The set the next graphs are captured and replayed with: every adapter loaded, in `key` order."""
-        self.adapters = sorted(adapters.values(), key=lambda a: (a.name, a.serial))
+    def use(self, adapters: dict[str, LoRAAdapter]) -> bool:
+        """Make `adapters` the set the next graphs are captured and replayed with (every adapter loaded, in name
+        order); False where it already is."""
+        if self.holds(adapters):
+            return False
+        self.adapters = sorted(adapters.values(), key=_ident)
+        return True
 
     def load(self, lora: LoRARows) -> None:
         """Write the step's rows' slots into the static buffer (every other row: -1)."""
@@ -64,3 +67,7 @@ class GraphLoRA:
                 t = (xf @ p.A.T) * mine  # (b, r)
                 yf[:, p.start : p.stop] += (t.float() @ p.BT.float()).to(yf.dtype) * p.scale  # as LoRARows.apply
         return y
+
+
+def _ident(a: LoRAAdapter) -> tuple[str, int]:
+    return a.name, a.serial
