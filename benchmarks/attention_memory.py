@@ -41,7 +41,7 @@ def kv_pool(blocks: int, kv_heads: int, dim: int, dtype: torch.dtype = torch.flo
     cache), block 0 left unused, as the engine's."""
     pool = huge_pages.empty((blocks + 1, BLOCK, kv_heads, kv_int8.row_width(dim, dtype)), dtype)
     x = torch.randn(blocks + 1, BLOCK, kv_heads, dim)
-    pool.copy_(kv_int8.quantize(x) if dtype == torch.int8 else x)
+    pool.copy_(kv_int8.pack(x) if dtype == torch.int8 else x)
     return pool
 
 

@@ -14,10 +14,10 @@ from model.kernels import kv_int8
 def scattered_pools(lens: list[int], bs: int, K: int, E: int, g: torch.Generator, seed: int, spare: int,
                      dtype: torch.dtype = torch.float32):
     """Random K and V pools with `spare` blocks beyond what `lens` need, each sequence's blocks scattered over them.
-    -> k_pool, v_pool (NB, bs, K, E) (E + 4 int8 rows for dtype int8: kv_int8.py), the block tables (lists) and them
-    padded with 0 as a tensor (S, W)."""
+    -> k_pool, v_pool (NB, bs, K, E) (E + 4 int8 blocks for dtype int8: kv_int8.py), the block tables (lists) and
+    them padded with 0 as a tensor (S, W)."""
     n_blocks = sum(-(-n // bs) for n in lens) + spare
-    store = kv_int8.quantize if dtype == torch.int8 else (lambda x: x.to(dtype))
+    store = kv_int8.pack if dtype == torch.int8 else (lambda x: x.to(dtype))
     k_pool = store(torch.randn(n_blocks, bs, K, E, generator=g))
     v_pool = store(torch.randn(n_blocks, bs, K, E, generator=g))
     ids = list(range(n_blocks))

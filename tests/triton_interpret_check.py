@@ -41,8 +41,8 @@ def kernel_vs_sdpa(dtype: torch.dtype, H: int, K: int, E: int, bs: int, device: 
         for n, table in zip(lens, tables):
             for b in table[: max(0, n - window) // bs]:
                 if kv == torch.int8:  # (NaN scales)
-                    nan = torch.tensor([float("nan")]).view(torch.int8).to(device)
-                    on[1][b, ..., -4:], on[2][b, ..., -4:] = nan, nan
+                    kv_int8.parts(on[1][b])[1].fill_(float("nan"))
+                    kv_int8.parts(on[2][b])[1].fill_(float("nan"))
                 else:
                     on[1][b], on[2][b] = float("nan"), float("nan")
     triton_attention.paged_decode_attention(*on, None, window, scale)
@@ -156,9 +156,9 @@ def kernels_vs_references(device: str) -> None:
 
 
 def int8_kernels_vs_references(device: str) -> None:
-    """An int8 cache (E + 4 byte rows, model/kernels/kv_int8.py) under float32 and 16-bit queries: decode (with a
-    window whose earlier blocks hold NaN scales, and a scale), prefill tiles and telemetry against SDPA over the
-    dequantized pools; E = 20 puts the scales at addresses not 4-byte aligned."""
+    """An int8 cache (blocks of E-byte rows and their scales, model/kernels/kv_int8.py) under float32 and 16-bit
+    queries: decode (with a window whose earlier blocks hold NaN scales, and a scale), prefill tiles and telemetry
+    against SDPA over the dequantized pools; E = 20: rows that are not whole cache lines."""
     for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 2e-3)):
         for H, K, E, bs in ((6, 2, 64, 4), (4, 1, 128, 16), (4, 2, 20, 8)):
             err = kernel_vs_sdpa(dtype, H, K, E, bs, device, kv=torch.int8)

@@ -39,16 +39,15 @@ class ContextShift:
         k, v, bs = self.cache.k, self.cache.v, self.cache.block_size  # (L, NB, bs, K, E) (E + 4: int8)
         if ev.copy is not None:
             src, dst, r = ev.copy
-            k[:, dst, r:] = k[:, src, r:]
-            v[:, dst, r:] = v[:, src, r:]
+            for part in (*kv_int8.views(k), *kv_int8.views(v)):  # (an int8 row's quants and its scale)
+                part[:, dst, r:] = part[:, src, r:]
         if ev.cache_len > ev.sink_tokens:
             pos = torch.arange(ev.sink_tokens, ev.cache_len)
             table = torch.tensor(ev.block_ids)
             slots = (table[pos // bs] * bs + pos % bs).to(self.cache.device)  # (n,)
-            flat = k.view(k.shape[0], -1, k.shape[3], k.shape[4])  # (L, NB * bs, K, E)
-            flat[:, slots] = self._rotate(flat[:, slots])
+            keys = kv_int8.read_slots(k, slots, torch.float32)  # (L, n, K, E)
+            kv_int8.write_slots(k, slots, self._rotate(keys))
         self.num_evictions += 1
 
     def _rotate(self, keys: Tensor) -> Tensor:  # (L, n, K, E) -> the same keys at cache positions `shift` lower
-        rotated = apply_rotary_tables(kv_int8.read(keys, torch.float32), self.cos, self.ssin)
-        return kv_int8.quantize(rotated) if keys.dtype == torch.int8 else rotated.to(keys.dtype)
+        return apply_rotary_tables(keys, self.cos, self.ssin)

@@ -73,7 +73,6 @@ class ForwardContext:
         SDPA over their cached prefix and themselves."""
         meta, K = self.meta, k.shape[2]
         k_pool, v_pool = self.cache.k[layer], self.cache.v[layer]  # (NB, bs, K, E), or E + 4 int8 (kv_int8.py)
-        width = k_pool.shape[-1]
         window, scale = self.cache.window, self.cache.scale  # the model's (sliding window, attention scale)
         ops.paged_write(k[0], v[0], k_pool, v_pool, meta.slot_mapping)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # (1, N, H, E)
@@ -94,10 +93,9 @@ class ForwardContext:
             else:
                 # (under a window: from the block of the chunk's first row's first key; earlier ones may be freed)
                 b0 = max(0, p.context_len - (p.end - p.start) + 1 - window) // self.cache.block_size if window else 0
-                kp = k_pool.index_select(0, p.blocks[b0:]).view(1, -1, K, width)  # (1, ctx - b0 bs, K, width)
-                vp = v_pool.index_select(0, p.blocks[b0:]).view(1, -1, K, width)
                 ctx = p.context_len - b0 * self.cache.block_size
-                kd, vd = kv_int8.read(kp[:, :ctx], q.dtype), kv_int8.read(vp[:, :ctx], q.dtype)  # (1, ctx, K, E)
+                kd, vd = (kv_int8.read(pool.index_select(0, p.blocks[b0:]), q.dtype).view(1, -1, K, q.shape[-1])[:, :ctx]
+                          for pool in (k_pool, v_pool))  # (1, ctx, K, E): positions b0 bs ..
                 out[:, p.start : p.end] = sdpa(qp, kd, vd, mask, scale=scale)
         return out
 

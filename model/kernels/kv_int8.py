@@ -1,14 +1,20 @@
-"""The int8 KV cache's rows (`--kv-cache-dtype int8`), in PyTorch: what the native kernels write and read, for the
+"""The int8 KV cache's blocks (`--kv-cache-dtype int8`), in PyTorch: what the native kernels write and read, for the
 paths without them (the module path's writes on a device, the reference attention, SDPA over a prefill chunk's
 gathered blocks, the context shift's re-rotation).
 
-Each head's row of one token (E values of K or V) is stored as E int8 quants followed by the 4 bytes of its float32
-scale: a pool row of E + 4 int8 (`row_width`). That is llama.cpp's q8_0 (ggml-common.h `block_q8_0`: a scale beside
-its 32 quants; ggml-quants.c `quantize_row_q8_0_ref`) with one block per head row: the same bytes per value at E = 64
-(68 per 64 values) and one scale per key, so a score is one dot product times one scale (the native kernel,
+Each head's row of one token (E values of K or V) is stored as E int8 quants and the float32 scale they share: E + 4
+bytes, so a pool is (NB, bs, K, E + 4) int8 (`row_width`). That is llama.cpp's q8_0 (ggml-common.h `block_q8_0`: a
+scale with its 32 quants; ggml-quants.c `quantize_row_q8_0_ref`) with one scale per head row: the same bytes per value
+at E = 64 (68 per 64 values) and one scale per key, so a score is one dot product times one scale (the native kernel,
 model/kernels/csrc/paged_attention.cpp, and the Triton kernel apply it so). A scale per token and head is written
 with its token and never changes, so appending to a block, sharing a cached prefix block or dropping rejected
 drafts touches no other token's numbers (a scale per block would have to be recomputed as the block fills).
+
+Within a block the bs * K rows' quants come first, (position, head)-ordered, then their bs * K scales in the same
+order (`parts`; ops.h `kv_slot` in C++), rather than each scale beside its quants: a row of 64 quants is then one
+aligned cache line, where a 68-byte row at 68-byte offsets straddled two lines more often than not. So a block, not a
+row, is the unit to quantize or read here (`pack`, `read`), and slots are written and read through `write_slots` /
+`read_slots`.
 
     d = max|x| * float32(1 / 127)        q = round_half_even(x / d) in [-127, 127]        x' = q * d
 
@@ -20,7 +26,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-SCALE_BYTES = 4  # a float32 scale after each row's quants
+SCALE_BYTES = 4  # a float32 scale for each row's quants
 _INV_127 = 1.0 / 127.0  # torch multiplies a float32 tensor by it as float32(1 / 127), as the native writer does
 
 
@@ -29,29 +35,71 @@ def row_width(head_dim: int, dtype: torch.dtype) -> int:
     return head_dim + SCALE_BYTES if dtype == torch.int8 else head_dim
 
 
-def quantize(x: Tensor) -> Tensor:  # (..., E) float -> (..., E + 4) int8
+def quantize(x: Tensor) -> tuple[Tensor, Tensor]:  # (..., E) float -> quants (..., E) int8, scales (..., 1) float32
     xf = x.float()
     d = xf.abs().amax(-1, keepdim=True) * _INV_127  # (..., 1)
     q = torch.where(d > 0, xf / d, torch.zeros_like(xf)).round().clamp(-127, 127).to(torch.int8)
-    return torch.cat([q, d.view(torch.int8)], dim=-1)  # d (..., 1) float32 -> its 4 bytes (..., 4)
+    return q, d
 
 
-def scales(rows: Tensor) -> Tensor:  # (..., E + 4) int8 -> (..., 1) float32
-    return rows[..., -SCALE_BYTES:].contiguous().view(torch.float32)
+def dequantize(q: Tensor, d: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:  # (..., E), (..., 1) -> (..., E)
+    return (q.float() * d).to(dtype)
 
 
-def dequantize(rows: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:  # (..., E + 4) int8 -> (..., E)
-    return (rows[..., :-SCALE_BYTES].float() * scales(rows)).to(dtype)
+def parts(blocks: Tensor) -> tuple[Tensor, Tensor]:
+    """Int8 blocks (..., bs, K, E + 4), contiguous in their last three dimensions -> views of their quants
+    (..., bs, K, E) and their scales (..., bs, K, 1) float32; writing to a view writes the blocks."""
+    *lead, bs, K, width = blocks.shape
+    E, n = width - SCALE_BYTES, bs * K * (width - SCALE_BYTES)
+    flat = blocks.view(*lead, bs * K * width)
+    return flat[..., :n].view(*lead, bs, K, E), flat[..., n:].view(torch.float32).view(*lead, bs, K, 1)
 
 
-def read(rows: Tensor, dtype: torch.dtype) -> Tensor:
-    """Pool rows (..., row_width) as `dtype` values (..., E): an int8 cache's dequantized, a float cache's widened."""
-    return dequantize(rows, dtype) if rows.dtype == torch.int8 else rows.to(dtype)
+def views(pool: Tensor) -> tuple[Tensor, ...]:
+    """A pool's (..., NB, bs, K, width) parts that a position's row has one slice of: the pool itself for a float
+    cache; an int8 cache's quants and scales (`parts`). Copying a position's slice of each copies its row."""
+    return parts(pool) if pool.dtype == torch.int8 else (pool,)
+
+
+def pack(x: Tensor) -> Tensor:  # (..., bs, K, E) float -> int8 blocks (..., bs, K, E + 4)
+    *lead, bs, K, E = x.shape
+    out = torch.empty(*lead, bs, K, E + SCALE_BYTES, dtype=torch.int8, device=x.device)
+    q, d = parts(out)
+    q[...], d[...] = quantize(x)
+    return out
+
+
+def read(blocks: Tensor, dtype: torch.dtype) -> Tensor:
+    """Pool blocks (..., bs, K, row_width) as `dtype` values (..., bs, K, E): an int8 cache's dequantized, a float
+    cache's widened."""
+    return dequantize(*parts(blocks), dtype) if blocks.dtype == torch.int8 else blocks.to(dtype)
+
+
+def write_slots(pool: Tensor, slots: Tensor, x: Tensor) -> None:
+    """x (..., n, K, E) into slots (n,) (block * bs + offset) of pool (..., NB, bs, K, row_width): rounded once to a
+    16-bit cache, quantized to an int8 one."""
+    bs = pool.shape[-3]
+    at = (..., slots // bs, slots % bs, slice(None), slice(None))
+    if pool.dtype == torch.int8:
+        q, d = parts(pool)
+        q[at], d[at] = quantize(x)
+    else:
+        pool[at] = x.to(pool.dtype)
+
+
+def read_slots(pool: Tensor, slots: Tensor, dtype: torch.dtype) -> Tensor:
+    """Slots (n,) of pool (..., NB, bs, K, row_width) as `dtype` values (..., n, K, E)."""
+    bs = pool.shape[-3]
+    at = (..., slots // bs, slots % bs, slice(None), slice(None))
+    if pool.dtype == torch.int8:
+        q, d = parts(pool)
+        return dequantize(q[at], d[at], dtype)
+    return pool[at].to(dtype)
 
 
 def as_stored(x: Tensor, pool_dtype: torch.dtype) -> Tensor:
     """x (..., E) as a cache of `pool_dtype` would give it back, in x's dtype (a prefill chunk attending to its own
     fresh keys and values reads what the cache holds)."""
     if pool_dtype == torch.int8:
-        return dequantize(quantize(x), x.dtype)
+        return dequantize(*quantize(x), x.dtype)
     return x.to(pool_dtype).to(x.dtype)

@@ -192,11 +192,9 @@ def paged_write(k: Tensor, v: Tensor, k_pool: Tensor, v_pool: Tensor, slots: Ten
     native = usable(k)
     if native is not None and native_pool(k.dtype, k_pool.dtype):
         native.paged_write(k, v, k_pool, v_pool, slots)
-    else:
-        K, width = k_pool.shape[-2], k_pool.shape[-1]
-        store = kv_int8.quantize if k_pool.dtype == torch.int8 else (lambda x: x.to(k_pool.dtype))
-        k_pool.view(-1, K, width)[slots] = store(k)  # a 16-bit or int8 cache: rounded once, here
-        v_pool.view(-1, K, width)[slots] = store(v)
+    else:  # a 16-bit or int8 cache: rounded once, here
+        kv_int8.write_slots(k_pool, slots, k)
+        kv_int8.write_slots(v_pool, slots, v)
 
 
 NARROW_KV = (torch.float16, torch.bfloat16, torch.int8)
@@ -259,14 +257,14 @@ def decode_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, rows: Tensor, ta
     elif backend == "triton":
         _triton().paged_decode_attention(q, k_pool, v_pool, rows, tables, lens, out, telemetry, window, scale)
     else:
-        R, (_, bs, K, width) = tables.shape[0], k_pool.shape
+        R, (_, bs, K, width), E = tables.shape[0], k_pool.shape, q.shape[-1]
         W = -(-int(lens.max()) // bs)  # the blocks the longest row uses: the rest of the table is never read
         first = (lens - window).clamp(min=0) if window else torch.zeros_like(lens)  # (R,) each row's first key
         B0 = int(first.min()) // bs  # blocks before every row's window are not gathered
         ids = tables[:, B0:W].reshape(-1)  # (R * (W - B0),)
         S = (W - B0) * bs
-        kd = kv_int8.read(k_pool.index_select(0, ids).view(R, S, K, width), q.dtype)  # (R, S, K, E): positions B0 bs ..
-        vd = kv_int8.read(v_pool.index_select(0, ids).view(R, S, K, width), q.dtype)
+        kd = kv_int8.read(k_pool.index_select(0, ids).view(R, -1, bs, K, width), q.dtype).view(R, S, K, E)  # positions B0 bs ..
+        vd = kv_int8.read(v_pool.index_select(0, ids).view(R, -1, bs, K, width), q.dtype).view(R, S, K, E)
         pos = torch.arange(B0 * bs, W * bs, device=q.device)
         seen = (pos < lens.unsqueeze(1)) & (pos >= first.unsqueeze(1))  # (R, S)
         out[rows] = sdpa(q[rows].unsqueeze(1), kd, vd, seen[:, None, None, :], scale=scale).squeeze(1)  # (R, H, E)

@@ -8,7 +8,7 @@ et al. 2023). Same contract as the native CPU kernel (`model/kernels/csrc/paged_
     q (N, H, E) packed rows (token stride free, heads contiguous); k_pool, v_pool (NB, bs, K, E); rows (R,) the
     decode rows; tables (R, W) their block ids; lens (R,) their context lengths; out (N, H, E): rows `rows` written.
 
-An int8 cache's pools are (NB, bs, K, E + 4): each row's quants, then its float32 scale's bytes (model/kernels/
+An int8 cache's pools are (NB, bs, K, E + 4): a block's rows of quants, then their float32 scales (model/kernels/
 kv_int8.py); both kernels multiply a key's score by its scale and a value's weight by its own (INT8, a compile-time
 switch), as the native kernel does.
 
@@ -77,7 +77,7 @@ def _launch_check(device: torch.device, dtype: torch.dtype, block_size: int, kv_
     g = torch.Generator().manual_seed(0)
     k_pool, v_pool = (torch.randn(3, block_size, K, E, generator=g).to(device, dtype) for _ in range(2))
     if kv_dtype == torch.int8:
-        k_pool, v_pool = kv_int8.quantize(k_pool), kv_int8.quantize(v_pool)  # (3, bs, K, E + 4)
+        k_pool, v_pool = kv_int8.pack(k_pool), kv_int8.pack(v_pool)  # (3, bs, K, E + 4)
     q = torch.randn(1, H, E, generator=g).to(device, dtype)  # (N=1, H, E)
     out = torch.zeros(1, H, E, dtype=dtype, device=device)
     try:
@@ -140,11 +140,18 @@ def _point_triton_at_libcuda() -> None:
 if triton is not None:
 
     @triton.jit
-    def _row_scales(ptr, rows, E: tl.constexpr, mask):
-        # int8 rows at offsets `rows` (BS,): each one's float32 scale, the 4 bytes after its E quants (little-endian),
-        # assembled from bytes and reinterpreted (a float load would be misaligned where E % 4 != 0)
+    def _block_rows(block, offs_s, kh, K: tl.constexpr, E: tl.constexpr, ROW: tl.constexpr, BS: tl.constexpr):
+        # (BS,) offsets of block `block`'s rows for KV head kh, and (an int8 cache's) of their scales, which follow
+        # the block's bs * K rows of quants in the same order (kv_int8.py); a float cache's ROW is E
+        base = block * (BS * K * ROW)
+        return base + (offs_s * K + kh) * E, base + BS * K * E + (offs_s * K + kh) * 4
+
+    @triton.jit
+    def _row_scales(ptr, at, mask):
+        # int8 rows' float32 scales at byte offsets `at` (BS,), assembled from their bytes (little-endian) and
+        # reinterpreted: the pointer is an int8 one
         offs = tl.arange(0, 4)
-        b = tl.load(ptr + rows[:, None] + E + offs[None, :], mask=mask[:, None], other=0).to(tl.int32) & 0xFF
+        b = tl.load(ptr + at[:, None] + offs[None, :], mask=mask[:, None], other=0).to(tl.int32) & 0xFF
         return tl.sum(b << (8 * offs)[None, :], axis=1).to(tl.float32, bitcast=True)  # (BS,)
 
     @triton.jit
@@ -182,12 +189,12 @@ if triton is not None:
         for b in range(first // BS, tl.cdiv(n, BS)):
             block = tl.load(tables_ptr + r * W + b)
             s_mask = (b * BS + offs_s < n) & (b * BS + offs_s >= first)
-            kv = ((block * BS + offs_s) * K + kh) * ROW  # (BS,) offsets of this block's rows for KV head kh
+            kv, kv_scale = _block_rows(block, offs_s, kh, K, E, ROW, BS)  # (BS,) each
             mask = s_mask[:, None] & e_mask[None, :]
             k = tl.load(k_ptr + kv[:, None] + offs_e[None, :], mask=mask, other=0).to(tl.float32)  # (BS, E)
             dots = tl.sum(k * q[None, :], axis=1)  # (BS,)
             if INT8:  # the quants' dot product times the key's scale
-                dots = dots * _row_scales(k_ptr, kv, E, s_mask)
+                dots = dots * _row_scales(k_ptr, kv_scale, s_mask)
             scores = tl.where(s_mask, dots, float("-inf"))  # (BS,)
             m_new = tl.maximum(m_i, tl.max(scores, axis=0))
             p = tl.exp(scores - m_new)
@@ -195,7 +202,7 @@ if triton is not None:
             v = tl.load(v_ptr + kv[:, None] + offs_e[None, :], mask=mask, other=0).to(tl.float32)  # (BS, E)
             pv = p
             if INT8:  # a value's weight times its scale
-                pv = p * _row_scales(v_ptr, kv, E, s_mask)
+                pv = p * _row_scales(v_ptr, kv_scale, s_mask)
             acc = acc * alpha + tl.sum(pv[:, None] * v, axis=0)
             l_i = l_i * alpha + tl.sum(p, axis=0)
             m_i = m_new
@@ -266,7 +273,7 @@ if triton is not None:
         for b in range(0, last // BS + 1):
             block = tl.load(tables_ptr + c * W + b)
             key = b * BS + offs_s  # (BS,) the keys' positions
-            kv = ((block * BS + offs_s) * K + kh) * ROW
+            kv, kv_scale = _block_rows(block, offs_s, kh, K, E, ROW, BS)
             kmask = (key <= last)[:, None] & e_mask[None, :]
             k = tl.load(k_ptr + kv[:, None] + offs_e[None, :], mask=kmask, other=0).to(tl.float32)  # (BS, E)
             if USE_DOT:
@@ -274,7 +281,7 @@ if triton is not None:
             else:
                 scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2)
             if INT8:  # each key's column times its scale
-                scores = scores * _row_scales(k_ptr, kv, E, key <= last)[None, :]
+                scores = scores * _row_scales(k_ptr, kv_scale, key <= last)[None, :]
             scores = tl.where(key[None, :] <= pos[:, None], scores, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(scores, axis=1))  # finite: every row's key 0 is in the first block
             p = tl.exp(scores - m_new[:, None])
@@ -282,7 +289,7 @@ if triton is not None:
             v = tl.load(v_ptr + kv[:, None] + offs_e[None, :], mask=kmask, other=0).to(tl.float32)  # (BS, E)
             pv = p
             if INT8:  # (M, BS) the weights times their values' scales
-                pv = p * _row_scales(v_ptr, kv, E, key <= last)[None, :]
+                pv = p * _row_scales(v_ptr, kv_scale, key <= last)[None, :]
             if USE_DOT:
                 acc = acc * alpha[:, None] + tl.dot(pv, v)
             else:

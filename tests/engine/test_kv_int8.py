@@ -149,18 +149,23 @@ def test_eviction_re_rotates_int8_keys():
     engine = _engine(model, num_blocks=16, kv_cache_dtype="int8")
     cache, bs = engine.cache, 4
     L, K, E = model.config.n_layers, model.config.n_kv_heads, model.config.head_dim
-    flat = cache.k.view(L, -1, K, E + 4)
+    quants, scales = kv_int8.parts(cache.k)  # (L, NB, bs, K, E), (L, NB, bs, K, 1)
     table = [5, 9, 3, 7, 11]
-    slots = [table[c // bs] * bs + c % bs for c in range(18)]
-    flat[:, slots] = kv_int8.quantize(torch.randn(L, 18, K, E, generator=torch.Generator().manual_seed(0)))
-    stored = kv_int8.dequantize(flat[:, slots])  # (L, 18, K, E)
-    sinks = flat[:, slots[:2]].clone()
+    slots = torch.tensor([table[c // bs] * bs + c % bs for c in range(18)])
+    kv_int8.write_slots(cache.k, slots, torch.randn(L, 18, K, E, generator=torch.Generator().manual_seed(0)))
+    stored = kv_int8.read_slots(cache.k, slots, torch.float32)  # (L, 18, K, E)
+
+    def raw(s):  # the slots' quants and scales as stored
+        s = torch.as_tensor(s)
+        return quants[:, s // bs, s % bs].clone(), scales[:, s // bs, s % bs].clone()
+
+    sinks = raw(slots[:2])
     ev = evict(table, KVWindow(2, 6), 18, bs)
     ContextShift(model, cache).apply(ev)
-    new_slots = [ev.block_ids[c // bs] * bs + c % bs for c in range(14)]
-    assert torch.equal(flat[:, new_slots[:2]], sinks)
+    new_slots = torch.tensor([ev.block_ids[c // bs] * bs + c % bs for c in range(14)])
+    assert all(torch.equal(a, b) for a, b in zip(raw(new_slots[:2]), sinks))
     cos, sin = rotary_tables(*model.rope(torch.tensor([[-bs]])), torch.float32)  # one block lower
     want = apply_rotary_tables(stored[:, 6:18], cos, sin)  # old positions 6..17, now 2..13
-    got = flat[:, new_slots[2:]]
-    step = kv_int8.scales(got)  # (L, 12, K, 1)
-    assert ((kv_int8.dequantize(got) - want).abs() <= step * (0.5 + 1e-4) + 1e-6).all()
+    got = kv_int8.read_slots(cache.k, new_slots[2:], torch.float32)
+    step = raw(new_slots[2:])[1]  # (L, 12, K, 1)
+    assert ((got - want).abs() <= step * (0.5 + 1e-4) + 1e-6).all()

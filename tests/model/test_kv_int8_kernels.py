@@ -1,4 +1,4 @@
-"""The int8 KV cache's rows (model/kernels/kv_int8.py) and the native kernels over them: the native writer stores the
+"""The int8 KV cache's blocks (model/kernels/kv_int8.py) and the native kernels over them: the native writer stores the
 PyTorch quantization's bytes; attention over an int8 pool is SDPA over its dequantized values; a prefill chunk's
 rows give bitwise what each row gets alone (tiles, widened blocks, telemetry); the context shift re-rotates int8
 keys."""
@@ -29,18 +29,37 @@ def _rows(N: int, K: int, E: int, seed: int = 0) -> torch.Tensor:
 
 def test_quantize_round_trip_is_within_half_a_step():
     x = _rows(12, 3, 64)
-    rows = kv_int8.quantize(x)  # (12, 3, 68)
-    assert rows.dtype == torch.int8 and rows.shape == (12, 3, 68) and kv_int8.row_width(64, torch.int8) == 68
-    d = kv_int8.scales(rows)  # (12, 3, 1)
+    q, d = kv_int8.quantize(x)  # (12, 3, 64), (12, 3, 1)
+    assert q.dtype == torch.int8 and d.dtype == torch.float32 and kv_int8.row_width(64, torch.int8) == 68
     assert torch.equal(d[..., 0], x.abs().amax(-1) * torch.tensor(1 / 127, dtype=torch.float32))
-    back = kv_int8.dequantize(rows)
+    back = kv_int8.dequantize(q, d)
     assert (back - x).abs().le(d * (0.5 + 1e-5)).all()  # half a step, and q * d's own float rounding
-    assert torch.equal(back[0, 0], torch.zeros(64)) and rows[1, 0, 3] == 127 and rows[2, 0, 1] == -127
+    assert torch.equal(back[0, 0], torch.zeros(64)) and q[1, 0, 3] == 127 and q[2, 0, 1] == -127
     assert torch.equal(kv_int8.as_stored(x, torch.int8), back)
 
 
+def test_a_block_holds_its_rows_quants_then_their_scales():
+    """The layout the native kernels address (ops.h kv_slot): a block's bs * K rows of quants in (position, head)
+    order, then their float32 scales in the same order; `pack`, `read` and the slot helpers agree with it."""
+    bs, K, E = 4, 3, 64
+    x = _rows(2 * bs, K, E).view(2, bs, K, E)
+    blocks = kv_int8.pack(x)  # (2, bs, K, E + 4)
+    q, d = kv_int8.quantize(x)
+    raw = blocks.view(2, -1)
+    assert torch.equal(raw[:, : bs * K * E], q.reshape(2, -1))
+    assert torch.equal(raw[:, bs * K * E :].contiguous().view(torch.float32), d.reshape(2, -1))
+    assert torch.equal(kv_int8.read(blocks, torch.float32), kv_int8.dequantize(q, d))
+    slots = torch.tensor([5, 0, 7])  # block 1 row 1, block 0 row 0, block 1 row 3
+    assert torch.equal(kv_int8.read_slots(blocks, slots, torch.float32), kv_int8.dequantize(q, d).view(-1, K, E)[slots])
+    pool = torch.zeros_like(blocks)
+    kv_int8.write_slots(pool, slots, x.view(-1, K, E)[slots])
+    assert torch.equal(kv_int8.read_slots(pool, slots, torch.float32), kv_int8.read_slots(blocks, slots, torch.float32))
+    others = [s for s in range(2 * bs) if s not in slots.tolist()]
+    assert kv_int8.read_slots(pool, torch.tensor(others), torch.float32).abs().sum() == 0
+
+
 @needs_native
-@pytest.mark.parametrize("E", [64, 20, 16])  # 20: a scale at an address not 4-byte aligned
+@pytest.mark.parametrize("E", [64, 20, 16])  # 20: rows that are not whole cache lines
 def test_native_writer_stores_the_pytorch_bytes(E):
     """The native paged_write (and so the fused step's store_kv_row) and the PyTorch one write the same bytes."""
     K, H, NB, bs = 3, 6, 5, 4
@@ -52,8 +71,9 @@ def test_native_writer_stores_the_pytorch_bytes(E):
     with kernels.disabled():
         ops.paged_write(k, v, pools[2], pools[3], slots)
     assert torch.equal(pools[0], pools[2]) and torch.equal(pools[1], pools[3])
-    assert torch.equal(pools[0].view(-1, K, E + 4)[slots], kv_int8.quantize(k))
-    assert pools[0].view(-1, K, E + 4)[[s for s in range(NB * bs) if s not in slots.tolist()]].abs().sum() == 0
+    assert torch.equal(kv_int8.read_slots(pools[0], slots, torch.float32), kv_int8.as_stored(k, torch.int8))
+    others = torch.tensor([s for s in range(NB * bs) if s not in slots.tolist()])
+    assert kv_int8.read_slots(pools[0], others, torch.float32).abs().sum() == 0
     with pytest.raises(RuntimeError, match="shapes"):  # a pool of E, not E + 4
         native.paged_write(k, v, torch.zeros(NB, bs, K, E, dtype=torch.int8), pools[1], slots)
 
@@ -81,8 +101,8 @@ def test_attention_over_an_int8_pool_is_sdpa_over_its_dequantized_values(H, K, E
         ops.decode_attention(q, k_pool, v_pool, rows, tables_t, torch.tensor(lens), outs[1], window=window)
     for r, n, table in zip(rows.tolist(), lens, tables):
         first = max(0, n - window) if window else 0
-        kd = kv_int8.dequantize(k_pool[table]).reshape(1, -1, K, E)[:, first:n]
-        vd = kv_int8.dequantize(v_pool[table]).reshape(1, -1, K, E)[:, first:n]
+        kd = kv_int8.read(k_pool[table], torch.float32).reshape(1, -1, K, E)[:, first:n]
+        vd = kv_int8.read(v_pool[table], torch.float32).reshape(1, -1, K, E)[:, first:n]
         want = sdpa(q[r][None, None], kd, vd)[0, 0]  # (H, E)
         for out in outs:
             torch.testing.assert_close(out[r], want, rtol=1e-5, atol=1e-5)
@@ -114,8 +134,8 @@ def test_prefill_rows_over_int8_are_bitwise_each_row_alone(H, K, E):
                                                 alone, *one)
         assert torch.equal(together[rows[i]], alone[rows[i]]), i
         assert all(torch.equal(a[i], b[0]) for a, b in zip(t_all[2:], one[2:])), i
-    kd = kv_int8.dequantize(k_pool[tables[0]]).reshape(1, -1, K, E)
-    vd = kv_int8.dequantize(v_pool[tables[0]]).reshape(1, -1, K, E)
+    kd = kv_int8.read(k_pool[tables[0]], torch.float32).reshape(1, -1, K, E)
+    vd = kv_int8.read(v_pool[tables[0]], torch.float32).reshape(1, -1, K, E)
     for t in range(T):
         want = sdpa(q[t][None, None], kd[:, : n0 + t + 1], vd[:, : n0 + t + 1])[0, 0]
         torch.testing.assert_close(together[t], want, rtol=1e-5, atol=1e-5)

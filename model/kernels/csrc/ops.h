@@ -37,16 +37,27 @@ int64_t greedy_pick_row(const float* x, int64_t V);  // argmax_rows' pick of one
 template <typename T> void rms_norm_row(const T* x, const T* w, T* out, int64_t D, float eps);
 template <typename T> void silu_mul_row(const T* gu, T* out, int64_t F);
 template <typename T> void rope_head(T* x, const T* cos, const T* ssin, int64_t E);
-// A head's row of K or V in a pool of dtype `pool`: its last dimension (E values, or for an int8 cache E quants and
-// their float32 scale's 4 bytes: paged_attention.cpp) and its bytes.
+// A pool's last dimension for heads of E: E values, or for an int8 cache E + 4 (a head's E quants and its float32
+// scale's 4 bytes; where they lie in a block: kv_slot).
 inline int64_t kv_row_width(at::ScalarType pool, int64_t E) { return pool == at::kChar ? E + 4 : E; }
-inline int64_t kv_row_bytes(at::ScalarType pool, int64_t E) {
-  return pool == at::kChar ? E + 4 : E * static_cast<int64_t>(c10::elementSize(pool));
+// Where head `head`'s row of slot `slot` (block slot / bs, position slot % bs) lies in a pool of bs positions a block
+// and K heads of E: a float cache's rows are (slot, head)-ordered rows of E values. An int8 cache's block is its
+// bs * K rows of E quants in that order, then their bs * K float32 scales in the same order
+// (model/kernels/kv_int8.py), so a row of 64 quants is one aligned cache line and a head's scales lie together.
+struct KVSlot {
+  char* row;
+  char* scale;  // an int8 row's scale; null for a float cache
+};
+inline KVSlot kv_slot(char* pool, at::ScalarType t, int64_t bs, int64_t K, int64_t E, int64_t slot, int64_t head) {
+  if (t != at::kChar) return {pool + (slot * K + head) * E * static_cast<int64_t>(c10::elementSize(t)), nullptr};
+  char* block = pool + slot / bs * bs * K * (E + 4);
+  const int64_t i = slot % bs * K + head;
+  return {block + i * E, block + bs * K * E + i * 4};
 }
 // One row of n values into a KV pool row of dtype `pool` (the row's own dtype: copied; float16 / bfloat16 from
-// float32: rounded once; int8: one head's row, quantized with its scale). paged_attention.cpp.
+// float32: rounded once; int8: one head's row, its quants at dst and its scale at `scale`). paged_attention.cpp.
 template <typename T>
-void store_kv_row(void* dst, at::ScalarType pool, const T* src, int64_t n);
+void store_kv_row(const KVSlot& dst, at::ScalarType pool, const T* src, int64_t n);
 // (row, head) tasks [begin, end) of paged_decode_attention, for a caller that splits them across its own threads.
 void paged_attention_range(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tensor& v_pool,
                            const torch::Tensor& rows, const torch::Tensor& tables, const torch::Tensor& lens,

@@ -9,9 +9,11 @@
 // sees the same number, and the arithmetic is the float32 cache's. T: q and out; C: the pools.
 //
 // An int8 cache (`--kv-cache-dtype int8`, float32 activations) holds each head's row of a token as E int8 quants
-// and their float32 scale d after them, E + 4 bytes: llama.cpp's q8_0 (ggml-common.h `block_q8_0`, the scale beside
-// its quants; ggml-quants.c `quantize_row_q8_0_ref`: d = max|x| / 127, q = round(x / d)) with one block per head row
-// instead of per 32 values, so that a key's score is one dot product times one scale. The kernels read the quants
+// and their float32 scale d, E + 4 bytes: llama.cpp's q8_0 (ggml-common.h `block_q8_0`; ggml-quants.c
+// `quantize_row_q8_0_ref`: d = max|x| / 127, q = round(x / d)) with one scale per head row instead of per 32 values,
+// so that a key's score is one dot product times one scale. A block keeps its rows' quants together and their scales
+// after them (ops.h `kv_slot`), not each scale beside its quants: a 68-byte row at 68-byte offsets straddled two
+// cache lines more often than not, and a decode row's walk over a long history is bound by the lines it waits for. The kernels read the quants
 // widened exactly to float (load8) and apply the scale once per key and value: a score is (q . k_q) d_k, and a value
 // is accumulated with weight p d_v. Every path below applies it at the same place in the same order (`scaled1`,
 // `key_scales8`, `weight`), so a row's numbers stay the same alone, in a tile or beside any other rows.
@@ -39,9 +41,9 @@ static inline __m512 load16(const int8_t* p) {
 #endif
 
 // An int8 row's scale: the 4 bytes after its E quants (unaligned where E % 4 != 0).
-static inline float row_scale(const int8_t* row, int64_t E) {
+static inline float load_scale(const void* p) {
   float d;
-  std::memcpy(&d, row + E, sizeof d);
+  std::memcpy(&d, p, sizeof d);
   return d;
 }
 
@@ -238,11 +240,12 @@ static inline void key_products16(const float* q, int64_t s, int64_t E, const At
 // A prefetch changes no number. An asm statement, not _mm_prefetch: GCC 12 deletes a __builtin_prefetch whose address
 // needs a load (here the block table's entry), and the object code had none.
 template <typename At>
-static inline void prefetch_row(const At& at, int64_t s, int64_t end, int64_t E, bool keys) {
+[[gnu::always_inline]] static inline void prefetch_row(const At& at, int64_t s, int64_t end, int64_t E, bool keys) {
   if (s >= end) return;
   const char* row = reinterpret_cast<const char*>(keys ? at.k(s) : at.v(s));
-  const int64_t bytes = E * static_cast<int64_t>(sizeof(*at.k(0))) + (At::scaled ? 4 : 0);  // (an int8 row's scale)
+  const int64_t bytes = E * static_cast<int64_t>(sizeof(*at.k(0)));
   for (int64_t off = 0; off < bytes; off += 64) asm volatile("prefetcht1 %0" : : "m"(row[off]));
+  if constexpr (At::scaled) asm volatile("prefetcht1 %0" : : "m"(*(keys ? at.k_scale(s) : at.v_scale(s))));
 }
 constexpr int64_t PREFETCH_POSITIONS = 64;  // how far ahead of its use a row is asked for
 
@@ -405,6 +408,8 @@ struct From {  // positions counted from `first`: a window's span as a context o
   auto v(int64_t s) const { return at.v(s + first); }
   float ks(int64_t s) const { return at.ks(s + first); }
   float vs(int64_t s) const { return at.vs(s + first); }
+  const char* k_scale(int64_t s) const { return at.k_scale(s + first); }
+  const char* v_scale(int64_t s) const { return at.v_scale(s + first); }
 };
 
 template <typename T, typename C, typename At>
@@ -460,27 +465,35 @@ struct BlockOf {
 };
 
 template <typename T>
-struct PoolRows {  // position s of one sequence, one KV head -> its K and V rows in the pool
+struct PoolRows {  // position s of one sequence, one KV head -> its K and V rows (and an int8 row's scale) in the pool
   const T* kp;
   const T* vp;
   const int64_t* table;
   BlockOf bo;
-  int64_t stride, head;  // stride = K * row, head = the KV head * row (row: E, or E + 4 for int8: kv_row_width)
+  int64_t block, stride, head;  // a block's elements; stride = K * E; head = the KV head * E
+  int64_t scales, sstride, shead;  // int8 (ops.h kv_slot): a block's scales at bs * K * E, then K * 4 a position
   int64_t E;
-  static constexpr bool scaled = std::is_same_v<T, int8_t>;  // an int8 cache: rows carry their scales
-  // always inlined: called per position in the innermost loops, and where GCC chose not to (the int8 cache's
-  // instantiations, whose scales call it once more per key and value) each call went through the PLT
-  [[gnu::always_inline]] int64_t at(int64_t s) const { return (table[bo.block(s)] * bo.bs + bo.row(s)) * stride + head; }
+  static constexpr bool scaled = std::is_same_v<T, int8_t>;  // an int8 cache: rows have scales
+  static PoolRows of(const T* kp, const T* vp, const int64_t* table, int64_t bs, int64_t K, int64_t kh, int64_t E) {
+    const int64_t block = bs * K * (scaled ? E + 4 : E);
+    return PoolRows{kp, vp, table, BlockOf(bs), block, K * E, kh * E, bs * K * E, K * 4, kh * 4, E};
+  }
+  [[gnu::always_inline]] int64_t at(int64_t s) const { return table[bo.block(s)] * block + bo.row(s) * stride + head; }
+  [[gnu::always_inline]] int64_t scale_at(int64_t s) const {
+    return table[bo.block(s)] * block + scales + bo.row(s) * sstride + shead;
+  }
   [[gnu::always_inline]] const T* k(int64_t s) const { return kp + at(s); }
   [[gnu::always_inline]] const T* v(int64_t s) const { return vp + at(s); }
   [[gnu::always_inline]] float ks(int64_t s) const {
-    if constexpr (scaled) return row_scale(k(s), E);
+    if constexpr (scaled) return load_scale(kp + scale_at(s));
     return 1.f;
   }
   [[gnu::always_inline]] float vs(int64_t s) const {
-    if constexpr (scaled) return row_scale(v(s), E);
+    if constexpr (scaled) return load_scale(vp + scale_at(s));
     return 1.f;
   }
+  [[gnu::always_inline]] const char* k_scale(int64_t s) const { return reinterpret_cast<const char*>(kp + scale_at(s)); }
+  [[gnu::always_inline]] const char* v_scale(int64_t s) const { return reinterpret_cast<const char*>(vp + scale_at(s)); }
 };
 
 #if LS_AVX2
@@ -494,6 +507,8 @@ struct Widened {  // a block's rows widened to float32: position s (in [b0, b0 +
   const float* v(int64_t s) const { return rows + (s - b0) * E; }
   float ks(int64_t s) const { return src->ks(s); }
   float vs(int64_t s) const { return src->vs(s); }
+  const char* k_scale(int64_t s) const { return src->k_scale(s); }
+  const char* v_scale(int64_t s) const { return src->v_scale(s); }
 };
 template <typename X> struct IsWidened : std::false_type {};
 template <typename At> struct IsWidened<Widened<At>> : std::true_type {};
@@ -682,7 +697,7 @@ template <typename T, typename C>
 static void decode_range(const T* q, int64_t q_stride, const C* kp, const C* vp, const int64_t* rows, const int64_t* tables,
                          const int64_t* lens, T* out, int64_t W, int64_t H, int64_t K, int64_t E, int64_t bs,
                          int64_t begin, int64_t end, const Telemetry* tel, int64_t window, double scale_) {
-  const int64_t G = H / K, kv_row = std::is_same_v<C, int8_t> ? E + 4 : E;  // a head's row in the pool (kv_row_width)
+  const int64_t G = H / K;
   const float scale = scale_ > 0 ? static_cast<float>(scale_) : 1.f / std::sqrt(static_cast<float>(E));
 #if LS_AVX2
   if (E % 8 == 0) {
@@ -742,7 +757,7 @@ static void decode_range(const T* q, int64_t q_stride, const C* kp, const C* vp,
             }
         if (static_cast<int64_t>(qtask.size()) > group.back()) {
           group.push_back(static_cast<int64_t>(qtask.size()));
-          ats.push_back(PoolRows<C>{kp, vp, tables + r0 * W, BlockOf(bs), K * kv_row, kh * kv_row, E});
+          ats.push_back(PoolRows<C>::of(kp, vp, tables + r0 * W, bs, K, kh, E));
         }
         if (r1 - r0 > 1) run();
       }
@@ -757,7 +772,7 @@ static void decode_range(const T* q, int64_t q_stride, const C* kp, const C* vp,
     const int64_t r = idx / H, h = idx % H, row = rows[r], len = lens[r];
     for (int64_t i = 0; i < E; ++i) qf[i] = to_f(q[row * q_stride + h * E + i]) * scale;
     scores.resize(len);
-    const PoolRows<C> at{kp, vp, tables + r * W, BlockOf(bs), K * kv_row, (h / G) * kv_row, E};
+    const auto at = PoolRows<C>::of(kp, vp, tables + r * W, bs, K, h / G, E);
     const float sum = attend_head<T, C>(qf.data(), window_first(len, window), len, E, at, scores.data(),
                                         out + (row * H + h) * E, acc);
     if (tel != nullptr && tel->slot[r] >= 0) tel->record(tel->slot[r], h, scores.data(), len, sum);
@@ -843,15 +858,15 @@ void paged_attention_range(const torch::Tensor& q, const torch::Tensor& k_pool, 
 }
 
 // Row `src` (n values of T) into a pool row of type `pool` at `dst`: copied, rounded once to a 16-bit cache, or
-// quantized to an int8 one (n quants, then their float32 scale: the module doc). The scale is max|x| times the float
+// quantized to an int8 one (n quants at dst.row, their float32 scale at dst.scale: kv_slot). The scale is max|x| times the float
 // nearest 1/127 and each quant x / d rounded half to even, as model/kernels/kv_int8.py's `quantize` (the PyTorch
 // path) computes them, so either writer stores the same bytes. llama.cpp rounds halves away from zero (roundf).
 template <typename T>
-void store_kv_row(void* dst, at::ScalarType pool, const T* src, int64_t n) {
+void store_kv_row(const KVSlot& dst, at::ScalarType pool, const T* src, int64_t n) {
   if (pool == c10::CppTypeToScalarType<T>::value) {
-    std::memcpy(dst, src, n * sizeof(T));
+    std::memcpy(dst.row, src, n * sizeof(T));
   } else if (pool == at::kChar) {
-    int8_t* d8 = static_cast<int8_t*>(dst);
+    int8_t* d8 = reinterpret_cast<int8_t*>(dst.row);
     float amax = 0.f;
     for (int64_t i = 0; i < n; ++i) amax = std::max(amax, std::fabs(to_f(src[i])));
     const float d = amax * static_cast<float>(1.0 / 127.0);
@@ -859,21 +874,21 @@ void store_kv_row(void* dst, at::ScalarType pool, const T* src, int64_t n) {
       const float x = d > 0.f ? to_f(src[i]) / d : 0.f;
       d8[i] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, std::nearbyint(x))));
     }
-    std::memcpy(d8 + n, &d, sizeof d);
+    std::memcpy(dst.scale, &d, sizeof d);
   } else if (pool == at::kHalf) {
-    f16* d = static_cast<f16*>(dst);
+    f16* d = reinterpret_cast<f16*>(dst.row);
     for (int64_t i = 0; i < n; ++i) d[i] = from_f<f16>(to_f(src[i]));
   } else {
     TORCH_CHECK(pool == at::kBFloat16, "paged_write: a float32, float16, bfloat16 or int8 cache");
-    bf16* d = static_cast<bf16*>(dst);
+    bf16* d = reinterpret_cast<bf16*>(dst.row);
     for (int64_t i = 0; i < n; ++i) d[i] = from_f<bf16>(to_f(src[i]));
   }
 }
-template void store_kv_row<float>(void*, at::ScalarType, const float*, int64_t);
-template void store_kv_row<bf16>(void*, at::ScalarType, const bf16*, int64_t);
+template void store_kv_row<float>(const KVSlot&, at::ScalarType, const float*, int64_t);
+template void store_kv_row<bf16>(const KVSlot&, at::ScalarType, const bf16*, int64_t);
 
 // Write this step's K and V into their pool slots.   k, v (N, K, E) (views into the fused q/k/v output);
-// pools (NB, bs, K, E) (E + 4 for int8: kv_row_width), slot = block * bs + offset; slots (N,)
+// pools (NB, bs, K, E) (E + 4 for int8: kv_slot), slot = block * bs + offset; slots (N,)
 void paged_write(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& k_pool, torch::Tensor& v_pool,
                  const torch::Tensor& slots) {
   TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes(), "paged_write: k, v (N, K, E)");
@@ -892,14 +907,14 @@ void paged_write(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& 
     TORCH_CHECK(k.scalar_type() == at::kFloat, "paged_write: only float32 rows go into a cache of another dtype");
     const float *kd = kc.data_ptr<float>(), *vd = vc.data_ptr<float>();
     // a 16-bit token's K E values at once; an int8 cache's head by head, each row with its own scale
-    const int64_t heads = k_pool.scalar_type() == at::kChar ? Kh : 1, n_el = KE / heads;
-    const size_t row = kv_row_bytes(k_pool.scalar_type(), n_el);
+    const at::ScalarType t = k_pool.scalar_type();
+    const int64_t heads = t == at::kChar ? Kh : 1, n_el = KE / heads, bs = k_pool.size(1);
     char* kp = static_cast<char*>(k_pool.data_ptr());
     char* vp = static_cast<char*>(v_pool.data_ptr());
     for (int64_t n = 0; n < N; ++n)
       for (int64_t h = 0; h < heads; ++h) {
-        store_kv_row(kp + (s[n] * heads + h) * row, k_pool.scalar_type(), kd + n * ks + h * n_el, n_el);
-        store_kv_row(vp + (s[n] * heads + h) * row, v_pool.scalar_type(), vd + n * vs + h * n_el, n_el);
+        store_kv_row(kv_slot(kp, t, bs, heads, n_el, s[n], h), t, kd + n * ks + h * n_el, n_el);
+        store_kv_row(kv_slot(vp, t, bs, heads, n_el, s[n], h), t, vd + n * vs + h * n_el, n_el);
       }
     return;
   }

@@ -380,7 +380,7 @@ static void run_layers(Step<T>& s, const std::vector<std::vector<torch::Tensor>>
       char* kp = static_cast<char*>(k_pools[l].data_ptr());
       char* vp = static_cast<char*>(v_pools[l].data_ptr());
       const at::ScalarType pool_t = k_pools[l].scalar_type();  // T's, or a 16-bit or int8 cache under float32
-      const int64_t row_bytes = kv_row_bytes(pool_t, E);  // a head's row (an int8 row ends with its scale)
+      const int64_t bs = k_pools[l].size(1);
       // rope the heads [h0, h1) of every row (q and k heads; v heads pass) and store its k and v heads in the pools
       const auto rope_store = [&](int64_t m, int64_t h0, int64_t h1) {
         T* row = s.qkv + m * QKV;
@@ -393,8 +393,9 @@ static void run_layers(Step<T>& s, const std::vector<std::vector<torch::Tensor>>
           rope_head(row + head * E, s.cos + m * E, s.ssin + m * E, E);
         }
         for (int64_t head = std::max(h0, H); head < h1; ++head) {  // paged_write
-          char* pool = head < H + K ? kp + (slots[m] * K + head - H) * row_bytes : vp + (slots[m] * K + head - H - K) * row_bytes;
-          store_kv_row(pool, pool_t, row + head * E, E);
+          const KVSlot to = head < H + K ? kv_slot(kp, pool_t, bs, K, E, slots[m], head - H)
+                                         : kv_slot(vp, pool_t, bs, K, E, slots[m], head - H - K);
+          store_kv_row(to, pool_t, row + head * E, E);
         }
       };
       // attention: h + wo(attend(rope(wqkv(norm(h)))))
@@ -456,7 +457,7 @@ static void run_layers(Step<T>& s, const std::vector<std::vector<torch::Tensor>>
 
 // h (N, D) the residual stream of the step's N rows; layers: per block [attention_norm, ffn_norm, wqkv a, b, wo a,
 // b, w13 a, b, w2 a, b]; cos, ssin (N, E) `rotary_tables`; k_pools, v_pools (L, NB, bs, K, E) (E + 4 for an int8
-// cache: kv_row_width); the step's slots
+// cache: ops.h kv_slot); the step's slots
 // (N,); rows (N,) = 0..N-1, tables (N, W), lens (N,): every row attends over its block table up to its position
 // (`PagedKVCache.set_step` with paged_prefill); extras: per block [bqkv, q_norm, k_norm] (each empty where the model
 // has none; the list empty: none at all); window, scale, residual, post_norm, qk_norm: the `Switches`; edits: the
