@@ -559,10 +559,12 @@ static void q4_range(const QWeight& w, const QActs& a, int64_t M, int64_t n_begi
 // sc (s - 32 X) in int32 (X: the half's activation sum, hk); per output (one float lane), super-block after
 // super-block in order: acc = fma(float(T), d_B dk_B, acc): one float FMA per 256 weights where per-32 activation
 // scales need one per 32. |T| <= 16 x 128 x 16 x 32 x 127 < 2^31, its float conversion rounding the same way in every
-// tile. MR changes which loads are shared, nothing else: decode = prefill bit for bit. Without VNNI each half's
-// maddubs int16 pair sums (2 of at most 2 x 63 x 127: 32,004 < 32,767) go into vpmaddwd against sc (signed, in both
-// int16 of the output's lane), and the offset 32 (sc_lo X_lo + sc_hi X_hi) is one vpmaddwd of (sc_lo, sc_hi) against
-// (X_lo, X_hi) and a shift.
+// tile. MR changes which loads are shared, nothing else: decode = prefill bit for bit. Each half's maddubs int16 pair
+// sums (2 of at most 2 x 63 x 127: 32,004 < 32,767) go into vpmaddwd against sc (signed, in both int16 of the
+// output's lane), which widens and scales them in one instruction, with VNNI too: vpdpbusd's int32 sums would need
+// a vpmulld by each half's sub-scale, two micro-ops, twice a half (`benchmarks.kernel_ab` on a Q4_K_M file's Q6_K
+// layers: the vpmaddwd form faster on an AVX-512 VNNI host; docs/performance.md#native-cpu-kernels). The offset 32
+// (sc_lo X_lo + sc_hi X_hi) is one vpmaddwd of (sc_lo, sc_hi) against (X_lo, X_hi) and a shift.
 template <int MR>
 static inline void q6_tile(const QWeight& w, const QActs& a, int64_t m0, int64_t g, float* y, int64_t ldy) {
   const int64_t nb = w.K / QK;
@@ -584,11 +586,7 @@ static inline void q6_tile(const QWeight& w, const QActs& a, int64_t m0, int64_t
       if constexpr (MR <= 4) prefetch_ahead(wb, 208, db, 2);
       const __m128i lo8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(wb + 192));  // the halves' sc, output j
       const __m128i hi8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(wb + 200));
-#if LS_VNNI
-      const __m256i sc_lo = _mm256_cvtepi8_epi32(lo8), sc_hi = _mm256_cvtepi8_epi32(hi8);
-#else
       const __m256i sc_lo = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(lo8, lo8)), sc_hi = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(hi8, hi8));
-#endif
 #pragma GCC unroll 1
       for (int h = 0; h < 2; ++h) {  // Int4's chunks 2h, 2h+1 (low nibbles: the first half) and 2h+4, 2h+5 (the second)
         const __m256i r0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 64 * h));
@@ -603,15 +601,9 @@ static inline void q6_tile(const QWeight& w, const QActs& a, int64_t m0, int64_t
         for (int i = 0; i < MR; ++i) {
           const int8_t* x = xq + i * rb + 8 * h;
           const auto bc = [&](int off) { return _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(x + off)); };
-#if LS_VNNI
-          const __m256i l = LS_DPBUSD(LS_DPBUSD(_mm256_setzero_si256(), l0, bc(0)), l1, bc(4));
-          const __m256i u = LS_DPBUSD(LS_DPBUSD(_mm256_setzero_si256(), h0, bc(16)), h1, bc(20));
-          T[i] = _mm256_add_epi32(T[i], _mm256_add_epi32(_mm256_mullo_epi32(l, sc_lo), _mm256_mullo_epi32(u, sc_hi)));
-#else
           const __m256i l = _mm256_add_epi16(_mm256_maddubs_epi16(l0, bc(0)), _mm256_maddubs_epi16(l1, bc(4)));
           const __m256i u = _mm256_add_epi16(_mm256_maddubs_epi16(h0, bc(16)), _mm256_maddubs_epi16(h1, bc(20)));
           T[i] = _mm256_add_epi32(T[i], _mm256_add_epi32(_mm256_madd_epi16(l, sc_lo), _mm256_madd_epi16(u, sc_hi)));
-#endif
         }
       }
       const __m256i sc_both = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(lo8, hi8));  // lane j: (sc_lo, sc_hi) as int16
