@@ -8,14 +8,14 @@
 // (paged_write, step_layers) and is widened exactly on load (load8), so every read of it, by any row in any step,
 // sees the same number, and the arithmetic is the float32 cache's. T: q and out; C: the pools.
 //
-// An int8 cache (`--kv-cache-dtype int8`, float32 activations) holds each head's row of a token as E int8 quants
-// and their float32 scale d, E + 4 bytes: llama.cpp's q8_0 (ggml-common.h `block_q8_0`; ggml-quants.c
-// `quantize_row_q8_0_ref`: d = max|x| / 127, q = round(x / d)) with one scale per head row instead of per 32 values,
-// so that a key's score is one dot product times one scale. A block keeps its rows' quants together and their scales
-// after them (ops.h `kv_slot`), not each scale beside its quants: a 68-byte row at 68-byte offsets straddled two
-// cache lines more often than not, and a decode row's walk over a long history is bound by the lines it waits for. The kernels read the quants
-// widened exactly to float (load8) and apply the scale once per key and value: a score is (q . k_q) d_k, and a value
-// is accumulated with weight p d_v. Every path below applies it at the same place in the same order (`scaled1`,
+// An int8 cache (`--kv-cache-dtype int8`, float32 activations) holds each head's row of a token as E int8 quants and
+// their float32 scale d, E + 4 bytes: llama.cpp's q8_0 (ggml-common.h `block_q8_0`; ggml-quants.c
+// `quantize_row_q8_0_ref`: d = max|x| / 127, q = round(x / d)) with one scale per head row instead of per 32 values, so
+// that a key's score is one dot product times one scale. A block keeps its rows' quants together and their scales after
+// them (ops.h `kv_slot`), not each scale beside its quants: a 68-byte row at 68-byte offsets straddled two cache lines
+// more often than not, and a decode row's walk over a long history is bound by the lines it waits for. The kernels read
+// the quants widened exactly to float (load8) and apply the scale once per key and value: a score is (q . k_q) d_k, and
+// a value is accumulated with weight p d_v. Every path below applies it at the same place in the same order (`scaled1`,
 // `key_scales8`, `weight`), so a row's numbers stay the same alone, in a tile or beside any other rows.
 #include <algorithm>
 #include <cstring>
@@ -40,7 +40,7 @@ static inline __m512 load16(const int8_t* p) {
 }
 #endif
 
-// An int8 row's scale: the 4 bytes after its E quants (unaligned where E % 4 != 0).
+// An int8 row's float32 scale, at p (ops.h kv_slot; unaligned where the block's quants are not whole words).
 static inline float load_scale(const void* p) {
   float d;
   std::memcpy(&d, p, sizeof d);
@@ -232,12 +232,13 @@ static inline void key_products16(const float* q, int64_t s, int64_t E, const At
 }
 #endif
 
-// Asks for the key (or value) row of position s, if s < end, into L2 ahead of its use. A head's rows are E elements
-// out of every K * E, in blocks that lie anywhere in the pool, and the hardware prefetchers alone held one decode
-// row's attention from memory to a fraction of its speed from cache. prefetcht1 64 positions ahead read best in
+// Asks for the key (or value) row of position s, if s < end, into L2 ahead of its use. A head's rows are E elements out
+// of every K * E, in blocks that lie anywhere in the pool, and the hardware prefetchers alone held one decode row's
+// attention from memory to a fraction of its speed from cache. prefetcht1 64 positions ahead read best in
 // benchmarks/attention_memory.py (prefetcht0 at 16-256 ahead read less;
-// docs/performance.md#long-prompts-against-llama-server).
-// A prefetch changes no number. An asm statement, not _mm_prefetch: GCC 12 deletes a __builtin_prefetch whose address
+// docs/performance.md#long-prompts-against-llama-server). An int8 row's scale is asked for too (its line: the scales of
+// a few positions of the block). Always inlined: GCC left the int8 instantiation out of line, a call per position. A
+// prefetch changes no number. An asm statement, not _mm_prefetch: GCC 12 deletes a __builtin_prefetch whose address
 // needs a load (here the block table's entry), and the object code had none.
 template <typename At>
 [[gnu::always_inline]] static inline void prefetch_row(const At& at, int64_t s, int64_t end, int64_t E, bool keys) {
@@ -478,6 +479,8 @@ struct PoolRows {  // position s of one sequence, one KV head -> its K and V row
     const int64_t block = bs * K * (scaled ? E + 4 : E);
     return PoolRows{kp, vp, table, BlockOf(bs), block, K * E, kh * E, bs * K * E, K * 4, kh * 4, E};
   }
+  // always inlined: called per position in the innermost loops, and where GCC chose not to (the int8 cache's
+  // instantiations, whose scales call it once more per key and value) each call went through the PLT
   [[gnu::always_inline]] int64_t at(int64_t s) const { return table[bo.block(s)] * block + bo.row(s) * stride + head; }
   [[gnu::always_inline]] int64_t scale_at(int64_t s) const {
     return table[bo.block(s)] * block + scales + bo.row(s) * sstride + shead;
