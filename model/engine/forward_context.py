@@ -71,7 +71,7 @@ class ForwardContext:
         """q (1, N, H, E), k/v (1, N, K, E) -> (1, N, H, E); writes k/v into their slots first. Rows attending over
         their block tables go through the decode kernel (recording telemetry where asked); prefill chunks through
         SDPA over their cached prefix and themselves."""
-        meta, K = self.meta, k.shape[2]
+        meta = self.meta
         k_pool, v_pool = self.cache.k[layer], self.cache.v[layer]  # (NB, bs, K, E), or E + 4 int8 (kv_int8.py)
         window, scale = self.cache.window, self.cache.scale  # the model's (sliding window, attention scale)
         ops.paged_write(k[0], v[0], k_pool, v_pool, meta.slot_mapping)
@@ -94,7 +94,7 @@ class ForwardContext:
                 # (under a window: from the block of the chunk's first row's first key; earlier ones may be freed)
                 b0 = max(0, p.context_len - (p.end - p.start) + 1 - window) // self.cache.block_size if window else 0
                 ctx = p.context_len - b0 * self.cache.block_size
-                kd, vd = (kv_int8.read(pool.index_select(0, p.blocks[b0:]), q.dtype).view(1, -1, K, q.shape[-1])[:, :ctx]
+                kd, vd = (kv_int8.read_blocks(pool, p.blocks[b0:], q.dtype)[None, :ctx]
                           for pool in (k_pool, v_pool))  # (1, ctx, K, E): positions b0 bs ..
                 out[:, p.start : p.end] = sdpa(qp, kd, vd, mask, scale=scale)
         return out

@@ -48,9 +48,9 @@ class GraphLoRA:
         """Write the step's rows' slots into the static buffer (every other row: -1)."""
         host = self._host
         host[:] = -1
-        index = {(a.name, a.serial): s for s, a in enumerate(self.adapters)}
+        index = {_ident(a): s for s, a in enumerate(self.adapters)}
         for g, (adapter, _) in enumerate(lora.groups):
-            host[lora.rows_on_host(g)] = index[(adapter.name, adapter.serial)]
+            host[lora.rows_on_host(g)] = index[_ident(adapter)]
         self.slot.copy_(torch.from_numpy(host), non_blocking=True)
 
     def apply(self, layer: int, site: str, x: Tensor, y: Tensor) -> Tensor:

@@ -13,8 +13,8 @@ drafts touches no other token's numbers (a scale per block would have to be reco
 Within a block the bs * K rows' quants come first, (position, head)-ordered, then their bs * K scales in the same
 order (`parts`; ops.h `kv_slot` in C++), rather than each scale beside its quants: a row of 64 quants is then one
 aligned cache line, where a 68-byte row at 68-byte offsets straddled two lines more often than not. So a block, not a
-row, is the unit to quantize or read here (`pack`, `read`), and slots are written and read through `write_slots` /
-`read_slots`.
+row, is the unit to quantize or read here (`pack`, `read`, `read_blocks`), and slots are written and read through
+`write_slots` / `read_slots`.
 
     d = max|x| * float32(1 / 127)        q = round_half_even(x / d) in [-127, 127]        x' = q * d
 
@@ -75,11 +75,23 @@ def read(blocks: Tensor, dtype: torch.dtype) -> Tensor:
     return dequantize(*parts(blocks), dtype) if blocks.dtype == torch.int8 else blocks.to(dtype)
 
 
+def read_blocks(pool: Tensor, ids: Tensor, dtype: torch.dtype) -> Tensor:
+    """Blocks `ids` (n,) of pool (NB, bs, K, row_width), gathered, as `dtype` values of their positions
+    (n * bs, K, E)."""
+    blocks = read(pool.index_select(0, ids), dtype)  # (n, bs, K, E)
+    return blocks.view(-1, *blocks.shape[-2:])
+
+
+def _slot_index(pool: Tensor, slots: Tensor) -> tuple:
+    """Slots (n,) (block * bs + offset) as an index of pool (..., NB, bs, K, width) or of its `parts`."""
+    bs = pool.shape[-3]
+    return ..., slots // bs, slots % bs, slice(None), slice(None)
+
+
 def write_slots(pool: Tensor, slots: Tensor, x: Tensor) -> None:
     """x (..., n, K, E) into slots (n,) (block * bs + offset) of pool (..., NB, bs, K, row_width): rounded once to a
     16-bit cache, quantized to an int8 one."""
-    bs = pool.shape[-3]
-    at = (..., slots // bs, slots % bs, slice(None), slice(None))
+    at = _slot_index(pool, slots)
     if pool.dtype == torch.int8:
         q, d = parts(pool)
         q[at], d[at] = quantize(x)
@@ -89,8 +101,7 @@ def write_slots(pool: Tensor, slots: Tensor, x: Tensor) -> None:
 
 def read_slots(pool: Tensor, slots: Tensor, dtype: torch.dtype) -> Tensor:
     """Slots (n,) of pool (..., NB, bs, K, row_width) as `dtype` values (..., n, K, E)."""
-    bs = pool.shape[-3]
-    at = (..., slots // bs, slots % bs, slice(None), slice(None))
+    at = _slot_index(pool, slots)
     if pool.dtype == torch.int8:
         q, d = parts(pool)
         return dequantize(q[at], d[at], dtype)

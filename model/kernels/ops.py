@@ -257,14 +257,14 @@ def decode_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, rows: Tensor, ta
     elif backend == "triton":
         _triton().paged_decode_attention(q, k_pool, v_pool, rows, tables, lens, out, telemetry, window, scale)
     else:
-        R, (_, bs, K, width), E = tables.shape[0], k_pool.shape, q.shape[-1]
+        R, (_, bs, K, _), E = tables.shape[0], k_pool.shape, q.shape[-1]
         W = -(-int(lens.max()) // bs)  # the blocks the longest row uses: the rest of the table is never read
         first = (lens - window).clamp(min=0) if window else torch.zeros_like(lens)  # (R,) each row's first key
         B0 = int(first.min()) // bs  # blocks before every row's window are not gathered
         ids = tables[:, B0:W].reshape(-1)  # (R * (W - B0),)
         S = (W - B0) * bs
-        kd = kv_int8.read(k_pool.index_select(0, ids).view(R, -1, bs, K, width), q.dtype).view(R, S, K, E)  # positions B0 bs ..
-        vd = kv_int8.read(v_pool.index_select(0, ids).view(R, -1, bs, K, width), q.dtype).view(R, S, K, E)
+        kd = kv_int8.read_blocks(k_pool, ids, q.dtype).view(R, S, K, E)  # (R, S, K, E): positions B0 bs ..
+        vd = kv_int8.read_blocks(v_pool, ids, q.dtype).view(R, S, K, E)
         pos = torch.arange(B0 * bs, W * bs, device=q.device)
         seen = (pos < lens.unsqueeze(1)) & (pos >= first.unsqueeze(1))  # (R, S)
         out[rows] = sdpa(q[rows].unsqueeze(1), kd, vd, seen[:, None, None, :], scale=scale).squeeze(1)  # (R, H, E)

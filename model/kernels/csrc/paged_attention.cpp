@@ -473,11 +473,10 @@ struct PoolRows {  // position s of one sequence, one KV head -> its K and V row
   BlockOf bo;
   int64_t block, stride, head;  // a block's elements; stride = K * E; head = the KV head * E
   int64_t scales, sstride, shead;  // int8 (ops.h kv_slot): a block's scales at bs * K * E, then K * 4 a position
-  int64_t E;
   static constexpr bool scaled = std::is_same_v<T, int8_t>;  // an int8 cache: rows have scales
   static PoolRows of(const T* kp, const T* vp, const int64_t* table, int64_t bs, int64_t K, int64_t kh, int64_t E) {
     const int64_t block = bs * K * (scaled ? E + 4 : E);
-    return PoolRows{kp, vp, table, BlockOf(bs), block, K * E, kh * E, bs * K * E, K * 4, kh * 4, E};
+    return PoolRows{kp, vp, table, BlockOf(bs), block, K * E, kh * E, bs * K * E, K * 4, kh * 4};
   }
   // always inlined: called per position in the innermost loops, and where GCC chose not to (the int8 cache's
   // instantiations, whose scales call it once more per key and value) each call went through the PLT
@@ -487,16 +486,16 @@ struct PoolRows {  // position s of one sequence, one KV head -> its K and V row
   }
   [[gnu::always_inline]] const T* k(int64_t s) const { return kp + at(s); }
   [[gnu::always_inline]] const T* v(int64_t s) const { return vp + at(s); }
+  [[gnu::always_inline]] const char* k_scale(int64_t s) const { return reinterpret_cast<const char*>(kp + scale_at(s)); }
+  [[gnu::always_inline]] const char* v_scale(int64_t s) const { return reinterpret_cast<const char*>(vp + scale_at(s)); }
   [[gnu::always_inline]] float ks(int64_t s) const {
-    if constexpr (scaled) return load_scale(kp + scale_at(s));
+    if constexpr (scaled) return load_scale(k_scale(s));
     return 1.f;
   }
   [[gnu::always_inline]] float vs(int64_t s) const {
-    if constexpr (scaled) return load_scale(vp + scale_at(s));
+    if constexpr (scaled) return load_scale(v_scale(s));
     return 1.f;
   }
-  [[gnu::always_inline]] const char* k_scale(int64_t s) const { return reinterpret_cast<const char*>(kp + scale_at(s)); }
-  [[gnu::always_inline]] const char* v_scale(int64_t s) const { return reinterpret_cast<const char*>(vp + scale_at(s)); }
 };
 
 #if LS_AVX2
