@@ -206,10 +206,13 @@ def _kv_bytes_per_token(path: Path, dtype: str = "float32") -> int:
 
 
 def kv_cache_args(path: Path, tokens: int, ours_args: list[str]) -> list[str]:
-    """Our flags for a KV pool of `tokens` tokens: the cache dtype `ours_args` name, else float16 (llama-server's f16
-    default, and ours' `auto` under quantized weights, said here so the pool's size cannot depend on it)."""
-    dtype = ours_args[ours_args.index("--kv-cache-dtype") + 1] if "--kv-cache-dtype" in ours_args else "float16"
-    return ["--kv-cache-bytes", str(tokens * _kv_bytes_per_token(path, dtype)), "--kv-cache-dtype", dtype]
+    """Our flags for a KV pool of `tokens` tokens (to go before `ours_args`): the cache dtype `ours_args` name, else
+    float16 (llama-server's f16 default, and ours' `auto` under quantized weights, said here so the pool's size
+    cannot depend on it)."""
+    named = "--kv-cache-dtype" in ours_args
+    dtype = ours_args[ours_args.index("--kv-cache-dtype") + 1] if named else "float16"
+    pool = ["--kv-cache-bytes", str(tokens * _kv_bytes_per_token(path, dtype))]
+    return pool if named else [*pool, "--kv-cache-dtype", dtype]
 
 
 FIGURES = ("load_s", "decode_tok_s", "throughput_tok_s", "prefill_tok_s")
