@@ -537,7 +537,10 @@ static inline void q4k_tile(const QWeight& w, const QActs& a, int64_t m0, int64_
   for (int i = 0; i < MR; ++i) _mm256_storeu_ps(y + (m0 + i) * ldy + 8 * g, acc[i]);
 }
 
-// Output columns [n_begin, n_end), whole groups of 8: one group a tile in every build (no 512-bit pair tiles yet).
+// Output columns [n_begin, n_end), whole groups of 8: one group a tile in every build. 512-bit pair tiles (as
+// q6_range's) ran slower here, with `vpdpbusd` and `vpmulld` or with `vpmaddubsw` and `vpmaddwd` alike
+// (`benchmarks.kernel_ab`, docs/performance.md#native-cpu-kernels): the tile's other work is per 256 weights, so a
+// pair saves it little, and its integer multiply-adds are not faster 512 bits wide.
 static void q4k_range(const QWeight& w, const QActs& a, int64_t M, int64_t n_begin, int64_t n_end, float* y, int64_t ldy) {
   const auto one = [&](auto mr, int64_t m, int64_t g) { q4k_tile<decltype(mr)::value>(w, a, m, g, y, ldy); };
   many_rows(M, n_begin / 8, n_end / 8, one);
@@ -621,8 +624,80 @@ static inline void q6_tile(const QWeight& w, const QActs& a, int64_t m0, int64_t
   for (int i = 0; i < MR; ++i) _mm256_storeu_ps(y + (m0 + i) * ldy + 8 * g, acc[i]);
 }
 
+#if LS_ZMM
+// q6_tile for groups g and g + 1 at once (the pair tiles above), each lane the one-group tile's operations in its
+// order.
+template <int MR>
+static inline void q6_pair_tile(const QWeight& w, const QActs& a, int64_t m0, int64_t g, float* y, int64_t ldy) {
+  const int64_t nb = w.K / QK;
+  const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
+  __m512 acc[MR];
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i) acc[i] = _mm512_setzero_ps();
+  const int64_t rb = a.row_bytes, nbp = a.nbp;
+  const int8_t* xq = a.qk + m0 * rb;  // as q6_tile's
+  const float* dkp = a.dk + m0 * (nbp / 8);
+  const int16_t* hkp = a.hk + 2 * m0 * nbp;
+  const uint8_t* w0 = w.data + g * nb * 208;
+  const uint8_t* w1 = w0 + nb * 208;  // group g + 1
+  // 8 signed bytes of each group, each twice, as int16: lane j (g's) and 8 + j (g + 1's) hold (b[j], b[j])
+  const auto twice = [](__m128i b0, __m128i b1) {
+    return _mm512_cvtepi8_epi16(_mm256_inserti128_si256(_mm256_castsi128_si256(_mm_unpacklo_epi8(b0, b0)), _mm_unpacklo_epi8(b1, b1), 1));
+  };
+  const auto load8b = [](const uint8_t* p) { return _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)); };
+  for (int64_t B = 0; B < nb / 8; ++B, ++dkp) {
+    const uint16_t* db0 = w.scales + (g * (nb / 8) + B) * 8;
+    const uint16_t* db1 = db0 + (nb / 8) * 8;
+    __m512i T[MR];
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) T[i] = _mm512_setzero_si512();
+    for (int s = 0; s < 8; ++s, w0 += 208, w1 += 208, xq += QK, hkp += 2) {
+      const __m128i lo0 = load8b(w0 + 192), hi0 = load8b(w0 + 200), lo1 = load8b(w1 + 192), hi1 = load8b(w1 + 200);
+      const __m512i sc_lo = twice(lo0, lo1), sc_hi = twice(hi0, hi1);
+#pragma GCC unroll 1
+      for (int h = 0; h < 2; ++h) {
+        const __m512i r0 = join256(w0 + 64 * h, w1 + 64 * h);
+        const __m512i r1 = join256(w0 + 64 * h + 32, w1 + 64 * h + 32);
+        const __m512i t2 = join256(w0 + 128 + 32 * h, w1 + 128 + 32 * h);
+        const __m512i l0 = _mm512_or_si512(_mm512_and_si512(r0, m4), _mm512_and_si512(_mm512_slli_epi16(t2, 4), m30));
+        const __m512i h0 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(r0, 4), m4), _mm512_and_si512(_mm512_slli_epi16(t2, 2), m30));
+        const __m512i l1 = _mm512_or_si512(_mm512_and_si512(r1, m4), _mm512_and_si512(t2, m30));
+        const __m512i h1 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(r1, 4), m4), _mm512_and_si512(_mm512_srli_epi16(t2, 2), m30));
+#pragma GCC unroll 8
+        for (int i = 0; i < MR; ++i) {
+          const int8_t* x = xq + i * rb + 8 * h;
+          const auto bc = [&](int off) { return _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(x + off)); };
+          const __m512i l = _mm512_add_epi16(_mm512_maddubs_epi16(l0, bc(0)), _mm512_maddubs_epi16(l1, bc(4)));
+          const __m512i u = _mm512_add_epi16(_mm512_maddubs_epi16(h0, bc(16)), _mm512_maddubs_epi16(h1, bc(20)));
+          T[i] = _mm512_add_epi32(T[i], _mm512_add_epi32(_mm512_madd_epi16(l, sc_lo), _mm512_madd_epi16(u, sc_hi)));
+        }
+      }
+      const __m512i sc_both = _mm512_cvtepi8_epi16(_mm256_inserti128_si256(  // lane j: (sc_lo, sc_hi) as int16
+          _mm256_castsi128_si256(_mm_unpacklo_epi8(lo0, hi0)), _mm_unpacklo_epi8(lo1, hi1), 1));
+#pragma GCC unroll 8
+      for (int i = 0; i < MR; ++i) {  // - 32 (sc_lo X_lo + sc_hi X_hi)
+        const __m512i X = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(hkp + 2 * i * nbp));
+        T[i] = _mm512_sub_epi32(T[i], _mm512_slli_epi32(_mm512_madd_epi16(sc_both, X), 5));
+      }
+    }
+    const __m512 d = halves16(db0, db1);
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i)
+      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(T[i]), _mm512_mul_ps(d, _mm512_set1_ps(dkp[i * (nbp / 8)])), acc[i]);
+  }
+  for (int i = 0; i < MR; ++i) _mm512_storeu_ps(y + (m0 + i) * ldy + 8 * g, acc[i]);
+}
+#endif
+
 static void q6_range(const QWeight& w, const QActs& a, int64_t M, int64_t n_begin, int64_t n_end, float* y, int64_t ldy) {
   const auto one = [&](auto mr, int64_t m, int64_t g) { q6_tile<decltype(mr)::value>(w, a, m, g, y, ldy); };
+#if LS_ZMM
+  if (M >= PAIR_ROWS) {
+    const auto two = [&](auto mr, int64_t m, int64_t g) { q6_pair_tile<decltype(mr)::value>(w, a, m, g, y, ldy); };
+    many_rows_paired(M, n_begin / 8, n_end / 8, two, one);
+    return;
+  }
+#endif
   many_rows(M, n_begin / 8, n_end / 8, one);
 }
 #else
