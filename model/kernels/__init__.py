@@ -81,13 +81,15 @@ def cpu_flags() -> set[str]:
 def vnni_flags() -> list[str]:
     """The compiler flags for 256-bit `vpdpbusd` where the CPU has it (csrc/simd.h): AVX-VNNI (the VEX encoding),
     else AVX512-VNNI with AVX512-VL (the EVEX encoding); and with AVX512-VNNI, -VL and -BW, the quantized kernels'
-    512-bit pair tiles (csrc/quant_linear.cpp)."""
+    512-bit pair tiles (csrc/quant_linear.cpp), and beside them AMX-INT8 tiles where the CPU has those too."""
     flags = cpu_flags()
     out = ["-mavxvnni"] if "avx_vnni" in flags else []
     if {"avx512_vnni", "avx512vl"} <= flags:
         # The compiler's own vectors stay 256 bits wide: the flags make the EVEX form of the instruction available,
         # and (with AVX512-BW) the explicit 512-bit pair tiles.
         out += ["-mavx512vnni", "-mavx512vl", "-mprefer-vector-width=256"] + (["-mavx512bw"] if "avx512bw" in flags else [])
+        if {"avx512bw", "amx_tile", "amx_int8"} <= flags:
+            out += ["-mamx-tile", "-mamx-int8"]
     return out
 
 
@@ -185,7 +187,8 @@ def status() -> str:
         return f"unavailable: {_error}"
     if not m.avx2:
         return "native (generic)"
-    return "native (" + ", ".join(["avx2"] + [f for f in ("vnni", "zmm") if getattr(m, f, False)]) + ")"
+    used = [f for f in ("vnni", "zmm") if getattr(m, f, False)] + (["amx"] if m.amx and m.amx_permitted() else [])
+    return "native (" + ", ".join(["avx2"] + used) + ")"
 
 
 @contextlib.contextmanager

@@ -258,7 +258,7 @@ def test_int6_kernel_rows_are_bitwise_their_one_row_result_and_match_the_referen
     many = native.int6_linear(x, *layer.native_buffers())
     want = F.linear(round_activations(x, 256), layer.dequantize())  # per 256, as ggml's q8_K (q6_tile)
     torch.testing.assert_close(many, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
-    for M in (1, 2, 3, 4, 7, 8, 13, 16, 17, 141):
+    for M in (1, 2, 3, 4, 7, 8, 13, 16, 17, 31, 32, 48, 141):
         assert torch.equal(native.int6_linear(x[:M], *layer.native_buffers()), many[:M])
     assert all(torch.equal(native.int6_linear(x[m : m + 1], *layer.native_buffers())[0], many[m]) for m in range(20))
     assert torch.equal(layer(x[:5]), many[:5])  # the layer's own dispatch takes that kernel
@@ -269,8 +269,9 @@ def test_int6_kernel_rows_are_bitwise_their_one_row_result_and_match_the_referen
 def test_int4_q4_k_scales_are_exact_and_every_tile_agrees():
     """GGUF Q4_K's own scales (qgemm.h's K layout: d = D sc, m = -(Dmin mn) computed in float32): the dequantized
     weight is gguf.quants' (d sc) q - dmin m bit for bit, natively or not; the kernel matches rounded activations times
-    it, each row bitwise its one-row result in any tile (pair tiles on 512-bit builds from 16 rows: 14 groups); joined
-    with a symmetric layer, both keep their values (d sc rounded to float16 there)."""
+    it, each row bitwise its one-row result in any tile (on AMX builds from 32 rows: tiles of 32 and 16 rows, 14
+    groups in pairs and, split over 2 threads, an odd one, the rows past the last tile of 16); joined with a symmetric
+    layer, both keep their values (d sc rounded to float16 there)."""
     torch.manual_seed(8)
     N, K = 112, 768
     qs = torch.randint(0, 256, (N, K // 32, 16), dtype=torch.uint8)
@@ -292,9 +293,9 @@ def test_int4_q4_k_scales_are_exact_and_every_tile_agrees():
     many = native.int4_linear(x, *layer.native_buffers())
     want = F.linear(round_activations(x, 256), want_w)  # per 256, as ggml's q8_K (csrc/quant_linear.cpp's q4k_tile)
     torch.testing.assert_close(many, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
-    for M in (1, 2, 3, 4, 7, 8, 13, 16, 17, 141):
+    for M in (1, 2, 3, 4, 7, 8, 13, 16, 17, 31, 32, 48, 141):
         assert torch.equal(native.int4_linear(x[:M], *layer.native_buffers()), many[:M])
-    assert all(torch.equal(native.int4_linear(x[i : i + 1], *layer.native_buffers())[0], many[i]) for i in range(20))
+    assert all(torch.equal(native.int4_linear(x[i : i + 1], *layer.native_buffers())[0], many[i]) for i in (*range(20), 140))
     other = Int4Linear.from_float(torch.randn(16, K))
     joined = Int4Linear.cat([layer, other])
     assert not joined.k_scales and torch.equal(joined.dequantize()[N:], other.dequantize())
@@ -466,6 +467,10 @@ def test_a_stale_build_lock_is_cleared(tmp_path, monkeypatch):
     ({"avx2", "avx512_vnni", "avx512vl"}, ["-mavx512vnni", "-mavx512vl", "-mprefer-vector-width=256"]),
     ({"avx2", "avx512_vnni", "avx512vl", "avx512bw"},  # Zen 4, Ice Lake server: and the 512-bit pair tiles
      ["-mavx512vnni", "-mavx512vl", "-mprefer-vector-width=256", "-mavx512bw"]),
+    ({"avx2", "avx512_vnni", "avx512vl", "avx512bw", "amx_tile", "amx_int8"},  # and AMX-INT8 tiles beside them
+     ["-mavx512vnni", "-mavx512vl", "-mprefer-vector-width=256", "-mavx512bw", "-mamx-tile", "-mamx-int8"]),
+    ({"avx2", "avx512_vnni", "avx512vl", "amx_tile", "amx_int8"},  # AMX only beside the 512-bit tiles
+     ["-mavx512vnni", "-mavx512vl", "-mprefer-vector-width=256"]),
     ({"avx2", "avx512_vnni"}, []),  # no 256-bit EVEX form without AVX512-VL
     ({"avx2"}, []),
 ])
@@ -479,6 +484,9 @@ def test_the_build_uses_vnni_where_the_cpu_has_it():
     512-bit pair tiles on where it was given AVX512-VNNI and -BW."""
     assert bool(native.vnni) == (kernels.cpu_has_avx2() and bool(kernels.vnni_flags()))
     assert bool(native.zmm) == (kernels.cpu_has_avx2() and {"-mavx512vnni", "-mavx512bw"} <= set(kernels.vnni_flags()))
+    assert bool(native.amx) == (kernels.cpu_has_avx2() and "-mamx-int8" in kernels.vnni_flags())
+    # a CPU with AMX runs a kernel that grants it (Linux 5.16 on), also beside pytest's faulthandler stack
+    assert native.amx_permitted() == bool(native.amx)
 
 
 @pytest.mark.parametrize("block", [32, 256])

@@ -1,5 +1,6 @@
 // Python bindings of llamascope's native CPU kernels (model/kernels/__init__.py builds and loads them).
 #include "ops.h"
+#include "qgemm.h"
 
 // Every op runs without the GIL (its arguments are converted before, its result after): a decode step's kernels
 // hold the engine thread for most of the step, and the HTTP server's event loop (another thread of the process)
@@ -11,6 +12,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("avx2") = static_cast<bool>(LS_AVX2);
   m.attr("vnni") = static_cast<bool>(LS_VNNI);
   m.attr("zmm") = static_cast<bool>(LS_ZMM);
+  m.attr("amx") = static_cast<bool>(LS_AMX);
+  m.def("amx_permitted", &ls::amx_permitted, "whether this process may use the AMX tiles a build with them has");
   m.def("rms_norm", &ls::rms_norm, nogil(), "RMSNorm: x (M, D), w (D,) -> (M, D)");
   m.def("silu_mul", &ls::silu_mul, nogil(), "silu(g) * u: (..., 2F) -> (..., F)");
   m.def("rope_", &ls::rope_, nogil(), "RoPE in place on the first n_rot heads: x (N, heads, E), cos/signed sin (N, E)");

@@ -14,6 +14,11 @@
 #include <type_traits>
 #include <vector>
 
+#if defined(__AMX_INT8__) && defined(__AMX_TILE__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 #include "ops.h"
 #include "qgemm.h"
 
@@ -537,12 +542,174 @@ static inline void q4k_tile(const QWeight& w, const QActs& a, int64_t m0, int64_
   for (int i = 0; i < MR; ++i) _mm256_storeu_ps(y + (m0 + i) * ldy + 8 * g, acc[i]);
 }
 
-// Output columns [n_begin, n_end), whole groups of 8: one group a tile in every build. 512-bit pair tiles (as
-// q6_range's) ran slower here, with `vpdpbusd` and `vpmulld` or with `vpmaddubsw` and `vpmaddwd` alike
-// (`benchmarks.kernel_ab`, docs/performance.md#native-cpu-kernels): the tile's other work is per 256 weights, so a
-// pair saves it little, and its integer multiply-adds are not faster 512 bits wide.
+#if LS_AMX
+// AMX-INT8 (Intel SDM vol. 1, "Intel Advanced Matrix Extensions"; TDPBSUD in vol. 2): `tdpbsud` multiplies a tile
+// of 16 rows of 64 signed activation bytes by a tile of 16 rows of 16 outputs x 4 unsigned weight bytes (the "VNNI
+// layout": row r holds each output's weights 4r .. 4r+3) into 16 x 16 int32 sums, 16,384 multiply-adds in one
+// instruction. Q4_K's T (q4k_tile) weighs each block's dot product by its 6-bit sc, which a sum over a tile cannot
+// do, and q sc (up to 945) does not fit a byte; sc = 8 hi + lo (hi, lo < 8) does: the tiles take the weights q lo
+// and q hi (at most 105 each, made as the weights are unpacked), and T = C_lo + 8 C_hi, the same integer as
+// q4k_tile's sum of sc times each block's exact dot product. The float work per super-block is q4k_tile's, lane for
+// lane (16 outputs a vector: groups g and g + 1, as the pair tiles): the same integers and the same float
+// operations, so every output is the bits q4k_tile gives, and decode (one row, q4k_tile) = prefill (AMX) still holds.
+
+// Linux hands out the tile registers' 8 KB of state only on request (Documentation/arch/x86/xstate.rst): once per
+// process; refused (an old kernel, a hypervisor that hides it), the VNNI tiles serve.
+bool amx_permitted() {
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
+  return ok;
+}
+
+// Palette 1's configuration (64 bytes), all eight tiles 16 rows x 64 bytes: 0-3 the 16 x 16 int32 sums C_lo and
+// C_hi of two tiles of rows, 4 and 5 their activations (two blocks of 16 rows), 6 and 7 the weights times lo and
+// times hi.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {64, 64, 64, 64, 64, 64, 64, 64};
+  uint8_t rows[16] = {16, 16, 16, 16, 16, 16, 16, 16};
+};
+
+constexpr int64_t AMX_ROWS = 16;  // rows a tile
+// Rows from which a step takes AMX: below it each pair's weights, unpacked for fewer than two tiles of rows, cost more
+// than the tiles save (`benchmarks.kernel_ab`, docs/performance.md#native-cpu-kernels).
+constexpr int64_t AMX_MIN_ROWS = 32;
+
+// Groups g and g + 1's weights as `tdpbsud`'s weight tiles, 2,048 bytes per two blocks into bb: the tile of the
+// weights times lo (1,024 bytes: block 2t's 8 rows, then block 2t + 1's), then the tile times hi. Row p < 4 of a
+// block holds the low nibbles of the Int4 layout's vector p (weights 4p + t), row p + 4 the high ones (16 + 4p + t);
+// bytes 0-31 group g's 8 outputs, 32-63 group g + 1's. A 16-bit multiply scales both bytes of a lane exactly (each
+// product < 256, and both bytes are one output's).
+static inline void q4k_amx_unpack(const QWeight& w, int64_t g, uint8_t* bb) {
+  const int64_t nb = w.K / QK;
+  const uint8_t* w0 = w.data + g * nb * 128;
+  const uint8_t* sc0 = reinterpret_cast<const uint8_t*>(w.scales + g * (nb / 8) * 80 + 16);
+  const uint8_t* sc1 = sc0 + (nb / 8) * 160;  // group g + 1's
+  const __m512i m4 = _mm512_set1_epi8(0x0F), m3 = _mm512_set1_epi32(0x00070007);
+  for (int64_t b = 0; b < nb; ++b) {
+    const int64_t off = b / 8 * 160 + 8 * (b % 8);  // block b's sc bytes (qgemm.h's K layout), output j at + j
+    const __m512i sc = _mm512_cvtepu8_epi32(_mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc0 + off)),
+                                                               _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc1 + off))));
+    const __m512i both = _mm512_or_si512(sc, _mm512_slli_epi32(sc, 16));  // each output's sc in both int16 of its lane
+    const __m512i lo = _mm512_and_si512(both, m3), hi = _mm512_and_si512(_mm512_srli_epi16(both, 3), m3);
+    uint8_t* out = bb + b / 2 * 2048 + b % 2 * 512;
+#pragma GCC unroll 4
+    for (int p = 0; p < 4; ++p) {
+      const __m512i v = join256(w0 + b * 128 + 32 * p, w0 + (nb + b) * 128 + 32 * p);
+      const __m512i q0 = _mm512_and_si512(v, m4), q1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+      _mm512_storeu_si512(out + 64 * p, _mm512_mullo_epi16(q0, lo));
+      _mm512_storeu_si512(out + 64 * (p + 4), _mm512_mullo_epi16(q1, lo));
+      _mm512_storeu_si512(out + 1024 + 64 * p, _mm512_mullo_epi16(q0, hi));
+      _mm512_storeu_si512(out + 1024 + 64 * (p + 4), _mm512_mullo_epi16(q1, hi));
+    }
+  }
+}
+
+// One tile: rows m0 .. m0 + 16 R - 1 (R tiles of rows, 1 or 2) times outputs 8g .. 8g+15, on bb (q4k_amx_unpack's).
+// Two tiles of rows share each weight tile's load. Per output, super-block after super-block, q4k_tile's two FMAs on
+// the same T and Mn.
+template <int R>
+static void q4k_amx_tile(const QWeight& w, const QActs& a, int64_t m0, int64_t g, const uint8_t* bb, float* y, int64_t ldy) {
+  constexpr int ROWS = R * AMX_ROWS;
+  const int64_t nb = w.K / QK, rb = a.row_bytes, nbp = a.nbp;
+  const int8_t* xq = a.qk + m0 * rb;
+  const uint16_t* s0 = w.scales + g * (nb / 8) * 80;
+  const uint16_t* s1 = s0 + (nb / 8) * 80;  // group g + 1
+  alignas(64) int32_t clo[ROWS][16], chi[ROWS][16];
+  alignas(64) float acc[ROWS][16] = {};
+  for (int64_t B = 0; B < nb / 8; ++B, s0 += 80, s1 += 80, bb += 4 * 2048) {
+    _tile_zero(0);
+    _tile_zero(1);
+    if constexpr (R == 2) {
+      _tile_zero(2);
+      _tile_zero(3);
+    }
+#pragma GCC unroll 4
+    for (int t = 0; t < 4; ++t) {
+      const int8_t* x = xq + (8 * B + 2 * t) * QK;
+      _tile_loadd(4, x, rb);
+      _tile_loadd(6, bb + t * 2048, 64);
+      _tile_loadd(7, bb + t * 2048 + 1024, 64);
+      _tile_dpbsud(0, 4, 6);
+      _tile_dpbsud(1, 4, 7);
+      if constexpr (R == 2) {
+        _tile_loadd(5, x + AMX_ROWS * rb, rb);
+        _tile_dpbsud(2, 5, 6);
+        _tile_dpbsud(3, 5, 7);
+      }
+    }
+    _tile_stored(0, clo, 64);
+    _tile_stored(1, chi, 64);
+    if constexpr (R == 2) {
+      _tile_stored(2, clo[AMX_ROWS], 64);
+      _tile_stored(3, chi[AMX_ROWS], 64);
+    }
+    const uint8_t* sc0 = reinterpret_cast<const uint8_t*>(s0 + 16);
+    const uint8_t* sc1 = reinterpret_cast<const uint8_t*>(s1 + 16);
+    // q4k_tile's mp, for both groups: lane j's int16 pair (mn of block 2p, of block 2p + 1)
+    __m512i mp[4];
+#pragma GCC unroll 4
+    for (int p = 0; p < 4; ++p) {
+      const auto pairs = [&](const uint8_t* scb) {
+        return _mm_unpacklo_epi8(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(scb + 64 + 16 * p)),
+                                 _mm_loadl_epi64(reinterpret_cast<const __m128i*>(scb + 72 + 16 * p)));
+      };
+      mp[p] = _mm512_cvtepu8_epi16(_mm256_inserti128_si256(_mm256_castsi128_si256(pairs(sc0)), pairs(sc1), 1));
+    }
+    const __m512 D = halves16(s0, s1);
+    const __m512 nDmin = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(halves16(s0 + 8, s1 + 8)), _mm512_set1_epi32(INT32_MIN)));
+#pragma GCC unroll 4
+    for (int i = 0; i < ROWS; ++i) {
+      const __m512i T = _mm512_add_epi32(_mm512_load_si512(clo[i]), _mm512_slli_epi32(_mm512_load_si512(chi[i]), 3));
+      const int16_t* bs = a.bk + (m0 + i) * nbp + 8 * B;
+      const auto pair = [&](int p) { return _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(bs + 2 * p)); };
+      const __m512i mn = _mm512_add_epi32(_mm512_add_epi32(_mm512_madd_epi16(mp[0], pair(0)), _mm512_madd_epi16(mp[1], pair(1))),
+                                          _mm512_add_epi32(_mm512_madd_epi16(mp[2], pair(2)), _mm512_madd_epi16(mp[3], pair(3))));
+      const __m512 dk = _mm512_set1_ps(a.dk[(m0 + i) * (nbp / 8) + B]);
+      __m512 r = _mm512_fmadd_ps(_mm512_cvtepi32_ps(T), _mm512_mul_ps(D, dk), _mm512_load_ps(acc[i]));
+      _mm512_store_ps(acc[i], _mm512_fmadd_ps(_mm512_cvtepi32_ps(mn), _mm512_mul_ps(nDmin, dk), r));
+    }
+  }
+  for (int i = 0; i < ROWS; ++i) _mm512_storeu_ps(y + (m0 + i) * ldy + 8 * g, _mm512_load_ps(acc[i]));
+}
+
+// Groups [g_begin, g_end) for rows [0, M), M >= AMX_MIN_ROWS: rows in chunks of MB (the activations stay in L2), each
+// pair of groups unpacked once a chunk, its 16-row tiles by AMX; the rows past the last whole tile and an odd last
+// group by q4k_tile.
+template <typename Tile>
+static void q4k_amx_range(const QWeight& w, const QActs& a, int64_t M, int64_t g_begin, int64_t g_end, float* y, int64_t ldy,
+                          const Tile& one) {
+  static const TileConfig config;
+  thread_local std::vector<uint8_t> bb;
+  bb.resize(w.K / QK * 1024);
+  _tile_loadconfig(&config);
+  const int64_t whole = M / AMX_ROWS * AMX_ROWS;
+  for (int64_t m0 = 0; m0 < whole; m0 += MB) {
+    const int64_t m1 = std::min(whole, m0 + MB);
+    int64_t g = g_begin;
+    for (; g + 1 < g_end; g += 2) {
+      q4k_amx_unpack(w, g, bb.data());
+      int64_t m = m0;
+      for (; m + 2 * AMX_ROWS <= m1; m += 2 * AMX_ROWS) q4k_amx_tile<2>(w, a, m, g, bb.data(), y, ldy);
+      if (m < m1) q4k_amx_tile<1>(w, a, m, g, bb.data(), y, ldy);
+    }
+    if (g < g_end) row_tiles(m0, m1, g, one);
+  }
+  _tile_release();
+  if (whole < M)
+    for (int64_t g = g_begin; g < g_end; ++g) row_tiles(whole, M, g, one);
+}
+#endif
+
+// Output columns [n_begin, n_end), whole groups of 8: one group a tile, or AMX from AMX_ROWS rows where the build
+// and the kernel allow it. 512-bit pair tiles (as q6_range's) ran slower here, with `vpdpbusd` and `vpmulld` or with
+// `vpmaddubsw` and `vpmaddwd` alike (`benchmarks.kernel_ab`, docs/performance.md#native-cpu-kernels): the tile's
+// other work is per 256 weights, so a pair saves it little, and its integer multiply-adds are not faster 512 bits
+// wide.
 static void q4k_range(const QWeight& w, const QActs& a, int64_t M, int64_t n_begin, int64_t n_end, float* y, int64_t ldy) {
   const auto one = [&](auto mr, int64_t m, int64_t g) { q4k_tile<decltype(mr)::value>(w, a, m, g, y, ldy); };
+#if LS_AMX
+  if (M >= AMX_MIN_ROWS && amx_permitted()) return q4k_amx_range(w, a, M, n_begin / 8, n_end / 8, y, ldy, one);
+#endif
   many_rows(M, n_begin / 8, n_end / 8, one);
 }
 
@@ -796,6 +963,10 @@ static void q6_range(const QWeight& w, const QActs& a, int64_t M, int64_t n_begi
     return std::fma(static_cast<float>(T), d * a.dk[m * (a.nbp / 8) + B], acc);
   });
 }
+#endif
+
+#if !LS_AMX
+bool amx_permitted() { return false; }
 #endif
 
 void qgemm_range(const QWeight& w, const QActs& a, int64_t M, int64_t n_begin, int64_t n_end, float* y, int64_t ldy) {

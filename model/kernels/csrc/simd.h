@@ -34,6 +34,12 @@
 #else
 #define LS_ZMM 0
 #endif
+// AMX-INT8 tiles (with the 512-bit vectors above) where the CPU has them: Q4_K's many-row steps (quant_linear.cpp).
+#if LS_ZMM && defined(__AMX_INT8__) && defined(__AMX_TILE__)
+#define LS_AMX 1
+#else
+#define LS_AMX 0
+#endif
 
 namespace ls {
 
