@@ -58,7 +58,8 @@ The native kernels are compiled at install time by `make serve` / `make test` an
 on 2 cores; ninja and a C++ compiler). Where the build is missing, the first model load compiles it; where that
 fails, the server runs on PyTorch ops. The model-load log line says which is in use: `CPU kernels: native (avx2)`
 (`native (avx2, vnni)` where the CPU has AVX-VNNI or AVX512-VNNI, `native (avx2, vnni, zmm)` where it also has
-AVX512-BW and the quantized kernels take 512-bit tiles), `off`, or `unavailable: <why>`.
+AVX512-BW and the quantized kernels take 512-bit tiles, `native (avx2, vnni, zmm, amx)` where the CPU has AMX-INT8
+and the kernel grants it: Q4_K's many-row steps on the tile unit), `off`, or `unavailable: <why>`.
 
 Test-only variables: `LLAMASCOPE_CHROMIUM` (the chromium binary the viewer test drives; default `chromium` on
 `PATH`), `LLAMASCOPE_SCREENSHOT_DIR` (where the viewer test writes its fresh screenshot; default
