@@ -17,8 +17,10 @@ value beside the first (e.g. its q8_0 cache beside its f16 one). The int8 cache 
 with the first of ours. Per length and round, on each side in turn (the order
 flipping each round): one streamed `/v1/completions` request with a prompt of random token ids (a fresh seed each
 time, so no prompt cache serves it), greedy, EOS ignored, 32 new tokens. Prefill tok/s = prompt length / time to
-the first token; decode tok/s = 31 / (last token - first). Medians over rounds. Not part of CI (llama-server is an
-optional peer; benchmarks/README.md).
+the first token; decode tok/s = 31 / (last token - first). Medians over rounds. `--out` is rewritten after every
+request with each request's figures so far (`runs`: length -> side -> one entry a round), so a run stopped early (a
+32k-token prefill takes the peer's q8_0 cache hours on 2 cores) keeps what it measured. Not part of CI (llama-server
+is an optional peer; benchmarks/README.md).
 """
 
 from __future__ import annotations
@@ -106,16 +108,22 @@ def main(argv: list[str] | None = None) -> int:
     sides = {**{n: o.url for n, o in ours.items()}, **{n: p.url for n, p in peers.items()}}
     result: dict = {"machine": machine_info("cpu", args.threads), "model": str(model), "context": context,
                     "ours_cmd": {n: o.cmd for n, o in ours.items()}, "peer_cmd": peers[first_peer].cmd,
-                    "peer_cmds": {n: p.cmd for n, p in peers.items()}, "new_tokens": NEW_TOKENS, "lengths": {}}
+                    "peer_cmds": {n: p.cmd for n, p in peers.items()}, "new_tokens": NEW_TOKENS, "lengths": {},
+                    "runs": {}}
     keys = ("prefill_tok_s", "decode_tok_s")
+
+    def save() -> None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
     try:
         for url in sides.values():
             one(url, 64, args.vocab, seed=99)  # warm-up
         for length in args.lengths:
-            runs: dict[str, list[dict]] = {n: [] for n in sides}
+            runs: dict[str, list[dict]] = result["runs"].setdefault(length, {n: [] for n in sides})
             for r in range(args.rounds):
                 for name in (list(sides) if r % 2 == 0 else list(sides)[::-1]):
                     runs[name].append(one(sides[name], length, args.vocab, seed=1000 * length + r))
+                    save()
             entry = {n: {k: statistics.median(x[k] for x in v) for k in keys} for n, v in runs.items()}
             ratios = {n: {p: {k: entry[n][k] / entry[p][k] for k in keys} for p in peers} for n in ours}
             entry["ratio"] = {n: ratios[n][first_peer] for n in ours}
@@ -129,12 +137,11 @@ def main(argv: list[str] | None = None) -> int:
                           f"{peer_s['prefill_tok_s']:7.1f} tok/s ({ratio['prefill_tok_s']:.2f}x); decode after it "
                           f"{x['decode_tok_s']:6.1f} vs {peer_s['decode_tok_s']:6.1f} ({ratio['decode_tok_s']:.2f}x)",
                           flush=True)
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.write_text(json.dumps(result, indent=2) + "\n")
+            save()
     finally:
         result["ours_exit"] = {n: o.stop() for n, o in ours.items()}
         result["peer_exit"] = {n: p.stop(grace=0) for n, p in peers.items()}
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+        save()
     print(f"wrote {args.out}")
     return 0
 
