@@ -10,11 +10,13 @@ model/kernels/csrc/paged_attention.cpp, and the Triton kernel apply it so). A sc
 with its token and never changes, so appending to a block, sharing a cached prefix block or dropping rejected
 drafts touches no other token's numbers (a scale per block would have to be recomputed as the block fills).
 
-Within a block the bs * K rows' quants come first, (position, head)-ordered, then their bs * K scales in the same
-order (`parts`; ops.h `kv_slot` in C++), rather than each scale beside its quants: a row of 64 quants is then one
-aligned cache line, where a 68-byte row at 68-byte offsets straddled two lines more often than not. So a block, not a
-row, is the unit to quantize or read here (`pack`, `read`, `read_blocks`), and slots are written and read through
-`write_slots` / `read_slots`.
+Within a block the bs * K rows' quants come first, (position, head)-ordered, then their bs * K scales,
+(head, position)-ordered (`parts`; ops.h `kv_slot` in C++), rather than each scale beside its quants: a row of 64
+quants is then one aligned cache line, where a 68-byte row at 68-byte offsets straddled two lines more often than
+not; and a head's bs scales lie together, so a decode row's walk over one KV head's positions reads one line of
+scales a block, where (position, head)-ordered scales put 64 / (4 K) positions in each line it read, the other
+heads' scales beside them. So a block, not a row, is the unit to quantize or read here (`pack`, `read`,
+`read_blocks`), and slots are written and read through `write_slots` / `read_slots`.
 
     d = max|x| * float32(1 / 127)        q = round_half_even(x / d) in [-127, 127]        x' = q * d
 
@@ -48,11 +50,13 @@ def dequantize(q: Tensor, d: Tensor, dtype: torch.dtype = torch.float32) -> Tens
 
 def parts(blocks: Tensor) -> tuple[Tensor, Tensor]:
     """Int8 blocks (..., bs, K, E + 4), contiguous in their last three dimensions -> views of their quants
-    (..., bs, K, E) and their scales (..., bs, K, 1) float32; writing to a view writes the blocks."""
+    (..., bs, K, E) and their scales (..., bs, K, 1) float32 (stored (K, bs): a view with strides); writing to a view
+    writes the blocks."""
     *lead, bs, K, width = blocks.shape
     E, n = width - SCALE_BYTES, bs * K * (width - SCALE_BYTES)
     flat = blocks.view(*lead, bs * K * width)
-    return flat[..., :n].view(*lead, bs, K, E), flat[..., n:].view(torch.float32).view(*lead, bs, K, 1)
+    scales = flat[..., n:].view(torch.float32).view(*lead, K, bs).transpose(-1, -2)  # (..., bs, K)
+    return flat[..., :n].view(*lead, bs, K, E), scales.unsqueeze(-1)
 
 
 def views(pool: Tensor) -> tuple[Tensor, ...]:

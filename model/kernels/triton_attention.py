@@ -142,9 +142,9 @@ if triton is not None:
     @triton.jit
     def _block_rows(block, offs_s, kh, K: tl.constexpr, E: tl.constexpr, ROW: tl.constexpr, BS: tl.constexpr):
         # (BS,) offsets of block `block`'s rows for KV head kh, and (an int8 cache's) of their scales, which follow
-        # the block's bs * K rows of quants in the same order (kv_int8.py); a float cache's ROW is E
+        # the block's bs * K rows of quants, head kh's bs together (kv_int8.py); a float cache's ROW is E
         base = block * (BS * K * ROW)
-        return base + (offs_s * K + kh) * E, base + BS * K * E + (offs_s * K + kh) * 4
+        return base + (offs_s * K + kh) * E, base + BS * K * E + (kh * BS + offs_s) * 4
 
     @triton.jit
     def _row_scales(ptr, at, mask):

@@ -40,14 +40,14 @@ def test_quantize_round_trip_is_within_half_a_step():
 
 def test_a_block_holds_its_rows_quants_then_their_scales():
     """The layout the native kernels address (ops.h kv_slot): a block's bs * K rows of quants in (position, head)
-    order, then their float32 scales in the same order; `pack`, `read` and the slot helpers agree with it."""
+    order, then their float32 scales in (head, position) order; `pack`, `read` and the slot helpers agree with it."""
     bs, K, E = 4, 3, 64
     x = _rows(2 * bs, K, E).view(2, bs, K, E)
     blocks = kv_int8.pack(x)  # (2, bs, K, E + 4)
     q, d = kv_int8.quantize(x)
     raw = blocks.view(2, -1)
     assert torch.equal(raw[:, : bs * K * E], q.reshape(2, -1))
-    assert torch.equal(raw[:, bs * K * E :].contiguous().view(torch.float32), d.reshape(2, -1))
+    assert torch.equal(raw[:, bs * K * E :].contiguous().view(torch.float32), d.transpose(1, 2).reshape(2, -1))
     assert torch.equal(kv_int8.read(blocks, torch.float32), kv_int8.dequantize(q, d))
     slots = torch.tensor([5, 0, 7])  # block 1 row 1, block 0 row 0, block 1 row 3
     assert torch.equal(kv_int8.read_slots(blocks, slots, torch.float32), kv_int8.dequantize(q, d).view(-1, K, E)[slots])

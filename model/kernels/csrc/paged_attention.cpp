@@ -12,11 +12,12 @@
 // their float32 scale d, E + 4 bytes: llama.cpp's q8_0 (ggml-common.h `block_q8_0`; ggml-quants.c
 // `quantize_row_q8_0_ref`: d = max|x| / 127, q = round(x / d)) with one scale per head row instead of per 32 values, so
 // that a key's score is one dot product times one scale. A block keeps its rows' quants together and their scales after
-// them (ops.h `kv_slot`), not each scale beside its quants: a 68-byte row at 68-byte offsets straddled two cache lines
-// more often than not, and a decode row's walk over a long history is bound by the lines it waits for. The kernels read
-// the quants widened exactly to float (load8) and apply the scale once per key and value: a score is (q . k_q) d_k, and
-// a value is accumulated with weight p d_v. Every path below applies it at the same place in the same order (`scaled1`,
-// `key_scales8`, `weight`), so a row's numbers stay the same alone, in a tile or beside any other rows.
+// them, a head's together (ops.h `kv_slot`), not each scale beside its quants: a 68-byte row at 68-byte offsets
+// straddled two cache lines more often than not, and a decode row's walk over a long history is bound by the lines it
+// waits for. The kernels read the quants widened exactly to float (load8) and apply the scale once per key and value: a
+// score is (q . k_q) d_k, and a value is accumulated with weight p d_v. Every path below applies it at the same place
+// in the same order (`scaled1`, `key_scales8`, `weight`), so a row's numbers stay the same alone, in a tile or beside
+// any other rows.
 #include <algorithm>
 #include <cstring>
 #include <type_traits>
@@ -37,6 +38,11 @@ static inline __m256 load8(const int8_t* p) {
 #if LS_ZMM
 static inline __m512 load16(const int8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+static inline __m512 load8x2(const int8_t* lo, const int8_t* hi) {  // simd.h's load8x2 for an int8 cache's quants
+  const __m128i q = _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(lo)),
+                                       _mm_loadl_epi64(reinterpret_cast<const __m128i*>(hi)));
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q));
 }
 #endif
 
@@ -214,13 +220,13 @@ static inline void key_products16(const float* q, int64_t s, int64_t E, const At
   __m512 qv[NQ];
   for (int i = 0; i < NQ; ++i) qv[i] = twice8(_mm256_loadu_ps(q + i * E));
   for (int p = 0; p < 4; ++p) {
-    const __m512 kv = join8(load8(k[2 * p]), load8(k[2 * p + 1]));
+    const __m512 kv = load8x2(k[2 * p], k[2 * p + 1]);
     for (int i = 0; i < NQ; ++i) a[i][p] = _mm512_mul_ps(qv[i], kv);
   }
   for (int64_t e = 8; e < E; e += 8) {
     for (int i = 0; i < NQ; ++i) qv[i] = twice8(_mm256_loadu_ps(q + i * E + e));
     for (int p = 0; p < 4; ++p) {
-      const __m512 kv = join8(load8(k[2 * p] + e), load8(k[2 * p + 1] + e));
+      const __m512 kv = load8x2(k[2 * p] + e, k[2 * p + 1] + e);
       for (int i = 0; i < NQ; ++i) a[i][p] = _mm512_fmadd_ps(qv[i], kv, a[i][p]);
     }
   }
@@ -472,11 +478,11 @@ struct PoolRows {  // position s of one sequence, one KV head -> its K and V row
   const int64_t* table;
   BlockOf bo;
   int64_t block, stride, head;  // a block's elements; stride = K * E; head = the KV head * E
-  int64_t scales, sstride, shead;  // int8 (ops.h kv_slot): a block's scales at bs * K * E, then K * 4 a position
+  int64_t scales, sstride, shead;  // int8 (ops.h kv_slot): a block's scales at bs * K * E, bs * 4 a head, 4 a position
   static constexpr bool scaled = std::is_same_v<T, int8_t>;  // an int8 cache: rows have scales
   static PoolRows of(const T* kp, const T* vp, const int64_t* table, int64_t bs, int64_t K, int64_t kh, int64_t E) {
     const int64_t block = bs * K * (scaled ? E + 4 : E);
-    return PoolRows{kp, vp, table, BlockOf(bs), block, K * E, kh * E, bs * K * E, K * 4, kh * 4};
+    return PoolRows{kp, vp, table, BlockOf(bs), block, K * E, kh * E, bs * K * E, 4, kh * bs * 4};
   }
   // always inlined: called per position in the innermost loops, and where GCC chose not to (the int8 cache's
   // instantiations, whose scales call it once more per key and value) each call went through the PLT
