@@ -458,6 +458,13 @@ static void q4_range_t(const QWeight& w, const QActs& a, int64_t M, int64_t n_be
 
 // ---- Int4 in Q4_K's own scales, on activations rounded per 256 (q8_K) -------------------------------------------
 
+// A super-block's 6-bit mins of blocks 2p and 2p + 1 for the 8 outputs of a group (scb: its sc bytes, qgemm.h's K
+// layout; the mins 64 bytes on), interleaved: bytes (2j, 2j + 1) = output j's pair, as q4k_tile's mp takes them.
+static inline __m128i q4k_mn_pairs(const uint8_t* scb, int p) {
+  return _mm_unpacklo_epi8(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(scb + 64 + 16 * p)),
+                           _mm_loadl_epi64(reinterpret_cast<const __m128i*>(scb + 72 + 16 * p)));
+}
+
 // One tile: rows m0 .. m0+MR times the 8 outputs of group g, a super-block of 256 weights (8 blocks, one D and Dmin,
 // one activation scale dk) at a time, as ggml's `ggml_vec_dot_q4_K_q8_K`: each block's exact integer dot product
 // times its 6-bit scale sc, summed over the 8 blocks in int32 (T), and the blocks' 6-bit mins mn times the
@@ -523,9 +530,7 @@ static inline void q4k_tile(const QWeight& w, const QActs& a, int64_t m0, int64_
     // lane j of mp[p]: the int16 pair (mn of block 2p, of block 2p + 1) of output 8g + j, against (bk[2p], bk[2p + 1])
     __m256i mp[4];
 #pragma GCC unroll 4
-    for (int p = 0; p < 4; ++p)
-      mp[p] = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(scb + 64 + 16 * p)),
-                                                     _mm_loadl_epi64(reinterpret_cast<const __m128i*>(scb + 72 + 16 * p))));
+    for (int p = 0; p < 4; ++p) mp[p] = _mm256_cvtepu8_epi16(q4k_mn_pairs(scb, p));
     const __m256 D = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb)));
     const __m256 nDmin = _mm256_xor_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + 8))), _mm256_set1_ps(-0.f));
 #pragma GCC unroll 8
@@ -648,13 +653,8 @@ static void q4k_amx_tile(const QWeight& w, const QActs& a, int64_t m0, int64_t g
     // q4k_tile's mp, for both groups: lane j's int16 pair (mn of block 2p, of block 2p + 1)
     __m512i mp[4];
 #pragma GCC unroll 4
-    for (int p = 0; p < 4; ++p) {
-      const auto pairs = [&](const uint8_t* scb) {
-        return _mm_unpacklo_epi8(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(scb + 64 + 16 * p)),
-                                 _mm_loadl_epi64(reinterpret_cast<const __m128i*>(scb + 72 + 16 * p)));
-      };
-      mp[p] = _mm512_cvtepu8_epi16(_mm256_inserti128_si256(_mm256_castsi128_si256(pairs(sc0)), pairs(sc1), 1));
-    }
+    for (int p = 0; p < 4; ++p)
+      mp[p] = _mm512_cvtepu8_epi16(_mm256_inserti128_si256(_mm256_castsi128_si256(q4k_mn_pairs(sc0, p)), q4k_mn_pairs(sc1, p), 1));
     const __m512 D = halves16(s0, s1);
     const __m512 nDmin = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(halves16(s0 + 8, s1 + 8)), _mm512_set1_epi32(INT32_MIN)));
 #pragma GCC unroll 4
@@ -700,7 +700,7 @@ static void q4k_amx_range(const QWeight& w, const QActs& a, int64_t M, int64_t g
 }
 #endif
 
-// Output columns [n_begin, n_end), whole groups of 8: one group a tile, or AMX from AMX_ROWS rows where the build
+// Output columns [n_begin, n_end), whole groups of 8: one group a tile, or AMX from AMX_MIN_ROWS rows where the build
 // and the kernel allow it. 512-bit pair tiles (as q6_range's) ran slower here, with `vpdpbusd` and `vpmulld` or with
 // `vpmaddubsw` and `vpmaddwd` alike (`benchmarks.kernel_ab`, docs/performance.md#native-cpu-kernels): the tile's
 // other work is per 256 weights, so a pair saves it little, and its integer multiply-adds are not faster 512 bits
