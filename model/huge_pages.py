@@ -19,6 +19,7 @@ nothing here changes a value.
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import errno
 import logging
@@ -44,6 +45,10 @@ POPULATE_CHUNK = PAGE
 
 
 _mappings: dict[int, weakref.ref] = {}  # an arena's storage address -> its mapping, while the mapping lives
+# The background threads (`populate_later`, `collapse_later`) while they run, and the flag that stops them between
+# two madvise calls when the interpreter exits (`_stop_background`).
+_background: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
+_exiting = threading.Event()
 
 
 def arena(nbytes: int, huge_now: bool = True) -> Tensor:
@@ -96,6 +101,8 @@ def populate(t: Tensor, threads: int = 1) -> bool:
 
     def run(a: int, b: int) -> None:
         for c in range(a, b, POPULATE_CHUNK):
+            if _exiting.is_set():
+                return
             if refused or _MADVISE(c, min(POPULATE_CHUNK, b - c), MADV_POPULATE_WRITE) != 0:
                 refused.append(ctypes.get_errno())
                 return
@@ -156,9 +163,28 @@ def empty(shape: tuple[int, ...], dtype: torch.dtype, resident: bool = True) -> 
 def populate_later(tensors: list[Tensor]) -> threading.Thread:
     """One daemon thread, started, that faults in the pages of each tensor in turn (`populate`, one thread: the other
     cores stay the caller's) while the caller goes on; `.join()` waits for it."""
-    worker = threading.Thread(target=lambda: [populate(t) for t in tensors], name="populate", daemon=True)
+    worker = _background_thread(lambda: [populate(t) for t in tensors], "populate")
     worker.start()
     return worker
+
+
+def _background_thread(target, name: str) -> threading.Thread:
+    """A daemon thread running `target`, not started, that the interpreter's exit stops and waits for."""
+    worker = threading.Thread(target=target, name=name, daemon=True)
+    _background.add(worker)
+    return worker
+
+
+@atexit.register
+def _stop_background() -> None:
+    """Stop the background threads at their next madvise call and wait for them, before the interpreter finalizes.
+    A daemon thread still running then is halted wherever it next takes the GIL, and where that is inside C++ code
+    the process aborts ("terminate called without an active exception") instead of exiting with its own status: a
+    process ending beside a freshly built engine did so now and then. Atexit functions run after the non-daemon
+    threads are joined and before daemon threads are halted (Python's Py_FinalizeEx)."""
+    _exiting.set()
+    for worker in list(_background):
+        worker.join()
 
 
 def _collapse_ranges(tensors: list[Tensor]) -> list[tuple[int, int]]:
@@ -202,6 +228,8 @@ def _collapse(ranges: list[tuple[int, int]]) -> str:
     failed = 0
     for a, b in ranges:
         for c in range(a, b, PAGE):
+            if _exiting.is_set():
+                return "advised"
             if _MADVISE(c, PAGE, MADV_COLLAPSE) != 0:
                 if ctypes.get_errno() == errno.EINVAL:  # before Linux 6.1
                     return "advised"
@@ -224,7 +252,7 @@ def collapse_later(tensors: list[Tensor]) -> threading.Thread:
                      "moved onto 2 MB pages" if worker.outcome == "collapsed" else "advised for 2 MB pages",
                      time.perf_counter() - start, granted_mb())
 
-    worker = threading.Thread(target=run, name="collapse", daemon=True)
+    worker = _background_thread(run, "collapse")
     worker.outcome = None
     worker.start()
     return worker

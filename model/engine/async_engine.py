@@ -11,11 +11,13 @@ same way, with processes (EngineCore and the API server's output processor).
 from __future__ import annotations
 
 import asyncio
+import atexit
 import logging
 import queue
 import threading
 import time
 import uuid
+import weakref
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -53,6 +55,21 @@ class EngineJob(Protocol):
 JOB_SHARE = 0.5
 MAX_JOB_CREDIT_STEPS = 4
 IDLE_JOB_BUDGET_S = 0.05
+
+
+# Engines started in this process, while they live: the interpreter's exit stops them (`_stop_started`).
+_started: weakref.WeakSet["AsyncEngine"] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_started() -> None:
+    """Stop every started engine and wait for its threads before the interpreter finalizes. Its threads are daemons
+    (a program that never calls `stop` still exits), and a daemon thread still running then is halted wherever it
+    next takes the GIL: mid-step, inside PyTorch's C++, the process aborts instead of exiting with its own status.
+    Atexit functions run before daemon threads are halted (Python's Py_FinalizeEx). A server exits without
+    finalizing (service/main.py `exit_now`), after its lifespan stopped the engine."""
+    for engine in list(_started):
+        engine.stop()
 
 
 # ---- the inbox's messages (asyncio side -> engine thread) ---------------------------------------------------
@@ -130,6 +147,7 @@ class AsyncEngine:
     # ---- lifecycle ----------------------------------------------------------------------------------------
 
     def start(self) -> None:
+        _started.add(self)
         self._output_thread = threading.Thread(target=self._output_loop, name="llamascope-output", daemon=True)
         self._output_thread.start()
         self._thread = threading.Thread(target=self._loop, name="llamascope-engine", daemon=True)

@@ -238,3 +238,30 @@ def test_an_inspection_of_a_long_prompt_leaves_decoding_at_least_half_its_rate()
     per_token = (during[-1] - during[0]) / (len(during) - 1)
     step = statistics.median(s for end, s in steps if t0 <= end <= t1)
     assert per_token <= 2 * step, (per_token, step)
+
+
+# A program that ends without stopping its engine: the interpreter's exit stops it and waits for its threads (an
+# atexit function registered before the engine's module is imported runs after the engine's own), so no engine
+# thread is left mid-step when the interpreter halts its daemon threads, and the program exits with its own status.
+EXITS_WITHOUT_STOP = """
+import atexit, sys
+seen = {}
+atexit.register(lambda: print(seen["engine"].is_running, seen["engine"]._thread.is_alive()))
+sys.path.insert(0, "tests")
+from model.engine import Engine, EngineConfig
+from model.engine.async_engine import AsyncEngine
+from tiny import byte_tokenizer, tiny_model
+seen["engine"] = AsyncEngine(Engine(tiny_model(), byte_tokenizer(), EngineConfig(num_blocks=64, block_size=4)))
+seen["engine"].start()
+sys.exit(3)
+"""
+
+
+def test_a_program_ending_without_stop_stops_its_engine_first():
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-c", EXITS_WITHOUT_STOP], cwd=root, capture_output=True, text=True,
+                         timeout=120)
+    assert (out.returncode, out.stdout.split()) == (3, ["False", "False"]), out.stderr

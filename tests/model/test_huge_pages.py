@@ -5,6 +5,9 @@ weights, written on 4 KB pages, are collapsed onto 2 MB ones while the model ser
 from __future__ import annotations
 
 import mmap
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -92,6 +95,31 @@ def test_a_background_pool_is_usable_at_once_and_becomes_resident():
     worker.join()
     assert kv[0, :4].tolist() == [1.0] * 4 and int(kv.count_nonzero()) == 4
     assert rss_mb() - before >= 56
+
+
+# A process that ends while a background thread still faults a pool in: the thread is stopped at its next madvise
+# call and joined before the interpreter finalizes (an atexit function registered before huge_pages is imported
+# runs after huge_pages' own), and the process exits with its own status. A daemon thread left running then was
+# halted wherever it next took the GIL, and a process ending beside a freshly built engine aborted now and then.
+EXITS_DURING_POPULATE = """
+import atexit, sys, time
+seen = {}
+atexit.register(lambda: print(seen["worker"].is_alive(), int(time.perf_counter() - seen["exit"] < 2)))
+import torch
+from model import huge_pages
+kv = huge_pages.empty((1024, 1 << 18), torch.float32, resident=False)  # 1 GB, faulted in by the worker
+seen["worker"] = huge_pages.populate_later([kv])
+seen["exit"] = time.perf_counter()
+sys.exit(3)
+"""
+
+
+@pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE"), reason="Linux only")
+def test_a_process_ending_while_its_pool_is_faulted_in_stops_the_worker_first():
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-c", EXITS_DURING_POPULATE], cwd=root, capture_output=True, text=True,
+                         timeout=120)
+    assert (out.returncode, out.stdout.split(), out.stderr) == (3, ["False", "1"], "")
 
 
 def test_the_engine_serves_while_its_pool_becomes_resident():
