@@ -46,8 +46,11 @@ RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /
 ENV LLAMASCOPE_KERNELS_DIR=/opt/llamascope/kernels
 WORKDIR /src
 COPY model ./model
-# --allow-failure: an image whose kernels did not build still serves, on PyTorch ops (its model-load log says so)
-RUN mkdir -p /opt/llamascope/kernels && python -m model.kernels --allow-failure
+# --allow-failure: an image whose kernels did not build still serves, on PyTorch ops (its model-load log says so).
+# --portable: beside the build for this machine's CPU, those for any CPU with AVX2, for AVX-VNNI and for AVX-512
+# VNNI CPUs (where this one has more), which the image loads on a CPU without this one's flags
+# (model/kernels/__init__.py, PORTABLE).
+RUN mkdir -p /opt/llamascope/kernels && python -m model.kernels --allow-failure --portable
 
 # The CUDA image never loads CPU kernels (its model runs on the GPU): an empty directory, and nothing is compiled.
 # BuildKit builds only the stages the target needs, so DEVICE=cuda skips kernels-cpu (and runtime-cpu) entirely.

@@ -51,7 +51,8 @@ $(VENV)/.installed: pyproject.toml $(TORCH_STAMP)
 # beside a CPU torch, plain `test` beside a CUDA torch, which brings the Triton it was built with.
 $(VENV)/.installed-test: $(VENV)/.installed $(LLAMA_CPP_CONVERTER)
 	$(PIP) install --quiet -e ".[$$($(PY) -c 'import torch; print("test" if torch.version.cuda else "cpu-test")')]"
-	$(PY) -m model.kernels  # the tests compare the native kernels with PyTorch: here they must build
+	$(PY) -m model.kernels --portable --tested  # the tests compare the native kernels with PyTorch: here they must
+	# build (and the portable builds they load, where this CPU has more: tests/model/test_portable_kernels.py)
 	touch $@
 
 # llama.cpp's LoRA converter (convert_lora_to_gguf.py, the converter modules and gguf-py it imports), the reference a

@@ -20,14 +20,16 @@ dispatch and a temporary. These kernels do each of those in one call, on the sam
     gguf_convert                          gguf_convert.cpp     a GGUF matrix's blocks into the int4 / int6 / int8
                                                                 layout, on every thread (model/loaders/gguf_blocks.py)
 
-`native()` returns the loaded module, or None where the kernels are off (`LLAMASCOPE_NATIVE_KERNELS=0`,
-`disabled()`) or could not be built; every caller then keeps its plain PyTorch path, which is also the reference
-the tests compare the kernels against.
+`native()` returns the loaded module (with `LLAMASCOPE_NATIVE_KERNELS=portable` the AVX2 build), or None where the
+kernels are off (`LLAMASCOPE_NATIVE_KERNELS=0`, `disabled()`) or could not be built; every caller then keeps its
+plain PyTorch path, which is also the reference the tests compare the kernels against.
 
 The extension compiles once per machine (about a minute on 2 cores; ninja and a C++ compiler) into
 `LLAMASCOPE_KERNELS_DIR` (default ~/.cache/llamascope/kernels), under a name that hashes its sources, flags and
 torch version. `make install` and the Docker image build it at install time (`python -m model.kernels`), so a
-server start only imports the .so; where it is missing a first use builds it.
+server start only imports the .so; where it is missing a first use builds it, and where it cannot be built (no
+compiler: the image on a CPU of other flags than the one it was built on) loads the richest build of the same
+sources that this CPU can run (`compatible_build`; the image carries PORTABLE ones).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import importlib.util
+import json
 import logging
 import os
 import threading
@@ -47,15 +50,26 @@ import torch
 
 log = logging.getLogger(__name__)
 
-ENV_VAR = "LLAMASCOPE_NATIVE_KERNELS"  # "0" turns them off (the PyTorch paths run instead)
+# "0" turns them off (the PyTorch paths run instead); "portable" loads the build for any CPU with AVX2 (no VNNI,
+# AVX-512 or AMX: compile_flags(avx2, [])) where this CPU has more, so the AVX2 paths run and are tested here too
+ENV_VAR = "LLAMASCOPE_NATIVE_KERNELS"
 NAME = "llamascope_kernels"
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = ("bindings.cpp", "elementwise.cpp", "paged_attention.cpp", "quant_linear.cpp", "float_linear.cpp",
            "step_layers.cpp", "interventions.cpp", "argmax.cpp", "gguf_convert.cpp", "lora.cpp")
 
 STALE_LOCK_SECONDS = 600
+# The CPU feature (/proc/cpuinfo's name) each instruction-set flag of compile_flags asks for; None: asks for none.
+# A build's recorded flags (build.json) say which CPUs may load it.
+FLAG_FEATURES = {"-mavx2": "avx2", "-mfma": "fma", "-mf16c": "f16c", "-mavxvnni": "avx_vnni",
+                 "-mavx512vnni": "avx512_vnni", "-mavx512vl": "avx512vl", "-mavx512bw": "avx512bw",
+                 "-mamx-tile": "amx_tile", "-mamx-int8": "amx_int8", "-mprefer-vector-width=256": None}
 _lock = threading.Lock()
-_enabled = os.environ.get(ENV_VAR, "1").strip().lower() not in ("0", "false", "off", "no")
+_setting = os.environ.get(ENV_VAR, "1").strip().lower()
+_enabled = _setting not in ("0", "false", "off", "no")
+# The PORTABLE build a setting loads instead of this CPU's own (tests run the kernels' other paths on it); None: own.
+PORTABLE_SETTINGS = {"portable": [], "portable-vnni": ["-mavxvnni"]}
+_portable = PORTABLE_SETTINGS.get(_setting)
 _module: ModuleType | None = None
 _error: str | None = None
 _tried = False
@@ -93,7 +107,36 @@ def vnni_flags() -> list[str]:
     return out
 
 
-def compile_flags(avx2: bool) -> list[str]:
+# The builds an image carries besides its build machine's own (`python -m model.kernels --portable`), each the
+# vnni_flags of a family of CPUs: any with AVX2, FMA and F16C; those with AVX-VNNI too (256-bit `vpdpbusd`, no
+# AVX-512: client CPUs); and those with AVX512-VNNI, -VL and -BW, which the build machine's own does not serve where
+# it also asks for AVX-VNNI or AMX (docs/deployment.md names CPUs).
+PORTABLE = ([], ["-mavxvnni"], ["-mavx512vnni", "-mavx512vl", "-mprefer-vector-width=256", "-mavx512bw"])
+
+
+def portable_builds(tested_only: bool = False) -> list[list[str]]:
+    """The PORTABLE builds this machine makes besides its own: those other than its own whose every flag its CPU
+    has (so `python -m model.kernels --portable` can check each once built). `tested_only`: of those, the ones a
+    PORTABLE_SETTINGS value loads (what the tests run; the others are for images)."""
+    have, own = cpu_flags(), vnni_flags()
+    return [v for v in PORTABLE if v != own and _features(v) <= have
+            and (not tested_only or v in PORTABLE_SETTINGS.values())]
+
+
+def _features(flags: list[str]) -> set[str]:
+    """The CPU features compiler flags ask for (FLAG_FEATURES; each flag must be one of its keys)."""
+    return {FLAG_FEATURES[f] for f in flags} - {None}
+
+
+def _why(e: Exception) -> str:
+    """An exception in one line for a log: its type and its message's last line (a compiler's error ends there)."""
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[-1] if lines else ''}"
+
+
+def compile_flags(avx2: bool, vnni: list[str] | None = None) -> list[str]:
+    """The compiler flags of a build for this CPU, or with `vnni` for a CPU with those of vnni_flags' (a portable
+    build: [], AVX2, FMA and F16C alone)."""
     # -fopenmp at compile time only: at::parallel_for's OpenMP regions then run on the OpenMP runtime PyTorch
     # already loaded (linking a second libgomp would start a second thread pool beside torch's).
     # -fschedule-insns -fsched-pressure: GCC's scheduling before register allocation, pressure-aware; off by
@@ -103,27 +146,53 @@ def compile_flags(avx2: bool) -> list[str]:
     flags = ["-O3", "-fopenmp", "-ffp-contract=off", "-fschedule-insns", "-fsched-pressure"]
     if not avx2:
         return flags
-    return flags + ["-mavx2", "-mfma", "-mf16c"] + vnni_flags()
+    return flags + ["-mavx2", "-mfma", "-mf16c"] + (vnni_flags() if vnni is None else vnni)
+
+
+def loaded_vnni_flags() -> list[str]:
+    """vnni_flags of the build native() loads: this CPU's, or a PORTABLE_SETTINGS one's."""
+    return vnni_flags() if _portable is None else _portable
 
 
 def build_dir() -> Path:
     return Path(os.environ.get("LLAMASCOPE_KERNELS_DIR") or Path.home() / ".cache" / "llamascope" / "kernels")
 
 
-def module_name() -> str:
-    """Names the build by what it is built from (sources, flags, torch version): a stale .so is never loaded."""
-    avx2 = cpu_has_avx2()
-    h = hashlib.sha256(" ".join(compile_flags(avx2) + [torch.__version__]).encode())
+def _with_sources(h):  # a hashlib hash, updated with the sources' names and bytes
     for src in sorted(CSRC.iterdir()):
         h.update(src.name.encode() + src.read_bytes())
+    return h
+
+
+def sources_hash() -> str:
+    return _with_sources(hashlib.sha256()).hexdigest()
+
+
+def module_name(vnni: list[str] | None = None) -> str:
+    """Names the build by what it is built from (sources, flags, torch version): a stale .so is never loaded.
+    `vnni`: the build with those flags (compile_flags) instead of this CPU's."""
+    avx2 = cpu_has_avx2()
+    h = _with_sources(hashlib.sha256(" ".join(compile_flags(avx2, vnni) + [torch.__version__]).encode()))
     return f"{NAME}_{'avx2' if avx2 else 'generic'}_{h.hexdigest()[:12]}"
 
 
-def build(verbose: bool = False) -> ModuleType:
-    """Compile the extension into `build_dir()` (ninja and a C++ compiler needed) and import it."""
+def _record(directory: Path, flags: list[str]) -> None:
+    """build.json beside a build: what compatible_build matches another CPU against. Best effort: a build folder
+    the server may not write (the image's) keeps the record its build wrote."""
+    record = directory / "build.json"
+    if record.is_file():
+        return
+    with contextlib.suppress(OSError):
+        record.write_text(json.dumps({"sources": sources_hash(), "torch": torch.__version__, "flags": flags}) + "\n")
+
+
+def build(verbose: bool = False, vnni: list[str] | None = None) -> ModuleType:
+    """Compile the extension into `build_dir()` (ninja and a C++ compiler needed) and import it; `vnni`: for a CPU
+    with those flags (compile_flags), not this one."""
     from torch.utils import cpp_extension
 
-    name, directory = module_name(), build_dir() / module_name()
+    name = module_name(vnni)
+    directory = build_dir() / name
     directory.mkdir(parents=True, exist_ok=True)
     # cpp_extension serializes builds with a lock file and waits on it forever: one left by a killed build
     # (no build takes 10 minutes) would hang every later start.
@@ -131,13 +200,38 @@ def build(verbose: bool = False) -> ModuleType:
     if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_SECONDS:
         log.warning("removing a stale kernel build lock %s", lock)
         lock.unlink(missing_ok=True)
-    return cpp_extension.load(
+    flags = compile_flags(cpu_has_avx2(), vnni)
+    module = cpp_extension.load(
         name=name,
         sources=[str(CSRC / s) for s in SOURCES],
-        extra_cflags=compile_flags(cpu_has_avx2()),
+        extra_cflags=flags,
         build_directory=str(directory),
         verbose=verbose,
     )
+    _record(directory, flags)
+    return module
+
+
+def compatible_build() -> Path | None:
+    """The .so of the most capable build of these sources and this torch whose flags this CPU has, where its own is
+    missing and cannot be made (an image has no compiler): an image carries the PORTABLE builds its build machine
+    could make besides its own (`python -m model.kernels --portable`), so on a CPU without that one's flags it
+    still serves on native kernels. None where there is no such build (or no CPU flags to match: not Linux)."""
+    have, sources = cpu_flags(), sources_hash()
+    best: tuple[int, Path] | None = None
+    for record in sorted(build_dir().glob(f"{NAME}_avx2_*/build.json")):
+        try:
+            r = json.loads(record.read_text())
+            flags = [f for f in r["flags"] if f.startswith("-m")]
+            if r["sources"] != sources or r["torch"] != torch.__version__ or any(f not in FLAG_FEATURES for f in flags):
+                continue
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        needs = _features(flags)
+        so = record.parent / f"{record.parent.name}.so"
+        if needs <= have and so.is_file() and (best is None or len(needs) > best[0]):
+            best = (len(needs), so)
+    return best[1] if best else None
 
 
 def import_built(path: Path) -> ModuleType:
@@ -148,16 +242,27 @@ def import_built(path: Path) -> ModuleType:
     return module
 
 
-def load() -> ModuleType:
-    """Import the built extension if this exact build exists (no compiler or ninja needed), else build it."""
-    name = module_name()
+def load(vnni: list[str] | None = None) -> ModuleType:
+    """Import the built extension if this exact build exists (no compiler or ninja needed), else build it; where
+    that fails, the most capable compatible build (compatible_build), else the build's error. `vnni`: the build
+    for a CPU with those flags (compile_flags), with no fallback."""
+    name = module_name(vnni)
     path = build_dir() / name / f"{name}.so"
     if path.is_file():
         module = import_built(path)
+        _record(path.parent, compile_flags(cpu_has_avx2(), vnni))  # (a build made before builds were recorded)
         log.info("native CPU kernels: loaded %s", path)  # which build: the image's, or this machine's own
         return module
     log.info("native CPU kernels: no build at %s; building it (about a minute)", path)
-    return build()
+    try:
+        return build(vnni=vnni)
+    except Exception as e:
+        other = compatible_build() if vnni is None else None
+        if other is None:
+            raise
+        log.warning("native CPU kernels: no build for this CPU's flags and none could be made (%s); loaded %s, "
+                    "a build for a CPU with fewer of them", _why(e), other)
+        return import_built(other)
 
 
 def native() -> ModuleType | None:
@@ -169,10 +274,9 @@ def native() -> ModuleType | None:
         with _lock:
             if not _tried:
                 try:
-                    _module = load()
+                    _module = load() if _portable is None else load(_portable)
                 except Exception as e:  # no compiler or ninja: serve on the PyTorch paths, and say why once
-                    lines = str(e).strip().splitlines()
-                    _error = f"{type(e).__name__}: {lines[-1] if lines else ''}"
+                    _error = _why(e)
                     log.warning("native CPU kernels unavailable, using PyTorch ops: %s", _error)
                 _tried = True
     return _module

@@ -10,6 +10,7 @@ Marked `image` and collected only with `--image TAG` (tests/conftest.py): `make 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import threading
 import time
@@ -134,6 +135,42 @@ def test_the_native_kernels_built_in_the_image_are_in_use(served, image):
     size = int(engine("image", "inspect", "--format", "{{.Size}}", image).stdout)
     print(f"{image}: {size / 1e6:.0f} MB")
     assert size < 2_000_000_000  # torch's CPU build is most of it
+
+
+def _kernels_on(served, cpu: set[str]) -> tuple[str, list[str]]:
+    """In the image, on a CPU of these flags: (what the kernels' load said and their status, the loaded build's
+    recorded flags)."""
+    code = ("import json, logging, pathlib, sys; logging.basicConfig(level=logging.WARNING, stream=sys.stdout); "
+            f"from model import kernels as k; k.cpu_flags = lambda: set({sorted(cpu)!r}); m = k.native(); print(k.status()); "
+            "print(json.dumps(json.loads((pathlib.Path(m.__file__).parent / 'build.json').read_text())['flags']))")
+    out = served.exec("python", "-c", code).strip()
+    return out, json.loads(out.splitlines()[-1])
+
+
+def test_on_a_cpu_without_its_own_build_the_image_loads_its_portable_one(served):
+    """Beside the build for the CPU it was built on, the image carries one for any CPU with AVX2 and, built on a CPU
+    with more, one for AVX-VNNI and one for AVX-512 VNNI (`python -m model.kernels --portable`). A CPU whose flags
+    match no build cannot compile its own there (no compiler) and loads the richest build it can run."""
+    from model import kernels
+
+    base = {"avx2", "fma", "f16c"}
+    # AVX512-VNNI and -VL without -BW, as no real CPU has: the AVX2 build
+    out, flags = _kernels_on(served, base | {"avx512_vnni", "avx512vl"})
+    assert "a build for a CPU with fewer of them" in out and "native (avx2)" in out, out
+    assert flags == kernels.compile_flags(True, [])
+    # a Zen 4 (AVX-512 VNNI, no AVX-VNNI or AMX): the AVX-512 build, its own where the image's machine is one too;
+    # the AVX2 one where that machine had no AVX-512 VNNI to check it on
+    avx512 = kernels.PORTABLE[2]
+    out, flags = _kernels_on(served, base | {"avx512_vnni", "avx512vl", "avx512bw"})
+    built_here = kernels._features(avx512) <= kernels.cpu_flags()
+    assert flags == kernels.compile_flags(True, avx512 if built_here else []), out
+    assert ("native (avx2, vnni, zmm)" if built_here else "native (avx2)") in out, out
+    # an Alder Lake (AVX-VNNI, no AVX-512): the AVX-VNNI build where the image's machine has AVX-VNNI
+    avx_vnni = kernels.PORTABLE[1]
+    out, flags = _kernels_on(served, base | {"avx_vnni"})
+    built_here = kernels._features(avx_vnni) <= kernels.cpu_flags()
+    assert flags == kernels.compile_flags(True, avx_vnni if built_here else []), out
+    assert ("native (avx2, vnni)" if built_here else "native (avx2)") in out, out
 
 
 def test_sigterm_lets_streams_in_flight_finish_and_exits_0(served):

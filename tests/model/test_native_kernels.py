@@ -423,7 +423,7 @@ def test_off_and_unavailable_fall_back_to_pytorch(monkeypatch):
         assert kernels.native() is None and kernels.status() == "off"
     monkeypatch.setattr(kernels, "_tried", False)
     monkeypatch.setattr(kernels, "_module", None)
-    monkeypatch.setattr(kernels, "load", lambda: (_ for _ in ()).throw(OSError("no C++ compiler")))
+    monkeypatch.setattr(kernels, "load", lambda *a: (_ for _ in ()).throw(OSError("no C++ compiler")))
     assert kernels.native() is None
     assert kernels.status() == "unavailable: OSError: no C++ compiler"
     model = tiny_model()
@@ -460,6 +460,80 @@ def test_a_stale_build_lock_is_cleared(tmp_path, monkeypatch):
     assert seen[-1] == (kernels.module_name(), True)
 
 
+def test_a_build_records_what_it_asks_of_a_cpu():
+    """build.json beside the build: its sources, torch and flags, what compatible_build matches another CPU against."""
+    import json
+
+    record = json.loads((kernels.build_dir() / kernels.module_name() / "build.json").read_text())
+    assert record == {"sources": kernels.sources_hash(), "torch": torch.__version__,
+                      "flags": kernels.compile_flags(kernels.cpu_has_avx2())}
+    assert all(f in kernels.FLAG_FEATURES for f in record["flags"] if f.startswith("-m"))
+
+
+def test_without_its_own_build_a_cpu_loads_the_richest_build_it_can_run(tmp_path, monkeypatch, caplog):
+    """An image holds the builds of the CPU it was built on and a portable AVX2 one (python -m model.kernels
+    --portable); on another CPU, with no compiler to build its own, it loads the build with the most features that
+    CPU has, of the same sources and torch."""
+    import json
+    import logging
+
+    monkeypatch.setenv("LLAMASCOPE_KERNELS_DIR", str(tmp_path))
+    base = kernels.compile_flags(True, [])
+    builds = {  # name -> (flags, sources, torch)
+        "portable": (base, kernels.sources_hash(), torch.__version__),
+        "alder": (base + ["-mavxvnni"], kernels.sources_hash(), torch.__version__),
+        "zen4": (base + ["-mavx512vnni", "-mavx512vl", "-mprefer-vector-width=256", "-mavx512bw"],
+                 kernels.sources_hash(), torch.__version__),
+        "alder-old": (base + ["-mavxvnni", "-mf16c"], "0" * 64, torch.__version__),  # other sources
+        "alder-torch": (base + ["-mavxvnni", "-mfma"], kernels.sources_hash(), "0.0"),  # another torch
+        "alder-odd": (base + ["-mavxvnni", "-mavx10.2"], kernels.sources_hash(), torch.__version__),  # a flag unknown here
+    }
+    for name, (flags, sources, version) in builds.items():
+        d = tmp_path / f"llamascope_kernels_avx2_{name}"
+        d.mkdir()
+        (d / f"{d.name}.so").touch()
+        (d / "build.json").write_text(json.dumps({"sources": sources, "torch": version, "flags": flags}))
+    (tmp_path / "llamascope_kernels_avx2_nothing").mkdir()  # a build killed before its record
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: {"avx2", "fma", "f16c", "avx_vnni"})
+    assert kernels.compatible_build().parent.name == "llamascope_kernels_avx2_alder"
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: {"avx2", "fma", "f16c", "avx512_vnni", "avx512vl", "avx512bw"})
+    assert kernels.compatible_build().parent.name == "llamascope_kernels_avx2_zen4"
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: {"avx2", "fma", "f16c", "avx512_vnni", "avx512vl"})
+    assert kernels.compatible_build().parent.name == "llamascope_kernels_avx2_portable"
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: {"avx2", "fma"})  # no F16C: none of them
+    assert kernels.compatible_build() is None
+
+    # load(): its own build missing and none can be made -> the compatible one, said in the log
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: {"avx2", "fma", "f16c", "avx_vnni", "avx512_vnni", "avx512vl"})
+    monkeypatch.setattr(kernels, "build", lambda **kw: (_ for _ in ()).throw(OSError("no C++ compiler")))
+    monkeypatch.setattr(kernels, "import_built", lambda path: path)
+    with caplog.at_level(logging.WARNING, logger="model.kernels"):
+        assert kernels.load().parent.name == "llamascope_kernels_avx2_alder"
+    assert "no C++ compiler" in caplog.text and "llamascope_kernels_avx2_alder" in caplog.text
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: {"avx2", "fma"})
+    with pytest.raises(OSError, match=r"no C\+\+ compiler"):  # nothing it can run: the build's own error
+        kernels.load()
+
+
+@pytest.mark.parametrize("flags, want", [
+    ({"avx2", "fma", "f16c"}, []),  # its own build is the AVX2 one
+    ({"avx2", "fma", "f16c", "avx_vnni"}, [[]]),
+    ({"avx2", "fma", "f16c", "avx512_vnni", "avx512vl", "avx512bw"}, [[]]),  # Zen 4: its own is the AVX-512 one
+    ({"avx2", "fma", "f16c", "avx_vnni", "avx512_vnni", "avx512vl", "avx512bw"},  # Zen 5
+     [[], ["-mavxvnni"], ["-mavx512vnni", "-mavx512vl", "-mprefer-vector-width=256", "-mavx512bw"]]),
+    ({"avx2", "fma", "f16c", "avx_vnni", "avx512_vnni", "avx512vl", "avx512bw", "amx_tile", "amx_int8"},  # SPR
+     [[], ["-mavxvnni"], ["-mavx512vnni", "-mavx512vl", "-mprefer-vector-width=256", "-mavx512bw"]]),
+])
+def test_an_image_carries_the_portable_builds_its_machine_can_check(monkeypatch, flags, want):
+    """`--portable` builds, besides the machine's own, each PORTABLE build it differs from and can run: an image
+    built on a Sapphire Rapids host serves a Zen 4 one on AVX-512 VNNI and an Alder Lake one on AVX-VNNI, not on
+    AVX2 alone."""
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: flags)
+    assert kernels.portable_builds() == want
+    # install (`--tested`) makes only those the tests load: the AVX-512 one is for images
+    assert kernels.portable_builds(tested_only=True) == [v for v in want if v in ([], ["-mavxvnni"])]
+
+
 @pytest.mark.parametrize("flags, want", [
     ({"avx2", "avx_vnni"}, ["-mavxvnni"]),  # Alder Lake
     ({"avx2", "avx_vnni", "avx512_vnni", "avx512vl", "avx512bw"},  # Zen 5, Sapphire Rapids: the VEX form used first
@@ -482,9 +556,10 @@ def test_vnni_flags_follow_the_cpu(monkeypatch, flags, want):
 def test_the_build_uses_vnni_where_the_cpu_has_it():
     """The flags reach the source: simd.h turns `vpdpbusd` on for either encoding the build was given, and the
     512-bit pair tiles on where it was given AVX512-VNNI and -BW."""
-    assert bool(native.vnni) == (kernels.cpu_has_avx2() and bool(kernels.vnni_flags()))
-    assert bool(native.zmm) == (kernels.cpu_has_avx2() and {"-mavx512vnni", "-mavx512bw"} <= set(kernels.vnni_flags()))
-    assert bool(native.amx) == (kernels.cpu_has_avx2() and "-mamx-int8" in kernels.vnni_flags())
+    flags = kernels.loaded_vnni_flags()  # (none for the portable build)
+    assert bool(native.vnni) == (kernels.cpu_has_avx2() and bool(flags))
+    assert bool(native.zmm) == (kernels.cpu_has_avx2() and {"-mavx512vnni", "-mavx512bw"} <= set(flags))
+    assert bool(native.amx) == (kernels.cpu_has_avx2() and "-mamx-int8" in flags)
     # a CPU with AMX runs a kernel that grants it (Linux 5.16 on), also beside pytest's faulthandler stack
     assert native.amx_permitted() == bool(native.amx)
 
