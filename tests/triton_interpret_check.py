@@ -28,8 +28,8 @@ from tiny import byte_tokenizer, greedy_tokens, tiny_model  # noqa: E402
 def kernel_vs_sdpa(dtype: torch.dtype, H: int, K: int, E: int, bs: int, device: str = "cpu", window: int = 0,
                    scale: float = 0.0, kv: torch.dtype | None = None) -> float:
     """`window`, `scale`: a sliding window (rows attend to their last `window` keys, the blocks before never read)
-    and an attention scale (0: 1/sqrt(E)); `kv`: the pools' dtype (None: `dtype`; int8: SDPA over their dequantized
-    values)."""
+    and an attention scale (0: 1/sqrt(E)); `kv`: the pools' dtype (None: `dtype`; int8: SDPA of the query rounded as
+    the kernels round it over their dequantized values)."""
     lens = [1, 7, 16, 33, 100]
     k_pool, v_pool, tables, tables_t = scattered_pools(lens, bs, K, E, torch.Generator().manual_seed(0), 0, 3, kv or dtype)
     N = len(lens) + 2
@@ -53,7 +53,8 @@ def kernel_vs_sdpa(dtype: torch.dtype, H: int, K: int, E: int, bs: int, device: 
         first = max(0, n - window) if window else 0
         kd = kv_int8.read(k_pool[table], dtype).reshape(1, -1, K, E)[:, first:n]
         vd = kv_int8.read(v_pool[table], dtype).reshape(1, -1, K, E)[:, first:n]
-        want = sdpa(q[r][None, None], kd, vd, scale=scale)[0, 0]
+        qr, s = (kv_int8.round_query(q[r], scale).to(dtype), 1.0) if kv == torch.int8 else (q[r], scale)
+        want = sdpa(qr[None, None], kd, vd, scale=s)[0, 0]
         err = max(err, ((out[r].float() - want.float()).abs().max() / want.float().abs().max()).item())
     return err
 
@@ -84,7 +85,8 @@ def prefill_kernel_vs_sdpa(dtype: torch.dtype, H: int, K: int, E: int, bs: int, 
         kd = kv_int8.read(k_pool[table], dtype).reshape(1, -1, K, E)[:, :total]
         vd = kv_int8.read(v_pool[table], dtype).reshape(1, -1, K, E)[:, :total]
         mask = (torch.arange(total) <= torch.arange(pre, total)[:, None])[None, None]  # (1, 1, n, total)
-        want = sdpa(q[r : r + n][None], kd, vd, mask)[0]  # (n, H, E)
+        qr, s = (kv_int8.round_query(q[r : r + n]).to(dtype), 1.0) if kv == torch.int8 else (q[r : r + n], 0.0)
+        want = sdpa(qr[None], kd, vd, mask, scale=s)[0]  # (n, H, E)
         err = max(err, ((out[r : r + n].float() - want.float()).abs().max() / want.float().abs().max()).item())
     return err
 
@@ -114,7 +116,10 @@ def telemetry_vs_reference(H: int, K: int, E: int, bs: int, top_k: int, device: 
     got = AttentionTelemetry(*(t.cpu() for t in got_d))
     assert torch.equal(out_plain, out_tel)
     kd = kv_int8.read(k_pool.index_select(0, tables_t.reshape(-1)), torch.float32).view(len(lens), -1, K, E)
-    attention_telemetry.reference(q, kd, lens_t, want)
+    if kv == torch.int8:  # the query rounded as the kernel rounds it
+        attention_telemetry.reference(kv_int8.round_query(q), kd, lens_t, want, scale=1.0)
+    else:
+        attention_telemetry.reference(q, kd, lens_t, want)
     assert torch.allclose(got.sink_mass, want.sink_mass, atol=1e-5), (got.sink_mass - want.sink_mass).abs().max()
     assert torch.allclose(got.top_prob, want.top_prob, atol=1e-5)
     assert torch.equal(got.top_pos, want.top_pos), (got.top_pos, want.top_pos)

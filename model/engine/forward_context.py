@@ -85,18 +85,20 @@ class ForwardContext:
             ops.prefill_attention(q[0], k_pool, v_pool, meta.prefill_tiles, meta.prefill_tables, out[0])
             return out
         for i, p in enumerate(meta.prefills):
-            qp = q[:, p.start : p.end]  # (1, n, H, E)
+            qp, qscale = q[:, p.start : p.end], scale  # (1, n, H, E)
+            if k_pool.dtype == torch.int8:  # the queries rounded as the decode kernel rounds them (kv_int8.py)
+                qp, qscale = kv_int8.round_query(qp, scale), 1.0
             mask = self._window_mask(i, p) if window else p.mask
             if p.blocks is None:  # (a 16-bit or int8 cache's chunk attends to its keys as the cache holds them)
                 kc, vc = (kv_int8.as_stored(x[:, p.start : p.end], k_pool.dtype).to(q.dtype) for x in (k, v))
-                out[:, p.start : p.end] = sdpa(qp, kc, vc, mask, is_causal=mask is None, scale=scale)
+                out[:, p.start : p.end] = sdpa(qp, kc, vc, mask, is_causal=mask is None, scale=qscale)
             else:
                 # (under a window: from the block of the chunk's first row's first key; earlier ones may be freed)
                 b0 = max(0, p.context_len - (p.end - p.start) + 1 - window) // self.cache.block_size if window else 0
                 ctx = p.context_len - b0 * self.cache.block_size
                 kd, vd = (kv_int8.read_blocks(pool, p.blocks[b0:], q.dtype)[None, :ctx]
                           for pool in (k_pool, v_pool))  # (1, ctx, K, E): positions b0 bs ..
-                out[:, p.start : p.end] = sdpa(qp, kd, vd, mask, scale=scale)
+                out[:, p.start : p.end] = sdpa(qp, kd, vd, mask, scale=qscale)
         return out
 
     def _window_mask(self, i: int, p: PrefillChunk) -> Tensor | None:

@@ -5,18 +5,18 @@ gathered blocks, the context shift's re-rotation).
 Each head's row of one token (E values of K or V) is stored as E int8 quants and the float32 scale they share: E + 4
 bytes, so a pool is (NB, bs, K, E + 4) int8 (`row_width`). That is llama.cpp's q8_0 (ggml-common.h `block_q8_0`: a
 scale with its 32 quants; ggml-quants.c `quantize_row_q8_0_ref`) with one scale per head row: the same bytes per value
-at E = 64 (68 per 64 values) and one scale per key, so a score is one dot product times one scale (the native kernel,
-model/kernels/csrc/paged_attention.cpp, and the Triton kernel apply it so). A scale per token and head is written
-with its token and never changes, so appending to a block, sharing a cached prefix block or dropping rejected
-drafts touches no other token's numbers (a scale per block would have to be recomputed as the block fills).
+at E = 64 (68 per 64 values) and one scale per key, so a score is one dot product times the key's scale and the
+query's (`round_query`; model/kernels/csrc/paged_attention.cpp and the Triton kernels). A scale per token and head
+is written with its token and never changes, so appending to a block, sharing a cached prefix block or dropping
+rejected drafts touches no other token's numbers (a scale per block would have to be recomputed as the block fills).
 
-Within a block the bs * K rows' quants come first, (position, head)-ordered, then their bs * K scales,
-(head, position)-ordered (`parts`; ops.h `kv_slot` in C++), rather than each scale beside its quants: a row of 64
-quants is then one aligned cache line, where a 68-byte row at 68-byte offsets straddled two lines more often than
-not; and a head's bs scales lie together, so a decode row's walk over one KV head's positions reads one line of
-scales a block, where (position, head)-ordered scales put 64 / (4 K) positions in each line it read, the other
-heads' scales beside them. So a block, not a row, is the unit to quantize or read here (`pack`, `read`,
-`read_blocks`), and slots are written and read through `write_slots` / `read_slots`.
+Within a block the bs * K rows' quants come first, then their bs * K scales, both (head, position)-ordered (`parts`;
+ops.h `kv_slot` in C++), rather than each scale beside its quants: a row of 64 quants is then one aligned cache line,
+where a 68-byte row at 68-byte offsets straddled two lines more often than not; and a decode row's walk over one KV
+head's positions reads that head's bs rows as one run of bs * E bytes and its bs scales as another, where
+(position, head)-ordered rows put each line it read K * E bytes from the last, the other heads' between them. So a
+block, not a row, is the unit to quantize or read here (`pack`, `read`, `read_blocks`), and slots are written and
+read through `write_slots` / `read_slots`.
 
     d = max|x| * float32(1 / 127)        q = round_half_even(x / d) in [-127, 127]        x' = q * d
 
@@ -48,15 +48,27 @@ def dequantize(q: Tensor, d: Tensor, dtype: torch.dtype = torch.float32) -> Tens
     return (q.float() * d).to(dtype)
 
 
+def round_query(q: Tensor, scale: float = 0.0) -> Tensor:
+    """Queries q (..., E) over an int8 cache, times the attention scale (0: 1/sqrt(E)) and rounded to int8 per head
+    row as the keys are (`quantize`), back in float32 (..., E): attention with scale 1 over these and the dequantized
+    keys is what the native kernel computes, whose scores are integer products of the quants times the two scales
+    (model/kernels/csrc/paged_attention.cpp's `QuantizedQueries`, as llama.cpp scores a q8_0 cache)."""
+    # float32's 1 / sqrt(E), as the kernel computes it (a Python number: no copy to the device, which a CUDA graph's
+    # capture would refuse); a float32 tensor times a Python number is computed in float32
+    s = scale or torch.tensor(float(q.shape[-1])).sqrt().reciprocal().item()
+    return dequantize(*quantize(q.float() * s))
+
+
 def parts(blocks: Tensor) -> tuple[Tensor, Tensor]:
     """Int8 blocks (..., bs, K, E + 4), contiguous in their last three dimensions -> views of their quants
-    (..., bs, K, E) and their scales (..., bs, K, 1) float32 (stored (K, bs): a view with strides); writing to a view
-    writes the blocks."""
+    (..., bs, K, E) and their scales (..., bs, K, 1) float32 (both stored head by head: views with strides); writing
+    to a view writes the blocks."""
     *lead, bs, K, width = blocks.shape
     E, n = width - SCALE_BYTES, bs * K * (width - SCALE_BYTES)
     flat = blocks.view(*lead, bs * K * width)
+    quants = flat[..., :n].view(*lead, K, bs, E).transpose(-2, -3)  # (..., bs, K, E)
     scales = flat[..., n:].view(torch.float32).view(*lead, K, bs).transpose(-1, -2)  # (..., bs, K)
-    return flat[..., :n].view(*lead, bs, K, E), scales.unsqueeze(-1)
+    return quants, scales.unsqueeze(-1)
 
 
 def views(pool: Tensor) -> tuple[Tensor, ...]:
@@ -76,7 +88,9 @@ def pack(x: Tensor) -> Tensor:  # (..., bs, K, E) float -> int8 blocks (..., bs,
 def read(blocks: Tensor, dtype: torch.dtype) -> Tensor:
     """Pool blocks (..., bs, K, row_width) as `dtype` values (..., bs, K, E): an int8 cache's dequantized, a float
     cache's widened."""
-    return dequantize(*parts(blocks), dtype) if blocks.dtype == torch.int8 else blocks.to(dtype)
+    if blocks.dtype == torch.int8:
+        return dequantize(*parts(blocks), dtype).contiguous()  # (stored head by head: the values in position order)
+    return blocks.to(dtype)
 
 
 def read_blocks(pool: Tensor, ids: Tensor, dtype: torch.dtype) -> Tensor:

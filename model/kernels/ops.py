@@ -258,6 +258,8 @@ def decode_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, rows: Tensor, ta
         _triton().paged_decode_attention(q, k_pool, v_pool, rows, tables, lens, out, telemetry, window, scale)
     else:
         R, (_, bs, K, _), E = tables.shape[0], k_pool.shape, q.shape[-1]
+        if k_pool.dtype == torch.int8:  # the query rounded as the kernels round it (kv_int8.round_query)
+            q, scale = kv_int8.round_query(q, scale), 1.0
         W = -(-int(lens.max()) // bs)  # the blocks the longest row uses: the rest of the table is never read
         first = (lens - window).clamp(min=0) if window else torch.zeros_like(lens)  # (R,) each row's first key
         B0 = int(first.min()) // bs  # blocks before every row's window are not gathered

@@ -87,7 +87,9 @@ def _launch_check(device: torch.device, dtype: torch.dtype, block_size: int, kv_
         paged_decode_attention(q, k_pool, v_pool, rows, torch.tensor([table], device=device), lens, out)
         k = kv_int8.read(k_pool[table], torch.float32).reshape(-1, K, E)[:n].transpose(0, 1).expand(H, n, E)  # (H, n, E)
         v = kv_int8.read(v_pool[table], torch.float32).reshape(-1, K, E)[:n].transpose(0, 1).expand(H, n, E)
-        want = F.scaled_dot_product_attention(q.float().transpose(0, 1), k, v)[:, 0]  # (H, 1, E) -> (H, E)
+        # (over an int8 cache the kernel's query is rounded: kv_int8.round_query)
+        qf, scale = (kv_int8.round_query(q), 1.0) if kv_dtype == torch.int8 else (q.float(), None)
+        want = F.scaled_dot_product_attention(qf.transpose(0, 1), k, v, scale=scale)[:, 0]  # (H, 1, E) -> (H, E)
         err = (out[0].float() - want).abs().max().item()
     except Exception as e:  # no C compiler, no libcuda.so, ptxas, an old GPU, ...: whatever it is, do not serve on it
         lines = str(e).strip().splitlines()
@@ -142,9 +144,14 @@ if triton is not None:
     @triton.jit
     def _block_rows(block, offs_s, kh, K: tl.constexpr, E: tl.constexpr, ROW: tl.constexpr, BS: tl.constexpr):
         # (BS,) offsets of block `block`'s rows for KV head kh, and (an int8 cache's) of their scales, which follow
-        # the block's bs * K rows of quants, head kh's bs together (kv_int8.py); a float cache's ROW is E
+        # the block's bs * K rows of quants; an int8 cache's rows and scales are (head, position)-ordered, a float
+        # cache's rows (ROW = E) (position, head)-ordered (kv_int8.py)
         base = block * (BS * K * ROW)
-        return base + (offs_s * K + kh) * E, base + BS * K * E + (kh * BS + offs_s) * 4
+        if ROW == E:
+            rows = base + (offs_s * K + kh) * E
+        else:
+            rows = base + (kh * BS + offs_s) * E
+        return rows, base + BS * K * E + (kh * BS + offs_s) * 4
 
     @triton.jit
     def _row_scales(ptr, at, mask):
@@ -315,17 +322,20 @@ def prefill_tiles(chunks: list[tuple[int, int, int]]) -> list[tuple[int, int, in
 
 
 def paged_prefill_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, tiles: Tensor, tables: Tensor,
-                            out: Tensor) -> None:
+                            out: Tensor, scale: float = 0.0) -> None:
     """q (N, H, E) packed rows (heads contiguous); pools (NB, bs, K, E) (E + 4: int8) already holding the chunks' keys
     and values; tiles (Tn, 4) int32 or int64 (`prefill_tiles`); tables (C, W) each chunk's blocks; writes the tiles'
-    rows of out."""
+    rows of out. `scale`: the attention scale (0: 1/sqrt(E)). Over an int8 cache the queries are first rounded as
+    the native kernel rounds them (kv_int8.round_query)."""
     _check(q, k_pool, v_pool, out, "paged_prefill_attention")
     if tiles.shape[0] == 0:
         return
+    if k_pool.dtype == torch.int8:
+        q, scale = kv_int8.round_query(q, scale), 1.0
     (_, W), (_, H, E), (_, bs, K, row) = tables.shape, q.shape, k_pool.shape
     E_PAD = triton.next_power_of_2(E)
     _paged_prefill_kernel[(tiles.shape[0], H)](
-        q, k_pool, v_pool, tiles, tables, out, q.stride(0), W, 1.0 / math.sqrt(E),
+        q, k_pool, v_pool, tiles, tables, out, q.stride(0), W, scale or 1.0 / math.sqrt(E),
         H=H, K=K, E=E, E_PAD=E_PAD, BS=bs, BLOCK_M=PREFILL_TILE, USE_DOT=bs >= 16 and E_PAD >= 16,
         ROW=row, INT8=k_pool.dtype == torch.int8,
     )
@@ -342,10 +352,13 @@ def _check(q: Tensor, k_pool: Tensor, v_pool: Tensor, out: Tensor, who: str) -> 
 def paged_decode_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, rows: Tensor, tables: Tensor, lens: Tensor,
                            out: Tensor, telemetry=None, window: int = 0, scale: float = 0.0) -> None:
     """`telemetry`: model/kernels/attention_telemetry.py's AttentionTelemetry for this call, or None. `window`: the
-    model's sliding window (0: none); `scale`: the attention scale (0: 1/sqrt(E))."""
+    model's sliding window (0: none); `scale`: the attention scale (0: 1/sqrt(E)). Over an int8 cache the queries are
+    first rounded as the native kernel rounds them (kv_int8.round_query)."""
     _check(q, k_pool, v_pool, out, "paged_decode_attention")
     if tables.shape[0] == 0:
         return
+    if k_pool.dtype == torch.int8:
+        q, scale = kv_int8.round_query(q, scale), 1.0
     _launch(q, k_pool, v_pool, rows, tables, lens, out, telemetry, window, scale)
 
 

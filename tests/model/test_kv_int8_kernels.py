@@ -39,14 +39,14 @@ def test_quantize_round_trip_is_within_half_a_step():
 
 
 def test_a_block_holds_its_rows_quants_then_their_scales():
-    """The layout the native kernels address (ops.h kv_slot): a block's bs * K rows of quants in (position, head)
-    order, then their float32 scales in (head, position) order; `pack`, `read` and the slot helpers agree with it."""
+    """The layout the native kernels address (ops.h kv_slot): a block's bs * K rows of quants, then their float32
+    scales, both in (head, position) order; `pack`, `read` and the slot helpers agree with it."""
     bs, K, E = 4, 3, 64
     x = _rows(2 * bs, K, E).view(2, bs, K, E)
     blocks = kv_int8.pack(x)  # (2, bs, K, E + 4)
     q, d = kv_int8.quantize(x)
     raw = blocks.view(2, -1)
-    assert torch.equal(raw[:, : bs * K * E], q.reshape(2, -1))
+    assert torch.equal(raw[:, : bs * K * E], q.transpose(1, 2).reshape(2, -1))
     assert torch.equal(raw[:, bs * K * E :].contiguous().view(torch.float32), d.transpose(1, 2).reshape(2, -1))
     assert torch.equal(kv_int8.read(blocks, torch.float32), kv_int8.dequantize(q, d))
     slots = torch.tensor([5, 0, 7])  # block 1 row 1, block 0 row 0, block 1 row 3
@@ -83,13 +83,14 @@ def _int8_pools(lens: list[int], bs: int, K: int, E: int, seed: int = 0):
 
 
 @needs_native
-@pytest.mark.parametrize("H,K,E", [(6, 2, 64), (4, 1, 128), (3, 3, 64), (4, 2, 20)])  # GQA, MQA, MHA, odd E
-@pytest.mark.parametrize("bs", [4, 6])
+@pytest.mark.parametrize("H,K,E", [(6, 2, 64), (4, 1, 128), (3, 3, 64), (4, 2, 20), (4, 2, 48), (2, 1, 96)])  # GQA, MQA, MHA, odd E; E = 48 and 96: the products other than 64 bytes at a time
+@pytest.mark.parametrize("bs", [4, 6, 16])  # 16, the engine's default: 8 keys' scales are read as one run
 @pytest.mark.parametrize("window", [0, 11])
 def test_attention_over_an_int8_pool_is_sdpa_over_its_dequantized_values(H, K, E, bs, window):
-    """Native (and the PyTorch reference the engine falls back to) against SDPA over the dequantized keys and values:
-    the kernel applies each row's scale after its dot product and to its value's weight, so float32 rounding apart
-    it is the same attention."""
+    """Native (and the PyTorch reference the engine falls back to) against SDPA of the rounded query over the
+    dequantized keys and values: the kernel's score is the integer product of the query's and the key's quants times
+    their two scales, and it applies each value's scale to its weight, so float32 rounding apart it is the same
+    attention."""
     lens = [1, 7, 16, 33, 100]
     k_pool, v_pool, tables, tables_t = _int8_pools(lens, bs, K, E)
     N = len(lens) + 2
@@ -103,7 +104,7 @@ def test_attention_over_an_int8_pool_is_sdpa_over_its_dequantized_values(H, K, E
         first = max(0, n - window) if window else 0
         kd = kv_int8.read(k_pool[table], torch.float32).reshape(1, -1, K, E)[:, first:n]
         vd = kv_int8.read(v_pool[table], torch.float32).reshape(1, -1, K, E)[:, first:n]
-        want = sdpa(q[r][None, None], kd, vd)[0, 0]  # (H, E)
+        want = sdpa(kv_int8.round_query(q[r])[None, None], kd, vd, scale=1.0)[0, 0]  # (H, E)
         for out in outs:
             torch.testing.assert_close(out[r], want, rtol=1e-5, atol=1e-5)
     assert all((out[[2, 4]] == 7).all() for out in outs)
@@ -137,7 +138,7 @@ def test_prefill_rows_over_int8_are_bitwise_each_row_alone(H, K, E):
     kd = kv_int8.read(k_pool[tables[0]], torch.float32).reshape(1, -1, K, E)
     vd = kv_int8.read(v_pool[tables[0]], torch.float32).reshape(1, -1, K, E)
     for t in range(T):
-        want = sdpa(q[t][None, None], kd[:, : n0 + t + 1], vd[:, : n0 + t + 1])[0, 0]
+        want = sdpa(kv_int8.round_query(q[t])[None, None], kd[:, : n0 + t + 1], vd[:, : n0 + t + 1], scale=1.0)[0, 0]
         torch.testing.assert_close(together[t], want, rtol=1e-5, atol=1e-5)
 
 

@@ -42,9 +42,10 @@ template <typename T> void rope_head(T* x, const T* cos, const T* ssin, int64_t 
 inline int64_t kv_row_width(at::ScalarType pool, int64_t E) { return pool == at::kChar ? E + 4 : E; }
 // Where head `head`'s row of slot `slot` (block slot / bs, position slot % bs) lies in a pool of bs positions a block
 // and K heads of E: a float cache's rows are (slot, head)-ordered rows of E values. An int8 cache's block is its
-// bs * K rows of E quants in that order, then their bs * K float32 scales (head, position)-ordered
-// (model/kernels/kv_int8.py), so a row of 64 quants is one aligned cache line and a head's bs scales lie together: a
-// walk over one head's positions reads 4 bytes of scale a position, not a line shared with the other heads' scales.
+// bs * K rows of E quants (head, position)-ordered, then their bs * K float32 scales in the same order
+// (model/kernels/kv_int8.py): a row of 64 quants is one aligned cache line, and a walk over one head's positions
+// reads its bs rows as one run of bs * E bytes and its bs scales as another, where (position, head)-ordered rows
+// put each of its lines K * E bytes from the last.
 struct KVSlot {
   char* row;
   char* scale;  // an int8 row's scale; null for a float cache
@@ -52,7 +53,8 @@ struct KVSlot {
 inline KVSlot kv_slot(char* pool, at::ScalarType t, int64_t bs, int64_t K, int64_t E, int64_t slot, int64_t head) {
   if (t != at::kChar) return {pool + (slot * K + head) * E * static_cast<int64_t>(c10::elementSize(t)), nullptr};
   char* block = pool + slot / bs * bs * K * (E + 4);
-  return {block + (slot % bs * K + head) * E, block + bs * K * E + (head * bs + slot % bs) * 4};
+  const int64_t i = head * bs + slot % bs;
+  return {block + i * E, block + bs * K * E + i * 4};
 }
 // One row of n values into a KV pool row of dtype `pool` (the row's own dtype: copied; float16 / bfloat16 from
 // float32: rounded once; int8: one head's row, its quants at dst and its scale at `scale`). paged_attention.cpp.

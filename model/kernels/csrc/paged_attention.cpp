@@ -10,14 +10,18 @@
 //
 // An int8 cache (`--kv-cache-dtype int8`, float32 activations) holds each head's row of a token as E int8 quants and
 // their float32 scale d, E + 4 bytes: llama.cpp's q8_0 (ggml-common.h `block_q8_0`; ggml-quants.c
-// `quantize_row_q8_0_ref`: d = max|x| / 127, q = round(x / d)) with one scale per head row instead of per 32 values, so
-// that a key's score is one dot product times one scale. A block keeps its rows' quants together and their scales after
-// them, a head's together (ops.h `kv_slot`), not each scale beside its quants: a 68-byte row at 68-byte offsets
-// straddled two cache lines more often than not, and a decode row's walk over a long history is bound by the lines it
-// waits for. The kernels read the quants widened exactly to float (load8) and apply the scale once per key and value: a
-// score is (q . k_q) d_k, and a value is accumulated with weight p d_v. Every path below applies it at the same place
-// in the same order (`scaled1`, `key_scales8`, `weight`), so a row's numbers stay the same alone, in a tile or beside
-// any other rows.
+// `quantize_row_q8_0_ref`: d = max|x| / 127, q = round(x / d)) with one scale per head row instead of per 32 values.
+// A block keeps its rows' quants together, a head's bs rows in one run, and their scales after them, a head's
+// together (ops.h `kv_slot`), not each scale beside its quants: a 68-byte row at 68-byte offsets straddled two cache
+// lines more often than not, and a decode row's walk over a long history is bound by the lines it waits for. A score
+// over an int8 cache is an integer dot product, as llama.cpp scores a q8_0 cache (ggml-cpu's flash attention converts
+// the query to the cache's vec_dot_type, then `ggml_vec_dot_q8_0_q8_0`): each query is rounded to int8 once per step
+// (`QuantizedQueries`, one scale per head row as the keys have), and a score is float(q_q . k_q) d_q d_k, the sum
+// exact in int32 whatever the instructions (VNNI `vpdpbusd`, AVX2 `vpmaddubsw` or `vpmaddwd`, scalar) or their
+// order, the float products in one order everywhere (`int_scores8`, `int_score1`). Widening each of a key's E quants
+// to float and an FMA per value cost the kernel more than reading them did (it was compute-bound). Values stay in
+// float: each is accumulated with weight p d_v (`weight`). So a row's numbers stay the same alone, in a tile or
+// beside any other rows.
 #include <algorithm>
 #include <cstring>
 #include <type_traits>
@@ -39,11 +43,6 @@ static inline __m256 load8(const int8_t* p) {
 static inline __m512 load16(const int8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
-static inline __m512 load8x2(const int8_t* lo, const int8_t* hi) {  // simd.h's load8x2 for an int8 cache's quants
-  const __m128i q = _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(lo)),
-                                       _mm_loadl_epi64(reinterpret_cast<const __m128i*>(hi)));
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q));
-}
 #endif
 
 // An int8 row's float32 scale, at p (ops.h kv_slot; unaligned where the block's quants are not whole words).
@@ -53,14 +52,57 @@ static inline float load_scale(const void* p) {
   return d;
 }
 
-// The scale's three places, each a no-op for a float cache (At::scaled false): a score (the dot product with the
-// key's quants) times the key's scale, one at a time and 8 positions at a time; and a value's weight, p times its
-// scale. Applied identically by every path, so the numbers do not depend on which path ran.
-template <typename At>
-static inline float scaled1(float score, const At& at, int64_t s) {
-  if constexpr (At::scaled) return score * at.ks(s);
-  return score;
+// An int8 row: n values x -> n quants and their scale d, d = max|x| times the float nearest 1/127 and each quant x / d
+// rounded half to even, as model/kernels/kv_int8.py's `quantize` computes them (llama.cpp rounds halves away from
+// zero). The cache's rows (store_kv_row) and the queries scored against them (QuantizedQueries) alike.
+template <typename T>
+static float round_row_int8(const T* x, int64_t n, int8_t* q) {
+  float amax = 0.f;
+  for (int64_t i = 0; i < n; ++i) amax = std::max(amax, std::fabs(to_f(x[i])));
+  const float d = amax * static_cast<float>(1.0 / 127.0);
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = d > 0.f ? to_f(x[i]) / d : 0.f;
+    q[i] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, std::nearbyint(v))));
+  }
+  return d;
 }
+
+// A step's queries over an int8 cache, each (already times the attention scale) rounded to int8 once: quants (Qn, E),
+// scales (Qn,), and each query's 128 * sum of its quants, the offset an unsigned-by-signed product (vpdpbusd) adds
+// when a key's quants are read as unsigned (k + 128).
+struct QuantizedQueries {
+  std::vector<int8_t> q;
+  std::vector<float> d;
+  std::vector<int32_t> offset;
+  int64_t E = 0;
+  void quantize(const float* qf, int64_t Qn, int64_t e) {
+    E = e;
+    q.resize(Qn * E);
+    d.resize(Qn);
+    offset.resize(Qn);
+    for (int64_t i = 0; i < Qn; ++i) {
+      d[i] = round_row_int8(qf + i * E, E, q.data() + i * E);
+      int32_t sum = 0;
+      for (int64_t e2 = 0; e2 < E; ++e2) sum += q[i * E + e2];
+      offset[i] = 128 * sum;
+    }
+  }
+  const int8_t* row(int64_t i) const { return q.data() + i * E; }
+};
+
+static inline int32_t int_dot(const int8_t* a, const int8_t* b, int64_t E) {  // exact: |sum| <= 127^2 E
+  int32_t s = 0;
+  for (int64_t i = 0; i < E; ++i) s += static_cast<int32_t>(a[i]) * b[i];
+  return s;
+}
+
+// Query i's score of a key of quants k and scale dk: the one float order every path uses (int_scores8 lane for lane).
+static inline float int_score1(const QuantizedQueries& Q, int64_t i, const int8_t* k, float dk, int64_t E) {
+  return static_cast<float>(int_dot(Q.row(i), k, E)) * Q.d[i] * dk;
+}
+
+// A value's weight: p, times the value's scale over an int8 cache (At::scaled), applied identically by every path so
+// the numbers do not depend on which path ran. (A key's scale: int_score1, int_scores8.)
 template <typename At>
 static inline float weight(const float* p, const At& at, int64_t s) {
   if constexpr (At::scaled) return p[s] * at.vs(s);
@@ -69,6 +111,7 @@ static inline float weight(const float* p, const At& at, int64_t s) {
 #if LS_AVX2
 template <typename At>
 static inline __m256 key_scales8(const At& at, int64_t s) {
+  if (at.scales_run8(s)) return _mm256_loadu_ps(reinterpret_cast<const float*>(at.k_scale(s)));
   return _mm256_setr_ps(at.ks(s), at.ks(s + 1), at.ks(s + 2), at.ks(s + 3), at.ks(s + 4), at.ks(s + 5), at.ks(s + 6),
                         at.ks(s + 7));
 }
@@ -108,6 +151,137 @@ static inline __m256 hsum8x8(const __m256* a) {
 #endif
 
 #if LS_AVX2
+// 8 vectors of int32 -> one vector of their 8 horizontal sums (lane j = sum of a[j]); exact, so any order would do
+[[gnu::always_inline]] static inline __m256i hsum8x8i(const __m256i* a) {
+  const __m256i t0 = _mm256_hadd_epi32(a[0], a[1]), t1 = _mm256_hadd_epi32(a[2], a[3]);
+  const __m256i t2 = _mm256_hadd_epi32(a[4], a[5]), t3 = _mm256_hadd_epi32(a[6], a[7]);
+  const __m256i u0 = _mm256_hadd_epi32(t0, t1), u1 = _mm256_hadd_epi32(t2, t3);
+  return _mm256_add_epi32(_mm256_permute2x128_si256(u0, u1, 0x20), _mm256_permute2x128_si256(u0, u1, 0x31));
+}
+
+#if LS_ZMM
+// Four vectors t[p] of two keys' 8 partial sums each (key 2p in lanes 0-7, 2p + 1 in 8-15) -> the 8 keys' sums
+[[gnu::always_inline]] static inline __m256i hsum_key_pairs(const __m512i* t) {
+  // 128-bit chunks: keys 0-3 (4 partial sums each) and keys 4-7
+  const __m512i u0 = _mm512_add_epi32(_mm512_shuffle_i32x4(t[0], t[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                      _mm512_shuffle_i32x4(t[0], t[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512i u1 = _mm512_add_epi32(_mm512_shuffle_i32x4(t[2], t[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                      _mm512_shuffle_i32x4(t[2], t[3], _MM_SHUFFLE(3, 1, 3, 1)));
+  // chunk c: (key c, key c + 4, key c, key c + 4) partial pairs, then whole sums in lanes 0 and 1
+  const __m512i v = _mm512_add_epi32(_mm512_unpacklo_epi32(u0, u1), _mm512_unpackhi_epi32(u0, u1));
+  const __m512i w = _mm512_add_epi32(v, _mm512_shuffle_epi32(v, _MM_PERM_BADC));
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 0, 0, 0, 0, 0, 0, 0, 0);
+  return _mm512_castsi512_si256(_mm512_permutexvar_epi32(order, w));
+}
+#endif
+
+// out[u] lane j := Q's query i + u . the quants of position s + j, exactly, for NQ queries and 8 keys. Each key is
+// loaded once for the NQ queries. With VNNI the key's quants are read as unsigned (x ^ 0x80 = k + 128: vpdpbusd
+// multiplies unsigned by signed bytes) and the query's 128 * sum(q) taken off after; AVX2 alone multiplies |k| by q
+// given k's sign (vpmaddubsw), or for a head size of 16s alone widens both to int16 (vpmaddwd); a head size the
+// vectors do not divide, one key at a time. All give the same integers.
+template <int NQ, typename At>
+[[gnu::always_inline]] static inline void int_products8(const QuantizedQueries& Q, int64_t i, int64_t s, int64_t E, const At& at, __m256i* out) {
+  const int8_t* k[8];
+  for (int j = 0; j < 8; ++j) k[j] = at.k(s + j);
+#if LS_ZMM
+  if (E % 64 == 0) {
+    const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+    __m512i t[NQ][4];
+    for (int p = 0; p < 4; ++p) {
+      __m512i a0[NQ], a1[NQ];
+      for (int u = 0; u < NQ; ++u) a0[u] = a1[u] = _mm512_setzero_si512();
+      for (int64_t e = 0; e < E; e += 64) {
+        const __m512i k0 = _mm512_xor_si512(_mm512_loadu_si512(k[2 * p] + e), flip);
+        const __m512i k1 = _mm512_xor_si512(_mm512_loadu_si512(k[2 * p + 1] + e), flip);
+        for (int u = 0; u < NQ; ++u) {
+          const __m512i qv = _mm512_loadu_si512(Q.row(i + u) + e);
+          a0[u] = _mm512_dpbusd_epi32(a0[u], k0, qv);
+          a1[u] = _mm512_dpbusd_epi32(a1[u], k1, qv);
+        }
+      }
+      for (int u = 0; u < NQ; ++u)  // (lower half of key 2p's lanes + upper) | (the same of key 2p + 1's)
+        t[u][p] = _mm512_add_epi32(_mm512_shuffle_i64x2(a0[u], a1[u], 0x44), _mm512_shuffle_i64x2(a0[u], a1[u], 0xEE));
+    }
+    for (int u = 0; u < NQ; ++u) out[u] = _mm256_sub_epi32(hsum_key_pairs(t[u]), _mm256_set1_epi32(Q.offset[i + u]));
+    return;
+  }
+#endif
+  __m256i d[NQ][8];
+#if LS_VNNI
+  if (E % 32 == 0) {
+    const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+    for (int j = 0; j < 8; ++j) {
+      __m256i a[NQ];
+      for (int u = 0; u < NQ; ++u) a[u] = _mm256_setzero_si256();
+      for (int64_t e = 0; e < E; e += 32) {
+        const __m256i kv = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(k[j] + e)), flip);
+        for (int u = 0; u < NQ; ++u)
+          a[u] = LS_DPBUSD(a[u], kv, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(Q.row(i + u) + e)));
+      }
+      for (int u = 0; u < NQ; ++u) d[u][j] = a[u];
+    }
+    for (int u = 0; u < NQ; ++u) out[u] = _mm256_sub_epi32(hsum8x8i(d[u]), _mm256_set1_epi32(Q.offset[i + u]));
+    return;
+  }
+#else
+  if (E % 32 == 0) {  // AVX2 alone, 32 bytes at a time: |k| times q with k's sign (vpmaddubsw), as ggml's q8_0 dot
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int j = 0; j < 8; ++j) {
+      __m256i a[NQ];
+      for (int u = 0; u < NQ; ++u) a[u] = _mm256_setzero_si256();
+      for (int64_t e = 0; e < E; e += 32) {
+        const __m256i kv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(k[j] + e));
+        const __m256i ak = _mm256_sign_epi8(kv, kv);  // |k| <= 127, read as unsigned
+        for (int u = 0; u < NQ; ++u) {
+          const __m256i qv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(Q.row(i + u) + e));
+          // pairs |k| q sign(k) + the next: at most 2 * 127 * 127 < 2^15, so vpmaddubsw never saturates
+          const __m256i pairs = _mm256_maddubs_epi16(ak, _mm256_sign_epi8(qv, kv));
+          a[u] = _mm256_add_epi32(a[u], _mm256_madd_epi16(pairs, ones));
+        }
+      }
+      for (int u = 0; u < NQ; ++u) d[u][j] = a[u];
+    }
+    for (int u = 0; u < NQ; ++u) out[u] = hsum8x8i(d[u]);
+    return;
+  }
+#endif
+  if (E % 16 == 0) {
+    for (int j = 0; j < 8; ++j) {
+      __m256i a[NQ];
+      for (int u = 0; u < NQ; ++u) a[u] = _mm256_setzero_si256();
+      for (int64_t e = 0; e < E; e += 16) {
+        const __m256i kv = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(k[j] + e)));
+        for (int u = 0; u < NQ; ++u) {
+          const __m256i qv = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(Q.row(i + u) + e)));
+          a[u] = _mm256_add_epi32(a[u], _mm256_madd_epi16(kv, qv));
+        }
+      }
+      for (int u = 0; u < NQ; ++u) d[u][j] = a[u];
+    }
+    for (int u = 0; u < NQ; ++u) out[u] = hsum8x8i(d[u]);
+    return;
+  }
+  for (int u = 0; u < NQ; ++u) {
+    alignas(32) int32_t x[8];
+    for (int j = 0; j < 8; ++j) x[j] = int_dot(Q.row(i + u), k[j], E);
+    out[u] = _mm256_load_si256(reinterpret_cast<const __m256i*>(x));
+  }
+}
+
+// Scores of positions s .. s+7 for queries i .. i + NQ - 1 over an int8 cache: float(q_q . k_q) d_q d_k, lane for
+// lane int_score1's products in its order.
+template <int NQ, typename At>
+[[gnu::always_inline]] static inline void int_scores8(const QuantizedQueries& Q, int64_t i, int64_t s, int64_t E, const At& at, __m256* out) {
+  __m256i d[NQ];
+  int_products8<NQ>(Q, i, s, E, at, d);
+  const __m256 ks = key_scales8(at, s);
+  for (int u = 0; u < NQ; ++u)
+    out[u] = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(d[u]), _mm256_set1_ps(Q.d[i + u])), ks);
+}
+#endif
+
+#if LS_AVX2
 // acc (NV * 8) = sum_s p[s] v(s), the accumulator held in registers across positions (E = 64 and 128)
 template <typename T, int NV, typename At>
 static inline void pv_in_registers(const float* p, int64_t len, const At& at, float* out) {
@@ -134,7 +308,6 @@ static inline __m256 score8(const float* q, int64_t s, int64_t E, const At& at) 
     for (int64_t i = 8; i < E; i += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), load8(k + i), a);
     d[j] = a;
   }
-  if constexpr (At::scaled) return _mm256_mul_ps(hsum8x8(d), key_scales8(at, s));
   return hsum8x8(d);
 }
 #endif
@@ -266,23 +439,20 @@ static inline void score8_tile(const float* q, int64_t s, int64_t E, const At& a
   for (int j0 = 0; j0 < 8; j0 += NK) key_products<R, NQ, NK>(q, s, E, at, j0, d);
 #endif
   for (int i = 0; i < NQ; ++i) out[i] = hsum8x8(d[i]);
-  if constexpr (At::scaled) {  // as score8: the lane sums' vector times the keys' scales
-    const __m256 ks = key_scales8(at, s);
-    for (int i = 0; i < NQ; ++i) out[i] = _mm256_mul_ps(out[i], ks);
-  }
 }
 
-// Queries [i, i + NQ) (qf, len, sc rows of ld, running max mv): their scores of the groups of 8 in [b0, b1) that all
-// of them have, by register tiles; done[i + u] := where that stopped.
-template <typename R, int NQ, int NK, typename At>
-static inline void score_tiles(const float* qf, const int64_t* len, int64_t i, int64_t b0, int64_t b1, int64_t E,
-                               const At& rows, float* sc, int64_t ld, __m256* mv, int64_t* done, int64_t pf_end) {
+// Queries [i, i + NQ) (len, sc rows of ld, running max mv): their scores of the groups of 8 in [b0, b1) that all
+// of them have, by register tiles (tile(s, v): the NQ queries' scores of positions s .. s+7 into v); done[i + u] :=
+// where that stopped.
+template <int NQ, typename At, typename Tile>
+static inline void score_tiles(const int64_t* len, int64_t i, int64_t b0, int64_t b1, int64_t E, const At& rows,
+                               float* sc, int64_t ld, __m256* mv, int64_t* done, int64_t pf_end, Tile&& tile) {
   int64_t common = b1;
   for (int u = 0; u < NQ; ++u) common = std::min(common, len[i + u] / 8 * 8);
   for (int64_t s = b0; s < common; s += 8) {
     for (int j = 0; j < 8; ++j) prefetch_row(rows, s + PREFETCH_POSITIONS + j, pf_end, E, true);
     __m256 v[NQ];
-    score8_tile<R, NQ, NK>(qf + i * E, s, E, rows, v);
+    tile(s, v);
     for (int u = 0; u < NQ; ++u) {
       _mm256_storeu_ps(sc + (i + u) * ld + s, v[u]);
       mv[i + u] = _mm256_max_ps(mv[i + u], v[u]);
@@ -417,6 +587,7 @@ struct From {  // positions counted from `first`: a window's span as a context o
   float vs(int64_t s) const { return at.vs(s + first); }
   const char* k_scale(int64_t s) const { return at.k_scale(s + first); }
   const char* v_scale(int64_t s) const { return at.v_scale(s + first); }
+  bool scales_run8(int64_t s) const { return at.scales_run8(s + first); }
 };
 
 template <typename T, typename C, typename At>
@@ -431,20 +602,29 @@ template <typename T, typename C, typename At>
 static float attend_span(const float* q, int64_t len, int64_t E, At at, float* sc, T* o, std::vector<float>& acc) {
   int64_t s = 0;
   float mx = -INFINITY;
-#if LS_AVX2
-  if (E % 8 == 0) {
-    __m256 mv = _mm256_set1_ps(-INFINITY);
-    for (; s + 8 <= len; s += 8) {  // eight positions' dot products at a time, reduced together
-      const __m256 v = score8<C>(q, s, E, at);
-      _mm256_storeu_ps(sc + s, v);
-      mv = _mm256_max_ps(mv, v);
+  if constexpr (At::scaled) {  // an int8 cache: the query rounded once, integer products (as attend_tile)
+    QuantizedQueries qi;
+    qi.quantize(q, 1, E);
+    for (; s < len; ++s) {
+      sc[s] = int_score1(qi, 0, at.k(s), at.ks(s), E);
+      mx = std::max(mx, sc[s]);
     }
-    mx = hmax(mv);
-  }
+  } else {
+#if LS_AVX2
+    if (E % 8 == 0) {
+      __m256 mv = _mm256_set1_ps(-INFINITY);
+      for (; s + 8 <= len; s += 8) {  // eight positions' dot products at a time, reduced together
+        const __m256 v = score8<C>(q, s, E, at);
+        _mm256_storeu_ps(sc + s, v);
+        mv = _mm256_max_ps(mv, v);
+      }
+      mx = hmax(mv);
+    }
 #endif
-  for (; s < len; ++s) {
-    sc[s] = scaled1(dot(q, at.k(s), E), at, s);
-    mx = std::max(mx, sc[s]);
+    for (; s < len; ++s) {
+      sc[s] = dot(q, at.k(s), E);
+      mx = std::max(mx, sc[s]);
+    }
   }
   const float sum = exp_and_sum(sc, len, mx);
   std::fill(acc.begin(), acc.begin() + E, 0.f);
@@ -477,12 +657,14 @@ struct PoolRows {  // position s of one sequence, one KV head -> its K and V row
   const T* vp;
   const int64_t* table;
   BlockOf bo;
-  int64_t block, stride, head;  // a block's elements; stride = K * E; head = the KV head * E
+  // a block's elements; a position's stride and the head's offset in it: K * E and the KV head * E, or (an int8
+  // cache's (head, position)-ordered rows, ops.h kv_slot) E and the KV head * bs * E
+  int64_t block, stride, head;
   int64_t scales, sstride, shead;  // int8 (ops.h kv_slot): a block's scales at bs * K * E, bs * 4 a head, 4 a position
   static constexpr bool scaled = std::is_same_v<T, int8_t>;  // an int8 cache: rows have scales
   static PoolRows of(const T* kp, const T* vp, const int64_t* table, int64_t bs, int64_t K, int64_t kh, int64_t E) {
-    const int64_t block = bs * K * (scaled ? E + 4 : E);
-    return PoolRows{kp, vp, table, BlockOf(bs), block, K * E, kh * E, bs * K * E, 4, kh * bs * 4};
+    if constexpr (scaled) return PoolRows{kp, vp, table, BlockOf(bs), bs * K * (E + 4), E, kh * bs * E, bs * K * E, 4, kh * bs * 4};
+    return PoolRows{kp, vp, table, BlockOf(bs), bs * K * E, K * E, kh * E, 0, 0, 0};
   }
   // always inlined: called per position in the innermost loops, and where GCC chose not to (the int8 cache's
   // instantiations, whose scales call it once more per key and value) each call went through the PLT
@@ -502,6 +684,9 @@ struct PoolRows {  // position s of one sequence, one KV head -> its K and V row
     if constexpr (scaled) return load_scale(v_scale(s));
     return 1.f;
   }
+  // whether positions s .. s + 7 have their scales in one run of 8 floats: they share a block (s a multiple of 8 and
+  // the block's positions too), whose scales are (head, position)-ordered (ops.h kv_slot)
+  [[gnu::always_inline]] bool scales_run8(int64_t s) const { return scaled && (s & 7) == 0 && (bo.bs & 7) == 0; }
 };
 
 #if LS_AVX2
@@ -517,6 +702,7 @@ struct Widened {  // a block's rows widened to float32: position s (in [b0, b0 +
   float vs(int64_t s) const { return src->vs(s); }
   const char* k_scale(int64_t s) const { return src->k_scale(s); }
   const char* v_scale(int64_t s) const { return src->v_scale(s); }
+  bool scales_run8(int64_t s) const { return src->scales_run8(s); }
 };
 template <typename X> struct IsWidened : std::false_type {};
 template <typename At> struct IsWidened<Widened<At>> : std::true_type {};
@@ -573,7 +759,7 @@ static void attend_tile(const float* qf, const int64_t* len, const int64_t* firs
   // into `wide` for all the group's queries (up to TILE_ROWS x G) instead of once per query; a decode row's G <= 4
   // queries widen on load as attend_head does (the scratch's store and reload cost more there). Widening is exact
   // (an int8 row's scale stays apart, applied where the unwidened rows apply it), so the numbers, and the
-  // arithmetic on them, are the same either way.
+  // arithmetic on them, are the same either way. An int8 cache's keys are not widened (integer scores).
   const auto widens = [&](int64_t g) { return !std::is_same_v<T, float> && group[g + 1] - group[g] > 4; };
   std::vector<float> wide(std::is_same_v<T, float> ? 0 : BS * E);
   // rows [b0, b1) -> over `wide`, asking for the rows PREFETCH_POSITIONS ahead (below end): unasked, the widening's
@@ -589,18 +775,27 @@ static void attend_tile(const float* qf, const int64_t* len, const int64_t* firs
     }
     return Widened<At>{wide.data(), b0, E, &rows};
   };
+  QuantizedQueries qi;  // an int8 cache's queries, rounded once for every key they score
+  if constexpr (std::is_same_v<T, int8_t>) qi.quantize(qf, Qn, E);
   std::vector<__m256> mv(Qn, _mm256_set1_ps(-INFINITY));
   std::vector<float> tail_max(Qn, -INFINITY);
   std::vector<int64_t> done(Qn);  // per query: where a block's register tiles stopped (its own loop goes on from there)
   // queries [qa, qb): their scores of positions [b0, bb + BS), bb = the block's start, b0 >= bb (a window's first)
   const auto scores = [&](int64_t bb, int64_t b0, int64_t qa, int64_t qb, const auto& rows) {
     using R = std::remove_cv_t<std::remove_pointer_t<decltype(rows.k(0))>>;
+    constexpr bool ints = std::is_same_v<R, int8_t>;  // an int8 cache: integer products (QuantizedQueries)
     const int64_t b1 = bb + BS;
     const int64_t pf = IsWidened<std::decay_t<decltype(rows)>>::value ? 0 : len[qa];  // positions to prefetch
     int64_t i = qa;
     in_tiles<SQ>(i, qb, [&](auto n) {  // the first tile of the group asks for the rows ahead
-      score_tiles<R, decltype(n)::value, SK>(qf, len, i, b0, b1, E, rows, sc, ld, mv.data(), done.data(),
-                                             i == qa ? pf : 0);
+      constexpr int NQ = decltype(n)::value;
+      score_tiles<NQ>(len, i, b0, b1, E, rows, sc, ld, mv.data(), done.data(), i == qa ? pf : 0,
+                      [&](int64_t s, __m256* v) {
+                        if constexpr (ints)
+                          int_scores8<NQ>(qi, i, s, E, rows, v);
+                        else
+                          score8_tile<R, NQ, SK>(qf + i * E, s, E, rows, v);
+                      });
     });
     for (; i < qb; ++i) done[i] = b0;
     for (i = qa; i < qb; ++i) {
@@ -611,12 +806,19 @@ static void attend_tile(const float* qf, const int64_t* len, const int64_t* firs
       for (int64_t s = done[i]; s < std::min(b1, vec_end); s += 8) {
         if (i == qa)  // a group too small for a tile: its first query asks for the keys
           for (int j = 0; j < 8; ++j) prefetch_row(rows, s + PREFETCH_POSITIONS + j, pf, E, true);
-        const __m256 v = score8<R>(q, s, E, rows);
+        __m256 v;
+        if constexpr (ints)
+          int_scores8<1>(qi, i, s, E, rows, &v);
+        else
+          v = score8<R>(q, s, E, rows);
         _mm256_storeu_ps(si + s, v);
         mv[i] = _mm256_max_ps(mv[i], v);
       }
       for (int64_t s = std::max(b0, vec_end); s < std::min(b1, L); ++s) {
-        si[s] = scaled1(dot(q, rows.k(s), E), rows, s);
+        if constexpr (ints)
+          si[s] = int_score1(qi, i, rows.k(s), rows.ks(s), E);
+        else
+          si[s] = dot(q, rows.k(s), E);
         tail_max[i] = std::max(tail_max[i], si[s]);
       }
     }
@@ -625,7 +827,9 @@ static void attend_tile(const float* qf, const int64_t* len, const int64_t* firs
     for (int64_t g = 0; g < NG; ++g) {
       const int64_t b0 = from(g, bb);
       if (skips(g, bb, b0)) continue;
-      if (widens(g))
+      if constexpr (std::is_same_v<T, int8_t>)  // an int8 cache's keys are scored as stored (integer products)
+        scores(bb, b0, group[g], group[g + 1], at[g]);
+      else if (widens(g))
         scores(bb, b0, group[g], group[g + 1], widened(at[g], b0, std::min(bb + BS, glen[g]), true, glen[g]));
       else
         scores(bb, b0, group[g], group[g + 1], at[g]);
@@ -866,22 +1070,14 @@ void paged_attention_range(const torch::Tensor& q, const torch::Tensor& k_pool, 
 }
 
 // Row `src` (n values of T) into a pool row of type `pool` at `dst`: copied, rounded once to a 16-bit cache, or
-// quantized to an int8 one (n quants at dst.row, their float32 scale at dst.scale: kv_slot). The scale is max|x| times the float
-// nearest 1/127 and each quant x / d rounded half to even, as model/kernels/kv_int8.py's `quantize` (the PyTorch
-// path) computes them, so either writer stores the same bytes. llama.cpp rounds halves away from zero (roundf).
+// quantized to an int8 one (n quants at dst.row, their float32 scale at dst.scale: kv_slot; round_row_int8, as the
+// PyTorch path's writer, so either stores the same bytes).
 template <typename T>
 void store_kv_row(const KVSlot& dst, at::ScalarType pool, const T* src, int64_t n) {
   if (pool == c10::CppTypeToScalarType<T>::value) {
     std::memcpy(dst.row, src, n * sizeof(T));
   } else if (pool == at::kChar) {
-    int8_t* d8 = reinterpret_cast<int8_t*>(dst.row);
-    float amax = 0.f;
-    for (int64_t i = 0; i < n; ++i) amax = std::max(amax, std::fabs(to_f(src[i])));
-    const float d = amax * static_cast<float>(1.0 / 127.0);
-    for (int64_t i = 0; i < n; ++i) {
-      const float x = d > 0.f ? to_f(src[i]) / d : 0.f;
-      d8[i] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, std::nearbyint(x))));
-    }
+    const float d = round_row_int8(src, n, reinterpret_cast<int8_t*>(dst.row));
     std::memcpy(dst.scale, &d, sizeof d);
   } else if (pool == at::kHalf) {
     f16* d = reinterpret_cast<f16*>(dst.row);
