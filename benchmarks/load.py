@@ -32,6 +32,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -329,7 +330,10 @@ def _percentiles(xs: list[float]) -> dict:
 # ---- the run --------------------------------------------------------------------------------------------------
 
 
-def run_load(url: str, cfg: LoadConfig, api_key: str | None = None) -> LoadReport:
+def run_load(url: str, cfg: LoadConfig, api_key: str | None = None,
+             before_burst: Callable[[], Awaitable[None]] | None = None) -> LoadReport:
+    """`before_burst`: awaited in the client's loop just before each burst is fired (a test holds the server's engine
+    busy there, so that the burst meets a full queue however fast the model is)."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     context = httpx.get(url + "/v1/models", headers=headers, timeout=30).json()["data"][0]["max_model_len"]
     vocab = _vocab_size(url, headers)
@@ -362,6 +366,8 @@ def run_load(url: str, cfg: LoadConfig, api_key: str | None = None) -> LoadRepor
             tasks = []
             for item in plan:
                 if isinstance(item, list):  # a burst: all at once, past the concurrency limit
+                    if before_burst is not None:
+                        await before_burst()
                     tasks += [asyncio.create_task(send(client, p, b, bh, random.Random(rng.random()), cfg.timeout))
                               for p, b, bh in item]
                 else:

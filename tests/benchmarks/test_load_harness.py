@@ -1,8 +1,14 @@
 """The load harness (benchmarks/load.py) in CI: 300 mixed requests at concurrency 32 against a live server on a tiny
-random model, bursts above the queue limit included. Zero 5xx, zero hung requests, zero KV blocks left in use, no
+random model, bursts above the queue limit included (each fired while the engine thread is held busy, as a long step
+would hold it: a tiny model drains a queue faster than one process's clients can fill it, and a burst that never
+meets a full queue would leave the 429 path untested). Zero 5xx, zero hung requests, zero KV blocks left in use, no
 running or waiting sequences, and every counter in /metrics consistent with the client's own counts."""
 
 from __future__ import annotations
+
+import asyncio
+import threading
+import time
 
 import torch
 
@@ -22,7 +28,8 @@ def test_short_load_run_keeps_every_promise(tmp_path):
         app = create_app(Settings(max_waiting=64, max_num_seqs=16, kv_cache_bytes=64 << 20), loaded=loaded,
                          wait_ready=True)
         with LiveServer(app) as live:
-            report = run_load(live.url, LoadConfig(num_requests=300, concurrency=32, seed=1))
+            report = run_load(live.url, LoadConfig(num_requests=300, concurrency=32, seed=1),
+                              before_burst=lambda: _hold_engine(app, seconds=1.0))
             print(report.summary())
             assert report.requests == 300
             assert report.ok, report.summary()
@@ -37,3 +44,22 @@ def test_short_load_run_keeps_every_promise(tmp_path):
             assert is_idle(idle_stats(app))
     finally:
         torch.set_num_threads(threads)
+
+
+class _Hold:
+    """An engine job (model/engine/async_engine.py's EngineJob) that keeps the engine thread busy for a while."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds, self.started = seconds, threading.Event()
+
+    def step(self, budget_s: float) -> bool:
+        self.started.set()
+        time.sleep(self.seconds)
+        return True
+
+
+async def _hold_engine(app, seconds: float) -> None:
+    """Returns once the engine thread has begun `seconds` of other work (the burst is fired meanwhile)."""
+    hold = _Hold(seconds)
+    asyncio.ensure_future(app.state.server.engine.run_job(hold))
+    assert await asyncio.to_thread(hold.started.wait, 30), "the engine never ran the hold"

@@ -190,13 +190,13 @@ def test_an_explicit_max_model_len_beyond_the_pool_refuses_to_start():
 def test_an_inspection_of_a_long_prompt_leaves_decoding_at_least_half_its_rate():
     """An inspection runs on the engine thread between serving steps; with a long prompt one whole block of it
     takes many decode steps' time. Each job step is bounded by a share of a serving step, so a stream decoding
-    meanwhile keeps at least half its rate: its time per token during the inspection is at most twice the serving
-    step time measured in the same window (so the load of the machine affects both sides alike)."""
-    import statistics
-
+    meanwhile keeps at least half its rate: its mean time per token during the inspection is at most twice its mean
+    time per token just before it and (a stream like it) just after it. Both sides are token gaps, measured the same
+    way and in the same minute, so what else loads the machine (CI builds an image beside the suite) weighs on both;
+    the serving step's own time would leave out the output thread's work and any descheduling that the gaps include."""
     from model.probes import ProbeOptions, ProbeRun
 
-    import threading
+    import time
 
     model = tiny_model(seed=3, max_seq_len=4096, dim=256, hidden_dim=512, n_layers=4)
     ae = AsyncEngine(Engine(model, byte_tokenizer(), EngineConfig(num_blocks=512, block_size=16)))
@@ -205,39 +205,45 @@ def test_an_inspection_of_a_long_prompt_leaves_decoding_at_least_half_its_rate()
     for t in threading.enumerate():
         if t.name in ("populate", "collapse"):
             t.join()
-    steps: list[tuple[float, float]] = []  # (end time, seconds) of each serving step
-    ae.step_hooks.append(lambda _stats, _outs, seconds: steps.append((asyncio.get_event_loop_policy() and
-                                                                          __import__("time").perf_counter(), seconds)))
     ae.start()
     long_prompt = [(7 * i) % 250 + 1 for i in range(3000)]
+    around = 40  # tokens measured before the inspection, and after it
 
     async def main():
         stamps: list[float] = []
         stream = ae.generate([1, 2, 3], SamplingParams(max_tokens=500, ignore_eos=True))
 
-        async def decode():
+        async def decode(stream, into: list[float]):
             async for _ in stream:
-                stamps.append(__import__("time").perf_counter())
+                into.append(time.perf_counter())
 
-        decoding = asyncio.ensure_future(decode())
-        while len(stamps) < 20:
+        decoding = asyncio.ensure_future(decode(stream, stamps))
+        while len(stamps) < around + 5:
             await asyncio.sleep(0.01)
         run = ProbeRun(model, long_prompt, ProbeOptions(mode="none"))
-        t0 = __import__("time").perf_counter()
+        t0 = time.perf_counter()
         await asyncio.wait_for(ae.run_job(run), 300)
-        t1 = __import__("time").perf_counter()
+        t1 = time.perf_counter()
         decoding.cancel()
-        return [t for t in stamps if t0 <= t <= t1], (t0, t1), run
+        after: list[float] = []  # the same stream's rate after it, from a stream of its own (the first may have ended)
+        await decode(ae.generate([1, 2, 3], SamplingParams(max_tokens=around, ignore_eos=True)), after)
+        return stamps, after, (t0, t1), run
 
     try:
-        during, (t0, t1), run = asyncio.run(main())
+        stamps, after, (t0, t1), run = asyncio.run(main())
     finally:
         ae.stop()
     assert run.done and run.result().layers
+    during = [t for t in stamps if t0 <= t <= t1]
+    before = [t for t in stamps if t < t0][-around:]
     assert len(during) >= 20, "the inspection was too short to measure against"
-    per_token = (during[-1] - during[0]) / (len(during) - 1)
-    step = statistics.median(s for end, s in steps if t0 <= end <= t1)
-    assert per_token <= 2 * step, (per_token, step)
+
+    def mean_gap(ts: list[float]) -> float:
+        return (ts[-1] - ts[0]) / (len(ts) - 1)
+
+    per_token = mean_gap(during)
+    alone = (mean_gap(before) + mean_gap(after)) / 2
+    assert per_token <= 2 * alone, (per_token, alone)
 
 
 # A program that ends without stopping its engine: the interpreter's exit stops it and waits for its threads (an
