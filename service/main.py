@@ -29,7 +29,7 @@ def create_app(settings: Settings | None = None, loaded: LoadedModel | None = No
     from service.common import errors, openapi
     from service.common.middleware import GuardMiddleware
     from service.api.openai.routes import adapters, chat, completions, models, responses
-    from service.microscope.routes import attribute, inspect, patch, vectors
+    from service.microscope.routes import attribute, inspect, patch, vectors, viewer
 
     settings = settings or Settings()
     state = state or ServerState(settings)
@@ -50,7 +50,7 @@ def create_app(settings: Settings | None = None, loaded: LoadedModel | None = No
     errors.install(app)
     openapi.install(app, state)
     for r in (completions.router, chat.router, responses.router, models.router, inspect.router, patch.router,
-              attribute.router, vectors.router):
+              attribute.router, vectors.router, viewer.router):
         app.include_router(r)
     if settings.enable_lora_runtime_updates:
         app.include_router(adapters.router)

@@ -1,5 +1,5 @@
 """POST /inspect: attention maps and sinks, massive activations, residual norms and the logit lens of a prompt
-(optionally after generating a completion); GET /inspect/ui: the viewer page.
+(optionally after generating a completion); POST /inspect/compare: one sequence under two weight sets.
 
 The probe runs on the engine thread as a job stepped one block at a time between serving steps
 (`AsyncEngine.run_job`), on the same weights and kernels that serve completions.
@@ -10,12 +10,10 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from importlib import resources
-from pathlib import Path
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.concurrency import run_in_threadpool
-from fastapi.responses import HTMLResponse, Response
+from fastapi.responses import Response
 
 from model.engine import RequestOptions, SamplingParams
 from model.interventions import Intervention
@@ -197,45 +195,3 @@ async def compare(req: CompareRequest, request: Request, serving: Serving = Depe
     log.info("inspect/compare tokens=%d sides=%d latency_ms=%.0f bytes=%d", len(ids), len(runs),
              (time.perf_counter() - started) * 1e3, len(data))
     return Response(data, media_type="application/json")
-
-
-@router.get("/inspect/ui", response_class=HTMLResponse, include_in_schema=False)
-async def viewer():
-    return HTMLResponse(resources.files("service.microscope").joinpath("static/inspect.html").read_text(encoding="utf-8"))
-
-
-# The viewer's "what this shows" link. The page lives in the source tree (docs/inspection.md), which `make serve`
-# runs from; an installed wheel (the Docker image) carries no docs/, and says where to read them instead.
-INSPECTION_DOC = Path(__file__).resolve().parents[3] / "docs" / "inspection.md"
-
-
-@router.get("/inspect/ui/docs", include_in_schema=False)
-async def viewer_docs():
-    if not INSPECTION_DOC.is_file():
-        raise APIError(404, "the docs are not installed with this server: read docs/inspection.md in the llamascope "
-                            "source tree", code="not_found")
-    return Response(INSPECTION_DOC.read_text(encoding="utf-8"), media_type="text/plain; charset=utf-8")
-
-
-@router.get("/inspect/ui/inspect.js", include_in_schema=False)
-async def viewer_script():
-    return Response(resources.files("service.microscope").joinpath("static/inspect.js").read_text(encoding="utf-8"),
-                    media_type="text/javascript")
-
-
-@router.get("/inspect/ui/patch.js", include_in_schema=False)
-async def viewer_patch_script():
-    return Response(resources.files("service.microscope").joinpath("static/patch.js").read_text(encoding="utf-8"),
-                    media_type="text/javascript")
-
-
-@router.get("/inspect/ui/lora.js", include_in_schema=False)
-async def viewer_lora_script():
-    return Response(resources.files("service.microscope").joinpath("static/lora.js").read_text(encoding="utf-8"),
-                    media_type="text/javascript")
-
-
-@router.get("/inspect/ui/attribute.js", include_in_schema=False)
-async def viewer_attribute_script():
-    return Response(resources.files("service.microscope").joinpath("static/attribute.js").read_text(encoding="utf-8"),
-                    media_type="text/javascript")
