@@ -53,8 +53,11 @@ class Serving:
 
     async def add_requests(self, prompts: list[tuple[str, list[int]]], params: SamplingParams,
                            options: RequestOptions | list[RequestOptions] = PLAIN) -> list[RequestStream]:
-        """Submit prompts (AsyncEngine.add_requests): an invalid one is a 400 here; a full queue or a dead engine
-        raise the engine's errors, which errors.install turns into 429 / 503."""
+        """Submit prompts (AsyncEngine.add_requests) once the engine can serve what each carries (`check`): an
+        invalid one is a 400 here; a full queue or a dead engine raise the engine's errors, which errors.install
+        turns into 429 / 503."""
+        for o in {id(o): o for o in (options if isinstance(options, list) else [options])}.values():
+            await self.check(o)
         try:
             return await self._engine.add_requests(prompts, params, options)
         except ValueError as e:

@@ -1,5 +1,5 @@
 """The `interventions` and `return_hidden_states` request fields -> the engine's `Intervention`s and
-`HiddenStateRead`, with named vectors resolved from the store, and the hidden states' JSON encoding.
+`HiddenStateRead`, with named vectors resolved from the store.
 
 Every client mistake is a 400 envelope naming the field (`interventions[2].vector`): a width that is not the
 model's, a layer outside it, an unknown vector name or a layer the named vector lacks, NaN (refused by the schema).
@@ -7,12 +7,8 @@ model's, a layer outside it, an unknown vector name or a layer the named vector 
 
 from __future__ import annotations
 
-import base64
-
-import numpy as np
 import torch
 
-from model.engine import HiddenStates
 from model.interventions import HiddenStateRead, Intervention, validate_all
 from service.common.errors import APIError
 from service.api.openai.schemas import HiddenStatesOptions, InterventionItem
@@ -25,12 +21,38 @@ def _error(message: str) -> APIError:
     return APIError(400, message, param=param, code="invalid_intervention")
 
 
-def to_interventions(items: list[InterventionItem] | None, store: VectorStore, n_layers: int, dim: int,
-                     field: str = "interventions") -> list[Intervention] | None:
+def to_interventions(items: list[InterventionItem] | None, store: VectorStore, n_layers: int,
+                     dim: int) -> list[Intervention] | None:
     """Expand each item over its layers (a named vector without `layer`: every layer it has), resolve names, and
     validate against the model; None when there are none."""
+    return to_edits(items, None, store, n_layers, dim)[0]
+
+
+def to_edits(items: list[InterventionItem] | None, hidden: HiddenStatesOptions | None, store: VectorStore,
+             n_layers: int, dim: int) -> tuple[list[Intervention] | None, HiddenStateRead | None]:
+    """A request's `interventions` (as `to_interventions`) and `return_hidden_states`: both read, then both
+    validated against the model, the interventions first."""
+    out, names = _expand(items, store)
+    read = None if hidden is None else HiddenStateRead(
+        list(hidden.layers), hidden.positions if isinstance(hidden.positions, str) else tuple(hidden.positions))
+    if out is not None:
+        try:
+            validate_all(out, n_layers, dim, names)
+        except ValueError as e:
+            raise _error(str(e)) from None
+    if read is not None:
+        try:
+            read.validate(n_layers, "return_hidden_states")
+        except ValueError as e:
+            raise APIError(400, str(e), param=str(e).split(":", 1)[0], code="invalid_value") from None
+    return out, read
+
+
+def _expand(items: list[InterventionItem] | None, store: VectorStore,
+            field: str = "interventions") -> tuple[list[Intervention] | None, list[str]]:
+    """The engine's items before validation, and the request item each came from (`interventions[2]`)."""
     if not items:
-        return None
+        return None, []
     out: list[Intervention] = []
     names: list[str] = []  # the request item each engine item came from, for errors
     for i, it in enumerate(items):
@@ -64,35 +86,4 @@ def to_interventions(items: list[InterventionItem] | None, store: VectorStore, n
                 layer=layer, site=it.site, op=it.op, positions=positions, vector=vector, scale=it.scale,
                 dims=tuple(it.dims or ()), values=tuple(it.values or ()), factor=it.factor))
             names.append(where)
-    try:
-        validate_all(out, n_layers, dim, names)
-    except ValueError as e:
-        raise _error(str(e)) from None
-    return out
-
-
-def to_read(opts: HiddenStatesOptions | None, n_layers: int, field: str = "return_hidden_states") -> HiddenStateRead | None:
-    if opts is None:
-        return None
-    read = HiddenStateRead(list(opts.layers), opts.positions if isinstance(opts.positions, str) else tuple(opts.positions))
-    try:
-        read.validate(n_layers, field)
-    except ValueError as e:
-        raise APIError(400, str(e), param=str(e).split(":", 1)[0], code="invalid_value") from None
-    return read
-
-
-def encode_hidden(hs: HiddenStates | None, dtype: str) -> dict | None:
-    """Hidden states as JSON: values (n_positions, n_layers, D), little-endian float32 (or float16) in base64."""
-    if hs is None:
-        return None
-    arr = np.ascontiguousarray(hs.values.numpy().astype("<f4" if dtype == "float32" else "<f2"))
-    return {"layers": hs.layers, "positions": hs.positions, "shape": list(arr.shape), "dtype": dtype,
-            "encoding": "base64", "data": base64.b64encode(arr.tobytes()).decode("ascii")}
-
-
-def merge_hidden(parts: list[HiddenStates]) -> HiddenStates | None:
-    """A choice's hidden-state deltas, in order, as one."""
-    if not parts:
-        return None
-    return HiddenStates(parts[0].layers, [p for h in parts for p in h.positions], torch.cat([h.values for h in parts]))
+    return out, names

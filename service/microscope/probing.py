@@ -1,5 +1,6 @@
 """Inspections stepped on the engine thread between serving steps (`AsyncEngine.run_job`), on the weights and kernels
-that serve completions: the one runner /inspect, /v1/vectors and the `inspect` extension of /v1/completions share."""
+that serve completions: the one runner /inspect, /v1/vectors and the `inspect` extension of /v1/completions share,
+and the length limit (--max-inspect-tokens) each of them checks before it submits anything."""
 
 from __future__ import annotations
 
@@ -15,6 +16,14 @@ from service.common.errors import APIError
 from service.common.runner import until_disconnect
 from service.api.openai.schemas import InspectSummaryOptions
 from service.common.serving import Serving
+
+
+def check_inspect_length(serving: Serving, T: int, param: str = "prompt") -> None:
+    """413 for an inspection (or a probe run for a vector or a summary) of more than --max-inspect-tokens."""
+    limit = serving.settings.max_inspect_tokens
+    if T > limit:
+        raise APIError(413, f"inspecting {T} tokens exceeds the limit of {limit} (max_inspect_tokens)",
+                       param=param, code="inspect_too_long")
 
 
 async def run_probe(serving: Serving, request: Request | None, ids: list[int], opts: ProbeOptions,

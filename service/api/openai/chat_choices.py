@@ -10,8 +10,7 @@ from collections.abc import Callable
 from model.engine import RequestOutput
 from model.text import Tokenizer
 from model.text.reasoning import ReasoningSplit
-from service.microscope.edit_fields import encode_hidden, merge_hidden
-from service.api.openai.format import chat_logprob, now, usage
+from service.api.openai.format import chat_logprob, encode_hidden, merge_hidden, now, usage
 from service.api.openai.tool_calls import ChoiceMessage, ToolPlan
 
 

@@ -10,8 +10,7 @@ import asyncio
 from model.engine import RequestOutput
 from model.text import Tokenizer
 from service.microscope import inspect_format as fmt
-from service.microscope.edit_fields import encode_hidden, merge_hidden
-from service.api.openai.format import LegacyLogprobs, now
+from service.api.openai.format import LegacyLogprobs, encode_hidden, merge_hidden, now
 from service.api.openai.schemas import CompletionRequest
 
 

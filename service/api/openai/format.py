@@ -1,11 +1,16 @@
-"""OpenAI wire formats the generation routes share: SSE framing, legacy and chat logprobs, usage, error events."""
+"""OpenAI wire formats the generation routes share: SSE framing, legacy and chat logprobs, usage, error events, and
+the `hidden_states` a choice returns (vLLM's extension, as llamascope encodes it)."""
 
 from __future__ import annotations
 
+import base64
 import json
 import time
 
-from model.engine import TokenLogprobs
+import numpy as np
+import torch
+
+from model.engine import HiddenStates, TokenLogprobs
 from model.text import Tokenizer
 from service.common.errors import envelope
 
@@ -75,3 +80,19 @@ def chat_logprob(tok: Tokenizer, lp: TokenLogprobs) -> dict:
         return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
     return {**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
+
+
+def encode_hidden(hs: HiddenStates | None, dtype: str) -> dict | None:
+    """Hidden states as JSON: values (n_positions, n_layers, D), little-endian float32 (or float16) in base64."""
+    if hs is None:
+        return None
+    arr = np.ascontiguousarray(hs.values.numpy().astype("<f4" if dtype == "float32" else "<f2"))
+    return {"layers": hs.layers, "positions": hs.positions, "shape": list(arr.shape), "dtype": dtype,
+            "encoding": "base64", "data": base64.b64encode(arr.tobytes()).decode("ascii")}
+
+
+def merge_hidden(parts: list[HiddenStates]) -> HiddenStates | None:
+    """A choice's hidden-state deltas, in order, as one."""
+    if not parts:
+        return None
+    return HiddenStates(parts[0].layers, [p for h in parts for p in h.positions], torch.cat([h.values for h in parts]))

@@ -1,20 +1,21 @@
-"""Request preparation every route shares: prompts to token ids (a completions prompt in any of its four forms, chat
-messages through the checkpoint's template), a whole chat request (for /v1/chat/completions and /v1/responses, which
-runs as one), and the inspection length limit, each refusal a 400 / 413 naming the field. Routes import these from
-here, never from one another."""
+"""Request preparation the routes share: prompts to token ids (a completions prompt in any of its four forms, chat
+messages through the checkpoint's template), a whole completions request and a whole chat request (for
+/v1/chat/completions and /v1/responses, which runs as one), each refusal a 400 / 413 naming the field. Routes import
+these from here, never from one another."""
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
 
-from model.engine import RequestOptions, SamplingParams
+from model.engine import RequestOptions, SamplingParams, TelemetryOptions
 from service.common.errors import APIError
 from service.api.openai.option_fields import to_options
 from service.api.openai.sampling_fields import to_sampling_params
-from service.api.openai.schemas import ChatCompletionRequest, ChatMessage
+from service.api.openai.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, InspectSummaryOptions
 from service.common.serving import Serving
 from service.api.openai.structured_outputs import requested_spec
+from service.microscope.probing import check_inspect_length
 from service.api.openai.tool_calls import ToolPlan, plan_tools, template_messages, template_renders_tools, template_tools
 from service.api.openai.tool_parsers import template_tool_format
 
@@ -75,6 +76,41 @@ def render_chat_prompt(serving: Serving, messages: list[ChatMessage], add_genera
 
 
 @dataclass
+class CompletionRun:
+    """What a completions request runs as: its prompts' token ids, sampling and options."""
+
+    prompts: list[list[int]]
+    params: SamplingParams
+    options: RequestOptions
+
+
+def stream_telemetry(req: CompletionRequest) -> TelemetryOptions | None:
+    """`inspect: {"stream": true}`: per-token attention telemetry, which only a streamed completion can carry."""
+    o = req.inspect
+    if not isinstance(o, InspectSummaryOptions) or not o.stream:
+        return None
+    if not req.stream:
+        raise APIError(400, "inspect.stream needs stream: true (the telemetry travels in each token's chunk)",
+                       param="inspect", code="invalid_value")
+    return TelemetryOptions(top_k=o.top_k, massive_threshold=o.massive_threshold, massive_ratio=o.massive_ratio)
+
+
+def prepare_completion(serving: Serving, req: CompletionRequest, adapter: str | None) -> CompletionRun:
+    """A completions request's prompts, sampling and options under LoRA adapter `adapter` (or the base), every
+    refusal raised before anything is submitted."""
+    prompts = tokenize_prompts(serving, req.prompt)
+    telemetry = stream_telemetry(req)
+    structured = requested_spec(req)
+    prompt_lp = req.logprobs if req.echo and req.logprobs is not None else None
+    params = to_sampling_params(req, serving.settings, req.max_tokens, req.logprobs, prompt_lp,
+                                default_max_tokens=max(1, serving.max_model_len - max(len(p) for p in prompts)))
+    if req.inspect and telemetry is None:  # the summary inspects each prompt: the inspection limit applies
+        for p in prompts:
+            check_inspect_length(serving, len(p))
+    return CompletionRun(prompts, params, to_options(req, serving, params, adapter, telemetry, structured))
+
+
+@dataclass
 class ChatRun:
     """What a chat request runs as: its rendered text and token ids, tool plan, sampling and options."""
 
@@ -85,9 +121,10 @@ class ChatRun:
     options: RequestOptions
 
 
-async def prepare_chat(serving: Serving, req: ChatCompletionRequest) -> ChatRun:
+async def prepare_chat(serving: Serving, req: ChatCompletionRequest, adapter: str | None) -> ChatRun:
     """A chat request's prompt (its tools planned and rendered, its chat_template_kwargs given to the template),
-    sampling and options, every refusal raised before anything is submitted."""
+    sampling and options under LoRA adapter `adapter` (or the base), every refusal raised before anything is
+    submitted."""
     tok = serving.tokenizer
     tool_turns = any(m.tool_calls or m.role == "tool" for m in req.messages)
     plan = plan_tools(req, native=bool(req.tools or tool_turns) and template_renders_tools(tok),
@@ -109,12 +146,4 @@ async def prepare_chat(serving: Serving, req: ChatCompletionRequest) -> ChatRun:
         # Mistral's [TOOL_CALLS] is a control token: kept in the text for the parser (vLLM's MistralToolParser
         # adjust_request does the same)
         params = dataclasses.replace(params, skip_special_tokens=False)
-    return ChatRun(text, prompt, plan, params, await to_options(req, serving, params, structured=plan.spec or structured))
-
-
-def check_inspect_length(serving: Serving, T: int, param: str = "prompt") -> None:
-    """413 for an inspection (or a probe run for a vector or a summary) of more than --max-inspect-tokens."""
-    limit = serving.settings.max_inspect_tokens
-    if T > limit:
-        raise APIError(413, f"inspecting {T} tokens exceeds the limit of {limit} (max_inspect_tokens)",
-                       param=param, code="inspect_too_long")
+    return ChatRun(text, prompt, plan, params, to_options(req, serving, params, adapter, structured=plan.spec or structured))

@@ -22,8 +22,7 @@ from service.microscope import inspect_format as fmt
 from service.common.errors import APIError
 from service.api.openai.format import now
 from service.microscope.patching import RESPONSE_BYTES_PER_CELL, build_sweep, one_token, prompt_tokens, run_cells, sweep_fields
-from service.api.openai.prepare import check_inspect_length
-from service.microscope.probing import run_job
+from service.microscope.probing import check_inspect_length, run_job
 from service.common.runner import until_disconnect
 from service.api.openai.schemas import AttributeRequest
 from service.common.serving import Serving, get_serving

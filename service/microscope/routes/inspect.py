@@ -21,8 +21,8 @@ from model.probes import DEFAULT_INCLUDES, CompareRun, ProbeOptions
 from service.microscope import inspect_format as fmt
 from service.common.errors import APIError
 from service.microscope.edit_fields import to_interventions
-from service.api.openai.prepare import check_inspect_length, check_token_ids, render_chat
-from service.microscope.probing import run_job, run_probe
+from service.api.openai.prepare import check_token_ids, render_chat
+from service.microscope.probing import check_inspect_length, run_job, run_probe
 from service.api.openai.format import now
 from service.common.runner import RunStats, start, until_disconnect
 from service.api.openai.schemas import CompareRequest, InspectRequest

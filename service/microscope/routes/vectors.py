@@ -14,8 +14,7 @@ from fastapi import APIRouter, Depends, Request
 
 from model.probes import ProbeOptions
 from service.common.errors import APIError
-from service.api.openai.prepare import check_inspect_length
-from service.microscope.probing import run_probe
+from service.microscope.probing import check_inspect_length, run_probe
 from service.api.openai.schemas import VectorRequest
 from service.common.serving import Serving, get_serving
 from service.microscope.vectors import StoredVector, contrastive_mean

@@ -32,8 +32,9 @@ def reasoning_splits(serving: Serving, req: ChatCompletionRequest, prompt_text: 
 
 @router.post("/v1/chat/completions")
 async def chat_completions(req: ChatCompletionRequest, request: Request, serving: Serving = Depends(get_serving)):
-    model = serving.check_model(req.model, adapters=True) or serving.model_name  # the base's name, or the adapter's
-    run = await prepare_chat(serving, req)
+    adapter = serving.check_model(req.model, adapters=True)
+    model = adapter or serving.model_name  # the base's name, or the adapter's
+    run = await prepare_chat(serving, req, adapter)
     params = run.params
     stats = RunStats("chat")
     choices = ChatChoices(serving.tokenizer, params.n, run.plan, bool(req.logprobs), f"chatcmpl-{stats.request_id}",

@@ -28,7 +28,8 @@ def _not_found(response_id: str, param: str | None = None) -> APIError:
 
 @router.post("/v1/responses")
 async def create_response(req: ResponsesRequest, request: Request, serving: Serving = Depends(get_serving)):
-    model = serving.check_model(req.model, adapters=True) or serving.model_name  # the base's name, or the adapter's
+    adapter = serving.check_model(req.model, adapters=True)
+    model = adapter or serving.model_name  # the base's name, or the adapter's
     conversation: list[dict] = []
     if req.previous_response_id is not None:
         previous = serving.responses.get(req.previous_response_id)
@@ -38,7 +39,7 @@ async def create_response(req: ResponsesRequest, request: Request, serving: Serv
     conversation += input_items(req)
     stats = RunStats("responses")
     try:
-        run = await prepare_chat(serving, chat_request(req, conversation))
+        run = await prepare_chat(serving, chat_request(req, conversation), adapter)
         out = ResponseOutput(serving.tokenizer, run.plan, req, stats.request_id, model)
         outputs = await start(serving, [run.prompt], run.params, stats, run.options)  # refusals raise here
     except APIError as e:
