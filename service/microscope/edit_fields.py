@@ -11,7 +11,7 @@ import torch
 
 from model.interventions import HiddenStateRead, Intervention, validate_all
 from service.common.errors import APIError
-from service.api.openai.schemas import HiddenStatesOptions, InterventionItem
+from service.microscope.schemas import HiddenStatesOptions, InterventionItem
 from service.microscope.vectors import VectorStore
 
 

@@ -19,7 +19,7 @@ from model.probes import PatchSweep, SiteCapture, cell_interventions, metric
 from service.common.errors import APIError
 from service.api.openai.prepare import render_chat
 from service.microscope.probing import run_job
-from service.api.openai.schemas import PatchRequest
+from service.microscope.schemas import PatchRequest
 from service.common.serving import Serving
 
 WAVE = 32  # cells a submission; two waves in flight keep the engine's batches full without filling its queue

@@ -14,7 +14,7 @@ from model.probes import ProbeOptions, ProbeRun
 from service.microscope import inspect_format as fmt
 from service.common.errors import APIError
 from service.common.runner import until_disconnect
-from service.api.openai.schemas import InspectSummaryOptions
+from service.microscope.schemas import InspectSummaryOptions
 from service.common.serving import Serving
 
 

@@ -12,7 +12,9 @@ from model.engine import RequestOptions, SamplingParams, TelemetryOptions
 from service.common.errors import APIError
 from service.api.openai.option_fields import to_options
 from service.api.openai.sampling_fields import to_sampling_params
-from service.api.openai.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, InspectSummaryOptions
+from service.api.openai.schemas import ChatCompletionRequest, CompletionRequest
+from service.common.fields import ChatMessage
+from service.microscope.schemas import InspectSummaryOptions
 from service.common.serving import Serving
 from service.api.openai.structured_outputs import requested_spec
 from service.microscope.probing import check_inspect_length

@@ -28,7 +28,8 @@ from typing import Any
 from model.engine.structured import StructuredOutputSpec
 from model.text import Tokenizer
 from service.common.errors import APIError
-from service.api.openai.schemas import ChatCompletionRequest, ChatMessage, Tool
+from service.api.openai.schemas import ChatCompletionRequest, Tool
+from service.common.fields import ChatMessage
 from service.api.openai.structured_outputs import close_objects, json_schema_spec
 from service.api.openai.tool_parsers import call_id, parse_tool_calls, template_call_id
 

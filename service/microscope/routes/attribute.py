@@ -24,7 +24,7 @@ from service.api.openai.format import now
 from service.microscope.patching import RESPONSE_BYTES_PER_CELL, build_sweep, one_token, prompt_tokens, run_cells, sweep_fields
 from service.microscope.probing import check_inspect_length, run_job
 from service.common.runner import until_disconnect
-from service.api.openai.schemas import AttributeRequest
+from service.microscope.schemas import AttributeRequest
 from service.common.serving import Serving, get_serving
 
 router = APIRouter()

@@ -25,7 +25,7 @@ from service.api.openai.prepare import check_token_ids, render_chat
 from service.microscope.probing import check_inspect_length, run_job, run_probe
 from service.api.openai.format import now
 from service.common.runner import RunStats, start, until_disconnect
-from service.api.openai.schemas import CompareRequest, InspectRequest
+from service.microscope.schemas import CompareRequest, InspectRequest
 from service.common.serving import Serving, get_serving
 
 router = APIRouter()

@@ -15,7 +15,7 @@ from fastapi import APIRouter, Depends, Request
 from model.probes import ProbeOptions
 from service.common.errors import APIError
 from service.microscope.probing import check_inspect_length, run_probe
-from service.api.openai.schemas import VectorRequest
+from service.microscope.schemas import VectorRequest
 from service.common.serving import Serving, get_serving
 from service.microscope.vectors import StoredVector, contrastive_mean
 

@@ -14,8 +14,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
-from service.api.openai.schemas import (Float, FunctionName, Int, Interventions, JsonSchemaObject, NonEmptyText, StopText, Text,
-                             check_stop)
+from service.api.openai.schemas import JsonSchemaObject, check_stop
+from service.common.fields import Float, FunctionName, Int, NonEmptyText, StopText, Text
+from service.microscope.schemas import Interventions
 
 ITEM_TYPES = ("message", "function_call", "function_call_output")
 PART_TYPES = ("input_text", "output_text")
