@@ -26,10 +26,10 @@ def create_app(settings: Settings | None = None, loaded: LoadedModel | None = No
     from fastapi import FastAPI
     from starlette.middleware.cors import CORSMiddleware
 
-    from service.common import errors, openapi
+    from service.common import errors, health, openapi
     from service.common.middleware import GuardMiddleware
     from service.api.openai.routes import adapters, chat, completions, models, responses
-    from service.microscope.routes import attribute, inspect, patch, vectors, viewer
+    from service.microscope.routes import attribute, compare, inspect, patch, vectors, viewer
 
     settings = settings or Settings()
     state = state or ServerState(settings)
@@ -49,8 +49,8 @@ def create_app(settings: Settings | None = None, loaded: LoadedModel | None = No
     app.state.server = state
     errors.install(app)
     openapi.install(app, state)
-    for r in (completions.router, chat.router, responses.router, models.router, inspect.router, patch.router,
-              attribute.router, vectors.router, viewer.router):
+    for r in (completions.router, chat.router, responses.router, health.router, models.router, inspect.router,
+              compare.router, patch.router, attribute.router, vectors.router, viewer.router):
         app.include_router(r)
     if settings.enable_lora_runtime_updates:
         app.include_router(adapters.router)

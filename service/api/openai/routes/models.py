@@ -1,29 +1,16 @@
-"""GET /health, GET /v1/models, GET /metrics, POST /tokenize, POST /detokenize."""
+"""GET /v1/models (the base model and each LoRA adapter served), POST /tokenize, POST /detokenize (vLLM's)."""
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends, Request
-from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from fastapi import APIRouter, Depends
+from fastapi.responses import JSONResponse
 
-from service.common.errors import APIError, error_response
+from service.common.errors import APIError
 from service.api.openai.prepare import check_token_ids, render_chat
 from service.api.openai.schemas import DetokenizeRequest, TokenizeRequest
 from service.common.serving import Serving, get_serving
-from service.common.state import ServerState
 
 router = APIRouter()
-
-
-@router.get("/health")
-async def health(request: Request):
-    state: ServerState = request.app.state.server  # the lifecycle itself: answers while loading and after a failure
-    if state.ready:
-        return {"status": "ok", "model": state.model_name}
-    reason = "draining" if state.draining else ("failed" if state.load_error or state.fatal_error else "loading")
-    detail = state.load_error or state.fatal_error
-    return error_response(503, f"not ready: {reason}" + (f" ({detail})" if detail else ""),
-                          code="not_ready", headers={"Retry-After": "5"})
 
 
 @router.get("/v1/models")
@@ -34,14 +21,6 @@ async def models(serving: Serving = Depends(get_serving)):
     loras = [{"id": name, "object": "model", "created": 0, "owned_by": "llamascope", "root": a.path,
               "parent": serving.model_name, "max_model_len": serving.max_model_len} for name, a in serving.adapters.items()]
     return {"object": "list", "data": [base, *loras]}
-
-
-@router.get("/metrics")
-async def metrics(request: Request):
-    state: ServerState = request.app.state.server  # scraped whatever the state, as Prometheus expects
-    if state.stats is not None:  # the engine thread's last snapshot, never a walk over its live state
-        state.metrics.set_gauges(state.stats)
-    return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
 @router.post("/tokenize")
