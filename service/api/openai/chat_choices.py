@@ -1,4 +1,4 @@
-"""The choices of one /v1/chat/completions response, streamed chunk by chunk (a service/common/sse_response.py
+"""The choices of one /v1/chat/completions response, streamed chunk by chunk (a service/api/openai/sse_response.py
 `StreamedChoices`) or collected whole: each choice's content or tool calls (parsed as they arrive,
 service/api/openai/tool_calls.py), its reasoning apart (`--reasoning-parser`, model/text/reasoning.py), chat logprobs, hidden
 states."""

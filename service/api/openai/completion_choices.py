@@ -1,7 +1,7 @@
 """The choices of one /v1/completions response (OpenAI's legacy completions object), streamed chunk by chunk or
 collected whole: echo of the prompt, legacy logprobs (the prompt's with the first chunk when echoed), hidden states,
 per-token attention telemetry, and the `inspect` summary that follows them. Streamed, it is a
-service/common/sse_response.py `StreamedChoices`."""
+service/api/openai/sse_response.py `StreamedChoices`."""
 
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ from service.api.openai.prepare import prepare_chat
 from service.common.runner import RunStats, collect, start
 from service.api.openai.schemas import ChatCompletionRequest
 from service.common.serving import Serving, get_serving
-from service.common.sse_response import stream_response
+from service.api.openai.sse_response import stream_response
 
 router = APIRouter()
 

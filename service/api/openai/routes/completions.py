@@ -14,7 +14,7 @@ from service.api.openai.prepare import prepare_completion
 from service.api.openai.schemas import CompletionRequest
 from service.common.runner import RunStats, collect, start, until_disconnect
 from service.common.serving import Serving, get_serving
-from service.common.sse_response import stream_response
+from service.api.openai.sse_response import stream_response
 from service.microscope.probing import completion_summaries
 
 router = APIRouter()
