@@ -69,10 +69,13 @@ class Serving:
     def new_probe(self, token_ids: list[int], opts: ProbeOptions, interventions: list[Intervention] | None = None,
                   num_prompt_tokens: int | None = None, adapter: str | None = None) -> ProbeRun:
         """An inspection of `token_ids` over the serving weights, under LoRA adapter `adapter` (a served name) or the
-        base, edited by `interventions` (ValueError for options out of range)."""
+        base, edited by `interventions`; options out of range are a 400."""
         # (under tensor parallelism a probe's blocks run on every rank, which serve no adapter outside engine steps)
         model = self._state.loaded.model if adapter is None else self.local_model("an inspection under a LoRA adapter")
-        return ProbeRun(model, token_ids, opts, interventions, num_prompt_tokens, self.adapter(adapter))
+        try:
+            return ProbeRun(model, token_ids, opts, interventions, num_prompt_tokens, self.adapter(adapter))
+        except ValueError as e:
+            raise APIError(400, str(e), code="invalid_value") from None
 
     def local_model(self, what: str) -> Transformer:
         """The served model where its modules run in this process; 400 under tensor parallelism."""

@@ -32,12 +32,8 @@ async def run_probe(serving: Serving, request: Request | None, ids: list[int], o
     """Step a ProbeRun on the engine thread to its end; cancelled if the client of `request` leaves (without a
     request, the caller's own cancellation is the only stop). A full inspection queue or a dead engine raise the
     engine's errors (429 / 503 through errors.install)."""
-    try:
-        run = serving.new_probe(ids, opts, interventions, num_prompt_tokens, adapter)
-    except ValueError as e:
-        raise APIError(400, str(e), code="invalid_value") from None
-    await run_job(serving, request, run, len(ids))
-    return run
+    return await run_job(serving, request, serving.new_probe(ids, opts, interventions, num_prompt_tokens, adapter),
+                         len(ids))
 
 
 async def run_job(serving: Serving, request: Request | None, job: EngineJob, tokens: int = 0) -> EngineJob:
