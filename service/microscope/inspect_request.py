@@ -11,7 +11,7 @@ from service.microscope import inspect_format as fmt
 from service.microscope.schemas import InspectRequest
 
 
-def sequence(serving: Serving, req: InspectRequest) -> list[int]:
+def request_tokens(serving: Serving, req: InspectRequest) -> list[int]:
     given = [name for name in ("prompt", "input_ids", "messages") if getattr(req, name) is not None]
     if len(given) != 1:
         raise APIError(400, "give exactly one of prompt, input_ids or messages" + (f" (got {', '.join(given)})" if given else ""),

@@ -16,7 +16,7 @@ from service.api.openai.format import now
 from service.common.errors import APIError
 from service.common.serving import Serving, get_serving
 from service.microscope import inspect_format as fmt
-from service.microscope.inspect_request import probe_options, sequence
+from service.microscope.inspect_request import probe_options, request_tokens
 from service.microscope.probing import check_inspect_length, run_job, run_probe
 from service.microscope.schemas import CompareRequest
 
@@ -34,7 +34,7 @@ async def compare(req: CompareRequest, request: Request, serving: Serving = Depe
         raise APIError(400, "compare inspects the given sequence as it is: no max_tokens, no interventions",
                        param="max_tokens" if req.max_tokens else "interventions", code="invalid_value")
     started = time.perf_counter()
-    ids = sequence(serving, req)
+    ids = request_tokens(serving, req)
     check_inspect_length(serving, len(ids), "prompt")
     opts = probe_options(serving, req, len(ids))
     if opts.mode == "topk":  # (asked, or what "auto" fits in the byte budget)

@@ -20,7 +20,7 @@ from model.interventions import Intervention
 from service.microscope import inspect_format as fmt
 from service.common.errors import APIError
 from service.microscope.edit_fields import to_interventions
-from service.microscope.inspect_request import absolute, probe_options, sequence
+from service.microscope.inspect_request import absolute, probe_options, request_tokens
 from service.microscope.probing import check_inspect_length, run_probe
 from service.api.openai.format import now
 from service.common.runner import RunStats, start, until_disconnect
@@ -61,7 +61,7 @@ async def inspect(req: InspectRequest, request: Request, serving: Serving = Depe
     adapter = serving.check_model(req.model, adapters=True)  # the whole inspection under a LoRA adapter, or the base
     c = serving.config
     started = time.perf_counter()
-    ids = sequence(serving, req)
+    ids = request_tokens(serving, req)
     max_len = serving.max_model_len
     if len(ids) + req.max_tokens > max_len:
         raise APIError(400, f"prompt ({len(ids)} tokens) + max_tokens ({req.max_tokens}) exceeds the context of {max_len}",

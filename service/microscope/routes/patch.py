@@ -16,6 +16,7 @@ from service.microscope import inspect_format as fmt
 from service.common.errors import APIError
 from service.api.openai.format import now
 from service.microscope.patching import build_sweep, check_patch_budget, prompt_tokens, sweep_fields, sweep_grid
+from service.microscope.probing import check_inspect_length
 from service.common.runner import until_disconnect
 from service.microscope.schemas import PatchRequest
 from service.common.serving import Serving, get_serving
