@@ -55,7 +55,7 @@ class InProcess:
 
     def __init__(self, model: str | None) -> None:
         from service.config import Settings
-        from service.state import ServerState
+        from service.common.state import ServerState
 
         self.state = ServerState(Settings(model=model))
         # On a thread that then ends, as the service does (service/main.py): a thread that ran parallel regions

@@ -403,7 +403,7 @@ def run_load(url: str, cfg: LoadConfig, api_key: str | None = None,
 
 
 def _vocab_size(url: str, headers: dict) -> int:
-    """From the OpenAPI document, where token ids are bounded by the served vocabulary (service/openapi.py)."""
+    """From the OpenAPI document, where token ids are bounded by the served vocabulary (service/common/openapi.py)."""
     try:
         doc = httpx.get(url + "/openapi.json", headers=headers, timeout=30).json()
         detok = doc["components"]["schemas"]["DetokenizeRequest"]["properties"]["tokens"]["items"]

@@ -10,7 +10,7 @@ from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, NoReturn
 
 from service.config import Settings, allowed_origins, parse_cli
-from service.state import ServerState
+from service.common.state import ServerState
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -26,9 +26,10 @@ def create_app(settings: Settings | None = None, loaded: LoadedModel | None = No
     from fastapi import FastAPI
     from starlette.middleware.cors import CORSMiddleware
 
-    from service import errors, openapi
-    from service.middleware import GuardMiddleware
-    from service.routes import attribute, chat, completions, info, inspect, lora, patch, responses, vectors
+    from service.common import errors, health, openapi
+    from service.common.middleware import GuardMiddleware
+    from service.api.openai.routes import adapters, chat, completions, models, responses
+    from service.microscope.routes import attribute, compare, inspect, patch, vectors, viewer
 
     settings = settings or Settings()
     state = state or ServerState(settings)
@@ -48,12 +49,11 @@ def create_app(settings: Settings | None = None, loaded: LoadedModel | None = No
     app.state.server = state
     errors.install(app)
     openapi.install(app, state)
-    for r in (completions.router, chat.router, responses.router, info.router, inspect.router, patch.router,
-              attribute.router,
-              vectors.router):
+    for r in (completions.router, chat.router, responses.router, health.router, models.router, inspect.router,
+              compare.router, patch.router, attribute.router, vectors.router, viewer.router):
         app.include_router(r)
     if settings.enable_lora_runtime_updates:
-        app.include_router(lora.router)
+        app.include_router(adapters.router)
     key = settings.api_key.get_secret_value() if settings.api_key else None
     app.add_middleware(GuardMiddleware, api_key=key, max_body_bytes=settings.max_body_bytes,
                        metrics_require_key=settings.metrics_require_key, requests_counter=state.metrics.requests)
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m service") -> int:
     # own (the GGUF and safetensors readers), none that the web stack imports too.
     state = ServerState(settings)
     state.start_in_background()
-    from service.shutdown import serve
+    from service.common.shutdown import serve
 
     code = serve(create_app(settings, state=state), settings)
     if state.fatal_error:  # after uvicorn's own shutdown lines: what a terminal or an orchestrator's log shows last

@@ -13,7 +13,7 @@ position, normalised so that 0 is the corrupted run and 1 the clean one,
 (corrupted into clean: which are necessary) on request; a noising sweep's cells are near 1 where an activation
 does not matter and fall where it does.
 
-Here a sweep runs on the serving engine as ordinary rows (service/routes/patch.py drives it):
+Here a sweep runs on the serving engine as ordinary rows (service/microscope/routes/patch.py drives it):
 
     source run   the prompt whose activations are copied (clean when denoising), with a hidden-state read
                  (model/interventions.py's `HiddenStateRead`) of every swept (layer, site) at every swept position

@@ -21,9 +21,9 @@ from ray.exceptions import ActorUnavailableError, RayActorError, RayError
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from service.errors import envelope
+from service.common.errors import envelope
 from service.rayserve.call import ReplicaCall
-from service.openai_format import DONE, sse_error
+from service.api.openai.format import DONE, sse_error
 
 log = logging.getLogger("llamascope.service")
 

@@ -24,7 +24,7 @@ from collections.abc import AsyncIterator
 from ray import serve
 
 from service.config import Settings
-from service.errors import envelope
+from service.common.errors import envelope
 from service.main import create_app
 from service.rayserve.call import ReplicaCall
 
@@ -87,7 +87,7 @@ class LlamascopeReplica:
         messages: asyncio.Queue = asyncio.Queue()
         body_sent = False
         gone = asyncio.Event()  # the caller stopped reading (client disconnect, ingress cancelled): the app's
-        # disconnect watch (service/runner.py) then aborts the request and frees its blocks
+        # disconnect watch (service/common/runner.py) then aborts the request and frees its blocks
 
         async def receive() -> dict:
             nonlocal body_sent

@@ -136,7 +136,7 @@ def test_the_download_path(hf_home, tiny_dir, monkeypatch):
 
 def test_the_server_serves_a_hub_id_under_its_name(hf_home, tiny_dir, monkeypatch):
     from service.config import Settings
-    from service.state import ServerState
+    from service.common.state import ServerState
 
     cache_repo(tiny_dir, "org/tiny-llama")
     state = ServerState(Settings(model="org/tiny-llama", kv_cache_bytes=4 << 20))

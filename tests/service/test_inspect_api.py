@@ -247,7 +247,7 @@ def test_queue_limit_is_a_429(inspect_server, monkeypatch):
 
 
 def test_non_finite_activations_become_null():
-    from service.inspect_format import dumps_with_size
+    from service.microscope.inspect_format import dumps_with_size
 
     data = dumps_with_size({"layers": [{"max_abs": float("inf"), "residual_norm": [1.0, float("nan")]}], "usage": {}})
     import json

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-STATIC = ROOT / "service" / "static"
+STATIC = ROOT / "service" / "microscope" / "static"
 SCREENSHOT = ROOT / "docs" / "images" / "viewer.png"
 SIDECAR = SCREENSHOT.with_name(SCREENSHOT.name + ".json")
 PATCH_SCREENSHOT = ROOT / "docs" / "images" / "patching.png"
@@ -40,7 +40,7 @@ needs_chromium = pytest.mark.skipif(
 
 
 def sources_sha256() -> str:
-    """What the viewer looks like is decided by service/static/*: one hash over their names and bytes."""
+    """What the viewer looks like is decided by service/microscope/static/*: one hash over their names and bytes."""
     h = hashlib.sha256()
     for f in sorted(STATIC.iterdir()):
         h.update(f.name.encode() + b"\0" + f.read_bytes() + b"\0")
@@ -240,7 +240,7 @@ def take_screenshot(page, selector: str | None, image: Path, sidecar: Path) -> N
     if os.environ.get("UPDATE_SCREENSHOTS") == "1":
         shutil.copyfile(fresh, image)
         sidecar.write_text(json.dumps({
-            "sources": "service/static/*", "sources_sha256": sources_sha256(), "image_sha256": file_sha256(image),
+            "sources": "service/microscope/static/*", "sources_sha256": sources_sha256(), "image_sha256": file_sha256(image),
             "taken_by": "tests/service/test_inspect_viewer.py", "regenerate": REGENERATE}, indent=2) + "\n")
 
 
@@ -291,7 +291,7 @@ def test_committed_screenshot_is_current(image, sidecar):
     assert sidecar.is_file(), f"{sidecar.relative_to(ROOT)} is missing: take the screenshot with {REGENERATE}"
     recorded = json.loads(sidecar.read_text())
     assert recorded["sources_sha256"] == sources_sha256(), (
-        f"the viewer's sources (service/static/*) changed since {image.relative_to(ROOT)} was taken: "
+        f"the viewer's sources (service/microscope/static/*) changed since {image.relative_to(ROOT)} was taken: "
         f"regenerate with {REGENERATE}, look at the image, and commit it with its sidecar")
     assert recorded["image_sha256"] == file_sha256(image), (
         f"{image.relative_to(ROOT)} is not the image the viewer test took: regenerate with {REGENERATE}")

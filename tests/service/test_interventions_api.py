@@ -297,7 +297,7 @@ def test_control_vector_gguf_adds_direction_n_at_block_n(vector_server, control_
 def test_control_vector_files_llama_cpp_would_refuse(tmp_path):
     import gguf
 
-    from service.vectors import load_control_vector
+    from service.microscope.vectors import load_control_vector
 
     def write(name: str, tensors: dict[str, np.ndarray]) -> str:
         w = gguf.GGUFWriter(str(tmp_path / name), "controlvector")

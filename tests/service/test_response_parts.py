@@ -9,13 +9,13 @@ import pytest
 from pydantic import ValidationError
 
 from model.engine import RequestOutput
-from service.errors import APIError
-from service.response_input import chat_messages, chat_request, in_responses_terms, input_items, output_items
-from service.response_output import ResponseOutput
-from service.response_schemas import ResponsesRequest
-from service.response_store import ResponseStore, StoredResponse
-from service.schemas import ChatCompletionRequest
-from service.tool_calls import plan_tools
+from service.common.errors import APIError
+from service.api.openai.responses.input import chat_messages, chat_request, in_responses_terms, input_items, output_items
+from service.api.openai.responses.output import ResponseOutput
+from service.api.openai.responses.schemas import ResponsesRequest
+from service.api.openai.responses.store import ResponseStore, StoredResponse
+from service.api.openai.schemas import ChatCompletionRequest
+from service.api.openai.tool_calls import plan_tools
 
 WEATHER = {"type": "function", "name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}

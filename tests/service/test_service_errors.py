@@ -493,7 +493,7 @@ def test_a_model_that_fails_to_load_ends_the_process_with_the_reason(tmp_path, c
 
 def test_serve_returns_1_when_the_engine_died_before_the_server_ran():
     from service.main import create_app
-    from service.shutdown import serve
+    from service.common.shutdown import serve
 
     settings = Settings()
     app = create_app(settings)

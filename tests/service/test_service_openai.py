@@ -96,7 +96,7 @@ def test_stream_events_survive_clients_that_split_lines_like_str_splitlines():
 
     import httpx
 
-    from service.openai_format import DONE, sse
+    from service.api.openai.format import DONE, sse
 
     text = "a\x85b\u2028c\u2029d\x1ce\r\nf"
     body = sse({"choices": [{"text": text}]}) + DONE

@@ -11,11 +11,11 @@ import pytest
 
 from benchmarks.tiny_checkpoint import byte_backend
 from model.text.tokenizer import Tokenizer
-from service.errors import APIError
-from service.schemas import ChatCompletionRequest
-from service.structured_outputs import close_objects
-from service.tool_calls import ChoiceMessage, parse_output, plan_tools, template_messages, template_renders_tools
-from service.tool_parsers import parse_tool_calls, template_tool_format
+from service.common.errors import APIError
+from service.api.openai.schemas import ChatCompletionRequest
+from service.api.openai.structured_outputs import close_objects
+from service.api.openai.tool_calls import ChoiceMessage, parse_output, plan_tools, template_messages, template_renders_tools
+from service.api.openai.tool_parsers import parse_tool_calls, template_tool_format
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}

@@ -1,0 +1,1 @@
+"""The serving face: OpenAI-compatible APIs."""

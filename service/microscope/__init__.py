@@ -1,0 +1,1 @@
+"""The microscope's face: inspect, compare, patch, attribute, stored vectors, the viewer."""

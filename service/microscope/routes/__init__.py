@@ -1,0 +1,1 @@
+"""The microscope's routes (one file per route group; none imports another)."""

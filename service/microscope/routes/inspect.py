@@ -1,0 +1,96 @@
+"""POST /inspect: attention maps and sinks, massive activations, residual norms and the logit lens of a prompt
+(optionally after generating a completion).
+
+The probe runs on the engine thread as a job stepped one block at a time between serving steps
+(`AsyncEngine.run_job`), on the same weights and kernels that serve completions.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import Response
+
+from model.engine import RequestOptions, SamplingParams
+from model.interventions import Intervention
+from service.microscope import inspect_format as fmt
+from service.common.errors import APIError
+from service.microscope.edit_fields import to_interventions
+from service.microscope.inspect_request import absolute, probe_options, request_tokens
+from service.microscope.probing import check_inspect_length, run_probe
+from service.api.openai.format import now
+from service.common.runner import RunStats, start, until_disconnect
+from service.microscope.schemas import InspectRequest
+from service.common.serving import Serving, get_serving
+
+router = APIRouter()
+log = logging.getLogger("llamascope.service")
+
+
+async def _generate(serving: Serving, request: Request, ids: list[int], req: InspectRequest,
+                    interventions: list[Intervention] | None, adapter: str | None) -> dict:
+    """The completion to inspect with the prompt (generated under the same interventions and LoRA adapter): its
+    tokens, text and finish reason."""
+    params = SamplingParams(max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p, seed=req.seed)
+    stats = RunStats("inspect")
+    outputs = await start(serving, [ids], params, stats, RequestOptions(interventions=interventions, lora=adapter))
+
+    async def collect():
+        tokens, text, reason, error = [], "", None, None
+        try:
+            async for _, out in outputs:
+                tokens += out.token_ids
+                text += out.text
+                reason, error = out.finish_reason or reason, out.error or error
+        finally:
+            await outputs.aclose()
+        return {"token_ids": tokens, "text": text, "finish_reason": reason, "error": error}
+
+    result = await until_disconnect(request, collect())
+    if result.pop("error"):
+        raise APIError(500, "generation failed", code="generation_failed")
+    return result
+
+
+@router.post("/inspect")
+async def inspect(req: InspectRequest, request: Request, serving: Serving = Depends(get_serving)):
+    adapter = serving.check_model(req.model, adapters=True)  # the whole inspection under a LoRA adapter, or the base
+    c = serving.config
+    started = time.perf_counter()
+    ids = request_tokens(serving, req)
+    max_len = serving.max_model_len
+    if len(ids) + req.max_tokens > max_len:
+        raise APIError(400, f"prompt ({len(ids)} tokens) + max_tokens ({req.max_tokens}) exceeds the context of {max_len}",
+                       param="max_tokens", code="context_length_exceeded")
+    check_inspect_length(serving, len(ids) + req.max_tokens, "max_tokens" if req.max_tokens else "prompt")
+    opts = probe_options(serving, req, len(ids) + req.max_tokens)
+    interventions = to_interventions(req.interventions, serving.vectors, c.n_layers, c.dim)
+    completion = None
+    if req.max_tokens:
+        completion = await _generate(serving, request, ids, req, interventions, adapter)
+        T = len(ids) + len(completion["token_ids"])
+        opts.rows = absolute(req.rows, T, "rows")
+        opts.hidden_positions = absolute(req.hidden_positions, T, "hidden_positions")
+    sequence = ids + (completion["token_ids"] if completion else [])
+    run = await run_probe(serving, request, sequence, opts, interventions, len(ids), adapter)
+    result = run.result()
+    body = {"id": f"insp-{uuid.uuid4().hex[:24]}", "object": "inspection", "created": now(),
+            "model": adapter or serving.model_name,
+            "mode": opts.mode, "format": req.format,
+            "config": {"n_layers": c.n_layers, "n_heads": c.n_heads, "n_kv_heads": c.n_kv_heads, "head_dim": c.head_dim,
+                       "dim": c.dim, "vocab_size": c.vocab_size},
+            "layers_selected": opts.selected_layers(c.n_layers), "heads_selected": result.heads,
+            "kv_groups": result.kv_groups, "num_prompt_tokens": len(ids), "completion": completion,
+            "interventions": len(interventions or [])}
+    body.update(await run_in_threadpool(fmt.render, result, opts, req.format, serving.tokenizer, c.n_layers,
+                                        req.hidden_dtype))
+    body["usage"] = {"prompt_tokens": len(ids), "completion_tokens": len(sequence) - len(ids), "total_tokens": len(sequence),
+                     "compute_ms": round(result.compute_ms, 1), "response_bytes": 0}
+    data = await run_in_threadpool(fmt.dumps_with_size, body)
+    log.info("inspect tokens=%d mode=%s layers=%d compute_ms=%.0f latency_ms=%.0f bytes=%d", len(sequence), opts.mode,
+             len(result.layers), result.compute_ms, (time.perf_counter() - started) * 1e3, len(data))
+    return Response(data, media_type="application/json")
