@@ -96,6 +96,9 @@ class EngineStats:
     prefix_cache_queries: int  # prompt tokens admitted
     prefix_cache_hits: int  # of which served from cache
     steps_by_path: dict[str, int] = field(default_factory=dict)  # engine steps per execution path
+    # paths fallen back from, and how often: "triton_decode_attention" (its first launch failed: gather + SDPA),
+    # "decode_graphs" (none on CUDA), "graph_capture" (captures that failed: those buckets decode eagerly)
+    fallbacks: dict[str, int] = field(default_factory=dict)
     spec_decode: SpecDecodeStats | None = None  # speculative decoding's counters, when configured
 
 
@@ -142,7 +145,7 @@ class Engine:
                                                    num_blocks * config.block_size)
         self.sizes = EngineSizes(num_blocks, config.block_size, config.max_num_seqs, config.max_num_batched_tokens,
                                  self.max_model_len, config.max_logprobs)
-        graphs = CudaGraphs.enabled(config.decode_graphs, model, config.block_size)
+        graphs = CudaGraphs.enabled(config.decode_graphs, model, config.block_size, kv_dtype)
         if draft_model is not None and config.speculative is not None and torch.device(model.device).type == "cpu":
             # the draft's pool: as many blocks as the engine's, in the draft's dtype (draft_model.DraftModelProposer)
             draft_pool = num_blocks * PagedKVCache.bytes_per_block(kv_config(draft_model), config.block_size,
@@ -192,6 +195,14 @@ class Engine:
                  config.block_size, self.kv_cache_tokens, self.cache.nbytes / 1e6, str(kv_dtype).removeprefix("torch."),
                  "; made resident in the background" if self.cache.device.type == "cpu" else "", self.max_model_len)
         self.runner.capture_graphs()
+        self.decode_attention = self.cache.decode_backend  # what decode rows attend with (fixed once loaded)
+        self.decode_graphs = ("off" if self.runner.graphs is None else
+                              "captured" if self.runner.graphs.capture else "static buffers, not captured")
+        cuda = self.cache.device.type == "cuda"
+        # paths the engine fell back from at start (`stats().fallbacks`; each logged where it was decided: the
+        # Triton kernel's first launch, model/kernels/triton_attention.py; `CudaGraphs.enabled`)
+        self.fallbacks = {"triton_decode_attention": int(cuda and self.decode_attention != "triton"),
+                          "decode_graphs": int(cuda and config.decode_graphs == "auto" and self.runner.graphs is None)}
 
     # ---- requests ---------------------------------------------------------------------------------------------
 
@@ -257,6 +268,7 @@ class Engine:
         if self.distributed:
             adapter = self.model.add_lora(adapter)
         self.runner.adapters[adapter.name] = adapter.to(self.model.dtype, torch.device(self.model.device))
+        self.runner.adapters_changed()
 
     def remove_lora(self, name: str) -> None:
         """Stop serving adapter `name` (engine thread). ValueError while a request runs or waits under it."""
@@ -266,6 +278,7 @@ class Engine:
         if users:
             raise ValueError(f"LoRA adapter {name!r} is serving {users} request(s); unload it once they finish")
         del self.runner.adapters[name]
+        self.runner.adapters_changed()
         if self.distributed:
             self.model.remove_lora(name)
 
@@ -361,6 +374,8 @@ class Engine:
             prefix_cache_queries=self.kv.num_prompt_tokens,
             prefix_cache_hits=self.kv.num_cached_prompt_tokens,
             steps_by_path=dict(self.runner.path_counts),
+            fallbacks={**self.fallbacks,
+                       "graph_capture": self.runner.graphs.num_failed if self.runner.graphs is not None else 0},
             spec_decode=self.drafter.stats.copy() if self.config.speculative is not None else None,
         )
 
