@@ -34,6 +34,7 @@ from model.engine.stream import stream_for
 from model.engine.speculative.build import build_speculator
 from model.engine.structured import StructuredOutputs
 from model.interventions import HeadShape, InterventionPlan
+from model.kernels import ops
 from model.loaders.memory import check_fits
 from model.lora import LoRAAdapter
 from model.text.tokenizer import Tokenizer
@@ -374,7 +375,7 @@ class Engine:
             prefix_cache_queries=self.kv.num_prompt_tokens,
             prefix_cache_hits=self.kv.num_cached_prompt_tokens,
             steps_by_path=dict(self.runner.path_counts),
-            fallbacks={**self.fallbacks,
+            fallbacks={**self.fallbacks, **ops.triton_fallbacks(),
                        "graph_capture": self.runner.graphs.num_failed if self.runner.graphs is not None else 0},
             spec_decode=self.drafter.stats.copy() if self.config.speculative is not None else None,
         )

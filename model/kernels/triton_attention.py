@@ -52,6 +52,7 @@ log = logging.getLogger(__name__)
 
 _checked: dict[tuple[str, torch.dtype, torch.dtype], bool] = {}  # (device, dtype, cache dtype) -> whether the
 # one-off launch matched SDPA
+FALLBACKS = {"triton_cache": 0}  # times this process moved Triton's cache (`ensure_cache_dir`); read by the engine
 
 
 def available(q: Tensor, block_size: int, kv_dtype: torch.dtype | None = None) -> bool:
@@ -82,6 +83,7 @@ def _launch_check(device: torch.device, dtype: torch.dtype, block_size: int, kv_
     out = torch.zeros(1, H, E, dtype=dtype, device=device)
     try:
         if device.type == "cuda":
+            ensure_cache_dir()
             _point_triton_at_libcuda()
         rows, lens = torch.tensor([0], device=device), torch.tensor([n], device=device)
         paged_decode_attention(q, k_pool, v_pool, rows, torch.tensor([table], device=device), lens, out)
@@ -103,6 +105,25 @@ def _launch_check(device: torch.device, dtype: torch.dtype, block_size: int, kv_
                     "attention uses gather + SDPA", err, device, dtype, tol)
         return False
     return True
+
+
+def ensure_cache_dir() -> None:
+    """Triton writes every compiled kernel to its cache directory (TRITON_CACHE_DIR, else $TRITON_HOME/.triton/cache,
+    else ~/.triton/cache: triton/knobs.py) and fails the launch where it cannot. Under an arbitrary UID (OpenShift,
+    `docker run --user`) the home directory is often not writable: then the cache moves to a private temporary
+    directory, with a log line (the image sets a writable TRITON_CACHE_DIR itself: the Dockerfile)."""
+    want = os.environ.get("TRITON_CACHE_DIR") or os.path.join(
+        os.environ.get("TRITON_HOME") or os.path.expanduser("~"), ".triton", "cache")
+    try:
+        os.makedirs(want, exist_ok=True)
+        with tempfile.TemporaryFile(dir=want):
+            return
+    except OSError as e:
+        moved = tempfile.mkdtemp(prefix="llamascope-triton-")
+        os.environ["TRITON_CACHE_DIR"] = moved
+        FALLBACKS["triton_cache"] += 1
+        log.warning("Triton's cache directory %s is not writable (%s); compiled kernels go to %s for this process "
+                    "(set TRITON_CACHE_DIR to a writable directory to keep them)", want, type(e).__name__, moved)
 
 
 def _libcuda_dirs() -> list[str]:

@@ -80,7 +80,8 @@ def test_a_failed_capture_is_logged_counted_and_decodes_eagerly(monkeypatch, cap
     with caplog.at_level(logging.ERROR, logger="llamascope.engine"):
         engine.runner.capture_graphs()
     assert "CUDA graph capture failed for batch size 4" in caplog.text
-    assert engine.stats().fallbacks == {"triton_decode_attention": 0, "decode_graphs": 0, "graph_capture": 1}
+    assert engine.stats().fallbacks == {"triton_decode_attention": 0, "decode_graphs": 0, "triton_cache": 0,
+                                        "graph_capture": 1}
     prompts = _prompts(4, seed=2, hi=20)
     requests = {str(i): (p, greedy(8)) for i, p in enumerate(prompts)}
     arrive = {str(i): 3 * i for i in range(4)}  # 1 and 2 rows replay their graphs, 3 and 4 (bucket 4) run eagerly

@@ -30,6 +30,7 @@ def test_triton_paged_decode_attention_in_the_interpreter():
     assert "kernel vs SDPA, window 11" in r.stdout
     assert "int8 cache on cpu: Triton == SDPA over the dequantized pools" in r.stdout
     assert "int8 cache engine tokens: Triton path == gather path, batched == alone" in r.stdout
+    assert "split-KV decode at 32768 positions" in r.stdout and "split-KV decode at 8192 positions, window" in r.stdout
 
 
 def _fresh(monkeypatch):
@@ -101,6 +102,27 @@ def test_triton_is_pointed_at_a_linkable_libcuda(tmp_path, monkeypatch):
     assert os.environ["TRITON_LIBCUDA_PATH"] == str(driver)
     ta._point_triton_at_libcuda()  # set already (by the user or before): left alone
     assert os.environ["TRITON_LIBCUDA_PATH"] == str(driver)
+
+
+def test_an_unwritable_triton_cache_moves_to_a_private_directory_with_a_log_line(tmp_path, monkeypatch, caplog):
+    """Under an arbitrary UID the default ~/.triton/cache is often not writable, and Triton's first compile fails:
+    the cache moves to a temporary directory, says so, and is counted (the engine's fallbacks); a writable one
+    stays. (A path under a file is unwritable even to root.)"""
+    ta = _fresh(monkeypatch)
+    monkeypatch.setattr(ta, "FALLBACKS", {"triton_cache": 0})
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "file" / "cache"))
+    with caplog.at_level(logging.WARNING, logger=ta.__name__):
+        ta.ensure_cache_dir()
+    moved = os.environ["TRITON_CACHE_DIR"]
+    assert moved != str(tmp_path / "file" / "cache") and os.access(moved, os.W_OK)
+    assert "is not writable" in caplog.text and ta.FALLBACKS == {"triton_cache": 1}
+    from model.kernels import ops
+
+    assert ops.triton_fallbacks() == {"triton_cache": 1}
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "ok"))
+    ta.ensure_cache_dir()
+    assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "ok") and ta.FALLBACKS == {"triton_cache": 1}
 
 
 @pytest.mark.parametrize("dtype,cache", [("bf16", "bf16"), ("fp16", "fp16"), ("fp32", "fp32"), ("bf16", "i8"),
