@@ -10,6 +10,7 @@ import os
 import sys
 
 CUDA = "--cuda" in sys.argv
+QUICK = "--quick" in sys.argv  # one case of each kernel check (benchmarks/gpu_check.py --dry-run)
 assert CUDA or os.environ.get("TRITON_INTERPRET") == "1"
 sys.path[:0] = [os.path.dirname(__file__), os.path.dirname(os.path.dirname(__file__))]
 
@@ -279,7 +280,21 @@ def engines_on_cuda() -> None:
     print("int8 cache engine tokens on cuda: Triton path == gather path, batched == alone")
 
 
+def quick(device: str) -> None:
+    """One case of each kernel check: float32, bfloat16, an int8 cache, telemetry, prefill tiles, split-KV."""
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        assert kernel_vs_sdpa(dtype, 4, 2, 32, 16, device) < tol
+        assert prefill_kernel_vs_sdpa(dtype, 4, 2, 32, 16, device) < tol
+    assert kernel_vs_sdpa(torch.float32, 4, 2, 32, 16, device, kv=torch.int8) < 1e-5
+    telemetry_vs_reference(3, 1, 24, 16, 3, device)
+    assert split_kv_vs_reference(1100, 64, device) < 1e-5
+    print(f"quick kernel checks on {device}: Triton == the references")
+
+
 def main() -> None:
+    if QUICK:
+        quick("cuda" if CUDA else "cpu")
+        return
     if CUDA:
         kernels_vs_references("cuda")
         engines_on_cuda()
