@@ -32,15 +32,20 @@ class Captures:
         self.in_step = False
 
 
-def fake_capture(monkeypatch, engine) -> Captures:
-    graphs = engine.runner.graphs
-    assert graphs is not None and not graphs.capture, "an engine with decode_graphs='eager'"
-    rec = Captures()
+def stub_cuda(monkeypatch) -> None:
+    """torch.cuda's streams, graphs, graph pool and set_device as stand-ins that do nothing."""
     for name, value in (("Stream", _Stream), ("current_stream", _Stream),
                         ("stream", lambda s: contextlib.nullcontext()), ("CUDAGraph", _Graph),
                         ("graph", lambda g, pool=None, **k: contextlib.nullcontext()),
                         ("graph_pool_handle", lambda: None), ("set_device", lambda d: None)):
         monkeypatch.setattr(torch.cuda, name, value, raising=False)
+
+
+def fake_capture(monkeypatch, engine) -> Captures:
+    graphs = engine.runner.graphs
+    assert graphs is not None and not graphs.capture, "an engine with decode_graphs='eager'"
+    rec = Captures()
+    stub_cuda(monkeypatch)
     original = type(graphs)._capture
 
     def capture(self, b, edited=False, adapted=False):

@@ -97,6 +97,19 @@ class CudaGraphs:
             return backend == "triton"
         return mode == "eager" and backend == "native"
 
+    @staticmethod
+    def memory_estimate(config, max_num_seqs: int, dtype: torch.dtype) -> int:
+        """Bytes the captured graphs hold, for sizing the KV pool around them: every graph keeps its logits (b, V)
+        (plain and edited graphs of every bucket, and as many again for the adapted ones), and the shared pool the
+        largest bucket's working set (its float32 logits and one block's activations: the residual stream, q/k/v,
+        the MLP's gate and up). An estimate: the capture logs what the pool took."""
+        size = torch.empty((), dtype=dtype).element_size()
+        bs = buckets(max_num_seqs)
+        qkv = (config.n_heads + 2 * config.n_kv_heads) * config.head_dim
+        outputs = 4 * sum(bs) * config.vocab_size * size  # (plain, edited) x (base, adapted)
+        work = bs[-1] * (4 * config.vocab_size + (4 * config.dim + qkv + 3 * config.hidden_dim) * size)
+        return outputs + work
+
     def accepts(self, batch: StepBatch, ctx: ForwardContext) -> bool:
         """A pure decode step: one new token per sequence (not prefill rows that attend over the pool one by one,
         `PagedKVCache.paged_prefill`), within the largest bucket."""
@@ -181,14 +194,17 @@ class CudaGraphs:
                  f"; failed: {sorted(k for k in self.failed if k[2])}" if any(k[2] for k in self.failed) else "")
 
     def capture_all(self) -> None:
-        """Capture every bucket now, largest first into one shared pool; logs the time it took."""
+        """Capture every bucket now, largest first into one shared pool; logs the time it took and the memory."""
         start = time.perf_counter()
+        before = torch.cuda.memory_reserved(self.cache.device) if self.cache.device.type == "cuda" else 0
         for b in reversed(self.buckets):
             self._pad(0, b)  # every row a padding row: the capture writes only the scratch block
             for edited in (False, True):
                 self._capture(b, edited)
-        log.info("decode graphs: %d graphs (plain and edited) captured in %.1fs (%s)", len(self.graphs),
-                 time.perf_counter() - start, ", ".join(str(b) for b, e, _ in sorted(self.graphs) if not e)
+        taken = (torch.cuda.memory_reserved(self.cache.device) - before) if self.cache.device.type == "cuda" else 0
+        log.info("decode graphs: %d graphs (plain and edited) captured in %.1fs, %.0f MB (%s)", len(self.graphs),
+                 time.perf_counter() - start, taken / 1e6,
+                 ", ".join(str(b) for b, e, _ in sorted(self.graphs) if not e)
                  + (f"; failed: {sorted(self.failed)}" if self.failed else ""))
 
     def _forward(self, b: int, edited: bool = False, adapted: bool = False) -> Tensor:  # -> (1, b, V)

@@ -141,12 +141,16 @@ class Engine:
         kv_dtype = cache_dtype(config.kv_cache_dtype, model.dtype, model.device,
                                quantized=_quantized_weights(model))
         per_block = PagedKVCache.bytes_per_block(kv_config(model), config.block_size, kv_dtype)  # per rank under TP
-        num_blocks = config.num_blocks or max(1, config.kv_cache_bytes // per_block)
+        graphs = CudaGraphs.enabled(config.decode_graphs, model, config.block_size, kv_dtype)
+        # captured decode graphs keep memory of their own (each graph's logits, the shared pool's working set): it
+        # comes out of --kv-cache-bytes, as vLLM counts its graphs' memory before sizing the KV cache
+        self.graph_reserve = (CudaGraphs.memory_estimate(model.config, config.max_num_seqs, model.dtype)
+                              if graphs and config.decode_graphs == "auto" else 0)
+        num_blocks = config.num_blocks or max(1, (config.kv_cache_bytes - self.graph_reserve) // per_block)
         self.max_model_len = resolve_max_model_len(config.max_model_len, model.config.max_seq_len,
                                                    num_blocks * config.block_size)
         self.sizes = EngineSizes(num_blocks, config.block_size, config.max_num_seqs, config.max_num_batched_tokens,
                                  self.max_model_len, config.max_logprobs)
-        graphs = CudaGraphs.enabled(config.decode_graphs, model, config.block_size, kv_dtype)
         if draft_model is not None and config.speculative is not None and torch.device(model.device).type == "cpu":
             # the draft's pool: as many blocks as the engine's, in the draft's dtype (draft_model.DraftModelProposer)
             draft_pool = num_blocks * PagedKVCache.bytes_per_block(kv_config(draft_model), config.block_size,
@@ -194,7 +198,9 @@ class Engine:
                                             distributed=self.distributed)
         log.info("engine: %d KV blocks of %d tokens (%d tokens, %.0f MB, %s%s), max_model_len %d", num_blocks,
                  config.block_size, self.kv_cache_tokens, self.cache.nbytes / 1e6, str(kv_dtype).removeprefix("torch."),
-                 "; made resident in the background" if self.cache.device.type == "cpu" else "", self.max_model_len)
+                 "; made resident in the background" if self.cache.device.type == "cpu" else
+                 f"; {self.graph_reserve / 1e6:.0f} MB of the budget kept for decode graphs" if self.graph_reserve else "",
+                 self.max_model_len)
         self.runner.capture_graphs()
         self.decode_attention = self.cache.decode_backend  # what decode rows attend with (fixed once loaded)
         self.decode_graphs = ("off" if self.runner.graphs is None else

@@ -90,6 +90,31 @@ def test_a_failed_capture_is_logged_counted_and_decodes_eagerly(monkeypatch, cap
     assert rec.during_step == []
 
 
+@native
+def test_captured_graphs_are_counted_against_the_kv_cache_budget(monkeypatch):
+    """Captured graphs keep memory of their own (their logits, the pool's working set): with capture on, the KV
+    pool gets --kv-cache-bytes less that estimate; without capture (or with num_blocks given), all of it."""
+    from fake_cuda_graphs import stub_cuda
+    from model.engine.cuda_graphs import CudaGraphs
+    from model.engine.paged_cache import PagedKVCache, kv_config
+
+    stub_cuda(monkeypatch)
+    monkeypatch.setattr(CudaGraphs, "enabled", staticmethod(lambda mode, *a: mode != "off"))  # as on CUDA
+    model, budget = tiny_model(), 4 << 20
+    per_block = PagedKVCache.bytes_per_block(kv_config(model), 4, model.dtype)
+    cfg = dict(block_size=4, max_num_seqs=6, max_num_batched_tokens=40, kv_cache_bytes=budget)
+    captured = Engine(model, byte_tokenizer(), EngineConfig(decode_graphs="auto", **cfg))
+    reserve = CudaGraphs.memory_estimate(model.config, 6, model.dtype)
+    V, bs = model.config.vocab_size, [1, 2, 4, 8]
+    assert reserve >= 4 * sum(bs) * V * 4  # at least every graph's logits
+    assert captured.graph_reserve == reserve and captured.kv.num_blocks == (budget - reserve) // per_block
+    assert captured.runner.graphs.capture and len(captured.runner.graphs.graphs) == 2 * len(bs)
+    eager = Engine(model, byte_tokenizer(), EngineConfig(decode_graphs="eager", **cfg))
+    assert eager.graph_reserve == 0 and eager.kv.num_blocks == budget // per_block
+    fixed = Engine(model, byte_tokenizer(), EngineConfig(decode_graphs="auto", num_blocks=40, **cfg))
+    assert fixed.kv.num_blocks == 40
+
+
 def test_the_graph_probe_asks_for_the_kv_caches_dtype(monkeypatch):
     """Whether decode graphs can run depends on the attention kernel over the cache the engine will have: an int8
     cache's pools, not the model's dtype."""
