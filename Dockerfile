@@ -1,17 +1,21 @@
 # syntax=docker/dockerfile:1
 # llamascope server image.
-#   docker build -t llamascope .                      # CUDA (default): PyTorch's CUDA runtime image
+#   docker build -t llamascope .                      # CUDA (default): python slim + the CUDA build of torch
 #   docker build -t llamascope:cpu --build-arg DEVICE=cpu .   # CPU only: python slim + the CPU build of torch
 # The defaults below are the upstream images and indexes. Where no registry can be reached, `make image` builds the
 # CPU image with podman on a base made from Debian's packages, through these same arguments (docs/deployment.md).
 ARG DEVICE=cuda
-# The project's one torch pin: the CPU image installs this release, and `make install` reads it from here.
+# The project's one torch pin: both images install this release, and `make install` reads it from here.
 ARG TORCH_VERSION=2.13.0
 # Where the CPU build of torch comes from (PyTorch's own index holds the +cpu wheels)
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
-# The CUDA image takes torch from its base; its tag names the torch release it brings.
-ARG CUDA_TORCH_IMAGE=pytorch/pytorch:2.7.1-cuda12.8-cudnn9-runtime
+# Where the CUDA build comes from: PyTorch's CUDA 12.8 index (its wheels bring the CUDA libraries and their Triton;
+# the driver's libcuda.so is mounted by the NVIDIA container toolkit at run time)
+ARG TORCH_CUDA_INDEX_URL=https://download.pytorch.org/whl/cu128
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
+# The CUDA runtime's base: the same python image (`make image-cuda-standin` gives one with the pinned CPU torch
+# already installed, which the pinned requirement then finds satisfied)
+ARG CUDA_BASE_IMAGE=python:3.11-slim-bookworm
 
 # ---- build: the project's wheel (code only; dependencies are installed in their own layer below) ----------
 FROM ${PYTHON_IMAGE} AS build
@@ -21,15 +25,18 @@ COPY model ./model
 COPY service ./service
 RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 
-# ---- runtimes: torch comes from the base (CUDA) or from PyTorch's CPU index -----------------------------
-FROM ${CUDA_TORCH_IMAGE} AS runtime-cuda
+# ---- runtimes: the pinned torch from PyTorch's CUDA index (CUDA) or its CPU index ------------------------
+FROM ${CUDA_BASE_IMAGE} AS runtime-cuda
+ARG TORCH_VERSION
+ARG TORCH_CUDA_INDEX_URL
 # Triton (the CUDA torch's own) builds a small C launcher with the machine's C compiler the first time a kernel runs
-# (triton/runtime/build.py), and the decode step's paged attention is a Triton kernel; PyTorch's runtime images ship
-# no compiler ("Failed to find C compiler"). It links against the driver's libcuda.so, which the NVIDIA container
+# (triton/runtime/build.py), and the decode step's paged attention is a Triton kernel; a slim image ships no
+# compiler ("Failed to find C compiler"). It links against the driver's libcuda.so, which the NVIDIA container
 # toolkit mounts at run time; model/kernels/triton_attention.py points Triton at it (TRITON_LIBCUDA_PATH) and checks
-# one launch at start, falling back to gather + SDPA, with a log line, if anything is still missing.
+# one launch at start, falling back to gather + SDPA, with a log line and a metric, if anything is still missing.
 # hadolint ignore=DL3008
 RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev && rm -rf /var/lib/apt/lists/*
+RUN pip install --no-cache-dir "torch==${TORCH_VERSION}" --index-url "${TORCH_CUDA_INDEX_URL}"
 
 FROM ${PYTHON_IMAGE} AS runtime-cpu
 ARG TORCH_VERSION
@@ -65,8 +72,12 @@ FROM kernels-${DEVICE} AS kernels
 # ---- final -----------------------------------------------------------------------------------------------
 # hadolint ignore=DL3006
 FROM runtime-${DEVICE} AS final
+# Caches writable for any UID (OpenShift, `docker run --user`: no home directory of their own): Triton's compiled
+# kernels and anything else that follows XDG, under one world-writable (sticky) directory.
 ENV PYTHONUNBUFFERED=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    XDG_CACHE_HOME=/var/cache/llamascope \
+    TRITON_CACHE_DIR=/var/cache/llamascope/triton \
     LLAMASCOPE_KERNELS_DIR=/opt/llamascope/kernels \
     LLAMASCOPE_HOST=0.0.0.0 \
     LLAMASCOPE_PORT=8000
@@ -86,7 +97,8 @@ COPY --from=kernels /opt/llamascope/kernels /opt/llamascope/kernels
 COPY --from=build /wheels /wheels
 RUN pip install --no-cache-dir --no-deps /wheels/*.whl && rm -rf /wheels \
  && useradd --create-home --uid 10001 llamascope \
- && mkdir -p /models && chown llamascope /models
+ && mkdir -p /models /var/cache/llamascope/triton && chown llamascope /models \
+ && chmod 1777 /var/cache/llamascope /var/cache/llamascope/triton
 USER 10001
 # Other checkpoints: mount them and set LLAMASCOPE_MODEL=/models/<file.gguf or HF dir>.
 VOLUME ["/models"]

@@ -90,11 +90,12 @@ prometheus-image:
 	podman build --isolation chroot --network host --format docker --layers \
 	  --build-arg BASE_IMAGE=localhost/llamascope-bookworm-py -t $(PROMETHEUS_IMAGE) deploy/prometheus
 
-# The CUDA variant's stages up to the final one, without a GPU or PyTorch's CUDA base: on a stand-in for it, the CPU
-# image's runtime stage (Debian's python and the CPU torch; podman, as `make image` builds it)
+# The CUDA variant's stages up to the final one, without a GPU or the CUDA build of torch: on a stand-in base, the CPU
+# image's runtime stage (Debian's python and the pinned CPU torch, which the CUDA stage's pinned requirement finds
+# satisfied; podman, as `make image` builds it)
 image-cuda-standin:
 	deploy/podman/build.sh --target runtime-cpu -t localhost/llamascope-torch-standin .
-	deploy/podman/build.sh --build-arg DEVICE=cuda --build-arg CUDA_TORCH_IMAGE=localhost/llamascope-torch-standin \
+	deploy/podman/build.sh --build-arg DEVICE=cuda --build-arg CUDA_BASE_IMAGE=localhost/llamascope-torch-standin \
 	  -t llamascope:cuda-standin .
 
 image-test: install-test prometheus-image image-cuda-standin

@@ -123,10 +123,19 @@ def engine_phase(model, tokenizer, prompts: torch.Tensor, args, device, r: dict,
     steps["engine"] = ours.logprob_steps(engine, prompts[0].tolist(), args.compare_tokens, TOP_K)
     if engine.runner.graphs is None:
         return False
-    r["engine_graph_buckets"] = sorted(b for b, edited in engine.runner.graphs.graphs if not edited)
-    r["engine_graph_buckets_failed"] = sorted(b for b, edited in engine.runner.graphs.failed if not edited)
-    r["engine_edited_graph_buckets"] = sorted(b for b, edited in engine.runner.graphs.graphs if edited)
+    r.update(graph_buckets(engine.runner.graphs))
     return True
+
+
+def graph_buckets(graphs) -> dict:
+    """The buckets of each kind of decode graph an engine holds (model/engine/cuda_graphs.py keys its graphs by
+    (bucket, edited, adapted)), and those whose capture failed."""
+    def sizes(keys, edited: bool, adapted: bool = False) -> list[int]:
+        return sorted(b for b, e, a in keys if e == edited and a == adapted)
+
+    return {"engine_graph_buckets": sizes(graphs.graphs, False), "engine_graph_buckets_failed": sizes(graphs.failed, False),
+            "engine_edited_graph_buckets": sizes(graphs.graphs, True),
+            "engine_adapted_graph_buckets": sizes(graphs.graphs, False, True)}
 
 
 def eager_engine_phase(model, tokenizer, prompts: torch.Tensor, args, device, r: dict, steps: dict) -> None:

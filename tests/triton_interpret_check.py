@@ -10,6 +10,7 @@ import os
 import sys
 
 CUDA = "--cuda" in sys.argv
+QUICK = "--quick" in sys.argv  # one case of each kernel check (benchmarks/gpu_check.py --dry-run)
 assert CUDA or os.environ.get("TRITON_INTERPRET") == "1"
 sys.path[:0] = [os.path.dirname(__file__), os.path.dirname(os.path.dirname(__file__))]
 
@@ -125,6 +126,48 @@ def telemetry_vs_reference(H: int, K: int, E: int, bs: int, top_k: int, device: 
     assert torch.equal(got.top_pos, want.top_pos), (got.top_pos, want.top_pos)
 
 
+def split_kv_vs_reference(n_long: int, bs: int, device: str = "cpu", kv: torch.dtype = torch.float32,
+                          window: int = 0) -> float:
+    """Split-KV decode (one program per partition of the keys, then a reduction) at a long context: rows of
+    `n_long`, one partition and a few keys, against SDPA over the gathered keys (float64), and the one-program
+    loop's output equal to the split one's, bit for bit (the same merges in the same order). 2 query heads on one
+    KV head (GQA); `window`: a sliding window. -> the max relative error."""
+    H, K, E = 2, 1, 32
+    lens = [n_long, 5, triton_attention.PARTITION + 3]
+    g = torch.Generator().manual_seed(3)
+    k_pool, v_pool, tables, tables_t = scattered_pools(lens, bs, K, E, g, 3, 1, kv)
+    q = torch.randn(len(lens), H, E, generator=g) * 2  # peaked softmaxes: the partitions' maxima differ
+    rows, lens_t = torch.arange(len(lens)), torch.tensor(lens)
+    on = [t.to(device) for t in (q, k_pool, v_pool, rows, tables_t, lens_t)]
+    split, single = torch.zeros(len(lens), H, E).to(device), torch.zeros(len(lens), H, E).to(device)
+    assert triton_attention.split_kv(len(lens), H, bs, tables_t.shape[1]), "a step of few rows splits"
+    triton_attention.paged_decode_attention(*on, split, window=window, split=True)
+    triton_attention.paged_decode_attention(*on, single, window=window, split=False)
+    assert torch.equal(split.cpu(), single.cpu()), "split and one-program outputs differ"
+    err = 0.0
+    for r, (n, table) in enumerate(zip(lens, tables)):
+        first = max(0, n - window) if window else 0
+        kd = kv_int8.read(k_pool[table], torch.float32).reshape(1, -1, K, E)[:, first:n].double()
+        vd = kv_int8.read(v_pool[table], torch.float32).reshape(1, -1, K, E)[:, first:n].double()
+        qr, s = (kv_int8.round_query(q[r]), 1.0) if kv == torch.int8 else (q[r], 0.0)
+        want = sdpa(qr.double()[None, None], kd, vd, scale=s)[0, 0]
+        err = max(err, ((split[r].cpu().double() - want).abs().max() / want.abs().max()).item())
+    return err
+
+
+def long_contexts(device: str) -> None:
+    """Split-KV decode at 8k and 32k positions (float32 and int8 caches; a window at 8k). Blocks of 64 and 256
+    tokens keep the interpreter's loop short (its cost is per block); the partition is PARTITION tokens either way."""
+    for n, bs, kv in ((8192, 64, torch.float32), (8192, 64, torch.int8), (32768, 256, torch.float32)):
+        err = split_kv_vs_reference(n, bs, device, kv)
+        print(f"split-KV decode at {n} positions, {kv} cache, block {bs} on {device}: max rel err {err:.1e}, "
+              "== the one-program loop")
+        assert err < 1e-5, err
+    err = split_kv_vs_reference(8192, 64, device, window=1000)
+    print(f"split-KV decode at 8192 positions, window 1000, on {device}: max rel err {err:.1e}")
+    assert err < 1e-5, err
+
+
 def windowed_engine(model) -> list:
     """A sink + window sequence long past its window, with telemetry: (tokens, telemetry) per step."""
     engine = Engine(model, byte_tokenizer(), EngineConfig(num_blocks=64, block_size=4, max_num_batched_tokens=64,
@@ -158,6 +201,7 @@ def kernels_vs_references(device: str) -> None:
     print(f"telemetry on {device}: Triton's TELEMETRY variant == the reference")
     int8_kernels_vs_references(device)
     elementwise_vs_reference(device)
+    long_contexts(device)
 
 
 def int8_kernels_vs_references(device: str) -> None:
@@ -236,7 +280,21 @@ def engines_on_cuda() -> None:
     print("int8 cache engine tokens on cuda: Triton path == gather path, batched == alone")
 
 
+def quick(device: str) -> None:
+    """One case of each kernel check: float32, bfloat16, an int8 cache, telemetry, prefill tiles, split-KV."""
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        assert kernel_vs_sdpa(dtype, 4, 2, 32, 16, device) < tol
+        assert prefill_kernel_vs_sdpa(dtype, 4, 2, 32, 16, device) < tol
+    assert kernel_vs_sdpa(torch.float32, 4, 2, 32, 16, device, kv=torch.int8) < 1e-5
+    telemetry_vs_reference(3, 1, 24, 16, 3, device)
+    assert split_kv_vs_reference(1100, 64, device) < 1e-5
+    print(f"quick kernel checks on {device}: Triton == the references")
+
+
 def main() -> None:
+    if QUICK:
+        quick("cuda" if CUDA else "cpu")
+        return
     if CUDA:
         kernels_vs_references("cuda")
         engines_on_cuda()

@@ -28,6 +28,7 @@ from model.engine.output_processor import Finish, StepOutputs
 from model.engine.request import FinishReason, Sequence
 from model.engine.sampling_params import SamplingParams
 from model.engine.scheduler import QueueFullError
+from model.engine.stream import bind_device
 from model.engine.request_options import PLAIN, RequestOptions
 from model.lora import LoRAAdapter
 
@@ -272,6 +273,7 @@ class AsyncEngine:
     def _loop(self) -> None:
         error: BaseException | None = None
         try:
+            bind_device(self.engine.cache.device)  # this thread's launches, events and captures on the model's device
             self._serve()
         except BaseException as e:  # noqa: BLE001 - whatever ends the thread, no client may be left waiting
             error = e

@@ -15,8 +15,11 @@ Every bucket is captured when the engine starts, largest first and sharing one m
 largest graph's buffers are reused by the smaller ones), so no request ever pays a capture. Each bucket has two
 graphs: the plain step, and the step with interventions and hidden-state reads from static buffers
 (graph_edits.py), replayed only when some row of the step has them. A step with rows under LoRA adapters replays a
-variant of either that applies every loaded adapter by a per-row slot (graph_lora.py), captured the first time one
-is needed for the adapters loaded then.
+variant of either that applies every loaded adapter by a per-row slot (graph_lora.py), captured for every bucket when
+an adapter is loaded or unloaded (`adapters_changed`, between steps), never in the middle of a step.
+
+A capture that fails (out of memory, an op that cannot be captured) costs that bucket its graph, never a request:
+the bucket decodes eagerly, with a log line, and `num_failed` counts it (the engine's stats, the server's metric).
 
 Modes (`EngineConfig.decode_graphs`): "auto" captures on CUDA where the Triton decode kernel is available, "off"
 runs every step eagerly, "eager" runs the static-buffer step without capture (what the CPU tests check, with the
@@ -37,7 +40,7 @@ from model.engine.graph_edits import GraphEdits
 from model.engine.graph_lora import GraphLoRA
 from model.engine.input_batch import InputBuffers, StepBatch
 from model.engine.paged_cache import AttentionMetadata, PagedKVCache
-from model.kernels import ops
+from model.kernels import kv_int8, ops
 from model.lora import LoRAAdapter, LoRARows
 
 log = logging.getLogger("llamascope.engine")
@@ -65,6 +68,7 @@ class CudaGraphs:
         self.graphs: dict[tuple[int, bool, bool], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, bool, bool], Tensor] = {}  # the logits each graph writes, (1, b, V)
         self.failed: set[tuple[int, bool, bool]] = set()
+        self.num_failed = 0  # captures that failed, ever (a set of adapters captured again counts again)
         self.adapters = adapters if adapters is not None else {}
         self.lora = GraphLoRA(self.buckets[-1], cache.device)  # the adapted graphs' adapters and row slots
         self.pool = torch.cuda.graph_pool_handle() if capture else None
@@ -73,17 +77,38 @@ class CudaGraphs:
         self.edits = GraphEdits(c.n_layers, c.dim, self.buckets[-1], capacity, cache.device)
 
     @staticmethod
-    def enabled(mode: DecodeGraphMode, model: torch.nn.Module, block_size: int) -> bool:
-        """Whether `mode` turns the static decode path on for this model: its decode attention must read block
-        tables on the device (Triton on CUDA, the native kernel on CPU), and tensor-parallel ranks step together."""
+    def enabled(mode: DecodeGraphMode, model: torch.nn.Module, block_size: int,
+                kv_dtype: torch.dtype | None = None) -> bool:
+        """Whether `mode` turns the static decode path on for this model over a KV cache of `kv_dtype` (None: the
+        model's): its decode attention must read block tables on the device (Triton on CUDA, the native kernel on
+        CPU), and tensor-parallel ranks step together. On CUDA without the Triton kernel the engine decodes
+        eagerly, and says so (one log line; `fallbacks`)."""
         if mode == "off" or getattr(model, "kv_config", None) is not None:
             return False
-        probe = torch.empty(1, 1, 16, dtype=model.dtype, device=model.device)  # the model's own dtype is checked
-        pool = torch.empty(1, block_size, 1, 16, dtype=model.dtype, device=model.device)
-        backend = ops.decode_attention_backend(probe, pool)
+        kv_dtype = kv_dtype or model.dtype
+        probe = torch.empty(1, 1, 16, dtype=model.dtype, device=model.device)  # queries in the model's dtype
+        pool = torch.empty(1, block_size, 1, kv_int8.row_width(16, kv_dtype), dtype=kv_dtype, device=model.device)
+        backend = ops.decode_attention_backend(probe, pool)  # over a pool in the cache's own dtype
         if model.device.type == "cuda":
+            if backend != "triton":
+                log.warning("decode graphs: off on %s (decode attention for a %s cache is %s, not the Triton paged "
+                            "kernel); decode steps run eagerly", model.device, str(kv_dtype).removeprefix("torch."),
+                            backend)
             return backend == "triton"
         return mode == "eager" and backend == "native"
+
+    @staticmethod
+    def memory_estimate(config, max_num_seqs: int, dtype: torch.dtype) -> int:
+        """Bytes the captured graphs hold, for sizing the KV pool around them: every graph keeps its logits (b, V)
+        (plain and edited graphs of every bucket, and as many again for the adapted ones), and the shared pool the
+        largest bucket's working set (its float32 logits and one block's activations: the residual stream, q/k/v,
+        the MLP's gate and up). An estimate: the capture logs what the pool took."""
+        size = torch.empty((), dtype=dtype).element_size()
+        bs = buckets(max_num_seqs)
+        qkv = (config.n_heads + 2 * config.n_kv_heads) * config.head_dim
+        outputs = 4 * sum(bs) * config.vocab_size * size  # (plain, edited) x (base, adapted)
+        work = bs[-1] * (4 * config.vocab_size + (4 * config.dim + qkv + 3 * config.hidden_dim) * size)
+        return outputs + work
 
     def accepts(self, batch: StepBatch, ctx: ForwardContext) -> bool:
         """A pure decode step: one new token per sequence (not prefill rows that attend over the pool one by one,
@@ -93,8 +118,11 @@ class CudaGraphs:
         if not (batch.meta.all_paged and batch.num_seqs == n and ctx.telemetry is None and 0 < n <= self.buckets[-1]):
             return False
         edited, adapted = batch.edits is not None, ctx.lora is not None
-        # (an adapted graph's failed capture counts for the adapters it was tried with: another set is tried afresh)
-        if (self._bucket(n), edited, adapted) in self.failed and (not adapted or self.lora.holds(self.adapters)):
+        key = (self._bucket(n), edited, adapted)
+        if key in self.failed:
+            return False
+        # adapted graphs are captured for the adapters loaded (`adapters_changed`): none for this set, no replay
+        if self.capture and (key not in self.graphs or (adapted and not self.lora.holds(self.adapters))):
             return False
         return not edited or (self.edits.fits(batch.edits) and not batch.edits.reads_sub_blocks
                               and not batch.edits.has_head_edits)
@@ -132,36 +160,51 @@ class CudaGraphs:
             self.lora.load(lora)
         if not self.capture:
             logits = self._forward(*key)[0, :n]
-        else:
-            if key not in self.graphs:  # a bucket whose capture failed at start-up never gets here (`accepts`)
-                self._capture(*key)
-            if key in self.failed:
-                logits = self._forward(*key)[0, :n]
-            else:
-                self.graphs[key].replay()
-                logits = self.outputs[key][0, :n]
+        else:  # (`accepts`: captured, for the adapters loaded now)
+            self.graphs[key].replay()
+            logits = self.outputs[key][0, :n]
         if key[1]:
             self.edits.store_reads(batch.edits)
         return logits
 
     def _use_adapters(self) -> None:
         """The adapted graphs hold the adapters loaded now: those captured for another set are dropped (and their
-        failures forgotten), to be captured again when next needed."""
+        failures forgotten)."""
         if not self.lora.use(self.adapters):
             return
         for key in [k for k in self.graphs if k[2]]:
             del self.graphs[key], self.outputs[key]
         self.failed = {k for k in self.failed if not k[2]}
 
-    def capture_all(self) -> None:
-        """Capture every bucket now, largest first into one shared pool; logs the time it took."""
+    def adapters_changed(self) -> None:
+        """An adapter was loaded or unloaded (between steps): the adapted graphs of the new set, every bucket plain
+        and edited, are captured now, so that no step ever waits for a capture (vLLM captures its LoRA graphs up
+        front too); with no adapter left, none."""
+        self._use_adapters()
+        if not self.capture or not self.adapters:
+            return
         start = time.perf_counter()
+        for b in reversed(self.buckets):
+            self._pad(0, b)
+            self.lora.load_none()
+            for edited in (False, True):
+                self._capture(b, edited, adapted=True)
+        log.info("decode graphs: %d adapted graphs captured for %d adapter(s) in %.1fs%s",
+                 sum(k[2] for k in self.graphs), len(self.adapters), time.perf_counter() - start,
+                 f"; failed: {sorted(k for k in self.failed if k[2])}" if any(k[2] for k in self.failed) else "")
+
+    def capture_all(self) -> None:
+        """Capture every bucket now, largest first into one shared pool; logs the time it took and the memory."""
+        start = time.perf_counter()
+        before = torch.cuda.memory_reserved(self.cache.device) if self.cache.device.type == "cuda" else 0
         for b in reversed(self.buckets):
             self._pad(0, b)  # every row a padding row: the capture writes only the scratch block
             for edited in (False, True):
                 self._capture(b, edited)
-        log.info("decode graphs: %d graphs (plain and edited) captured in %.1fs (%s)", len(self.graphs),
-                 time.perf_counter() - start, ", ".join(str(b) for b, e, _ in sorted(self.graphs) if not e)
+        taken = (torch.cuda.memory_reserved(self.cache.device) - before) if self.cache.device.type == "cuda" else 0
+        log.info("decode graphs: %d graphs (plain and edited) captured in %.1fs, %.0f MB (%s)", len(self.graphs),
+                 time.perf_counter() - start, taken / 1e6,
+                 ", ".join(str(b) for b, e, _ in sorted(self.graphs) if not e)
                  + (f"; failed: {sorted(self.failed)}" if self.failed else ""))
 
     def _forward(self, b: int, edited: bool = False, adapted: bool = False) -> Tensor:  # -> (1, b, V)
@@ -174,6 +217,8 @@ class CudaGraphs:
     def _capture(self, b: int, edited: bool = False, adapted: bool = False) -> None:
         key = (b, edited, adapted)
         try:
+            # on the cache's device whichever thread captures (the current device is per thread and starts at 0)
+            torch.cuda.set_device(self.cache.device)
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
@@ -187,6 +232,7 @@ class CudaGraphs:
         except Exception:  # never fail a request over a capture: that bucket runs eagerly from now on
             log.exception("CUDA graph capture failed for batch size %d (edited: %s, adapted: %s); decoding it eagerly",
                           b, edited, adapted)
+            self.num_failed += 1
             self.failed.add(key)
             self.graphs.pop(key, None)
             self.outputs.pop(key, None)

@@ -34,6 +34,7 @@ from model.engine.stream import stream_for
 from model.engine.speculative.build import build_speculator
 from model.engine.structured import StructuredOutputs
 from model.interventions import HeadShape, InterventionPlan
+from model.kernels import ops
 from model.loaders.memory import check_fits
 from model.lora import LoRAAdapter
 from model.text.tokenizer import Tokenizer
@@ -96,6 +97,9 @@ class EngineStats:
     prefix_cache_queries: int  # prompt tokens admitted
     prefix_cache_hits: int  # of which served from cache
     steps_by_path: dict[str, int] = field(default_factory=dict)  # engine steps per execution path
+    # paths fallen back from, and how often: "triton_decode_attention" (its first launch failed: gather + SDPA),
+    # "decode_graphs" (none on CUDA), "graph_capture" (captures that failed: those buckets decode eagerly)
+    fallbacks: dict[str, int] = field(default_factory=dict)
     spec_decode: SpecDecodeStats | None = None  # speculative decoding's counters, when configured
 
 
@@ -137,12 +141,16 @@ class Engine:
         kv_dtype = cache_dtype(config.kv_cache_dtype, model.dtype, model.device,
                                quantized=_quantized_weights(model))
         per_block = PagedKVCache.bytes_per_block(kv_config(model), config.block_size, kv_dtype)  # per rank under TP
-        num_blocks = config.num_blocks or max(1, config.kv_cache_bytes // per_block)
+        graphs = CudaGraphs.enabled(config.decode_graphs, model, config.block_size, kv_dtype)
+        # captured decode graphs keep memory of their own (each graph's logits, the shared pool's working set): it
+        # comes out of --kv-cache-bytes, as vLLM counts its graphs' memory before sizing the KV cache
+        self.graph_reserve = (CudaGraphs.memory_estimate(model.config, config.max_num_seqs, model.dtype)
+                              if graphs and config.decode_graphs == "auto" else 0)
+        num_blocks = config.num_blocks or max(1, (config.kv_cache_bytes - self.graph_reserve) // per_block)
         self.max_model_len = resolve_max_model_len(config.max_model_len, model.config.max_seq_len,
                                                    num_blocks * config.block_size)
         self.sizes = EngineSizes(num_blocks, config.block_size, config.max_num_seqs, config.max_num_batched_tokens,
                                  self.max_model_len, config.max_logprobs)
-        graphs = CudaGraphs.enabled(config.decode_graphs, model, config.block_size)
         if draft_model is not None and config.speculative is not None and torch.device(model.device).type == "cpu":
             # the draft's pool: as many blocks as the engine's, in the draft's dtype (draft_model.DraftModelProposer)
             draft_pool = num_blocks * PagedKVCache.bytes_per_block(kv_config(draft_model), config.block_size,
@@ -190,8 +198,18 @@ class Engine:
                                             distributed=self.distributed)
         log.info("engine: %d KV blocks of %d tokens (%d tokens, %.0f MB, %s%s), max_model_len %d", num_blocks,
                  config.block_size, self.kv_cache_tokens, self.cache.nbytes / 1e6, str(kv_dtype).removeprefix("torch."),
-                 "; made resident in the background" if self.cache.device.type == "cpu" else "", self.max_model_len)
+                 "; made resident in the background" if self.cache.device.type == "cpu" else
+                 f"; {self.graph_reserve / 1e6:.0f} MB of the budget kept for decode graphs" if self.graph_reserve else "",
+                 self.max_model_len)
         self.runner.capture_graphs()
+        self.decode_attention = self.cache.decode_backend  # what decode rows attend with (fixed once loaded)
+        self.decode_graphs = ("off" if self.runner.graphs is None else
+                              "captured" if self.runner.graphs.capture else "static buffers, not captured")
+        cuda = self.cache.device.type == "cuda"
+        # paths the engine fell back from at start (`stats().fallbacks`; each logged where it was decided: the
+        # Triton kernel's first launch, model/kernels/triton_attention.py; `CudaGraphs.enabled`)
+        self.fallbacks = {"triton_decode_attention": int(cuda and self.decode_attention != "triton"),
+                          "decode_graphs": int(cuda and config.decode_graphs == "auto" and self.runner.graphs is None)}
 
     # ---- requests ---------------------------------------------------------------------------------------------
 
@@ -257,6 +275,7 @@ class Engine:
         if self.distributed:
             adapter = self.model.add_lora(adapter)
         self.runner.adapters[adapter.name] = adapter.to(self.model.dtype, torch.device(self.model.device))
+        self.runner.adapters_changed()
 
     def remove_lora(self, name: str) -> None:
         """Stop serving adapter `name` (engine thread). ValueError while a request runs or waits under it."""
@@ -266,6 +285,7 @@ class Engine:
         if users:
             raise ValueError(f"LoRA adapter {name!r} is serving {users} request(s); unload it once they finish")
         del self.runner.adapters[name]
+        self.runner.adapters_changed()
         if self.distributed:
             self.model.remove_lora(name)
 
@@ -361,6 +381,8 @@ class Engine:
             prefix_cache_queries=self.kv.num_prompt_tokens,
             prefix_cache_hits=self.kv.num_cached_prompt_tokens,
             steps_by_path=dict(self.runner.path_counts),
+            fallbacks={**self.fallbacks, **ops.triton_fallbacks(),
+                       "graph_capture": self.runner.graphs.num_failed if self.runner.graphs is not None else 0},
             spec_decode=self.drafter.stats.copy() if self.config.speculative is not None else None,
         )
 

@@ -44,6 +44,10 @@ class GraphLoRA:
         self.adapters = sorted(adapters.values(), key=_ident)
         return True
 
+    def load_none(self) -> None:
+        """Every row on the base (what a capture runs with: its rows are padding rows)."""
+        self.slot.fill_(-1)
+
     def load(self, lora: LoRARows) -> None:
         """Write the step's rows' slots into the static buffer (every other row: -1)."""
         host = self._host

@@ -61,18 +61,23 @@ FIELDS = ("tokens", "positions", "slots", "logits_rows", "paged_rows", "paged_le
 
 class InputBuffers:
     def __init__(self, max_num_tokens: int, max_num_seqs: int, max_blocks_per_seq: int, block_size: int,
-                 device: torch.device, separate: bool | None = None) -> None:
+                 device: torch.device, separate: bool | None = None, table_rows: int | None = None) -> None:
         """`separate`: the device reads buffers of its own, filled from the host's with one copy a step (a GPU, the
         default off the CPU; or a CPU device that runs beside the host: the simulated one of
         benchmarks/host_overhead.py). The host then keeps two sets and uses them in turn, so a step prepared while
-        the previous one runs never writes memory that step's copy may not have read yet."""
+        the previous one runs never writes memory that step's copy may not have read yet. `table_rows`: the block
+        tables a step can have (None: one per token; `max_num_seqs` where only decode rows attend over their tables,
+        not prefill rows, i.e. off the native kernel): the separate sets' tables are pinned memory, which is never
+        paged in lazily, so they are sized to what is read."""
         self.block_size, self.device = block_size, torch.device(device)
         T, S, W = max_num_tokens, max_num_seqs, max_blocks_per_seq
         C = T + S  # a field's capacity: logits rows are prompt-logprob rows + one per sequence
         F = len(FIELDS)
         self.separate = self.device.type != "cpu" if separate is None else separate
-        self.max_num_tokens, self.max_num_seqs, self.width = T, S, W
+        self.max_num_tokens, self.max_num_seqs, self.width = max_num_tokens, S, W
         self._fields_size = F * C
+        if self.separate and table_rows is not None:
+            T = min(T, table_rows)  # (a (T, W) table at 8,192 tokens a step and a 128k context is 512 MB a set)
         if not self.separate:
             # (T, W) tables: 84 MB at 8,192 tokens a step and 20,480 a sequence, most of it never used on the CPU (a
             # decode step writes a row per sequence); numpy's calloc maps it as zero pages the kernel faults in when

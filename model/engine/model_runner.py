@@ -99,8 +99,10 @@ class ModelRunner:
         self.stream = stream or HostStream()  # where the device work runs (model/engine/stream.py)
         bs = cache.block_size
         rows = buckets(sizes.max_num_seqs)[-1] if scratch_block is not None else sizes.max_num_seqs  # graphs pad
+        # block tables: one per decode row, or per token where prefill rows attend over them too (the native kernel)
         self.buffers = InputBuffers(max(sizes.max_num_batched_tokens, rows), rows, sizes.max_blocks_per_seq, bs,
-                                    cache.device, separate=cache.device.type != "cpu" or self.stream.asynchronous)
+                                    cache.device, separate=cache.device.type != "cpu" or self.stream.asynchronous,
+                                    table_rows=None if cache.paged_prefill else rows)
         # the decode path's samples, two sets used in turn: on the device (the next step's input tokens) and their
         # packed copy on the host (tokens, and logprobs with up to MAX_LOGPROBS alternatives a row)
         pin = cache.device.type == "cuda"
@@ -122,6 +124,11 @@ class ModelRunner:
     def capture_graphs(self) -> None:
         if self.graphs is not None and self.graphs.capture:
             self.graphs.capture_all()
+
+    def adapters_changed(self) -> None:
+        """`adapters` gained or lost one (between steps): the decode graphs that apply them are captured again."""
+        if self.graphs is not None:
+            self.graphs.adapters_changed()
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSeq]) -> RunnerOutput:

@@ -179,6 +179,11 @@ class PagedKVCache:
         kernel has neither a sliding window nor a scale of its own: such a model's chunks attend one by one."""
         return self._backend() == "triton" and not self.window and not self.scale
 
+    @property
+    def decode_backend(self) -> str:
+        """What decode rows attend with over these pools: "native", "triton" or "torch" (gather + SDPA)."""
+        return self._backend()
+
     def _backend(self) -> str:
         q = torch.empty(0, dtype=self.act_dtype, device=self.device)  # what a step's queries are
         return ops.decode_attention_backend(q, self.k[0])

@@ -199,7 +199,11 @@ def _apply_allowed(logits: Tensor, allowed: AllowedTokens, shifts: Tensor) -> Te
     """A (B, V) float32 copy of logits with -inf where a constrained row's grammar forbids the token; every other
     value, and every unconstrained row, is the input's own value (bit-identical)."""
     x = logits.to(torch.float32, copy=True)
-    forbidden = _forbidden(allowed, x.shape[1], shifts).to(x.device)  # (M, V)
+    if x.device.type != "cpu" and allowed.bitmask.device.type == "cpu":
+        # the packed words (M, ceil(V / 32)) go to the device from pinned memory without a wait, and are unpacked
+        # there: never the (M, V) bytes of an unpacked mask from pageable memory, which a copy waits on
+        allowed = AllowedTokens(allowed.bitmask.pin_memory().to(x.device, non_blocking=True), allowed.rows)
+    forbidden = _forbidden(allowed, x.shape[1], shifts)  # (M, V) on x's device
     if allowed.rows == list(range(x.shape[0])):  # every row constrained (a single stream, say): in place, no gather
         return x.masked_fill_(forbidden, _NEG_INF)
     idx = _put(allowed.rows, torch.long, x.device)  # (M,)

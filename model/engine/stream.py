@@ -64,6 +64,16 @@ class CudaStream:
         return event
 
 
+def bind_device(device: torch.device | str) -> None:
+    """Make `device` the calling thread's current CUDA device (a no-op off CUDA). CUDA's current device is per
+    thread and starts at 0: events, `torch.cuda.current_stream()`, Triton's launches (on the current device's
+    stream) and graph capture all follow it, so a thread that steps a model on cuda:1 without this records events
+    and captures graphs on device 0 (vLLM's GPU worker sets its device first, for the same reason)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
 def stream_for(model: torch.nn.Module) -> Stream:
     """The model's own stream where it has one, else its device's."""
     own = getattr(model, "stream", None)

@@ -20,6 +20,7 @@ model/transformer.py; N packed tokens, R rows attending over the pool, W block-t
 from __future__ import annotations
 
 import os
+import sys
 from typing import Protocol
 
 import torch
@@ -213,6 +214,13 @@ def decode_attention_backend(q: Tensor, k_pool: Tensor) -> str:
     if (q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1") and _triton().available(q, k_pool.shape[1], k_pool.dtype):
         return "triton"
     return "torch"
+
+
+def triton_fallbacks() -> dict[str, int]:
+    """Fallbacks of the Triton kernels' set-up in this process (triton_attention.FALLBACKS), without importing Triton
+    where nothing has."""
+    mod = sys.modules.get("model.kernels.triton_attention")
+    return dict(mod.FALLBACKS) if mod is not None else {"triton_cache": 0}
 
 
 def _triton():

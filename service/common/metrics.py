@@ -37,6 +37,9 @@ class Metrics:
         self.inspect_seconds = Histogram(p + "inspect_seconds", "one /inspect probe on the engine thread (queue + compute)", registry=r, buckets=_LATENCY)
         self.inspect_tokens = Counter(p + "inspect_tokens", "tokens run through /inspect probes", registry=r)
         self.running = Gauge(p + "num_requests_running", "sequences in the running batch", registry=r)
+        self.fallbacks = Gauge(p + "engine_fallbacks", "times the engine fell back from a faster path, by kind "
+                               "(triton_decode_attention, triton_cache, decode_graphs, graph_capture)", ["kind"],
+                               registry=r)
         self.waiting = Gauge(p + "num_requests_waiting", "sequences waiting to run", registry=r)
         self.kv_usage = Gauge(p + "kv_cache_usage_ratio", "fraction of KV blocks held by live sequences", registry=r)
         self.kv_blocks = Gauge(p + "kv_cache_blocks_in_use", "KV blocks held by live sequences", registry=r)
@@ -83,6 +86,8 @@ class Metrics:
 
     def set_gauges(self, stats) -> None:
         """The gauges from an engine stats snapshot (a scrape refreshes them too: aborts move them between steps)."""
+        for kind, n in stats.fallbacks.items():
+            self.fallbacks.labels(kind).set(n)
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting)
         self.kv_usage.set(stats.kv_usage)

@@ -43,6 +43,11 @@ class Serving:
         self.adapters: dict[str, LoRAAdapter] = state.adapters  # LoRA adapters served, by name (the engine's own)
 
     @property
+    def execution(self) -> dict:
+        """The decode paths as served, and the fallbacks taken so far (/v1/models)."""
+        return {**self._state.execution, "fallbacks": self.stats.fallbacks}
+
+    @property
     def draining(self) -> bool:
         return self._state.draining
 

@@ -44,6 +44,7 @@ class ServerState:
     speculative: dict | None = None  # --speculative-config as served (/v1/models), None when off
     kv_cache_dtype: str = ""  # the KV cache's dtype as served (--kv-cache-dtype resolved)
     kv_cache_tokens: int = 0  # the tokens the KV pool holds (--kv-cache-bytes over the bytes a token takes)
+    execution: dict = field(default_factory=dict)  # decode attention and decode graph paths as served (/v1/models)
     loader: threading.Thread | None = None  # the thread loading the model, once `start_in_background` began it
 
     def __post_init__(self) -> None:
@@ -114,6 +115,7 @@ class ServerState:
             self.speculative = config.speculative.to_dict() if config.speculative is not None else None
             self.kv_cache_dtype = str(core.cache.k.dtype).removeprefix("torch.")
             self.kv_cache_tokens = core.kv_cache_tokens
+            self.execution = {"decode_attention": core.decode_attention, "decode_graphs": core.decode_graphs}
             self.engine = engine
             log.info("serving %s: %s", self.model_name, self.precision)
             if self.speculative is not None:

@@ -86,3 +86,32 @@ def test_step_logprobs_from_logits():
     s = StepLogprobs.from_logits(torch.tensor([0.0, 2.0, 1.0, -1.0]), k=2)
     lp = torch.log_softmax(torch.tensor([0.0, 2.0, 1.0, -1.0]), -1)
     assert s.token == 1 and list(s.top) == [1, 2] and s.top[1] == pytest.approx(lp[1].item())
+
+
+def test_graph_keys_through_the_benchmarks_own_reading(monkeypatch):
+    """The benchmark reads an engine's decode graphs by their keys, (bucket, edited, adapted): captured here on the
+    CPU by a stand-in for CUDA's capture (tests/fake_cuda_graphs.py), one bucket's capture failing, and an adapter
+    loaded (its graphs are captured as it loads)."""
+    from model import kernels
+    from model.engine import Engine, EngineConfig
+
+    from fake_cuda_graphs import fake_capture
+    from model.lora import LoRAAdapter, LoRAPart, target
+    from tiny import byte_tokenizer, tiny_model
+
+    if kernels.native() is None:
+        pytest.skip(f"the static-buffer step runs on the native kernels: {kernels.status()}")
+    model = tiny_model()
+    engine = Engine(model, byte_tokenizer(), EngineConfig(num_blocks=32, block_size=4, max_num_seqs=3,
+                                                          max_num_batched_tokens=32, decode_graphs="eager"))
+    rec = fake_capture(monkeypatch, engine)
+    rec.fail = {(2, False, False)}
+    engine.runner.capture_graphs()
+    adapter = LoRAAdapter("a", "a", 2)
+    site, start, stop, fan_in = target(model.config, "down_proj")
+    adapter.parts[(0, site)] = [LoRAPart(start, stop, torch.randn(2, fan_in), torch.randn(2, stop - start), 0.5)]
+    engine.add_lora(adapter)
+    r: dict = {}
+    r.update(gpu.graph_buckets(engine.runner.graphs))
+    assert r == {"engine_graph_buckets": [1, 4], "engine_graph_buckets_failed": [2], "engine_edited_graph_buckets": [1, 2, 4],
+                 "engine_adapted_graph_buckets": [1, 2, 4]}

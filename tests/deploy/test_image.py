@@ -252,7 +252,7 @@ print("launcher", launcher.ok())
 
 def test_the_cuda_variant_on_a_stand_in_base():
     """The CUDA image without a GPU or PyTorch's CUDA base: `make image-cuda-standin` builds DEVICE=cuda up to the
-    final stage on a stand-in for pytorch/pytorch:*-runtime (the CPU image's runtime stage: Debian's python and the
+    final stage on a stand-in base (CUDA_BASE_IMAGE: the CPU image's runtime stage: Debian's python and the
     CPU torch). Its final stage has what Triton needs at the first kernel launch (a C compiler and libc's headers
     that build and link a Python extension module), compiles no CPU kernels, carries the repo's Triton launch check,
     and its entrypoint serves (here on CPU, on PyTorch ops: the CUDA image brings no CPU kernels)."""

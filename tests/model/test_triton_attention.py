@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("triton", reason="triton (a test dependency, shipped with PyTorch's CUDA builds) is not installed")
 
@@ -29,6 +30,7 @@ def test_triton_paged_decode_attention_in_the_interpreter():
     assert "kernel vs SDPA, window 11" in r.stdout
     assert "int8 cache on cpu: Triton == SDPA over the dequantized pools" in r.stdout
     assert "int8 cache engine tokens: Triton path == gather path, batched == alone" in r.stdout
+    assert "split-KV decode at 32768 positions" in r.stdout and "split-KV decode at 8192 positions, window" in r.stdout
 
 
 def _fresh(monkeypatch):
@@ -102,10 +104,31 @@ def test_triton_is_pointed_at_a_linkable_libcuda(tmp_path, monkeypatch):
     assert os.environ["TRITON_LIBCUDA_PATH"] == str(driver)
 
 
+def test_an_unwritable_triton_cache_moves_to_a_private_directory_with_a_log_line(tmp_path, monkeypatch, caplog):
+    """Under an arbitrary UID the default ~/.triton/cache is often not writable, and Triton's first compile fails:
+    the cache moves to a temporary directory, says so, and is counted (the engine's fallbacks); a writable one
+    stays. (A path under a file is unwritable even to root.)"""
+    ta = _fresh(monkeypatch)
+    monkeypatch.setattr(ta, "FALLBACKS", {"triton_cache": 0})
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "file" / "cache"))
+    with caplog.at_level(logging.WARNING, logger=ta.__name__):
+        ta.ensure_cache_dir()
+    moved = os.environ["TRITON_CACHE_DIR"]
+    assert moved != str(tmp_path / "file" / "cache") and os.access(moved, os.W_OK)
+    assert "is not writable" in caplog.text and ta.FALLBACKS == {"triton_cache": 1}
+    from model.kernels import ops
+
+    assert ops.triton_fallbacks() == {"triton_cache": 1}
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "ok"))
+    ta.ensure_cache_dir()
+    assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "ok") and ta.FALLBACKS == {"triton_cache": 1}
+
+
 @pytest.mark.parametrize("dtype,cache", [("bf16", "bf16"), ("fp16", "fp16"), ("fp32", "fp32"), ("bf16", "i8"),
                                          ("fp32", "i8")])
-@pytest.mark.parametrize("telemetry", [False, True])
-def test_the_kernel_compiles_for_hopper(dtype, cache, telemetry):
+@pytest.mark.parametrize("telemetry,split", [(False, False), (True, False), (False, True)])
+def test_the_kernel_compiles_for_hopper(dtype, cache, telemetry, split):
     """Compiled ahead of time for sm_90 (Triton's own ptxas, no GPU needed): the interpreter above runs the kernel
     but does not type-check it, and an H200 run found the TELEMETRY variant refused at compile time (a loop-carried
     int32 re-assigned an int64). Over an int8 cache too (rows of E + 4: the quants, then the scale's bytes)."""
@@ -120,36 +143,63 @@ def test_the_kernel_compiles_for_hopper(dtype, cache, telemetry):
     names = list(inspect.signature(kernel.fn).parameters)
     ptrs = dict(q_ptr=f"*{dtype}", k_ptr=f"*{cache}", v_ptr=f"*{cache}", out_ptr=f"*{dtype}", rows_ptr="*i64",
                 tables_ptr="*i64", lens_ptr="*i64", q_stride="i32", W="i32", scale="fp32", window="i32", slot_ptr="*i64",
-                sink_len_ptr="*i64", sink_ptr="*fp32", top_pos_ptr="*i64", top_prob_ptr="*fp32")
+                sink_len_ptr="*i64", sink_ptr="*fp32", top_pos_ptr="*i64", top_prob_ptr="*fp32", part_m_ptr="*fp32",
+                part_l_ptr="*fp32", part_acc_ptr="*fp32", P="i32")
     consts = dict(H=8, K=2, E=64, E_PAD=64, BS=16, TELEMETRY=telemetry, TOP_K=5, TOP_PAD=8,
-                  ROW=68 if cache == "i8" else 64, INT8=cache == "i8")
+                  ROW=68 if cache == "i8" else 64, INT8=cache == "i8", PB=32, SPLIT=split)
     signature = {n: ptrs.get(n, "constexpr") for n in names}
     src = ASTSource(fn=kernel, signature=signature, constexprs={(names.index(n),): v for n, v in consts.items()})
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32))
     assert compiled.asm["cubin"]
 
 
-@pytest.mark.parametrize("dtype,cache", [("bf16", "bf16"), ("fp16", "fp16"), ("bf16", "i8")])
-@pytest.mark.parametrize("use_dot", [False, True])
-def test_the_prefill_kernel_compiles_for_hopper(dtype, cache, use_dot):
-    """The prefill tiles' kernel likewise (the tensor-core `tl.dot` variant is what a 16-token block runs)."""
+def test_the_split_kv_reduction_compiles_for_hopper():
+    """The split-KV decode's reduction (`_paged_decode_reduce`), ahead of time for sm_90."""
     import inspect
 
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from model.kernels.triton_attention import PREFILL_TILE, _paged_prefill_kernel as kernel
+    from model.kernels.triton_attention import _paged_decode_reduce as kernel
+
+    names = list(inspect.signature(kernel.fn).parameters)
+    types = dict(rows_ptr="*i64", lens_ptr="*i64", out_ptr="*bf16", window="i32", part_m_ptr="*fp32",
+                 part_l_ptr="*fp32", part_acc_ptr="*fp32", P="i32")
+    consts = dict(H=8, E=64, E_PAD=64, BS=16, PB=32)
+    signature = {n: types.get(n, "constexpr") for n in names}
+    src = ASTSource(fn=kernel, signature=signature, constexprs={(names.index(n),): v for n, v in consts.items()})
+    assert triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["cubin"]
+
+
+@pytest.mark.parametrize("dtype,cache", [("bf16", "bf16"), ("fp16", "fp16"), ("bf16", "i8"), ("fp32", "fp32"),
+                                         ("fp32", "i8")])
+@pytest.mark.parametrize("use_dot", [False, True])
+def test_the_prefill_kernel_compiles_for_hopper(dtype, cache, use_dot):
+    """The prefill tiles' kernel likewise (the tensor-core `tl.dot` variant is what a 16-token block runs). Under
+    float32 queries its products are IEEE float32 on the device as in the interpreter: Triton's default for a
+    float32 `tl.dot` on sm_80+ is TF32 (10 mantissa bits), which would lose float32 parity on the GPU alone; so
+    no TF32 instruction may appear in the float32 build, and the 16-bit builds keep theirs."""
+    import inspect
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from model.kernels.triton_attention import PREFILL_TILE, _paged_prefill_kernel as kernel, dot_precision
 
     names = list(inspect.signature(kernel.fn).parameters)
     ptrs = dict(q_ptr=f"*{dtype}", k_ptr=f"*{cache}", v_ptr=f"*{cache}", out_ptr=f"*{dtype}", tiles_ptr="*i64",
                 tables_ptr="*i64", q_stride="i32", W="i32", scale="fp32")
+    precision = dot_precision(torch.float32 if dtype == "fp32" else torch.bfloat16)
     consts = dict(H=8, K=2, E=128, E_PAD=128, BS=16, BLOCK_M=PREFILL_TILE, USE_DOT=use_dot,
-                  ROW=132 if cache == "i8" else 128, INT8=cache == "i8")
+                  ROW=132 if cache == "i8" else 128, INT8=cache == "i8", DOT_PRECISION=precision)
     signature = {n: ptrs.get(n, "constexpr") for n in names}
     src = ASTSource(fn=kernel, signature=signature, constexprs={(names.index(n),): v for n, v in consts.items()})
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32))
     assert compiled.asm["cubin"]
+    tf32 = "tf32" in compiled.asm["ptx"]
+    assert tf32 == (use_dot and dtype != "fp32"), "float32 dots must be IEEE; 16-bit ones keep the tensor cores"
 
 
 @pytest.mark.parametrize("name", ["_rms_norm_kernel", "_silu_mul_kernel", "_rope_kernel"])

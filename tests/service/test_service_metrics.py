@@ -64,6 +64,18 @@ def test_every_metric_is_exposed(metrics_server):
     assert all(name.startswith("llamascope_") for name in s.families)
 
 
+def test_fallbacks_and_the_decode_paths_are_visible(metrics_server):
+    """Every fallback the engine can take has its gauge (0 here: nothing fell back on CPU), and /v1/models says
+    which decode attention and graph path serve, with the same counts."""
+    s = scrape(metrics_server)
+    kinds = ("triton_decode_attention", "triton_cache", "decode_graphs", "graph_capture")
+    assert {k: s.get("llamascope_engine_fallbacks", kind=k) for k in kinds} == dict.fromkeys(kinds, 0.0)
+    assert all(("llamascope_engine_fallbacks", frozenset({("kind", k)})) in s.samples for k in kinds)
+    execution = metrics_server.client.get("/v1/models").json()["data"][0]["execution"]
+    assert execution == {"decode_attention": "native" if kernels.native() is not None else "torch",
+                         "decode_graphs": "off", "fallbacks": dict.fromkeys(kinds, 0)}
+
+
 def _completion(metrics_server, prompt: list[int], max_tokens: int = 5, **extra) -> dict:
     r = metrics_server.client.post(CMPL, json={"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0,
                                      **extra})

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 from model.engine.engine_sizes import EngineSizes
 from model.engine.kv_cache_manager import KVCacheManager
 from model.engine.model_runner import ModelRunner
+from model.engine.stream import stream_for
 from model.engine.paged_cache import PagedKVCache
 from model.engine.request import Request, Sequence, SequenceStatus
 from model.engine.sampler import Sampler
@@ -61,7 +62,10 @@ class DraftModelProposer:
         self.max_model_len = sizes.max_model_len  # the draft holds a sequence's whole history (no window)
         self.cache = PagedKVCache.for_model(model, sizes.num_blocks, sizes.block_size)
         self.kv = KVCacheManager(sizes.num_blocks, sizes.block_size, enable_prefix_caching=False)
-        self.runner = ModelRunner(model, self.cache, Sampler(model.config.vocab_size, model.device), sizes)
+        # the draft's device work runs where the target's does (model/engine/stream.py): on a device its inputs are
+        # staged in buffers of their own, and its events complete when the device gets there
+        self.runner = ModelRunner(model, self.cache, Sampler(model.config.vocab_size, model.device), sizes,
+                                  stream=stream_for(model))
         self.shadows: dict[Sequence, _Shadow] = {}
         log.info("draft model: %d KV blocks of %d tokens (%.0f MB)", sizes.num_blocks, sizes.block_size,
                  self.cache.nbytes / 1e6)

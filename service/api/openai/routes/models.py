@@ -16,7 +16,8 @@ router = APIRouter()
 @router.get("/v1/models")
 async def models(serving: Serving = Depends(get_serving)):
     base = {"id": serving.model_name, "object": "model", "created": 0, "owned_by": "llamascope",
-            "max_model_len": serving.max_model_len, **serving.precision, "speculative_config": serving.speculative}
+            "max_model_len": serving.max_model_len, **serving.precision, "speculative_config": serving.speculative,
+            "execution": serving.execution}
     # each LoRA adapter as vLLM lists one: its own id, its folder as root, the base as parent
     loras = [{"id": name, "object": "model", "created": 0, "owned_by": "llamascope", "root": a.path,
               "parent": serving.model_name, "max_model_len": serving.max_model_len} for name, a in serving.adapters.items()]
