@@ -67,6 +67,12 @@ class Hook:
     layer: int
     site: str
 
+    def __post_init__(self) -> None:
+        if self.site not in DICTIONARY_SITES:
+            raise ValueError(f"site: unknown {self.site!r}; choose from {list(DICTIONARY_SITES)}")
+        if self.site == "embeddings" and self.layer != 0:  # the stream's start is before block 0 only
+            raise ValueError(f"layer: the embeddings are at layer 0, not {self.layer}")
+
     def width(self, config) -> int:  # a ModelConfig -> the activation's last dimension there
         if self.site == "mlp_hidden":
             return config.hidden_dim
