@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from model.hook_names import Hook
+from model.hook_names import Hook, parse_hook
 
 ACTIVATIONS = ("relu", "jumprelu", "topk", "groupmax", "gated")
 NORMALIZATIONS = ("none", "constant_norm_rescale", "layer_norm")
@@ -53,6 +53,14 @@ class DictionaryError(ValueError):
     def __init__(self, field: str, why: str):
         super().__init__(f"{field}: {why}")
         self.field = field
+
+
+def hook_of(name: str, where: str, side: str | None = None) -> Hook:
+    """parse_hook, its refusal as a DictionaryError naming `where`."""
+    try:
+        return parse_hook(name, side=side, where=where)
+    except ValueError as e:
+        raise DictionaryError(where, str(e).removeprefix(f"{where}: ")) from None
 
 
 @dataclass(eq=False)

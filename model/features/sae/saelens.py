@@ -29,9 +29,8 @@ from pathlib import Path
 
 import torch
 
-from model.features.sae.dictionary import Dictionary, DictionaryError
+from model.features.sae.dictionary import Dictionary, DictionaryError, hook_of
 from model.features.sae.files import Reader, check_bytes, need, read_tensors, tensor_shapes
-from model.hook_names import parse_hook
 
 CFG, WEIGHTS = "cfg.json", "sae_weights.safetensors"
 # architecture -> (activation, transcoder, skip)
@@ -132,14 +131,14 @@ def read_saelens(reader: Reader, dtype: torch.dtype, max_bytes: int | None, hook
     name_in = hook_name or cfg.get("hf_hook_name") or cfg.get("hook_name")
     if not name_in:
         raise DictionaryError("hook_name", f"{CFG} names no hook (metadata.hook_name)")
-    hook_in = parse_hook(name_in, where="hook_name")
+    hook_in = hook_of(name_in, "hook_name")
     hook_out = hook_in
     if transcoder:
         name_out = hook_name_out or cfg.get("hf_hook_name_out") or cfg.get("hook_name_out")
         if not name_out:
             raise DictionaryError("hook_name_out", f"{CFG} of a transcoder names no output hook "
                                                    "(metadata.hook_name_out)")
-        hook_out = parse_hook(name_out, where="hook_name_out")
+        hook_out = hook_of(name_out, "hook_name_out")
     for field, want, have in (("d_in", cfg.get("d_in"), W_enc.shape[0]), ("d_sae", cfg.get("d_sae"), W_enc.shape[1]),
                               ("d_out", cfg.get("d_out") if transcoder else None, W_dec.shape[1])):
         if want is not None and want != have:

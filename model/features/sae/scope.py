@@ -31,9 +31,9 @@ from pathlib import Path
 
 import torch
 
-from model.features.sae.dictionary import Dictionary, DictionaryError
+from model.features.sae.dictionary import Dictionary, DictionaryError, hook_of
 from model.features.sae.files import Reader, check_bytes, need, read_tensors, tensor_shapes
-from model.hook_names import Hook, parse_hook
+from model.hook_names import Hook
 
 LLAMA_SCOPE_CFG = "hyperparams.json"
 LLAMA_SCOPE_WEIGHTS = ("checkpoints/final.safetensors", "final.safetensors")
@@ -67,9 +67,9 @@ def read_llama_scope(reader: Reader, dtype: torch.dtype, max_bytes: int | None, 
     t = read_tensors(weights, dtype)
     enc_w, enc_b, dec_w, dec_b = need(t, "encoder.weight", "encoder.bias", "decoder.weight", "decoder.bias",
                                       file=weights.name)
-    hook_in = parse_hook(hook_name or hp["hook_point_in"], where="hook_name")
+    hook_in = hook_of(hook_name or hp["hook_point_in"], "hook_name")
     out_name = hook_name_out or hp.get("hook_point_out") or hp["hook_point_in"]
-    hook_out = parse_hook(out_name, where="hook_name_out")
+    hook_out = hook_of(out_name, "hook_name_out")
     transcoder = hook_out != hook_in
     if not transcoder:
         s_out = s_in
@@ -114,13 +114,13 @@ def read_gemma_scope(reader: Reader, dtype: torch.dtype, max_bytes: int | None, 
         raise DictionaryError("architecture", f"{cfg.get('architecture')!r} is not served; Gemma Scope's is jump_relu")
     hook_in = hook_out = None
     if hook_name:
-        hook_in = parse_hook(hook_name, where="hook_name")
+        hook_in = hook_of(hook_name, "hook_name")
     elif cfg.get("hf_hook_point_in"):
-        hook_in = parse_hook(cfg["hf_hook_point_in"], where="hf_hook_point_in")
+        hook_in = hook_of(cfg["hf_hook_point_in"], "hf_hook_point_in")
     if hook_name_out:
-        hook_out = parse_hook(hook_name_out, where="hook_name_out")
+        hook_out = hook_of(hook_name_out, "hook_name_out")
     elif cfg.get("hf_hook_point_out"):
-        hook_out = parse_hook(cfg["hf_hook_point_out"], where="hf_hook_point_out")
+        hook_out = hook_of(cfg["hf_hook_point_out"], "hf_hook_point_out")
     if hook_in is None:
         layer = _gemma_layer(root)
         if weights.suffix == ".npz":  # Gemma Scope 1: the release's name says the site

@@ -18,9 +18,8 @@ from pathlib import Path
 
 import torch
 
-from model.features.sae.dictionary import Dictionary, DictionaryError
+from model.features.sae.dictionary import Dictionary, DictionaryError, hook_of
 from model.features.sae.files import Reader, check_bytes, need, read_tensors, tensor_shapes
-from model.hook_names import parse_hook
 
 CFG, WEIGHTS = "cfg.json", "sae.safetensors"
 
@@ -45,10 +44,9 @@ def read_sparsify(reader: Reader, dtype: torch.dtype, max_bytes: int | None, hoo
         raise DictionaryError("k", f"{CFG} needs an integer k")
     # the folder's name is the module; a transcoder reads its input and writes its output
     module = reader.root.name
-    hook_in = parse_hook(hook_name or module, side=None if hook_name else ("input" if transcode else "output"),
-                         where="hook_name")
-    hook_out = parse_hook(hook_name_out or module, side=None if hook_name_out else "output",
-                          where="hook_name_out") if transcode else hook_in
+    hook_in = hook_of(hook_name or module, "hook_name", None if hook_name else ("input" if transcode else "output"))
+    hook_out = hook_of(hook_name_out or module, "hook_name_out", None if hook_name_out else "output") \
+        if transcode else hook_in
     return Dictionary(
         W_enc=enc_w.T.contiguous(), b_enc=enc_b, W_dec=W_dec.contiguous(), b_dec=b_dec, hook_in=hook_in,
         hook_out=hook_out, activation=activation, k=cfg["k"],
