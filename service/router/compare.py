@@ -44,15 +44,12 @@ def decode_array(encoded: dict) -> np.ndarray:
 
 def inspect_body(req: CompareRequest, model: str) -> dict:
     """The /inspect request each side answers: the compare request's options, its block outputs in float32, and its
-    lens's top token at every compared position."""
+    lens's top token at the lens positions (`lens_positions`, the last token by default)."""
     body = req.model_dump(exclude={"compare"}, exclude_none=True)
     include = set(req.include) if req.include is not None else set(DEFAULT_INCLUDES)
     body.update(model=model, include=sorted(include | {"hidden_states"}), hidden_dtype="float32")
     if "logit_lens" in include:
         body["lens_top_k"] = 1
-        body.pop("lens_positions", None)
-        if req.hidden_positions is not None:
-            body["lens_positions"] = req.hidden_positions
     return body
 
 
