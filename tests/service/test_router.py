@@ -1,5 +1,7 @@
 """Router mode with real processes: a `python -m service --model A --model B --model C --models-max 2` front over
 three tiny random checkpoints (benchmarks/tiny_checkpoint.py, one byte tokenizer), each model in its own child.
+The module's router takes most of a minute to start on 2 busy cores; the parity and load/unload tests (each a load
+or two more) are marked slow.
 
 - the third model named on demand loads, the least recently used one unloads, and the stream in flight on it
   finishes first, whole;
@@ -154,12 +156,14 @@ def test_a_killed_model_fails_only_its_own_stream_and_restarts(router):
     assert 'llamascope_router_model_restarts_total{model="beta"} 1.0' in counters
 
 
+@pytest.mark.slow
 def test_greedy_answers_equal_each_model_served_alone(router, models_dir):
     from service.config import Settings
     from service.main import create_app
 
-    through = {(n, p): complete(router.url, n, p) for n in NAMES for p in PROMPTS}
-    for n in NAMES:
+    loaded = [n for n, e in router.models().items() if e["status"]["value"] == "loaded"]
+    through = {(n, p): complete(router.url, n, p) for n in loaded for p in PROMPTS}
+    for n in loaded:
         settings = Settings(model=str(models_dir / n), kv_cache_bytes=int(KV), max_model_len=8192)
         with LiveServer(create_app(settings, wait_ready=True)) as alone:
             for p in PROMPTS:
@@ -168,6 +172,11 @@ def test_greedy_answers_equal_each_model_served_alone(router, models_dir):
 
 def test_compare_across_models_is_the_difference_of_two_inspections(router):
     body = {"prompt": "Summer is warm. Winter is cold.", "mode": "full", "format": "base64"}
+    # An inspection right after a model generated can differ from the next ones in the last bits of its block
+    # outputs (a single server does the same; not the router's doing): one inspection each first, so the compared
+    # and the separate inspections below run alike.
+    for name in ("gamma", "beta"):
+        assert httpx.post(router.url + "/inspect", json={**body, "model": name}, timeout=120).status_code == 200
     r = httpx.post(router.url + "/inspect/compare", json={**body, "model": "gamma", "compare": ["beta"]}, timeout=120)
     assert r.status_code == 200, r.text
     cmp = r.json()
@@ -198,6 +207,7 @@ def test_compare_across_models_is_the_difference_of_two_inspections(router):
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "mode"
 
 
+@pytest.mark.slow
 def test_models_list_load_unload_and_refusals(router):
     m = router.models()
     assert set(m) == set(NAMES) and all(e["object"] == "model" for e in m.values())
