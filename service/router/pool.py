@@ -25,6 +25,7 @@ from service.errors import APIError
 from service.router.catalog import CatalogEntry
 from service.router.child import Child
 from service.router.options import RouterOptions, child_environ
+from service.router.upstream import Upstream
 
 log = logging.getLogger("llamascope.router")
 
@@ -36,7 +37,8 @@ class ModelPool:
         self.children = {name: Child(entry) for name, entry in catalog.items()}
         self.options = options
         self.metrics = metrics
-        self.client: httpx.AsyncClient | None = None
+        self.client: httpx.AsyncClient | None = None  # the front's own calls: health, /v1/models, metrics, /inspect
+        self.upstream = Upstream()  # proxied requests
         key = options.settings.api_key
         self.headers = {"Authorization": f"Bearer {key.get_secret_value()}"} if key else {}
         self._capacity = asyncio.Lock()
@@ -67,6 +69,7 @@ class ModelPool:
         await asyncio.gather(*(c.stop(grace) for c in self.children.values() if c.proc is not None))
         if self.client is not None:
             await self.client.aclose()
+        self.upstream.close()
 
     # -- requests ----------------------------------------------------------------------------------------------
 

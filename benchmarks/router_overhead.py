@@ -1,0 +1,110 @@
+"""What router mode adds to one stream: the same model served alone and behind a router, in the same run.
+
+    python -m benchmarks.router_overhead [--model PATH] [--rounds 7] [--threads 1] [--out FILE]
+
+Two servers of the same file with the same flags: `python -m service --model PATH` (alone), and a router
+`python -m service --model PATH --model OTHER --models-max 1` (OTHER, a tiny random checkpoint, is never loaded), whose
+front proxies each request to the model's own `python -m service` process. One stream at a time (a 128-token prompt
+of token ids, greedy, EOS ignored, 64 new tokens), read by the raw SSE client (benchmarks/sse_client.py) so the client
+costs as little CPU as it can on a small machine: per request, the time to the first token, the inter-token latency
+((last token - first token) / 63) and the whole request. The sides alternate, the order flipped every round, each
+side `--repeats` requests a round; medians over everything. The goal: the router within 5% of alone.
+
+Both servers idle while the other is measured. The figures, the machine and the ratios go to --out (default
+benchmarks/results/router-overhead.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from benchmarks.load import ServedProcess
+from benchmarks.machine import machine_info
+from benchmarks.sse_client import stream_raw
+from benchmarks.tiny_checkpoint import write_tiny_checkpoint
+
+RESULTS = Path(__file__).resolve().parent / "results" / "router-overhead.json"
+PROMPT, NEW_TOKENS = 128, 64
+
+
+def _progress(msg: str) -> None:
+    print(f"[router_overhead] {msg}", file=sys.stderr, flush=True)
+
+
+def one_request(url: str, prompt: list[int]) -> dict:
+    t0 = time.perf_counter()
+    r = asyncio.run(stream_raw(url, prompt, NEW_TOKENS))
+    end = time.perf_counter()
+    marks = r["marks"]
+    return {"ttft": marks[0] - t0, "itl": (marks[-1] - marks[0]) / (len(marks) - 1), "e2e": end - t0,
+            "text": r["text"]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.router_overhead", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=None, help="checkpoint (default: the default model)")
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--repeats", type=int, default=3, help="requests per side per round")
+    p.add_argument("--threads", type=int, default=1, help="torch threads of each model's process")
+    p.add_argument("--out", type=Path, default=RESULTS)
+    a = p.parse_args(argv)
+    from model.loaders import default_model_path
+
+    model = a.model or str(default_model_path())
+    common = ["--threads", str(a.threads), "--kv-cache-bytes", str(64 << 20)]
+    rng = random.Random(0)
+    prompt = [rng.randrange(1000, 20000) for _ in range(PROMPT)]
+    with tempfile.TemporaryDirectory() as tmp:
+        other = write_tiny_checkpoint(Path(tmp) / "never-loaded", seed=1)
+        _progress("starting the model alone and behind a router")
+        alone = ServedProcess(["--model", model, *common], Path(tmp) / "alone.log")
+        routed = ServedProcess(["--model", model, "--model", str(other), "--models-max", "1", *common],
+                               Path(tmp) / "router.log")
+        try:
+            name = Path(model).name.removesuffix(".gguf")
+            for _ in range(600):  # the router answers /health at once; its model loads behind it
+                states = {m["id"]: m["status"]["value"] for m in httpx.get(routed.url + "/v1/models").json()["data"]}
+                if states.get(name) == "loaded":
+                    break
+                time.sleep(0.2)
+            sides = {"alone": alone.url, "router": routed.url}
+            for url in sides.values():  # warm both (kernels, first-request costs)
+                one_request(url, prompt)
+            runs: dict[str, list[dict]] = {"alone": [], "router": []}
+            for rnd in range(a.rounds):
+                order = ["alone", "router"] if rnd % 2 == 0 else ["router", "alone"]
+                for side in order:
+                    for _ in range(a.repeats):
+                        runs[side].append(one_request(sides[side], prompt))
+                _progress(f"round {rnd + 1}/{a.rounds}: e2e median alone "
+                          f"{statistics.median(r['e2e'] for r in runs['alone']) * 1e3:.1f} ms, router "
+                          f"{statistics.median(r['e2e'] for r in runs['router']) * 1e3:.1f} ms")
+        finally:
+            alone.stop(10)
+            routed.stop(10)
+    texts = {r["text"] for side in runs.values() for r in side}
+    assert len(texts) == 1, "the router's greedy answer differs from the model's alone"
+    med = {side: {k: statistics.median(r[k] for r in rs) * 1e3 for k in ("ttft", "itl", "e2e")}
+           for side, rs in runs.items()}
+    ratio = {k: med["router"][k] / med["alone"][k] for k in ("ttft", "itl", "e2e")}
+    result = {"benchmark": "router_overhead", "machine": machine_info("cpu", a.threads), "model": Path(model).name,
+              "prompt_tokens": PROMPT, "new_tokens": NEW_TOKENS, "rounds": a.rounds, "repeats": a.repeats,
+              "median_ms": med, "router_over_alone": ratio, "goal": "router / alone <= 1.05 (e2e)"}
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps({"median_ms": med, "router_over_alone": ratio}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
