@@ -1,7 +1,7 @@
 """The models a router serves: each `--model` given, and every GGUF file and HF folder (a folder with a config.json)
 in `--models-dir`, named as a single server names its checkpoint (`checkpoint_name`: a GGUF file's stem, a folder's
 name), with what it will take in memory once its process has loaded it: the weights as served (the loaders' own
-sizing, from the files' headers: `served_bytes_gguf` / `served_bytes_hf`) plus the KV pool (`--kv-cache-bytes`)."""
+sizing from the files' headers, `served_weight_bytes`) plus the KV pool (`--kv-cache-bytes`)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from model.dtypes import DTYPES
-from model.loaders import CheckpointError, default_model_path
+from model.loaders import CheckpointError, default_model_path, served_weight_bytes
 from model.loaders.hub import checkpoint_name, resolve_checkpoint
 from service.config import Settings
 
@@ -53,15 +53,7 @@ def weight_bytes(path: Path, settings: Settings) -> int:
         return 0
     dtype = DTYPES["float32" if settings.dtype == "auto" else settings.dtype]
     try:
-        if path.is_dir():
-            from model.loaders.hf import served_bytes_hf
-
-            return served_bytes_hf(path, "none" if settings.quantization == "auto" else settings.quantization, dtype)
-        from model.loaders.gguf_file import native_quantization, open_gguf, served_bytes_gguf
-
-        reader = open_gguf(path)
-        q = native_quantization(reader) if settings.quantization == "auto" else settings.quantization
-        return served_bytes_gguf(reader, q, settings.quantization == "auto", dtype)
+        return served_weight_bytes(path, settings.quantization, dtype)
     except (CheckpointError, OSError, ValueError, KeyError) as e:  # the child's load will say what is wrong
         log.warning("cannot size %s from its headers (%s); counting its files' size", path, e)
         files = [path] if path.is_file() else [f for f in path.rglob("*") if f.is_file()]
