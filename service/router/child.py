@@ -164,6 +164,8 @@ class Child:
             status.update(failed=True, exit_code=self.exit_code, reason=self.failure)
         if self.unloading:
             status["unloading"] = True
+        if self.active:  # the process's own loopback port, as llama-server's router lists it
+            status["port"] = self.port
         status.update(in_flight=self.in_flight, restarts=self.restarts,
                       memory_bytes=self.entry.memory_bytes)
         return status

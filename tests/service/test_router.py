@@ -278,3 +278,29 @@ def test_router_command_line():
         with pytest.raises(SystemExit) as e:
             parse_router_cli(argv)
         assert e.value.code == 2
+
+
+def test_relabelled_expositions_parse_as_one():
+    """Two servers' own expositions (service/metrics.py's registry) merged: each family once, every sample with its
+    model's label, label values escaped; what prometheus_client's parser reads back."""
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from service.metrics import Metrics
+    from service.router.metrics import relabel
+
+    families: dict[str, list[str]] = {}
+    headers: dict[str, list[str]] = {}
+    for name, n in (("a", 1), ('b"\\odd', 2)):
+        m = Metrics()
+        m.requests.labels("completions", "200").inc(n)
+        m.ttft.observe(0.02 * n)
+        relabel(generate_latest(m.registry).decode(), name, families, headers)
+    text = "\n".join(line for fam, samples in families.items() for line in headers[fam] + samples) + "\n"
+    parsed = {f.name: f for f in text_string_to_metric_families(text)}
+    requests = {s.labels["model"]: s.value for s in parsed["llamascope_requests"].samples if s.name.endswith("_total")}
+    assert requests == {"a": 1.0, 'b"\\odd': 2.0}
+    counts = {s.labels["model"]: s.value for s in parsed["llamascope_time_to_first_token_seconds"].samples
+              if s.name.endswith("_count")}
+    assert counts == {"a": 1.0, 'b"\\odd': 1.0}
+    assert sum(line.startswith("# TYPE llamascope_requests_total ") for line in text.splitlines()) == 1
