@@ -163,6 +163,7 @@ class ModelPool:
                 await asyncio.shield(child.ready)
             await child.idle.wait()
             await child.stop(self.options.settings.shutdown_grace_seconds)
+            self.upstream.drop(child.port)
             self._count("unloads", child)
         finally:
             child.unloading = False
@@ -192,6 +193,7 @@ class ModelPool:
                 if child.status == "loaded" and not child.stopping and (code := child.exited()) is not None:
                     log.error("model %s: its process exited with status %s; starting it again", child.name, code)
                     child.restarts += 1
+                    self.upstream.drop(child.port)
                     self._count("restarts", child)
                     child.spawn(self.options.child_argv, child_environ())
                     self._track(self._await_ready(child))

@@ -107,6 +107,11 @@ class Upstream:
             raise UpstreamError(str(e)) from None
         return UpstreamResponse(self, port, reader, writer, int(parts[1]), headers)
 
+    def drop(self, port: int) -> None:
+        """Close the kept-alive connections to a process that has gone (unloaded, or exited)."""
+        for _, writer in self.idle.pop(port, []):
+            writer.close()
+
     def close(self) -> None:
         for conns in self.idle.values():
             for _, writer in conns:
