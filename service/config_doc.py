@@ -50,7 +50,7 @@ OTHER_ENV = """\
 | `LLAMASCOPE_NATIVE_KERNELS` | `1` | `0` (or `false`, `off`, `no`) turns the native CPU kernels off: every op then runs as plain PyTorch ops, the reference the tests compare them with; `portable` loads (or builds) the kernels for any CPU with AVX2 instead of this CPU's own (no VNNI, AVX-512 or AMX), `portable-vnni` those for a CPU with AVX-VNNI (no AVX-512 or AMX): slower where the CPU has more, they run the paths such CPUs run, as the tests do |
 | `LLAMASCOPE_KERNELS_DIR` | `~/.cache/llamascope/kernels` | where the native CPU kernels are built and loaded from (the Docker image: `/opt/llamascope/kernels`) |
 | `LLAMASCOPE_REPLICAS` | `2` | docker compose: how many server replicas the `cpu-replicas` profile starts behind nginx (the GPU profiles start one replica a GPU: `gpu-replicas` 2, `gpu-replicas-4` 4, `gpu-replicas-8` 8; [deployment](deployment.md)) |
-| `COMPOSE_PROFILES` | `gpu` (the repo's `.env`) | docker compose: `gpu`, `cpu`, `gpu-replicas`, `gpu-replicas-4`, `gpu-replicas-8` or `cpu-replicas` ([deployment](deployment.md)) |
+| `COMPOSE_PROFILES` | `gpu` (the repo's `.env`) | docker compose: `gpu`, `cpu`, `gpu-replicas`, `gpu-replicas-4`, `gpu-replicas-8`, `cpu-replicas` or `cpu-router` ([deployment](deployment.md)) |
 | `PROMETHEUS_IMAGE` | `prom/prometheus:v2.53.0` | docker compose: the `prometheus` service's image; `localhost/llamascope-prometheus:debian` is one built from Debian's package (`make prometheus-image`, [deployment](deployment.md#podman-without-a-registry)) |
 | `CONTAINER_ENGINE` | docker if its daemon answers, else podman | `make image` and the container tests: `docker` or `podman` |
 

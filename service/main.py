@@ -68,6 +68,12 @@ def create_app(settings: Settings | None = None, loaded: LoadedModel | None = No
 def main(argv: list[str] | None = None, prog: str = "python -m service") -> int:
     """Serve until SIGTERM (exit 0) or a failure the server cannot recover from: a model that does not load, an
     engine thread that ended (exit 1, the reason as the last line on stderr; docs/development.md rule 9)."""
+    from service.router.options import wants_router
+
+    if wants_router(sys.argv[1:] if argv is None else argv):  # several models: the front of their processes
+        from service.router.app import main as router_main
+
+        return router_main(sys.argv[1:] if argv is None else argv, prog)
     settings = parse_cli(argv, prog)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s", stream=sys.stderr)
     # The model starts loading before the web stack (FastAPI, the routes, uvicorn: a large import) is imported and

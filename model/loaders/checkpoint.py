@@ -110,6 +110,20 @@ class LoadedModel:
         return dtype if self.quantization == "none" else f"{self.quantization} weights, {dtype} activations"
 
 
+def served_weight_bytes(path: Path, quantization: str, dtype: torch.dtype) -> int:
+    """What the checkpoint's weights will take on a CPU once served under `quantization` (auto: a quantized GGUF at its
+    own precision, an HF directory as float), from its headers alone: the figure `load_model` checks before loading,
+    for a caller that sizes a model before it starts the process that loads it (router mode, service/router/)."""
+    from model.loaders.gguf_file import native_quantization, open_gguf, served_bytes_gguf
+    from model.loaders.hf import served_bytes_hf
+
+    if path.is_dir():
+        return served_bytes_hf(path, "none" if quantization == "auto" else quantization, dtype)
+    reader = open_gguf(path)
+    resolved = native_quantization(reader) if quantization == "auto" else quantization
+    return served_bytes_gguf(reader, resolved, quantization == "auto", dtype)
+
+
 def resolve_quantization(requested: str, path: Path, device: torch.device | str, reader=None) -> str:
     """`--quantization auto`: a GGUF file whose block matrices are mostly Q4_0 / Q4_1 / Q4_K is served as int4, Q8_0
     / Q5_* / Q6_K as int8, each matrix at its own type's precision (Q6_K as int6; model/loaders/gguf_blocks.py), where

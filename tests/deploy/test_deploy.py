@@ -296,6 +296,16 @@ def test_compose_wiring():
     assert all(p["datasource"]["uid"] == ds["uid"] for p in DASHBOARD["panels"])
 
 
+def test_compose_router_profile():
+    """Router mode as an example profile: the models directory mounted where LLAMASCOPE_MODELS_DIR points, the one
+    published port, and the healthcheck and alias Prometheus scrapes, as the single server's."""
+    router = COMPOSE["services"]["llamascope-router"]
+    assert router["profiles"] == ["cpu-router"] and router["ports"] == ["8000:8000"]
+    assert router["environment"]["LLAMASCOPE_MODELS_DIR"] == "/models"
+    assert any(v.endswith(":/models:ro") for v in router["volumes"]) and "/health" in " ".join(router["healthcheck"]["test"])
+    assert "llamascope" in router["networks"]["default"]["aliases"] and router["build"]["args"]["DEVICE"] == "cpu"
+
+
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed (Debian package prometheus)")
 @pytest.mark.parametrize("config", ["prometheus.yml", "prometheus-ray.yml"])
 def test_promtool_accepts_the_prometheus_config(config):
