@@ -6,6 +6,7 @@
 #include <cfloat>
 
 #include "ops.h"
+#include "simd.h"
 
 namespace ls {
 

@@ -4,7 +4,6 @@
 #include <torch/extension.h>
 
 #include "ops.h"
-#include "qgemm.h"
 
 namespace ls {
 
@@ -96,11 +95,18 @@ using LoRAPart = std::tuple<int64_t, int64_t, int64_t, int64_t, double, Tensor, 
 // (benchmarks/http_overhead.py). Nothing below touches a Python object.
 using nogil = py::call_guard<py::gil_scoped_release>;
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.attr("avx2") = static_cast<bool>(LS_AVX2);
-  m.attr("vnni") = static_cast<bool>(LS_VNNI);
-  m.attr("zmm") = static_cast<bool>(LS_ZMM);
-  m.attr("amx") = static_cast<bool>(LS_AMX);
+// The module's init, hidden: Python imports a build by its file's name (llamascope_kernels_avx2_<hash>), and each
+// build's module.cpp defines PyInit_<that name>, which calls this one. So this file is compiled once for every build
+// (model/kernels/extension.py), and builds loaded side by side (benchmarks/kernel_ab.py) each reach their own init.
+#undef PYBIND11_PLUGIN_IMPL
+#define PYBIND11_PLUGIN_IMPL(name) extern "C" __attribute__((visibility("hidden"))) PyObject* ls_init_##name()
+
+PYBIND11_MODULE(module, m) {
+  const ls::Features f = ls::features();
+  m.attr("avx2") = f.avx2;
+  m.attr("vnni") = f.vnni;
+  m.attr("zmm") = f.zmm;
+  m.attr("amx") = f.amx;
   m.def("amx_permitted", &ls::amx_permitted, "whether this process may use the AMX tiles a build with them has");
   m.def("rms_norm", [](const Tensor& x, const Tensor& w, double eps) { Made m; return m[ls::rms_norm(view(x), view(w), eps, m.alloc)]; }, nogil(), "RMSNorm: x (M, D), w (D,) -> (M, D)");
   m.def("silu_mul", [](const Tensor& gu) { Made m; return m[ls::silu_mul(view(gu), m.alloc)]; }, nogil(), "silu(g) * u: (..., 2F) -> (..., F)");

@@ -3,6 +3,7 @@
 // intermediates to the activation dtype where the torch chain does, so float32 agrees with it to rounding order
 // and bfloat16 to one ulp.
 #include "ops.h"
+#include "simd.h"
 
 namespace ls {
 

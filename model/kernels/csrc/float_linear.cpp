@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "ops.h"
+#include "simd.h"
 #include "qgemm.h"
 
 namespace ls {

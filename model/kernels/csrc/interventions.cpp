@@ -7,6 +7,7 @@
 // (k = 3 layer + site: attention_output, mlp_output, block_output), with the whole table as its trailing argument
 // [site_ptr, ops, bank, read_ptr (3L + 1), read_rows, read_out].
 #include "ops.h"
+#include "simd.h"
 
 namespace ls {
 

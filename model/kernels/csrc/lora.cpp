@@ -8,6 +8,7 @@
 #include <cmath>
 
 #include "ops.h"
+#include "simd.h"
 #include "qgemm.h"
 
 namespace ls {

@@ -5,10 +5,19 @@
 #include <tuple>
 #include <vector>
 
-#include "simd.h"
+#include "tensor.h"
 
 namespace ls {
 struct Telemetry;  // attention_telemetry.h
+// What this build's instruction-set flags turned on (simd.h's LS_AVX2, LS_VNNI, LS_ZMM, LS_AMX), for bindings.cpp,
+// which is compiled without them (one object for every build: model/kernels/extension.py).
+struct Features {
+  bool avx2, vnni, zmm, amx;
+};
+Features features();
+// Whether the many-row Q4_K steps run on AMX tiles: a build with them (simd.h's LS_AMX) on a kernel that grants the
+// process their state (asked once, on the first call).
+bool amx_permitted();
 View rms_norm(const View& x, const View& w, double eps, const Alloc& alloc);
 View silu_mul(const View& gu, const Alloc& alloc);
 void rope_(const View& x, const View& cos, const View& ssin, int64_t n_rot);

@@ -29,6 +29,7 @@
 
 #include "attention_telemetry.h"
 #include "ops.h"
+#include "simd.h"
 
 namespace ls {
 

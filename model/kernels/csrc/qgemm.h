@@ -104,10 +104,6 @@ struct ActBuffers {
   }
 };
 
-// Whether the many-row Q4_K steps run on AMX tiles: a build with them (simd.h's LS_AMX) on a kernel that grants the
-// process their state (asked once, on the first call).
-bool amx_permitted();
-
 // A quantized layer's two buffers (model/quantize/'s `native_buffers`: uint8 nibbles -> Int4, int8 -> Int8).
 QWeight qweight_of(const View& data, const View& scales);
 

@@ -20,6 +20,7 @@
 #endif
 
 #include "ops.h"
+#include "simd.h"
 #include "qgemm.h"
 
 namespace ls {
@@ -968,6 +969,8 @@ static void q6_range(const QWeight& w, const QActs& a, int64_t M, int64_t n_begi
 #if !LS_AMX
 bool amx_permitted() { return false; }
 #endif
+
+Features features() { return {LS_AVX2 != 0, LS_VNNI != 0, LS_ZMM != 0, LS_AMX != 0}; }
 
 void qgemm_range(const QWeight& w, const QActs& a, int64_t M, int64_t n_begin, int64_t n_end, float* y, int64_t ldy) {
   if (w.fmt == QFormat::Int4)

@@ -18,6 +18,7 @@
 
 #include "attention_telemetry.h"
 #include "ops.h"
+#include "simd.h"
 #include "qgemm.h"
 
 namespace ls {
