@@ -48,6 +48,8 @@ from typing import Iterator
 
 import torch
 
+from model.kernels import extension
+
 log = logging.getLogger(__name__)
 
 # "0" turns them off (the PyTorch paths run instead); "portable" loads the build for any CPU with AVX2 (no VNNI,
@@ -55,8 +57,12 @@ log = logging.getLogger(__name__)
 ENV_VAR = "LLAMASCOPE_NATIVE_KERNELS"
 NAME = "llamascope_kernels"
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = ("bindings.cpp", "elementwise.cpp", "paged_attention.cpp", "quant_linear.cpp", "float_linear.cpp",
-           "step_layers.cpp", "interventions.cpp", "argmax.cpp", "gguf_convert.cpp", "lora.cpp")
+# The kernels (plain C++, compiled with a build's instruction-set flags); the bindings, the one file with PyTorch's
+# headers (compiled once for every build, without them); the entry point that names a build's module (extension.py).
+SOURCES = ("elementwise.cpp", "paged_attention.cpp", "quant_linear.cpp", "float_linear.cpp", "step_layers.cpp",
+           "interventions.cpp", "argmax.cpp", "gguf_convert.cpp", "lora.cpp")
+BINDINGS = "bindings.cpp"
+ENTRY = "module.cpp"
 
 STALE_LOCK_SECONDS = 600
 # The CPU feature (/proc/cpuinfo's name) each instruction-set flag of compile_flags asks for; None: asks for none.
@@ -187,25 +193,28 @@ def _record(directory: Path, flags: list[str]) -> None:
 
 
 def build(verbose: bool = False, vnni: list[str] | None = None) -> ModuleType:
-    """Compile the extension into `build_dir()` (ninja and a C++ compiler needed) and import it; `vnni`: for a CPU
-    with those flags (compile_flags), not this one."""
-    from torch.utils import cpp_extension
-
+    """Compile the extension into `build_dir()` (a C++ compiler needed; extension.py: every core at once, the objects
+    cached) and import it; `vnni`: for a CPU with those flags (compile_flags), not this one. `verbose`: the log
+    has every compiler command too."""
     name = module_name(vnni)
     directory = build_dir() / name
     directory.mkdir(parents=True, exist_ok=True)
-    # cpp_extension serializes builds with a lock file and waits on it forever: one left by a killed build
-    # (no build takes 10 minutes) would hang every later start.
+    # a build waits on another's lock file: one left by a killed build (no build takes 10 minutes) would hold up
+    # every later start
     lock = directory / "lock"
     if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_SECONDS:
         log.warning("removing a stale kernel build lock %s", lock)
         lock.unlink(missing_ok=True)
     flags = compile_flags(cpu_has_avx2(), vnni)
-    module = cpp_extension.load(
+    module = extension.load(
         name=name,
-        sources=[str(CSRC / s) for s in SOURCES],
+        kernels=[CSRC / s for s in SOURCES],
+        bindings=CSRC / BINDINGS,
+        entry=CSRC / ENTRY,
         extra_cflags=flags,
+        base_cflags=compile_flags(False),
         build_directory=str(directory),
+        objects=build_dir() / "objects",
         verbose=verbose,
     )
     _record(directory, flags)

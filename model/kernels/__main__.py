@@ -1,7 +1,8 @@
 """Build the native kernels now (install time) and check them against PyTorch once:  python -m model.kernels
 
 A build of exactly these sources, flags and torch already in the build folder (another checkout's, the same
-commit's) is loaded instead: ninja would rebuild it all, since its command lines name the sources by their paths.
+commit's) is loaded as it is; else the C++ files compile on every core, each file's object kept
+(kernels/extension.py: an edit to one file recompiles that one), with a line per file as it is done.
 `--portable` builds the PORTABLE ones too (kernels.portable_builds: for any CPU with AVX2, with AVX-VNNI, and with
 AVX-512 VNNI, each where this CPU has that and more), what an image built here loads on a CPU without this one's flags
 (kernels.compatible_build); `--tested` with it: only those the tests load (kernels.PORTABLE_SETTINGS; an image needs
@@ -10,6 +11,7 @@ on another build)."""
 
 from __future__ import annotations
 
+import logging
 import sys
 import time
 
@@ -19,6 +21,8 @@ from model import kernels
 
 
 def main() -> int:
+    logging.basicConfig(format="%(message)s")
+    logging.getLogger("model.kernels").setLevel(logging.INFO)  # the build's progress (extension.py)
     t0 = time.perf_counter()
     try:
         m = kernels.build(verbose=True) if "-v" in sys.argv else kernels.load()

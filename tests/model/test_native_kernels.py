@@ -441,11 +441,11 @@ def test_env_var_turns_the_kernels_off(tmp_path):
 
 
 def test_a_stale_build_lock_is_cleared(tmp_path, monkeypatch):
-    """A build killed mid-way leaves cpp_extension's lock file, which later builds would wait on forever."""
+    """A build killed mid-way leaves its lock file, which later builds would wait on."""
     import os
     import time
 
-    from torch.utils import cpp_extension
+    from model.kernels import extension
 
     monkeypatch.setenv("LLAMASCOPE_KERNELS_DIR", str(tmp_path))
     lock = tmp_path / kernels.module_name() / "lock"
@@ -453,7 +453,7 @@ def test_a_stale_build_lock_is_cleared(tmp_path, monkeypatch):
     lock.touch()
     os.utime(lock, (time.time() - 3600, time.time() - 3600))
     seen = []
-    monkeypatch.setattr(cpp_extension, "load", lambda **kw: seen.append((kw["name"], lock.exists())) or "built")
+    monkeypatch.setattr(extension, "load", lambda **kw: seen.append((kw["name"], lock.exists())) or "built")
     assert kernels.build() == "built" and seen == [(kernels.module_name(), False)]
     lock.touch()  # a fresh lock is another build in progress: left alone
     kernels.build()

@@ -6,6 +6,7 @@
 #include <cfloat>
 
 #include "ops.h"
+#include "simd.h"
 
 namespace ls {
 
@@ -61,16 +62,16 @@ int64_t greedy_pick_row(const float* x, int64_t V) {
 }
 
 // logits (B, V) float32, contiguous -> (B,) int64: each row's pick
-torch::Tensor argmax_rows(const torch::Tensor& logits) {
-  TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() && logits.scalar_type() == at::kFloat && logits.size(1) > 0,
+View argmax_rows(const View& logits, const Alloc& alloc) {
+  LS_CHECK(logits.dim() == 2 && logits.is_contiguous() && logits.scalar_type() == kFloat && logits.size(1) > 0,
               "argmax_rows: logits (B, V) float32, contiguous");
   const int64_t B = logits.size(0), V = logits.size(1);
-  auto out = torch::empty({B}, logits.options().dtype(at::kLong));
+  const View out = alloc(kLong, {B});
   const float* x = logits.data_ptr<float>();
   int64_t* o = out.data_ptr<int64_t>();
   // rows in parallel (a batch's logits are read from memory once, by both cores' bandwidth); each row is one pass
   // of one thread, so the pick does not depend on the split
-  at::parallel_for(0, B, 4, [&](int64_t begin, int64_t end) {
+  parallel_for(0, B, 4, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) o[r] = greedy_pick_row(x + r * V, V);
   });
   return out;

@@ -17,18 +17,18 @@ struct Telemetry {
   float* top_prob;          // (Rt, H, k)
   int64_t H, k;
 
-  static Telemetry of(const torch::Tensor& slot, const torch::Tensor& sink_len, torch::Tensor& sink_mass,
-                      torch::Tensor& top_pos, torch::Tensor& top_prob, int64_t H, int64_t R) {
-    TORCH_CHECK(slot.scalar_type() == at::kLong && sink_len.scalar_type() == at::kLong && top_pos.scalar_type() == at::kLong,
+  static Telemetry of(const View& slot, const View& sink_len, const View& sink_mass,
+                      const View& top_pos, const View& top_prob, int64_t H, int64_t R) {
+    LS_CHECK(slot.scalar_type() == kLong && sink_len.scalar_type() == kLong && top_pos.scalar_type() == kLong,
                 "attention telemetry: int64 slots, sink lengths and positions");
-    TORCH_CHECK(sink_mass.scalar_type() == at::kFloat && top_prob.scalar_type() == at::kFloat, "attention telemetry: float32 outputs");
-    TORCH_CHECK(slot.is_contiguous() && sink_len.is_contiguous() && sink_mass.is_contiguous() && top_pos.is_contiguous() &&
+    LS_CHECK(sink_mass.scalar_type() == kFloat && top_prob.scalar_type() == kFloat, "attention telemetry: float32 outputs");
+    LS_CHECK(slot.is_contiguous() && sink_len.is_contiguous() && sink_mass.is_contiguous() && top_pos.is_contiguous() &&
                 top_prob.is_contiguous(), "attention telemetry: contiguous");
     const int64_t Rt = sink_len.numel(), k = top_pos.dim() == 3 ? top_pos.size(2) : 0;
-    TORCH_CHECK(slot.numel() == R && sink_mass.numel() == Rt * H && top_pos.numel() == Rt * H * k &&
+    LS_CHECK(slot.numel() == R && sink_mass.numel() == Rt * H && top_pos.numel() == Rt * H * k &&
                 top_prob.numel() == Rt * H * k && k >= 1, "attention telemetry: shapes");
     const int64_t* s = slot.data_ptr<int64_t>();
-    for (int64_t r = 0; r < R; ++r) TORCH_CHECK(s[r] >= -1 && s[r] < Rt, "attention telemetry: slot out of range");
+    for (int64_t r = 0; r < R; ++r) LS_CHECK(s[r] >= -1 && s[r] < Rt, "attention telemetry: slot out of range");
     return {s, sink_len.data_ptr<int64_t>(), sink_mass.data_ptr<float>(), top_pos.data_ptr<int64_t>(),
             top_prob.data_ptr<float>(), H, k};
   }

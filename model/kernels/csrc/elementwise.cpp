@@ -3,6 +3,7 @@
 // intermediates to the activation dtype where the torch chain does, so float32 agrees with it to rounding order
 // and bfloat16 to one ulp.
 #include "ops.h"
+#include "simd.h"
 
 namespace ls {
 
@@ -37,22 +38,22 @@ template void rms_norm_row<bf16>(const bf16*, const bf16*, bf16*, int64_t, float
 
 template <typename T>
 static void rms_norm_impl(const T* x, const T* w, T* out, int64_t M, int64_t D, float eps) {
-  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+  parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) rms_norm_row(x + m * D, w, out + m * D, D, eps);
   });
 }
 
-torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps) {
-  TORCH_CHECK(x.is_contiguous() && w.is_contiguous() && x.scalar_type() == w.scalar_type(), "rms_norm: contiguous x, w of one dtype");
+View rms_norm(const View& x, const View& w, double eps, const Alloc& alloc) {
+  LS_CHECK(x.is_contiguous() && w.is_contiguous() && x.scalar_type() == w.scalar_type(), "rms_norm: contiguous x, w of one dtype");
   const int64_t D = x.size(-1), M = x.numel() / D;
-  TORCH_CHECK(w.numel() == D, "rms_norm: weight size");
-  auto out = torch::empty_like(x);
-  if (x.scalar_type() == at::kFloat)
+  LS_CHECK(w.numel() == D, "rms_norm: weight size");
+  const View out = alloc(x.scalar_type(), x.sizes());
+  if (x.scalar_type() == kFloat)
     rms_norm_impl<float>(x.data_ptr<float>(), w.data_ptr<float>(), out.data_ptr<float>(), M, D, static_cast<float>(eps));
-  else if (x.scalar_type() == at::kBFloat16)
+  else if (x.scalar_type() == kBFloat16)
     rms_norm_impl<bf16>(x.data_ptr<bf16>(), w.data_ptr<bf16>(), out.data_ptr<bf16>(), M, D, static_cast<float>(eps));
   else
-    TORCH_CHECK(false, "rms_norm: float32 or bfloat16");
+    LS_CHECK(false, "rms_norm: float32 or bfloat16");
   return out;
 }
 
@@ -88,23 +89,23 @@ template void silu_mul_row<bf16>(const bf16*, bf16*, int64_t);
 
 template <typename T>
 static void silu_mul_impl(const T* gu, T* out, int64_t M, int64_t F) {
-  at::parallel_for(0, M, std::max<int64_t>(1, 2048 / F), [&](int64_t begin, int64_t end) {
+  parallel_for(0, M, std::max<int64_t>(1, 2048 / F), [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) silu_mul_row(gu + m * 2 * F, out + m * F, F);
   });
 }
 
-torch::Tensor silu_mul(const torch::Tensor& gu) {
-  TORCH_CHECK(gu.is_contiguous() && gu.size(-1) % 2 == 0, "silu_mul: contiguous (..., 2F)");
+View silu_mul(const View& gu, const Alloc& alloc) {
+  LS_CHECK(gu.is_contiguous() && gu.size(-1) % 2 == 0, "silu_mul: contiguous (..., 2F)");
   const int64_t F = gu.size(-1) / 2, M = gu.numel() / (2 * F);
-  auto sizes = gu.sizes().vec();
+  auto sizes = gu.sizes();
   sizes.back() = F;
-  auto out = torch::empty(sizes, gu.options());
-  if (gu.scalar_type() == at::kFloat)
+  const View out = alloc(gu.scalar_type(), sizes);
+  if (gu.scalar_type() == kFloat)
     silu_mul_impl<float>(gu.data_ptr<float>(), out.data_ptr<float>(), M, F);
-  else if (gu.scalar_type() == at::kBFloat16)
+  else if (gu.scalar_type() == kBFloat16)
     silu_mul_impl<bf16>(gu.data_ptr<bf16>(), out.data_ptr<bf16>(), M, F);
   else
-    TORCH_CHECK(false, "silu_mul: float32 or bfloat16");
+    LS_CHECK(false, "silu_mul: float32 or bfloat16");
   return out;
 }
 
@@ -137,7 +138,7 @@ template void rope_head<bf16>(bf16*, const bf16*, const bf16*, int64_t);
 
 template <typename T>
 static void rope_impl(T* x, const T* cos, const T* ssin, int64_t N, int64_t n_heads, int64_t n_rot, int64_t E) {
-  at::parallel_for(0, N * n_rot, 64, [&](int64_t begin, int64_t end) {
+  parallel_for(0, N * n_rot, 64, [&](int64_t begin, int64_t end) {
     for (int64_t idx = begin; idx < end; ++idx) {
       const int64_t n = idx / n_rot, h = idx % n_rot;
       rope_head(x + (n * n_heads + h) * E, cos + n * E, ssin + n * E, E);
@@ -145,17 +146,17 @@ static void rope_impl(T* x, const T* cos, const T* ssin, int64_t N, int64_t n_he
   });
 }
 
-void rope_(torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& ssin, int64_t n_rot) {
-  TORCH_CHECK(x.is_contiguous() && cos.is_contiguous() && ssin.is_contiguous(), "rope_: contiguous tensors");
-  TORCH_CHECK(x.scalar_type() == cos.scalar_type() && x.scalar_type() == ssin.scalar_type(), "rope_: one dtype");
+void rope_(const View& x, const View& cos, const View& ssin, int64_t n_rot) {
+  LS_CHECK(x.is_contiguous() && cos.is_contiguous() && ssin.is_contiguous(), "rope_: contiguous tensors");
+  LS_CHECK(x.scalar_type() == cos.scalar_type() && x.scalar_type() == ssin.scalar_type(), "rope_: one dtype");
   const int64_t E = x.size(-1), n_heads = x.size(-2), N = x.numel() / (n_heads * E);
-  TORCH_CHECK(E % 2 == 0 && E <= 1024 && n_rot <= n_heads && cos.numel() == N * E && ssin.numel() == N * E, "rope_: shapes");
-  if (x.scalar_type() == at::kFloat)
+  LS_CHECK(E % 2 == 0 && E <= 1024 && n_rot <= n_heads && cos.numel() == N * E && ssin.numel() == N * E, "rope_: shapes");
+  if (x.scalar_type() == kFloat)
     rope_impl<float>(x.data_ptr<float>(), cos.data_ptr<float>(), ssin.data_ptr<float>(), N, n_heads, n_rot, E);
-  else if (x.scalar_type() == at::kBFloat16)
+  else if (x.scalar_type() == kBFloat16)
     rope_impl<bf16>(x.data_ptr<bf16>(), cos.data_ptr<bf16>(), ssin.data_ptr<bf16>(), N, n_heads, n_rot, E);
   else
-    TORCH_CHECK(false, "rope_: float32 or bfloat16");
+    LS_CHECK(false, "rope_: float32 or bfloat16");
 }
 
 }  // namespace ls

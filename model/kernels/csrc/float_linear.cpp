@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "ops.h"
+#include "simd.h"
 #include "qgemm.h"
 
 namespace ls {
@@ -372,9 +373,9 @@ void pick_range(const float* x, int64_t M, const float* w, int64_t K, int64_t n_
 // x (M, K), w (N, K) float32 -> (M,) int64: argmax_rows(float_linear(x, w)). The columns go in blocks to the threads
 // as they come for them (a thread the OS has put off does not hold the others up with a fixed half of the work); each
 // block's picks are kept and merged in column order, so the answer does not depend on which thread took which block.
-torch::Tensor float_linear_argmax(const torch::Tensor& x, const torch::Tensor& w) {
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1) && x.is_contiguous() && w.is_contiguous() &&
-                  x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat && w.size(0) > 0,
+View float_linear_argmax(const View& x, const View& w, const Alloc& alloc) {
+  LS_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1) && x.is_contiguous() && w.is_contiguous() &&
+                  x.scalar_type() == kFloat && w.scalar_type() == kFloat && w.size(0) > 0,
               "float_linear_argmax: x (M, K), w (N, K) float32, contiguous");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   constexpr int64_t BLOCK = 1024;  // columns a claim: a multiple of every tile's width
@@ -383,7 +384,7 @@ torch::Tensor float_linear_argmax(const torch::Tensor& x, const torch::Tensor& w
   std::vector<int64_t> col(blocks * M);
   std::atomic<int64_t> claimed{0};
   const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
-  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+  parallel_for(0, num_threads(), 1, [&](int64_t, int64_t) {
     thread_local Picks picks;
     for (int64_t b; (b = claimed.fetch_add(1)) < blocks;) {
       pick_range(xp, M, wp, K, b * BLOCK, std::min(N, (b + 1) * BLOCK), picks);
@@ -391,7 +392,7 @@ torch::Tensor float_linear_argmax(const torch::Tensor& x, const torch::Tensor& w
         if (!picks.pick(i, best[b * M + i], col[b * M + i])) col[b * M + i] = -1 - N;  // not finite
     }
   });
-  auto out = torch::empty({M}, x.options().dtype(at::kLong));
+  const View out = alloc(kLong, {M});
   int64_t* o = out.data_ptr<int64_t>();
   std::vector<float> row;
   for (int64_t i = 0; i < M; ++i) {
@@ -416,20 +417,20 @@ torch::Tensor float_linear_argmax(const torch::Tensor& x, const torch::Tensor& w
   return out;
 }
 
-// x (M, K), w (N, K) of one dtype -> y (M, N) in that dtype (float32 sums rounded once)
-torch::Tensor float_linear(const torch::Tensor& x, const torch::Tensor& w) {
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1) && x.is_contiguous() && w.is_contiguous(), "float_linear: x (M, K), w (N, K) contiguous");
-  TORCH_CHECK(x.scalar_type() == w.scalar_type(), "float_linear: one dtype");
+// x (M, K), w (N, K) of one dtype -> y (M, N) float32 (bindings.cpp rounds it once to that dtype)
+View float_linear(const View& x, const View& w, const Alloc& alloc) {
+  LS_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1) && x.is_contiguous() && w.is_contiguous(), "float_linear: x (M, K), w (N, K) contiguous");
+  LS_CHECK(x.scalar_type() == w.scalar_type(), "float_linear: one dtype");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  auto yf = torch::empty({M, N}, x.options().dtype(at::kFloat));
+  const View yf = alloc(kFloat, {M, N});
   float* yp = yf.data_ptr<float>();
-  if (x.scalar_type() == at::kFloat) {
-    at::parallel_for(0, N, 16, [&](int64_t b, int64_t e) { float_gemm_range(x.data_ptr<float>(), M, w.data_ptr<float>(), K, b, e, yp, N); });
+  if (x.scalar_type() == kFloat) {
+    parallel_for(0, N, 16, [&](int64_t b, int64_t e) { float_gemm_range(x.data_ptr<float>(), M, w.data_ptr<float>(), K, b, e, yp, N); });
     return yf;
   }
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "float_linear: float32 or bfloat16");
-  at::parallel_for(0, N, 16, [&](int64_t b, int64_t e) { float_gemm_range(x.data_ptr<bf16>(), M, w.data_ptr<bf16>(), K, b, e, yp, N); });
-  return yf.to(at::kBFloat16);
+  LS_CHECK(x.scalar_type() == kBFloat16, "float_linear: float32 or bfloat16");
+  parallel_for(0, N, 16, [&](int64_t b, int64_t e) { float_gemm_range(x.data_ptr<bf16>(), M, w.data_ptr<bf16>(), K, b, e, yp, N); });
+  return yf;
 }
 
 }  // namespace ls

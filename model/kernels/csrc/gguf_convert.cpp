@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "ops.h"
+#include "simd.h"
 #include "qgemm.h"
 
 namespace ls {
@@ -23,14 +24,9 @@ enum GgmlType : int64_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K
 inline float h2f(const uint8_t* p) {
   uint16_t h;
   std::memcpy(&h, p, 2);
-  return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
+  return half_to_float(h);
 }
-inline uint16_t f2h(float x) {
-  const at::Half h(x);  // round to nearest even, as torch's .to(float16)
-  uint16_t u;
-  std::memcpy(&u, &h, 2);
-  return u;
-}
+inline uint16_t f2h(float x) { return half_from_float(x); }  // round to nearest even, as torch's .to(float16)
 
 int64_t block_bytes(int64_t type) {
   switch (type) {
@@ -153,7 +149,7 @@ void dequantize_block(int64_t type, const uint8_t* b, float* y) {
       return;
     }
   }
-  TORCH_CHECK(false, "gguf_convert: unsupported type ", type);
+  LS_CHECK(false, "gguf_convert: unsupported type ", type);
 }
 
 // A row of K float32 weights -> int8 q and float16 d per block of 32 (`int8_blocks`: d = max|w| / 127, q = round
@@ -271,17 +267,17 @@ void int6_block_row(const uint8_t* q, int64_t j, uint8_t* ob) {
 }
 
 // Q6_K blocks {u8 ql[128]; u8 qh[64]; i8 scales[16]; f16 d} -> the int6 layout (qgemm.h), exact: q, sc and d moved.
-void convert_q6_k(const torch::Tensor& raw, const torch::Tensor& order, torch::Tensor& data, torch::Tensor& scales) {
+void convert_q6_k(const View& raw, const View& order, const View& data, const View& scales) {
   const int64_t N = raw.size(0), K = raw.size(1) / 210 * 256, nb = K / QK;
-  TORCH_CHECK(raw.size(1) % 210 == 0 && data.size(1) == nb && data.size(0) * 8 >= N && scales.dim() == 3 &&
+  LS_CHECK(raw.size(1) % 210 == 0 && data.size(1) == nb && data.size(0) * 8 >= N && scales.dim() == 3 &&
                   scales.size(0) == data.size(0) && scales.size(1) * 8 == nb && scales.size(2) == 8,
               "gguf_convert: int6 takes Q6_K rows, data (N'/8, nb, 208), scales (N'/8, nb/8, 8)");
   const uint8_t* src = raw.data_ptr<uint8_t>();
   const int64_t* ord = order.numel() ? order.data_ptr<int64_t>() : nullptr;
   uint8_t* out = static_cast<uint8_t*>(data.data_ptr());
-  uint16_t* sc = reinterpret_cast<uint16_t*>(scales.data_ptr<at::Half>());
+  uint16_t* sc = reinterpret_cast<uint16_t*>(scales.data_ptr<f16>());
   const int64_t rb = raw.size(1), groups = (N + 7) / 8;
-  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+  parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
     uint8_t q[256];
     for (int64_t g = g0; g < g1; ++g)
       for (int64_t j = 0; j < 8; ++j) {
@@ -313,40 +309,40 @@ void convert_q6_k(const torch::Tensor& raw, const torch::Tensor& order, torch::T
 // un-permuted), or empty; data/scales: the layer's buffers (model/loaders/gguf_blocks.py `buffer_shapes`), int4
 // (uint8 data, scales (N'/8, nb, S, 8), S = 1: symmetric), int6 (uint8 data (N'/8, nb, 208): Q6_K only) or int8
 // (int8 data). Rows past N in the last group of 8 are written as zeros; whole groups past it are the caller's.
-void gguf_convert(const torch::Tensor& raw, int64_t type, const torch::Tensor& order, torch::Tensor& data,
-                  torch::Tensor& scales) {
+void gguf_convert(const View& raw, int64_t type, const View& order, const View& data,
+                  const View& scales) {
   const int64_t bb = block_bytes(type), bw = block_weights(type);
-  TORCH_CHECK(bb > 0, "gguf_convert: unsupported type ", type);
-  TORCH_CHECK(raw.dim() == 2 && raw.is_contiguous() && raw.scalar_type() == at::kByte, "gguf_convert: raw (N, row bytes) uint8");
-  TORCH_CHECK(data.is_contiguous() && scales.is_contiguous() && scales.scalar_type() == at::kHalf, "gguf_convert: buffers");
+  LS_CHECK(bb > 0, "gguf_convert: unsupported type ", type);
+  LS_CHECK(raw.dim() == 2 && raw.is_contiguous() && raw.scalar_type() == kByte, "gguf_convert: raw (N, row bytes) uint8");
+  LS_CHECK(data.is_contiguous() && scales.is_contiguous() && scales.scalar_type() == kHalf, "gguf_convert: buffers");
   const int64_t N = raw.size(0), K = raw.size(1) / bb * bw, nb = K / QK;
-  TORCH_CHECK(raw.size(1) % bb == 0 && data.size(1) == nb && data.size(0) * 8 >= N, "gguf_convert: shapes");
-  TORCH_CHECK(order.numel() == 0 || (order.numel() == N && order.scalar_type() == at::kLong && order.is_contiguous()), "gguf_convert: order");
+  LS_CHECK(raw.size(1) % bb == 0 && data.size(1) == nb && data.size(0) * 8 >= N, "gguf_convert: shapes");
+  LS_CHECK(order.numel() == 0 || (order.numel() == N && order.scalar_type() == kLong && order.is_contiguous()), "gguf_convert: order");
   const int64_t* ord = order.numel() ? order.data_ptr<int64_t>() : nullptr;
-  for (int64_t n = 0; ord != nullptr && n < N; ++n) TORCH_CHECK(ord[n] >= 0 && ord[n] < N, "gguf_convert: order out of range");
-  if (data.scalar_type() == at::kByte && data.dim() == 3 && data.size(2) == 208) {
-    TORCH_CHECK(type == Q6_K, "gguf_convert: int6 takes Q6_K only");
+  for (int64_t n = 0; ord != nullptr && n < N; ++n) LS_CHECK(ord[n] >= 0 && ord[n] < N, "gguf_convert: order out of range");
+  if (data.scalar_type() == kByte && data.dim() == 3 && data.size(2) == 208) {
+    LS_CHECK(type == Q6_K, "gguf_convert: int6 takes Q6_K only");
     convert_q6_k(raw, order, data, scales);
     return;
   }
-  const bool int4 = data.scalar_type() == at::kByte;
-  TORCH_CHECK(int4 ? (type == Q4_0 || type == Q4_1 || type == Q4_K) && data.size(2) == 128 : data.scalar_type() == at::kChar && data.size(2) == 256,
+  const bool int4 = data.scalar_type() == kByte;
+  LS_CHECK(int4 ? (type == Q4_0 || type == Q4_1 || type == Q4_K) && data.size(2) == 128 : data.scalar_type() == kChar && data.size(2) == 256,
               "gguf_convert: int4 takes Q4_0, Q4_1 and Q4_K; int6 Q6_K; int8 takes any type here");
   // int4 with Q4_K's own scales (qgemm.h): (N'/8, nb/8, 80), D and Dmin per 256 weights, sc and mn bytes per 32
   const bool kq = int4 && scales.dim() == 3 && scales.size(2) == 80;
-  TORCH_CHECK(!kq || (type == Q4_K && scales.size(0) == data.size(0) && scales.size(1) * 8 == nb),
+  LS_CHECK(!kq || (type == Q4_K && scales.size(0) == data.size(0) && scales.size(1) * 8 == nb),
               "gguf_convert: Q4_K's scales layout holds Q4_K only, (N'/8, nb/8, 80)");
-  TORCH_CHECK(kq || (scales.size(0) == data.size(0) && scales.size(1) == nb &&
+  LS_CHECK(kq || (scales.size(0) == data.size(0) && scales.size(1) == nb &&
                      (int4 ? scales.dim() == 4 && (scales.size(2) == 1 || scales.size(2) == 2) && scales.size(3) == 8
                            : scales.dim() == 3 && scales.size(2) == 8)),
               "gguf_convert: scales (N'/8, nb, S, 8) for int4, (N'/8, nb, 8) for int8");
   const int64_t S = int4 && !kq ? scales.size(2) : 1;
-  TORCH_CHECK(!int4 || kq || S == 2 || type == Q4_0, "gguf_convert: the symmetric layout holds Q4_0 only");
+  LS_CHECK(!int4 || kq || S == 2 || type == Q4_0, "gguf_convert: the symmetric layout holds Q4_0 only");
   const uint8_t* src = raw.data_ptr<uint8_t>();
   uint8_t* out = static_cast<uint8_t*>(data.data_ptr());
-  uint16_t* sc = reinterpret_cast<uint16_t*>(scales.data_ptr<at::Half>());
+  uint16_t* sc = reinterpret_cast<uint16_t*>(scales.data_ptr<f16>());
   const int64_t rb = raw.size(1), groups = (N + 7) / 8;
-  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+  parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
     std::vector<float> w(K);
     std::vector<int8_t> q(K);
     std::vector<uint16_t> d(nb);

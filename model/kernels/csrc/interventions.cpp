@@ -7,6 +7,7 @@
 // (k = 3 layer + site: attention_output, mlp_output, block_output), with the whole table as its trailing argument
 // [site_ptr, ops, bank, read_ptr (3L + 1), read_rows, read_out].
 #include "ops.h"
+#include "simd.h"
 
 namespace ls {
 
@@ -33,24 +34,24 @@ static void apply_impl(T* x, int64_t D, const int64_t* ops, int64_t Q, const flo
   }
 }
 
-void apply_edits(torch::Tensor& x, const torch::Tensor& ops, const torch::Tensor& bank) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "apply_edits: x (N, D) contiguous");
-  TORCH_CHECK(ops.dim() == 2 && ops.size(1) == 4 && ops.scalar_type() == at::kLong && ops.is_contiguous(),
+void apply_edits(const View& x, const View& ops, const View& bank) {
+  LS_CHECK(x.dim() == 2 && x.is_contiguous(), "apply_edits: x (N, D) contiguous");
+  LS_CHECK(ops.dim() == 2 && ops.size(1) == 4 && ops.scalar_type() == kLong && ops.is_contiguous(),
               "apply_edits: ops (Q, 4) int64");
-  TORCH_CHECK(bank.scalar_type() == at::kFloat && bank.is_contiguous() &&
+  LS_CHECK(bank.scalar_type() == kFloat && bank.is_contiguous() &&
                   (bank.numel() == 0 || bank.size(1) == x.size(1)),
               "apply_edits: bank (V, D) float32");
   const int64_t Q = ops.size(0), D = x.size(1);
   if (Q == 0) return;
-  if (x.scalar_type() == at::kFloat)
+  if (x.scalar_type() == kFloat)
     apply_impl<float>(x.data_ptr<float>(), D, ops.data_ptr<int64_t>(), Q, bank.data_ptr<float>());
-  else if (x.scalar_type() == at::kBFloat16)
+  else if (x.scalar_type() == kBFloat16)
     apply_impl<bf16>(x.data_ptr<bf16>(), D, ops.data_ptr<int64_t>(), Q, bank.data_ptr<float>());
   else
-    TORCH_CHECK(false, "apply_edits: float32 or bfloat16");
+    LS_CHECK(false, "apply_edits: float32 or bfloat16");
 }
 
-void apply_site(torch::Tensor& x, const std::vector<torch::Tensor>& edits, int64_t site) {
+void apply_site(const View& x, const std::vector<View>& edits, int64_t site) {
   if (edits.empty()) return;
   const int64_t* ptr = edits[0].data_ptr<int64_t>();
   const int64_t a = ptr[site], b = ptr[site + 1];
@@ -58,7 +59,7 @@ void apply_site(torch::Tensor& x, const std::vector<torch::Tensor>& edits, int64
   apply_edits(x, edits[1].narrow(0, a, b - a), edits[2]);
 }
 
-void read_site(const torch::Tensor& h, const std::vector<torch::Tensor>& edits, int64_t site) {
+void read_site(const View& h, const std::vector<View>& edits, int64_t site) {
   if (edits.empty()) return;
   const int64_t* ptr = edits[3].data_ptr<int64_t>();
   const int64_t a = ptr[site], b = ptr[site + 1];
@@ -67,7 +68,7 @@ void read_site(const torch::Tensor& h, const std::vector<torch::Tensor>& edits, 
   float* out = edits[5].data_ptr<float>();
   const int64_t D = h.size(1);
   for (int64_t i = a; i < b; ++i) {
-    if (h.scalar_type() == at::kFloat) {
+    if (h.scalar_type() == kFloat) {
       const float* src = h.data_ptr<float>() + rows[i] * D;
       std::copy(src, src + D, out + i * D);
     } else {

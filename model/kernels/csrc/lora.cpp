@@ -8,6 +8,7 @@
 #include <cmath>
 
 #include "ops.h"
+#include "simd.h"
 #include "qgemm.h"
 
 namespace ls {
@@ -59,17 +60,17 @@ template void lora_expand_range<float>(const float*, int64_t, const float*, int6
 template void lora_expand_range<bf16>(const bf16*, int64_t, const bf16*, int64_t, int64_t, int64_t, int64_t, float*, int64_t);
 
 // t (n, r), bt (r, out) of one dtype -> (n, out) float32
-torch::Tensor lora_expand(const torch::Tensor& t, const torch::Tensor& bt) {
-  TORCH_CHECK(t.dim() == 2 && bt.dim() == 2 && t.size(1) == bt.size(0) && t.is_contiguous() && bt.is_contiguous() &&
+View lora_expand(const View& t, const View& bt, const Alloc& alloc) {
+  LS_CHECK(t.dim() == 2 && bt.dim() == 2 && t.size(1) == bt.size(0) && t.is_contiguous() && bt.is_contiguous() &&
               t.scalar_type() == bt.scalar_type(), "lora_expand: t (n, r), bt (r, out) contiguous, one dtype");
   const int64_t n = t.size(0), r = t.size(1), width = bt.size(1);
-  auto y = torch::empty({n, width}, t.options().dtype(at::kFloat));
+  const View y = alloc(kFloat, {n, width});
   float* yp = y.data_ptr<float>();
-  if (t.scalar_type() == at::kFloat)
-    at::parallel_for(0, width, 64, [&](int64_t b, int64_t e) { lora_expand_range(t.data_ptr<float>(), n, bt.data_ptr<float>(), r, width, b, e, yp, width); });
+  if (t.scalar_type() == kFloat)
+    parallel_for(0, width, 64, [&](int64_t b, int64_t e) { lora_expand_range(t.data_ptr<float>(), n, bt.data_ptr<float>(), r, width, b, e, yp, width); });
   else {
-    TORCH_CHECK(t.scalar_type() == at::kBFloat16, "lora_expand: float32 or bfloat16");
-    at::parallel_for(0, width, 64, [&](int64_t b, int64_t e) { lora_expand_range(t.data_ptr<bf16>(), n, bt.data_ptr<bf16>(), r, width, b, e, yp, width); });
+    LS_CHECK(t.scalar_type() == kBFloat16, "lora_expand: float32 or bfloat16");
+    parallel_for(0, width, 64, [&](int64_t b, int64_t e) { lora_expand_range(t.data_ptr<bf16>(), n, bt.data_ptr<bf16>(), r, width, b, e, yp, width); });
   }
   return y;
 }

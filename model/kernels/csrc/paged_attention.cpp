@@ -29,6 +29,7 @@
 
 #include "attention_telemetry.h"
 #include "ops.h"
+#include "simd.h"
 
 namespace ls {
 
@@ -996,7 +997,7 @@ template <typename T, typename C>
 static void decode_impl(const T* q, int64_t q_stride, const C* kp, const C* vp, const int64_t* rows, const int64_t* tables,
                         const int64_t* lens, T* out, int64_t R, int64_t W, int64_t H, int64_t K, int64_t E,
                         int64_t bs, const Telemetry* tel, int64_t window, double scale) {
-  at::parallel_for(0, R * H, 1, [&](int64_t begin, int64_t end) {
+  parallel_for(0, R * H, 1, [&](int64_t begin, int64_t end) {
     decode_range<T, C>(q, q_stride, kp, vp, rows, tables, lens, out, W, H, K, E, bs, begin, end, tel, window, scale);
   });
 }
@@ -1004,30 +1005,30 @@ static void decode_impl(const T* q, int64_t q_stride, const C* kp, const C* vp, 
 // Calls f(T*, C*) with q's and the pools' element types: (float32, float32), (bfloat16, bfloat16), or float32
 // activations over a 16-bit cache (float16, bfloat16) or an int8 one.
 template <typename F>
-static void with_types(at::ScalarType q, at::ScalarType pool, const char* who, F&& f) {
-  if (q == at::kFloat && pool == at::kFloat)
+static void with_types(ScalarType q, ScalarType pool, const char* who, F&& f) {
+  if (q == kFloat && pool == kFloat)
     f(static_cast<float*>(nullptr), static_cast<float*>(nullptr));
-  else if (q == at::kBFloat16 && pool == at::kBFloat16)
+  else if (q == kBFloat16 && pool == kBFloat16)
     f(static_cast<bf16*>(nullptr), static_cast<bf16*>(nullptr));
-  else if (q == at::kFloat && pool == at::kHalf)
+  else if (q == kFloat && pool == kHalf)
     f(static_cast<float*>(nullptr), static_cast<f16*>(nullptr));
-  else if (q == at::kFloat && pool == at::kBFloat16)
+  else if (q == kFloat && pool == kBFloat16)
     f(static_cast<float*>(nullptr), static_cast<bf16*>(nullptr));
-  else if (q == at::kFloat && pool == at::kChar)
+  else if (q == kFloat && pool == kChar)
     f(static_cast<float*>(nullptr), static_cast<int8_t*>(nullptr));
   else
-    TORCH_CHECK(false, who, ": activations and cache float32/float32, bfloat16/bfloat16 or float32 over a 16-bit or int8 cache");
+    LS_CHECK(false, who, ": activations and cache float32/float32, bfloat16/bfloat16 or float32 over a 16-bit or int8 cache");
 }
 
-static void decode_dispatch(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tensor& v_pool,
-                            const torch::Tensor& rows, const torch::Tensor& tables, const torch::Tensor& lens,
-                            torch::Tensor& out, const Telemetry* tel, int64_t window, double scale) {
-  TORCH_CHECK(window >= 0, "paged_decode_attention: window >= 0");
-  TORCH_CHECK(q.stride(-1) == 1 && q.stride(-2) == q.size(-1) && k_pool.is_contiguous() && v_pool.is_contiguous() && out.is_contiguous(), "paged_decode_attention: contiguous");
-  TORCH_CHECK(rows.scalar_type() == at::kLong && tables.scalar_type() == at::kLong && lens.scalar_type() == at::kLong, "paged_decode_attention: int64 metadata");
-  TORCH_CHECK(tables.is_contiguous() && tables.dim() == 2 && rows.numel() == tables.size(0) && lens.numel() == tables.size(0), "paged_decode_attention: metadata shapes");
+static void decode_dispatch(const View& q, const View& k_pool, const View& v_pool,
+                            const View& rows, const View& tables, const View& lens,
+                            const View& out, const Telemetry* tel, int64_t window, double scale) {
+  LS_CHECK(window >= 0, "paged_decode_attention: window >= 0");
+  LS_CHECK(q.stride(-1) == 1 && q.stride(-2) == q.size(-1) && k_pool.is_contiguous() && v_pool.is_contiguous() && out.is_contiguous(), "paged_decode_attention: contiguous");
+  LS_CHECK(rows.scalar_type() == kLong && tables.scalar_type() == kLong && lens.scalar_type() == kLong, "paged_decode_attention: int64 metadata");
+  LS_CHECK(tables.is_contiguous() && tables.dim() == 2 && rows.numel() == tables.size(0) && lens.numel() == tables.size(0), "paged_decode_attention: metadata shapes");
   const int64_t E = q.size(-1), H = q.size(-2), bs = k_pool.size(1), K = k_pool.size(2);
-  TORCH_CHECK(k_pool.size(3) == kv_row_width(k_pool.scalar_type(), E) && H % K == 0 && k_pool.scalar_type() == v_pool.scalar_type() && out.sizes() == q.sizes() && out.scalar_type() == q.scalar_type(), "paged_decode_attention: shapes");
+  LS_CHECK(k_pool.size(3) == kv_row_width(k_pool.scalar_type(), E) && H % K == 0 && k_pool.scalar_type() == v_pool.scalar_type() && out.sizes() == q.sizes() && out.scalar_type() == q.scalar_type(), "paged_decode_attention: shapes");
   const int64_t q_stride = q.stride(-3);  // q may be a view into the fused q/k/v output
   const int64_t R = tables.size(0), W = tables.size(1);
   with_types(q.scalar_type(), k_pool.scalar_type(), "paged_decode_attention", [&](auto* t, auto* c) {
@@ -1039,25 +1040,25 @@ static void decode_dispatch(const torch::Tensor& q, const torch::Tensor& k_pool,
   });
 }
 
-void paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tensor& v_pool,
-                            const torch::Tensor& rows, const torch::Tensor& tables, const torch::Tensor& lens,
-                            torch::Tensor& out, int64_t window, double scale) {
+void paged_decode_attention(const View& q, const View& k_pool, const View& v_pool,
+                            const View& rows, const View& tables, const View& lens,
+                            const View& out, int64_t window, double scale) {
   decode_dispatch(q, k_pool, v_pool, rows, tables, lens, out, nullptr, window, scale);
 }
 
 // The same attention, and for the rows with slot[r] >= 0 what their softmax put where (attention_telemetry.h).
-void paged_decode_attention_telemetry(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tensor& v_pool,
-                                      const torch::Tensor& rows, const torch::Tensor& tables, const torch::Tensor& lens,
-                                      torch::Tensor& out, const torch::Tensor& slot, const torch::Tensor& sink_len,
-                                      torch::Tensor& sink_mass, torch::Tensor& top_pos, torch::Tensor& top_prob,
+void paged_decode_attention_telemetry(const View& q, const View& k_pool, const View& v_pool,
+                                      const View& rows, const View& tables, const View& lens,
+                                      const View& out, const View& slot, const View& sink_len,
+                                      const View& sink_mass, const View& top_pos, const View& top_prob,
                                       int64_t window, double scale) {
   const Telemetry tel = Telemetry::of(slot, sink_len, sink_mass, top_pos, top_prob, q.size(-2), tables.size(0));
   decode_dispatch(q, k_pool, v_pool, rows, tables, lens, out, &tel, window, scale);
 }
 
-void paged_attention_range(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tensor& v_pool,
-                           const torch::Tensor& rows, const torch::Tensor& tables, const torch::Tensor& lens,
-                           torch::Tensor& out, int64_t begin, int64_t end, const Telemetry* tel, int64_t window,
+void paged_attention_range(const View& q, const View& k_pool, const View& v_pool,
+                           const View& rows, const View& tables, const View& lens,
+                           const View& out, int64_t begin, int64_t end, const Telemetry* tel, int64_t window,
                            double scale) {
   const int64_t E = q.size(-1), H = q.size(-2), bs = k_pool.size(1), K = k_pool.size(2), W = tables.size(1);
   with_types(q.scalar_type(), k_pool.scalar_type(), "step_layers", [&](auto* t, auto* c) {
@@ -1073,46 +1074,63 @@ void paged_attention_range(const torch::Tensor& q, const torch::Tensor& k_pool, 
 // quantized to an int8 one (n quants at dst.row, their float32 scale at dst.scale: kv_slot; round_row_int8, as the
 // PyTorch path's writer, so either stores the same bytes).
 template <typename T>
-void store_kv_row(const KVSlot& dst, at::ScalarType pool, const T* src, int64_t n) {
-  if (pool == c10::CppTypeToScalarType<T>::value) {
+void store_kv_row(const KVSlot& dst, ScalarType pool, const T* src, int64_t n) {
+  if (pool == dtype_of<T>()) {
     std::memcpy(dst.row, src, n * sizeof(T));
-  } else if (pool == at::kChar) {
+  } else if (pool == kChar) {
     const float d = round_row_int8(src, n, reinterpret_cast<int8_t*>(dst.row));
     std::memcpy(dst.scale, &d, sizeof d);
-  } else if (pool == at::kHalf) {
+  } else if (pool == kHalf) {
     f16* d = reinterpret_cast<f16*>(dst.row);
     for (int64_t i = 0; i < n; ++i) d[i] = from_f<f16>(to_f(src[i]));
   } else {
-    TORCH_CHECK(pool == at::kBFloat16, "paged_write: a float32, float16, bfloat16 or int8 cache");
+    LS_CHECK(pool == kBFloat16, "paged_write: a float32, float16, bfloat16 or int8 cache");
     bf16* d = reinterpret_cast<bf16*>(dst.row);
     for (int64_t i = 0; i < n; ++i) d[i] = from_f<bf16>(to_f(src[i]));
   }
 }
-template void store_kv_row<float>(const KVSlot&, at::ScalarType, const float*, int64_t);
-template void store_kv_row<bf16>(const KVSlot&, at::ScalarType, const bf16*, int64_t);
+template void store_kv_row<float>(const KVSlot&, ScalarType, const float*, int64_t);
+template void store_kv_row<bf16>(const KVSlot&, ScalarType, const bf16*, int64_t);
 
 // Write this step's K and V into their pool slots.   k, v (N, K, E) (views into the fused q/k/v output);
 // pools (NB, bs, K, E) (E + 4 for int8: kv_slot), slot = block * bs + offset; slots (N,)
-void paged_write(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& k_pool, torch::Tensor& v_pool,
-                 const torch::Tensor& slots) {
-  TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes(), "paged_write: k, v (N, K, E)");
+void paged_write(const View& k, const View& v, const View& k_pool, const View& v_pool,
+                 const View& slots) {
+  LS_CHECK(k.dim() == 3 && v.sizes() == k.sizes(), "paged_write: k, v (N, K, E)");
   const int64_t N = slots.numel(), Kh = k.size(1), E = k.size(2), KE = Kh * E;
-  TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous() && slots.scalar_type() == at::kLong && slots.is_contiguous(), "paged_write: pools and slots");
-  TORCH_CHECK(k.scalar_type() == v.scalar_type() && k_pool.scalar_type() == v_pool.scalar_type(), "paged_write: dtype");
-  TORCH_CHECK(k.size(0) == N && k_pool.dim() == 4 && k_pool.size(2) == Kh && k_pool.size(3) == kv_row_width(k_pool.scalar_type(), E) && v_pool.sizes() == k_pool.sizes(), "paged_write: shapes");
+  LS_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous() && slots.scalar_type() == kLong && slots.is_contiguous(), "paged_write: pools and slots");
+  LS_CHECK(k.scalar_type() == v.scalar_type() && k_pool.scalar_type() == v_pool.scalar_type(), "paged_write: dtype");
+  LS_CHECK(k.size(0) == N && k_pool.dim() == 4 && k_pool.size(2) == Kh && k_pool.size(3) == kv_row_width(k_pool.scalar_type(), E) && v_pool.sizes() == k_pool.sizes(), "paged_write: shapes");
   const int64_t n_slots = k_pool.size(0) * k_pool.size(1);
   const int64_t* s = slots.data_ptr<int64_t>();
-  for (int64_t n = 0; n < N; ++n) TORCH_CHECK(s[n] >= 0 && s[n] < n_slots, "paged_write: slot out of range");
-  // k and v are strided views into the fused q/k/v output: copy each token's (K, E) rows, which are contiguous.
-  auto kc = k.reshape({N, KE}), vc = v.reshape({N, KE});
-  TORCH_CHECK(kc.stride(1) == 1 && vc.stride(1) == 1, "paged_write: token rows must be contiguous");
-  const int64_t ks = kc.stride(0), vs = vc.stride(0);
+  for (int64_t n = 0; n < N; ++n) LS_CHECK(s[n] >= 0 && s[n] < n_slots, "paged_write: slot out of range");
+  // k and v are strided views into the fused q/k/v output: copy each token's (K, E) rows, which are contiguous
+  // (torch's reshape to (N, K E) is then a view); others are gathered into a contiguous copy first, as reshape would.
+  std::vector<char> kcopy, vcopy;
+  const auto token_rows = [&](const View& x, std::vector<char>& copy, int64_t& stride) -> char* {
+    if ((Kh == 1 || x.stride(1) == E * x.stride(2)) && (KE == 1 || x.stride(2) == 1)) {
+      stride = x.stride(0);
+      return static_cast<char*>(x.data_ptr());
+    }
+    const int64_t el = x.element_size();
+    copy.resize(N * KE * el);
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t h = 0; h < Kh; ++h)
+        for (int64_t e = 0; e < E; ++e)
+          std::memcpy(copy.data() + ((n * Kh + h) * E + e) * el,
+                      static_cast<const char*>(x.data_ptr()) + (n * x.stride(0) + h * x.stride(1) + e * x.stride(2)) * el, el);
+    stride = KE;
+    return copy.data();
+  };
+  int64_t ks, vs;
+  char* const kc = token_rows(k, kcopy, ks);
+  char* const vc = token_rows(v, vcopy, vs);
   if (k.scalar_type() != k_pool.scalar_type()) {  // float32 rows into a 16-bit or int8 cache: rounded once, here
-    TORCH_CHECK(k.scalar_type() == at::kFloat, "paged_write: only float32 rows go into a cache of another dtype");
-    const float *kd = kc.data_ptr<float>(), *vd = vc.data_ptr<float>();
+    LS_CHECK(k.scalar_type() == kFloat, "paged_write: only float32 rows go into a cache of another dtype");
+    const float *kd = reinterpret_cast<const float*>(kc), *vd = reinterpret_cast<const float*>(vc);
     // a 16-bit token's K E values at once; an int8 cache's head by head, each row with its own scale
-    const at::ScalarType t = k_pool.scalar_type();
-    const int64_t heads = t == at::kChar ? Kh : 1, n_el = KE / heads, bs = k_pool.size(1);
+    const ScalarType t = k_pool.scalar_type();
+    const int64_t heads = t == kChar ? Kh : 1, n_el = KE / heads, bs = k_pool.size(1);
     char* kp = static_cast<char*>(k_pool.data_ptr());
     char* vp = static_cast<char*>(v_pool.data_ptr());
     for (int64_t n = 0; n < N; ++n)
@@ -1125,8 +1143,8 @@ void paged_write(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& 
   const size_t bytes = KE * k.element_size();
   char* kp = static_cast<char*>(k_pool.data_ptr());
   char* vp = static_cast<char*>(v_pool.data_ptr());
-  const char* kd = static_cast<const char*>(kc.data_ptr());
-  const char* vd = static_cast<const char*>(vc.data_ptr());
+  const char* kd = kc;
+  const char* vd = vc;
   const size_t el = k.element_size();
   for (int64_t n = 0; n < N; ++n) {
     std::memcpy(kp + s[n] * bytes, kd + n * ks * el, bytes);

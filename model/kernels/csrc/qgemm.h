@@ -104,12 +104,8 @@ struct ActBuffers {
   }
 };
 
-// Whether the many-row Q4_K steps run on AMX tiles: a build with them (simd.h's LS_AMX) on a kernel that grants the
-// process their state (asked once, on the first call).
-bool amx_permitted();
-
 // A quantized layer's two buffers (model/quantize/'s `native_buffers`: uint8 nibbles -> Int4, int8 -> Int8).
-QWeight qweight_of(const torch::Tensor& data, const torch::Tensor& scales);
+QWeight qweight_of(const View& data, const View& scales);
 
 // Columns n in [n_begin, n_end) of y (M, ldy) float32 for rows m in [0, M): y[m, n] = sum_k xq[m, k] w[n, k].
 void qgemm_range(const QWeight& w, const QActs& a, int64_t M, int64_t n_begin, int64_t n_end, float* y, int64_t ldy);

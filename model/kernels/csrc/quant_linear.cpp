@@ -20,11 +20,12 @@
 #endif
 
 #include "ops.h"
+#include "simd.h"
 #include "qgemm.h"
 
 namespace ls {
 
-static inline float fp16_to_f(uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
+static inline float fp16_to_f(uint16_t h) { return half_to_float(h); }
 
 // Int4: block b's d and m for output 8g + j (qgemm.h's three layouts), for the scalar paths: the vector paths' values.
 static inline void q4_dm_scalar(const QWeight& w, int64_t nb, int64_t g, int64_t b, int64_t j, float& d, float& m) {
@@ -969,6 +970,8 @@ static void q6_range(const QWeight& w, const QActs& a, int64_t M, int64_t n_begi
 bool amx_permitted() { return false; }
 #endif
 
+Features features() { return {LS_AVX2 != 0, LS_VNNI != 0, LS_ZMM != 0, LS_AMX != 0}; }
+
 void qgemm_range(const QWeight& w, const QActs& a, int64_t M, int64_t n_begin, int64_t n_end, float* y, int64_t ldy) {
   if (w.fmt == QFormat::Int4)
     q4_range(w, a, M, n_begin, n_end, y, ldy);
@@ -984,82 +987,82 @@ void qgemm_range(const QWeight& w, const QActs& a, int64_t M, int64_t n_begin, i
 // are whole groups of 8 (the interleaved layouts).
 constexpr int64_t GRAIN = 32;
 
-static QWeight as_qweight(const torch::Tensor& data, const torch::Tensor& scales, QFormat fmt) {
-  TORCH_CHECK(data.is_contiguous() && scales.is_contiguous() && scales.scalar_type() == at::kHalf, "quantized weight: contiguous buffers, float16 scales");
-  TORCH_CHECK(data.scalar_type() == (fmt == QFormat::Int8 ? at::kChar : at::kByte), "quantized weight: dtype");
-  const uint16_t* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
+static QWeight as_qweight(const View& data, const View& scales, QFormat fmt) {
+  LS_CHECK(data.is_contiguous() && scales.is_contiguous() && scales.scalar_type() == kHalf, "quantized weight: contiguous buffers, float16 scales");
+  LS_CHECK(data.scalar_type() == (fmt == QFormat::Int8 ? kChar : kByte), "quantized weight: dtype");
+  const uint16_t* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr<f16>());
   if (fmt == QFormat::Int4 && scales.dim() == 3) {  // nibbles (N/8, K/32, 128), Q4_K's scales (N/8, K/256, 80)
-    TORCH_CHECK(data.dim() == 3 && data.size(2) == 128 && data.size(1) % 8 == 0 && scales.size(0) == data.size(0) &&
+    LS_CHECK(data.dim() == 3 && data.size(2) == 128 && data.size(1) % 8 == 0 && scales.size(0) == data.size(0) &&
                 scales.size(1) * 8 == data.size(1) && scales.size(2) == 80, "int4 weight (Q4_K scales): interleaved shapes");
     return QWeight{fmt, static_cast<const uint8_t*>(data.data_ptr()), sp, data.size(0) * 8, data.size(1) * QK, false, true};
   }
   if (fmt == QFormat::Int4) {  // nibbles (N/8, K/32, 128), scales (N/8, K/32, 2, 8) or symmetric (N/8, K/32, 1, 8)
-    TORCH_CHECK(data.dim() == 3 && data.size(2) == 128 && scales.dim() == 4 && scales.size(0) == data.size(0) &&
+    LS_CHECK(data.dim() == 3 && data.size(2) == 128 && scales.dim() == 4 && scales.size(0) == data.size(0) &&
                 scales.size(1) == data.size(1) && (scales.size(2) == 2 || scales.size(2) == 1) && scales.size(3) == 8,
                 "int4 weight: interleaved shapes");
     return QWeight{fmt, static_cast<const uint8_t*>(data.data_ptr()), sp, data.size(0) * 8, data.size(1) * QK,
                    scales.size(2) == 1};
   }
   if (fmt == QFormat::Int6) {  // data (N/8, K/32, 208) uint8, scales (N/8, K/256, 8)
-    TORCH_CHECK(data.dim() == 3 && data.size(2) == 208 && data.size(1) % 8 == 0 && scales.dim() == 3 &&
+    LS_CHECK(data.dim() == 3 && data.size(2) == 208 && data.size(1) % 8 == 0 && scales.dim() == 3 &&
                 scales.size(0) == data.size(0) && scales.size(1) * 8 == data.size(1) && scales.size(2) == 8,
                 "int6 weight: interleaved shapes");
     return QWeight{fmt, static_cast<const uint8_t*>(data.data_ptr()), sp, data.size(0) * 8, data.size(1) * QK};
   }
   // Int8: data (N/8, K/32, 256) int8, scales (N/8, K/32, 8) (qgemm.h)
-  TORCH_CHECK(data.dim() == 3 && data.size(2) == 256 && scales.dim() == 3 && scales.size(0) == data.size(0) &&
+  LS_CHECK(data.dim() == 3 && data.size(2) == 256 && scales.dim() == 3 && scales.size(0) == data.size(0) &&
               scales.size(1) == data.size(1) && scales.size(2) == 8, "int8 weight: interleaved shapes");
   return QWeight{fmt, static_cast<const uint8_t*>(data.data_ptr()), sp, data.size(0) * 8, data.size(1) * QK};
 }
 
-QWeight qweight_of(const torch::Tensor& data, const torch::Tensor& scales) {
-  if (data.scalar_type() == at::kChar) return as_qweight(data, scales, QFormat::Int8);
+QWeight qweight_of(const View& data, const View& scales) {
+  if (data.scalar_type() == kChar) return as_qweight(data, scales, QFormat::Int8);
   return as_qweight(data, scales, data.dim() == 3 && data.size(2) == 208 ? QFormat::Int6 : QFormat::Int4);
 }
 
 // x (M, K) float32 or bfloat16 -> y (M, N) float32
-static torch::Tensor quantized_linear(const torch::Tensor& x, const QWeight& w) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) == w.K, "quantized linear: x (M, K) contiguous");
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "quantized linear: float32 or bfloat16 x");
+static View quantized_linear(const View& x, const QWeight& w, const Alloc& alloc) {
+  LS_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) == w.K, "quantized linear: x (M, K) contiguous");
+  LS_CHECK(x.scalar_type() == kFloat || x.scalar_type() == kBFloat16, "quantized linear: float32 or bfloat16 x");
   const int64_t M = x.size(0), K = w.K;
   ActBuffers buffers(M, K, k_acts(w));
   const QActs a = buffers.view(K);
-  at::parallel_for(0, M, 8, [&](int64_t begin, int64_t end) {
+  parallel_for(0, M, 8, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
-      if (x.scalar_type() == at::kFloat)
+      if (x.scalar_type() == kFloat)
         quantize_act(x.data_ptr<float>() + m * K, K, a, m, k_acts(w));
       else
         quantize_act(x.data_ptr<bf16>() + m * K, K, a, m, k_acts(w));
     }
   });
-  auto y = torch::empty({M, w.N}, x.options().dtype(at::kFloat));
+  const View y = alloc(kFloat, {M, w.N});
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, w.N / 8, GRAIN / 8, [&](int64_t begin, int64_t end) { qgemm_range(w, a, M, 8 * begin, 8 * end, yp, w.N); });
+  parallel_for(0, w.N / 8, GRAIN / 8, [&](int64_t begin, int64_t end) { qgemm_range(w, a, M, 8 * begin, 8 * end, yp, w.N); });
   return y;
 }
 
-torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& nibbles, const torch::Tensor& scales) {
-  return quantized_linear(x, as_qweight(nibbles, scales, QFormat::Int4));
+View int4_linear(const View& x, const View& nibbles, const View& scales, const Alloc& alloc) {
+  return quantized_linear(x, as_qweight(nibbles, scales, QFormat::Int4), alloc);
 }
 
-torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scales) {
-  return quantized_linear(x, as_qweight(w, scales, QFormat::Int8));
+View int8_linear(const View& x, const View& w, const View& scales, const Alloc& alloc) {
+  return quantized_linear(x, as_qweight(w, scales, QFormat::Int8), alloc);
 }
 
-torch::Tensor int6_linear(const torch::Tensor& x, const torch::Tensor& data, const torch::Tensor& scales) {
-  return quantized_linear(x, as_qweight(data, scales, QFormat::Int6));
+View int6_linear(const View& x, const View& data, const View& scales, const Alloc& alloc) {
+  return quantized_linear(x, as_qweight(data, scales, QFormat::Int6), alloc);
 }
 
 // x (M, K) -> what the kernels multiply: x rounded to int8 blocks and back to float (q dx), per 32 (`block` 32: every
 // layer but Q4_K's) or per 256 (`block` 256: Q4_K's), for tests and the PyTorch reference
 // (`model.quantize.round_activations` computes the same).
-torch::Tensor round_activations(const torch::Tensor& x, int64_t block) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat && x.size(1) % QK == 0, "round_activations: x (M, K) float32");
-  TORCH_CHECK(block == QK || block == 8 * QK, "round_activations: block 32 or 256");
+View round_activations(const View& x, int64_t block, const Alloc& alloc) {
+  LS_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == kFloat && x.size(1) % QK == 0, "round_activations: x (M, K) float32");
+  LS_CHECK(block == QK || block == 8 * QK, "round_activations: block 32 or 256");
   const int64_t M = x.size(0), K = x.size(1);
   const bool k = block != QK;
   ActBuffers buffers(1, K, k);
-  auto out = torch::empty_like(x);
+  const View out = alloc(x.scalar_type(), x.sizes());
   for (int64_t m = 0; m < M; ++m) {
     quantize_act(x.data_ptr<float>() + m * K, K, buffers.view(K), 0, k);
     for (int64_t i = 0; i < K; ++i)
@@ -1072,11 +1075,11 @@ torch::Tensor round_activations(const torch::Tensor& x, int64_t block) {
 // The whole weight as float32 (the PyTorch fall-backs and tests), bitwise each layer's `reference_dequantize`:
 // `block(g, b, j, ob)` writes block b of output 8g + j (QK floats at ob).
 template <typename Block>
-static torch::Tensor dequantize_weight(const QWeight& w, const torch::Tensor& like, const Block& block) {
+static View dequantize_weight(const QWeight& w, const Alloc& alloc, const Block& block) {
   const int64_t K = w.K, nb = K / QK;
-  auto out = torch::empty({w.N, K}, like.options().dtype(at::kFloat));
+  const View out = alloc(kFloat, {w.N, K});
   float* o = out.data_ptr<float>();
-  at::parallel_for(0, w.N / 8, 2, [&](int64_t begin, int64_t end) {
+  parallel_for(0, w.N / 8, 2, [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; ++g)
       for (int64_t b = 0; b < nb; ++b)
         for (int64_t j = 0; j < 8; ++j) block(g, b, j, o + (8 * g + j) * K + b * QK);
@@ -1085,10 +1088,10 @@ static torch::Tensor dequantize_weight(const QWeight& w, const torch::Tensor& li
 }
 
 // q * d + m, each product rounded before the sum
-torch::Tensor int4_dequantize(const torch::Tensor& nibbles, const torch::Tensor& scales) {
+View int4_dequantize(const View& nibbles, const View& scales, const Alloc& alloc) {
   const QWeight w = as_qweight(nibbles, scales, QFormat::Int4);
   const int64_t nb = w.K / QK;
-  return dequantize_weight(w, nibbles, [&](int64_t g, int64_t b, int64_t j, float* ob) {
+  return dequantize_weight(w, alloc, [&](int64_t g, int64_t b, int64_t j, float* ob) {
     const uint8_t* qb = w.data + (g * nb + b) * 128;  // byte (p, j, t): k = 4p + t (low), 16 + 4p + t (high)
     float d, m;
     q4_dm_scalar(w, nb, g, b, j, d, m);
@@ -1102,11 +1105,11 @@ torch::Tensor int4_dequantize(const torch::Tensor& nibbles, const torch::Tensor&
 }
 
 // q * d
-torch::Tensor int8_dequantize(const torch::Tensor& data, const torch::Tensor& scales) {
+View int8_dequantize(const View& data, const View& scales, const Alloc& alloc) {
   const QWeight w = as_qweight(data, scales, QFormat::Int8);
   const int64_t nb = w.K / QK;
   const int8_t* q = reinterpret_cast<const int8_t*>(w.data);
-  return dequantize_weight(w, data, [&](int64_t g, int64_t b, int64_t j, float* ob) {
+  return dequantize_weight(w, alloc, [&](int64_t g, int64_t b, int64_t j, float* ob) {
     const float d = fp16_to_f(w.scales[(g * nb + b) * 8 + j]);
     for (int64_t c = 0; c < 8; ++c)
       for (int64_t t = 0; t < 4; ++t) ob[4 * c + t] = static_cast<float>(q[(g * nb + b) * 256 + 32 * c + 4 * j + t]) * d;
@@ -1114,10 +1117,10 @@ torch::Tensor int8_dequantize(const torch::Tensor& data, const torch::Tensor& sc
 }
 
 // (d sc) (q - 32), as gguf.quants dequantizes Q6_K (each product rounded)
-torch::Tensor int6_dequantize(const torch::Tensor& data, const torch::Tensor& scales) {
+View int6_dequantize(const View& data, const View& scales, const Alloc& alloc) {
   const QWeight w = as_qweight(data, scales, QFormat::Int6);
   const int64_t nb = w.K / QK;
-  return dequantize_weight(w, data, [&](int64_t g, int64_t b, int64_t j, float* ob) {
+  return dequantize_weight(w, alloc, [&](int64_t g, int64_t b, int64_t j, float* ob) {
     const uint8_t* wb = w.data + (g * nb + b) * 208;
     const float d = fp16_to_f(w.scales[(g * (nb / 8) + b / 8) * 8 + j]);
     for (int64_t k = 0; k < QK; ++k) {

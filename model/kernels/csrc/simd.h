@@ -2,10 +2,10 @@
 // Every kernel also has a scalar path (tails, and machines built without AVX2).
 #pragma once
 
-#include <torch/extension.h>
-
 #include <cmath>
 #include <cstdint>
+
+#include "tensor.h"
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
@@ -43,10 +43,9 @@
 
 namespace ls {
 
-using bf16 = at::BFloat16;
-using f16 = at::Half;  // IEEE half: a 16-bit KV cache's type (paged_attention.cpp), never an activation dtype
+// bf16, f16 (tensor.h): f16 is IEEE half, a 16-bit KV cache's type (paged_attention.cpp), never an activation dtype
 
-// Scalar conversions (torch's own: bfloat16 and half round to nearest even).
+// Scalar conversions (torch's own, tensor.h: bfloat16 and half round to nearest even).
 inline float to_f(float x) { return x; }
 inline float to_f(bf16 x) { return static_cast<float>(x); }
 inline float to_f(f16 x) { return static_cast<float>(x); }

@@ -18,6 +18,7 @@
 
 #include "attention_telemetry.h"
 #include "ops.h"
+#include "simd.h"
 #include "qgemm.h"
 
 namespace ls {
@@ -35,23 +36,23 @@ struct Projection {
   bool k_acts = false;  // a Q4_K or Q6_K part: the rows are also rounded per 256 (qgemm.h's QActs)
 };
 
-static Projection projection(const torch::Tensor& a, const torch::Tensor& b, at::ScalarType dtype) {
-  if (a.scalar_type() == at::kByte || a.scalar_type() == at::kChar) {
+static Projection projection(const View& a, const View& b, ScalarType dtype) {
+  if (a.scalar_type() == kByte || a.scalar_type() == kChar) {
     const QWeight q = qweight_of(a, b);
     return Projection{true, q, nullptr, q.N, q.K, {}, k_acts(q)};
   }
-  TORCH_CHECK(a.scalar_type() == dtype && a.dim() == 2 && a.is_contiguous(), "step_layers: float weights of the activation dtype");
+  LS_CHECK(a.scalar_type() == dtype && a.dim() == 2 && a.is_contiguous(), "step_layers: float weights of the activation dtype");
   return Projection{false, QWeight{}, a.data_ptr(), a.size(0), a.size(1), {}};
 }
 
 // The (a, b) pairs w[2 i], w[2 i + 1] for i in [first, last) as one projection: quantized parts stacked when more
 // than one.
-static Projection projection_of(const std::vector<torch::Tensor>& w, size_t first, size_t last, at::ScalarType dtype) {
+static Projection projection_of(const std::vector<View>& w, size_t first, size_t last, ScalarType dtype) {
   if (last - first == 1) return projection(w[2 * first], w[2 * first + 1], dtype);
   Projection p{true, QWeight{}, nullptr, 0, 0, {}};
   for (size_t i = first; i < last; ++i) {
     const Projection part = projection(w[2 * i], w[2 * i + 1], dtype);
-    TORCH_CHECK(part.quantized && (p.N == 0 || part.K == p.K), "step_layers: stacked parts are quantized, of one input");
+    LS_CHECK(part.quantized && (p.N == 0 || part.K == p.K), "step_layers: stacked parts are quantized, of one input");
     p.stacked.emplace_back(p.N, part.q);
     p.k_acts = p.k_acts || part.k_acts;
     p.N += part.N;
@@ -123,7 +124,7 @@ static std::pair<int64_t, int64_t> project(const Projection& p, const T* x, cons
 // A step's LoRA targets (model/lora.py) and scratch for their products, allocated before the parallel region.
 template <typename T>
 struct LoRAStep {
-  const std::vector<torch::Tensor>& rows;           // per group: the packed rows (n,) under one adapter
+  const std::vector<View>& rows;           // per group: the packed rows (n,) under one adapter
   const std::vector<std::vector<LoRAPart>>& parts;  // per block
   std::vector<int64_t> roff;                        // group g's rows are [roff[g], roff[g + 1]) of the gathered inputs
   T *x, *t;      // the groups' input rows (sum n, widest in); a site's A products rounded (sum over targets n r)
@@ -166,7 +167,7 @@ static void attention_share(const int64_t* lens, int64_t R, int64_t H, int64_t w
 // block l. hidden (L, Rt, D) of h's dtype, contiguous. Each thread copies its own rows, so no barrier is added: h is final once the
 // block's last barrier is passed, and no thread writes it again before two more barriers. Plain copies, no tensor
 // ops: a pool thread is not in the caller's inference mode.
-static void keep_rows(const torch::Tensor& h, const torch::Tensor& rows, const torch::Tensor& slot, const torch::Tensor& hidden,
+static void keep_rows(const View& h, const View& rows, const View& slot, const View& hidden,
                       int64_t l, int64_t rb, int64_t re) {
   const int64_t* s = slot.data_ptr<int64_t>();
   const int64_t* rw = rows.data_ptr<int64_t>();
@@ -179,7 +180,7 @@ static void keep_rows(const torch::Tensor& h, const torch::Tensor& rows, const t
 
 // h += edit(sub) at `site`: the sub-block's output (rounded to T) edited for the rows the table names, then added.
 template <typename T>
-static void add_edited(Step<T>& s, torch::Tensor& subt, const std::vector<torch::Tensor>& edits, int64_t site) {
+static void add_edited(Step<T>& s, const View& subt, const std::vector<View>& edits, int64_t site) {
   apply_site(subt, edits, site);
   read_site(subt, edits, site);
   for (int64_t i = 0; i < s.N * s.D; ++i) s.h[i] = from_f<T>(to_f(s.h[i]) + to_f(s.sub[i]));
@@ -200,13 +201,13 @@ struct Own {
 };
 
 template <typename T>
-static void run_layers(Step<T>& s, const std::vector<std::vector<torch::Tensor>>& layers,
-                       const std::vector<std::vector<Projection>>& proj, double eps, std::vector<torch::Tensor>& k_pools,
-                       std::vector<torch::Tensor>& v_pools, const int64_t* slots, const torch::Tensor& q,
-                       torch::Tensor& att, const torch::Tensor& rows, const torch::Tensor& tables, const torch::Tensor& lens,
-                       torch::Tensor& ht, torch::Tensor& subt, const std::vector<torch::Tensor>& edits,
-                       const std::vector<torch::Tensor>& telemetry, const std::vector<Telemetry>& tel,
-                       const std::vector<Own<T>>& own, const std::vector<std::vector<torch::Tensor>>& extras,
+static void run_layers(Step<T>& s, const std::vector<std::vector<View>>& layers,
+                       const std::vector<std::vector<Projection>>& proj, double eps, std::vector<View>& k_pools,
+                       std::vector<View>& v_pools, const int64_t* slots, const View& q,
+                       const View& att, const View& rows, const View& tables, const View& lens,
+                       const View& ht, const View& subt, const std::vector<View>& edits,
+                       const std::vector<View>& telemetry, const std::vector<Telemetry>& tel,
+                       const std::vector<Own<T>>& own, const std::vector<std::vector<View>>& extras,
                        const Switches& sw, const LoRAStep<T>& lora) {
   // Interventions (interventions.cpp) and telemetry run on one thread between barriers (`omp single`, whose own
   // barrier ends it): they touch a few rows. With edits, a sub-block's output is rounded to T into `sub`, edited,
@@ -223,7 +224,7 @@ static void run_layers(Step<T>& s, const std::vector<std::vector<torch::Tensor>>
   const int64_t N = s.N, D = s.D, H = s.H, K = s.K, E = s.E, F = s.F, QKV = (H + 2 * K) * E, R = rows.numel();
   const bool few = !own.empty();  // the few-row path (FEW_ROWS): never with edits
   const float feps = static_cast<float>(eps);
-#pragma omp parallel num_threads(at::get_num_threads())  // (never more threads than `own` holds)
+#pragma omp parallel num_threads(num_threads())  // (never more threads than `own` holds)
   {
     const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
     int64_t rb, re;  // this thread's rows
@@ -237,7 +238,7 @@ static void run_layers(Step<T>& s, const std::vector<std::vector<torch::Tensor>>
     const QActs& acts = few ? mine->a : s.a;
     // h (N, D) normed by w (no norm before the sub-block under post_norm: h itself), then rounded for p: by every
     // thread into its own buffers, or by each for its rows; -> the rows the projection reads
-    const auto norm_for = [&](const Projection& p, const torch::Tensor& w) -> const T* {
+    const auto norm_for = [&](const Projection& p, const View& w) -> const T* {
       const T* x = s.h;
       if (!sw.post_norm) {
         for (int64_t m = ob; m < oe; ++m) rms_norm_row(s.h + m * D, w.data_ptr<T>(), xn + m * D, D, feps);
@@ -254,7 +255,7 @@ static void run_layers(Step<T>& s, const std::vector<std::vector<torch::Tensor>>
     // this thread's rows of `sub` (a sub-block's output, rounded to T; already scaled unless post-normed) ->
     // post-normed by w and scaled, as the residual add takes them; then added to h (its rows), or edited and added
     // by one thread (add_edited)
-    const auto finish_sub = [&](const torch::Tensor& w, int64_t site) {
+    const auto finish_sub = [&](const View& w, int64_t site) {
 #pragma omp barrier
       for (int64_t m = rb; m < re; ++m) {
         T* row = s.sub + m * D;
@@ -274,7 +275,7 @@ static void run_layers(Step<T>& s, const std::vector<std::vector<torch::Tensor>>
     };
     // a sub-block's last projection p of x and its residual add: fused into the projection's epilogue (h += its
     // output, rounded and scaled), or through `sub` (finish_sub: edits, post-norms by `norm`) at `site`
-    const auto project_out = [&](const Projection& p, const T* x, bool through_sub, int64_t site, const torch::Tensor& norm) {
+    const auto project_out = [&](const Projection& p, const T* x, bool through_sub, int64_t site, const View& norm) {
       const auto run = [&](const auto& out) {
         if (through_sub) {
           project(p, x, acts, s, 16, tid, nt, [&](int64_t m, int64_t n, float y) {
@@ -361,7 +362,7 @@ static void run_layers(Step<T>& s, const std::vector<std::vector<torch::Tensor>>
     // project_out for a site with LoRA targets (`apply_lora`): the projection rounded into `sub`, the adapters' deltas
     // added, Granite's multiplier (unless post-normed, which scales after its norm), then finish_sub: the module
     // path's h + edit(scale(adapt(p(x)))) in its order
-    const auto project_out_adapted = [&](const Projection& p, const T* x, int64_t site, const torch::Tensor& norm,
+    const auto project_out_adapted = [&](const Projection& p, const T* x, int64_t site, const View& norm,
                                          size_t l, int64_t lsite) {
       project(p, x, acts, s, 16, tid, nt, [&](int64_t m, int64_t n, float y) { s.sub[m * D + n] = from_f<T>(y); });
 #pragma omp barrier
@@ -379,7 +380,7 @@ static void run_layers(Step<T>& s, const std::vector<std::vector<torch::Tensor>>
       const T* kn = sw.qk_norm ? extras[l][2].data_ptr<T>() : nullptr;
       char* kp = static_cast<char*>(k_pools[l].data_ptr());
       char* vp = static_cast<char*>(v_pools[l].data_ptr());
-      const at::ScalarType pool_t = k_pools[l].scalar_type();  // T's, or a 16-bit or int8 cache under float32
+      const ScalarType pool_t = k_pools[l].scalar_type();  // T's, or a 16-bit or int8 cache under float32
       const int64_t bs = k_pools[l].size(1);
       // rope the heads [h0, h1) of every row (q and k heads; v heads pass) and store its k and v heads in the pools
       const auto rope_store = [&](int64_t m, int64_t h0, int64_t h1) {
@@ -467,45 +468,43 @@ static void run_layers(Step<T>& s, const std::vector<std::vector<torch::Tensor>>
 // top_pos (L, Rt, H, k), top_prob (L, Rt, H, k), hidden (L, Rt, D)]: the attention telemetry of the rows with
 // slot >= 0, and their residual stream after each block; lora_rows, lora: the rows under LoRA adapters and each
 // block's targets (`LoRAPart`, model/lora.py's LoRARows.native_args; empty: none).  -> h after every block (N, D)
-torch::Tensor step_layers(torch::Tensor h, const std::vector<std::vector<torch::Tensor>>& layers, double eps,
-                            const torch::Tensor& cos, const torch::Tensor& ssin, torch::Tensor& k_pools,
-                            torch::Tensor& v_pools, const torch::Tensor& slots, const torch::Tensor& rows,
-                            const torch::Tensor& tables, const torch::Tensor& lens, int64_t H, int64_t K, int64_t E,
-                            const std::vector<torch::Tensor>& edits, const std::vector<torch::Tensor>& telemetry,
-                            const std::vector<std::vector<torch::Tensor>>& extras, int64_t window, double scale,
-                            double residual, bool post_norm, int64_t qk_norm,
-                            const std::vector<torch::Tensor>& lora_rows, const std::vector<std::vector<LoRAPart>>& lora) {
-  TORCH_CHECK(telemetry.empty() || telemetry.size() == 6, "step_layers: telemetry is empty or 6 tensors");
-  TORCH_CHECK(window >= 0 && qk_norm >= 0 && qk_norm <= 2, "step_layers: window >= 0, qk_norm 0, 1 or 2");
+void step_layers(const View& h, const std::vector<std::vector<View>>& layers, double eps, const View& cos,
+                 const View& ssin, const View& k_pools, const View& v_pools, const View& slots, const View& rows,
+                 const View& tables, const View& lens, int64_t H, int64_t K, int64_t E, const std::vector<View>& edits,
+                 const std::vector<View>& telemetry, const std::vector<std::vector<View>>& extras, int64_t window,
+                 double scale, double residual, bool post_norm, int64_t qk_norm, const std::vector<View>& lora_rows,
+                 const std::vector<std::vector<LoRAPart>>& lora, const Alloc& alloc) {
+  LS_CHECK(telemetry.empty() || telemetry.size() == 6, "step_layers: telemetry is empty or 6 tensors");
+  LS_CHECK(window >= 0 && qk_norm >= 0 && qk_norm <= 2, "step_layers: window >= 0, qk_norm 0, 1 or 2");
   const Switches sw{window, scale, static_cast<float>(residual), post_norm, qk_norm};
-  TORCH_CHECK(h.dim() == 2 && k_pools.size(0) == static_cast<int64_t>(layers.size()), "step_layers: shapes");
+  LS_CHECK(h.dim() == 2 && k_pools.size(0) == static_cast<int64_t>(layers.size()), "step_layers: shapes");
   const int64_t N = h.size(0), D = h.size(1), L = layers.size();
   const auto dtype = h.scalar_type();
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "step_layers: float32 or bfloat16");
+  LS_CHECK(dtype == kFloat || dtype == kBFloat16, "step_layers: float32 or bfloat16");
   const auto pool_t = k_pools.scalar_type();
-  const bool narrow = dtype == at::kFloat && (pool_t == at::kHalf || pool_t == at::kBFloat16 || pool_t == at::kChar);
-  TORCH_CHECK((pool_t == dtype || narrow) && v_pools.scalar_type() == pool_t && k_pools.is_contiguous() && v_pools.is_contiguous(), "step_layers: pools of the activation dtype, or 16-bit or int8 under float32");
-  TORCH_CHECK(cos.scalar_type() == dtype && ssin.scalar_type() == dtype && cos.is_contiguous() && ssin.is_contiguous() && cos.numel() == N * E && ssin.numel() == N * E, "step_layers: rope tables");
-  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == N, "step_layers: slots");
-  TORCH_CHECK(rows.numel() == N && rows.scalar_type() == at::kLong && lens.scalar_type() == at::kLong && tables.scalar_type() == at::kLong && tables.is_contiguous() && tables.size(0) == N, "step_layers: every row attends over its table");
-  TORCH_CHECK(E <= 1024 && H % K == 0 && k_pools.size(3) == K && k_pools.size(4) == kv_row_width(pool_t, E), "step_layers: heads");
+  const bool narrow = dtype == kFloat && (pool_t == kHalf || pool_t == kBFloat16 || pool_t == kChar);
+  LS_CHECK((pool_t == dtype || narrow) && v_pools.scalar_type() == pool_t && k_pools.is_contiguous() && v_pools.is_contiguous(), "step_layers: pools of the activation dtype, or 16-bit or int8 under float32");
+  LS_CHECK(cos.scalar_type() == dtype && ssin.scalar_type() == dtype && cos.is_contiguous() && ssin.is_contiguous() && cos.numel() == N * E && ssin.numel() == N * E, "step_layers: rope tables");
+  LS_CHECK(slots.scalar_type() == kLong && slots.is_contiguous() && slots.numel() == N, "step_layers: slots");
+  LS_CHECK(rows.numel() == N && rows.scalar_type() == kLong && lens.scalar_type() == kLong && tables.scalar_type() == kLong && tables.is_contiguous() && tables.size(0) == N, "step_layers: every row attends over its table");
+  LS_CHECK(E <= 1024 && H % K == 0 && k_pools.size(3) == K && k_pools.size(4) == kv_row_width(pool_t, E), "step_layers: heads");
   const int64_t n_slots = k_pools.size(1) * k_pools.size(2);
-  for (int64_t n = 0; n < N; ++n) TORCH_CHECK(slots.data_ptr<int64_t>()[n] >= 0 && slots.data_ptr<int64_t>()[n] < n_slots, "step_layers: slot out of range");
+  for (int64_t n = 0; n < N; ++n) LS_CHECK(slots.data_ptr<int64_t>()[n] >= 0 && slots.data_ptr<int64_t>()[n] < n_slots, "step_layers: slot out of range");
   std::vector<std::vector<Projection>> proj(L);
   int64_t F = 0, widest_out = 0, widest_in = 0;
   bool any_k = false;  // a Q4_K or Q6_K projection somewhere: the rows' q8_K rounding too
-  TORCH_CHECK(extras.empty() ? qk_norm == 0 : static_cast<int64_t>(extras.size()) == L, "step_layers: extras per block");
+  LS_CHECK(extras.empty() ? qk_norm == 0 : static_cast<int64_t>(extras.size()) == L, "step_layers: extras per block");
   for (int64_t l = 0; l < static_cast<int64_t>(extras.size()); ++l) {
     const auto& x = extras[l];
-    TORCH_CHECK(x.size() == 3, "step_layers: extras [bqkv, q_norm, k_norm] per block");
-    TORCH_CHECK(x[0].numel() == 0 || (x[0].scalar_type() == dtype && x[0].is_contiguous() && x[0].numel() == (H + 2 * K) * E), "step_layers: bqkv ((H + 2K) E,)");
+    LS_CHECK(x.size() == 3, "step_layers: extras [bqkv, q_norm, k_norm] per block");
+    LS_CHECK(x[0].numel() == 0 || (x[0].scalar_type() == dtype && x[0].is_contiguous() && x[0].numel() == (H + 2 * K) * E), "step_layers: bqkv ((H + 2K) E,)");
     const int64_t qw = qk_norm == 1 ? E : H * E, kw = qk_norm == 1 ? E : K * E;
-    TORCH_CHECK(qk_norm == 0 || (x[1].scalar_type() == dtype && x[2].scalar_type() == dtype && x[1].is_contiguous() && x[2].is_contiguous() && x[1].numel() == qw && x[2].numel() == kw), "step_layers: q/k norm weights");
+    LS_CHECK(qk_norm == 0 || (x[1].scalar_type() == dtype && x[2].scalar_type() == dtype && x[1].is_contiguous() && x[2].is_contiguous() && x[1].numel() == qw && x[2].numel() == kw), "step_layers: q/k norm weights");
   }
   for (int64_t l = 0; l < L; ++l) {
     const auto& w = layers[l];
-    TORCH_CHECK(w.size() >= 10 && w.size() % 2 == 0, "step_layers: 10 tensors per block, or more with stacked parts");
-    TORCH_CHECK(w[0].scalar_type() == dtype && w[1].scalar_type() == dtype && w[0].numel() == D && w[1].numel() == D, "step_layers: norms");
+    LS_CHECK(w.size() >= 10 && w.size() % 2 == 0, "step_layers: 10 tensors per block, or more with stacked parts");
+    LS_CHECK(w[0].scalar_type() == dtype && w[1].scalar_type() == dtype && w[0].numel() == D && w[1].numel() == D, "step_layers: norms");
     // pairs 1 .. P - 1 after the norms' pair 0: wqkv's parts up to its (H + 2K) E rows, wo, w13's parts, w2 (last)
     const size_t P = w.size() / 2;
     size_t qkv_end = 1;
@@ -516,34 +515,34 @@ torch::Tensor step_layers(torch::Tensor h, const std::vector<std::vector<torch::
     proj[l].push_back(projection_of(w, P - 1, P, dtype));
     const auto& p = proj[l];
     F = p[2].N / 2;
-    TORCH_CHECK(p[0].K == D && p[0].N == (H + 2 * K) * E && p[1].K == H * E && p[1].N == D && p[2].K == D && p[3].K == F && p[3].N == D, "step_layers: projection shapes");
+    LS_CHECK(p[0].K == D && p[0].N == (H + 2 * K) * E && p[1].K == H * E && p[1].N == D && p[2].K == D && p[3].K == F && p[3].N == D, "step_layers: projection shapes");
     for (const auto& q : p) {
       widest_out = std::max(widest_out, q.N);
       widest_in = std::max(widest_in, q.K);
       any_k = any_k || q.k_acts;
-      TORCH_CHECK(!q.quantized || q.K % QK == 0, "step_layers: quantized inputs in blocks of 32");
+      LS_CHECK(!q.quantized || q.K % QK == 0, "step_layers: quantized inputs in blocks of 32");
     }
   }
   // LoRA targets: per block, each in its site's columns, A (r, in) and B transposed (r, stop - start) of the
   // activation dtype
-  TORCH_CHECK(lora.empty() || static_cast<int64_t>(lora.size()) == L, "step_layers: lora per block");
+  LS_CHECK(lora.empty() || static_cast<int64_t>(lora.size()) == L, "step_layers: lora per block");
   std::vector<int64_t> roff{0};
   for (const auto& rws : lora_rows) {
-    TORCH_CHECK(rws.scalar_type() == at::kLong && rws.is_contiguous(), "step_layers: lora rows int64");
-    for (int64_t i = 0; i < rws.numel(); ++i) TORCH_CHECK(rws.data_ptr<int64_t>()[i] >= 0 && rws.data_ptr<int64_t>()[i] < N, "step_layers: lora row out of range");
+    LS_CHECK(rws.scalar_type() == kLong && rws.is_contiguous(), "step_layers: lora rows int64");
+    for (int64_t i = 0; i < rws.numel(); ++i) LS_CHECK(rws.data_ptr<int64_t>()[i] >= 0 && rws.data_ptr<int64_t>()[i] < N, "step_layers: lora row out of range");
     roff.push_back(roff.back() + rws.numel());
   }
-  TORCH_CHECK(roff.back() <= N, "step_layers: a row under two adapters");
+  LS_CHECK(roff.back() <= N, "step_layers: a row under two adapters");
   bool any_lora = false;
   int64_t lora_t = 0, lora_d = 0;  // the most a site's targets need of the A and B products' scratch
   for (int64_t l = 0; l < static_cast<int64_t>(lora.size()); ++l)
     for (int64_t site = 0; site < 4; ++site) {
       int64_t t = 0, d = 0;
       for (const auto& [g, part_site, start, stop, sc, A, B] : lora[l]) {
-        TORCH_CHECK(g >= 0 && g < static_cast<int64_t>(lora_rows.size()) && part_site >= 0 && part_site < 4, "step_layers: lora group, site");
+        LS_CHECK(g >= 0 && g < static_cast<int64_t>(lora_rows.size()) && part_site >= 0 && part_site < 4, "step_layers: lora group, site");
         if (part_site != site) continue;
         const Projection& p = proj[l][site];
-        TORCH_CHECK(A.dim() == 2 && B.dim() == 2 && A.scalar_type() == dtype && B.scalar_type() == dtype && A.is_contiguous() && B.is_contiguous() &&
+        LS_CHECK(A.dim() == 2 && B.dim() == 2 && A.scalar_type() == dtype && B.scalar_type() == dtype && A.is_contiguous() && B.is_contiguous() &&
                     A.size(1) == p.K && B.size(0) == A.size(0) && 0 <= start && start < stop && stop <= p.N && B.size(1) == stop - start,
                     "step_layers: lora A (r, in), B transposed (r, stop - start) within the site's output");
         const int64_t n = roff[g + 1] - roff[g];
@@ -554,35 +553,34 @@ torch::Tensor step_layers(torch::Tensor h, const std::vector<std::vector<torch::
       lora_t = std::max(lora_t, t);
       lora_d = std::max(lora_d, d);
     }
-  h = h.clone().contiguous();  // the residual stream is updated in place from here on; the caller's tensor stays as it was
-  auto opts = h.options();
-  auto xn = torch::empty({N, D}, opts), qkv = torch::empty({N, H + 2 * K, E}, opts), att = torch::empty({N, H, E}, opts);
-  auto gu = torch::empty({N, 2 * F}, opts), act = torch::empty({N, F}, opts);
-  auto sub = torch::empty({edits.empty() && !post_norm && !any_lora ? 0 : N, D}, opts);
-  auto lora_x = torch::empty({any_lora ? roff.back() * widest_in + lora_t : 0}, opts);
-  auto lora_f = torch::empty({any_lora ? lora_t + lora_d : 0}, opts.dtype(at::kFloat));
-  TORCH_CHECK(telemetry.empty() || (telemetry[5].scalar_type() == dtype && telemetry[5].is_contiguous()), "step_layers: telemetry hidden");
+  LS_CHECK(h.is_contiguous(), "step_layers: h contiguous");  // (a copy: the caller's tensor stays as it was)
+  const View xn = alloc(dtype, {N, D}), qkv = alloc(dtype, {N, H + 2 * K, E}), att = alloc(dtype, {N, H, E});
+  const View gu = alloc(dtype, {N, 2 * F}), act = alloc(dtype, {N, F});
+  View sub = alloc(dtype, {edits.empty() && !post_norm && !any_lora ? 0 : N, D});
+  const View lora_x = alloc(dtype, {any_lora ? roff.back() * widest_in + lora_t : 0});
+  const View lora_f = alloc(kFloat, {any_lora ? lora_t + lora_d : 0});
+  LS_CHECK(telemetry.empty() || (telemetry[5].scalar_type() == dtype && telemetry[5].is_contiguous()), "step_layers: telemetry hidden");
   std::vector<Telemetry> tel;  // per layer, where the asking rows' attention goes (attention_telemetry.h)
   if (!telemetry.empty()) {
     const int64_t Rt = telemetry[1].numel();
-    TORCH_CHECK(telemetry[2].dim() == 3 && telemetry[2].size(0) == L && telemetry[3].dim() == 4 && telemetry[3].size(0) == L &&
+    LS_CHECK(telemetry[2].dim() == 3 && telemetry[2].size(0) == L && telemetry[3].dim() == 4 && telemetry[3].size(0) == L &&
                 telemetry[4].sizes() == telemetry[3].sizes() && telemetry[5].dim() == 3 && telemetry[5].size(0) == L &&
                 telemetry[5].size(1) == Rt && telemetry[5].size(2) == D, "step_layers: telemetry buffers (L, ...)");
-    torch::Tensor sink = telemetry[2][0], pos = telemetry[3][0], prob = telemetry[4][0];
+    View sink = telemetry[2][0], pos = telemetry[3][0], prob = telemetry[4][0];
     const Telemetry first = Telemetry::of(telemetry[0], telemetry[1], sink, pos, prob, H, N);  // checks layer 0's view
     for (int64_t l = 0; l < L; ++l) tel.push_back(first.layer(l, Rt));
   }
-  auto y = torch::empty({N, widest_out}, opts.dtype(at::kFloat));
+  const View y = alloc(kFloat, {N, widest_out});
   ActBuffers shared(N, widest_in, any_k);
-  std::vector<torch::Tensor> kp, vp;
+  std::vector<View> kp, vp;
   for (int64_t l = 0; l < L; ++l) kp.push_back(k_pools[l]), vp.push_back(v_pools[l]);
   const auto q = qkv.narrow(1, 0, H);
   const int64_t* sl = slots.data_ptr<int64_t>();
   // the few-row path's per-thread buffers (FEW_ROWS): xn (D), act (F), rounded activations, per row and thread
   // (post-norms and a q/k norm over the whole projection need whole rows between barriers: the many-row path)
   const bool few = edits.empty() && !any_lora && N <= FEW_ROWS && E % 8 == 0 && !post_norm && qk_norm != 2;
-  const int64_t threads = few ? at::get_num_threads() : 0;
-  auto own_t = torch::empty({threads, N, D + F}, opts);
+  const int64_t threads = few ? num_threads() : 0;
+  const View own_t = alloc(dtype, {threads, N, D + F});
   std::vector<ActBuffers> own_acts(threads, ActBuffers(N, widest_in, any_k));
   const auto owns = [&](auto* base) {
     using T = std::remove_pointer_t<decltype(base)>;
@@ -592,7 +590,7 @@ torch::Tensor step_layers(torch::Tensor h, const std::vector<std::vector<torch::
                            own_acts[t].view(widest_in)});
     return out;
   };
-  if (dtype == at::kFloat) {
+  if (dtype == kFloat) {
     Step<float> s{N, D, H, K, E, F, h.data_ptr<float>(), xn.data_ptr<float>(), qkv.data_ptr<float>(), att.data_ptr<float>(),
                   gu.data_ptr<float>(), act.data_ptr<float>(), sub.data_ptr<float>(), cos.data_ptr<float>(), ssin.data_ptr<float>(), y.data_ptr<float>(),
                   shared.view(widest_in)};
@@ -611,7 +609,6 @@ torch::Tensor step_layers(torch::Tensor h, const std::vector<std::vector<torch::
     run_layers(s, layers, proj, eps, kp, vp, sl, q, att, rows, tables, lens, h, sub, edits, telemetry, tel, owns(own_t.data_ptr<bf16>()),
                extras, sw, ls);
   }
-  return h;
 }
 
 }  // namespace ls
