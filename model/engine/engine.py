@@ -16,11 +16,12 @@ import torch
 
 from model.engine.context_shift import ContextShift
 from model.engine.cuda_graphs import CudaGraphs, DecodeGraphMode
+from model.engine.end_of_sequence import Finish, finish_after
 from model.engine.engine_sizes import EngineSizes
 from model.engine.kv_cache_manager import KVCacheManager
 from model.engine.kv_window import KVWindow
 from model.engine.model_runner import DecodeLaunch, ModelRunner, RunnerOutput
-from model.engine.output_processor import Finish, OutputProcessor, RequestOutput, StepOutputs
+from model.engine.output_processor import OutputProcessor, RequestOutput, StepOutputs
 from model.engine.paged_cache import PagedKVCache, cache_dtype, kv_config
 from model.engine.persistent_batch import PersistentBatch
 from model.engine.request import FinishReason, Request, Sequence, SequenceStatus
@@ -457,7 +458,7 @@ class Engine:
 
     def _land(self, launch) -> StepOutputs:
         """A decode step's samples on the host: each row's token appended, its newly full block committed, and the
-        rows the engine ends finished. A row whose sequence ended while the step ran (aborted, or ended by the token
+        rows the end-of-sequence rule ends (end_of_sequence.py, `_append`'s too) finished. A row whose sequence ended while the step ran (aborted, or ended by the token
         of the step before) is dropped."""
         step = StepOutputs()
         try:
@@ -474,19 +475,13 @@ class Engine:
         bs, commit, max_len = self.kv.block_size, self.kv.enable_prefix_caching, self.max_model_len
         filled = (positions + 1) % bs == 0 if commit else None  # (n,): the rows whose token filled a block
         for i, (seq, token) in enumerate(zip(rows, tokens)):
-            out = seq.output_token_ids
-            out.append(token)
+            seq.output_token_ids.append(token)
             if commit and filled[i]:  # into the prefix cache (its tokens are all on the host now)
                 self.kv.commit(seq)
-            p = seq.request.params
-            if token in seq.sampling.stop_ids and len(out) >= p.min_tokens:
-                end = Finish(FinishReason.STOP, token if token in p.stop_token_ids else None, stop_token=True)
-            elif len(out) >= p.max_tokens or len(seq.prompt_token_ids) + len(out) >= max_len:
-                end = Finish(FinishReason.LENGTH)
-            else:
-                continue
-            self._finish(seq, end.reason, end.stop_reason)
-            step.finished[seq] = end
+            end = finish_after(seq, token, max_len)
+            if end is not None:
+                self._finish(seq, end.reason, end.stop_reason)
+                step.finished[seq] = end
         window = self.model.config.sliding_window
         if window:  # the model's sliding window: blocks every later query attends past go back, as in `_settle`
             for seq in rows:
@@ -547,26 +542,17 @@ class Engine:
 
     def _append(self, seq: Sequence, sampled: list[tuple[int, TokenLogprobs | None]]
                 ) -> tuple[list[int], list[TokenLogprobs | None], Finish | None]:
-        """Append a step's sampled tokens to `seq`, stopping at the first that ends it (what follows is never
-        appended): a stop token (not before min_tokens), a finished grammar, max_tokens, the context."""
-        p, sampling = seq.request.params, seq.sampling
+        """Append a step's sampled tokens to `seq`, stopping at the first that ends it by the end-of-sequence rule
+        (end_of_sequence.py, the decode path's too): what follows is never appended."""
         tokens: list[int] = []
         logprobs: list[TokenLogprobs | None] = []
         for token, lp in sampled:
             seq.output_token_ids.append(token)
             tokens.append(token)
             logprobs.append(lp)
-            n_out = len(seq.output_token_ids)
-            if n_out >= p.min_tokens and token in sampling.stop_ids:
-                return tokens, logprobs, Finish(FinishReason.STOP, token if token in p.stop_token_ids else None,
-                                                stop_token=True)
-            # [structured outputs] advance the grammar; a complete grammar ends the choice like a stop
-            grammar_done = sampling.grammar is not None and sampling.grammar.accept(token)
-            # a windowed sequence's cache stays within the context however long it runs: only max_tokens ends it
-            if grammar_done or n_out >= p.max_tokens or (seq.num_tokens >= self.max_model_len and seq.window is None):
-                # a reply closed because max_tokens was near (structured/closing.py) ends with "length", not "stop"
-                done = grammar_done and not sampling.grammar.closing
-                return tokens, logprobs, Finish(FinishReason.STOP if done else FinishReason.LENGTH)
+            end = finish_after(seq, token, self.max_model_len)
+            if end is not None:
+                return tokens, logprobs, end
         return tokens, logprobs, None
 
     def _propose_drafts(self) -> None:

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from model.engine.end_of_sequence import Finish
 from model.engine.request import FinishReason, Sequence
 from model.engine.sampler import TokenLogprobs
 from model.engine.sampling_params import SamplingParams
@@ -31,6 +32,9 @@ from model.text.stop_strings import StopStringMatcher
 from model.text.tokenizer import Tokenizer
 
 log = logging.getLogger("llamascope.engine")
+
+__all__ = ["Extras", "Finish", "HiddenStates", "OutputProcessor", "RequestOutput", "StepOutputs"]
+
 
 @dataclass
 class RequestOutput:
@@ -68,14 +72,6 @@ class HiddenStates:
     layers: list[int]
     positions: list[int]
     values: torch.Tensor  # float32, on the CPU
-
-
-@dataclass
-class Finish:
-    reason: FinishReason
-    stop_reason: int | str | None = None
-    error: str | None = None
-    stop_token: bool = False  # ended by a stop token (EOS or stop_token_ids): its text is not part of the output
 
 
 @dataclass
