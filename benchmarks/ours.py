@@ -11,7 +11,8 @@ import torch
 
 from benchmarks.agreement import StepLogprobs
 from benchmarks.measure import Clock, ConcurrentResult, StreamResult
-from model.engine import Engine, RequestOptions, RequestOutput, TelemetryOptions
+from model.engine import Engine, RequestOptions, RequestOutput
+from model.features import TelemetryOptions
 from model.engine.sampling_params import SamplingParams
 from model.interventions import Intervention
 

@@ -11,12 +11,10 @@ from model.engine.sampler import TokenLogprobs
 from model.engine.sampling_params import SamplingParams
 from model.engine.scheduler import QueueFullError
 from model.engine.speculative import SpecDecodeStats, SpeculativeConfig
-from model.engine.telemetry import TokenTelemetry
-from model.engine.telemetry_options import TelemetryOptions
 
 __all__ = [
     "AsyncEngine", "Engine", "EngineConfig", "EngineDeadError", "EngineJob", "EngineStats", "FatalEngineError",
     "HiddenStates", "InvalidOption", "KVWindow", "PLAIN", "QueueFullError", "RequestOptions", "RequestOutput", "RequestStream",
     "SamplingParams", "SpecDecodeStats", "SpeculativeConfig",
-    "TelemetryOptions", "TokenLogprobs", "TokenTelemetry",
+    "TokenLogprobs",
 ]

@@ -34,6 +34,8 @@ from model.engine.speculative import Drafter, SpecDecodeStats, SpeculativeConfig
 from model.engine.stream import stream_for
 from model.engine.speculative.build import build_speculator
 from model.engine.structured import StructuredOutputs
+from model.features import registry as features
+from model.features.protocol import EngineView
 from model.interventions import HeadShape, InterventionPlan
 from model.loaders.memory import check_fits
 from model.lora import LoRAAdapter
@@ -98,6 +100,7 @@ class EngineStats:
     prefix_cache_hits: int  # of which served from cache
     steps_by_path: dict[str, int] = field(default_factory=dict)  # engine steps per execution path
     spec_decode: SpecDecodeStats | None = None  # speculative decoding's counters, when configured
+    features: dict[str, dict[str, float]] = field(default_factory=dict)  # the per-row features' counters, by name
 
 
 def resolve_max_model_len(requested: int | None, model_len: int, pool_tokens: int) -> int:
@@ -167,6 +170,7 @@ class Engine:
         self.async_scheduling = (stream.asynchronous and not self.distributed if config.async_scheduling is None
                                  else config.async_scheduling)
         self.in_flight: DecodeLaunch | None = None  # an overlapped decode step not read back yet
+        self.view = EngineView(self.distributed, self.max_model_len, config.block_size)  # what features check against
         self.runner = ModelRunner(
             model, self.cache, Sampler(model.config.vocab_size, model.device, sync_free=self.async_scheduling),
             self.sizes, graph_mode=config.decode_graphs, native_step=config.native_step,
@@ -199,8 +203,8 @@ class Engine:
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     options: RequestOptions = PLAIN) -> Request:
         """Queue a request. ValueError for an invalid one, QueueFullError when the waiting queue is full.
-        `options`: what it carries beside prompt and sampling (interventions, hidden-state reads, telemetry, a
-        kv window, a grammar, background priority: model/engine/request_options.py)."""
+        `options`: what it carries beside prompt and sampling (interventions, hidden-state reads, the registered
+        per-row features, a kv window, a grammar, background priority: model/engine/request_options.py)."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         if not prompt_token_ids:
@@ -226,6 +230,7 @@ class Engine:
         req = Request(request_id, list(prompt_token_ids), params, options=options, interventions=plan)
         if options.lora is not None:  # an adapter's K/V differs from the base's and other loads': its own prefix keys
             req.prefix_root = f"lora {self.runner.adapters[options.lora].serial} {options.lora}".encode()
+        req.prefix_root += features.prefix_key(req)  # the registered features' shares (model/features/registry.py)
         for i in range(params.n):
             seq = Sequence(self._next_seq_id, req, i, req.prompt_token_ids)
             self._next_seq_id += 1
@@ -277,13 +282,13 @@ class Engine:
 
     def check(self, options: RequestOptions) -> None:
         """The one check of what a request carries beside prompt and sampling against this engine: the sink + window
-        cache fits, telemetry and speculation are served here, the grammar compiles (into the thread-safe cache the
+        cache fits, the per-row features' own checks (model/features/registry.py), speculation is served here, the
+        grammar compiles (into the thread-safe cache the
         engine thread reads later). InvalidOption naming the request field. Reads only fixed configuration, so any
         thread may ask; the service asks before it queues a request, on a worker thread when a grammar compiles."""
         if options.kv_window is not None:
             self._check_window(options.kv_window)
-        if options.telemetry is not None and self.distributed:
-            raise InvalidOption("inspect", "attention telemetry is not supported with tensor parallelism")
+        features.check(options, self.view)
         self._check_speculation(options.num_speculative_tokens)
         if options.lora is not None and options.lora not in self.runner.adapters:
             raise InvalidOption("model", f"no LoRA adapter {options.lora!r} is loaded")
@@ -363,6 +368,7 @@ class Engine:
             prefix_cache_hits=self.kv.num_cached_prompt_tokens,
             steps_by_path=dict(self.runner.path_counts),
             spec_decode=self.drafter.stats.copy() if self.config.speculative is not None else None,
+            features=features.metrics(),
         )
 
     # ---- the step ---------------------------------------------------------------------------------------------
@@ -526,9 +532,9 @@ class Engine:
         for seq, sampled in rows:
             tokens, logprobs, end = self._append(seq, sampled)
             step.add(seq, tokens, logprobs)
-            telemetry = result.telemetry.get(seq)  # per sampled row: each kept token's goes out with it, alone
-            if telemetry is not None:
-                step.extra(seq).telemetry = telemetry[: len(tokens)]
+            per_token = result.per_token.get(seq)  # per sampled row: each kept token's values go out with it, alone
+            if per_token is not None:
+                step.extra(seq).per_token = {name: values[: len(tokens)] for name, values in per_token.items()}
             if end is not None:
                 self._finish(seq, end.reason, end.stop_reason)
                 step.finished[seq] = end

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from model.engine.request_options import PLAIN, RequestOptions
+from model.features import registry as features
 
 if TYPE_CHECKING:
     from model.engine.kv_window import KVWindow
@@ -151,8 +152,8 @@ class Request:
     # the root of its blocks' prefix-cache hash chain: b"" for the base model, a loaded LoRA adapter's own key
     prefix_root: bytes = b""
     # Its rows need nothing per step but tokens, positions and block tables: no kv window, grammar, edits, reads,
-    # telemetry or background budget. A step whose every row is such a decode row takes the engine's decode path
-    # (`Scheduler.schedule_decode`, `ModelRunner.execute_decode`).
+    # registered per-row feature (model/features/registry.py, `plain`) or background budget. A step whose every row
+    # is such a decode row takes the engine's decode path (`Scheduler.schedule_decode`, `ModelRunner.execute_decode`).
     plain_decode: bool = False
     # ... and every row is `Sampler`'s plain greedy row: an argmax and nothing else
     plain_greedy: bool = False
@@ -162,7 +163,7 @@ class Request:
 
     def __post_init__(self) -> None:
         o, p = self.options, self.params
-        self.plain_decode = (o.kv_window is None and o.structured is None and o.telemetry is None and not o.background
+        self.plain_decode = (o.kv_window is None and o.structured is None and features.plain(o) and not o.background
                              and self.interventions is None and o.hidden_states is None and o.lora is None)
         if p is None:  # (bookkeeping tests build requests without sampling)
             return

@@ -7,7 +7,8 @@ import asyncio
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
-from model.engine import RequestOptions, SamplingParams, TelemetryOptions
+from model.engine import RequestOptions, SamplingParams
+from model.features import TelemetryOptions
 from service.completion_choices import CompletionChoices
 from service.errors import APIError
 from service.prepare import check_inspect_length, tokenize_prompts

@@ -256,7 +256,8 @@ def test_telemetry_of_kept_tokens_under_speculation(model, draft, method, cfg, m
     rejected draft's; with a kv window and a stop string too. Where prefill chunks run through SDPA (the GPU's
     way; here forced), each verification row goes once more through the decode kernel over its own keys: the same
     records within float tolerance."""
-    from model.engine import KVWindow, TelemetryOptions
+    from model.engine import KVWindow
+    from model.features import TelemetryOptions
     from model.engine.paged_cache import PagedKVCache
 
     cfg = dict(cfg)
@@ -278,9 +279,9 @@ def test_telemetry_of_kept_tokens_under_speculation(model, draft, method, cfg, m
             engine.add_request(rid, prompt, params, options)
         while engine.has_unfinished():
             for o in engine.step():
-                assert len(o.token_ids) == 1 and o.telemetry is not None  # one delta per token, with its record
+                assert len(o.token_ids) == 1 and o.features.get("telemetry") is not None  # one delta per token, with its record
                 got.setdefault(o.request_id, []).append(
-                    (o.token_ids, o.text, o.finish_reason, [getattr(o.telemetry, f) for f in TELEMETRY_FIELDS]))
+                    (o.token_ids, o.text, o.finish_reason, [getattr(o.features.get("telemetry"), f) for f in TELEMETRY_FIELDS]))
         return got
 
     reference = serve(_engine(model, **cfg))

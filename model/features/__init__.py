@@ -1,0 +1,8 @@
+"""Per-row features: each in a folder of its own, plugged into the engine through one protocol (protocol.py) and
+listed in one registry (registry.py). Import direction: model.engine -> model.features -> the network."""
+
+from model.features.protocol import EngineView, Feature, InvalidOption, Part, StepParts, StepRow, StepView
+from model.features.telemetry import TelemetryOptions, TokenTelemetry
+
+__all__ = ["EngineView", "Feature", "InvalidOption", "Part", "StepParts", "StepRow", "StepView", "TelemetryOptions",
+           "TokenTelemetry"]

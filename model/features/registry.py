@@ -1,0 +1,49 @@
+"""The per-row features, in the order the engine calls them: the one place that names them all
+(model/features/protocol.py says what each is called for; docs/engine.md, "Adding a per-row feature").
+
+The order is the order of their parts in a step: a path runs a step only when every part allows it
+(`StepParts.allow`), and the attention recorder is the first part that records.
+"""
+
+from __future__ import annotations
+
+from model.features.protocol import EngineView, Feature, StepParts, StepView
+from model.features.telemetry import Telemetry
+
+FEATURES: tuple[Feature, ...] = (Telemetry(),)
+
+
+def check(options, engine: EngineView) -> None:
+    """Each feature the request carries, checked against the engine (InvalidOption naming the request field)."""
+    for f in FEATURES:
+        value = f.value(options)
+        if value is not None:
+            f.check(value, engine)
+
+
+def plain(options) -> bool:
+    """Whether a request's rows are plain decoders as far as the features go (model/engine/request.py)."""
+    return all(f.plain(f.value(options)) for f in FEATURES)
+
+
+def prefix_key(request) -> bytes:
+    """The features' share of the request's blocks' prefix-cache keys (empty: the base model's blocks)."""
+    return b"".join(k for f in FEATURES if (k := f.prefix_key(request)) is not None)
+
+
+def prepare(step: StepView) -> StepParts:
+    """The step's parts, one per feature whose rows are in it."""
+    return StepParts([p for f in FEATURES if (p := f.prepare(step)) is not None])
+
+
+def native_args(parts: StepParts | None) -> dict:
+    """The fused native call's feature arguments (model/kernels/csrc/bindings.cpp, step_layers): each feature's
+    empty values, overridden by the step's parts."""
+    args = {k: v for f in FEATURES for k, v in f.native_defaults.items()}
+    if parts:
+        args.update(parts.native_args())
+    return args
+
+
+def metrics() -> dict[str, dict[str, float]]:
+    return {f.name: m for f in FEATURES if (m := f.metrics())}
