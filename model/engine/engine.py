@@ -26,11 +26,11 @@ from model.engine.paged_cache import PagedKVCache, cache_dtype, kv_config
 from model.engine.persistent_batch import PersistentBatch
 from model.engine.request import FinishReason, Request, Sequence, SequenceStatus
 from model.engine.request_options import PLAIN, InvalidOption, RequestOptions
-from model.engine.sampler import Sampler, SamplingRow, TokenLogprobs, replay_noise
+from model.engine.sampler import Sampler, SamplingRow, TokenLogprobs
 from model.engine.sampling_params import SamplingParams
 from model.engine.scheduler import QueueFullError, ScheduledSeq, Scheduler, SchedulerConfig
 from model.engine.sequence_state import SamplingState
-from model.engine.speculative import Drafter, SpecDecodeStats, SpeculativeConfig
+from model.engine.speculative import Drafter, SpecDecodeStats, SpeculativeConfig, Verification
 from model.engine.stream import stream_for
 from model.engine.speculative.build import build_speculator
 from model.engine.structured import StructuredOutputs
@@ -184,12 +184,11 @@ class Engine:
         # Test hook (fault injection): called with each step's scheduled sequences before the forward; whatever
         # it raises fails that step's requests exactly as a failing forward would.
         self.step_fault_hook: Callable[[list[ScheduledSeq]], None] | None = None
-        # Rows of several new tokens: asked before each step for tokens to verify after each decoding sequence's
-        # last one (model/engine/speculative/drafter.py); None: one token a row. Drafts change no output: a draft is
-        # kept only where it equals the token sampled at its position.
-        self.drafter: Drafter | None = None
+        # Rows of several new tokens: drafts proposed before each step and resolved after it (speculative
+        # decoding's bookkeeping, model/engine/speculative/verification.py), from `drafter` (None: one token a row).
+        # Drafts change no output: a draft is kept only where it equals the token sampled at its position.
+        self.verification = Verification(None, self.kv, self._settle, model.config.vocab_size, self.max_model_len)
         self._loras_loaded = 0  # adapters loaded so far (`add_lora`): each load's serial roots its prefix keys
-        self._noise_states: dict[Sequence, torch.Tensor] = {}  # seeded drafting rows' generator before the step
         if config.speculative is not None:
             self.drafter = build_speculator(config.speculative, model, draft_model, self.sizes,
                                             distributed=self.distributed)
@@ -385,7 +384,7 @@ class Engine:
         if self._sibling_requests:
             self._admit_siblings()
         if self.drafter is not None:
-            self._propose_drafts()
+            self.verification.propose(self.scheduler.running)
         elif not self.distributed:
             seqs = self.scheduler.schedule_decode()
             if seqs is not None:
@@ -521,7 +520,7 @@ class Engine:
             step.extra(seq).prompt_logprobs = logprobs
         rows = []  # each sequence's tokens to append: a drafting one's resolved first (its rejected K/V rolled back)
         for seq, sampled in _by_sequence(result.sampled):
-            rows.append((seq, self._resolve_drafts(seq, sampled) if seq.draft_token_ids else sampled))
+            rows.append((seq, self.verification.resolve(seq, sampled) if seq.draft_token_ids else sampled))
         for seq, positions, values in result.hidden_states:  # not the positions of rejected drafts
             keep = [i for i, p in enumerate(positions) if p < seq.num_computed_tokens]
             if keep:
@@ -561,66 +560,18 @@ class Engine:
                 return tokens, logprobs, end
         return tokens, logprobs, None
 
-    def _propose_drafts(self) -> None:
-        """Ask the drafter for tokens to verify after each decoding sequence's last one (rows of several tokens).
-        A grammar's sequence keeps the drafts its grammar accepts (the verification rows are masked as it stands
-        after each); a hidden-state read gets the positions of the kept tokens only; a windowed sequence drafts no
-        further than its next eviction point (kv_window.py's chunk_limit: its K/V is evicted, and its keys shifted,
-        only once its drafts are resolved, so a rollback never meets an eviction) and, its cache being bounded, past
-        the context too. Attention telemetry is recorded for every verification row, and each kept token's goes
-        out with it. Not for sequences whose request turned speculation off."""
-        seqs, rooms = [], []
-        bs = self.kv.block_size
-        for seq in self.scheduler.running:
-            o = seq.request.options
-            if seq.draft_token_ids or seq.num_computed_tokens != seq.num_tokens - 1 or o.num_speculative_tokens == 0:
-                continue
-            w = o.kv_window
-            reach = self.max_model_len - seq.num_tokens - 1 if w is None else w.chunk_limit(seq.num_computed_tokens, bs) - 1
-            room = min(seq.request.params.max_tokens - len(seq.output_token_ids) - 1, reach)
-            if o.num_speculative_tokens is not None:
-                room = min(room, o.num_speculative_tokens)
-            if room > 0:
-                seqs.append(seq)
-                rooms.append(room)
-        if not seqs:
-            return
-        for seq, room, drafts in zip(seqs, rooms, self.drafter.propose(seqs, rooms, len(self.scheduler.running))):
-            seq.draft_token_ids = list(drafts)[:room]
-            grammar = seq.sampling.grammar
-            if grammar is not None and seq.draft_token_ids:
-                seq.draft_token_ids = grammar.valid_drafts(seq.draft_token_ids, seq.request.params.max_tokens
-                                                           - len(seq.output_token_ids))
-            g = seq.sampling.generator
-            if seq.draft_token_ids and g is not None:
-                self._noise_states[seq] = g.get_state()
+    @property
+    def drafter(self) -> Drafter | None:
+        """What drafts each decoding sequence's tokens to verify (speculative/verification.py); None: one a row."""
+        return self.verification.drafter
 
-    def _resolve_drafts(self, seq: Sequence, sampled: list[tuple[int, TokenLogprobs | None]]
-                        ) -> list[tuple[int, TokenLogprobs | None]]:
-        """A drafting sequence's rows were sampled each as if the drafts before it were accepted: keep the drafts
-        the samples agree with and the sample after them (a draft accepted only when it equals the token sampled
-        at its position, so the output is what decoding one token at a time samples), roll back the K/V of the
-        rest, then settle it (commit its newly full blocks; a windowed one's eviction). -> the tokens to append,
-        in order."""
-        drafts = seq.draft_token_ids
-        j = 0
-        while j < len(drafts) and sampled[j][0] == drafts[j]:
-            j += 1
-        self.kv.rollback(seq, len(drafts) - j)
-        seq.draft_token_ids = []
-        self._settle(seq)
-        state = self._noise_states.pop(seq, None)
-        if state is not None and j < len(drafts):  # a seeded row drew noise for rows it did not keep: replay the kept
-            seq.sampling.generator.set_state(state)
-            replay_noise(seq.sampling.generator, seq.request.params, self.model.config.vocab_size, j + 1)
-        self.drafter.resolved(seq, len(drafts), j)
-        return sampled[: j + 1]
+    @drafter.setter
+    def drafter(self, drafter: Drafter | None) -> None:
+        self.verification.drafter = drafter
 
     def _finish(self, seq: Sequence, reason: FinishReason, stop_reason: int | str | None = None) -> None:
         seq.finish_reason, seq.stop_reason = reason, stop_reason
-        if self.drafter is not None:
-            self.drafter.release(seq)
-            self._noise_states.pop(seq, None)
+        self.verification.release(seq)
         self.scheduler.remove(seq)
         seq.status = SequenceStatus.FINISHED
         req = seq.request

@@ -256,6 +256,6 @@ def _small(rows: list, device: torch.device) -> Tensor:
 def _sampling_row(seq: Sequence, i: int) -> SamplingRow:
     """The sampling row of `seq`'s i-th sampled row this step. A drafting sequence's rows are sampled as if the drafts
     before each were accepted (their tokens count as output for penalties): the only case in which that row's token
-    is kept (`Engine._resolve_drafts`)."""
+    is kept (`Verification.resolve`, speculative/verification.py)."""
     output = seq.output_token_ids + seq.draft_token_ids[:i] if i else seq.output_token_ids
     return SamplingRow(seq.request.params, seq.prompt_token_ids, output, seq.sampling.generator, seq.sampling.stop_ids)

@@ -44,7 +44,7 @@ class Sequence:
     output_token_ids: list[int] = field(default_factory=list)
     # tokens proposed after the output and not verified yet (`Engine.drafter`): computed in the same step as the
     # last output token, each of their rows sampled; the step keeps those the samples agree with and rolls back the
-    # K/V of the rest (`Engine._resolve_drafts`)
+    # K/V of the rest (`Verification.resolve`, model/engine/speculative/verification.py)
     draft_token_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0

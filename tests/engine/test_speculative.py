@@ -418,7 +418,7 @@ def _chi_squared_p(observed: list[int], expected: list[float]) -> float:
 
 def test_a_wrong_acceptance_rule_fails_the_chi_squared_test(model, monkeypatch):
     """The statistical test above can fail: an engine that keeps every draft skews the verified tokens."""
-    from model.engine import engine as engine_module
+    from model.engine.speculative import verification
 
     def keep_all(self, seq, sampled):
         drafts = seq.draft_token_ids
@@ -427,7 +427,7 @@ def test_a_wrong_acceptance_rule_fails_the_chi_squared_test(model, monkeypatch):
         self.drafter.resolved(seq, len(drafts), len(drafts))
         return [(d, lp) for d, (_, lp) in zip(drafts, sampled)] + [sampled[len(drafts)]]
 
-    monkeypatch.setattr(engine_module.Engine, "_resolve_drafts", keep_all)
+    monkeypatch.setattr(verification.Verification, "resolve", keep_all)
     seconds, p2, _, _, _ = _verified_samples(model)
     keys = sorted(p2)
     assert _chi_squared_p([seconds.count(k) for k in keys], [p2[k] * len(seconds) for k in keys]) < 1e-6
