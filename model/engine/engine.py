@@ -36,7 +36,6 @@ from model.engine.speculative.build import build_speculator
 from model.engine.structured import StructuredOutputs
 from model.features import registry as features
 from model.features.protocol import EngineView
-from model.interventions import HeadShape, InterventionPlan
 from model.loaders.memory import check_fits
 from model.lora import LoRAAdapter
 from model.text.tokenizer import Tokenizer
@@ -220,13 +219,13 @@ class Engine:
             raise ValueError(
                 f"prompt ({P} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds the context length of {self.max_model_len}"
             )
-        plan = InterventionPlan(list(options.interventions), P, c.n_layers, c.dim, HeadShape.of(c)) if options.interventions else None
         # n > 1 choices share the first one's cached prompt blocks; windowed choices own theirs (kv_cache_manager.py)
         share_prefix = params.n > 1 and self.config.enable_prefix_caching and options.kv_window is None
         self.scheduler.check_capacity(1 if share_prefix else params.n)
         # [structured outputs] the grammar `check` compiled: a cache hit
         grammar = self.structured.compile(options.structured) if options.structured is not None else None
-        req = Request(request_id, list(prompt_token_ids), params, options=options, interventions=plan)
+        req = Request(request_id, list(prompt_token_ids), params, options=options)
+        features.admit(req, c)  # the per-row features' per-request state (an intervention plan)
         if options.lora is not None:  # an adapter's K/V differs from the base's and other loads': its own prefix keys
             req.prefix_root = f"lora {self.runner.adapters[options.lora].serial} {options.lora}".encode()
         req.prefix_root += features.prefix_key(req)  # the registered features' shares (model/features/registry.py)

@@ -4,8 +4,9 @@ The K/V tensors themselves live in `model.engine.paged_cache.PagedKVCache`; this
 Design after vLLM (Kwon et al. 2023, "Efficient Memory Management for LLM Serving with PagedAttention", and
 `vllm/v1/core/kv_cache_manager.py` / `block_pool.py`):
 
-- A full block is identified by a hash chained over every token before it (parent hash + its own tokens, + the
-  interventions that touched its positions), so equal hashes mean equal prefixes computed the same way. Full
+- A full block is identified by a hash chained over every token before it (parent hash + its own tokens, + what
+  the per-row features say changed its positions: `Feature.block_key`, model/features/registry.py), so equal
+  hashes mean equal prefixes computed the same way. Full
   blocks are registered under their hash and shared by reference count.
 - A block whose reference count drops to 0 goes to the back of the free queue but keeps its hash: it can be
   revived by a later request with the same prefix until it reaches the front and is reused (LRU eviction).
@@ -26,13 +27,14 @@ from collections import OrderedDict
 
 from model.engine.kv_window import Eviction, evict
 from model.engine.request import Sequence
+from model.features import registry as features
 
 
 def block_hash(parent: bytes, tokens: list[int], edits: bytes | None = None) -> bytes:
     """A 128-bit BLAKE2 digest over the parent block's hash and this block's token ids: collisions, which would
     silently serve one prompt another's K/V, are not a practical concern (unlike Python's 64-bit `hash`). `edits`:
-    the interventions that touched the block's positions (`InterventionPlan.block_digest`), so a block computed
-    under one intervention is never served to a request under another or none."""
+    the per-row features' key of the block's positions (`Feature.block_key`: the interventions that touched them),
+    so a block computed under one intervention is never served to a request under another or none."""
     h = hashlib.blake2b(parent, digest_size=16)
     h.update(struct.pack(f"<{len(tokens)}I", *tokens))  # each id as 4 little-endian bytes
     if edits is not None:
@@ -227,8 +229,8 @@ class KVCacheManager:
 
     def _extend_hashes(self, seq: Sequence, num_tokens: int) -> None:
         bs = self.block_size
-        plan = seq.request.interventions
+        req = seq.request
         for i in range(len(seq.block_hashes), num_tokens // bs):
-            parent = seq.block_hashes[i - 1] if i else seq.request.prefix_root
-            edits = plan.block_digest(i * bs, (i + 1) * bs) if plan is not None else None
+            parent = seq.block_hashes[i - 1] if i else req.prefix_root
+            edits = features.block_key(req, i * bs, (i + 1) * bs) if req.state else None
             seq.block_hashes.append(block_hash(parent, seq.token_ids(i * bs, (i + 1) * bs), edits))

@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from model.engine.request_options import PLAIN, RequestOptions
 from model.features import registry as features
@@ -148,7 +148,8 @@ class Request:
     pending_siblings: list[Sequence] = field(default_factory=list)
     # everything it carries beside prompt and sampling (model/engine/request_options.py)
     options: RequestOptions = PLAIN
-    interventions: "InterventionPlan | None" = None  # its options' edits, planned against its prompt
+    # the per-row features' per-request state, by feature (`Feature.admit`, model/features/registry.py)
+    state: dict[str, Any] = field(default_factory=dict)
     # the root of its blocks' prefix-cache hash chain: b"" for the base model, a loaded LoRA adapter's own key
     prefix_root: bytes = b""
     # Its rows need nothing per step but tokens, positions and block tables: no kv window, grammar, edits, reads,
@@ -164,12 +165,17 @@ class Request:
     def __post_init__(self) -> None:
         o, p = self.options, self.params
         self.plain_decode = (o.kv_window is None and o.structured is None and features.plain(o) and not o.background
-                             and self.interventions is None and o.hidden_states is None and o.lora is None)
+                             and o.hidden_states is None and o.lora is None)
         if p is None:  # (bookkeeping tests build requests without sampling)
             return
         penalties = p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
         self.overlappable = self.plain_decode and not penalties and p.min_tokens == 0 and not p.score_token_ids
         self.plain_greedy = (self.overlappable and p.greedy and p.logprobs is None and not p.logit_bias)
+
+    @property
+    def interventions(self) -> "InterventionPlan | None":
+        """Its options' edits, planned against its prompt (the interventions feature's state)."""
+        return self.state.get("interventions")
 
     @property
     def hidden_states(self) -> "HiddenStateRead | None":

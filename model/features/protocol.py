@@ -7,7 +7,9 @@ folder owns every stage of it; the engine names none of them and calls, for each
 
     check(value, engine)      the request's option against this engine (InvalidOption naming the request field);
                               any thread, fixed configuration only (`Engine.check`)
-    prefix_key(request)       its share of a block's prefix-cache key (K/V it changes is not the base's)
+    admit(value, P, config)   its per-request state, made once against the prompt (P tokens) at admission
+    prefix_key(request)       its share of the root of the request's prefix-cache keys (K/V it changes is not the
+                              base's), and block_key(state, start, end) its share of one block's key
     plain(value)              whether rows carrying it are still plain decoders (the engine's decode path:
                               nothing per row but tokens, positions and block tables)
     prepare(step)             its part of one step (`Part`), or None when no row of the step carries it
@@ -140,7 +142,16 @@ class Feature:
     def check(self, value: Any, engine: EngineView) -> None:
         """InvalidOption naming the request field when this engine cannot serve `value` (never None here)."""
 
+    def admit(self, value: Any, num_prompt_tokens: int, model_config: Any) -> Any:
+        """Its per-request state (kept on the request under `name`), or None."""
+        return None
+
     def prefix_key(self, request: Any) -> bytes | None:
+        return None
+
+    def block_key(self, state: Any, start: int, end: int) -> bytes | None:
+        """Its share of the prefix-cache key of the block of positions [start, end), from its per-request state:
+        None where it changes nothing there (the block hashes as the base's)."""
         return None
 
     def plain(self, value: Any) -> bool:

@@ -7,10 +7,11 @@ The order is the order of their parts in a step: a path runs a step only when ev
 
 from __future__ import annotations
 
+from model.features.interventions import Interventions
 from model.features.protocol import EngineView, Feature, StepParts, StepView
 from model.features.telemetry import Telemetry
 
-FEATURES: tuple[Feature, ...] = (Telemetry(),)
+FEATURES: tuple[Feature, ...] = (Interventions(), Telemetry())
 
 
 def check(options, engine: EngineView) -> None:
@@ -24,6 +25,24 @@ def check(options, engine: EngineView) -> None:
 def plain(options) -> bool:
     """Whether a request's rows are plain decoders as far as the features go (model/engine/request.py)."""
     return all(f.plain(f.value(options)) for f in FEATURES)
+
+
+def admit(request, model_config) -> None:
+    """Each feature's per-request state, made once against the prompt, on `request.state` under its name."""
+    for f in FEATURES:
+        value = f.value(request.options)
+        if value is not None:
+            state = f.admit(value, len(request.prompt_token_ids), model_config)
+            if state is not None:
+                request.state[f.name] = state
+
+
+def block_key(request, start: int, end: int) -> bytes | None:
+    """The features' share of the prefix-cache key of the request's block of positions [start, end): None where no
+    feature changes it."""
+    keys = [k for f in FEATURES if (s := request.state.get(f.name)) is not None
+            and (k := f.block_key(s, start, end)) is not None]
+    return b"".join(keys) if keys else None
 
 
 def prefix_key(request) -> bytes:
