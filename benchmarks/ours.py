@@ -35,7 +35,7 @@ def run_single(engine: Engine, prompt: list[int], max_tokens: int, clock: Clock,
                telemetry: TelemetryOptions | None = None) -> StreamResult:
     """One request alone (with `interventions`, if any); a mark per step that produced its token (a partial
     prefill chunk produces none). `telemetry`: the request also asks for per-token attention telemetry
-    (model/engine/telemetry.py)."""
+    (model/features/telemetry/)."""
     tokens: list[int] = []
     before = engine.stats().steps_by_path
     options = RequestOptions(interventions=interventions, telemetry=telemetry)

@@ -5,8 +5,8 @@ engine can serve in `Serving.check` (one call, `Engine.check`)."""
 
 from __future__ import annotations
 
-from model.engine import KVWindow, RequestOptions, SamplingParams
-from model.features import TelemetryOptions
+from model.engine import RequestOptions, SamplingParams
+from model.features import KVWindow, TelemetryOptions
 from model.engine.structured import StructuredOutputSpec
 from service.errors import APIError
 from service.edit_fields import to_interventions, to_read

@@ -18,8 +18,8 @@ import torch  # noqa: E402
 from model import kernels  # noqa: E402
 from model.attention import sdpa  # noqa: E402
 from model.kernels import triton_attention  # noqa: E402
-from model.engine import Engine, EngineConfig, KVWindow, RequestOptions, SamplingParams  # noqa: E402
-from model.features import TelemetryOptions  # noqa: E402
+from model.engine import Engine, EngineConfig, RequestOptions, SamplingParams  # noqa: E402
+from model.features import KVWindow, TelemetryOptions  # noqa: E402
 from model.kernels import attention_telemetry, kv_int8  # noqa: E402
 from model.kernels.attention_telemetry import AttentionTelemetry  # noqa: E402
 from paged_pools import scattered_pools  # noqa: E402

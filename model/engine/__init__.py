@@ -4,7 +4,6 @@ knows none of this; the HTTP service above it imports only the names exported he
 
 from model.engine.async_engine import AsyncEngine, EngineDeadError, EngineJob, RequestStream
 from model.engine.engine import Engine, EngineConfig, EngineStats, FatalEngineError, RequestOutput
-from model.engine.kv_window import KVWindow
 from model.engine.output_processor import HiddenStates
 from model.engine.request_options import PLAIN, InvalidOption, RequestOptions
 from model.engine.sampler import TokenLogprobs
@@ -14,7 +13,7 @@ from model.engine.speculative import SpecDecodeStats, SpeculativeConfig
 
 __all__ = [
     "AsyncEngine", "Engine", "EngineConfig", "EngineDeadError", "EngineJob", "EngineStats", "FatalEngineError",
-    "HiddenStates", "InvalidOption", "KVWindow", "PLAIN", "QueueFullError", "RequestOptions", "RequestOutput", "RequestStream",
+    "HiddenStates", "InvalidOption", "PLAIN", "QueueFullError", "RequestOptions", "RequestOutput", "RequestStream",
     "SamplingParams", "SpecDecodeStats", "SpeculativeConfig",
     "TokenLogprobs",
 ]

@@ -19,7 +19,6 @@ from model.engine.cuda_graphs import CudaGraphs, DecodeGraphMode
 from model.engine.end_of_sequence import Finish, finish_after
 from model.engine.engine_sizes import EngineSizes
 from model.engine.kv_cache_manager import KVCacheManager
-from model.engine.kv_window import KVWindow
 from model.engine.model_runner import DecodeLaunch, ModelRunner, RunnerOutput
 from model.engine.output_processor import OutputProcessor, RequestOutput, StepOutputs
 from model.engine.paged_cache import PagedKVCache, cache_dtype, kv_config
@@ -175,7 +174,7 @@ class Engine:
             self.sizes, graph_mode=config.decode_graphs, native_step=config.native_step,
             scratch_block=num_blocks if graphs else None, structured=self.structured, batch=self.batch, stream=stream,
         )
-        self.context_shift = ContextShift(model, self.cache)  # windowed sequences' evictions (kv_window.py)
+        self.context_shift = ContextShift(model, self.cache)  # windowed sequences' evictions (model/features/kv_window/)
         self.output = OutputProcessor(tokenizer)
         self.requests: dict[str, Request] = {}
         self._sibling_requests: set[Request] = set()  # requests with choices waiting for the first's prompt
@@ -284,8 +283,6 @@ class Engine:
         grammar compiles (into the thread-safe cache the
         engine thread reads later). InvalidOption naming the request field. Reads only fixed configuration, so any
         thread may ask; the service asks before it queues a request, on a worker thread when a grammar compiles."""
-        if options.kv_window is not None:
-            self._check_window(options.kv_window)
         features.check(options, self.view)
         self._check_speculation(options.num_speculative_tokens)
         if options.lora is not None and options.lora not in self.runner.adapters:
@@ -295,15 +292,6 @@ class Engine:
                 self.structured.compile(options.structured)
             except ValueError as e:
                 raise InvalidOption(options.structured.source, str(e)) from None
-
-    def _check_window(self, w: KVWindow) -> None:
-        if self.distributed:  # the ranks' caches would need every eviction too
-            raise InvalidOption("kv_window", "kv_window is not supported with tensor parallelism")
-        need = w.max_cache_tokens(self.config.block_size)
-        if need > self.max_model_len:
-            raise InvalidOption("kv_window", f"kv_window: sink_tokens ({w.sink_tokens}) + window ({w.window}) + "
-                                f"block_size ({self.config.block_size}) = {need} exceeds the context length of "
-                                f"{self.max_model_len}")
 
     def _check_speculation(self, k: int | None) -> None:
         """A request's `num_speculative_tokens` (None or 0: always served)."""

@@ -11,7 +11,7 @@ Design after vLLM (Kwon et al. 2023, "Efficient Memory Management for LLM Servin
 - A block whose reference count drops to 0 goes to the back of the free queue but keeps its hash: it can be
   revived by a later request with the same prefix until it reaches the front and is reused (LRU eviction).
 - Sequences free their blocks tail first, so a prefix's later blocks are evicted before its first ones.
-- A windowed sequence (kv_window.py) gives back a block from the middle of its table each time its window slides
+- A windowed sequence (model/features/kv_window/) gives back a block from the middle of its table each time its window slides
   past one; its blocks are private (never looked up, registered or shared), since the slide rewrites them.
 - Under a model's own sliding window (Mistral v0.1: ModelConfig.sliding_window), a sequence's leading blocks go back
   to the pool once every query it will compute attends past them (`release_behind_window`, vLLM's
@@ -25,7 +25,7 @@ import hashlib
 import struct
 from collections import OrderedDict
 
-from model.engine.kv_window import Eviction, evict
+from model.features.kv_window import Eviction, evict
 from model.engine.request import Sequence
 from model.features import registry as features
 
@@ -196,7 +196,7 @@ class KVCacheManager:
         """After a step (its new blocks committed): give back `seq`'s blocks whose every position is behind the
         sliding `window` of the next token it computes (position p = num_computed_tokens attends to keys > p -
         window), and of every later one; -> how many went back. 0 (no window), a kv_window sequence (its own
-        bounded cache: kv_window.py) and one with drafts pending (a rollback may move p back) keep all theirs.
+        bounded cache: model/features/kv_window/) and one with drafts pending (a rollback may move p back) keep all theirs.
 
         The attention kernels read keys in groups of 8 from the first one a query attends to rounded down to a
         multiple of 8 (csrc/paged_attention.cpp `attend_tile`), so the blocks kept start at that position."""
@@ -212,7 +212,7 @@ class KVCacheManager:
         return released
 
     def evict(self, seq: Sequence) -> Eviction | None:
-        """After a step: the eviction a windowed sequence is due (model/engine/kv_window.py), with its block table
+        """After a step: the eviction a windowed sequence is due (model/features/kv_window/schedule.py), with its block table
         updated and the evicted block released, or None. The caller applies the returned rows and rotation to the
         cache tensors before anything else is allocated (ContextShift.apply)."""
         window, bs = seq.window, self.block_size

@@ -16,7 +16,7 @@ from model.engine.request_options import PLAIN, RequestOptions
 from model.features import registry as features
 
 if TYPE_CHECKING:
-    from model.engine.kv_window import KVWindow
+    from model.features.kv_window import KVWindow
     from model.engine.sequence_state import OutputState, SamplingState
     from model.engine.sampling_params import SamplingParams
     from model.interventions import HiddenStateRead, InterventionPlan
@@ -58,7 +58,7 @@ class Sequence:
     num_committed_blocks: int = 0  # leading blocks already registered in the prefix cache
     num_cached_tokens: int = -1  # prompt tokens served from the prefix cache at first schedule (-1: not yet)
     num_preemptions: int = 0
-    # a kv_window's sequence (model/engine/kv_window.py): non-sink tokens evicted from its cache so far; token t >= S
+    # a kv_window's sequence (model/features/kv_window/schedule.py): non-sink tokens evicted from its cache so far; token t >= S
     # of such a sequence sits at cache position t - num_evicted
     num_evicted: int = 0
     # under the model's sliding window (ModelConfig.sliding_window): leading blocks of block_ids given back to the

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from model.engine.kv_window import KVWindow
+from model.features.kv_window import KVWindow
 from model.features.protocol import InvalidOption
 from model.features.telemetry.options import TelemetryOptions
 from model.interventions import HiddenStateRead, Intervention
@@ -30,7 +30,7 @@ class RequestOptions:
     hidden_states: HiddenStateRead | None = None
     # the attention telemetry each sampled token carries (model/features/telemetry/)
     telemetry: TelemetryOptions | None = None
-    # the sink + window KV cache (model/engine/kv_window.py)
+    # the sink + window KV cache (model/features/kv_window/schedule.py)
     kv_window: KVWindow | None = None
     # constrained decoding (model/engine/structured/): every token from those its grammar allows
     structured: StructuredOutputSpec | None = None

@@ -186,7 +186,7 @@ class Scheduler:
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
         """Tokens `seq` computes this step: what it lacks, within the budget, and for a windowed sequence no
-        further than its next eviction point (model/engine/kv_window.py: the attended keys then never depend on
+        further than its next eviction point (model/features/kv_window/schedule.py: the attended keys then never depend on
         how a sequence was chunked)."""
         n = min(seq.num_tokens - seq.num_computed_tokens, budget)
         excess = seq.num_tokens - seq.num_computed_tokens - n

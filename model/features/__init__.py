@@ -2,7 +2,8 @@
 listed in one registry (registry.py). Import direction: model.engine -> model.features -> the network."""
 
 from model.features.protocol import EngineView, Feature, InvalidOption, Part, StepParts, StepRow, StepView
+from model.features.kv_window import KVWindow
 from model.features.telemetry import TelemetryOptions, TokenTelemetry
 
-__all__ = ["EngineView", "Feature", "InvalidOption", "Part", "StepParts", "StepRow", "StepView", "TelemetryOptions",
-           "TokenTelemetry"]
+__all__ = ["EngineView", "Feature", "InvalidOption", "KVWindow", "Part", "StepParts", "StepRow", "StepView",
+           "TelemetryOptions", "TokenTelemetry"]

@@ -8,10 +8,11 @@ The order is the order of their parts in a step: a path runs a step only when ev
 from __future__ import annotations
 
 from model.features.interventions import Interventions
+from model.features.kv_window import KVWindowFeature
 from model.features.protocol import EngineView, Feature, StepParts, StepView
 from model.features.telemetry import Telemetry
 
-FEATURES: tuple[Feature, ...] = (Interventions(), Telemetry())
+FEATURES: tuple[Feature, ...] = (Interventions(), KVWindowFeature(), Telemetry())
 
 
 def check(options, engine: EngineView) -> None:

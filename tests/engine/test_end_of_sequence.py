@@ -13,7 +13,7 @@ import model.engine.engine as engine_module
 from benchmarks.simulated_device import SimulatedStream
 from model.engine import Engine, EngineConfig
 from model.engine.end_of_sequence import finish_after, reaches_length
-from model.engine.kv_window import KVWindow
+from model.features.kv_window import KVWindow
 from model.engine.request import FinishReason
 from model.engine.sampling_params import SamplingParams
 from test_engine import _prompts, assert_pool_clean, run

@@ -256,8 +256,7 @@ def test_telemetry_of_kept_tokens_under_speculation(model, draft, method, cfg, m
     rejected draft's; with a kv window and a stop string too. Where prefill chunks run through SDPA (the GPU's
     way; here forced), each verification row goes once more through the decode kernel over its own keys: the same
     records within float tolerance."""
-    from model.engine import KVWindow
-    from model.features import TelemetryOptions
+    from model.features import KVWindow, TelemetryOptions
     from model.engine.paged_cache import PagedKVCache
 
     cfg = dict(cfg)
@@ -307,7 +306,7 @@ def test_kv_window_rows_speculate_up_to_each_eviction(model, draft, method):
     """Sink + window sequences draft, never past their next eviction point, and give the output of decoding one
     token at a time: rejected drafts are rolled back before the eviction and key shift that follow them, with sinks
     a whole block (4) and not (6), and past the model's context (max_model_len 64)."""
-    from model.engine import KVWindow
+    from model.features import KVWindow
 
     ps = _prompts(4, seed=3)
     greedy = SamplingParams(max_tokens=90, temperature=0.0, ignore_eos=True, logprobs=2)

@@ -1,4 +1,4 @@
-"""Attention telemetry (model/engine/telemetry.py): the decode kernels' record of each row's softmax equals its
+"""Attention telemetry (model/features/telemetry/): the decode kernels' record of each row's softmax equals its
 definition, the engine's per-token telemetry equals /inspect's rows of the same final sequence on every path, and
 asking for it changes no token or logit."""
 
@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from model import kernels
-from model.engine import Engine, EngineConfig, KVWindow, RequestOptions, SamplingParams
-from model.features import TelemetryOptions
+from model.engine import Engine, EngineConfig, RequestOptions, SamplingParams
+from model.features import KVWindow, TelemetryOptions
 from model.kernels import attention_telemetry
 from model.kernels.attention_telemetry import AttentionTelemetry
 from model.probes import ProbeOptions, inspect

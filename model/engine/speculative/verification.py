@@ -38,7 +38,7 @@ class Verification:
         """Ask the drafter for tokens to verify after each decoding sequence's last one (rows of several tokens).
         A grammar's sequence keeps the drafts its grammar accepts (the verification rows are masked as it stands
         after each); a hidden-state read gets the positions of the kept tokens only; a windowed sequence drafts no
-        further than its next eviction point (kv_window.py's chunk_limit: its K/V is evicted, and its keys shifted,
+        further than its next eviction point (model/features/kv_window/schedule.py's chunk_limit: its K/V is evicted, and its keys shifted,
         only once its drafts are resolved, so a rollback never meets an eviction) and, its cache being bounded, past
         the context too. Per-token feature values are recorded for every verification row, and each kept token's
         go out with it. Not for sequences whose request turned speculation off."""
