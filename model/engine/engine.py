@@ -33,8 +33,8 @@ from model.engine.speculative import Drafter, SpecDecodeStats, SpeculativeConfig
 from model.engine.stream import stream_for
 from model.engine.speculative.build import build_speculator
 from model.engine.structured import StructuredOutputs
-from model.features import registry as features
 from model.features.protocol import EngineView
+from model.features.registry import EngineFeatures
 from model.loaders.memory import check_fits
 from model.lora import LoRAAdapter
 from model.text.tokenizer import Tokenizer
@@ -168,11 +168,13 @@ class Engine:
         self.async_scheduling = (stream.asynchronous and not self.distributed if config.async_scheduling is None
                                  else config.async_scheduling)
         self.in_flight: DecodeLaunch | None = None  # an overlapped decode step not read back yet
-        self.view = EngineView(self.distributed, self.max_model_len, config.block_size)  # what features check against
+        # the per-row features, bound to this engine (model/features/registry.py)
+        self.features = EngineFeatures(EngineView(self.distributed, self.max_model_len, config.block_size))
         self.runner = ModelRunner(
             model, self.cache, Sampler(model.config.vocab_size, model.device, sync_free=self.async_scheduling),
             self.sizes, graph_mode=config.decode_graphs, native_step=config.native_step,
             scratch_block=num_blocks if graphs else None, structured=self.structured, batch=self.batch, stream=stream,
+            features=self.features,
         )
         self.context_shift = ContextShift(model, self.cache)  # windowed sequences' evictions (model/features/kv_window/)
         self.output = OutputProcessor(tokenizer)
@@ -224,10 +226,10 @@ class Engine:
         # [structured outputs] the grammar `check` compiled: a cache hit
         grammar = self.structured.compile(options.structured) if options.structured is not None else None
         req = Request(request_id, list(prompt_token_ids), params, options=options)
-        features.admit(req, c)  # the per-row features' per-request state (an intervention plan)
+        self.features.admit(req, c)  # the per-row features' per-request state (an intervention plan)
         if options.lora is not None:  # an adapter's K/V differs from the base's and other loads': its own prefix keys
             req.prefix_root = f"lora {self.runner.adapters[options.lora].serial} {options.lora}".encode()
-        req.prefix_root += features.prefix_key(req)  # the registered features' shares (model/features/registry.py)
+        req.prefix_root += self.features.prefix_key(req)  # the registered features' shares (model/features/registry.py)
         for i in range(params.n):
             seq = Sequence(self._next_seq_id, req, i, req.prompt_token_ids)
             self._next_seq_id += 1
@@ -283,7 +285,7 @@ class Engine:
         grammar compiles (into the thread-safe cache the
         engine thread reads later). InvalidOption naming the request field. Reads only fixed configuration, so any
         thread may ask; the service asks before it queues a request, on a worker thread when a grammar compiles."""
-        features.check(options, self.view)
+        self.features.check(options)
         self._check_speculation(options.num_speculative_tokens)
         if options.lora is not None and options.lora not in self.runner.adapters:
             raise InvalidOption("model", f"no LoRA adapter {options.lora!r} is loaded")
@@ -354,7 +356,7 @@ class Engine:
             prefix_cache_hits=self.kv.num_cached_prompt_tokens,
             steps_by_path=dict(self.runner.path_counts),
             spec_decode=self.drafter.stats.copy() if self.config.speculative is not None else None,
-            features=features.metrics(),
+            features=self.features.metrics(),
         )
 
     # ---- the step ---------------------------------------------------------------------------------------------

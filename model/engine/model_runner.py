@@ -44,11 +44,11 @@ from model.engine.request import Sequence
 from model.engine.sampler import SampledTensors, Sampler, TokenLogprobs, prompt_logprobs
 from model.engine.stream import Event, HostStream, Stream
 from model.engine.scheduler import ScheduledSeq
-from model.features import registry as features
-from model.features.protocol import StepRow, StepView
+from model.features.protocol import StepParts, StepRow, StepView
 
 if TYPE_CHECKING:
     from model.engine.structured import StructuredOutputs
+    from model.features.registry import EngineFeatures
 
 log = logging.getLogger("llamascope.engine")
 
@@ -94,11 +94,13 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, cache: PagedKVCache, sampler: Sampler, sizes: EngineSizes, *,
                  graph_mode: str = "off", native_step: bool = True, scratch_block: int | None = None,
                  structured: StructuredOutputs | None = None, batch: PersistentBatch | None = None,
-                 stream: Stream | None = None) -> None:
+                 stream: Stream | None = None, features: EngineFeatures | None = None) -> None:
         """`graph_mode`: EngineConfig.decode_graphs, where `scratch_block` (the padding rows' block) is given;
-        `native_step`: EngineConfig.native_step."""
+        `native_step`: EngineConfig.native_step; `features`: the engine's per-row features (none on a draft
+        model's runner: its rows carry none)."""
         self.model, self.cache, self.sampler = model, cache, sampler
         self.structured = structured  # grammar masks of constrained rows (model/engine/structured/)
+        self.features = features
         self.batch = batch  # the running sequences' rows: the decode path's block tables
         self.stream = stream or HostStream()  # where the device work runs (model/engine/stream.py)
         bs = cache.block_size
@@ -134,10 +136,11 @@ class ModelRunner:
         layouts = []
         if any(s.seq.request.interventions is not None or s.seq.request.hidden_states is not None for s in scheduled):
             batch.edits, layouts = self.tables.build(_segments(scheduled, batch))
-        view = StepView([StepRow(s.seq, sl.start, sl.num_new, s.seq.num_computed_tokens, sl.context_len, sl.block_ids)
-                         for s, sl in zip(scheduled, batch.slices)], batch.sample, self.model, self.cache.device,
-                        paged_prefill)
-        parts = features.prepare(view)  # empty unless a row carries a feature: then nothing changes
+        parts = StepParts()  # the per-row features' parts: none unless a row carries a feature, then nothing changes
+        if self.features is not None:
+            parts = self.features.prepare(StepView(
+                [StepRow(s.seq, sl.start, sl.num_new, s.seq.num_computed_tokens, sl.context_len, sl.block_ids)
+                 for s, sl in zip(scheduled, batch.slices)], batch.sample, self.model, self.cache.device, paged_prefill))
         # the step as every path reads it
         ctx = ForwardContext(self.cache, batch.meta, batch.slices, batch.edits, parts or None,
                              self._lora_rows(scheduled, batch))

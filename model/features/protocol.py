@@ -5,20 +5,22 @@ A per-row feature is something a request carries beside its prompt and sampling 
 what its own rows compute, never its neighbours' (attention telemetry, hidden-state reads, interventions, ...). Its
 folder owns every stage of it; the engine names none of them and calls, for each registered `Feature`:
 
-    check(value, engine)      the request's option against this engine (InvalidOption naming the request field);
-                              any thread, fixed configuration only (`Engine.check`)
+    check(value)              the request's option against the engine the feature is bound to (InvalidOption
+                              naming the request field); any thread, fixed configuration only (`Engine.check`)
     admit(value, P, config)   its per-request state, made once against the prompt (P tokens) at admission
     prefix_key(request)       its share of the root of the request's prefix-cache keys (K/V it changes is not the
                               base's), and block_key(state, start, end) its share of one block's key
     plain(value)              whether rows carrying it are still plain decoders (the engine's decode path:
-                              nothing per row but tokens, positions and block tables)
+                              nothing per row but tokens, positions and block tables); a class method, as is
+                              block_key: they depend on the request alone
     prepare(step)             its part of one step (`Part`), or None when no row of the step carries it
     metrics()                 its counters, for the engine's stats
 
 and, for the `Part` a step carries, on the path the runner chose:
 
     paths                     the execution paths (`PATHS`) that can run a step carrying it: the runner picks the
-                              first of its order that every part allows
+                              first of its order that every part allows ("module", the reference, runs every
+                              part: a part always lists it)
     module_hooks(model)       the module path: hooks installed for the step only
     attention_recorder(l)     what the decode-attention kernel records into at layer l (every path's kernel)
     after_attention(...)      the module path, once a layer's pools hold the step's K/V
@@ -31,9 +33,9 @@ The features see a step through `StepView` (its rows, in order, and the rows it 
 is the engine's object, read by features through the few attributes `SequenceView` names.
 
 The shape follows two peers. vLLM keeps LoRA in its own package (vllm/lora/: the adapters, their layers and the
-worker's manager) and hands the runner one mixin (vllm/v1/worker/lora_model_runner_mixin.py) whose
-`set_active_loras` the runner calls at one point of each step with the step's rows; nothing else of the runner
-names LoRA. nnsight keeps interventions apart from the model (nnsight/intervention/interleaver.py: the intervention
+worker's manager, vllm/lora/worker_manager.py) and hands the runner one mixin
+(vllm/v1/worker/lora_model_runner_mixin.py) through which it reaches them: `set_active_loras`, called at one point
+of each step with the step's rows. nnsight keeps interventions apart from the model (nnsight/intervention/interleaver.py: the intervention
 graph runs beside an unchanged model's forward through hooks at module boundaries). Here the hooks are the
 attention context's seams (model/attention.py) and the fused native call's arguments, and the step's rows
 choose which parts run.
@@ -129,17 +131,33 @@ class Part:
 
 
 class Feature:
-    """One per-row feature (a subclass per folder, one instance in the registry). `name` is the `RequestOptions`
-    field it reads and the key of its per-token outputs."""
+    """One per-row feature (a subclass per folder, listed in the registry), one instance per engine, bound to it:
+    what it keeps per engine is its own. `name` is the `RequestOptions` field it reads, the key of its per-request
+    state and of its per-token outputs."""
 
     name: ClassVar[str]
     # its arguments of the fused native call when no row of the step carries it (the binding's required ones)
     native_defaults: ClassVar[dict[str, Any]] = {}
 
-    def value(self, options: Any) -> Any:
-        return getattr(options, self.name)
+    def __init__(self, engine: EngineView) -> None:
+        self.engine = engine
 
-    def check(self, value: Any, engine: EngineView) -> None:
+    @classmethod
+    def value(cls, options: Any) -> Any:
+        return getattr(options, cls.name)
+
+    @classmethod
+    def plain(cls, value: Any) -> bool:
+        """Whether rows carrying `value` still run as plain decoders (most features need the general step)."""
+        return value is None
+
+    @classmethod
+    def block_key(cls, state: Any, start: int, end: int) -> bytes | None:
+        """Its share of the prefix-cache key of the block of positions [start, end), from its per-request state:
+        None where it changes nothing there (the block hashes as the base's)."""
+        return None
+
+    def check(self, value: Any) -> None:
         """InvalidOption naming the request field when this engine cannot serve `value` (never None here)."""
 
     def admit(self, value: Any, num_prompt_tokens: int, model_config: Any) -> Any:
@@ -148,15 +166,6 @@ class Feature:
 
     def prefix_key(self, request: Any) -> bytes | None:
         return None
-
-    def block_key(self, state: Any, start: int, end: int) -> bytes | None:
-        """Its share of the prefix-cache key of the block of positions [start, end), from its per-request state:
-        None where it changes nothing there (the block hashes as the base's)."""
-        return None
-
-    def plain(self, value: Any) -> bool:
-        """Whether rows carrying `value` still run as plain decoders (most features need the general step)."""
-        return value is None
 
     def prepare(self, step: StepView) -> Part | None:
         return None

@@ -21,5 +21,6 @@ class Interventions(Feature):
         c = model_config
         return InterventionPlan(list(value), num_prompt_tokens, c.n_layers, c.dim, HeadShape.of(c))
 
-    def block_key(self, state: InterventionPlan, start: int, end: int) -> bytes | None:
+    @classmethod
+    def block_key(cls, state: InterventionPlan, start: int, end: int) -> bytes | None:
         return state.block_digest(start, end)

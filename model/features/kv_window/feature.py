@@ -5,13 +5,14 @@ chunks stop at eviction points, the KV manager evicts blocks, model/engine/conte
 from __future__ import annotations
 
 from model.features.kv_window.schedule import KVWindow
-from model.features.protocol import EngineView, Feature, InvalidOption
+from model.features.protocol import Feature, InvalidOption
 
 
 class KVWindowFeature(Feature):
     name = "kv_window"
 
-    def check(self, value: KVWindow, engine: EngineView) -> None:
+    def check(self, value: KVWindow) -> None:
+        engine = self.engine
         if engine.distributed:  # the ranks' caches would need every eviction too
             raise InvalidOption("kv_window", "kv_window is not supported with tensor parallelism")
         need = value.max_cache_tokens(engine.block_size)

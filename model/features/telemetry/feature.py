@@ -3,7 +3,7 @@ against the engine, and each step's records (record.py) for the sampled rows tha
 
 from __future__ import annotations
 
-from model.features.protocol import EngineView, Feature, InvalidOption, StepView
+from model.features.protocol import Feature, InvalidOption, StepView
 from model.features.telemetry.options import TelemetryOptions
 from model.features.telemetry.record import StepTelemetry, step_telemetry
 
@@ -12,8 +12,8 @@ class Telemetry(Feature):
     name = "telemetry"
     native_defaults = {"telemetry": []}  # step_layers' telemetry list: empty, nothing recorded
 
-    def check(self, value: TelemetryOptions, engine: EngineView) -> None:
-        if engine.distributed:
+    def check(self, value: TelemetryOptions) -> None:
+        if self.engine.distributed:
             raise InvalidOption("inspect", "attention telemetry is not supported with tensor parallelism")
 
     def prepare(self, step: StepView) -> StepTelemetry | None:
