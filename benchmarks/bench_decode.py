@@ -38,7 +38,7 @@ from benchmarks import ceilings, hf_peer, ours
 from benchmarks.machine import machine_info
 from benchmarks.measure import Clock, StreamResult
 from benchmarks.workload import SETTINGS, WorkloadSizes, make_workload
-from model.engine import TelemetryOptions
+from model.features import TelemetryOptions
 
 RESULTS = Path(__file__).resolve().parent / "results" / "cpu-decode.json"
 

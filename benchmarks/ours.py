@@ -11,7 +11,8 @@ import torch
 
 from benchmarks.agreement import StepLogprobs
 from benchmarks.measure import Clock, ConcurrentResult, StreamResult
-from model.engine import Engine, RequestOptions, RequestOutput, TelemetryOptions
+from model.engine import Engine, RequestOptions, RequestOutput
+from model.features import TelemetryOptions
 from model.engine.sampling_params import SamplingParams
 from model.interventions import Intervention
 
@@ -34,7 +35,7 @@ def run_single(engine: Engine, prompt: list[int], max_tokens: int, clock: Clock,
                telemetry: TelemetryOptions | None = None) -> StreamResult:
     """One request alone (with `interventions`, if any); a mark per step that produced its token (a partial
     prefill chunk produces none). `telemetry`: the request also asks for per-token attention telemetry
-    (model/engine/telemetry.py)."""
+    (model/features/telemetry/)."""
     tokens: list[int] = []
     before = engine.stats().steps_by_path
     options = RequestOptions(interventions=interventions, telemetry=telemetry)

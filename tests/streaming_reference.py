@@ -1,4 +1,4 @@
-"""An independent reference for the sink + window cache (model/engine/kv_window.py): the paper's own formulation
+"""An independent reference for the sink + window cache (model/features/kv_window/schedule.py): the paper's own formulation
 (mit-han-lab/streaming-llm, `pos_shift/modify_llama.py`): keys are cached *before* RoPE and rotated at their
 positions within the cache at attention time, the query at its own cache position; one token at a time, with the
 attended set picked by the schedule's rule (sinks, then the tokens after the first `evicted(t)` non-sink ones).
@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from model.attention import sdpa
-from model.engine.kv_window import KVWindow
+from model.features.kv_window import KVWindow
 from model.kernels.ops import apply_rotary_tables
 from model.transformer import Transformer, rotary_tables
 

@@ -19,7 +19,8 @@ import torch  # noqa: E402
 from model import kernels  # noqa: E402
 from model.attention import sdpa  # noqa: E402
 from model.kernels import triton_attention  # noqa: E402
-from model.engine import Engine, EngineConfig, KVWindow, RequestOptions, SamplingParams, TelemetryOptions  # noqa: E402
+from model.engine import Engine, EngineConfig, RequestOptions, SamplingParams  # noqa: E402
+from model.features import KVWindow, TelemetryOptions  # noqa: E402
 from model.kernels import attention_telemetry, kv_int8  # noqa: E402
 from model.kernels.attention_telemetry import AttentionTelemetry  # noqa: E402
 from paged_pools import scattered_pools  # noqa: E402
@@ -254,8 +255,8 @@ def assert_same_steps(got: list, want: list) -> None:
     """windowed_engine's outputs of two paths: the same tokens, sink masses and top positions at every step."""
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     for a, b in zip(got, want):
-        assert torch.allclose(a.telemetry.sink_mass, b.telemetry.sink_mass, atol=1e-5)
-        assert torch.equal(a.telemetry.top_positions, b.telemetry.top_positions)
+        assert torch.allclose(a.features.get("telemetry").sink_mass, b.features.get("telemetry").sink_mass, atol=1e-5)
+        assert torch.equal(a.features.get("telemetry").top_positions, b.features.get("telemetry").top_positions)
 
 
 def engines_on_cuda() -> None:

@@ -4,19 +4,16 @@ knows none of this; the HTTP service above it imports only the names exported he
 
 from model.engine.async_engine import AsyncEngine, EngineDeadError, EngineJob, RequestStream
 from model.engine.engine import Engine, EngineConfig, EngineStats, FatalEngineError, RequestOutput
-from model.engine.kv_window import KVWindow
 from model.engine.output_processor import HiddenStates
 from model.engine.request_options import PLAIN, InvalidOption, RequestOptions
 from model.engine.sampler import TokenLogprobs
 from model.engine.sampling_params import SamplingParams
 from model.engine.scheduler import QueueFullError
 from model.engine.speculative import SpecDecodeStats, SpeculativeConfig
-from model.engine.telemetry import TokenTelemetry
-from model.engine.telemetry_options import TelemetryOptions
 
 __all__ = [
     "AsyncEngine", "Engine", "EngineConfig", "EngineDeadError", "EngineJob", "EngineStats", "FatalEngineError",
-    "HiddenStates", "InvalidOption", "KVWindow", "PLAIN", "QueueFullError", "RequestOptions", "RequestOutput", "RequestStream",
+    "HiddenStates", "InvalidOption", "PLAIN", "QueueFullError", "RequestOptions", "RequestOutput", "RequestStream",
     "SamplingParams", "SpecDecodeStats", "SpeculativeConfig",
-    "TelemetryOptions", "TokenLogprobs", "TokenTelemetry",
+    "TokenLogprobs",
 ]

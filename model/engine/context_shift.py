@@ -1,4 +1,4 @@
-"""The tensor side of a windowed sequence's eviction (model/engine/kv_window.py): move the rows the compact layout
+"""The tensor side of a windowed sequence's eviction (model/features/kv_window/schedule.py): move the rows the compact layout
 needs moved and re-rotate the keys that moved down by `shift` cache positions, in every layer, in place.
 
 RoPE rotates each pair (i, i + E/2) of a key at position p by the angle p * inv_freq[i]; rotations compose, so a
@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from model.engine.kv_window import Eviction
+from model.features.kv_window import Eviction
 from model.engine.paged_cache import PagedKVCache
 from model.kernels import kv_int8
 from model.kernels.ops import apply_rotary_tables

@@ -114,8 +114,9 @@ class CudaGraphs:
         """A pure decode step: one new token per sequence (not prefill rows that attend over the pool one by one,
         `PagedKVCache.paged_prefill`), within the largest bucket."""
         n = batch.meta.num_tokens
-        # graphs are captured without attention telemetry: a step recording it runs another path instead
-        if not (batch.meta.all_paged and batch.num_seqs == n and ctx.telemetry is None and 0 < n <= self.buckets[-1]):
+        # graphs are captured without the features' parts: a step whose part declines them runs another path
+        if not (batch.meta.all_paged and batch.num_seqs == n and (not ctx.parts or ctx.parts.allow("cuda_graph"))
+                and 0 < n <= self.buckets[-1]):
             return False
         edited, adapted = batch.edits is not None, ctx.lora is not None
         key = (self._bucket(n), edited, adapted)

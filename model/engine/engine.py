@@ -16,24 +16,25 @@ import torch
 
 from model.engine.context_shift import ContextShift
 from model.engine.cuda_graphs import CudaGraphs, DecodeGraphMode
+from model.engine.end_of_sequence import Finish, finish_after
 from model.engine.engine_sizes import EngineSizes
 from model.engine.kv_cache_manager import KVCacheManager
-from model.engine.kv_window import KVWindow
 from model.engine.model_runner import DecodeLaunch, ModelRunner, RunnerOutput
-from model.engine.output_processor import Finish, OutputProcessor, RequestOutput, StepOutputs
+from model.engine.output_processor import OutputProcessor, RequestOutput, StepOutputs
 from model.engine.paged_cache import PagedKVCache, cache_dtype, kv_config
 from model.engine.persistent_batch import PersistentBatch
 from model.engine.request import FinishReason, Request, Sequence, SequenceStatus
 from model.engine.request_options import PLAIN, InvalidOption, RequestOptions
-from model.engine.sampler import Sampler, SamplingRow, TokenLogprobs, replay_noise
+from model.engine.sampler import Sampler, SamplingRow, TokenLogprobs
 from model.engine.sampling_params import SamplingParams
 from model.engine.scheduler import QueueFullError, ScheduledSeq, Scheduler, SchedulerConfig
 from model.engine.sequence_state import SamplingState
-from model.engine.speculative import Drafter, SpecDecodeStats, SpeculativeConfig
+from model.engine.speculative import Drafter, SpecDecodeStats, SpeculativeConfig, Verification
 from model.engine.stream import stream_for
 from model.engine.speculative.build import build_speculator
 from model.engine.structured import StructuredOutputs
-from model.interventions import HeadShape, InterventionPlan
+from model.features.protocol import EngineView
+from model.features.registry import EngineFeatures
 from model.kernels import ops
 from model.loaders.memory import check_fits
 from model.lora import LoRAAdapter
@@ -101,6 +102,7 @@ class EngineStats:
     # "decode_graphs" (none on CUDA), "graph_capture" (captures that failed: those buckets decode eagerly)
     fallbacks: dict[str, int] = field(default_factory=dict)
     spec_decode: SpecDecodeStats | None = None  # speculative decoding's counters, when configured
+    features: dict[str, dict[str, float]] = field(default_factory=dict)  # the per-row features' counters, by name
 
 
 def resolve_max_model_len(requested: int | None, model_len: int, pool_tokens: int) -> int:
@@ -174,12 +176,15 @@ class Engine:
         self.async_scheduling = (stream.asynchronous and not self.distributed if config.async_scheduling is None
                                  else config.async_scheduling)
         self.in_flight: DecodeLaunch | None = None  # an overlapped decode step not read back yet
+        # the per-row features, bound to this engine (model/features/registry.py)
+        self.features = EngineFeatures(EngineView(self.distributed, self.max_model_len, config.block_size))
         self.runner = ModelRunner(
             model, self.cache, Sampler(model.config.vocab_size, model.device, sync_free=self.async_scheduling),
             self.sizes, graph_mode=config.decode_graphs, native_step=config.native_step,
             scratch_block=num_blocks if graphs else None, structured=self.structured, batch=self.batch, stream=stream,
+            features=self.features,
         )
-        self.context_shift = ContextShift(model, self.cache)  # windowed sequences' evictions (kv_window.py)
+        self.context_shift = ContextShift(model, self.cache)  # windowed sequences' evictions (model/features/kv_window/)
         self.output = OutputProcessor(tokenizer)
         self.requests: dict[str, Request] = {}
         self._sibling_requests: set[Request] = set()  # requests with choices waiting for the first's prompt
@@ -187,12 +192,11 @@ class Engine:
         # Test hook (fault injection): called with each step's scheduled sequences before the forward; whatever
         # it raises fails that step's requests exactly as a failing forward would.
         self.step_fault_hook: Callable[[list[ScheduledSeq]], None] | None = None
-        # Rows of several new tokens: asked before each step for tokens to verify after each decoding sequence's
-        # last one (model/engine/speculative/drafter.py); None: one token a row. Drafts change no output: a draft is
-        # kept only where it equals the token sampled at its position.
-        self.drafter: Drafter | None = None
+        # Rows of several new tokens: drafts proposed before each step and resolved after it (speculative
+        # decoding's bookkeeping, model/engine/speculative/verification.py), from `drafter` (None: one token a row).
+        # Drafts change no output: a draft is kept only where it equals the token sampled at its position.
+        self.verification = Verification(None, self.kv, self._settle, model.config.vocab_size, self.max_model_len)
         self._loras_loaded = 0  # adapters loaded so far (`add_lora`): each load's serial roots its prefix keys
-        self._noise_states: dict[Sequence, torch.Tensor] = {}  # seeded drafting rows' generator before the step
         if config.speculative is not None:
             self.drafter = build_speculator(config.speculative, model, draft_model, self.sizes,
                                             distributed=self.distributed)
@@ -216,8 +220,8 @@ class Engine:
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     options: RequestOptions = PLAIN) -> Request:
         """Queue a request. ValueError for an invalid one, QueueFullError when the waiting queue is full.
-        `options`: what it carries beside prompt and sampling (interventions, hidden-state reads, telemetry, a
-        kv window, a grammar, background priority: model/engine/request_options.py)."""
+        `options`: what it carries beside prompt and sampling (interventions, hidden-state reads, the registered
+        per-row features, a kv window, a grammar, background priority: model/engine/request_options.py)."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         if not prompt_token_ids:
@@ -234,15 +238,16 @@ class Engine:
             raise ValueError(
                 f"prompt ({P} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds the context length of {self.max_model_len}"
             )
-        plan = InterventionPlan(list(options.interventions), P, c.n_layers, c.dim, HeadShape.of(c)) if options.interventions else None
         # n > 1 choices share the first one's cached prompt blocks; windowed choices own theirs (kv_cache_manager.py)
         share_prefix = params.n > 1 and self.config.enable_prefix_caching and options.kv_window is None
         self.scheduler.check_capacity(1 if share_prefix else params.n)
         # [structured outputs] the grammar `check` compiled: a cache hit
         grammar = self.structured.compile(options.structured) if options.structured is not None else None
-        req = Request(request_id, list(prompt_token_ids), params, options=options, interventions=plan)
+        req = Request(request_id, list(prompt_token_ids), params, options=options)
+        self.features.admit(req, c)  # the per-row features' per-request state (an intervention plan)
         if options.lora is not None:  # an adapter's K/V differs from the base's and other loads': its own prefix keys
             req.prefix_root = f"lora {self.runner.adapters[options.lora].serial} {options.lora}".encode()
+        req.prefix_root += self.features.prefix_key(req)  # the registered features' shares (model/features/registry.py)
         for i in range(params.n):
             seq = Sequence(self._next_seq_id, req, i, req.prompt_token_ids)
             self._next_seq_id += 1
@@ -296,13 +301,11 @@ class Engine:
 
     def check(self, options: RequestOptions) -> None:
         """The one check of what a request carries beside prompt and sampling against this engine: the sink + window
-        cache fits, telemetry and speculation are served here, the grammar compiles (into the thread-safe cache the
+        cache fits, the per-row features' own checks (model/features/registry.py), speculation is served here, the
+        grammar compiles (into the thread-safe cache the
         engine thread reads later). InvalidOption naming the request field. Reads only fixed configuration, so any
         thread may ask; the service asks before it queues a request, on a worker thread when a grammar compiles."""
-        if options.kv_window is not None:
-            self._check_window(options.kv_window)
-        if options.telemetry is not None and self.distributed:
-            raise InvalidOption("inspect", "attention telemetry is not supported with tensor parallelism")
+        self.features.check(options)
         self._check_speculation(options.num_speculative_tokens)
         if options.lora is not None and options.lora not in self.runner.adapters:
             raise InvalidOption("model", f"no LoRA adapter {options.lora!r} is loaded")
@@ -311,15 +314,6 @@ class Engine:
                 self.structured.compile(options.structured)
             except ValueError as e:
                 raise InvalidOption(options.structured.source, str(e)) from None
-
-    def _check_window(self, w: KVWindow) -> None:
-        if self.distributed:  # the ranks' caches would need every eviction too
-            raise InvalidOption("kv_window", "kv_window is not supported with tensor parallelism")
-        need = w.max_cache_tokens(self.config.block_size)
-        if need > self.max_model_len:
-            raise InvalidOption("kv_window", f"kv_window: sink_tokens ({w.sink_tokens}) + window ({w.window}) + "
-                                f"block_size ({self.config.block_size}) = {need} exceeds the context length of "
-                                f"{self.max_model_len}")
 
     def _check_speculation(self, k: int | None) -> None:
         """A request's `num_speculative_tokens` (None or 0: always served)."""
@@ -384,6 +378,7 @@ class Engine:
             fallbacks={**self.fallbacks, **ops.triton_fallbacks(),
                        "graph_capture": self.runner.graphs.num_failed if self.runner.graphs is not None else 0},
             spec_decode=self.drafter.stats.copy() if self.config.speculative is not None else None,
+            features=self.features.metrics(),
         )
 
     # ---- the step ---------------------------------------------------------------------------------------------
@@ -400,7 +395,7 @@ class Engine:
         if self._sibling_requests:
             self._admit_siblings()
         if self.drafter is not None:
-            self._propose_drafts()
+            self.verification.propose(self.scheduler.running)
         elif not self.distributed:
             seqs = self.scheduler.schedule_decode()
             if seqs is not None:
@@ -479,7 +474,7 @@ class Engine:
 
     def _land(self, launch) -> StepOutputs:
         """A decode step's samples on the host: each row's token appended, its newly full block committed, and the
-        rows the engine ends finished. A row whose sequence ended while the step ran (aborted, or ended by the token
+        rows the end-of-sequence rule ends (end_of_sequence.py, `_append`'s too) finished. A row whose sequence ended while the step ran (aborted, or ended by the token
         of the step before) is dropped."""
         step = StepOutputs()
         try:
@@ -496,19 +491,13 @@ class Engine:
         bs, commit, max_len = self.kv.block_size, self.kv.enable_prefix_caching, self.max_model_len
         filled = (positions + 1) % bs == 0 if commit else None  # (n,): the rows whose token filled a block
         for i, (seq, token) in enumerate(zip(rows, tokens)):
-            out = seq.output_token_ids
-            out.append(token)
+            seq.output_token_ids.append(token)
             if commit and filled[i]:  # into the prefix cache (its tokens are all on the host now)
                 self.kv.commit(seq)
-            p = seq.request.params
-            if token in seq.sampling.stop_ids and len(out) >= p.min_tokens:
-                end = Finish(FinishReason.STOP, token if token in p.stop_token_ids else None, stop_token=True)
-            elif len(out) >= p.max_tokens or len(seq.prompt_token_ids) + len(out) >= max_len:
-                end = Finish(FinishReason.LENGTH)
-            else:
-                continue
-            self._finish(seq, end.reason, end.stop_reason)
-            step.finished[seq] = end
+            end = finish_after(seq, token, max_len)
+            if end is not None:
+                self._finish(seq, end.reason, end.stop_reason)
+                step.finished[seq] = end
         window = self.model.config.sliding_window
         if window:  # the model's sliding window: blocks every later query attends past go back, as in `_settle`
             for seq in rows:
@@ -542,7 +531,7 @@ class Engine:
             step.extra(seq).prompt_logprobs = logprobs
         rows = []  # each sequence's tokens to append: a drafting one's resolved first (its rejected K/V rolled back)
         for seq, sampled in _by_sequence(result.sampled):
-            rows.append((seq, self._resolve_drafts(seq, sampled) if seq.draft_token_ids else sampled))
+            rows.append((seq, self.verification.resolve(seq, sampled) if seq.draft_token_ids else sampled))
         for seq, positions, values in result.hidden_states:  # not the positions of rejected drafts
             keep = [i for i, p in enumerate(positions) if p < seq.num_computed_tokens]
             if keep:
@@ -553,9 +542,9 @@ class Engine:
         for seq, sampled in rows:
             tokens, logprobs, end = self._append(seq, sampled)
             step.add(seq, tokens, logprobs)
-            telemetry = result.telemetry.get(seq)  # per sampled row: each kept token's goes out with it, alone
-            if telemetry is not None:
-                step.extra(seq).telemetry = telemetry[: len(tokens)]
+            per_token = result.per_token.get(seq)  # per sampled row: each kept token's values go out with it, alone
+            if per_token is not None:
+                step.extra(seq).per_token = {name: values[: len(tokens)] for name, values in per_token.items()}
             if end is not None:
                 self._finish(seq, end.reason, end.stop_reason)
                 step.finished[seq] = end
@@ -569,88 +558,31 @@ class Engine:
 
     def _append(self, seq: Sequence, sampled: list[tuple[int, TokenLogprobs | None]]
                 ) -> tuple[list[int], list[TokenLogprobs | None], Finish | None]:
-        """Append a step's sampled tokens to `seq`, stopping at the first that ends it (what follows is never
-        appended): a stop token (not before min_tokens), a finished grammar, max_tokens, the context."""
-        p, sampling = seq.request.params, seq.sampling
+        """Append a step's sampled tokens to `seq`, stopping at the first that ends it by the end-of-sequence rule
+        (end_of_sequence.py, the decode path's too): what follows is never appended."""
         tokens: list[int] = []
         logprobs: list[TokenLogprobs | None] = []
         for token, lp in sampled:
             seq.output_token_ids.append(token)
             tokens.append(token)
             logprobs.append(lp)
-            n_out = len(seq.output_token_ids)
-            if n_out >= p.min_tokens and token in sampling.stop_ids:
-                return tokens, logprobs, Finish(FinishReason.STOP, token if token in p.stop_token_ids else None,
-                                                stop_token=True)
-            # [structured outputs] advance the grammar; a complete grammar ends the choice like a stop
-            grammar_done = sampling.grammar is not None and sampling.grammar.accept(token)
-            # a windowed sequence's cache stays within the context however long it runs: only max_tokens ends it
-            if grammar_done or n_out >= p.max_tokens or (seq.num_tokens >= self.max_model_len and seq.window is None):
-                # a reply closed because max_tokens was near (structured/closing.py) ends with "length", not "stop"
-                done = grammar_done and not sampling.grammar.closing
-                return tokens, logprobs, Finish(FinishReason.STOP if done else FinishReason.LENGTH)
+            end = finish_after(seq, token, self.max_model_len)
+            if end is not None:
+                return tokens, logprobs, end
         return tokens, logprobs, None
 
-    def _propose_drafts(self) -> None:
-        """Ask the drafter for tokens to verify after each decoding sequence's last one (rows of several tokens).
-        A grammar's sequence keeps the drafts its grammar accepts (the verification rows are masked as it stands
-        after each); a hidden-state read gets the positions of the kept tokens only; a windowed sequence drafts no
-        further than its next eviction point (kv_window.py's chunk_limit: its K/V is evicted, and its keys shifted,
-        only once its drafts are resolved, so a rollback never meets an eviction) and, its cache being bounded, past
-        the context too. Attention telemetry is recorded for every verification row, and each kept token's goes
-        out with it. Not for sequences whose request turned speculation off."""
-        seqs, rooms = [], []
-        bs = self.kv.block_size
-        for seq in self.scheduler.running:
-            o = seq.request.options
-            if seq.draft_token_ids or seq.num_computed_tokens != seq.num_tokens - 1 or o.num_speculative_tokens == 0:
-                continue
-            w = o.kv_window
-            reach = self.max_model_len - seq.num_tokens - 1 if w is None else w.chunk_limit(seq.num_computed_tokens, bs) - 1
-            room = min(seq.request.params.max_tokens - len(seq.output_token_ids) - 1, reach)
-            if o.num_speculative_tokens is not None:
-                room = min(room, o.num_speculative_tokens)
-            if room > 0:
-                seqs.append(seq)
-                rooms.append(room)
-        if not seqs:
-            return
-        for seq, room, drafts in zip(seqs, rooms, self.drafter.propose(seqs, rooms, len(self.scheduler.running))):
-            seq.draft_token_ids = list(drafts)[:room]
-            grammar = seq.sampling.grammar
-            if grammar is not None and seq.draft_token_ids:
-                seq.draft_token_ids = grammar.valid_drafts(seq.draft_token_ids, seq.request.params.max_tokens
-                                                           - len(seq.output_token_ids))
-            g = seq.sampling.generator
-            if seq.draft_token_ids and g is not None:
-                self._noise_states[seq] = g.get_state()
+    @property
+    def drafter(self) -> Drafter | None:
+        """What drafts each decoding sequence's tokens to verify (speculative/verification.py); None: one a row."""
+        return self.verification.drafter
 
-    def _resolve_drafts(self, seq: Sequence, sampled: list[tuple[int, TokenLogprobs | None]]
-                        ) -> list[tuple[int, TokenLogprobs | None]]:
-        """A drafting sequence's rows were sampled each as if the drafts before it were accepted: keep the drafts
-        the samples agree with and the sample after them (a draft accepted only when it equals the token sampled
-        at its position, so the output is what decoding one token at a time samples), roll back the K/V of the
-        rest, then settle it (commit its newly full blocks; a windowed one's eviction). -> the tokens to append,
-        in order."""
-        drafts = seq.draft_token_ids
-        j = 0
-        while j < len(drafts) and sampled[j][0] == drafts[j]:
-            j += 1
-        self.kv.rollback(seq, len(drafts) - j)
-        seq.draft_token_ids = []
-        self._settle(seq)
-        state = self._noise_states.pop(seq, None)
-        if state is not None and j < len(drafts):  # a seeded row drew noise for rows it did not keep: replay the kept
-            seq.sampling.generator.set_state(state)
-            replay_noise(seq.sampling.generator, seq.request.params, self.model.config.vocab_size, j + 1)
-        self.drafter.resolved(seq, len(drafts), j)
-        return sampled[: j + 1]
+    @drafter.setter
+    def drafter(self, drafter: Drafter | None) -> None:
+        self.verification.drafter = drafter
 
     def _finish(self, seq: Sequence, reason: FinishReason, stop_reason: int | str | None = None) -> None:
         seq.finish_reason, seq.stop_reason = reason, stop_reason
-        if self.drafter is not None:
-            self.drafter.release(seq)
-            self._noise_states.pop(seq, None)
+        self.verification.release(seq)
         self.scheduler.remove(seq)
         seq.status = SequenceStatus.FINISHED
         req = seq.request

@@ -3,7 +3,8 @@ vllm/forward_context.py: the per-step attention metadata beside the model call r
 
 The runner builds one per step from its input batch: the cache's pools, the step's attention metadata and slices,
 its edits of the residual stream (interventions and reads, model/edits.py, or the graphs' static copy of them,
-graph_edits.py), the rows recording attention telemetry and the rows under LoRA adapters (model/lora.py). The module
+graph_edits.py), the parts of the per-row features its rows carry (model/features/protocol.py) and the rows under
+LoRA adapters (model/lora.py). The module
 path hands it to the model as its attention context (model/attention.py: `begin_forward`, `attend`, `edit`,
 `adapt`); the native path passes its tensors to the fused call; the CUDA graphs capture a static one; tensor
 parallelism sends its slices and edits to the other ranks, which rebuild the same context (`from_slices`). Nothing of
@@ -23,7 +24,7 @@ from model.engine.paged_cache import AttentionMetadata, PagedKVCache, PrefillChu
 from model.kernels import kv_int8, ops
 
 if TYPE_CHECKING:
-    from model.engine.telemetry import StepTelemetry
+    from model.features.protocol import StepParts
     from model.lora import LoRARows
 
 
@@ -40,7 +41,7 @@ class ForwardContext:
     meta: AttentionMetadata
     slices: list[SeqSlice]  # the step's sequences as plain data (what tensor-parallel ranks rebuild `meta` from)
     edits: Edits | None = None
-    telemetry: StepTelemetry | None = None  # rows recording attention telemetry (model/engine/telemetry.py)
+    parts: StepParts | None = None  # the step's per-row features' parts (model/features/protocol.py)
     lora: LoRARows | None = None  # rows under LoRA adapters (model/lora.py)
     _masks: dict[int, Tensor | None] = field(default_factory=dict)  # prefill chunk -> its sliding-window mask
 
@@ -69,18 +70,19 @@ class ForwardContext:
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """q (1, N, H, E), k/v (1, N, K, E) -> (1, N, H, E); writes k/v into their slots first. Rows attending over
-        their block tables go through the decode kernel (recording telemetry where asked); prefill chunks through
-        SDPA over their cached prefix and themselves."""
+        their block tables go through the decode kernel (recording into a feature's recorder where a part has one);
+        prefill chunks through SDPA over their cached prefix and themselves."""
         meta = self.meta
         k_pool, v_pool = self.cache.k[layer], self.cache.v[layer]  # (NB, bs, K, E), or E + 4 int8 (kv_int8.py)
         window, scale = self.cache.window, self.cache.scale  # the model's (sliding window, attention scale)
         ops.paged_write(k[0], v[0], k_pool, v_pool, meta.slot_mapping)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # (1, N, H, E)
-        tel = self.telemetry
+        rec = self.parts.recorder if self.parts else None
         ops.decode_attention(q[0], k_pool, v_pool, meta.paged_rows, meta.paged_tables, meta.paged_lens, out[0],
-                             tel.layer(layer) if tel is not None else None, window, scale)
-        if tel is not None:
-            tel.attend_prefill_rows(layer, q, k_pool, v_pool, window, scale)
+                             rec.attention_recorder(layer) if rec is not None else None, window, scale)
+        if self.parts:
+            for part in self.parts.parts:
+                part.after_attention(layer, q, k_pool, v_pool, window, scale)
         if meta.prefill_tiles is not None:  # every chunk in one launch (no window, the default scale: PagedKVCache)
             ops.prefill_attention(q[0], k_pool, v_pool, meta.prefill_tiles, meta.prefill_tables, out[0])
             return out

@@ -1,7 +1,7 @@
 """A step's inputs, written into buffers allocated once (vLLM's `gpu_model_runner` persistent input buffers).
 
 Each step the runner writes the scheduled sequences' tokens, positions (cache positions: a kv_window's sequence
-computes each token at its position within the cache, model/engine/kv_window.py), KV slots, the decode rows' block tables and
+computes each token at its position within the cache, model/features/kv_window/schedule.py), KV slots, the decode rows' block tables and
 context lengths, and the rows whose logits it needs into preallocated host tensors through numpy views (no tensor
 is created from a Python list on the decode path), then hands the model views of their first N entries (copied to
 the device's own persistent buffers off the CPU). Prefill chunks with a cached prefix also get their block list
@@ -261,6 +261,6 @@ def _small(rows: list, device: torch.device) -> Tensor:
 def _sampling_row(seq: Sequence, i: int) -> SamplingRow:
     """The sampling row of `seq`'s i-th sampled row this step. A drafting sequence's rows are sampled as if the drafts
     before each were accepted (their tokens count as output for penalties): the only case in which that row's token
-    is kept (`Engine._resolve_drafts`)."""
+    is kept (`Verification.resolve`, speculative/verification.py)."""
     output = seq.output_token_ids + seq.draft_token_ids[:i] if i else seq.output_token_ids
     return SamplingRow(seq.request.params, seq.prompt_token_ids, output, seq.sampling.generator, seq.sampling.stop_ids)

@@ -4,13 +4,14 @@ The K/V tensors themselves live in `model.engine.paged_cache.PagedKVCache`; this
 Design after vLLM (Kwon et al. 2023, "Efficient Memory Management for LLM Serving with PagedAttention", and
 `vllm/v1/core/kv_cache_manager.py` / `block_pool.py`):
 
-- A full block is identified by a hash chained over every token before it (parent hash + its own tokens, + the
-  interventions that touched its positions), so equal hashes mean equal prefixes computed the same way. Full
+- A full block is identified by a hash chained over every token before it (parent hash + its own tokens, + what
+  the per-row features say changed its positions: `Feature.block_key`, model/features/registry.py), so equal
+  hashes mean equal prefixes computed the same way. Full
   blocks are registered under their hash and shared by reference count.
 - A block whose reference count drops to 0 goes to the back of the free queue but keeps its hash: it can be
   revived by a later request with the same prefix until it reaches the front and is reused (LRU eviction).
 - Sequences free their blocks tail first, so a prefix's later blocks are evicted before its first ones.
-- A windowed sequence (kv_window.py) gives back a block from the middle of its table each time its window slides
+- A windowed sequence (model/features/kv_window/) gives back a block from the middle of its table each time its window slides
   past one; its blocks are private (never looked up, registered or shared), since the slide rewrites them.
 - Under a model's own sliding window (Mistral v0.1: ModelConfig.sliding_window), a sequence's leading blocks go back
   to the pool once every query it will compute attends past them (`release_behind_window`, vLLM's
@@ -24,15 +25,16 @@ import hashlib
 import struct
 from collections import OrderedDict
 
-from model.engine.kv_window import Eviction, evict
+from model.features.kv_window import Eviction, evict
 from model.engine.request import Sequence
+from model.features import registry as features
 
 
 def block_hash(parent: bytes, tokens: list[int], edits: bytes | None = None) -> bytes:
     """A 128-bit BLAKE2 digest over the parent block's hash and this block's token ids: collisions, which would
     silently serve one prompt another's K/V, are not a practical concern (unlike Python's 64-bit `hash`). `edits`:
-    the interventions that touched the block's positions (`InterventionPlan.block_digest`), so a block computed
-    under one intervention is never served to a request under another or none."""
+    the per-row features' key of the block's positions (`Feature.block_key`: the interventions that touched them),
+    so a block computed under one intervention is never served to a request under another or none."""
     h = hashlib.blake2b(parent, digest_size=16)
     h.update(struct.pack(f"<{len(tokens)}I", *tokens))  # each id as 4 little-endian bytes
     if edits is not None:
@@ -194,7 +196,7 @@ class KVCacheManager:
         """After a step (its new blocks committed): give back `seq`'s blocks whose every position is behind the
         sliding `window` of the next token it computes (position p = num_computed_tokens attends to keys > p -
         window), and of every later one; -> how many went back. 0 (no window), a kv_window sequence (its own
-        bounded cache: kv_window.py) and one with drafts pending (a rollback may move p back) keep all theirs.
+        bounded cache: model/features/kv_window/) and one with drafts pending (a rollback may move p back) keep all theirs.
 
         The attention kernels read keys in groups of 8 from the first one a query attends to rounded down to a
         multiple of 8 (csrc/paged_attention.cpp `attend_tile`), so the blocks kept start at that position."""
@@ -210,7 +212,7 @@ class KVCacheManager:
         return released
 
     def evict(self, seq: Sequence) -> Eviction | None:
-        """After a step: the eviction a windowed sequence is due (model/engine/kv_window.py), with its block table
+        """After a step: the eviction a windowed sequence is due (model/features/kv_window/schedule.py), with its block table
         updated and the evicted block released, or None. The caller applies the returned rows and rotation to the
         cache tensors before anything else is allocated (ContextShift.apply)."""
         window, bs = seq.window, self.block_size
@@ -227,8 +229,8 @@ class KVCacheManager:
 
     def _extend_hashes(self, seq: Sequence, num_tokens: int) -> None:
         bs = self.block_size
-        plan = seq.request.interventions
+        req = seq.request
         for i in range(len(seq.block_hashes), num_tokens // bs):
-            parent = seq.block_hashes[i - 1] if i else seq.request.prefix_root
-            edits = plan.block_digest(i * bs, (i + 1) * bs) if plan is not None else None
+            parent = seq.block_hashes[i - 1] if i else req.prefix_root
+            edits = features.block_key(req, i * bs, (i + 1) * bs) if req.state else None
             seq.block_hashes.append(block_hash(parent, seq.token_ids(i * bs, (i + 1) * bs), edits))

@@ -3,12 +3,14 @@
 `execute(scheduled)`:
     1. writes the step's inputs into persistent buffers (tokens, positions, KV slots, block tables, logits rows),
        and the rows' interventions and hidden-state reads into one table (model/edits.py) when any row has some;
+       the per-row features its rows carry each prepare their part (model/features/registry.py);
     2. chooses the execution path from the step's batch and the model's layers, and records which ran:
            cuda_graph     a pure decode step replayed as the CUDA graph of its batch-size bucket
            native         any step (decode, prefill chunks, both) through every block in one native call (CPU,
                           where every row attends over the paged pool: `PagedKVCache.paged_prefill`)
            module         the model's modules, one call each (CUDA prefill and mixed steps, tensor parallelism,
                           rows under LoRA adapters, the PyTorch reference ops)
+       A path runs a step only where every feature part of it allows (`Part.paths`).
        All three compute the same logits (the module path is the reference; tests hold the others to it);
     3. runs it, scores prompt logprobs, and samples every sequence that caught up (a constrained one from the
        tokens its grammar allows: the masks are started before the forward, model/engine/structured/).
@@ -42,10 +44,11 @@ from model.engine.request import Sequence
 from model.engine.sampler import SampledTensors, Sampler, TokenLogprobs, prompt_logprobs
 from model.engine.stream import Event, HostStream, Stream
 from model.engine.scheduler import ScheduledSeq
-from model.engine.telemetry import TokenTelemetry, step_telemetry
+from model.features.protocol import StepParts, StepRow, StepView
 
 if TYPE_CHECKING:
     from model.engine.structured import StructuredOutputs
+    from model.features.registry import EngineFeatures
 
 log = logging.getLogger("llamascope.engine")
 
@@ -76,25 +79,28 @@ class DecodeLaunch:
 class RunnerOutput:
     """What one step computed: the path it took, each sampled row's token (one per sequence that caught up; a
     drafting sequence's 1 + drafts rows in order), prompt logprobs scored, and the hidden states read: (sequence,
-    positions, (n_positions, n_layers, D) float32), and how far each reading sequence has now been read."""
+    positions, (n_positions, n_layers, D) float32), how far each reading sequence has now been read, and the
+    features' per-token outputs: per sequence, per feature, one value per sampled row (`Part.collect`)."""
 
     path: str
     sampled: list[tuple[Sequence, int, TokenLogprobs | None]] = field(default_factory=list)
     prompt_logprobs: list[tuple[Sequence, list[TokenLogprobs]]] = field(default_factory=list)
     hidden_states: list[tuple[Sequence, list[int], Tensor]] = field(default_factory=list)
     read_upto: list[tuple[Sequence, int]] = field(default_factory=list)
-    telemetry: dict[Sequence, list[TokenTelemetry]] = field(default_factory=dict)  # per sampled row, where asked
+    per_token: dict[Sequence, dict[str, list]] = field(default_factory=dict)
 
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, cache: PagedKVCache, sampler: Sampler, sizes: EngineSizes, *,
                  graph_mode: str = "off", native_step: bool = True, scratch_block: int | None = None,
                  structured: StructuredOutputs | None = None, batch: PersistentBatch | None = None,
-                 stream: Stream | None = None) -> None:
+                 stream: Stream | None = None, features: EngineFeatures | None = None) -> None:
         """`graph_mode`: EngineConfig.decode_graphs, where `scratch_block` (the padding rows' block) is given;
-        `native_step`: EngineConfig.native_step."""
+        `native_step`: EngineConfig.native_step; `features`: the engine's per-row features (none on a draft
+        model's runner: its rows carry none)."""
         self.model, self.cache, self.sampler = model, cache, sampler
         self.structured = structured  # grammar masks of constrained rows (model/engine/structured/)
+        self.features = features
         self.batch = batch  # the running sequences' rows: the decode path's block tables
         self.stream = stream or HostStream()  # where the device work runs (model/engine/stream.py)
         bs = cache.block_size
@@ -137,20 +143,25 @@ class ModelRunner:
         layouts = []
         if any(s.seq.request.interventions is not None or s.seq.request.hidden_states is not None for s in scheduled):
             batch.edits, layouts = self.tables.build(_segments(scheduled, batch))
-        tel = step_telemetry(scheduled, batch.slices, batch.sample, self.model, self.cache.device, paged_prefill)
-        # the step as every path reads it; telemetry None unless a sampled sequence asked: then nothing changes
-        ctx = ForwardContext(self.cache, batch.meta, batch.slices, batch.edits, tel, self._lora_rows(scheduled, batch))
+        parts = StepParts()  # the per-row features' parts: none unless a row carries a feature, then nothing changes
+        if self.features is not None:
+            parts = self.features.prepare(StepView(
+                [StepRow(s.seq, sl.start, sl.num_new, s.seq.num_computed_tokens, sl.context_len, sl.block_ids)
+                 for s, sl in zip(scheduled, batch.slices)], batch.sample, self.model, self.cache.device, paged_prefill))
+        # the step as every path reads it
+        ctx = ForwardContext(self.cache, batch.meta, batch.slices, batch.edits, parts or None,
+                             self._lora_rows(scheduled, batch))
         # [structured outputs] the sampling rows' grammar masks, filled on a worker thread during the forward
         masks = self.structured.start_masks(_mask_rows(batch.sample)) if self.structured is not None else None
         path = self._choose(batch, ctx)
         # every logits row a plain greedy row's (no prompt logprobs): the native head may pick without the logits
         greedy = (bool(batch.sample) and not batch.prompt_logprobs and masks is None
                   and all(seq.request.plain_greedy for seq, _ in batch.sample))
-        with tel.hidden_hooks(self.model) if tel is not None and path == "module" else contextlib.nullcontext():
+        with parts.module_hooks(self.model) if parts and path == "module" else contextlib.nullcontext():
             logits = self._forward(path, batch, ctx, greedy)  # (M, V): the batch's logits rows; or (M,) picks
         logits = logits if logits.dim() == 1 else logits.float()
         self.path_counts[path] += 1
-        out = RunnerOutput(path, telemetry=tel.results() if tel is not None else {})
+        out = RunnerOutput(path, per_token=parts.collect() if parts else {})
         if batch.edits is not None:
             for layout in layouts:
                 out.hidden_states.append((layout[0].owner, layout[1], gather_reads(batch.edits, layout)))

@@ -17,6 +17,7 @@ from model.kernels import ops
 from model.engine.input_batch import StepBatch
 from model.engine.forward_context import ForwardContext
 from model.engine.paged_cache import kv_config
+from model.features import registry as features
 from model.quantize import QuantLinear, StackedLinear
 from model.transformer import Transformer
 
@@ -76,6 +77,8 @@ class NativeStep:
         """A step whose every row attends over the paged pool (decode rows; prefill rows too where the cache does
         `paged_prefill`), over a cache of the model's dtype (or a 16-bit or int8 one under float32), with the kernels on."""
         meta = ctx.meta
+        if ctx.parts and not ctx.parts.allow("native"):
+            return False
         if ctx.edits is not None and ctx.edits.has_head_edits:  # edits of single heads: the module path's sites
             return False
         return (meta.all_paged and meta.paged_rows.numel() == meta.num_tokens
@@ -93,13 +96,13 @@ class NativeStep:
         the result's dim tells which."""
         m, meta, cache, E = self.model, ctx.meta, ctx.cache, self.E
         h, cos, sin = m.embed(batch.tokens[None], batch.positions[None])  # (1, N, D), (1, N, 1, E) x 2
+        args = features.native_args(ctx.parts)  # the per-row features' arguments, or their empty values
         h = kernels.native().step_layers(
             h[0], self.layers, self.eps, cos.view(-1, E), sin.view(-1, E), cache.k, cache.v, meta.slot_mapping,
             meta.paged_rows, meta.paged_tables, meta.paged_lens, self.H, self.K, E,
-            ctx.edits.tensors() if ctx.edits is not None else [],
-            ctx.telemetry.native_args() if ctx.telemetry is not None else [],
-            self.extras, **self.switches, **self._lora(ctx),
-        )  # (N, D); the rows' interventions and adapters applied inside the block loop, their reads and telemetry taken
+            edits=ctx.edits.tensors() if ctx.edits is not None else [],
+            extras=self.extras, **args, **self.switches, **self._lora(ctx),
+        )  # (N, D); the rows' interventions, adapters and features applied inside the block loop, their reads taken
         # logits rows are distinct and in order: as many as the rows means every row (a decode step), no gather
         every = batch.logits_rows.numel() == batch.tokens.numel()
         if greedy:

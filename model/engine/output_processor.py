@@ -1,6 +1,6 @@
 """From the engine's steps to what clients read (vLLM's `output_processor`): each choice's incremental
-detokenization, stop strings, prompt logprobs once, hidden states and telemetry with their tokens, and the
-`RequestOutput` deltas.
+detokenization, stop strings, prompt logprobs once, hidden states and the per-row features' per-token values with
+their tokens, and the `RequestOutput` deltas.
 
 The engine decides everything that needs no text (stop tokens, max_tokens, the context limit, a finished grammar,
 aborts, errors) and appends the tokens itself; each step it hands over a `StepOutputs`: the choices with new
@@ -18,19 +18,23 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
+from model.engine.end_of_sequence import Finish
 from model.engine.request import FinishReason, Sequence
 from model.engine.sampler import TokenLogprobs
 from model.engine.sampling_params import SamplingParams
 from model.engine.sequence_state import OutputState
-from model.engine.telemetry import TokenTelemetry
 from model.text.detokenizer import IncrementalDetokenizer
 from model.text.stop_strings import StopStringMatcher
 from model.text.tokenizer import Tokenizer
 
 log = logging.getLogger("llamascope.engine")
+
+__all__ = ["Extras", "Finish", "HiddenStates", "OutputProcessor", "RequestOutput", "StepOutputs"]
+
 
 @dataclass
 class RequestOutput:
@@ -50,7 +54,8 @@ class RequestOutput:
     num_output_tokens: int = 0  # so far, this choice
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     hidden_states: HiddenStates | None = None  # the block outputs read since the last delta (the request asked)
-    telemetry: TokenTelemetry | None = None  # the token's attention telemetry, when the request asked for it
+    # the token's values of the per-row features the request carries, by feature (model/features/registry.py)
+    features: dict[str, Any] = field(default_factory=dict)
     first_token_time: float | None = None  # time.perf_counter() when the choice's first token was processed
     # a final-only output's gaps between the steps that brought its tokens (the inter-token latencies a
     # streamed choice's client would have seen; a streamed choice's are measured where its deltas arrive)
@@ -71,21 +76,13 @@ class HiddenStates:
 
 
 @dataclass
-class Finish:
-    reason: FinishReason
-    stop_reason: int | str | None = None
-    error: str | None = None
-    stop_token: bool = False  # ended by a stop token (EOS or stop_token_ids): its text is not part of the output
-
-
-@dataclass
 class Extras:
     """A choice's step besides its tokens: prompt logprobs scored, hidden states read (positions, (P, L, D)), the
-    telemetry of each of its tokens."""
+    features' values of each of its tokens (by feature: one a token)."""
 
     prompt_logprobs: list[TokenLogprobs] | None = None
     hidden: tuple[list[int], torch.Tensor] | None = None
-    telemetry: list[TokenTelemetry] | None = None
+    per_token: dict[str, list] | None = None
 
 
 @dataclass
@@ -183,8 +180,8 @@ class OutputProcessor:
         string, which is returned."""
         p = seq.request.params
         stop_token = end is not None and end.stop_token
-        telemetry = extra.telemetry if extra is not None else None
-        each = telemetry is not None  # every token its own delta, with its telemetry
+        per_token = extra.per_token if extra is not None else None
+        each = bool(per_token)  # every token its own delta, with its features' values
         if state.first_token_time is None:
             state.first_token_time = now
         final = state.final_only and not each
@@ -206,7 +203,7 @@ class OutputProcessor:
             if lps is not None and lps[j] is not None:
                 out.logprobs = (out.logprobs or []) + [lps[j]]
             if each:
-                out.telemetry = telemetry[j]
+                out.features = {name: values[j] for name, values in per_token.items()}
             if state.pending_hidden:
                 self._attach_hidden(seq, state, out)
             last = j == len(tokens) - 1

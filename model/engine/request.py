@@ -10,12 +10,13 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from model.engine.request_options import PLAIN, RequestOptions
+from model.features import registry as features
 
 if TYPE_CHECKING:
-    from model.engine.kv_window import KVWindow
+    from model.features.kv_window import KVWindow
     from model.engine.sequence_state import OutputState, SamplingState
     from model.engine.sampling_params import SamplingParams
     from model.interventions import HiddenStateRead, InterventionPlan
@@ -43,7 +44,7 @@ class Sequence:
     output_token_ids: list[int] = field(default_factory=list)
     # tokens proposed after the output and not verified yet (`Engine.drafter`): computed in the same step as the
     # last output token, each of their rows sampled; the step keeps those the samples agree with and rolls back the
-    # K/V of the rest (`Engine._resolve_drafts`)
+    # K/V of the rest (`Verification.resolve`, model/engine/speculative/verification.py)
     draft_token_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
@@ -57,7 +58,7 @@ class Sequence:
     num_committed_blocks: int = 0  # leading blocks already registered in the prefix cache
     num_cached_tokens: int = -1  # prompt tokens served from the prefix cache at first schedule (-1: not yet)
     num_preemptions: int = 0
-    # a kv_window's sequence (model/engine/kv_window.py): non-sink tokens evicted from its cache so far; token t >= S
+    # a kv_window's sequence (model/features/kv_window/schedule.py): non-sink tokens evicted from its cache so far; token t >= S
     # of such a sequence sits at cache position t - num_evicted
     num_evicted: int = 0
     # under the model's sliding window (ModelConfig.sliding_window): leading blocks of block_ids given back to the
@@ -147,12 +148,13 @@ class Request:
     pending_siblings: list[Sequence] = field(default_factory=list)
     # everything it carries beside prompt and sampling (model/engine/request_options.py)
     options: RequestOptions = PLAIN
-    interventions: "InterventionPlan | None" = None  # its options' edits, planned against its prompt
+    # the per-row features' per-request state, by feature (`Feature.admit`, model/features/registry.py)
+    state: dict[str, Any] = field(default_factory=dict)
     # the root of its blocks' prefix-cache hash chain: b"" for the base model, a loaded LoRA adapter's own key
     prefix_root: bytes = b""
     # Its rows need nothing per step but tokens, positions and block tables: no kv window, grammar, edits, reads,
-    # telemetry or background budget. A step whose every row is such a decode row takes the engine's decode path
-    # (`Scheduler.schedule_decode`, `ModelRunner.execute_decode`).
+    # registered per-row feature (model/features/registry.py, `plain`) or background budget. A step whose every row
+    # is such a decode row takes the engine's decode path (`Scheduler.schedule_decode`, `ModelRunner.execute_decode`).
     plain_decode: bool = False
     # ... and every row is `Sampler`'s plain greedy row: an argmax and nothing else
     plain_greedy: bool = False
@@ -162,13 +164,18 @@ class Request:
 
     def __post_init__(self) -> None:
         o, p = self.options, self.params
-        self.plain_decode = (o.kv_window is None and o.structured is None and o.telemetry is None and not o.background
-                             and self.interventions is None and o.hidden_states is None and o.lora is None)
+        self.plain_decode = (o.kv_window is None and o.structured is None and features.plain(o) and not o.background
+                             and o.hidden_states is None and o.lora is None)
         if p is None:  # (bookkeeping tests build requests without sampling)
             return
         penalties = p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
         self.overlappable = self.plain_decode and not penalties and p.min_tokens == 0 and not p.score_token_ids
         self.plain_greedy = (self.overlappable and p.greedy and p.logprobs is None and not p.logit_bias)
+
+    @property
+    def interventions(self) -> "InterventionPlan | None":
+        """Its options' edits, planned against its prompt (the interventions feature's state)."""
+        return self.state.get("interventions")
 
     @property
     def hidden_states(self) -> "HiddenStateRead | None":

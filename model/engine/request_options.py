@@ -2,8 +2,8 @@
 travels unchanged from the route to the runner (`AsyncEngine.add_requests` -> the inbox -> `Engine.add_request` ->
 `Request.options`, where the scheduler, the runner and the output processor read it).
 
-A new per-row feature adds its field here, reads it where its rows are built (model/engine/model_runner.py) and,
-if it changes the forward, adds one op per backend (docs/engine.md, "Adding a per-row feature").
+A per-row feature adds its field here and its folder under model/features/, registered in
+model/features/registry.py (docs/engine.md, "Per-row features").
 """
 
 from __future__ import annotations
@@ -11,20 +11,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from model.engine.kv_window import KVWindow
-from model.engine.telemetry_options import TelemetryOptions
+from model.features.kv_window import KVWindow
+from model.features.protocol import InvalidOption
+from model.features.telemetry.options import TelemetryOptions
 from model.interventions import HiddenStateRead, Intervention
 
 if TYPE_CHECKING:
     from model.engine.structured.spec import StructuredOutputSpec
-
-
-class InvalidOption(ValueError):
-    """A request option this engine cannot serve (`Engine.check`), naming the request field the API reports."""
-
-    def __init__(self, param: str, message: str) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 @dataclass(frozen=True)
@@ -35,9 +28,9 @@ class RequestOptions:
     interventions: tuple[Intervention, ...] | None = None
     # the block outputs returned with its tokens
     hidden_states: HiddenStateRead | None = None
-    # the attention telemetry each sampled token carries (model/engine/telemetry.py)
+    # the attention telemetry each sampled token carries (model/features/telemetry/)
     telemetry: TelemetryOptions | None = None
-    # the sink + window KV cache (model/engine/kv_window.py)
+    # the sink + window KV cache (model/features/kv_window/schedule.py)
     kv_window: KVWindow | None = None
     # constrained decoding (model/engine/structured/): every token from those its grammar allows
     structured: StructuredOutputSpec | None = None
@@ -75,5 +68,7 @@ class RequestOptions:
         if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < 0):
             raise ValueError(f"num_speculative_tokens must be a non-negative integer, got {k!r}")
 
+
+__all__ = ["InvalidOption", "PLAIN", "RequestOptions"]
 
 PLAIN = RequestOptions()

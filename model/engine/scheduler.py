@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from model.engine.end_of_sequence import reaches_length
 from model.engine.kv_cache_manager import KVCacheManager
 from model.engine.persistent_batch import PersistentBatch
 from model.engine.request import Sequence, SequenceStatus
@@ -115,7 +116,8 @@ class Scheduler:
             # (a plain decoder drafts nothing: its tokens are its prompt's and its output's)
             if not req.plain_decode or computed != len(seq.prompt_token_ids) + len(seq.output_token_ids) - 1 + pending:
                 return None
-            if pending and (len(seq.output_token_ids) + 1 >= req.params.max_tokens or computed + 1 >= max_len):
+            # the in-flight token ends it by length: it is not launched again (plain decoders are never windowed)
+            if pending and reaches_length(req.params, len(seq.output_token_ids) + 1, computed + 1, False, max_len):
                 ending = [] if ending is None else ending
                 ending.append(seq)
                 continue
@@ -184,7 +186,7 @@ class Scheduler:
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
         """Tokens `seq` computes this step: what it lacks, within the budget, and for a windowed sequence no
-        further than its next eviction point (model/engine/kv_window.py: the attended keys then never depend on
+        further than its next eviction point (model/features/kv_window/schedule.py: the attended keys then never depend on
         how a sequence was chunked)."""
         n = min(seq.num_tokens - seq.num_computed_tokens, budget)
         excess = seq.num_tokens - seq.num_computed_tokens - n

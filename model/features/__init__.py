@@ -1,3 +1,10 @@
-"""Per-row features: each folder owns one feature's part of every stage (its options and checks, its per-step
-preparation, its op on each execution path, its outputs). sae/: sparse autoencoders and transcoders, the
-dictionaries and their file formats."""
+"""Per-row features: each in a folder of its own, plugged into the engine through one protocol (protocol.py) and
+listed in one registry (registry.py). sae/: sparse autoencoders and transcoders, the dictionaries and their file
+formats (to be served as a feature). Import direction: model.engine -> model.features -> the network."""
+
+from model.features.protocol import EngineView, Feature, InvalidOption, Part, StepParts, StepRow, StepView
+from model.features.kv_window import KVWindow
+from model.features.telemetry import TelemetryOptions, TokenTelemetry
+
+__all__ = ["EngineView", "Feature", "InvalidOption", "KVWindow", "Part", "StepParts", "StepRow", "StepView",
+           "TelemetryOptions", "TokenTelemetry"]

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 import torch
 
 from model.engine import AsyncEngine
-from model.engine import Engine, KVWindow, RequestOptions, SpeculativeConfig
+from model.engine import Engine, RequestOptions, SpeculativeConfig
+from model.features import KVWindow
 from model.loaders import LoadedModel, load_model
 from model.lora import LoRAAdapter, load_adapter
 from model.parallel import TPModel, launch

@@ -14,7 +14,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from model.engine import TokenTelemetry
+from model.features import TokenTelemetry
 from model.probes import ActivationEntry, AttentionMaps, ProbeOptions, ProbeResult, estimate_map_elements
 from model.text import IncrementalDetokenizer
 from model.text import Tokenizer
@@ -189,7 +189,7 @@ def dumps_with_size(body: dict) -> bytes:
 
 
 def token_telemetry(t: TokenTelemetry) -> dict:
-    """One streamed token's `inspect` (model/engine/telemetry.py): per layer, the query's attention mass on the sink
+    """One streamed token's `inspect` (model/features/telemetry/): per layer, the query's attention mass on the sink
     tokens (mean over heads and per head), each head's top-k attended positions and weights, and the largest entries
     of the token's hidden state with the massive-activation flags."""
     sink = t.sink_mass.tolist()

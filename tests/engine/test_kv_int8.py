@@ -12,7 +12,8 @@ import torch
 
 from model import kernels
 from model.config import KNOWN_SHAPES
-from model.engine import Engine, EngineConfig, KVWindow
+from model.engine import Engine, EngineConfig
+from model.features import KVWindow
 from model.engine.paged_cache import PagedKVCache, cache_dtype
 from model.engine.sampling_params import SamplingParams
 from model.kernels import kv_int8
@@ -141,7 +142,7 @@ def test_eviction_re_rotates_int8_keys():
     """The context shift dequantizes the keys that move down, rotates them in float32 and quantizes them again with
     new scales: what rotating the stored keys' values gives, within the new rounding; the sinks' rows untouched."""
     from model.engine.context_shift import ContextShift
-    from model.engine.kv_window import evict
+    from model.features.kv_window import evict
     from model.kernels.ops import apply_rotary_tables
     from model.transformer import rotary_tables
 

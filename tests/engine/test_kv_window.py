@@ -1,4 +1,4 @@
-"""The sink + window KV cache (model/engine/kv_window.py): the engine computes what the paper's formulation computes
+"""The sink + window KV cache (model/features/kv_window/schedule.py): the engine computes what the paper's formulation computes
 (tests/streaming_reference.py: unrotated keys rotated at cache positions, one token at a time), whatever the
 chunking, batch, decode path or preemption; its blocks stay bounded; generation runs past the context."""
 
@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from model import kernels
-from model.engine import Engine, EngineConfig, KVWindow, RequestOptions, SamplingParams
+from model.engine import Engine, EngineConfig, RequestOptions, SamplingParams
+from model.features import KVWindow
 from streaming_reference import StreamingReference
 from test_engine import assert_pool_clean, run
 from tiny import byte_tokenizer
@@ -159,7 +160,7 @@ def test_window_must_fit_the_context(model):
 def test_eviction_rotates_keys_with_the_models_rope(model):
     """The context shift re-rotates a key at position p to p - bs exactly as RoPE at p - bs would rotate it."""
     from model.engine.context_shift import ContextShift
-    from model.engine.kv_window import evict
+    from model.features.kv_window import evict
     from model.kernels.ops import apply_rotary_tables
     from model.transformer import rotary_tables
 

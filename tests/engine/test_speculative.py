@@ -256,7 +256,7 @@ def test_telemetry_of_kept_tokens_under_speculation(model, draft, method, cfg, m
     rejected draft's; with a kv window and a stop string too. Where prefill chunks run through SDPA (the GPU's
     way; here forced), each verification row goes once more through the decode kernel over its own keys: the same
     records within float tolerance."""
-    from model.engine import KVWindow, TelemetryOptions
+    from model.features import KVWindow, TelemetryOptions
     from model.engine.paged_cache import PagedKVCache
 
     cfg = dict(cfg)
@@ -278,9 +278,9 @@ def test_telemetry_of_kept_tokens_under_speculation(model, draft, method, cfg, m
             engine.add_request(rid, prompt, params, options)
         while engine.has_unfinished():
             for o in engine.step():
-                assert len(o.token_ids) == 1 and o.telemetry is not None  # one delta per token, with its record
+                assert len(o.token_ids) == 1 and o.features.get("telemetry") is not None  # one delta per token, with its record
                 got.setdefault(o.request_id, []).append(
-                    (o.token_ids, o.text, o.finish_reason, [getattr(o.telemetry, f) for f in TELEMETRY_FIELDS]))
+                    (o.token_ids, o.text, o.finish_reason, [getattr(o.features.get("telemetry"), f) for f in TELEMETRY_FIELDS]))
         return got
 
     reference = serve(_engine(model, **cfg))
@@ -306,7 +306,7 @@ def test_kv_window_rows_speculate_up_to_each_eviction(model, draft, method):
     """Sink + window sequences draft, never past their next eviction point, and give the output of decoding one
     token at a time: rejected drafts are rolled back before the eviction and key shift that follow them, with sinks
     a whole block (4) and not (6), and past the model's context (max_model_len 64)."""
-    from model.engine import KVWindow
+    from model.features import KVWindow
 
     ps = _prompts(4, seed=3)
     greedy = SamplingParams(max_tokens=90, temperature=0.0, ignore_eos=True, logprobs=2)
@@ -417,7 +417,7 @@ def _chi_squared_p(observed: list[int], expected: list[float]) -> float:
 
 def test_a_wrong_acceptance_rule_fails_the_chi_squared_test(model, monkeypatch):
     """The statistical test above can fail: an engine that keeps every draft skews the verified tokens."""
-    from model.engine import engine as engine_module
+    from model.engine.speculative import verification
 
     def keep_all(self, seq, sampled):
         drafts = seq.draft_token_ids
@@ -426,7 +426,7 @@ def test_a_wrong_acceptance_rule_fails_the_chi_squared_test(model, monkeypatch):
         self.drafter.resolved(seq, len(drafts), len(drafts))
         return [(d, lp) for d, (_, lp) in zip(drafts, sampled)] + [sampled[len(drafts)]]
 
-    monkeypatch.setattr(engine_module.Engine, "_resolve_drafts", keep_all)
+    monkeypatch.setattr(verification.Verification, "resolve", keep_all)
     seconds, p2, _, _, _ = _verified_samples(model)
     keys = sorted(p2)
     assert _chi_squared_p([seconds.count(k) for k in keys], [p2[k] * len(seconds) for k in keys]) < 1e-6

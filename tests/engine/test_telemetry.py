@@ -1,4 +1,4 @@
-"""Attention telemetry (model/engine/telemetry.py): the decode kernels' record of each row's softmax equals its
+"""Attention telemetry (model/features/telemetry/): the decode kernels' record of each row's softmax equals its
 definition, the engine's per-token telemetry equals /inspect's rows of the same final sequence on every path, and
 asking for it changes no token or logit."""
 
@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from model import kernels
-from model.engine import Engine, EngineConfig, KVWindow, RequestOptions, SamplingParams, TelemetryOptions
+from model.engine import Engine, EngineConfig, RequestOptions, SamplingParams
+from model.features import KVWindow, TelemetryOptions
 from model.kernels import attention_telemetry
 from model.kernels.attention_telemetry import AttentionTelemetry
 from model.probes import ProbeOptions, inspect
@@ -114,13 +115,13 @@ def test_engine_telemetry_is_inspects_rows_and_changes_nothing(cfg):
     elif not cfg:
         assert engine.runner.path_counts["native"] == 14  # every step, the prefill too (paged_prefill)
     seq = prompt + [o.token_ids[0] for o in outs]
-    rows = [o.telemetry.position for o in outs]
+    rows = [o.features.get("telemetry").position for o in outs]
     assert rows == list(range(len(prompt) - 1, len(seq) - 1))
     probe = inspect(model, seq, ProbeOptions(mode="rows", rows=rows, include=frozenset({"attention", "massive"})))
     for layer in probe.layers:
         p = layer.maps.values  # (H, R, T)
         for i, o in enumerate(outs):
-            t = o.telemetry
+            t = o.features.get("telemetry")
             assert torch.allclose(t.sink_mass[layer.layer], p[:, i, 0], atol=1e-5)
             order = torch.sort(p[:, i], dim=-1, descending=True, stable=True)
             assert torch.equal(t.top_positions[layer.layer], order.indices[:, :4])
@@ -142,7 +143,7 @@ def test_massive_activation_fields_read_the_tokens_hidden_state():
         for h in hooks:
             h.remove()
     _, outs = _generate(model, prompt, 1, TelemetryOptions(massive_threshold=1.0, massive_ratio=2.0, massive_top_k=2))
-    t = outs[0].telemetry
+    t = outs[0].features.get("telemetry")
     for layer, h in hidden.items():
         mag = h.abs()
         top = mag.topk(2)
@@ -162,21 +163,21 @@ def test_windowed_telemetry_reports_token_positions_and_the_sinks_mass():
     for cfg in PATHS[:2]:
         _, outs = _generate(model, prompt, 40, TelemetryOptions(top_k=6), window=w, **cfg)
         for o in outs:
-            t, q = o.telemetry, o.telemetry.position
+            t, q = o.features.get("telemetry"), o.features.get("telemetry").position
             assert t.sink_tokens == 3
             kept = set(range(3)) | set(range(3 + w.evicted(q, 4), q + 1))
             got = set(t.top_positions.flatten().tolist()) - {-1}
             assert got <= kept, (q, sorted(got - kept))
-        assert max(o.telemetry.top_positions.max().item() for o in outs) == len(prompt) + 40 - 2
+        assert max(o.features.get("telemetry").top_positions.max().item() for o in outs) == len(prompt) + 40 - 2
 
 
 def test_no_telemetry_no_extra_work(monkeypatch):
     """A step in which nobody asked builds nothing: the runner hands every path a metadata without telemetry (the
     prefill's general step asks and gets None; the decode steps after it take the decode path, which has none)."""
-    from model.engine import model_runner
+    from model.features.telemetry import feature
 
     seen = []
-    real = model_runner.step_telemetry
-    monkeypatch.setattr(model_runner, "step_telemetry", lambda *a: seen.append(real(*a)) or seen[-1])
+    real = feature.step_telemetry
+    monkeypatch.setattr(feature, "step_telemetry", lambda *a: seen.append(real(*a)) or seen[-1])
     _generate(tiny_model(), [1, 2, 3], 5, None)
     assert len(seen) == 1 and all(s is None for s in seen)

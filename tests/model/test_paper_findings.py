@@ -135,11 +135,11 @@ def engine_perplexity(model, tok, ids: list[int], window) -> float:
 @pytest.mark.slow
 @pytest.mark.skipif(not GPL3.is_file(), reason=f"{GPL3} (Debian's base-files) is not on this machine")
 def test_the_engines_sink_window_cache_keeps_the_finding(default_model):
-    """The same 1,536 tokens through the engine's sink + window cache (model/engine/kv_window.py: a rolling cache,
+    """The same 1,536 tokens through the engine's sink + window cache (model/features/kv_window/schedule.py: a rolling cache,
     positions within it, blocks evicted from the middle): with 4 sinks within 1.1x of full attention, and the window
     alone (the paper's control, sink_tokens 0) at least 1.5x worse. The README's table comes from
     benchmarks/streaming.py, which asks the server the same over HTTP."""
-    from model.engine import KVWindow
+    from model.features import KVWindow
 
     model, tok = default_model.model, default_model.tokenizer
     ids = tok.encode(GPL3.read_text())[:1536]

@@ -10,7 +10,7 @@ import torch
 from hf_checkpoints import FAMILIES, save_tiny_family
 from model.engine import Engine, EngineConfig, RequestOptions
 from model.engine.sampling_params import SamplingParams
-from model.engine.telemetry_options import TelemetryOptions
+from model.features import TelemetryOptions
 from model.interventions import HiddenStateRead, Intervention
 from model.loaders.hf import load_hf
 from model.probes import ProbeOptions, ProbeRun
@@ -89,7 +89,7 @@ def test_engine_reads_and_telemetry_follow_hf(family):
         for o in engine.step():
             tokens += o.token_ids
             reads += [o.hidden_states] if o.hidden_states is not None else []
-            tel += [o.telemetry] if o.telemetry is not None else []
+            tel += [o.features.get("telemetry")] if o.features.get("telemetry") is not None else []
     seq = prompt + tokens
     ref = hf_hidden(hf, seq[:-1])
     got = torch.cat([h.values for h in reads])

@@ -52,13 +52,14 @@ class CompletionChoices:
             text, lp = self._echo_text(choice) + out.text, self._echo_logprobs(choice, out)
             self._started.add(choice)
         lp = self._add_logprobs(lp, out)
-        if not text and not out.finished and lp is None and out.hidden_states is None and out.telemetry is None:
+        telemetry = out.features.get("telemetry")  # the per-row feature's value for this token (model/features/)
+        if not text and not out.finished and lp is None and out.hidden_states is None and telemetry is None:
             return None
         c = {"index": choice, "text": text, "logprobs": lp.as_dict() if lp else None, "finish_reason": out.finish_reason}
         if self.hidden_dtype is not None:
             c["hidden_states"] = encode_hidden(out.hidden_states, self.hidden_dtype)
-        if out.telemetry is not None:  # every token's chunk is sent, with what produced it
-            c["token_id"], c["inspect"] = out.token_ids[0], fmt.token_telemetry(out.telemetry)
+        if telemetry is not None:  # every token's chunk is sent, with what produced it
+            c["token_id"], c["inspect"] = out.token_ids[0], fmt.token_telemetry(telemetry)
         return c
 
     # ---- collected ------------------------------------------------------------------------------------------

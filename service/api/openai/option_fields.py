@@ -5,7 +5,8 @@ what the engine can serve when the request is submitted (`Serving.add_requests` 
 
 from __future__ import annotations
 
-from model.engine import KVWindow, RequestOptions, SamplingParams, TelemetryOptions
+from model.engine import RequestOptions, SamplingParams
+from model.features import KVWindow, TelemetryOptions
 from model.engine.structured import StructuredOutputSpec
 from service.common.errors import APIError
 from service.microscope.edit_fields import to_edits

@@ -8,7 +8,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from model.engine import RequestOptions, SamplingParams, TelemetryOptions
+from model.engine import RequestOptions, SamplingParams
+from model.features import TelemetryOptions
 from service.common.errors import APIError
 from service.api.openai.option_fields import to_options
 from service.api.openai.sampling_fields import to_sampling_params

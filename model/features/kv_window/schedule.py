@@ -1,5 +1,5 @@
 """The sink + window KV cache (StreamingLLM: Xiao et al., ICLR 2024, "Efficient Streaming Language Models with
-Attention Sinks"), as schedule arithmetic (torch-free; the tensor side is model/engine/context_shift.py).
+Attention Sinks"), as schedule arithmetic (torch-free; the tensor side is the engine's model/engine/context_shift.py).
 
 A windowed sequence keeps the K/V of its first `sink_tokens` tokens and of its most recent tokens; whole blocks
 are evicted from the middle as it grows, so it can run past the model's context with a bounded cache. Its cache is

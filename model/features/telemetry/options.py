@@ -1,4 +1,4 @@
-"""`TelemetryOptions`: what a request asks its tokens to carry (the computation is model/engine/telemetry.py).
+"""`TelemetryOptions`: what a request asks its tokens to carry (the computation is record.py beside it).
 Torch-free, so the per-request record (model/engine/request_options.py) can hold it without the kernels."""
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ Where each number comes from:
   (step_layers' `telemetry` list); the module path reads them with forward hooks on the blocks, installed for
   the step only.
 A step in which no sequence asked runs none of this: no buffers, no hooks, the kernels' plain variants. The CUDA
-graphs' step declines such steps (its graphs are captured without telemetry) and the module path serves them.
+graphs are captured without telemetry: a step carrying it runs the native or the module path (`paths`).
 
 The query row of a sampled token is the token before it (`position`): what the model looked at when it produced the
 token. Its attention row is /inspect's row at that position (a test holds the two equal); the massive-activation
@@ -23,20 +23,15 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterator
+from typing import Iterator
 
 import numpy as np
 import torch
 from torch import Tensor
 
+from model.features.protocol import Part, SequenceView, StepView
 from model.kernels import ops
 from model.kernels.attention_telemetry import AttentionTelemetry
-
-if TYPE_CHECKING:
-    from model.engine.paged_cache import SeqSlice
-    from model.engine.request import Sequence
-    from model.engine.scheduler import ScheduledSeq
-
 
 
 @dataclass
@@ -60,7 +55,7 @@ class TokenTelemetry:
 class TelemetryRow:
     """A sampled sequence whose token carries telemetry: where its query row is in this step."""
 
-    seq: Sequence
+    seq: SequenceView
     packed_row: int  # its query's row in the packed batch
     position: int  # that query's token position
     decode_index: int | None  # its index among the step's decode rows, or None (the last row of a prefill chunk)
@@ -68,8 +63,11 @@ class TelemetryRow:
     cache_len: int  # keys its query attends over
 
 
-class StepTelemetry:
-    """One step's telemetry buffers (slots j = 0..Rt-1, one per row in `rows`) and how each path fills them."""
+class StepTelemetry(Part):
+    """One step's telemetry buffers (slots j = 0..Rt-1, one per row in `rows`) and how each path fills them: the
+    feature's part of the step (model/features/protocol.py)."""
+
+    paths = frozenset({"native", "module"})  # the CUDA graphs are captured without it
 
     def __init__(self, rows: list[TelemetryRow], num_decode: int, n_layers: int, n_heads: int, dim: int,
                  device: torch.device, dtype: torch.dtype) -> None:
@@ -94,28 +92,29 @@ class StepTelemetry:
                          torch.tensor([j], dtype=torch.long, device=device))
                         for j, r in enumerate(rows) if r.decode_index is None]
 
-    def layer(self, layer: int, slot: Tensor | None = None) -> AttentionTelemetry:
+    def attention_recorder(self, layer: int, slot: Tensor | None = None) -> AttentionTelemetry:
         """What decode_attention records into for `layer` (the step's decode rows, or one row's `slot`)."""
         return AttentionTelemetry(self.slot if slot is None else slot, self.sink_len, self.sink_mass[layer],
                                   self.top_pos[layer], self.top_prob[layer])
 
-    def native_args(self) -> list[Tensor]:
+    def native_args(self) -> dict[str, list[Tensor]]:
         """step_layers' telemetry list (model/kernels/csrc/step_layers.cpp)."""
-        return [self.slot, self.sink_len, self.sink_mass, self.top_pos, self.top_prob, self.hidden]
+        return {"telemetry": [self.slot, self.sink_len, self.sink_mass, self.top_pos, self.top_prob, self.hidden]}
 
-    def attend_prefill_rows(self, layer: int, q: Tensor, k_pool: Tensor, v_pool: Tensor, window: int = 0,
-                            scale: float = 0.0) -> None:
+    def after_attention(self, layer: int, q: Tensor, k_pool: Tensor, v_pool: Tensor, window: int = 0,
+                        scale: float = 0.0) -> None:
         """q (1, N, H, E) of the step; the prefill rows' K/V are in the pools already. Each asking prefill row's last
         query once more through the decode kernel, its output thrown away, its telemetry kept. `window`, `scale`:
         the model's sliding window and attention scale (`ops.decode_attention`)."""
         zero = torch.zeros(1, dtype=torch.long, device=q.device)
         for row, table, lens, slot in self.prefill:
             qr = q[0, row : row + 1]  # (1, H, E)
-            ops.decode_attention(qr, k_pool, v_pool, zero, table, lens, torch.empty_like(qr), self.layer(layer, slot),
+            ops.decode_attention(qr, k_pool, v_pool, zero, table, lens, torch.empty_like(qr),
+                                 self.attention_recorder(layer, slot),
                                  window, scale)
 
     @contextlib.contextmanager
-    def hidden_hooks(self, model: torch.nn.Module) -> Iterator[None]:
+    def module_hooks(self, model: torch.nn.Module) -> Iterator[None]:
         """The module path: each block's output rows for the asking rows, read by forward hooks for this step only."""
         def keep(layer: int):
             def hook(_module, _inputs, out: Tensor) -> None:  # out (1, N, D)
@@ -129,9 +128,15 @@ class StepTelemetry:
             for h in handles:
                 h.remove()
 
-    def results(self) -> dict[Sequence, list[TokenTelemetry]]:
+    def collect(self, outputs: dict) -> None:
         """Each asking sequence's TokenTelemetry per sampled row, in row order (one, or a drafting sequence's
-        verification rows), computed for all rows at once (CPU tensors)."""
+        verification rows), under "telemetry"."""
+        for seq, records in self.results().items():
+            outputs.setdefault(seq, {})["telemetry"] = records
+
+    def results(self) -> dict[SequenceView, list[TokenTelemetry]]:
+        """Each asking sequence's TokenTelemetry per sampled row, in row order, computed for all rows at once (CPU
+        tensors)."""
         rows = self.rows
         pos = self.top_pos.cpu()
         if any(r.seq.num_evicted for r in rows):
@@ -156,7 +161,7 @@ class StepTelemetry:
         top_flag = flagged.gather(-1, top.indices)
         values = h.gather(-1, top.indices)
         sink, prob = self.sink_mass.cpu(), self.top_prob.cpu()
-        out: dict[Sequence, list[TokenTelemetry]] = {}
+        out: dict[SequenceView, list[TokenTelemetry]] = {}
         for j, r in enumerate(rows):
             o, k = opts[j], r.seq.request.options.telemetry.top_k
             out.setdefault(r.seq, []).append(TokenTelemetry(
@@ -166,32 +171,31 @@ class StepTelemetry:
         return out
 
 
-def _sink_tokens(seq: Sequence) -> int:
+def _sink_tokens(seq: SequenceView) -> int:
     """Keys counted as sinks: a kv_window's sink tokens, else token 0 (Xiao et al.'s sink, /inspect's sink_mass)."""
     return seq.window.sink_tokens if seq.window is not None else 1
 
 
-def step_telemetry(scheduled: list[ScheduledSeq], slices: list[SeqSlice], sample: list[tuple[Sequence, int]],
-                   model: torch.nn.Module, device: torch.device, paged_prefill: bool = False) -> StepTelemetry | None:
-    """The step's telemetry, or None when no sampled sequence asked for it. `scheduled` and `slices` in step order,
-    `sample` the (sequence, logits row) pairs sampled this step: a sequence's last row, or each of a drafting
-    sequence's verification rows (its chunk's last 1 + drafts rows), each of which gets a record. `paged_prefill`
-    (`PagedKVCache.paged_prefill`): every row of the step is a decode-kernel row, prefill chunks' last rows included;
-    otherwise a sampled row of a chunk of several is run once more through the decode kernel (attend_prefill_rows)."""
+def step_telemetry(step: StepView) -> StepTelemetry | None:
+    """The step's telemetry, or None when no sampled sequence asked for it. Each of `step.sample`'s rows of an asking
+    sequence gets a record: a sequence's last row, or each of a drafting sequence's verification rows (its chunk's
+    last 1 + drafts rows). `step.paged_prefill`: every row of the step is a decode-kernel row, prefill chunks' last
+    rows included; otherwise a sampled row of a chunk of several is run once more through the decode kernel
+    (after_attention)."""
+    paged_prefill = step.paged_prefill
     asking: dict[int, int] = {}  # id(seq) -> its sampled rows
-    for seq, _ in sample:
+    for seq, _ in step.sample:
         if seq.request.options.telemetry is not None:
             asking[id(seq)] = asking.get(id(seq), 0) + 1
     if not asking:
         return None
     rows, r = [], 0
-    for s, sl in zip(scheduled, slices):
-        seq = s.seq
+    for sl in step.rows:
+        seq = sl.seq
         for i in range(sl.num_new - asking.get(id(seq), 0), sl.num_new):  # its sampled rows: the chunk's last
             decode_index = r + i if paged_prefill else (r if sl.num_new == 1 else None)
             keys = sl.context_len - (sl.num_new - 1 - i)  # the row attends to the keys up to its own
-            rows.append(TelemetryRow(seq, sl.start + i, seq.num_computed_tokens + i, decode_index, list(sl.block_ids),
-                                     keys))
+            rows.append(TelemetryRow(seq, sl.start + i, sl.num_computed + i, decode_index, list(sl.block_ids), keys))
         r += sl.num_new if paged_prefill else sl.num_new == 1
-    c = model.config
-    return StepTelemetry(rows, r, c.n_layers, c.n_heads, c.dim, device, model.dtype)
+    c = step.model.config
+    return StepTelemetry(rows, r, c.n_layers, c.n_heads, c.dim, step.device, step.model.dtype)

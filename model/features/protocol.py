@@ -1,0 +1,212 @@
+"""The per-row feature protocol: what the engine, the runner and the execution paths call, at fixed points, of
+each feature a request can carry (model/features/registry.py lists them), and the views of a step they get.
+
+A per-row feature is something a request carries beside its prompt and sampling that changes, reads or adds to
+what its own rows compute, never its neighbours' (attention telemetry, hidden-state reads, interventions, ...). Its
+folder owns every stage of it; the engine names none of them and calls, for each registered `Feature`:
+
+    check(value)              the request's option against the engine the feature is bound to (InvalidOption
+                              naming the request field); any thread, fixed configuration only (`Engine.check`)
+    admit(value, P, config)   its per-request state, made once against the prompt (P tokens) at admission
+    prefix_key(request)       its share of the root of the request's prefix-cache keys (K/V it changes is not the
+                              base's), and block_key(state, start, end) its share of one block's key
+    plain(value)              whether rows carrying it are still plain decoders (the engine's decode path:
+                              nothing per row but tokens, positions and block tables); a class method, as is
+                              block_key: they depend on the request alone
+    prepare(step)             its part of one step (`Part`), or None when no row of the step carries it
+    metrics()                 its counters, for the engine's stats
+
+and, for the `Part` a step carries, on the path the runner chose:
+
+    paths                     the execution paths (`PATHS`) that can run a step carrying it: the runner picks the
+                              first of its order that every part allows ("module", the reference, runs every
+                              part: a part always lists it)
+    module_hooks(model)       the module path: hooks installed for the step only
+    attention_recorder(l)     what the decode-attention kernel records into at layer l (every path's kernel)
+    after_attention(...)      the module path, once a layer's pools hold the step's K/V
+    native_args()             the native step's keyword arguments (model/kernels/csrc/bindings.cpp, step_layers)
+    collect(outputs)          its per-token results into each sequence's outputs, once the forward ran: the engine
+                              sends the kept tokens' values with them, one delta a token
+
+The features see a step through `StepView` (its rows, in order, and the rows it samples) and the engine through
+`EngineView`: plain data, so no feature imports the engine (pyproject.toml's import-linter contract). A sequence
+is the engine's object, read by features through the few attributes `SequenceView` names.
+
+The shape follows two peers. vLLM keeps LoRA in its own package (vllm/lora/: the adapters, their layers and the
+worker's manager, vllm/lora/worker_manager.py) and hands the runner one mixin
+(vllm/v1/worker/lora_model_runner_mixin.py) through which it reaches them: `set_active_loras`, called at one point
+of each step with the step's rows. nnsight keeps interventions apart from the model (nnsight/intervention/interleaver.py: the intervention
+graph runs beside an unchanged model's forward through hooks at module boundaries). Here the hooks are the
+attention context's seams (model/attention.py) and the fused native call's arguments, and the step's rows
+choose which parts run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar, Iterator, Protocol
+
+if TYPE_CHECKING:
+    import torch
+    from torch import Tensor
+
+# The execution paths, in the runner's order of preference (model/engine/model_runner.py)
+PATHS = ("cuda_graph", "native", "module")
+
+
+class InvalidOption(ValueError):
+    """A request option this engine cannot serve (`Feature.check`, `Engine.check`), naming the request field the
+    API reports."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class SequenceView(Protocol):
+    """What a feature reads of one of the engine's sequences (model/engine/request.py's `Sequence`)."""
+
+    request: Any  # .options (the request's RequestOptions), .params
+    num_computed_tokens: int
+    num_evicted: int  # a kv_window's evicted tokens: cache position + num_evicted = token position past the sinks
+    window: Any  # the request's kv_window, or None
+
+
+@dataclass
+class StepRow:
+    """One scheduled sequence's rows of a step: packed rows start .. start + num_new - 1, computing its tokens
+    num_computed .. num_computed + num_new - 1, attending over `context_len` cache positions in `block_ids`."""
+
+    seq: SequenceView
+    start: int
+    num_new: int
+    num_computed: int
+    context_len: int
+    block_ids: list[int]
+
+
+@dataclass
+class StepView:
+    """One step as a feature prepares its part: its rows in order, the (sequence, logits row) pairs it samples (a
+    sequence that caught up: its last row; a drafting one: 1 + drafts rows), the model, its device, and whether
+    prefill rows attend over the pool row by row as decode rows do (`PagedKVCache.paged_prefill`)."""
+
+    rows: list[StepRow]
+    sample: list[tuple[SequenceView, int]]
+    model: torch.nn.Module
+    device: torch.device
+    paged_prefill: bool = False
+
+
+@dataclass(frozen=True)
+class EngineView:
+    """The engine's fixed configuration, as `Feature.check` reads it."""
+
+    distributed: bool  # tensor parallelism: a step's rows run across processes
+    max_model_len: int
+    block_size: int
+
+
+class Part:
+    """A feature's share of one step. The defaults do nothing, so a part overrides only the stages it takes."""
+
+    paths: ClassVar[frozenset[str]] = frozenset(PATHS)
+
+    def module_hooks(self, model: torch.nn.Module) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def attention_recorder(self, layer: int) -> Any:
+        """What `ops.decode_attention` records into at `layer` (model/kernels/attention_telemetry.py), or None."""
+        return None
+
+    def after_attention(self, layer: int, q: Tensor, k_pool: Tensor, v_pool: Tensor, window: int, scale: float) -> None:
+        """The module path, after a layer's K/V are written: q (1, N, H, E) of the step."""
+
+    def native_args(self) -> dict[str, Any]:
+        return {}
+
+    def collect(self, outputs: dict[Any, dict[str, list]]) -> None:
+        """Its per-token results: outputs[sequence][feature name] = one value per sampled row, in row order."""
+
+
+class Feature:
+    """One per-row feature (a subclass per folder, listed in the registry), one instance per engine, bound to it:
+    what it keeps per engine is its own. `name` is the `RequestOptions` field it reads, the key of its per-request
+    state and of its per-token outputs."""
+
+    name: ClassVar[str]
+    # its arguments of the fused native call when no row of the step carries it (the binding's required ones)
+    native_defaults: ClassVar[dict[str, Any]] = {}
+
+    def __init__(self, engine: EngineView) -> None:
+        self.engine = engine
+
+    @classmethod
+    def value(cls, options: Any) -> Any:
+        return getattr(options, cls.name)
+
+    @classmethod
+    def plain(cls, value: Any) -> bool:
+        """Whether rows carrying `value` still run as plain decoders (most features need the general step)."""
+        return value is None
+
+    @classmethod
+    def block_key(cls, state: Any, start: int, end: int) -> bytes | None:
+        """Its share of the prefix-cache key of the block of positions [start, end), from its per-request state:
+        None where it changes nothing there (the block hashes as the base's)."""
+        return None
+
+    def check(self, value: Any) -> None:
+        """InvalidOption naming the request field when this engine cannot serve `value` (never None here)."""
+
+    def admit(self, value: Any, num_prompt_tokens: int, model_config: Any) -> Any:
+        """Its per-request state (kept on the request under `name`), or None."""
+        return None
+
+    def prefix_key(self, request: Any) -> bytes | None:
+        return None
+
+    def prepare(self, step: StepView) -> Part | None:
+        return None
+
+    def metrics(self) -> dict[str, float]:
+        return {}
+
+
+@dataclass
+class StepParts:
+    """The parts of one step's features, as the runner and the paths read them."""
+
+    parts: list[Part] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.parts)
+
+    def allow(self, path: str) -> bool:
+        """Whether every part can run on `path`."""
+        return all(path in p.paths for p in self.parts)
+
+    @property
+    def recorder(self) -> Part | None:
+        """The part whose attention the decode kernel records (one a step: the kernel takes one recorder)."""
+        return next((p for p in self.parts if type(p).attention_recorder is not Part.attention_recorder), None)
+
+    @contextlib.contextmanager
+    def module_hooks(self, model: torch.nn.Module) -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            for p in self.parts:
+                stack.enter_context(p.module_hooks(model))
+            yield
+
+    def native_args(self) -> dict[str, Any]:
+        args: dict[str, Any] = {}
+        for p in self.parts:
+            args.update(p.native_args())
+        return args
+
+    def collect(self) -> dict[Any, dict[str, list]]:
+        out: dict[Any, dict[str, list]] = {}
+        for p in self.parts:
+            p.collect(out)
+        return out
