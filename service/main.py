@@ -27,6 +27,8 @@ def create_app(settings: Settings | None = None, loaded: LoadedModel | None = No
     from starlette.middleware.cors import CORSMiddleware
 
     from service import errors, openapi
+    from service.api.anthropic import route as anthropic
+    from service.api.anthropic.errors import AnthropicErrors
     from service.middleware import GuardMiddleware
     from service.routes import attribute, chat, completions, info, inspect, lora, patch, responses, vectors
 
@@ -50,13 +52,14 @@ def create_app(settings: Settings | None = None, loaded: LoadedModel | None = No
     openapi.install(app, state)
     for r in (completions.router, chat.router, responses.router, info.router, inspect.router, patch.router,
               attribute.router,
-              vectors.router):
+              vectors.router, anthropic.router):
         app.include_router(r)
     if settings.enable_lora_runtime_updates:
         app.include_router(lora.router)
     key = settings.api_key.get_secret_value() if settings.api_key else None
     app.add_middleware(GuardMiddleware, api_key=key, max_body_bytes=settings.max_body_bytes,
                        metrics_require_key=settings.metrics_require_key, requests_counter=state.metrics.requests)
+    app.add_middleware(AnthropicErrors)  # around the guard: its 401 / 413 under /v1/messages in Anthropic's envelope
     if origins := allowed_origins(settings):
         # Outermost (added last), as vLLM's --allowed-origins: a browser's preflight OPTIONS carries no API key and
         # must be answered before the key check, and refusals (401, 413) get the CORS headers the page needs to
