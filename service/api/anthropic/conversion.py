@@ -186,11 +186,14 @@ _RENAMES = [(re.compile(p), r) for p, r in (
 
 def in_anthropic_terms(e: APIError) -> APIError:
     """A refusal the chat machinery raised, with its field names (in `param` and in the message) as this request
-    spells them."""
+    spells them. Anthropic's envelope has no `param`, so a message that does not name its field starts with it."""
     def rename(text: str | None) -> str | None:
         for pattern, replacement in _RENAMES:
             text = pattern.sub(replacement, text) if text is not None else None
         return text
 
-    return APIError(e.status, rename(e.message), rename(e.param), e.code, e.headers)
+    message, param = rename(e.message), rename(e.param)
+    if param is not None and param not in message:
+        message = f"{param}: {message}"
+    return APIError(e.status, message, param, e.code, e.headers)
 

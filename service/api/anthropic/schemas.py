@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
 from service.schemas import (ChatTemplateKwargs, Float, Int, JsonSchemaObject, NonEmptyText, StopText, Text,
                              check_stop)
@@ -24,6 +24,19 @@ from service.schemas import (ChatTemplateKwargs, Float, Int, JsonSchemaObject, N
 ToolName = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")]
 ToolUseId = Annotated[str, Field(min_length=1, max_length=256)]
 MAX_MESSAGES = 1024  # as /v1/chat/completions
+
+
+def text_or(blocks):
+    """A string, or a list of blocks: told apart by the value's type, so that a refusal speaks of the branch the
+    client meant (a union would report the string branch's failure first). The tags are ones the error messages
+    leave out of a field's path (service/errors.py)."""
+    return Annotated[Union[Annotated[Text, Tag("str")], Annotated[list[blocks], Tag("list[blocks]")]],
+                     Discriminator(lambda v: "str" if isinstance(v, str) else "list[blocks]")]
+
+
+def _role(v) -> str | None:
+    role = v.get("role") if isinstance(v, dict) else getattr(v, "role", None)
+    return f"[{role}]" if role in ("user", "assistant", "system") else None
 
 
 class Strict(BaseModel):
@@ -56,7 +69,7 @@ class ToolUseBlock(Strict):
 class ToolResultBlock(Strict):
     type: Literal["tool_result"]
     tool_use_id: ToolUseId
-    content: Text | list[TextBlock] | None = None
+    content: text_or(TextBlock) | None = None
     is_error: bool = False
     cache_control: CacheControl | None = None
 
@@ -89,12 +102,12 @@ AssistantBlock = Annotated[Union[TextBlock, ToolUseBlock, ThinkingBlock, Redacte
 
 class UserMessage(Strict):
     role: Literal["user"]
-    content: Text | list[UserBlock]
+    content: text_or(UserBlock)
 
 
 class AssistantMessage(Strict):
     role: Literal["assistant"]
-    content: Text | list[AssistantBlock]
+    content: text_or(AssistantBlock)
 
 
 class SystemMessage(Strict):
@@ -102,10 +115,13 @@ class SystemMessage(Strict):
     top-level `system` prompt, as vLLM does with it."""
 
     role: Literal["system"]
-    content: Text | list[TextBlock]
+    content: text_or(TextBlock)
 
 
-Message = Annotated[Union[UserMessage, AssistantMessage, SystemMessage], Field(discriminator="role")]
+Message = Annotated[Union[Annotated[UserMessage, Tag("[user]")], Annotated[AssistantMessage, Tag("[assistant]")],
+                          Annotated[SystemMessage, Tag("[system]")]],
+                    Discriminator(_role, custom_error_type="invalid_role",
+                                  custom_error_message="role must be 'user', 'assistant' or 'system'")]
 
 
 class Tool(Strict):
@@ -188,7 +204,7 @@ class ConversationFields(Strict):
 
     model: Annotated[str, Field(min_length=1, max_length=256)]
     messages: list[Message] = Field(min_length=1, max_length=MAX_MESSAGES)
-    system: Text | list[TextBlock] | None = None
+    system: text_or(TextBlock) | None = None
     tools: Annotated[list[Tool], Field(max_length=128)] | None = None
     tool_choice: ToolChoice | None = None
     thinking: ThinkingConfig | None = None
