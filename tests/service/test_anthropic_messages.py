@@ -400,3 +400,34 @@ def test_thinking_disabled_reaches_the_template(reasoning):
         model="scripted", messages=messages, thinking={"type": "disabled"}).input_tokens
     on = reasoning.client.messages.count_tokens(model="scripted", messages=messages).input_tokens
     assert on < total_input(off.usage)
+
+
+def test_the_conversation_as_chat_messages():
+    """The conversion, field by field, against the chat messages the peers build for it (vLLM's
+    entrypoints/anthropic/serving.py, llama.cpp's server_chat_convert_anthropic_to_oai)."""
+    from service.api.anthropic.conversion import chat_messages
+    from service.api.anthropic.schemas import MessagesRequest
+
+    req = MessagesRequest.model_validate({"model": "m", "max_tokens": 4, "system": [
+        {"type": "text", "text": "A. ", "cache_control": {"type": "ephemeral"}}, {"type": "text", "text": "B."}],
+        "messages": [
+            {"role": "user", "content": "one"}, {"role": "user", "content": [{"type": "text", "text": "two"}]},
+            {"role": "system", "content": " C."},
+            {"role": "assistant", "content": [
+                {"type": "thinking", "thinking": "hmm", "signature": "s"}, {"type": "redacted_thinking", "data": "x"},
+                {"type": "text", "text": "Calling."},
+                {"type": "tool_use", "id": "toolu_a", "name": "f", "input": {"x": 1}},
+                {"type": "tool_use", "id": "toolu_b", "name": "g", "input": {}}]},
+            {"role": "user", "content": [
+                {"type": "tool_result", "tool_use_id": "toolu_b", "content": [{"type": "text", "text": "B!"}]},
+                {"type": "tool_result", "tool_use_id": "toolu_a", "content": "A!", "is_error": True},
+                {"type": "text", "text": "So?"}]}]})
+    assert chat_messages(req) == [
+        {"role": "system", "content": "A. B. C."},
+        {"role": "user", "content": [{"type": "text", "text": "one"}, {"type": "text", "text": "two"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "Calling."}], "reasoning_content": "hmm",
+         "tool_calls": [{"id": "toolu_a", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}},
+                        {"id": "toolu_b", "type": "function", "function": {"name": "g", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "toolu_b", "content": "B!"},
+        {"role": "tool", "tool_call_id": "toolu_a", "content": "A!"},
+        {"role": "user", "content": [{"type": "text", "text": "So?"}]}]
