@@ -202,7 +202,7 @@ class Metadata(Strict):
 class ConversationFields(Strict):
     """What a conversation's prompt is made of: shared by /v1/messages and /v1/messages/count_tokens."""
 
-    model: Annotated[str, Field(min_length=1, max_length=256)]
+    model: Annotated[str, Field(min_length=1, max_length=256)] | None = None  # the served model (Anthropic: required)
     messages: list[Message] = Field(min_length=1, max_length=MAX_MESSAGES)
     system: text_or(TextBlock) | None = None
     tools: Annotated[list[Tool], Field(max_length=128)] | None = None
