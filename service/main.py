@@ -28,6 +28,8 @@ def create_app(settings: Settings | None = None, loaded: LoadedModel | None = No
 
     from service.common import errors, health, openapi
     from service.common.middleware import GuardMiddleware
+    from service.api.anthropic import route as anthropic
+    from service.api.anthropic.errors import AnthropicErrors
     from service.api.openai.routes import adapters, chat, completions, models, responses
     from service.microscope.routes import attribute, compare, inspect, patch, vectors, viewer
 
@@ -50,13 +52,15 @@ def create_app(settings: Settings | None = None, loaded: LoadedModel | None = No
     errors.install(app)
     openapi.install(app, state)
     for r in (completions.router, chat.router, responses.router, health.router, models.router, inspect.router,
-              compare.router, patch.router, attribute.router, vectors.router, viewer.router):
+              compare.router, patch.router, attribute.router, vectors.router, viewer.router,
+              anthropic.router):
         app.include_router(r)
     if settings.enable_lora_runtime_updates:
         app.include_router(adapters.router)
     key = settings.api_key.get_secret_value() if settings.api_key else None
     app.add_middleware(GuardMiddleware, api_key=key, max_body_bytes=settings.max_body_bytes,
                        metrics_require_key=settings.metrics_require_key, requests_counter=state.metrics.requests)
+    app.add_middleware(AnthropicErrors)  # around the guard: its 401 / 413 under /v1/messages in Anthropic's envelope
     if origins := allowed_origins(settings):
         # Outermost (added last), as vLLM's --allowed-origins: a browser's preflight OPTIONS carries no API key and
         # must be answered before the key check, and refusals (401, 413) get the CORS headers the page needs to

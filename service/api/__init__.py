@@ -1,1 +1,1 @@
-"""The serving face: OpenAI-compatible APIs."""
+"""The serving face: the OpenAI-compatible API (openai/) and Anthropic's Messages API (anthropic/)."""

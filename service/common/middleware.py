@@ -15,7 +15,7 @@ OPEN_PATHS = {"/health", "/inspect/ui", "/inspect/ui/inspect.js", "/inspect/ui/p
 # Requests to these are counted in llamascope_requests_total{endpoint,status} here, at the edge, so that refusals
 # before any route code runs (401, 413, validation 400, 404) are counted like everything else.
 COUNTED = {"/v1/completions": "completions", "/v1/chat/completions": "chat", "/v1/responses": "responses",
-           "/inspect": "inspect"}
+           "/v1/messages": "messages", "/inspect": "inspect"}
 
 
 class GuardMiddleware:
@@ -25,6 +25,13 @@ class GuardMiddleware:
         self.api_key = api_key.encode() if api_key else None
         self.max_body = max_body_bytes
         self.open_paths = OPEN_PATHS | (set() if metrics_require_key else {"/metrics"})
+
+    def _authorized(self, headers: dict[bytes, bytes]) -> bool:
+        """The key as a bearer token (OpenAI's clients) or in `x-api-key` (Anthropic's; llama.cpp's server takes
+        both too)."""
+        scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
+        bearer = scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.api_key)
+        return bearer or hmac.compare_digest(headers.get(b"x-api-key", b"").strip(), self.api_key)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -39,12 +46,9 @@ class GuardMiddleware:
                 await inner_send(message)
 
         headers = dict(scope.get("headers") or [])
-        if self.api_key is not None and scope["path"] not in self.open_paths:
-            auth = headers.get(b"authorization", b"")
-            scheme, _, token = auth.partition(b" ")
-            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.api_key):
-                return await _reply(send, 401, "missing or invalid API key (send Authorization: Bearer <key>)",
-                                    code="invalid_api_key", extra=[(b"www-authenticate", b"Bearer")])
+        if self.api_key is not None and scope["path"] not in self.open_paths and not self._authorized(headers):
+            return await _reply(send, 401, "missing or invalid API key (send Authorization: Bearer <key>, or "
+                                "x-api-key: <key>)", code="invalid_api_key", extra=[(b"www-authenticate", b"Bearer")])
         length = headers.get(b"content-length")
         if length is not None:
             try:

@@ -2,7 +2,8 @@
 tests/service/test_schemathesis.py) can hold it to that:
 
 - every error status a route can answer (400, 401, 404, 409, 413, 429, 500, 503) is declared with the OpenAI envelope
-  as its schema; FastAPI's default 422 is dropped, since validation failures are answered 400 (errors.py);
+  as its schema (Anthropic's under /v1/messages); FastAPI's default 422 is dropped, since validation failures are
+  answered 400 (errors.py);
 - /metrics is Prometheus text, and the generation routes also answer `text/event-stream` (`stream: true`);
 - the deployment's own limits become bounds: token ids below the served vocabulary, `n` up to `--max-n`,
   `logprobs` / `top_logprobs` up to `--max-logprobs`, prompt lists up to `--max-prompts` entries;
@@ -19,6 +20,7 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
+from service.api.anthropic import errors as anthropic_errors
 from service.common.middleware import OPEN_PATHS
 from service.common.state import ServerState
 
@@ -38,7 +40,7 @@ _ERRORS = {400: "invalid request", 401: "missing or invalid API key", 404: "unkn
            413: "request body too large (or, for /inspect and /inspect/attribute, the sequence or the estimated size)",
            409: "a stored vector of that name exists", 429: "queue full (see Retry-After)", 500: "generation failed",
            503: "loading, or shutting down (see Retry-After)"}
-_STREAMING = {"/v1/completions", "/v1/chat/completions", "/v1/responses"}
+_STREAMING = {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages"}
 _QUEUED = _STREAMING | {"/inspect", "/inspect/patch", "/inspect/attribute", "/v1/vectors"}  # routes that can answer 429
 
 
@@ -62,6 +64,9 @@ def _describe(schema: dict[str, Any], state: ServerState) -> None:
     components["schemas"].pop("HTTPValidationError", None)
     components["schemas"].pop("ValidationError", None)
     error_ref = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
+    # everything under /v1/messages answers in Anthropic's envelope (service/api/anthropic/errors.py)
+    components["schemas"]["AnthropicErrorResponse"] = anthropic_errors.ERROR_SCHEMA
+    anthropic_ref = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/AnthropicErrorResponse"}}}}
     open_paths = OPEN_PATHS | (set() if s.metrics_require_key else {"/metrics"})
     if s.api_key is not None:
         components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
@@ -87,7 +92,8 @@ def _describe(schema: dict[str, Any], state: ServerState) -> None:
             if path == "/metrics":
                 responses["200"]["content"] = {"text/plain": {"schema": {"type": "string"}}}
             for code in sorted(codes):
-                responses[str(code)] = {"description": _ERRORS[code], **error_ref}
+                responses[str(code)] = {"description": _ERRORS[code],
+                                        **(anthropic_ref if anthropic_errors.covers(path) else error_ref)}
     if state.loaded is not None:
         _bound(components["schemas"], state)
 

@@ -16,17 +16,17 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from service import errors
+from service.common import errors
 from service.config import allowed_origins
-from service.errors import APIError
-from service.middleware import GuardMiddleware
+from service.common.errors import APIError
+from service.common.middleware import GuardMiddleware
 from service.router.catalog import CatalogEntry, build_catalog
 from service.router.compare import compare_models
 from service.router.metrics import RouterMetrics, aggregate
 from service.router.options import RouterOptions, parse_router_cli
 from service.router.pool import ModelPool
 from service.router.proxy import forward, request_model
-from service.schemas import CompareRequest
+from service.microscope.schemas import CompareRequest
 
 log = logging.getLogger("llamascope.router")
 

@@ -24,11 +24,11 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import Response
 
 from model.probes import DEFAULT_INCLUDES
-from service import inspect_format as fmt
-from service.errors import APIError
-from service.openai_format import now
+from service.microscope import inspect_format as fmt
+from service.common.errors import APIError
+from service.api.openai.format import now
 from service.router.pool import ModelPool
-from service.schemas import CompareRequest
+from service.microscope.schemas import CompareRequest
 
 log = logging.getLogger("llamascope.router")
 _DTYPES = {"float16": "<f2", "float32": "<f4", "int32": "<i4"}

@@ -21,7 +21,7 @@ import time
 import httpx
 
 from model.loaders.memory import available_bytes, check_fits
-from service.errors import APIError
+from service.common.errors import APIError
 from service.router.catalog import CatalogEntry
 from service.router.child import Child
 from service.router.options import RouterOptions, child_environ

@@ -16,7 +16,7 @@ import logging
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
-from service.errors import envelope, error_response
+from service.common.errors import envelope, error_response
 from service.router.child import Child
 from service.router.pool import ModelPool
 from service.router.upstream import UpstreamError

@@ -286,7 +286,7 @@ def test_relabelled_expositions_parse_as_one():
     from prometheus_client import generate_latest
     from prometheus_client.parser import text_string_to_metric_families
 
-    from service.metrics import Metrics
+    from service.common.metrics import Metrics
     from service.router.metrics import relabel
 
     families: dict[str, list[str]] = {}
