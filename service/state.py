@@ -18,6 +18,7 @@ from model.lora import LoRAAdapter, load_adapter
 from model.parallel import TPModel, launch
 from model.dtypes import DTYPES
 from model.text.chat_template import read_template_option
+from service.common.tracing import RequestTracer
 from service.config import Settings, lora_module
 from service.metrics import Metrics
 from service.response_store import ResponseStore
@@ -45,12 +46,15 @@ class ServerState:
     kv_cache_dtype: str = ""  # the KV cache's dtype as served (--kv-cache-dtype resolved)
     kv_cache_tokens: int = 0  # the tokens the KV pool holds (--kv-cache-bytes over the bytes a token takes)
     loader: threading.Thread | None = None  # the thread loading the model, once `start_in_background` began it
+    tracing: RequestTracer | None = None  # --otlp-traces-endpoint: a span per request (service/common/tracing.py)
 
     def __post_init__(self) -> None:
         if self.vectors is None:
             self.vectors = VectorStore(self.settings.max_vectors)
         if self.responses is None:
             self.responses = ResponseStore(self.settings.max_stored_responses)
+        if self.settings.otlp_traces_endpoint and self.tracing is None:
+            self.tracing = RequestTracer(self.settings.otlp_traces_endpoint)
 
     @property
     def stats(self):
@@ -172,6 +176,8 @@ class ServerState:
     def stop(self) -> None:
         if self.engine is not None:
             self.engine.stop()
+        if self.tracing is not None:  # the spans of the last requests go out before the process ends
+            self.tracing.shutdown()
         if self.loaded is not None and isinstance(self.loaded.model, TPModel):
             if self.engine is not None and self.engine.is_running:  # a step may be in flight: leave the workers
                 log.warning("engine thread still running; tensor-parallel workers exit with this process")

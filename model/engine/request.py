@@ -57,6 +57,9 @@ class Sequence:
     num_committed_blocks: int = 0  # leading blocks already registered in the prefix cache
     num_cached_tokens: int = -1  # prompt tokens served from the prefix cache at first schedule (-1: not yet)
     num_preemptions: int = 0
+    # time.perf_counter() when the scheduler first admitted it (a preempted sequence keeps its first): the end of its
+    # time in the queue, as vLLM's `scheduled_ts` (vllm/v1/metrics/stats.py); None while it has never run
+    scheduled_time: float | None = None
     # a kv_window's sequence (model/engine/kv_window.py): non-sink tokens evicted from its cache so far; token t >= S
     # of such a sequence sits at cache position t - num_evicted
     num_evicted: int = 0
