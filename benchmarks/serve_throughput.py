@@ -3,6 +3,7 @@
     .venv/bin/python -m benchmarks.serve_throughput --tiny --concurrency 1 256          # a tiny random LLaMA
     .venv/bin/python -m benchmarks.serve_throughput --tiny --ab ../base --rounds 3      # against another checkout
     .venv/bin/python -m benchmarks.serve_throughput --model m.gguf --arrivals 4 --duration 60
+    .venv/bin/python -m benchmarks.serve_throughput --tiny --tracing --rounds 5         # request traces on vs off
 
 The server is started for the run (`python -m service`, in the measured checkout, with `--server-args`), and the
 client runs in this process (asyncio, httpx, one connection per concurrent request):
@@ -22,6 +23,9 @@ client runs in this process (asyncio, httpx, one connection per concurrent reque
 `--tiny` serves a tiny random LLaMA (2 layers, width 64) with the default model's tokenizer and vocabulary
 (benchmarks/tiny_checkpoint.py): a step's cost is then mostly the server's host work, which is what this measures.
 `--ab DIR` runs the same workload against a server started from another checkout, alternating, in one run.
+`--tracing` runs it against this checkout twice, alternating: without request traces ("off") and with
+`--otlp-traces-endpoint` ("on") pointed at an OTLP/HTTP sink in its own process (benchmarks/otlp_sink.py), which
+counts the spans it received.
 """
 
 from __future__ import annotations
@@ -64,6 +68,7 @@ def _parse(argv):
     p.add_argument("--arrivals", type=float, default=None, help="requests a second, Poisson (continuous arrivals)")
     p.add_argument("--duration", type=float, default=30.0)
     p.add_argument("--ab", type=Path, default=None, help="another checkout to serve the same workload")
+    p.add_argument("--tracing", action="store_true", help="this checkout without and with --otlp-traces-endpoint")
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--python", default=sys.executable, help="the interpreter the servers run under")
     p.add_argument("--out", type=Path, default=None)
@@ -227,9 +232,9 @@ def _key(concurrency: int, client: str) -> str:
     return str(concurrency) if client == "httpx" else f"{concurrency}_{client}"
 
 
-def measure(root: Path, model: str, args) -> dict:
+def measure(root: Path, model: str, args, extra: str = "") -> dict:
     out = {"root": str(root), "closed_loop": {}}
-    with Server(root, model, args.server_args, args.python) as server:
+    with Server(root, model, f"{args.server_args} {extra}", args.python) as server:
         name = httpx.get(server.url + "/v1/models").json()["data"][0]["id"]
         for c in args.concurrency:
             for client in args.clients:
@@ -251,17 +256,32 @@ def main(argv: list[str] | None = None) -> int:
             from benchmarks.tiny_checkpoint import write_tiny_checkpoint
 
             model = str(write_tiny_checkpoint(Path(tmp) / "tiny", default_vocab=True))
-        sides = {"this": ROOT} if args.ab is None else {"base": args.ab.resolve(), "this": ROOT}
+        # side -> (checkout, more server flags); a ratio is the second side's over the first's
+        sides = {"this": (ROOT, "")} if args.ab is None else {"base": (args.ab.resolve(), ""), "this": (ROOT, "")}
+        sink = None
+        if args.tracing:
+            from benchmarks.otlp_sink import Sink
+
+            sink = Sink(args.python)
+            sides = {"off": (ROOT, ""), "on": (ROOT, f"--otlp-traces-endpoint {sink.url}")}
         runs: dict[str, list[dict]] = {s: [] for s in sides}
-        for r in range(args.rounds):
-            for side in (list(sides) if r % 2 == 0 else list(reversed(sides))):
-                runs[side].append(measure(sides[side], model, args))
+        try:
+            for r in range(args.rounds):
+                for side in (list(sides) if r % 2 == 0 else list(reversed(sides))):
+                    spans = sink.spans() if sink is not None else 0
+                    runs[side].append(measure(sides[side][0], model, args, sides[side][1]))
+                    if sink is not None:  # (the server's shutdown exported what it still held)
+                        runs[side][-1]["spans_exported"] = sink.spans() - spans
+        finally:
+            if sink is not None:
+                sink.close()
     summary = {}
+    first, second = list(sides)[0], list(sides)[-1]
     for c in args.concurrency:
         for client in args.clients:
             row = {s: statistics.median(x["closed_loop"][_key(c, client)]["tok_s"] for x in runs[s]) for s in sides}
-            if "base" in row:
-                row["ratio"] = row["this"] / row["base"]
+            if first != second:
+                row["ratio"] = row[second] / row[first]
             summary[f"closed_loop_{_key(c, client)}_tok_s"] = row
     results = {"machine": machine_info("cpu", os.cpu_count() or 1),
                "workload": {k: v for k, v in vars(args).items() if k not in ("out", "ab", "python")},

@@ -16,6 +16,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from model.engine import EngineConfig, SpeculativeConfig
 from model.text.chat_template import ChatTemplate, read_template_option
+from service.common.tracing import check_endpoint
 
 
 class Settings(BaseSettings):
@@ -140,6 +141,12 @@ class Settings(BaseSettings):
         json_schema_extra={"shown_default": "torch's; with --tensor-parallel-size, the cores split among the ranks"})
     tensor_parallel_size: int = Field(
         1, ge=1, description="processes the model is split across (one GPU each on CUDA; see docs/deployment.md)")
+    otlp_traces_endpoint: str | None = Field(
+        None, description="send an OpenTelemetry span of every generation request to this collector over OTLP/HTTP "
+        "protobuf (vLLM's flag), e.g. http://localhost:4318/v1/traces (a URL without a path gets /v1/traces): queue, "
+        "prefill and decode timings, token counts and the GenAI semantic conventions' attributes, parented by the "
+        "request's W3C `traceparent` header (docs/deployment.md#request-traces); needs `pip install .[tracing]`",
+        json_schema_extra={"shown_default": "none (off)"})
     shutdown_grace_seconds: float = Field(30.0, ge=0, description="on SIGTERM: 503 to new requests, in-flight ones get this "
                                           "long (less 1 s) to finish before they are ended with an error, then exit 0")
     @field_validator("chat_template")
@@ -156,6 +163,11 @@ class Settings(BaseSettings):
         if len(set(names)) != len(names):
             raise ValueError(f"LoRA adapter names must differ, got {names}")
         return v
+
+    @field_validator("otlp_traces_endpoint")
+    @classmethod
+    def _otlp_traces_endpoint(cls, v: str | None) -> str | None:
+        return check_endpoint(v) if v else None  # a bad URL, or no OpenTelemetry SDK, stops the server at start
 
     @field_validator("speculative_config")
     @classmethod

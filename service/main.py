@@ -61,6 +61,10 @@ def create_app(settings: Settings | None = None, loaded: LoadedModel | None = No
     app.add_middleware(GuardMiddleware, api_key=key, max_body_bytes=settings.max_body_bytes,
                        metrics_require_key=settings.metrics_require_key, requests_counter=state.metrics.requests)
     app.add_middleware(AnthropicErrors)  # around the guard: its 401 / 413 under /v1/messages in Anthropic's envelope
+    if settings.otlp_traces_endpoint:  # the caller's traceparent, for the request's span (service/common/tracing.py)
+        from service.common.tracing import TraceContextMiddleware
+
+        app.add_middleware(TraceContextMiddleware)
     if origins := allowed_origins(settings):
         # Outermost (added last), as vLLM's --allowed-origins: a browser's preflight OPTIONS carries no API key and
         # must be answered before the key check, and refusals (401, 413) get the CORS headers the page needs to

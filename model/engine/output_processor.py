@@ -57,6 +57,7 @@ class RequestOutput:
     # the token's values of the per-row features the request carries, by feature (model/features/registry.py)
     features: dict[str, Any] = field(default_factory=dict)
     first_token_time: float | None = None  # time.perf_counter() when the choice's first token was processed
+    scheduled_time: float | None = None  # time.perf_counter() when the scheduler first admitted the choice
     # a final-only output's gaps between the steps that brought its tokens (the inter-token latencies a
     # streamed choice's client would have seen; a streamed choice's are measured where its deltas arrive)
     token_gaps: list[float] | None = None
@@ -244,7 +245,7 @@ class OutputProcessor:
         """A new delta with the choice's counts (and its prompt logprobs, the first time)."""
         out = RequestOutput(seq.request.request_id, seq.index, num_prompt_tokens=seq.num_prompt_tokens,
                             num_output_tokens=state.num_tokens, num_cached_tokens=max(0, seq.num_cached_tokens),
-                            first_token_time=state.first_token_time)
+                            first_token_time=state.first_token_time, scheduled_time=seq.scheduled_time)
         if state.prompt_logprobs is not None and not state.prompt_logprobs_sent:
             out.prompt_logprobs = state.prompt_logprobs
             state.prompt_logprobs_sent = True

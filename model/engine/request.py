@@ -58,8 +58,11 @@ class Sequence:
     num_committed_blocks: int = 0  # leading blocks already registered in the prefix cache
     num_cached_tokens: int = -1  # prompt tokens served from the prefix cache at first schedule (-1: not yet)
     num_preemptions: int = 0
-    # a kv_window's sequence (model/features/kv_window/schedule.py): non-sink tokens evicted from its cache so far; token t >= S
-    # of such a sequence sits at cache position t - num_evicted
+    # time.perf_counter() when the scheduler first admitted it (a preempted sequence keeps its first): the end of its
+    # time in the queue, as vLLM's `scheduled_ts` (vllm/v1/metrics/stats.py); None while it has never run
+    scheduled_time: float | None = None
+    # a kv_window's sequence (model/features/kv_window/schedule.py): non-sink tokens evicted from its cache so far;
+    # token t >= S of such a sequence sits at cache position t - num_evicted
     num_evicted: int = 0
     # under the model's sliding window (ModelConfig.sliding_window): leading blocks of block_ids given back to the
     # pool, no query of the sequence attending to their positions any more (KVCacheManager.release_behind_window);

@@ -16,6 +16,7 @@ BACKGROUND_IDLE_FACTOR times that, so a request that arrives waits for one short
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -174,6 +175,8 @@ class Scheduler:
                 self.kv.free(seq)  # give back the cached prefix it took; retried next step
                 break
             self.waiting.remove(seq)
+            if seq.scheduled_time is None:
+                seq.scheduled_time = time.perf_counter()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             self.batch.add(seq)

@@ -31,11 +31,13 @@ class RunStats:
     cached_tokens: int = 0
     completion_tokens: int = 0
     first_token_at: float | None = None
+    scheduled_at: float | None = None  # the engine's first admission of the first choice that answered
     first_output_at: float | None = None
     last_token_at: dict[int, float] = field(default_factory=dict)
     finish_reasons: list[str] = field(default_factory=list)
     prompts: list[list[int]] = field(default_factory=list)
     adapter: str | None = None  # the LoRA adapter the request ran under
+    params: SamplingParams | None = None  # as submitted (a request trace's attributes)
 
 
 _SUBMITTED = object()  # run()'s first item for a final-only request, once the engine accepted it
@@ -70,7 +72,7 @@ async def run(state: Serving, prompts: list[list[int]], params: SamplingParams, 
               options: RequestOptions = PLAIN) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Yield (choice index, output) for every prompt x n choice, as outputs arrive; choice index =
     prompt_index * n + choice (OpenAI's order). Engine refusals raise APIError before anything is yielded."""
-    stats.prompts = prompts
+    stats.prompts, stats.params = prompts, params
     stats.prompt_tokens = sum(len(p) for p in prompts)
     stats.adapter = options.lora
     # every prompt in one submission: admitted together, so they prefill in the same steps
@@ -120,7 +122,7 @@ def _observe(state: Serving, stats: RunStats, out: RequestOutput, choice: int) -
     # a non-streamed request's one output comes at its end: its first token's time is the engine's stamp
     first = out.first_token_time if out.first_token_time is not None else now
     if stats.first_output_at is None:
-        stats.first_output_at = first
+        stats.first_output_at, stats.scheduled_at = first, out.scheduled_time
         m.queue.observe(first - stats.start)
     if out.token_ids:
         key = choice
@@ -207,6 +209,8 @@ def finish(state: Serving, stats: RunStats, status: int) -> None:
              "ttft_ms=%s latency_ms=%.0f finish=%s%s", stats.request_id, stats.endpoint, status, stats.prompt_tokens,
              stats.completion_tokens, stats.cached_tokens, ttft, (now - stats.start) * 1e3,
              ",".join(stats.finish_reasons) or "-", prompt)
+    if state.tracing is not None:  # --otlp-traces-endpoint (service/common/tracing.py)
+        state.tracing.record(stats, status, stats.adapter or state.model_name, now)
 
 
 async def collect(request: Request, state: Serving, stats: RunStats, outputs: AsyncIterator[tuple[int, RequestOutput]],

@@ -19,6 +19,7 @@ from model.probes import (AttributionPatchingRun, CaptureRun, DirectLogitRun, Pa
                           SiteCapture)
 from model.text import Tokenizer
 from model.transformer import Transformer
+from service.common.tracing import RequestTracer
 from service.config import Settings
 from service.common.errors import APIError
 from service.common.metrics import Metrics
@@ -41,6 +42,7 @@ class Serving:
         self.precision: dict = state.precision  # {"quantization": ..., "dtype": ...} as served
         self.speculative: dict | None = state.speculative  # --speculative-config as served, or None
         self.adapters: dict[str, LoRAAdapter] = state.adapters  # LoRA adapters served, by name (the engine's own)
+        self.tracing: RequestTracer | None = state.tracing  # --otlp-traces-endpoint, else None
 
     @property
     def execution(self) -> dict:

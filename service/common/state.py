@@ -19,6 +19,7 @@ from model.lora import LoRAAdapter, load_adapter
 from model.parallel import TPModel, launch
 from model.dtypes import DTYPES
 from model.text.chat_template import read_template_option
+from service.common.tracing import RequestTracer
 from service.config import Settings, lora_module
 from service.common.metrics import Metrics
 from service.api.openai.responses.store import ResponseStore
@@ -47,12 +48,15 @@ class ServerState:
     kv_cache_tokens: int = 0  # the tokens the KV pool holds (--kv-cache-bytes over the bytes a token takes)
     execution: dict = field(default_factory=dict)  # decode attention and decode graph paths as served (/v1/models)
     loader: threading.Thread | None = None  # the thread loading the model, once `start_in_background` began it
+    tracing: RequestTracer | None = None  # --otlp-traces-endpoint: a span per request (service/common/tracing.py)
 
     def __post_init__(self) -> None:
         if self.vectors is None:
             self.vectors = VectorStore(self.settings.max_vectors)
         if self.responses is None:
             self.responses = ResponseStore(self.settings.max_stored_responses)
+        if self.settings.otlp_traces_endpoint and self.tracing is None:
+            self.tracing = RequestTracer(self.settings.otlp_traces_endpoint)
 
     @property
     def stats(self):
@@ -175,6 +179,8 @@ class ServerState:
     def stop(self) -> None:
         if self.engine is not None:
             self.engine.stop()
+        if self.tracing is not None:  # the spans of the last requests go out before the process ends
+            self.tracing.shutdown()
         if self.loaded is not None and isinstance(self.loaded.model, TPModel):
             if self.engine is not None and self.engine.is_running:  # a step may be in flight: leave the workers
                 log.warning("engine thread still running; tensor-parallel workers exit with this process")

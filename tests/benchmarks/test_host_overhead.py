@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -41,3 +43,14 @@ def test_serve_throughput_counts_every_token(tmp_path):
         assert (m["requests"], m["output_tokens"]) == (6, 30) and m["tok_s"] > 0
     assert set(r["summary"]) == {"closed_loop_3_tok_s", "closed_loop_3_raw_tok_s"}
     assert r["machine"]["commit"]
+
+
+@pytest.mark.slow
+def test_serve_throughput_with_traces_exports_a_span_per_request(tmp_path):
+    """--tracing: the same checkout without and with --otlp-traces-endpoint, the "on" server's spans counted by the
+    OTLP sink: one per request, the warm-up's included; none from the "off" server."""
+    r = _run(["benchmarks.serve_throughput", "--tiny", "--tracing", "--concurrency", "2", "--requests-per-client", "2",
+              "--max-tokens", "3", "--prompt-len", "4"], tmp_path)
+    assert [x["spans_exported"] for x in r["runs"]["off"]] == [0]
+    assert [x["spans_exported"] for x in r["runs"]["on"]] == [2 * 2 + 1]
+    assert set(r["summary"]["closed_loop_2_tok_s"]) == {"off", "on", "ratio"}

@@ -365,3 +365,33 @@ def test_prompt_logprobs_stay_aligned_across_a_preemption(model, tok):
     engine.scheduler._preempt(seq, SchedulerOutput())  # as the scheduler does when it runs out of blocks
     res = run(engine, {})
     _check_prompt_logprobs(model, prompt, res["pl"][0]["prompt_logprobs"])
+
+
+def test_scheduled_time_is_the_first_admission(model, tok):
+    """`RequestOutput.scheduled_time` (where a request trace's time in the queue ends): the scheduler's first
+    admission of the choice, before its first token; a request waiting for the one sequence slot is admitted after
+    the one ahead of it produced its tokens; a preemption keeps the first admission's stamp."""
+    engine = Engine(model, tok, EngineConfig(num_blocks=64, block_size=4, max_num_seqs=1))
+    engine.add_request("a", [1, 2, 3], greedy(3))
+    engine.add_request("b", [4, 5, 6], greedy(3))
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step()
+    last = {o.request_id: o for o in outs if o.finished}
+    a, b = last["a"], last["b"]
+    assert a.scheduled_time <= a.first_token_time < b.scheduled_time <= b.first_token_time
+    assert all(o.scheduled_time == last[o.request_id].scheduled_time for o in outs)
+
+    prompt = _prompts(1, seed=23, lo=24, hi=24)[0]
+    engine = Engine(model, tok, EngineConfig(num_blocks=64, block_size=4, max_num_batched_tokens=8))
+    engine.add_request("p", prompt, greedy(2))
+    engine.step()  # the first prefill chunk
+    seq = engine.requests["p"].seqs[0]
+    admitted = seq.scheduled_time
+    assert admitted is not None and seq.num_computed_tokens == 8
+    engine.scheduler.running.remove(seq)
+    engine.scheduler._preempt(seq, SchedulerOutput())  # as the scheduler does when it runs out of blocks
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step()
+    assert seq.num_preemptions == 1 and {o.scheduled_time for o in outs} == {admitted}
