@@ -12,8 +12,7 @@ from service.api.anthropic.reply import MessageReply, usage
 from service.api.anthropic.schemas import CountTokensRequest, MessagesRequest
 from service.api.anthropic.stream import stream_message
 from service.common.errors import APIError
-from service.api.openai.prepare import prepare_chat
-from service.api.openai.routes.chat import reasoning_splits
+from service.api.openai.prepare import prepare_chat, reasoning_splits
 from service.common.runner import RunStats, collect, start
 from service.common.serving import Serving, get_serving
 
@@ -22,11 +21,12 @@ router = APIRouter()
 
 @router.post("/v1/messages")
 async def create_message(req: MessagesRequest, request: Request, serving: Serving = Depends(get_serving)):
-    model = serving.check_model(req.model, adapters=True) or serving.model_name  # the base's name, or the adapter's
+    adapter = serving.check_model(req.model, adapters=True)
+    model = adapter or serving.model_name  # the adapter's name, or the base's
     stats = RunStats("messages")
     try:
         chat = chat_request(req)
-        run = await prepare_chat(serving, chat)
+        run = await prepare_chat(serving, chat, adapter)
         thinking = req.thinking
         reply = MessageReply(run.plan, f"msg_{stats.request_id}", model, list(req.stop_sequences or []),
                              reasoning_splits(serving, chat, run.text, run.options.structured is not None),
@@ -43,9 +43,9 @@ async def create_message(req: MessagesRequest, request: Request, serving: Servin
 
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(req: CountTokensRequest, serving: Serving = Depends(get_serving)):
-    serving.check_model(req.model, adapters=True)
+    adapter = serving.check_model(req.model, adapters=True)
     try:
-        run = await prepare_chat(serving, chat_request(req))  # the very prompt /v1/messages would run
+        run = await prepare_chat(serving, chat_request(req), adapter)  # the very prompt /v1/messages would run
     except APIError as e:
         raise in_anthropic_terms(e) from None
     return {"input_tokens": len(run.prompt)}

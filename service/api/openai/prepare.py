@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from functools import partial
 
 from model.engine import RequestOptions, SamplingParams
 from model.features import TelemetryOptions
+from model.text.reasoning import ReasoningParser
 from service.common.errors import APIError
 from service.api.openai.option_fields import to_options
 from service.api.openai.sampling_fields import to_sampling_params
@@ -150,3 +152,14 @@ async def prepare_chat(serving: Serving, req: ChatCompletionRequest, adapter: st
         # adjust_request does the same)
         params = dataclasses.replace(params, skip_special_tokens=False)
     return ChatRun(text, prompt, plan, params, to_options(req, serving, params, adapter, structured=plan.spec or structured))
+
+
+def reasoning_splits(serving: Serving, req: ChatCompletionRequest, prompt_text: str, constrained: bool):
+    """A new reasoning split per choice under --reasoning-parser (None without one). A grammar-constrained reply
+    has no room for a reasoning block, and Qwen3's `enable_thinking: false` turns it off: both are all content."""
+    name = serving.settings.reasoning_parser
+    if name is None:
+        return None
+    switched_off = name == "qwen3" and (req.chat_template_kwargs or {}).get("enable_thinking", True) is False
+    thinking = not constrained and not switched_off
+    return partial(ReasoningParser(name).split, prompt_text, thinking)

@@ -2,32 +2,18 @@
 
 from __future__ import annotations
 
-from functools import partial
-
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
-from model.text.reasoning import ReasoningParser
 from service.api.openai.chat_choices import ChatChoices
 from service.api.openai.option_fields import hidden_dtype
-from service.api.openai.prepare import prepare_chat
+from service.api.openai.prepare import prepare_chat, reasoning_splits
 from service.common.runner import RunStats, collect, start
 from service.api.openai.schemas import ChatCompletionRequest
 from service.common.serving import Serving, get_serving
 from service.api.openai.sse_response import stream_response
 
 router = APIRouter()
-
-
-def reasoning_splits(serving: Serving, req: ChatCompletionRequest, prompt_text: str, constrained: bool):
-    """A new reasoning split per choice under --reasoning-parser (None without one). A grammar-constrained reply
-    has no room for a reasoning block, and Qwen3's `enable_thinking: false` turns it off: both are all content."""
-    name = serving.settings.reasoning_parser
-    if name is None:
-        return None
-    switched_off = name == "qwen3" and (req.chat_template_kwargs or {}).get("enable_thinking", True) is False
-    thinking = not constrained and not switched_off
-    return partial(ReasoningParser(name).split, prompt_text, thinking)
 
 
 @router.post("/v1/chat/completions")
