@@ -228,7 +228,7 @@ def test_off_by_default_nothing_of_the_sdk_is_imported():
     code = ("import sys\n"
             "from service.config import parse_cli\n"
             "from service.main import create_app\n"
-            "import service.runner, service.routes.chat, service.routes.completions\n"
+            "import service.common.runner, service.api.openai.routes.chat, service.api.openai.routes.completions\n"
             "app = create_app(parse_cli([]))\n"
             "assert app.state.server.tracing is None\n"
             "assert not [m for m in app.user_middleware if m.cls.__name__ == 'TraceContextMiddleware']\n"
