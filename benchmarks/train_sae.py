@@ -2,7 +2,7 @@
 its fraction of variance explained and next-token loss recovered.
 
     apt-get install python3.11-doc fortunes        # the text (Debian packages: plain English prose)
-    nice -n 10 .venv/bin/python -m benchmarks.train_sae [--layer 15] [--features 8192] [--k 32] [--tokens 1000000]
+    nice -n 10 .venv/bin/python -m benchmarks.train_sae [--layer 15] [--features 4096] [--k 32] [--tokens 150000]
         [--corpus DIR_OR_FILE ...] [--out model/features/sae/shipped/NAME] [--threads 2]
 
 Text: every file under `--corpus` (default: the Python 3.11 documentation's reStructuredText sources from Debian's
@@ -150,13 +150,13 @@ class TopKSAE(torch.nn.Module):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layer", type=int, default=15)
-    ap.add_argument("--features", type=int, default=8192)
+    ap.add_argument("--features", type=int, default=4096)
     ap.add_argument("--k", type=int, default=32)
-    ap.add_argument("--tokens", type=int, default=1_000_000, help="training tokens (activations kept)")
-    ap.add_argument("--epochs", type=float, default=1.0)
+    ap.add_argument("--tokens", type=int, default=150_000, help="training tokens (activations kept)")
+    ap.add_argument("--epochs", type=float, default=4.0)
     ap.add_argument("--ctx", type=int, default=128)
-    ap.add_argument("--batch", type=int, default=4096, help="tokens per step")
-    ap.add_argument("--eval-rows", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=2048, help="tokens per step")
+    ap.add_argument("--eval-rows", type=int, default=32)
     ap.add_argument("--corpus", nargs="+", default=DEFAULT_CORPUS)
     ap.add_argument("--quantization", default="auto")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
@@ -295,9 +295,9 @@ def evaluate(model, cfg, out: Path, eval_rows: torch.Tensor, L: int, run: dict, 
         ce["zero"] += w * ce_with(model, r, L, torch.zeros_like).item()
     recovered = (ce["zero"] - ce["sae"]) / (ce["zero"] - ce["clean"])
     report = {
-        "explained_variance": fve, "ce_loss_score": recovered, "ce_loss_without_sae": ce["clean"],
+        **run, "explained_variance": fve, "ce_loss_score": recovered, "ce_loss_without_sae": ce["clean"],
         "ce_loss_with_sae": ce["sae"], "ce_loss_with_ablation": ce["zero"], "l0": l0 / n, "eval_tokens": n,
-        "bytes": (out / "sae_weights.safetensors").stat().st_size, **run,
+        "bytes": (out / "sae_weights.safetensors").stat().st_size,
     }
     (out / "training.json").write_text(json.dumps(report, indent=1) + "\n")
     print(json.dumps({k: v for k, v in report.items() if k != "machine"}, indent=1))

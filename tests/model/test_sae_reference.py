@@ -375,3 +375,20 @@ def test_transformer_lens_hooks_hold_what_the_names_map_to(hf):
         close(logits[0], hf(TOKENS).logits[0])  # the same network
     for name in TL_NAMES:
         close(hf_activation(hf, name), cache[name][0].reshape(TOKENS.shape[1], -1))
+
+
+def test_saelens_reads_the_shipped_dictionary_as_we_do():
+    """The SAE shipped for the default model is a SAELens file: SAELens' own load of it encodes and decodes as ours
+    (on activations of the training data's scale)."""
+    shipped = Path(__file__).resolve().parents[2] / "model/features/sae/shipped"
+    folders = [p for p in shipped.iterdir() if (p / "cfg.json").exists()]
+    assert folders
+    for folder in folders:
+        ref = sae_lens.SAE.load_from_disk(folder)
+        ours = load_dictionary(folder)
+        run = json.loads((folder / "training.json").read_text())
+        x = torch.randn(32, ours.d_in, generator=torch.Generator().manual_seed(5)) * ours.d_in ** 0.5 / run["scale"]
+        x = x / ours.d_in ** 0.5  # a mean norm of about sqrt(D) / scale, the activations' own
+        f_ref = ref.encode(x)
+        close(ours.encode(x), f_ref)
+        close(ours.forward(x)[0], ref.decode(f_ref))
