@@ -20,7 +20,7 @@ import pytest
 
 from benchmarks.tiny_checkpoint import write_tiny_checkpoint
 from family_tokenizers import TEMPLATES
-from live_server import LiveServer
+from live_server import LiveServer, engine_core, idle_stats, is_idle
 from scripted import scripted_model, scripted_tokenizer
 
 anthropic = pytest.importorskip("anthropic")
@@ -346,6 +346,40 @@ def test_x_api_key_beside_the_bearer_token(tmp_path):
                           timeout=60).status_code == 200
         r = httpx.post(live.url + "/v1/chat/completions", json=chat_body, headers={"x-api-key": "nope"})
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+
+
+def fail_steps(monkeypatch, live, after: int) -> None:
+    """The engine's step after `after` good ones fails, as a failing forward would (the engine's fault hook)."""
+    steps = {"n": 0}
+
+    def flaky(scheduled):
+        steps["n"] += 1
+        if steps["n"] == after + 1:
+            raise RuntimeError("injected fault at /secret/internal/path.py")
+
+    monkeypatch.setattr(engine_core(live.app), "step_fault_hook", flaky)
+
+
+def test_a_failed_generation_whole_and_streamed(live, monkeypatch):
+    body = {"model": live.name, "max_tokens": 16, "system": SYSTEM, "messages": CONVERSATION, "temperature": 0}
+    fail_steps(monkeypatch, live, after=0)
+    r = httpx.post(live.url + "/v1/messages", json=body, timeout=60)
+    assert "secret" not in assert_anthropic_envelope(r, 500, "api_error")
+    fail_steps(monkeypatch, live, after=1)  # the prefill and its first token, then a failing step
+    stream = events(live, body)
+    assert [d["type"] for _, d in stream][:2] == ["message_start", "ping"]  # the stream had begun
+    name, last = stream[-1]
+    assert name == "error" and last["type"] == "error" and last["error"]["type"] == "api_error"
+    assert "secret" not in json.dumps(last) and "message_stop" not in [d["type"] for _, d in stream]
+    monkeypatch.setattr(engine_core(live.app), "step_fault_hook", None)
+    with pytest.raises(anthropic.APIStatusError):  # the package raises on the error event
+        fail_steps(monkeypatch, live, after=1)
+        with live.client.messages.stream(model=live.name, max_tokens=16, system=SYSTEM, messages=CONVERSATION,
+                                         **GREEDY) as s:
+            s.get_final_message()
+    monkeypatch.setattr(engine_core(live.app), "step_fault_hook", None)
+    assert live.client.messages.create(model=live.name, max_tokens=2, messages=MSG, **GREEDY).usage.output_tokens == 2
+    assert is_idle(idle_stats(live.app))
 
 
 # ---- thinking ----------------------------------------------------------------------------------------------------
