@@ -41,7 +41,7 @@ from model.engine.native_step import NativeStep
 from model.engine.paged_cache import PagedKVCache
 from model.engine.persistent_batch import PersistentBatch
 from model.engine.request import Sequence
-from model.engine.sampler import SampledTensors, Sampler, TokenLogprobs, prompt_logprobs
+from model.engine.sampler import SampledTensors, Sampler, TokenLogprobs, _put, prompt_logprobs
 from model.engine.stream import Event, HostStream, Stream
 from model.engine.scheduler import ScheduledSeq
 from model.features.protocol import StepParts, StepRow, StepView
@@ -168,7 +168,7 @@ class ModelRunner:
             out.read_upto = [(s.seq, s.seq.num_computed_tokens + s.num_new_tokens) for s in scheduled
                              if s.seq.request.hidden_states is not None]
         for p in batch.prompt_logprobs:
-            targets = torch.tensor(p.seq.prompt_token_ids[p.first + 1 : p.first + 1 + p.count], device=logits.device)
+            targets = _put(p.seq.prompt_token_ids[p.first + 1 : p.first + 1 + p.count], torch.long, logits.device)
             out.prompt_logprobs.append(
                 (p.seq, prompt_logprobs(logits[p.row : p.row + p.count], targets, p.seq.request.params.prompt_logprobs)))
         if batch.sample:
@@ -239,7 +239,8 @@ class ModelRunner:
         if not rows:
             return None
         device = self.cache.device
-        return LoRARows([(self.adapters[n], torch.tensor(r, dtype=torch.long, device=device)) for n, r in rows.items()],
+        # (the rows' ids from pinned memory without a wait: `_put`)
+        return LoRARows([(self.adapters[n], _put(r, torch.long, device)) for n, r in rows.items()],
                         list(rows.values()))
 
     def _choose(self, batch: StepBatch, ctx: ForwardContext) -> str:

@@ -86,13 +86,16 @@ def _launch_check(device: torch.device, dtype: torch.dtype, block_size: int, kv_
             ensure_cache_dir()
             _point_triton_at_libcuda()
         rows, lens = torch.tensor([0], device=device), torch.tensor([n], device=device)
-        paged_decode_attention(q, k_pool, v_pool, rows, torch.tensor([table], device=device), lens, out)
+        tables = torch.tensor([table], device=device)
+        paged_decode_attention(q, k_pool, v_pool, rows, tables, lens, out, split=False)
+        split = torch.zeros_like(out)  # the split-KV launch and its reduction too (one partition here)
+        paged_decode_attention(q, k_pool, v_pool, rows, tables, lens, split, split=True)
         k = kv_int8.read(k_pool[table], torch.float32).reshape(-1, K, E)[:n].transpose(0, 1).expand(H, n, E)  # (H, n, E)
         v = kv_int8.read(v_pool[table], torch.float32).reshape(-1, K, E)[:n].transpose(0, 1).expand(H, n, E)
         # (over an int8 cache the kernel's query is rounded: kv_int8.round_query)
         qf, scale = (kv_int8.round_query(q), 1.0) if kv_dtype == torch.int8 else (q.float(), None)
         want = F.scaled_dot_product_attention(qf.transpose(0, 1), k, v, scale=scale)[:, 0]  # (H, 1, E) -> (H, E)
-        err = (out[0].float() - want).abs().max().item()
+        err = max((out[0].float() - want).abs().max().item(), (split[0].float() - want).abs().max().item())
     except Exception as e:  # no C compiler, no libcuda.so, ptxas, an old GPU, ...: whatever it is, do not serve on it
         lines = str(e).strip().splitlines()
         log.warning("Triton paged decode attention failed its first launch on %s %s (cache %s) (%s: %s); decode "

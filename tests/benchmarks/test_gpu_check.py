@@ -13,7 +13,7 @@ def test_the_dry_run_runs_every_check(tmp_path, capsys):
     report = gpu_check.main(["--dry-run", "--out", str(out)])
     names = [name for name, _, _ in gpu_check.CHECKS]
     assert names == ["versions", "triton_kernels", "gpu_tests", "sync_free_decode", "overlap_equals_serial",
-                     "graphs_equal_eager", "lora_interventions_graphs", "decode_benchmark", "long_context_decode"]
+                     "graphs_equal_eager", "lora_interventions_graphs", "long_context_decode", "decode_benchmark"]
     on_disk = json.loads(out.read_text())
     assert list(on_disk["checks"]) == names and on_disk["dry_run"] is True
     failed = {n: c for n, c in on_disk["checks"].items() if c["verdict"] != "DRY"}

@@ -18,7 +18,7 @@ pytest.importorskip("triton", reason="triton (a test dependency, shipped with Py
 def test_triton_paged_decode_attention_in_the_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     script = Path(__file__).parents[1] / "triton_interpret_check.py"
-    r = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
+    r = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=900)
     print(r.stdout)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "Triton path == gather path" in r.stdout
