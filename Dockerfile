@@ -48,16 +48,16 @@ RUN pip install --no-cache-dir "torch==${TORCH_VERSION}" --index-url "${TORCH_IN
 # ---- native CPU kernels (model/kernels): compiled against the runtime's own torch, only the .so is kept ----
 FROM runtime-cpu AS kernels-cpu
 # hadolint ignore=DL3008
-RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/* \
- && pip install --no-cache-dir ninja==1.13.2
+RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*
 ENV LLAMASCOPE_KERNELS_DIR=/opt/llamascope/kernels
 WORKDIR /src
 COPY model ./model
 # --allow-failure: an image whose kernels did not build still serves, on PyTorch ops (its model-load log says so).
 # --portable: beside the build for this machine's CPU, those for any CPU with AVX2, for AVX-VNNI and for AVX-512
 # VNNI CPUs (where this one has more), which the image loads on a CPU without this one's flags
-# (model/kernels/__init__.py, PORTABLE).
-RUN mkdir -p /opt/llamascope/kernels && python -m model.kernels --allow-failure --portable
+# (model/kernels/__init__.py, PORTABLE). The object cache (objects/: what a rebuild after an edit reuses) is dropped.
+RUN mkdir -p /opt/llamascope/kernels && python -m model.kernels --allow-failure --portable \
+ && rm -rf /opt/llamascope/kernels/objects
 
 # The CUDA image never loads CPU kernels (its model runs on the GPU): an empty directory, and nothing is compiled.
 # BuildKit builds only the stages the target needs, so DEVICE=cuda skips kernels-cpu (and runtime-cpu) entirely.

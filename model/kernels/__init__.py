@@ -1,4 +1,4 @@
-"""Native CPU kernels for the engine's step: C++ (AVX2 where the CPU has it), built with PyTorch's cpp_extension.
+"""Native CPU kernels for the engine's step: C++ (AVX2 where the CPU has it), built by extension.py.
 
 Eager PyTorch spends most of a small model's decode step outside the matmuls: about 200 aten calls per block
 (RMSNorm alone is 8, RoPE 4, the paged cache write, gather and SDPA plumbing dozens), each a few microseconds of
@@ -24,7 +24,7 @@ dispatch and a temporary. These kernels do each of those in one call, on the sam
 kernels are off (`LLAMASCOPE_NATIVE_KERNELS=0`, `disabled()`) or could not be built; every caller then keeps its
 plain PyTorch path, which is also the reference the tests compare the kernels against.
 
-The extension compiles once per machine (about a minute on 2 cores; ninja and a C++ compiler) into
+The extension compiles once per machine (under a minute on 2 cores: every core at once; a C++ compiler) into
 `LLAMASCOPE_KERNELS_DIR` (default ~/.cache/llamascope/kernels), under a name that hashes its sources, flags and
 torch version. `make install` and the Docker image build it at install time (`python -m model.kernels`), so a
 server start only imports the .so; where it is missing a first use builds it, and where it cannot be built (no
@@ -252,7 +252,7 @@ def import_built(path: Path) -> ModuleType:
 
 
 def load(vnni: list[str] | None = None) -> ModuleType:
-    """Import the built extension if this exact build exists (no compiler or ninja needed), else build it; where
+    """Import the built extension if this exact build exists (no compiler needed), else build it; where
     that fails, the most capable compatible build (compatible_build), else the build's error. `vnni`: the build
     for a CPU with those flags (compile_flags), with no fallback."""
     name = module_name(vnni)
@@ -262,7 +262,7 @@ def load(vnni: list[str] | None = None) -> ModuleType:
         _record(path.parent, compile_flags(cpu_has_avx2(), vnni))  # (a build made before builds were recorded)
         log.info("native CPU kernels: loaded %s", path)  # which build: the image's, or this machine's own
         return module
-    log.info("native CPU kernels: no build at %s; building it (about a minute)", path)
+    log.info("native CPU kernels: no build at %s; building it (under a minute on 2 cores)", path)
     try:
         return build(vnni=vnni)
     except Exception as e:
@@ -284,7 +284,7 @@ def native() -> ModuleType | None:
             if not _tried:
                 try:
                     _module = load() if _portable is None else load(_portable)
-                except Exception as e:  # no compiler or ninja: serve on the PyTorch paths, and say why once
+                except Exception as e:  # no compiler: serve on the PyTorch paths, and say why once
                     _error = _why(e)
                     log.warning("native CPU kernels unavailable, using PyTorch ops: %s", _error)
                 _tried = True

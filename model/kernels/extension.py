@@ -18,6 +18,7 @@ import logging
 import os
 import shlex
 import subprocess
+import sys
 import sysconfig
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
@@ -41,8 +42,10 @@ def _include_flags() -> list[str]:
 def _link_flags() -> list[str]:
     from torch.utils import cpp_extension
 
+    # the darwin linker needs consent to leave Python's symbols to the interpreter (cpp_extension adds the same)
+    darwin = ["-undefined", "dynamic_lookup"] if sys.platform == "darwin" else []
     return ["-shared"] + [f"-L{p}" for p in cpp_extension.library_paths()] + \
-        ["-lc10", "-ltorch_cpu", "-ltorch", "-ltorch_python"]
+        ["-lc10", "-ltorch_cpu", "-ltorch", "-ltorch_python"] + darwin
 
 
 def jobs() -> int:
@@ -70,6 +73,15 @@ def _compile(source: Path, command: list[str], obj: Path, verbose: bool = False)
         raise RuntimeError(f"compiling {source.name} failed:\n{done.stderr.strip()}")
     os.replace(tmp, obj)  # whole or not at all: a build running beside this one may take it
     return time.perf_counter() - t0
+
+
+def _link(objects: list[Path], so: Path) -> None:
+    tmp = so.with_name(f"{so.name}.{os.getpid()}.tmp")
+    done = subprocess.run([_cxx(), *map(str, objects), *_link_flags(), "-o", str(tmp)], capture_output=True, text=True)
+    if done.returncode != 0:
+        tmp.unlink(missing_ok=True)
+        raise RuntimeError(f"linking {so.name} failed:\n{done.stderr.strip()}")
+    os.replace(tmp, so)  # a process loading it meanwhile sees the whole file or none
 
 
 def _lock(path: Path) -> bool:
@@ -119,21 +131,16 @@ def load(name: str, kernels: list[Path], bindings: Path, entry: Path, extra_cfla
         # the largest first (bindings.cpp, PyTorch's headers; then paged_attention.cpp): the last to finish is short
         todo.sort(key=lambda u: (u[0] != bindings, -u[0].stat().st_size))
         n = jobs()
-        log.info(f"native kernels: compiling {len(todo)} of {len(plan)} C++ files ({len(plan) - len(todo)} already "
-            f"compiled) on {n} core{'s' if n > 1 else ''}: {name}")
+        log.info("native kernels: compiling %d of %d C++ files (%d already compiled) on %d core(s): %s", len(todo),
+                 len(plan), len(plan) - len(todo), n, name)
         with ThreadPoolExecutor(max_workers=n) as pool:
             futures = {pool.submit(_compile, src, cmd, obj, verbose): src for src, cmd, obj in todo}
             for i, future in enumerate(as_completed(futures), 1):
-                log.info(f"native kernels: [{i}/{len(todo)}] {futures[future].name} ({future.result():.0f} s)")
+                log.info("native kernels: [%d/%d] %s (%.0f s)", i, len(todo), futures[future].name, future.result())
         entry_obj = directory / "module.o"
         _compile(entry, ["-fPIC", "-std=c++20", f"-DTORCH_EXTENSION_NAME={name}"], entry_obj)
-        tmp = directory / f"{name}.so.{os.getpid()}.tmp"
-        link = [_cxx(), str(entry_obj), *(str(obj) for _, _, obj in plan), *_link_flags(), "-o", str(tmp)]
-        done = subprocess.run(link, capture_output=True, text=True)
-        if done.returncode != 0:
-            raise RuntimeError(f"linking {name} failed:\n{done.stderr.strip()}")
-        os.replace(tmp, so)
-        log.info(f"native kernels: linked {so} in {time.perf_counter() - t0:.0f} s")
+        _link([entry_obj] + [obj for _, _, obj in plan], so)
+        log.info("native kernels: linked %s in %.0f s", so, time.perf_counter() - t0)
     finally:
         lock.unlink(missing_ok=True)
     return _kernels.import_built(so)

@@ -460,6 +460,44 @@ def test_a_stale_build_lock_is_cleared(tmp_path, monkeypatch):
     assert seen[-1] == (kernels.module_name(), True)
 
 
+def test_an_edit_to_one_kernel_file_recompiles_that_file_alone(tmp_path, monkeypatch):
+    """extension.load keeps each object under a name of what made it: a build of other sources compiles only the
+    files that changed (a header: every file), and one of other flags every kernel file but not the bindings."""
+    import shutil
+
+    from model.kernels import extension
+
+    csrc = tmp_path / "csrc"
+    shutil.copytree(kernels.CSRC, csrc)
+    compiled = []
+
+    def compile_(source, command, obj, verbose=False):
+        compiled.append(source.name)
+        obj.write_bytes(b"")
+        return 0.0
+
+    monkeypatch.setattr(extension, "_compile", compile_)
+    monkeypatch.setattr(extension, "_link", lambda objects, so: so.write_bytes(b""))
+    monkeypatch.setattr(kernels, "import_built", lambda path: path)
+
+    def build(name, flags):
+        compiled.clear()
+        extension.load(name=name, kernels=[csrc / s for s in kernels.SOURCES], bindings=csrc / kernels.BINDINGS,
+                       entry=csrc / kernels.ENTRY, extra_cflags=flags, base_cflags=["-O3"],
+                       build_directory=str(tmp_path / name), objects=tmp_path / "objects")
+        return sorted(compiled)
+
+    everything = sorted([*kernels.SOURCES, kernels.BINDINGS, kernels.ENTRY])
+    assert build("a", ["-O3", "-mavx2"]) == everything
+    assert build("b", ["-O3", "-mavx2"]) == [kernels.ENTRY]  # the same sources: every object kept
+    (csrc / "lora.cpp").write_text((csrc / "lora.cpp").read_text() + "\n// an edit\n")
+    assert build("c", ["-O3", "-mavx2"]) == sorted(["lora.cpp", kernels.ENTRY])
+    assert build("d", ["-O3"]) == sorted([*kernels.SOURCES, kernels.ENTRY])  # another build's flags: not the bindings
+    (csrc / "simd.h").write_text((csrc / "simd.h").read_text() + "\n// an edit\n")
+    assert build("e", ["-O3"]) == everything
+    assert not (tmp_path / "e" / "lock").exists()
+
+
 def test_a_build_records_what_it_asks_of_a_cpu():
     """build.json beside the build: its sources, torch and flags, what compatible_build matches another CPU against."""
     import json

@@ -7,8 +7,8 @@
 
 namespace ls {
 
-void parallel_for(int64_t begin, int64_t end, int64_t grain, const std::function<void(int64_t, int64_t)>& f) {
-  at::parallel_for(begin, end, grain, f);
+void parallel_for(int64_t begin, int64_t end, int64_t grain, Body body, const void* f) {
+  at::parallel_for(begin, end, grain, [&](int64_t b, int64_t e) { body(f, b, e); });
 }
 int num_threads() { return at::get_num_threads(); }
 

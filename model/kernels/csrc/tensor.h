@@ -3,14 +3,14 @@
 // memory a kernel returns or needs for scratch comes from the caller (`Alloc`: in bindings.cpp, torch's allocator,
 // so an output is a tensor that owns its memory); `parallel_for` and `num_threads` are PyTorch's own, reached
 // through bindings.cpp, so the kernels run on the OpenMP threads PyTorch runs on, split as at::parallel_for splits.
-// torch/extension.h is most of a kernel file's compile time (docs/development.md's kernel build): every other file
-// includes this instead.
+// torch/extension.h alone takes longer to compile than any kernel file (docs/engine.md#kernels): every file but
+// bindings.cpp includes this instead.
 #pragma once
 
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <functional>
+#include <functional>  // Alloc
 #include <stdexcept>
 #include <string>
 #include <type_traits>
@@ -180,8 +180,14 @@ struct View {
 // caller until the op returns (its `owner` says which).
 using Alloc = std::function<View(ScalarType t, const std::vector<int64_t>& sizes)>;
 
-// at::parallel_for(begin, end, grain, f) and at::get_num_threads(), defined in bindings.cpp.
-void parallel_for(int64_t begin, int64_t end, int64_t grain, const std::function<void(int64_t, int64_t)>& f);
+// at::parallel_for(begin, end, grain, f) and at::get_num_threads(), defined in bindings.cpp; f is passed as a
+// pointer to it and a function that calls it (no std::function: nothing is allocated per call).
+using Body = void (*)(const void* f, int64_t begin, int64_t end);
+void parallel_for(int64_t begin, int64_t end, int64_t grain, Body body, const void* f);
+template <typename F>
+void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
+  parallel_for(begin, end, grain, [](const void* p, int64_t b, int64_t e) { (*static_cast<const F*>(p))(b, e); }, &f);
+}
 int num_threads();
 
 }  // namespace ls
