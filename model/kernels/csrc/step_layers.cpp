@@ -464,7 +464,7 @@ static void run_layers(Step<T>& s, const std::vector<std::vector<View>>& layers,
 // has none; the list empty: none at all); window, scale, residual, post_norm, qk_norm: the `Switches`; edits: the
 // step's interventions table (empty: none;
 // interventions.cpp), applied at the block's three sites as `Block.forward` hands them to its attention context;
-// telemetry: empty (off), or model/engine/telemetry.py's [slot (N,), sink_len (Rt,), sink_mass (L, Rt, H),
+// telemetry: empty (off), or model/features/telemetry/record.py's [slot (N,), sink_len (Rt,), sink_mass (L, Rt, H),
 // top_pos (L, Rt, H, k), top_prob (L, Rt, H, k), hidden (L, Rt, D)]: the attention telemetry of the rows with
 // slot >= 0, and their residual stream after each block; lora_rows, lora: the rows under LoRA adapters and each
 // block's targets (`LoRAPart`, model/lora.py's LoRARows.native_args; empty: none).  -> h after every block (N, D)
