@@ -126,3 +126,28 @@ def test_the_shipped_dictionary_fits_the_default_model():
         x = torch.randn(16, config.dim) * run["scale"] ** -1 * config.dim ** 0.5  # the training data's mean norm
         f = d.encode(x)
         assert ((f != 0).sum(-1) <= d.k).all()
+
+
+def test_the_store_serves_by_name_within_its_bound_and_its_directories(tmp_path):
+    from model.features.sae.store import DictionaryStore, StoreLimits
+
+    one = write_saelens(tmp_path / "allowed" / "one")  # 64 x 32 float32, twice, and the biases: 16,768 bytes
+    store = DictionaryStore(StoreLimits(allowed=(str(tmp_path / "allowed"),), max_bytes=20_000), CFG)
+    d = store.load("one", one)
+    assert store.get("one") is d and store.names() == ["one"] and store.nbytes == d.nbytes
+    for name, path, field, fragment in (("one", one, "name", "already loaded"),
+                                        ("a/b", one, "name", "is not a name"),
+                                        ("two", write_saelens(tmp_path / "allowed" / "two"), "max_bytes", "over the bound"),
+                                        ("out", write_saelens(tmp_path / "outside"), "path", "not under an allowed")):
+        with pytest.raises(DictionaryError, match=fragment) as e:
+            store.load(name, path)
+        assert e.value.field == field
+    assert store.names() == ["one"]
+    with pytest.raises(DictionaryError, match="no dictionary named 'two'"):
+        store.get("two")
+    store.unload("one")
+    assert store.names() == [] and d.encode(torch.randn(2, 64)).shape == (2, 32)  # a holder keeps its own
+    trusted = DictionaryStore(StoreLimits(), CFG)  # start-time dictionaries: no allowed directory needed
+    assert trusted.load("x", tmp_path / "outside", trusted=True).d_sae == 32
+    with pytest.raises(DictionaryError, match="loading dictionaries from disk is off"):
+        trusted.load("y", tmp_path / "outside")
