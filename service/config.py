@@ -131,6 +131,17 @@ class Settings(BaseSettings):
     enable_lora_runtime_updates: bool = Field(
         False, description="POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's endpoints): adapters "
         "loaded and unloaded while serving, from folders on the server's disk")
+    sae: list[str] = Field(
+        default_factory=list, description="sparse autoencoders and transcoders served by name, `NAME=PATH` each (a "
+        "folder in SAELens', sparsify's, Llama Scope's or Gemma Scope's format; docs/inspection.md#features): requests "
+        "read features (`features`), steer by them (interventions' `feature`) and attribute over them by NAME",
+        json_schema_extra={"shown_default": "none"})
+    sae_allowed_dirs: list[str] = Field(
+        default_factory=list, description="directories POST /v1/saes may load dictionaries from (symlinks resolved, "
+        "as vLLM's --allowed-local-media-path); without one, loading at run time is off",
+        json_schema_extra={"shown_default": "none (off)"})
+    sae_max_bytes: int = Field(1 << 30, ge=0, description="bytes all served dictionaries may take together, in "
+                               "float32; a load past it is refused before its tensors are read")
     max_vectors: int = Field(64, ge=1, description="stored vectors (POST /v1/vectors, --control-vector) held at once")
     max_stored_responses: int = Field(
         1024, ge=0, description="responses kept for `previous_response_id` and GET /v1/responses/{id} (`store: true`), "
@@ -164,6 +175,14 @@ class Settings(BaseSettings):
             raise ValueError(f"LoRA adapter names must differ, got {names}")
         return v
 
+    @field_validator("sae")
+    @classmethod
+    def _sae(cls, v: list[str]) -> list[str]:
+        names = [named_path(spec, "--sae")[0] for spec in v]  # a malformed entry stops the server at start
+        if len(set(names)) != len(names):
+            raise ValueError(f"--sae names must differ, got {names}")
+        return v
+
     @field_validator("otlp_traces_endpoint")
     @classmethod
     def _otlp_traces_endpoint(cls, v: str | None) -> str | None:
@@ -184,12 +203,16 @@ class Settings(BaseSettings):
         return EngineConfig(**shared, decode_graphs="off" if self.enforce_eager else "auto", speculative=speculative)
 
 
-def lora_module(spec: str) -> tuple[str, str]:
-    """`NAME=PATH` (--lora-modules) -> (name, path)."""
+def named_path(spec: str, flag_name: str) -> tuple[str, str]:
+    """`NAME=PATH` (--lora-modules, --sae) -> (name, path)."""
     name, sep, path = spec.partition("=")
     if not sep or not name.strip() or not path.strip():
-        raise ValueError(f"--lora-modules entries are NAME=PATH, got {spec!r}")
+        raise ValueError(f"{flag_name} entries are NAME=PATH, got {spec!r}")
     return name.strip(), path.strip()
+
+
+def lora_module(spec: str) -> tuple[str, str]:
+    return named_path(spec, "--lora-modules")
 
 
 def flag(name: str) -> str:

@@ -15,12 +15,13 @@ from model.engine import AsyncEngine
 from model.engine import Engine, RequestOptions, SpeculativeConfig
 from model.features import KVWindow
 from model.loaders import LoadedModel, load_model
+from model.features.sae import DictionaryStore, StoreLimits
 from model.lora import LoRAAdapter, load_adapter
 from model.parallel import TPModel, launch
 from model.dtypes import DTYPES
 from model.text.chat_template import read_template_option
 from service.common.tracing import RequestTracer
-from service.config import Settings, lora_module
+from service.config import Settings, lora_module, named_path
 from service.common.metrics import Metrics
 from service.api.openai.responses.store import ResponseStore
 from service.microscope.vectors import VectorStore, control_vector_specs, load_control_vector
@@ -35,6 +36,7 @@ class ServerState:
     loaded: LoadedModel | None = None
     engine: AsyncEngine | None = None
     model_name: str = ""
+    saes: DictionaryStore | None = None  # the dictionaries served (--sae, POST /v1/saes), made when the model loads
     adapters: dict[str, LoRAAdapter] = field(default_factory=dict)  # LoRA adapters served (--lora-modules), by name
     load_error: str | None = None
     draining: bool = False
@@ -105,6 +107,11 @@ class ServerState:
                 self.adapters[name] = load_adapter(name, path, c, s.max_lora_rank)
                 core.add_lora(self.adapters[name])
                 log.info("LoRA adapter %s: %s", name, path)
+            self.saes = DictionaryStore(StoreLimits(tuple(s.sae_allowed_dirs), s.sae_max_bytes), c)
+            for spec in s.sae:  # a dictionary this model cannot serve stops the server at start, naming it
+                name, path = named_path(spec, "--sae")
+                d = self.saes.load(name, path, trusted=True)
+                log.info("dictionary %s: %s (%s, %d features at %s)", name, path, d.source, d.d_sae, d.hook_in)
             if s.kv_window is not None:  # the default window must fit this engine: refuse to start, not every request
                 core.check(RequestOptions(kv_window=KVWindow(s.sink_tokens, s.kv_window)))
             # Ready means full speed: the KV pool resident and the weights on 2 MB pages before /health says ready,

@@ -5,6 +5,7 @@ model/hook_names.py."""
 from model.features.sae.dictionary import ACTIVATIONS, Dictionary, DictionaryError, top_features
 from model.features.sae.files import allowed_path
 from model.features.sae.load import FORMATS, detect_format, load_dictionary
+from model.features.sae.store import DictionaryStore, StoreLimits
 
-__all__ = ["ACTIVATIONS", "FORMATS", "Dictionary", "DictionaryError", "allowed_path", "detect_format",
+__all__ = ["ACTIVATIONS", "FORMATS", "Dictionary", "DictionaryError", "DictionaryStore", "StoreLimits", "allowed_path", "detect_format",
            "load_dictionary", "top_features"]
