@@ -16,7 +16,7 @@ from service.api.openai.schemas import CompletionRequest
 
 class CompletionChoices:
     def __init__(self, tok: Tokenizer, prompts: list[list[int]], n: int, req: CompletionRequest, rid: str, model: str,
-                 hidden_dtype: str | None) -> None:
+                 hidden_dtype: str | None, inspection: asyncio.Future | None = None) -> None:
         self.tok, self.prompts, self.n = tok, prompts, n
         self.echo, self.logprobs, self.hidden_dtype = req.echo, req.logprobs, hidden_dtype
         self.rid, self.created, self.model = rid, now(), model
@@ -25,7 +25,7 @@ class CompletionChoices:
         self._texts: dict[int, str] = {}  # collected: each choice's text so far, its echoed prompt first
         self._lps: dict[int, LegacyLogprobs | None] = {}
         self._hidden: dict[int, list] = {c: [] for c in range(self.count)}
-        self.inspection: asyncio.Future | None = None  # the `inspect` extension's summaries, computed meanwhile
+        self.inspection = inspection  # the `inspect` extension's summaries, computed meanwhile
 
     def envelope(self, choices: list[dict], **extra) -> dict:
         return {"id": self.rid, "object": "text_completion", "created": self.created, "model": self.model,

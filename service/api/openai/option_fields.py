@@ -36,10 +36,10 @@ def to_options(req: SamplingFields, serving: Serving, params: SamplingParams, ad
     """Everything the request carries beside prompt and sampling, checked against the model and the deployment;
     `adapter`: the LoRA adapter the request's `model` names (`Serving.check_model`), or None."""
     c = serving.config
+    window = kv_window(req, serving, params.max_tokens)
     interventions, read = to_edits(req.interventions, req.return_hidden_states, serving.vectors, c.n_layers, c.dim)
     return RequestOptions(
-        interventions=interventions, hidden_states=read, telemetry=telemetry,
-        kv_window=kv_window(req, serving, params.max_tokens), structured=structured,
+        interventions=interventions, hidden_states=read, telemetry=telemetry, kv_window=window, structured=structured,
         num_speculative_tokens=req.num_speculative_tokens, lora=adapter)
 
 

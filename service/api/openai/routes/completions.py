@@ -26,22 +26,23 @@ async def completions(req: CompletionRequest, request: Request, serving: Serving
     run = prepare_completion(serving, req, adapter)
     prompts, params, options = run.prompts, run.params, run.options
     stats = RunStats("completions")
-    choices = CompletionChoices(serving.tokenizer, prompts, params.n, req, f"cmpl-{stats.request_id}",
-                                adapter or serving.model_name, hidden_dtype(req))
     outputs = await start(serving, prompts, params, stats, options)  # refusals raise here, before any response
     # the `inspect` extension: probes step on the engine thread between generation steps (under the same edits);
     # with inspect.stream, per-token telemetry instead
+    inspection = None
     if req.inspect and options.telemetry is None:
-        choices.inspection = asyncio.ensure_future(completion_summaries(serving, prompts, req.inspect,
-                                                                        options.interventions, options.lora))
-    if req.stream:
-        return stream_response(serving, stats, outputs, choices,
-                               include_usage=bool(req.stream_options and req.stream_options.include_usage))
-    try:
-        reasons = await collect(request, serving, stats, outputs, choices.add)
-        extra = {} if choices.inspection is None else {"inspect": await until_disconnect(request, choices.inspection)}
-    finally:
-        choices.close()
-    return JSONResponse(choices.envelope(choices.collected(reasons),
-                                         usage=usage(stats.prompt_tokens, stats.completion_tokens, stats.cached_tokens),
-                                         **extra))
+        inspection = asyncio.ensure_future(completion_summaries(serving, prompts, req.inspect, options.interventions,
+                                                                options.lora))
+    choices = CompletionChoices(serving.tokenizer, prompts, params.n, req, f"cmpl-{stats.request_id}",
+                                adapter or serving.model_name, hidden_dtype(req), inspection)
+    if not req.stream:
+        try:
+            reasons = await collect(request, serving, stats, outputs, choices.add)
+            extra = {} if inspection is None else {"inspect": await until_disconnect(request, inspection)}
+        finally:
+            choices.close()
+        return JSONResponse(choices.envelope(choices.collected(reasons),
+                                             usage=usage(stats.prompt_tokens, stats.completion_tokens,
+                                                         stats.cached_tokens), **extra))
+    return stream_response(serving, stats, outputs, choices,
+                           include_usage=bool(req.stream_options and req.stream_options.include_usage))
