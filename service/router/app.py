@@ -25,7 +25,7 @@ from service.router.compare import compare_models
 from service.router.metrics import RouterMetrics, aggregate
 from service.router.options import RouterOptions, parse_router_cli
 from service.router.pool import ModelPool
-from service.router.proxy import forward, request_model
+from service.router.proxy import Front, forward
 from service.microscope.schemas import CompareRequest
 
 log = logging.getLogger("llamascope.router")
@@ -38,7 +38,7 @@ class ModelAction(BaseModel):
     model: str
 
 
-def create_router_app(options: RouterOptions, catalog: dict[str, CatalogEntry]) -> FastAPI:
+def create_router_app(options: RouterOptions, catalog: dict[str, CatalogEntry]):
     metrics = RouterMetrics()
     pool = ModelPool(catalog, options, metrics)
 
@@ -103,25 +103,24 @@ def create_router_app(options: RouterOptions, catalog: dict[str, CatalogEntry]) 
             return await compare_models(pool, req)
         return await _proxy(request, await request.body(), req.model)  # adapters of one model: its own route
 
-    @app.api_route("/{path:path}", methods=["GET", "POST", "DELETE"], include_in_schema=False)
-    async def proxied(request: Request, path: str):
-        body = await request.body()
-        name = request_model(body) if request.method == "POST" else request.query_params.get("model")
-        return await _proxy(request, body, name)
-
     async def _proxy(request: Request, body: bytes, name: str | None) -> Response:
         child = await pool.acquire(name)
         return await forward(pool, child, request, body)
 
+    # every other path is a model's: Front sends it on before the framework's layers (service/router/proxy.py),
+    # and the guard checks key and body size before either
+    own = {route.path for route in app.routes}
+    front = Front(app, pool, own)
     s = options.settings
     key = s.api_key.get_secret_value() if s.api_key else None
-    app.add_middleware(GuardMiddleware, api_key=key, max_body_bytes=s.max_body_bytes,
-                       metrics_require_key=s.metrics_require_key)
+    outer = GuardMiddleware(front, api_key=key, max_body_bytes=s.max_body_bytes,
+                            metrics_require_key=s.metrics_require_key)
     if origins := allowed_origins(s):  # as service/main.py: outermost, preflights before the key check
         from starlette.middleware.cors import CORSMiddleware
 
-        app.add_middleware(CORSMiddleware, allow_origins=origins, allow_methods=["GET", "POST"], allow_headers=["*"])
-    return app
+        outer = CORSMiddleware(outer, allow_origins=origins, allow_methods=["GET", "POST"], allow_headers=["*"])
+    outer.state = app.state  # the pool, for whoever holds the app
+    return outer
 
 
 def main(argv: list[str], prog: str = "python -m service") -> int:

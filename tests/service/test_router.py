@@ -252,6 +252,36 @@ def test_metrics_are_labelled_by_model(router):
     assert all(states[(n, "loaded")] == 1 for n in loaded)
 
 
+def test_a_client_leaving_a_stream_ends_it_in_the_model_and_refusals_keep_their_envelope(router):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def counters(name: str) -> dict[str, float]:
+        families = {f.name: f for f in text_string_to_metric_families(httpx.get(router.url + "/metrics").text)}
+        return {s.labels["model"]: s.value for s in families[name].samples if not s.name.endswith("_created")}
+
+    model = sorted(n for n, e in router.models().items() if e["status"]["value"] == "loaded")[0]
+    before = counters("llamascope_aborted_requests").get(model, 0)
+    body = {"model": model, "prompt": "stream", "max_tokens": LONG, "ignore_eos": True, "stream": True}
+    with httpx.Client(timeout=60) as c, c.stream("POST", router.url + "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        for n, _ in enumerate(line for line in r.iter_lines() if line.startswith("data: ")):
+            if n == 3:
+                break  # the client leaves: the front closes its connection to the model's process
+    deadline = time.monotonic() + 30
+    while counters("llamascope_aborted_requests").get(model, 0) == before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert counters("llamascope_aborted_requests")[model] == before + 1
+    while counters("llamascope_num_requests_running")[model] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert counters("llamascope_num_requests_running")[model] == 0
+    # refusals on the fast path: the front's own for a model it does not have, the model's own for the rest
+    r = httpx.post(router.url + "/v1/completions", json={"model": "nobody", "prompt": "x"}, timeout=30)
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model", r.text
+    r = httpx.put(router.url + "/v1/completions", json={"model": model}, timeout=30)
+    assert r.status_code == 405 and "error" in r.json(), r.text
+    assert complete(router.url, model, PROMPTS[0])["finish_reason"] == "length"
+
+
 def test_a_load_over_the_memory_budget_is_refused_naming_it(models_dir, tmp_path):
     r = Router(["--models-dir", str(models_dir), "--models-memory-bytes", str(8 << 20), "--kv-cache-bytes", KV],
                tmp_path / "router.log")
