@@ -53,7 +53,7 @@ async def _phase(url: str, clients: int, inspect_body: dict | None, seconds: flo
     rng = random.Random(clients)
     latencies: list[float] = []
     stop = asyncio.Event()
-    async with httpx.AsyncClient(timeout=600) as client:
+    async with httpx.AsyncClient(timeout=3600) as client:
         workers = [asyncio.create_task(_completions(client, url, [rng.randrange(1000, 20000) for _ in range(SHORT_PROMPT)],
                                                     stop, latencies)) for _ in range(clients)]
         t0 = time.perf_counter()
