@@ -32,7 +32,7 @@ from model.probes.capture import CaptureRun, SiteCapture
 from model.probes.compare import CompareRun, LayerComparison
 from model.probes.direct_logit import DirectLogitResult, DirectLogitRun
 from model.probes.feature_attribution import (FeatureAttributionRun, FeatureDirectLogitRun, FeatureNode,
-                                              check_attributable)
+                                              check_attributable, feature_sweep, hook_name)
 from model.probes.options import (
     DEFAULT_INCLUDES, INCLUDES, ActivationEntry, AttentionMaps, AttentionMode, HeadStats, LayerProbe, LensEntry, Prediction,
     ProbeOptions, ProbeResult,
@@ -47,6 +47,6 @@ __all__ = [
     "LensEntry", "ProbeAttention", "ProbeOptions", "ProbeResult", "ProbeRun", "estimate_map_elements", "inspect",
     "massive_activations",
     "AttributionPatchingRun", "CaptureRun", "Cell", "CompareRun", "LayerComparison", "DirectLogitResult", "DirectLogitRun",
-    "FeatureAttributionRun", "FeatureDirectLogitRun", "FeatureNode", "check_attributable", "PatchSweep", "SiteCapture",
+    "FeatureAttributionRun", "FeatureDirectLogitRun", "FeatureNode", "check_attributable", "feature_sweep", "hook_name", "PatchSweep", "SiteCapture",
     "cell_interventions", "grid", "metric", "normalise",
 ]

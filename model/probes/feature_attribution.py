@@ -164,7 +164,7 @@ class FeatureAttributionRun(SteppedJob):
         check_attributable(dictionary)
         self.dictionary, self.model = dictionary, model
         hook = dictionary.hook_in
-        self.sweep = sweep_of(model.config, dictionary, len(clean_ids), answer, contrast, metric, positions)
+        self.sweep = feature_sweep(model.config, dictionary, len(clean_ids), answer, contrast, metric, positions)
         self.positions = sorted(self.sweep.positions)
         self.inner = AttributionPatchingRun(model, self.sweep, corrupted_ids, clean_ids, qk_fix=False,
                                             keep_gradients=True, adapter=adapter)
@@ -235,7 +235,7 @@ class FeatureAttributionRun(SteppedJob):
                              head=h) for h in range(hs.n_heads)]
 
 
-def sweep_of(config, d: Dictionary, num_tokens: int, answer: int, contrast: int | None, metric: str,
+def feature_sweep(config, d: Dictionary, num_tokens: int, answer: int, contrast: int | None, metric: str,
              positions: list[int]) -> PatchSweep:
     """The one-site sweep whose gradient feature attribution reads (ValueError naming the field)."""
     hook = d.hook_in

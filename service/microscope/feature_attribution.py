@@ -10,8 +10,8 @@ import uuid
 from fastapi import Request
 
 from model.features.sae import Dictionary, DictionaryError
-from model.probes import FeatureAttributionRun, FeatureDirectLogitRun, FeatureNode, PatchSweep, check_attributable
-from model.probes.feature_attribution import hook_name, sweep_of
+from model.probes import (FeatureAttributionRun, FeatureDirectLogitRun, FeatureNode, PatchSweep, check_attributable,
+                          feature_sweep, hook_name)
 from service.common.errors import APIError
 from service.common.runner import until_disconnect
 from service.common.serving import Serving
@@ -57,7 +57,7 @@ def _feature_sweep(serving: Serving, req: AttributeRequest, d: Dictionary, clean
     contrast = one_token(serving, req.contrast, "contrast") if req.contrast is not None else None
     positions = sweep_positions(req.positions, T)
     try:
-        sweep = sweep_of(serving.config, d, T, answer, contrast, req.metric, positions)
+        sweep = feature_sweep(serving.config, d, T, answer, contrast, req.metric, positions)
     except ValueError as e:  # messages start with the field's name
         raise APIError(400, str(e), param=str(e).split(":", 1)[0], code="invalid_value") from None
     budget, limit = serving.settings.max_inspect_response_bytes, serving.settings.max_patch_cells
