@@ -1,6 +1,7 @@
 """Inspection: one capture forward over the serving weights that reports attention maps and sinks, massive
 activations, residual norms and the logit lens; activation patching (patching.py), direct logit attribution
-(direct_logit.py) and attribution patching (attribution_patching.py) over capture forwards (capture.py). The
+(direct_logit.py) and attribution patching (attribution_patching.py) over capture forwards (capture.py), and both
+over a dictionary's features (feature_attribution.py). The
 serving path never runs this code.
 
 Definitions (each is what the request's thresholds and options refer to):
@@ -30,6 +31,8 @@ from model.probes.attribution_patching import AttributionPatchingRun
 from model.probes.capture import CaptureRun, SiteCapture
 from model.probes.compare import CompareRun, LayerComparison
 from model.probes.direct_logit import DirectLogitResult, DirectLogitRun
+from model.probes.feature_attribution import (FeatureAttributionRun, FeatureDirectLogitRun, FeatureNode,
+                                              check_attributable, feature_sweep, hook_name)
 from model.probes.options import (
     DEFAULT_INCLUDES, INCLUDES, ActivationEntry, AttentionMaps, AttentionMode, HeadStats, LayerProbe, LensEntry, Prediction,
     ProbeOptions, ProbeResult,
@@ -43,6 +46,7 @@ __all__ = [
     "LayerProbe", "Prediction",
     "LensEntry", "ProbeAttention", "ProbeOptions", "ProbeResult", "ProbeRun", "estimate_map_elements", "inspect",
     "massive_activations",
-    "AttributionPatchingRun", "CaptureRun", "Cell", "CompareRun", "LayerComparison", "DirectLogitResult", "DirectLogitRun", "PatchSweep", "SiteCapture",
+    "AttributionPatchingRun", "CaptureRun", "Cell", "CompareRun", "LayerComparison", "DirectLogitResult", "DirectLogitRun",
+    "FeatureAttributionRun", "FeatureDirectLogitRun", "FeatureNode", "check_attributable", "feature_sweep", "hook_name", "PatchSweep", "SiteCapture",
     "cell_interventions", "grid", "metric", "normalise",
 ]

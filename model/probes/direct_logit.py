@@ -67,16 +67,19 @@ class DirectLogitRun(SteppedJob):
     attribution above at its last position; `result` once `step` returned True."""
 
     def __init__(self, model: Transformer, token_ids: list[int], answer: int, contrast: int,
-                 adapter: LoRAAdapter | None = None) -> None:
-        """`adapter`: a LoRA adapter the forward runs under (model/lora.py); each block's wo is then wo + its delta."""
+                 adapter: LoRAAdapter | None = None, extra_sites: tuple[str, ...] = ()) -> None:
+        """`adapter`: a LoRA adapter the forward runs under (model/lora.py); each block's wo is then wo + its delta.
+        `extra_sites`: more sites to record at the last position (a dictionary's, model/probes/feature_attribution.py)."""
         c = model.config
         T = len(token_ids)
         self.model, self.token_ids, self.answer, self.contrast = model, list(token_ids), answer, contrast
         self.adapter = adapter
-        capture = SiteCapture(("head_output", "attention_output", "mlp_output"), frozenset(range(c.n_layers)), [T - 1],
-                              adapter=adapter)
+        sites = ("head_output", "attention_output", "mlp_output")
+        capture = SiteCapture(sites + tuple(s for s in extra_sites if s not in sites), frozenset(range(c.n_layers)),
+                              [T - 1], adapter=adapter)
         self.forward = CaptureRun(model, token_ids, capture)
         self.result: DirectLogitResult | None = None
+        self.direction: Tensor | None = None  # (D,) float64: u above, once the forward is done
 
     @property
     def done(self) -> bool:
@@ -96,6 +99,7 @@ class DirectLogitRun(SteppedJob):
         rows = head_rows(m, torch.tensor([self.answer, self.contrast], device=x.device)).double()  # (2, D)
         scale = float(torch.rsqrt(x.float().pow(2).mean() + c.norm_eps))  # the RMSNorm's, in float32 as it runs
         u = m.norm.weight.detach().double() * scale * (rows[0] - rows[1])  # (D,)
+        self.direction = u
         embed = m.tok_embeddings(torch.tensor([self.token_ids[-1]], device=x.device))[0]  # (D,)
         H, E = c.n_heads, c.head_dim
         heads, mlp, attention, remainder = [], [], [], []

@@ -13,10 +13,11 @@ from model.config import ModelConfig
 from model.engine import (PLAIN, EngineJob, EngineStats, InvalidOption, RequestOptions, RequestStream,
                           SamplingParams)
 from model.interventions import Intervention
+from model.features.sae import Dictionary, DictionaryStore
 from model.lora import LoRAAdapter
 from model.lora import load_adapter as read_adapter
-from model.probes import (AttributionPatchingRun, CaptureRun, DirectLogitRun, PatchSweep, ProbeOptions, ProbeRun,
-                          SiteCapture)
+from model.probes import (AttributionPatchingRun, CaptureRun, DirectLogitRun, FeatureAttributionRun,
+                          FeatureDirectLogitRun, PatchSweep, ProbeOptions, ProbeRun, SiteCapture)
 from model.text import Tokenizer
 from model.transformer import Transformer
 from service.common.tracing import RequestTracer
@@ -42,6 +43,7 @@ class Serving:
         self.precision: dict = state.precision  # {"quantization": ..., "dtype": ...} as served
         self.speculative: dict | None = state.speculative  # --speculative-config as served, or None
         self.adapters: dict[str, LoRAAdapter] = state.adapters  # LoRA adapters served, by name (the engine's own)
+        self.saes: DictionaryStore | None = state.saes  # dictionaries served, by name (thread-safe)
         self.tracing: RequestTracer | None = state.tracing  # --otlp-traces-endpoint, else None
 
     @property
@@ -108,6 +110,17 @@ class Serving:
                                  qk_fix: bool, adapter: str | None = None) -> AttributionPatchingRun:
         return AttributionPatchingRun(self.local_model("attribution"), sweep, source, target, qk_fix,
                                       adapter=self.adapter(adapter))
+
+    def new_feature_direct_logit(self, token_ids: list[int], answer: int, contrast: int, dictionary: Dictionary,
+                                 adapter: str | None = None) -> FeatureDirectLogitRun:
+        return FeatureDirectLogitRun(self.local_model("attribution"), token_ids, answer, contrast, dictionary,
+                                     self.adapter(adapter))
+
+    def new_feature_attribution(self, dictionary: Dictionary, clean: list[int], corrupted: list[int], answer: int,
+                                contrast: int | None, metric: str, positions: list[int],
+                                adapter: str | None = None) -> FeatureAttributionRun:
+        return FeatureAttributionRun(self.local_model("attribution"), dictionary, clean, corrupted, answer, contrast,
+                                     metric, positions, self.adapter(adapter))
 
     async def check(self, options: RequestOptions) -> None:
         """400 naming the request field the engine cannot serve (`Engine.check`: the sink + window cache, telemetry,

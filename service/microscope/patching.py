@@ -11,9 +11,11 @@ it yields to latency-sensitive traffic in the scheduler (model/engine/scheduler.
 from __future__ import annotations
 
 import asyncio
+import math
 import uuid
 
 from model.engine import RequestOptions, SamplingParams
+from model.hook_names import parse_hook
 from model.interventions import HEAD_SITES, HeadShape, HiddenStateRead, Intervention
 from model.probes import PatchSweep, SiteCapture, cell_interventions, metric
 from service.common.errors import APIError
@@ -25,6 +27,7 @@ from service.common.serving import Serving
 WAVE = 32  # cells a submission; two waves in flight keep the engine's batches full without filling its queue
 RESPONSE_BYTES_PER_CELL = 48  # two numbers of the grids as JSON, with separators
 RESIDUAL_SITES = ["attention_output", "mlp_output", "block_output"]  # what `sites: "all"` names
+PATCH_HOOK_SITES = (*RESIDUAL_SITES, "head_output")  # the sites a hook name can reach (model/hook_names.py)
 
 
 def prompt_tokens(serving: Serving, value, add_generation_prompt: bool, field: str) -> list[int]:
@@ -57,18 +60,15 @@ def build_sweep(serving: Serving, req: PatchRequest, clean: list[int], corrupted
         raise APIError(400, f"corrupted: {len(corrupted)} tokens, the clean prompt has {T}; activation patching copies "
                             "activations position by position, so the two prompts must have equal token counts "
                             "(POST /tokenize shows the tokens)", param="corrupted", code="invalid_value")
-    sites = list(RESIDUAL_SITES) if req.sites == "all" else list(req.sites)
+    if req.hook is not None:
+        sites, layers = hook_grid(serving, req)
+    else:
+        sites = list(RESIDUAL_SITES) if req.sites == "all" else list(req.sites)
+        layers = list(range(c.n_layers)) if req.layers == "all" else list(req.layers)
     if any(s in HEAD_SITES for s in sites) and serving.settings.tensor_parallel_size > 1:
         raise APIError(400, "sites: head sites are not available under tensor parallelism (each rank holds some of the "
                             "heads)", param="sites", code="invalid_value")
-    layers = list(range(c.n_layers)) if req.layers == "all" else list(req.layers)
-    if req.positions == "all":
-        positions = list(range(T))
-    else:
-        if any(not -T <= p < T for p in req.positions):
-            raise APIError(400, f"positions: token indices must be in [-{T}, {T}) for these {T}-token prompts",
-                           param="positions", code="invalid_value")
-        positions = [p + T if p < 0 else p for p in req.positions]
+    positions = sweep_positions(req.positions, T)
     answer = one_token(serving, req.answer, "answer")
     contrast = one_token(serving, req.contrast, "contrast") if req.contrast is not None else None
     sweep = PatchSweep(sites, layers, positions, T, answer, contrast, req.metric, req.direction,
@@ -79,6 +79,63 @@ def build_sweep(serving: Serving, req: PatchRequest, clean: list[int], corrupted
         param = str(e).split(":", 1)[0]
         raise APIError(400, str(e), param=param, code="invalid_value") from None
     return sweep
+
+
+def token_field(tok, i: int | None) -> dict | None:
+    """A token id as a response gives it (`text`, `token_id`), or None."""
+    return None if i is None else {"text": tok.decode([i]), "token_id": i}
+
+
+def pearson(a: list[float], b: list[float]) -> float | None:
+    """The Pearson correlation of two lists (None for fewer than two, or a constant one)."""
+    n = len(a)
+    if n < 2:
+        return None
+    ma, mb = sum(a) / n, sum(b) / n
+    sa = math.sqrt(sum((x - ma) ** 2 for x in a))
+    sb = math.sqrt(sum((y - mb) ** 2 for y in b))
+    return None if sa == 0 or sb == 0 else sum((x - ma) * (y - mb) for x, y in zip(a, b)) / (sa * sb)
+
+
+def sweep_positions(positions, T: int) -> list[int]:
+    """A request's `positions` ("all", or indices, negative from the end) -> indices in [0, T) (400 otherwise)."""
+    if positions == "all":
+        return list(range(T))
+    if any(not -T <= p < T for p in positions):
+        raise APIError(400, f"positions: token indices must be in [-{T}, {T}) for these {T}-token prompts",
+                       param="positions", code="invalid_value")
+    return [p + T if p < 0 else p for p in positions]
+
+
+def hook_grid(serving: Serving, req: PatchRequest) -> tuple[list[str], list[int]]:
+    """`hook` (TransformerLens hook names or HF module paths, model/hook_names.py) -> the sweep's sites and layers.
+    The grid is sites x layers, so several hooks must name every pair of their sites and layers; 400 naming `hook`
+    for a name that is not a place patching serves."""
+    for name in ("sites", "layers"):
+        if name in req.model_fields_set:
+            raise APIError(400, f"{name}: give either hook or sites + layers, not both", param=name,
+                           code="invalid_value")
+    names = [req.hook] if isinstance(req.hook, str) else list(req.hook)
+    hooks = []
+    for name in names:
+        if len(name) > 256:
+            raise APIError(400, f"hook: a hook name of {len(name)} characters; they are at most 256", param="hook",
+                           code="invalid_value")
+        try:
+            hook = parse_hook(name, config=serving.config, where="hook")
+        except ValueError as e:
+            raise APIError(400, str(e), param="hook", code="invalid_value") from None
+        if hook.site not in PATCH_HOOK_SITES:
+            raise APIError(400, f"hook: {name!r} is {hook.site} of layer {hook.layer}, which patching does not serve; "
+                                f"it patches {list(PATCH_HOOK_SITES)}", param="hook", code="invalid_value")
+        hooks.append((hook.site, hook.layer))
+    sites = list(dict.fromkeys(s for s, _ in hooks))
+    layers = list(dict.fromkeys(l for _, l in hooks))
+    if len(set(hooks)) != len(hooks) or len(hooks) != len(sites) * len(layers):
+        raise APIError(400, f"hook: a sweep is a grid of sites x layers; these hooks name {len(set(hooks))} places of "
+                            f"{len(sites)} sites x {len(layers)} layers (give every pair once, or sites + layers)",
+                       param="hook", code="invalid_value")
+    return sites, layers
 
 
 def check_patch_budget(serving: Serving, sweep: PatchSweep) -> None:

@@ -17,6 +17,7 @@ HeadIndex = Int(ge=0, lt=1 << 16)
 PatchSite = Literal["block_output", "attention_output", "mlp_output", "head_output", "head_q", "head_k", "head_v"]
 Position = Int(ge=-(1 << 20), lt=1 << 20)  # negative: from the end
 TokenIndex = Int(ge=0, lt=1 << 20)
+HookName = str  # checked by model/hook_names.parse_hook (an empty or unknown name is a 400 naming `hook`)
 VectorName = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")]
 
 
@@ -134,8 +135,10 @@ class PatchRequest(BaseModel):
     positions: Annotated[list[Position], Field(min_length=1, max_length=4096)] | Literal["all"] = "all"
     heads: Annotated[list[HeadIndex], Field(min_length=1, max_length=1024)] | Literal["all"] = "all"  # query heads
     direction: Literal["denoise", "noise"] = "denoise"
+    # instead of sites + layers: TransformerLens hook names or HF module paths (model/hook_names.py)
+    hook: HookName | Annotated[list[HookName], Field(min_length=1, max_length=1024)] | None = None
 
-    @field_validator("sites", "layers", "positions", "heads")
+    @field_validator("sites", "layers", "positions", "heads", "hook")
     @classmethod
     def _unique(cls, v):
         if isinstance(v, list) and len(set(v)) != len(v):
@@ -150,6 +153,15 @@ class PatchRequest(BaseModel):
         return v
 
 
+class AttributeFeatures(BaseModel):
+    """/inspect/attribute's `features`: attribution over a served dictionary's features at its own site
+    (model/probes/feature_attribution.py)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    sae: NonEmptyText  # a name in the server's dictionaries (--sae, POST /v1/saes)
+    top: Int(ge=1, le=1 << 16) = 20  # the nodes (features, or features at positions) reported, largest first
+
+
 class AttributeRequest(PatchRequest):
     """POST /inspect/attribute: direct logit attribution of `prompt` / `messages`, or attribution patching of `clean`
     / `corrupted` (model/probes/direct_logit.py, attribution_patching.py; docs/inspection.md)."""
@@ -161,6 +173,7 @@ class AttributeRequest(PatchRequest):
     corrupted: NonEmptyText | Annotated[list[ChatMessage], Field(min_length=1, max_length=1024)] | None = None
     verify: Int(ge=0, le=1 << 16) = 0  # attribution_patching: the cells with the largest estimates patched exactly
     qk_fix: bool = True  # attribution_patching: AtP*'s exact attention pattern for head_q / head_k
+    features: AttributeFeatures | None = None  # either method, over a dictionary's features
 
 
 class VectorRequest(BaseModel):

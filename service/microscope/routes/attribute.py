@@ -1,9 +1,11 @@
 """POST /inspect/attribute: direct logit attribution of one prompt, or attribution patching of a prompt pair, on the
-served model (model/probes/direct_logit.py, attribution_patching.py say what is computed).
+served model (model/probes/direct_logit.py, attribution_patching.py say what is computed); with `features`, both
+over a served dictionary's features at its own site (model/probes/feature_attribution.py).
 
 Both run as a job on the engine thread, a block of a forward or a backward at a time between serving steps, under
 /inspect's queue limit and share of the engine thread; `verify` then patches the cells with the largest estimates
-exactly, as rows of the engine's batches (service/microscope/patching.py). Cost is bounded before anything runs: the sequence
+exactly (or, with `features`, the feature nodes: each feature's activation patched from the corrupted run into the
+clean one), as rows of the engine's batches (service/microscope/patching.py). Cost is bounded before anything runs: the sequence
 by --max-inspect-tokens and what a run holds by --max-inspect-response-bytes (413), the verified cells by
 --max-patch-cells (413).
 """
@@ -11,7 +13,6 @@ by --max-inspect-tokens and what a run holds by --max-inspect-response-bytes (41
 from __future__ import annotations
 
 import logging
-import math
 import time
 import uuid
 
@@ -21,7 +22,9 @@ from model.probes import AttributionPatchingRun, PatchSweep, cell_interventions,
 from service.microscope import inspect_format as fmt
 from service.common.errors import APIError
 from service.api.openai.format import now
-from service.microscope.patching import RESPONSE_BYTES_PER_CELL, build_sweep, one_token, prompt_tokens, run_cells, sweep_fields
+from service.microscope.feature_attribution import feature_direct_logit_body, feature_patching, resolve_dictionary
+from service.microscope.patching import (RESPONSE_BYTES_PER_CELL, build_sweep, one_token, pearson, prompt_tokens,
+                                        run_cells, sweep_fields, token_field)
 from service.microscope.probing import check_inspect_length, run_job
 from service.common.runner import until_disconnect
 from service.microscope.schemas import AttributeRequest
@@ -33,7 +36,10 @@ log = logging.getLogger("llamascope.service")
 # the fields only one method takes
 ONLY = {"direct_logit": ("prompt", "messages"),
         "attribution_patching": ("clean", "corrupted", "metric", "direction", "sites", "layers", "positions", "heads",
-                                 "verify", "qk_fix")}
+                                 "verify", "qk_fix", "hook")}
+# what `features` fixes itself: the site and layer are the dictionary's, the direction Marks et al.'s (corrupted
+# into clean), and no head site is swept
+NOT_WITH_FEATURES = ("sites", "layers", "heads", "hook", "direction", "qk_fix")
 
 
 def _check_fields(req: AttributeRequest) -> None:
@@ -55,10 +61,12 @@ def _check_fields(req: AttributeRequest) -> None:
             if getattr(req, name) is None:
                 raise APIError(400, f"{name}: attribution_patching needs a clean and a corrupted prompt", param=name,
                                code="invalid_value")
-
-
-def _token(tok, i: int | None) -> dict | None:
-    return None if i is None else {"text": tok.decode([i]), "token_id": i}
+    if req.features is not None:
+        for name in NOT_WITH_FEATURES:
+            if name in req.model_fields_set:
+                raise APIError(400, f"{name}: not a field of attribution over features (the dictionary's hook fixes the "
+                                    "site and layer; a feature is patched from the corrupted run into the clean one)",
+                               param=name, code="invalid_value")
 
 
 async def _direct_logit(serving: Serving, req: AttributeRequest, request: Request, started: float,
@@ -67,7 +75,10 @@ async def _direct_logit(serving: Serving, req: AttributeRequest, request: Reques
                         "prompt" if req.prompt is not None else "messages")
     check_inspect_length(serving, len(ids), "prompt" if req.prompt is not None else "messages")
     answer, contrast = one_token(serving, req.answer, "answer"), one_token(serving, req.contrast, "contrast")
-    job = serving.new_direct_logit(ids, answer, contrast, adapter)
+    if req.features is not None:
+        job = serving.new_feature_direct_logit(ids, answer, contrast, resolve_dictionary(serving, req), adapter)
+    else:
+        job = serving.new_direct_logit(ids, answer, contrast, adapter)
     await run_job(serving, request, job, len(ids))
     r = job.result
     contributions = {"embed": r.embedding}
@@ -77,10 +88,11 @@ async def _direct_logit(serving: Serving, req: AttributeRequest, request: Reques
     contributions["remainder"] = sum(r.remainder)
     tok = serving.tokenizer
     return {
-        "answer": _token(tok, answer), "contrast": _token(tok, contrast), "position": r.position,
+        "answer": token_field(tok, answer), "contrast": token_field(tok, contrast), "position": r.position,
         "tokens": fmt.token_list(tok, ids), "logit_diff": r.logit_diff, "sum": r.total,
         "final_norm_scale": r.final_norm_scale, "contributions": contributions,
         "embedding": r.embedding, "heads": r.heads, "mlp": r.mlp, "attention": r.attention, "remainder": r.remainder,
+        **({"features": feature_direct_logit_body(req, job)} if req.features is not None else {}),
         "usage": {"prompt_tokens": len(ids), "seconds": round(time.perf_counter() - started, 3)},
     }
 
@@ -103,21 +115,13 @@ def _check_budget(serving: Serving, req: AttributeRequest, sweep: PatchSweep) ->
                        code="invalid_value")
 
 
-def _pearson(a: list[float], b: list[float]) -> float | None:
-    n = len(a)
-    if n < 2:
-        return None
-    ma, mb = sum(a) / n, sum(b) / n
-    sa = math.sqrt(sum((x - ma) ** 2 for x in a))
-    sb = math.sqrt(sum((y - mb) ** 2 for y in b))
-    return None if sa == 0 or sb == 0 else sum((x - ma) * (y - mb) for x, y in zip(a, b)) / (sa * sb)
-
-
 async def _attribution_patching(serving: Serving, req: AttributeRequest, request: Request, started: float,
                                 adapter: str | None) -> dict:
     clean = prompt_tokens(serving, req.clean, req.add_generation_prompt, "clean")
     corrupted = prompt_tokens(serving, req.corrupted, req.add_generation_prompt, "corrupted")
     check_inspect_length(serving, len(clean), "clean")
+    if req.features is not None:
+        return await feature_patching(serving, req, request, started, adapter, clean, corrupted)
     sweep = build_sweep(serving, req, clean, corrupted)
     _check_budget(serving, req, sweep)
     source, target = (clean, corrupted) if sweep.direction == "denoise" else (corrupted, clean)
@@ -134,7 +138,7 @@ async def _attribution_patching(serving: Serving, req: AttributeRequest, request
     tok = serving.tokenizer
     body = {
         "metric": sweep.metric, "direction": sweep.direction, "qk_fix": req.qk_fix,
-        "answer": _token(tok, sweep.answer), "contrast": _token(tok, sweep.contrast), **sweep_fields(serving, sweep),
+        "answer": token_field(tok, sweep.answer), "contrast": token_field(tok, sweep.contrast), **sweep_fields(serving, sweep),
         "clean_tokens": fmt.token_list(tok, clean), "corrupted_tokens": fmt.token_list(tok, corrupted),
         "baselines": {"clean": m_clean, "corrupted": m_corrupted},
         "normalized": grid(sweep, normalised), "raw": grid(sweep, raw),
@@ -151,7 +155,7 @@ async def _attribution_patching(serving: Serving, req: AttributeRequest, request
             "cells": [{"site": c.site, "layer": c.layer, "head": c.head, "position": c.position,
                        "estimated": normalised[i], "exact": e, "estimated_raw": raw[i], "exact_raw": x}
                       for c, i, e, x in zip(chosen, order, exact_n, exact)],
-            "correlation": _pearson([normalised[i] for i in order], exact_n),
+            "correlation": pearson([normalised[i] for i in order], exact_n),
         }
     body["usage"] = {"cells": sweep.num_cells, "prompt_tokens": len(clean), "verified_rows": req.verify,
                      "attribution_seconds": round(attributed - started, 3),
