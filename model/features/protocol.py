@@ -38,7 +38,8 @@ and, for the `Part` a step carries, on the path the runner chose:
                               sends the kept tokens' values with them, one delta a token
 
 The features see a step through `StepView` (its rows, in order, and the rows it samples) and the engine through
-`EngineView`: plain data, so no feature imports the engine (pyproject.toml's import-linter contract). A sequence
+`EngineView` (its configuration, the served model, a view of the requests it holds), so no feature imports the
+engine (pyproject.toml's import-linter contract). A sequence
 is the engine's object, read by features through the few attributes `SequenceView` names.
 
 The shape follows two peers. vLLM keeps LoRA in its own package (vllm/lora/: the adapters, their layers and the

@@ -31,6 +31,12 @@ class ServedAdapters(dict[str, LoRAAdapter]):
             engine.feature("lora").add(self[name])
             log.info("LoRA adapter %s: %s", name, path)
 
+    def cards(self, base_name: str, max_model_len: int) -> list[dict]:
+        """/v1/models' entry of each adapter, as vLLM lists one: its own id, its file or folder as root, the base as
+        parent."""
+        return [{"id": name, "object": "model", "created": 0, "owned_by": "llamascope", "root": a.path,
+                 "parent": base_name, "max_model_len": max_model_len} for name, a in self.items()]
+
     async def load(self, engine: AsyncEngine, name: str, path: str, config: ModelConfig, base_name: str,
                    max_rank: int) -> None:
         """Load a PEFT adapter folder or a llama.cpp LoRA GGUF (read on a worker thread) and serve it under `name` from
