@@ -208,7 +208,7 @@ def check_graphs_equal_eager(ctx: Context) -> dict:
 def check_lora_interventions_graphs(ctx: Context) -> dict:
     from model.engine import RequestOptions
     from model.interventions import Intervention
-    from model.lora import LoRAAdapter, LoRAPart, target
+    from model.features.lora import LoRAAdapter, LoRAPart, target
 
     model = _tiny(ctx)
     c = model.config
@@ -231,7 +231,7 @@ def check_lora_interventions_graphs(ctx: Context) -> dict:
     runs = {}
     for graphs in (True, False):
         engine = _engine(ctx, model, graphs=graphs)
-        engine.add_lora(adapter())
+        engine.feature("lora").add(adapter())
         runs[graphs] = (_serve(engine, jobs), engine)
     engine = runs[True][1]
     keys = sorted(engine.runner.graphs.graphs) if engine.runner.graphs is not None else []

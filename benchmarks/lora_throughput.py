@@ -29,7 +29,7 @@ from safetensors.torch import save_file
 from benchmarks.machine import machine_info
 from benchmarks.serve_throughput import ROOT, Server, closed_loop
 from model.config import ModelConfig
-from model.lora import hf_module, target
+from model.features.lora import hf_module, target
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 

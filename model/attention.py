@@ -30,8 +30,8 @@ class AttentionContext(Protocol):
 
     def adapt(self, layer: int, site: str, x: Tensor, y: Tensor) -> Tensor:
         """Block `layer`'s projection at `site` ("qkv", "o", "w13", "w2"), its input x (B, T, in) and output y
-        (B, T, out) -> y with the LoRA deltas of the rows whose request named an adapter (model/lora.py), or y as it
-        is."""
+        (B, T, out) -> y with the changes of the per-row features its rows carry (`Part.adapt`,
+        model/features/protocol.py: an adapter's deltas), or y as it is."""
         ...
 
 

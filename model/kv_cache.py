@@ -61,4 +61,4 @@ class KVCache:
         return x  # no interventions on this path (model/interventions.py: the engine and the probes have them)
 
     def adapt(self, layer: int, site: str, x: Tensor, y: Tensor) -> Tensor:
-        return y  # no adapters on this path (model/lora.py: the engine's rows have them)
+        return y  # no per-row features on this path (the engine's rows carry them)

@@ -30,7 +30,8 @@ def create_app(settings: Settings | None = None, loaded: LoadedModel | None = No
     from service.common.middleware import GuardMiddleware
     from service.api.anthropic import route as anthropic
     from service.api.anthropic.errors import AnthropicErrors
-    from service.api.openai.routes import adapters, chat, completions, models, responses
+    from service.api.openai.lora import routes as adapters
+    from service.api.openai.routes import chat, completions, models, responses
     from service.microscope.routes import attribute, compare, inspect, patch, vectors, viewer
 
     settings = settings or Settings()

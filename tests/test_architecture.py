@@ -75,3 +75,11 @@ def test_the_service_reaches_the_engine_only_through_its_interface():
     found = [f"{p.relative_to(ROOT)}:{i}" for p in sorted((ROOT / "service").rglob("*.py"))
              for i, line in enumerate(p.read_text().splitlines(), 1) if "engine.engine" in line]
     assert not found, found
+
+
+def test_the_engine_names_lora_only_in_the_request_options():
+    """LoRA lives in its feature's folder (model/features/lora/): the engine, its runner and its paths reach it
+    through the per-row feature protocol, and name it only in the request's option (`RequestOptions.lora`)."""
+    named = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "model" / "engine").rglob("*.py")
+                   if "lora" in p.read_text().lower())
+    assert named == ["model/engine/request_options.py"]

@@ -30,7 +30,6 @@ from model.engine.sampling_params import SamplingParams
 from model.engine.scheduler import QueueFullError
 from model.engine.stream import bind_device
 from model.engine.request_options import PLAIN, RequestOptions
-from model.lora import LoRAAdapter
 
 log = logging.getLogger("llamascope.engine")
 
@@ -104,7 +103,7 @@ class _Ended:
 
 
 class _Call:
-    """An EngineJob of one call on the engine thread (what only that thread may change: the adapters a step serves)."""
+    """An EngineJob of one call on the engine thread (what only that thread may change: a feature's per-engine state)."""
 
     def __init__(self, fn: Callable[[], None]) -> None:
         self.fn = fn
@@ -250,13 +249,10 @@ class AsyncEngine:
             with self._lock:
                 self._num_jobs -= 1
 
-    async def add_lora(self, adapter: LoRAAdapter) -> None:
-        """Serve `adapter` from the next step on (`Engine.add_lora`, on the engine thread); ValueError as it raises."""
-        await self.run_job(_Call(lambda: self.engine.add_lora(adapter)))
-
-    async def remove_lora(self, name: str) -> None:
-        """Stop serving adapter `name` (`Engine.remove_lora`: ValueError while a request is under it)."""
-        await self.run_job(_Call(lambda: self.engine.remove_lora(name)))
+    async def call_feature(self, name: str, method: str, *args) -> None:
+        """A per-row feature's per-engine call (`Engine.feature(name).method(*args)`: loading an adapter), on the
+        engine thread between steps; from the next step on it serves what it changed. Raises as the call does."""
+        await self.run_job(_Call(lambda: getattr(self.engine.feature(name), method)(*args)))
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(_Abort(request_id))

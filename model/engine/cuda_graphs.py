@@ -14,9 +14,11 @@ needs the host anyway: stop strings, detokenization).
 Every bucket is captured when the engine starts, largest first and sharing one memory pool (vLLM's order: the
 largest graph's buffers are reused by the smaller ones), so no request ever pays a capture. Each bucket has two
 graphs: the plain step, and the step with interventions and hidden-state reads from static buffers
-(graph_edits.py), replayed only when some row of the step has them. A step with rows under LoRA adapters replays a
-variant of either that applies every loaded adapter by a per-row slot (graph_lora.py), captured for every bucket when
-an adapter is loaded or unloaded (`adapters_changed`, between steps), never in the middle of a step.
+(graph_edits.py), replayed only when some row of the step has them. A step whose per-row features' parts replay
+the graphs (`Part.graph`) replays the featured variant of either: captured with every feature's graph part
+(`GraphPart`, model/features/protocol.py: static per-row slots the step's parts are loaded into before each replay),
+for every bucket when a feature's per-engine state changes (`features_changed`, between steps), never in the middle
+of a step.
 
 A capture that fails (out of memory, an op that cannot be captured) costs that bucket its graph, never a request:
 the bucket decodes eagerly, with a log line, and `num_failed` counts it (the engine's stats, the server's metric).
@@ -30,18 +32,20 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 from torch import Tensor
 
 from model.engine.forward_context import ForwardContext
 from model.engine.graph_edits import GraphEdits
-from model.engine.graph_lora import GraphLoRA
 from model.engine.input_batch import InputBuffers, StepBatch
 from model.engine.paged_cache import AttentionMetadata, PagedKVCache
+from model.features.protocol import StepParts
 from model.kernels import kv_int8, ops
-from model.lora import LoRAAdapter, LoRARows
+
+if TYPE_CHECKING:
+    from model.features.registry import EngineFeatures
 
 log = logging.getLogger("llamascope.engine")
 
@@ -56,21 +60,21 @@ def buckets(max_num_seqs: int) -> list[int]:
 
 class CudaGraphs:
     def __init__(self, model: torch.nn.Module, cache: PagedKVCache, buffers: InputBuffers, scratch_block: int,
-                 max_num_seqs: int, capture: bool, adapters: dict[str, LoRAAdapter] | None = None) -> None:
-        """`adapters`: the runner's LoRA adapters by name (read at each step with adapter rows)."""
+                 max_num_seqs: int, capture: bool, features: EngineFeatures | None = None) -> None:
+        """`features`: the engine's per-row features, whose graph parts the featured graphs are captured with."""
         self.model, self.cache, self.buffers, self.capture = model, cache, buffers, capture
         self.buckets = buckets(max_num_seqs)
         self.scratch_block, self.scratch_slot = scratch_block, scratch_block * cache.block_size
         self.rows = torch.arange(self.buckets[-1], dtype=torch.long, device=cache.device)  # decode rows 0..B-1
-        # one graph per (bucket, edited, adapted): the edited variant applies the step's interventions from static
-        # buffers and records block outputs (graph_edits.py), the adapted one applies the loaded LoRA adapters to the
-        # rows under them (graph_lora.py); steps without any replay the plain one
+        # one graph per (bucket, edited, featured): the edited variant applies the step's interventions from static
+        # buffers and records block outputs (graph_edits.py), the featured one runs the features' graph parts over
+        # the rows that carry them; steps without any replay the plain one
         self.graphs: dict[tuple[int, bool, bool], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, bool, bool], Tensor] = {}  # the logits each graph writes, (1, b, V)
         self.failed: set[tuple[int, bool, bool]] = set()
-        self.num_failed = 0  # captures that failed, ever (a set of adapters captured again counts again)
-        self.adapters = adapters if adapters is not None else {}
-        self.lora = GraphLoRA(self.buckets[-1], cache.device)  # the adapted graphs' adapters and row slots
+        self.num_failed = 0  # captures that failed, ever (a feature's new state captured again counts again)
+        # the featured graphs' static parts, one per feature that has one (`Feature.graph_part`)
+        self.feature_parts = [] if features is None else features.graph_parts(self.buckets[-1], cache.device)
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         c = model.config
         capacity = min(4096, max(64, max_num_seqs * 3 * c.n_layers))  # vectors a step's interventions may use
@@ -100,13 +104,13 @@ class CudaGraphs:
     @staticmethod
     def memory_estimate(config, max_num_seqs: int, dtype: torch.dtype) -> int:
         """Bytes the captured graphs hold, for sizing the KV pool around them: every graph keeps its logits (b, V)
-        (plain and edited graphs of every bucket, and as many again for the adapted ones), and the shared pool the
+        (plain and edited graphs of every bucket, and as many again for the featured ones), and the shared pool the
         largest bucket's working set (its float32 logits and one block's activations: the residual stream, q/k/v,
         the MLP's gate and up). An estimate: the capture logs what the pool took."""
         size = torch.empty((), dtype=dtype).element_size()
         bs = buckets(max_num_seqs)
         qkv = (config.n_heads + 2 * config.n_kv_heads) * config.head_dim
-        outputs = 4 * sum(bs) * config.vocab_size * size  # (plain, edited) x (base, adapted)
+        outputs = 4 * sum(bs) * config.vocab_size * size  # (plain, edited) x (base, featured)
         work = bs[-1] * (4 * config.vocab_size + (4 * config.dim + qkv + 3 * config.hidden_dim) * size)
         return outputs + work
 
@@ -118,12 +122,12 @@ class CudaGraphs:
         if not (batch.meta.all_paged and batch.num_seqs == n and (not ctx.parts or ctx.parts.allow("cuda_graph"))
                 and 0 < n <= self.buckets[-1]):
             return False
-        edited, adapted = batch.edits is not None, ctx.lora is not None
-        key = (self._bucket(n), edited, adapted)
+        edited, featured = batch.edits is not None, bool(ctx.parts) and ctx.parts.graph
+        key = (self._bucket(n), edited, featured)
         if key in self.failed:
             return False
-        # adapted graphs are captured for the adapters loaded (`adapters_changed`): none for this set, no replay
-        if self.capture and (key not in self.graphs or (adapted and not self.lora.holds(self.adapters))):
+        # featured graphs are captured for the features' state now (`features_changed`): none for it, no replay
+        if self.capture and (key not in self.graphs or (featured and not self._current())):
             return False
         return not edited or (self.edits.fits(batch.edits) and not batch.edits.reads_sub_blocks
                               and not batch.edits.has_head_edits)
@@ -147,51 +151,56 @@ class CudaGraphs:
         d["paged_lens"][n:b] = 1
 
     @torch.inference_mode()
-    def run(self, batch: StepBatch, lora: LoRARows | None = None) -> Tensor:
-        """A pure decode step of n rows, already written into the buffers (`lora`: its rows under adapters) -> logits
-        (n, V)."""
+    def run(self, batch: StepBatch, parts: StepParts | None = None) -> Tensor:
+        """A pure decode step of n rows, already written into the buffers (`parts`: its features' parts, which
+        `accepts` let through) -> logits (n, V)."""
         n = batch.meta.num_tokens
         b = self._bucket(n)
         self._pad(n, b)
-        key = (b, batch.edits is not None, lora is not None)
+        key = (b, batch.edits is not None, bool(parts) and parts.graph)
         if key[1]:
             self.edits.load(batch.edits)
         if key[2]:
-            self._use_adapters()
-            self.lora.load(lora)
+            self._use_features()
+            for gp in self.feature_parts:
+                gp.load(parts)
         if not self.capture:
             logits = self._forward(*key)[0, :n]
-        else:  # (`accepts`: captured, for the adapters loaded now)
+        else:  # (`accepts`: captured, for the features' state now)
             self.graphs[key].replay()
             logits = self.outputs[key][0, :n]
         if key[1]:
             self.edits.store_reads(batch.edits)
         return logits
 
-    def _use_adapters(self) -> None:
-        """The adapted graphs hold the adapters loaded now: those captured for another set are dropped (and their
+    def _current(self) -> bool:
+        return all(gp.current() for gp in self.feature_parts)
+
+    def _use_features(self) -> None:
+        """The featured graphs hold the features' state now: those captured for another are dropped (and their
         failures forgotten)."""
-        if not self.lora.use(self.adapters):
+        if not any([gp.use() for gp in self.feature_parts]):  # (every part takes its state: no short circuit)
             return
         for key in [k for k in self.graphs if k[2]]:
             del self.graphs[key], self.outputs[key]
         self.failed = {k for k in self.failed if not k[2]}
 
-    def adapters_changed(self) -> None:
-        """An adapter was loaded or unloaded (between steps): the adapted graphs of the new set, every bucket plain
-        and edited, are captured now, so that no step ever waits for a capture (vLLM captures its LoRA graphs up
-        front too); with no adapter left, none."""
-        self._use_adapters()
-        if not self.capture or not self.adapters:
+    def features_changed(self) -> None:
+        """A feature's per-engine state changed (an adapter loaded or unloaded, between steps): the featured graphs
+        of the new state, every bucket plain and edited, are captured now, so that no step ever waits for a capture
+        (vLLM captures its adapters' graphs up front too); with no feature active, none."""
+        self._use_features()
+        if not self.capture or not any(gp.active() for gp in self.feature_parts):
             return
         start = time.perf_counter()
         for b in reversed(self.buckets):
             self._pad(0, b)
-            self.lora.load_none()
+            for gp in self.feature_parts:
+                gp.load(None)
             for edited in (False, True):
-                self._capture(b, edited, adapted=True)
-        log.info("decode graphs: %d adapted graphs captured for %d adapter(s) in %.1fs%s",
-                 sum(k[2] for k in self.graphs), len(self.adapters), time.perf_counter() - start,
+                self._capture(b, edited, True)
+        log.info("decode graphs: %d featured graphs captured in %.1fs%s",
+                 sum(k[2] for k in self.graphs), time.perf_counter() - start,
                  f"; failed: {sorted(k for k in self.failed if k[2])}" if any(k[2] for k in self.failed) else "")
 
     def capture_all(self) -> None:
@@ -208,15 +217,16 @@ class CudaGraphs:
                  ", ".join(str(b) for b, e, _ in sorted(self.graphs) if not e)
                  + (f"; failed: {sorted(self.failed)}" if self.failed else ""))
 
-    def _forward(self, b: int, edited: bool = False, adapted: bool = False) -> Tensor:  # -> (1, b, V)
+    def _forward(self, b: int, edited: bool = False, featured: bool = False) -> Tensor:  # -> (1, b, V)
         tokens, positions, meta = self._static(b)
         # the captured step's context: the static buffers' metadata, the static interventions when edited, the
-        # static adapter slots when adapted
-        ctx = ForwardContext(self.cache, meta, [], self.edits if edited else None, lora=self.lora if adapted else None)
+        # features' static parts when featured
+        parts = StepParts(list(self.feature_parts)) if featured and self.feature_parts else None
+        ctx = ForwardContext(self.cache, meta, [], self.edits if edited else None, parts)
         return self.model(tokens, positions, ctx)
 
-    def _capture(self, b: int, edited: bool = False, adapted: bool = False) -> None:
-        key = (b, edited, adapted)
+    def _capture(self, b: int, edited: bool = False, featured: bool = False) -> None:
+        key = (b, edited, featured)
         try:
             # on the cache's device whichever thread captures (the current device is per thread and starts at 0)
             torch.cuda.set_device(self.cache.device)
@@ -231,8 +241,8 @@ class CudaGraphs:
                 self.outputs[key] = self._forward(*key)
             self.graphs[key] = graph
         except Exception:  # never fail a request over a capture: that bucket runs eagerly from now on
-            log.exception("CUDA graph capture failed for batch size %d (edited: %s, adapted: %s); decoding it eagerly",
-                          b, edited, adapted)
+            log.exception("CUDA graph capture failed for batch size %d (edited: %s, featured: %s); decoding it eagerly",
+                          b, edited, featured)
             self.num_failed += 1
             self.failed.add(key)
             self.graphs.pop(key, None)

@@ -33,11 +33,10 @@ from model.engine.speculative import Drafter, SpecDecodeStats, SpeculativeConfig
 from model.engine.stream import stream_for
 from model.engine.speculative.build import build_speculator
 from model.engine.structured import StructuredOutputs
-from model.features.protocol import EngineView
+from model.features.protocol import EngineView, Feature
 from model.features.registry import EngineFeatures
 from model.kernels import ops
 from model.loaders.memory import check_fits
-from model.lora import LoRAAdapter
 from model.text.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -177,13 +176,15 @@ class Engine:
                                  else config.async_scheduling)
         self.in_flight: DecodeLaunch | None = None  # an overlapped decode step not read back yet
         # the per-row features, bound to this engine (model/features/registry.py)
-        self.features = EngineFeatures(EngineView(self.distributed, self.max_model_len, config.block_size))
+        self.features = EngineFeatures(EngineView(self.distributed, self.max_model_len, config.block_size, model,
+                                                  lambda: self.requests.values()))
         self.runner = ModelRunner(
             model, self.cache, Sampler(model.config.vocab_size, model.device, sync_free=self.async_scheduling),
             self.sizes, graph_mode=config.decode_graphs, native_step=config.native_step,
             scratch_block=num_blocks if graphs else None, structured=self.structured, batch=self.batch, stream=stream,
             features=self.features,
         )
+        self.features.listen(self.runner.features_changed)  # (a feature's state changed: its graphs follow)
         self.context_shift = ContextShift(model, self.cache)  # windowed sequences' evictions (model/features/kv_window/)
         self.output = OutputProcessor(tokenizer)
         self.requests: dict[str, Request] = {}
@@ -196,7 +197,6 @@ class Engine:
         # decoding's bookkeeping, model/engine/speculative/verification.py), from `drafter` (None: one token a row).
         # Drafts change no output: a draft is kept only where it equals the token sampled at its position.
         self.verification = Verification(None, self.kv, self._settle, model.config.vocab_size, self.max_model_len)
-        self._loras_loaded = 0  # adapters loaded so far (`add_lora`): each load's serial roots its prefix keys
         if config.speculative is not None:
             self.drafter = build_speculator(config.speculative, model, draft_model, self.sizes,
                                             distributed=self.distributed)
@@ -245,9 +245,7 @@ class Engine:
         grammar = self.structured.compile(options.structured) if options.structured is not None else None
         req = Request(request_id, list(prompt_token_ids), params, options=options)
         self.features.admit(req, c)  # the per-row features' per-request state (an intervention plan)
-        if options.lora is not None:  # an adapter's K/V differs from the base's and other loads': its own prefix keys
-            req.prefix_root = f"lora {self.runner.adapters[options.lora].serial} {options.lora}".encode()
-        req.prefix_root += self.features.prefix_key(req)  # the registered features' shares (model/features/registry.py)
+        req.prefix_root = self.features.prefix_key(req)  # the registered features' shares (model/features/registry.py)
         for i in range(params.n):
             seq = Sequence(self._next_seq_id, req, i, req.prompt_token_ids)
             self._next_seq_id += 1
@@ -270,29 +268,10 @@ class Engine:
             self._sibling_requests.add(req)
         return req
 
-    def add_lora(self, adapter: LoRAAdapter) -> None:
-        """Serve `adapter` (model/lora.py) to the requests that name it (`RequestOptions.lora`), beside the base.
-        Under tensor parallelism every rank serves its share of it (`TPModel.add_lora`)."""
-        if adapter.name in self.runner.adapters:
-            raise ValueError(f"a LoRA adapter named {adapter.name!r} is already loaded")
-        self._loras_loaded += 1
-        adapter.serial = self._loras_loaded  # (its K/V is never another load's under the same name: the prefix key)
-        if self.distributed:
-            adapter = self.model.add_lora(adapter)
-        self.runner.adapters[adapter.name] = adapter.to(self.model.dtype, torch.device(self.model.device))
-        self.runner.adapters_changed()
-
-    def remove_lora(self, name: str) -> None:
-        """Stop serving adapter `name` (engine thread). ValueError while a request runs or waits under it."""
-        if name not in self.runner.adapters:
-            raise ValueError(f"no LoRA adapter {name!r} is loaded")
-        users = sum(r.options.lora == name for r in self.requests.values())
-        if users:
-            raise ValueError(f"LoRA adapter {name!r} is serving {users} request(s); unload it once they finish")
-        del self.runner.adapters[name]
-        self.runner.adapters_changed()
-        if self.distributed:
-            self.model.remove_lora(name)
+    def feature(self, name: str) -> Feature:
+        """This engine's per-row feature `name` (model/features/registry.py), for its per-engine calls: what it
+        loads or drops between steps, on the engine thread (`AsyncEngine.call_feature`). KeyError."""
+        return self.features.feature(name)
 
     @property
     def kv_cache_tokens(self) -> int:
@@ -307,8 +286,6 @@ class Engine:
         thread may ask; the service asks before it queues a request, on a worker thread when a grammar compiles."""
         self.features.check(options)
         self._check_speculation(options.num_speculative_tokens)
-        if options.lora is not None and options.lora not in self.runner.adapters:
-            raise InvalidOption("model", f"no LoRA adapter {options.lora!r} is loaded")
         if options.structured is not None:
             try:
                 self.structured.compile(options.structured)

@@ -3,8 +3,7 @@ vllm/forward_context.py: the per-step attention metadata beside the model call r
 
 The runner builds one per step from its input batch: the cache's pools, the step's attention metadata and slices,
 its edits of the residual stream (interventions and reads, model/edits.py, or the graphs' static copy of them,
-graph_edits.py), the parts of the per-row features its rows carry (model/features/protocol.py) and the rows under
-LoRA adapters (model/lora.py). The module
+graph_edits.py), and the parts of the per-row features its rows carry (model/features/protocol.py). The module
 path hands it to the model as its attention context (model/attention.py: `begin_forward`, `attend`, `edit`,
 `adapt`); the native path passes its tensors to the fused call; the CUDA graphs capture a static one; tensor
 parallelism sends its slices and edits to the other ranks, which rebuild the same context (`from_slices`). Nothing of
@@ -25,7 +24,6 @@ from model.kernels import kv_int8, ops
 
 if TYPE_CHECKING:
     from model.features.protocol import StepParts
-    from model.lora import LoRARows
 
 
 class Edits(Protocol):
@@ -42,16 +40,15 @@ class ForwardContext:
     slices: list[SeqSlice]  # the step's sequences as plain data (what tensor-parallel ranks rebuild `meta` from)
     edits: Edits | None = None
     parts: StepParts | None = None  # the step's per-row features' parts (model/features/protocol.py)
-    lora: LoRARows | None = None  # rows under LoRA adapters (model/lora.py)
     _masks: dict[int, Tensor | None] = field(default_factory=dict)  # prefill chunk -> its sliding-window mask
 
     @classmethod
     def from_slices(cls, cache: PagedKVCache, slices: list[SeqSlice], edits: Edits | None = None,
-                    lora: LoRARows | None = None) -> "ForwardContext":
+                    parts: StepParts | None = None) -> "ForwardContext":
         """The context of a step known by its slices alone (tensor-parallel workers, which follow rank 0's steps, and
         tests); the runner writes the same metadata into its persistent buffers instead."""
         meta = AttentionMetadata.from_slices(slices, cache.block_size, cache.device, cache.paged_prefill)
-        return cls(cache, meta, slices, edits, lora=lora)
+        return cls(cache, meta, slices, edits, parts)
 
     # ---- the attention context the model's modules call (model/attention.py) ---------------------------------
 
@@ -65,8 +62,9 @@ class ForwardContext:
         return x if self.edits is None else self.edits.apply(layer, site, x)
 
     def adapt(self, layer: int, site: str, x: Tensor, y: Tensor) -> Tensor:
-        """A projection's output y (1, N, out): the rows under an adapter get its deltas; the others are untouched."""
-        return y if self.lora is None else self.lora.apply(layer, site, x, y)
+        """A projection's output y (1, N, out): the rows of a feature's part that changes it (`Part.adapt`) get their
+        change; the others are untouched."""
+        return y if not self.parts else self.parts.adapt(layer, site, x, y)
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """q (1, N, H, E), k/v (1, N, K, E) -> (1, N, H, E); writes k/v into their slots first. Rows attending over

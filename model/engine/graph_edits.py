@@ -1,5 +1,5 @@
-"""A step's interventions as static buffers a captured decode graph reads (multi-LoRA's adapter slots: per row an
-index into a bank, vLLM's punica wrapper), for model/engine/cuda_graphs.py.
+"""A step's interventions as static buffers a captured decode graph reads (as vLLM's punica wrapper keeps adapter slots:
+per row an index into a bank), for model/engine/cuda_graphs.py.
 
 A graph replays fixed kernels over fixed addresses, so the ragged table of model/edits.py (ops per site, of any
 length) is rewritten before each replay into dense per-site, per-row indices into a static bank:

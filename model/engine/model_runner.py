@@ -9,7 +9,7 @@
            native         any step (decode, prefill chunks, both) through every block in one native call (CPU,
                           where every row attends over the paged pool: `PagedKVCache.paged_prefill`)
            module         the model's modules, one call each (CUDA prefill and mixed steps, tensor parallelism,
-                          rows under LoRA adapters, the PyTorch reference ops)
+                          the PyTorch reference ops)
        A path runs a step only where every feature part of it allows (`Part.paths`).
        All three compute the same logits (the module path is the reference; tests hold the others to it);
     3. runs it, scores prompt logprobs, and samples every sequence that caught up (a constrained one from the
@@ -32,7 +32,6 @@ import torch
 from torch import Tensor
 
 from model.edits import EditTables, Segment, gather_reads
-from model.lora import LoRAAdapter, LoRARows
 from model.engine.cuda_graphs import CudaGraphs, buckets
 from model.engine.forward_context import ForwardContext
 from model.engine.input_batch import InputBuffers, StepBatch
@@ -117,10 +116,9 @@ class ModelRunner:
                           for _ in range(2)]
         self._parity = 0
         self.native = NativeStep.for_model(model) if native_step else None
-        self.adapters: dict[str, LoRAAdapter] = {}  # LoRA adapters by name (`Engine.add_lora`); none on a draft's runner
         self.graphs = None if scratch_block is None else CudaGraphs(
             model, cache, self.buffers, scratch_block, sizes.max_num_seqs, capture=graph_mode == "auto",
-            adapters=self.adapters)
+            features=features)
         self.path_counts: Counter[str] = Counter({p: 0 for p in PATHS})
         # prefill chunks in one kernel launch per layer where the attention backend is Triton (CUDA); the pools'
         # backend is fixed once the model is loaded, so asked once
@@ -131,10 +129,11 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.capture:
             self.graphs.capture_all()
 
-    def adapters_changed(self) -> None:
-        """`adapters` gained or lost one (between steps): the decode graphs that apply them are captured again."""
+    def features_changed(self) -> None:
+        """A feature's per-engine state changed (between steps): the decode graphs captured with it are captured
+        again."""
         if self.graphs is not None:
-            self.graphs.adapters_changed()
+            self.graphs.features_changed()
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSeq]) -> RunnerOutput:
@@ -149,8 +148,7 @@ class ModelRunner:
                 [StepRow(s.seq, sl.start, sl.num_new, s.seq.num_computed_tokens, sl.context_len, sl.block_ids)
                  for s, sl in zip(scheduled, batch.slices)], batch.sample, self.model, self.cache.device, paged_prefill))
         # the step as every path reads it
-        ctx = ForwardContext(self.cache, batch.meta, batch.slices, batch.edits, parts or None,
-                             self._lora_rows(scheduled, batch))
+        ctx = ForwardContext(self.cache, batch.meta, batch.slices, batch.edits, parts or None)
         # [structured outputs] the sampling rows' grammar masks, filled on a worker thread during the forward
         masks = self.structured.start_masks(_mask_rows(batch.sample)) if self.structured is not None else None
         path = self._choose(batch, ctx)
@@ -226,23 +224,6 @@ class ModelRunner:
         host reads of it, which wait for nothing, from reads of device memory)."""
         return self.buffers.host_buffers() + self._out_host
 
-    def _lora_rows(self, scheduled: list[ScheduledSeq], batch: StepBatch) -> LoRARows | None:
-        """The step's rows under each adapter this runner serves (a draft model's runner serves none: its drafts come
-        from the base, and the target's verification applies the adapter)."""
-        if not self.adapters:
-            return None
-        rows: dict[str, list[int]] = {}
-        for s, sl in zip(scheduled, batch.slices):
-            name = s.seq.request.options.lora
-            if name is not None and name in self.adapters:
-                rows.setdefault(name, []).extend(range(sl.start, sl.start + sl.num_new))
-        if not rows:
-            return None
-        device = self.cache.device
-        # (the rows' ids from pinned memory without a wait: `_put`)
-        return LoRARows([(self.adapters[n], _put(r, torch.long, device)) for n, r in rows.items()],
-                        list(rows.values()))
-
     def _choose(self, batch: StepBatch, ctx: ForwardContext) -> str:
         if self.graphs is not None and self.graphs.accepts(batch, ctx):
             return "cuda_graph"
@@ -254,7 +235,7 @@ class ModelRunner:
         """The step's logits (M, V) at its logits rows; with `greedy` (every such row plain greedy), on the native path,
         their greedy picks (M,) where the head makes them without the logits (`NativeStep.run`)."""
         if path == "cuda_graph":  # the graph's logits are one per token row: keep the logits rows (M, V)
-            return _rows(self.graphs.run(batch, ctx.lora), batch.logits_rows,
+            return _rows(self.graphs.run(batch, ctx.parts), batch.logits_rows,
                          identity=batch.logits_rows.numel() == batch.meta.num_tokens)
         if path == "native":
             return self.native.run(batch, ctx, greedy)

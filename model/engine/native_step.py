@@ -84,12 +84,6 @@ class NativeStep:
         return (meta.all_paged and meta.paged_rows.numel() == meta.num_tokens
                 and ops.native_pool(self.model.dtype, ctx.cache.k.dtype) and kernels.native() is not None)
 
-    def _lora(self, ctx: ForwardContext) -> dict:
-        if ctx.lora is None:
-            return {}
-        rows, parts = ctx.lora.native_args(len(self.layers))
-        return {"lora_rows": rows, "lora": parts}
-
     def run(self, batch: StepBatch, ctx: ForwardContext, greedy: bool = False) -> Tensor:
         """-> logits (M, V) at the batch's logits rows. `greedy` (every logits row is a plain greedy row): the rows'
         greedy picks (M,) int64 instead where the head makes them without the logits (`Transformer.greedy_picks`);
@@ -101,8 +95,8 @@ class NativeStep:
             h[0], self.layers, self.eps, cos.view(-1, E), sin.view(-1, E), cache.k, cache.v, meta.slot_mapping,
             meta.paged_rows, meta.paged_tables, meta.paged_lens, self.H, self.K, E,
             edits=ctx.edits.tensors() if ctx.edits is not None else [],
-            extras=self.extras, **args, **self.switches, **self._lora(ctx),
-        )  # (N, D); the rows' interventions, adapters and features applied inside the block loop, their reads taken
+            extras=self.extras, **args, **self.switches,
+        )  # (N, D); the rows' interventions and features applied inside the block loop, their reads taken
         # logits rows are distinct and in order: as many as the rows means every row (a decode step), no gather
         every = batch.logits_rows.numel() == batch.tokens.numel()
         if greedy:

@@ -153,7 +153,7 @@ class Request:
     options: RequestOptions = PLAIN
     # the per-row features' per-request state, by feature (`Feature.admit`, model/features/registry.py)
     state: dict[str, Any] = field(default_factory=dict)
-    # the root of its blocks' prefix-cache hash chain: b"" for the base model, a loaded LoRA adapter's own key
+    # the root of its blocks' prefix-cache hash chain: b"" for the base model, else the features' (`prefix_key`)
     prefix_root: bytes = b""
     # Its rows need nothing per step but tokens, positions and block tables: no kv window, grammar, edits, reads,
     # registered per-row feature (model/features/registry.py, `plain`) or background budget. A step whose every row
@@ -168,7 +168,7 @@ class Request:
     def __post_init__(self) -> None:
         o, p = self.options, self.params
         self.plain_decode = (o.kv_window is None and o.structured is None and features.plain(o) and not o.background
-                             and o.hidden_states is None and o.lora is None)
+                             and o.hidden_states is None)
         if p is None:  # (bookkeeping tests build requests without sampling)
             return
         penalties = p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0

@@ -39,7 +39,7 @@ class RequestOptions:
     # speculative decoding (model/engine/speculative/): at most this many drafts a step for its rows, 0: none;
     # None: the server's --speculative-config
     num_speculative_tokens: int | None = None
-    # the LoRA adapter its rows run under, by the name it was loaded with (`Engine.add_lora`, model/lora.py); None:
+    # the LoRA adapter its rows run under, by the name it was loaded with (model/features/lora/: `LoRA.add`); None:
     # the base model
     lora: str | None = None
 

@@ -15,6 +15,11 @@ folder owns every stage of it; the engine names none of them and calls, for each
                               block_key: they depend on the request alone
     prepare(step)             its part of one step (`Part`), or None when no row of the step carries it
     metrics()                 its counters, for the engine's stats
+    graph_part(rows, device)  its share of the CUDA graphs (`GraphPart`), made once per engine, or None: its
+                              parts then never set `graph`
+    changed()                 called by the feature itself when its per-engine state changed between steps (an
+                              adapter loaded): the engine's listeners follow it then (the featured graphs are
+                              captured again), never in the middle of a step
 
 and, for the `Part` a step carries, on the path the runner chose:
 
@@ -22,14 +27,19 @@ and, for the `Part` a step carries, on the path the runner chose:
                               first of its order that every part allows ("module", the reference, runs every
                               part: a part always lists it)
     module_hooks(model)       the module path: hooks installed for the step only
+    adapt(l, site, x, y)      the module path (and a featured graph's captured forward), a projection's output at
+                              the attention context's seam (model/attention.py, `adapt`): y, its rows changed
     attention_recorder(l)     what the decode-attention kernel records into at layer l (every path's kernel)
     after_attention(...)      the module path, once a layer's pools hold the step's K/V
     native_args()             the native step's keyword arguments (model/kernels/csrc/bindings.cpp, step_layers)
+    graph                     whether a pure decode step carrying it replays the featured CUDA graphs: those
+                              captured with every feature's `GraphPart`, which the step's parts are loaded into
     collect(outputs)          its per-token results into each sequence's outputs, once the forward ran: the engine
                               sends the kept tokens' values with them, one delta a token
 
 The features see a step through `StepView` (its rows, in order, and the rows it samples) and the engine through
-`EngineView`: plain data, so no feature imports the engine (pyproject.toml's import-linter contract). A sequence
+`EngineView` (its configuration, the served model, a view of the requests it holds), so no feature imports the
+engine (pyproject.toml's import-linter contract). A sequence
 is the engine's object, read by features through the few attributes `SequenceView` names.
 
 The shape follows two peers. vLLM keeps LoRA in its own package (vllm/lora/: the adapters, their layers and the
@@ -45,7 +55,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Iterator, Protocol
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterable, Iterator, Protocol
 
 if TYPE_CHECKING:
     import torch
@@ -101,20 +111,32 @@ class StepView:
 
 @dataclass(frozen=True)
 class EngineView:
-    """The engine's fixed configuration, as `Feature.check` reads it."""
+    """The engine's fixed configuration, as `Feature.check` reads it, and what a feature's per-engine state
+    needs of the engine."""
 
     distributed: bool  # tensor parallelism: a step's rows run across processes
     max_model_len: int
     block_size: int
+    # the served model (its dtype and device; under tensor parallelism rank 0's, which sends per-engine state to
+    # the other ranks), for what a feature loads
+    model: Any = None
+    # the requests the engine holds now, running or waiting (each with .options): what a feature's state serves
+    requests: Callable[[], Iterable[Any]] = tuple
 
 
 class Part:
     """A feature's share of one step. The defaults do nothing, so a part overrides only the stages it takes."""
 
     paths: ClassVar[frozenset[str]] = frozenset(PATHS)
+    graph: ClassVar[bool] = False  # replayed by the featured CUDA graphs (its feature's `GraphPart`)
 
     def module_hooks(self, model: torch.nn.Module) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
+
+    def adapt(self, layer: int, site: str, x: Tensor, y: Tensor) -> Tensor:
+        """The module path: block `layer`'s projection at `site` ("qkv", "o", "w13", "w2"), its input x (1, N, in)
+        and output y (1, N, out) -> y, its rows changed in place, or as it is."""
+        return y
 
     def attention_recorder(self, layer: int) -> Any:
         """What `ops.decode_attention` records into at `layer` (model/kernels/attention_telemetry.py), or None."""
@@ -130,6 +152,28 @@ class Part:
         """Its per-token results: outputs[sequence][feature name] = one value per sampled row, in row order."""
 
 
+class GraphPart(Part):
+    """A feature's share of the CUDA graphs (`Feature.graph_part`, one per engine): static buffers, one slot a row,
+    that the featured graphs are captured with and read when replayed; its `Part` stages are what the captured
+    forward runs. Before each replay the step's parts are loaded into it."""
+
+    def current(self) -> bool:
+        """Whether what it holds is the feature's per-engine state now (graphs captured with it may replay)."""
+        return True
+
+    def use(self) -> bool:
+        """Hold the feature's per-engine state now; True where that changed it (the graphs captured with it before
+        are dropped)."""
+        return False
+
+    def active(self) -> bool:
+        """Whether a step can carry it now (the featured graphs are worth capturing)."""
+        return True
+
+    def load(self, parts: StepParts | None) -> None:
+        """The step's parts into its buffers; None: no row carries the feature (a capture's padding rows)."""
+
+
 class Feature:
     """One per-row feature (a subclass per folder, listed in the registry), one instance per engine, bound to it:
     what it keeps per engine is its own. `name` is the `RequestOptions` field it reads, the key of its per-request
@@ -141,6 +185,7 @@ class Feature:
 
     def __init__(self, engine: EngineView) -> None:
         self.engine = engine
+        self.listeners: list[Callable[[], None]] = []  # called by `changed` (`EngineFeatures.listen`)
 
     @classmethod
     def value(cls, options: Any) -> Any:
@@ -173,6 +218,15 @@ class Feature:
     def metrics(self) -> dict[str, float]:
         return {}
 
+    def graph_part(self, max_rows: int, device: torch.device) -> GraphPart | None:
+        """Its share of the CUDA graphs over `max_rows` rows, or None where its parts never replay them."""
+        return None
+
+    def changed(self) -> None:
+        """Its per-engine state changed, between steps: the engine's listeners follow it."""
+        for listener in self.listeners:
+            listener()
+
 
 @dataclass
 class StepParts:
@@ -182,6 +236,16 @@ class StepParts:
 
     def __bool__(self) -> bool:
         return bool(self.parts)
+
+    @property
+    def graph(self) -> bool:
+        """Whether the step replays the featured CUDA graphs (a part whose feature has a `GraphPart`)."""
+        return any(p.graph for p in self.parts)
+
+    def adapt(self, layer: int, site: str, x: Tensor, y: Tensor) -> Tensor:
+        for p in self.parts:
+            y = p.adapt(layer, site, x, y)
+        return y
 
     def allow(self, path: str) -> bool:
         """Whether every part can run on `path`."""

@@ -12,14 +12,15 @@ The order is the order of their parts in a step: a path runs a step only when ev
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from model.features.interventions import Interventions
 from model.features.kv_window import KVWindowFeature
-from model.features.protocol import EngineView, Feature, StepParts, StepView
+from model.features.lora import LoRA
+from model.features.protocol import EngineView, Feature, GraphPart, StepParts, StepView
 from model.features.telemetry import Telemetry
 
-FEATURES: tuple[type[Feature], ...] = (Interventions, KVWindowFeature, Telemetry)
+FEATURES: tuple[type[Feature], ...] = (LoRA, Interventions, KVWindowFeature, Telemetry)
 
 
 def plain(options: Any) -> bool:
@@ -49,6 +50,22 @@ class EngineFeatures:
 
     def __init__(self, engine: EngineView) -> None:
         self.features = [f(engine) for f in FEATURES]
+
+    def feature(self, name: str) -> Feature:
+        """The feature named `name` (the engine's per-engine calls of one, e.g. loading a LoRA adapter); KeyError."""
+        for f in self.features:
+            if f.name == name:
+                return f
+        raise KeyError(f"no per-row feature {name!r}")
+
+    def listen(self, listener: Callable[[], None]) -> None:
+        """Call `listener` whenever a feature's per-engine state changes (`Feature.changed`, between steps)."""
+        for f in self.features:
+            f.listeners.append(listener)
+
+    def graph_parts(self, max_rows: int, device: Any) -> list[GraphPart]:
+        """The features' shares of the CUDA graphs, made once (`Feature.graph_part`)."""
+        return [p for f in self.features if (p := f.graph_part(max_rows, device)) is not None]
 
     def check(self, options: Any) -> None:
         """Each feature the request carries, checked against the engine (InvalidOption naming the request field)."""

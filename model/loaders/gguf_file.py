@@ -148,7 +148,7 @@ def _dequantize(reader_tensor: Any, path: str, rows: slice = slice(None)) -> np.
 
 
 def dequantized(reader_tensor: Any, path: str) -> np.ndarray:
-    """A whole tensor of the file as float32, its dims outermost first (a LoRA GGUF's small matrices, model/lora.py)."""
+    """A whole tensor of the file as float32, its dims outermost first (a LoRA GGUF's small matrices, model/features/lora/adapters.py)."""
     return _dequantize(reader_tensor, path)
 
 

@@ -34,7 +34,7 @@ from torch import Tensor, nn
 
 from model.config import ModelConfig
 from model.loaders.errors import CheckpointError
-from model.lora import LoRAAdapter, LoRAPart
+from model.features.lora import LoRAAdapter, LoRAPart
 
 
 @dataclass(frozen=True)
@@ -117,7 +117,7 @@ class ShardPlan:
         return full if s is None else full.narrow(s[0], s[1], s[2] - s[1])
 
     def shard_adapter(self, adapter: LoRAAdapter) -> LoRAAdapter:
-        """This rank's share of a LoRA adapter (model/lora.py) of the whole model, as its weights are split: at a
+        """This rank's share of a LoRA adapter (model/features/lora/adapters.py) of the whole model, as its weights are split: at a
         column-parallel site (qkv, w13) each target keeps the output columns this rank holds (B's columns; A whole, the
         input being replicated); at a row-parallel one (o, w2), A's input columns this rank holds (its x A^T a partial
         sum, `LoRAPart.partial`), B whole."""

@@ -27,7 +27,7 @@ from torch import Tensor
 from model.loaders.checkpoint import LoadedModel, default_model_path, load_model
 from model.loaders.errors import CheckpointError
 from model.loaders.hub import resolve_checkpoint
-from model.lora import LoRAAdapter
+from model.features.lora import LoRAAdapter, step_rows
 from model.dtypes import dtype_name
 from model.engine.forward_context import ForwardContext
 from model.parallel.plan import ShardPlan, TPRank, cuda_device, install_row_parallel, parameter_bytes
@@ -108,8 +108,8 @@ class TPModel:
                 self._cache = weakref.ref(cache)
                 spec = CacheSpec(self._generation, cache.num_blocks, cache.block_size, cache.k.dtype)
         edits = ctx.edits if ctx is not None else None
-        lora = [(a.name, ctx.lora.rows_on_host(g)) for g, (a, _) in enumerate(ctx.lora.groups)] \
-            if ctx is not None and ctx.lora else None
+        rows = step_rows(ctx.parts) if ctx is not None else None  # the step's rows under adapters
+        lora = [(a.name, rows.rows_on_host(g)) for g, (a, _) in enumerate(rows.groups)] if rows else None
         msg = StepMsg(tokens.tolist(), positions.tolist() if positions is not None else None,
                       ctx.slices if ctx is not None else None, spec,
                       edits.without_reads() if edits is not None and edits.has_edits else None, lora)

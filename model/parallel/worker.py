@@ -37,7 +37,8 @@ from torch import Tensor
 from model.edits import StepEdits
 from model.engine.forward_context import ForwardContext
 from model.engine.paged_cache import PagedKVCache, SeqSlice
-from model.lora import LoRAAdapter, LoRARows
+from model.features.lora import LoRAAdapter, LoRARows, StepLoRA
+from model.features.protocol import StepParts
 from model.parallel.plan import ShardPlan, TPRank, cuda_device, install_row_parallel
 from model.transformer import Transformer
 from model.dtypes import DTYPES
@@ -135,7 +136,8 @@ def run_step(model: Transformer, msg: StepMsg, cache: PagedKVCache | None, logit
     if msg.slices is not None:
         lora = LoRARows([(adapters[name], torch.tensor(rows, dtype=torch.long, device=dev)) for name, rows in msg.lora]) \
             if msg.lora else None
-        ctx = ForwardContext.from_slices(cache, msg.slices, msg.edits, lora)  # the same metadata rank 0's runner built
+        parts = StepParts([StepLoRA(lora, model.config.n_layers)]) if lora is not None else None
+        ctx = ForwardContext.from_slices(cache, msg.slices, msg.edits, parts)  # the same metadata rank 0's runner built
         return model(tokens, positions, ctx, logits_indices=logits_indices)
     return model(tokens, positions, logits_indices=logits_indices)
 

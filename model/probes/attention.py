@@ -13,7 +13,7 @@ from torch import Tensor
 
 from model.attention import causal_mask, sdpa
 from model.edits import StepEdits
-from model.lora import LoRAAdapter
+from model.features.lora import LoRAAdapter
 from model.probes.options import AttentionMaps, ProbeOptions
 
 Stats = tuple[Tensor, Tensor, "AttentionMaps | None"]  # mass each key receives (Hs, T), row entropy (Hs,), maps
@@ -57,7 +57,7 @@ class ProbeAttention:
                  adapter: LoRAAdapter | None = None) -> None:
         """`window`, `scale`: the model's sliding window and attention scale (`ModelConfig.sliding_window`,
         `.attention_multiplier`; 0: none, 1/sqrt(E)), which the output and the reported weights both honour.
-        `adapter`: the LoRA adapter every row runs under (model/lora.py), or None: the base."""
+        `adapter`: the LoRA adapter every row runs under (model/features/lora/adapters.py), or None: the base."""
         self.opts = opts
         self.adapter = adapter
         self.window, self.scale = window, scale

@@ -37,7 +37,7 @@ import math
 import torch
 from torch import Tensor
 
-from model.lora import LoRAAdapter
+from model.features.lora import LoRAAdapter
 from model.probes.capture import CaptureRun, SiteCapture, SteppedJob
 from model.probes.logit_metric import metric_gradient, scored
 from model.probes.patching import Cell, PatchSweep, metric
@@ -55,7 +55,7 @@ class AttributionPatchingRun(SteppedJob):
     def __init__(self, model: Transformer, sweep: PatchSweep, source_ids: list[int], target_ids: list[int],
                  qk_fix: bool = True, keep_gradients: bool = False, adapter: LoRAAdapter | None = None) -> None:
         """`keep_gradients`: keep dm/da at every swept (layer, site) and position in `gradients` (the tests compare
-        them with HF autograd's). `adapter`: a LoRA adapter both runs and the backward go under (model/lora.py)."""
+        them with HF autograd's). `adapter`: a LoRA adapter both runs and the backward go under (model/features/lora/adapters.py)."""
         if len(source_ids) != len(target_ids) or len(source_ids) != sweep.num_tokens:
             raise ValueError("the two prompts must have the sweep's token count")
         self.model, self.sweep, self.adapter = model, sweep, adapter

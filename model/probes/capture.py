@@ -21,7 +21,7 @@ from torch import Tensor
 
 from model.attention import sdpa
 from model.interventions import HEAD_SITES, SITES
-from model.lora import LoRAAdapter
+from model.features.lora import LoRAAdapter
 from model.transformer import Transformer
 
 IN_PLACE_SITES = ("head_q", "head_k", "head_v")  # views of the fused projection, edited in place
@@ -32,7 +32,7 @@ class SiteCapture:
     """Records `sites` of `layers` at `positions` (None: every position) in `values`; with `grad`, adds a probe to
     each (`probes`). `rotated`: layers whose rotated q, k (T, heads, E) to keep at `positions`; `patterns`: layers
     whose attention runs explicitly, softmax(q k^T / sqrt(E)) with a probe on the pattern (the QK fix reads the
-    logits and the pattern's gradient). `adapter`: a LoRA adapter the forward runs under (model/lora.py), as a
+    logits and the pattern's gradient). `adapter`: a LoRA adapter the forward runs under (model/features/lora/adapters.py), as a
     completion naming it does, or None (the base)."""
 
     sites: tuple[str, ...]

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from model.lora import LoRAAdapter
+from model.features.lora import LoRAAdapter
 from model.probes.capture import CaptureRun, SiteCapture, SteppedJob
 from model.probes.logit_metric import head_rows, scored
 from model.quantize import QuantLinear
@@ -68,8 +68,9 @@ class DirectLogitRun(SteppedJob):
 
     def __init__(self, model: Transformer, token_ids: list[int], answer: int, contrast: int,
                  adapter: LoRAAdapter | None = None, extra_sites: tuple[str, ...] = ()) -> None:
-        """`adapter`: a LoRA adapter the forward runs under (model/lora.py); each block's wo is then wo + its delta.
-        `extra_sites`: more sites to record at the last position (a dictionary's, model/probes/feature_attribution.py)."""
+        """`adapter`: a LoRA adapter the forward runs under (model/features/lora/adapters.py); each block's wo is then
+        wo + its delta. `extra_sites`: more sites to record at the last position (a dictionary's,
+        model/probes/feature_attribution.py)."""
         c = model.config
         T = len(token_ids)
         self.model, self.token_ids, self.answer, self.contrast = model, list(token_ids), answer, contrast

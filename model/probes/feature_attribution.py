@@ -48,7 +48,7 @@ from torch import Tensor
 
 from model.features.sae import Dictionary
 from model.interventions import HeadShape, Intervention
-from model.lora import LoRAAdapter
+from model.features.lora import LoRAAdapter
 from model.probes.attribution_patching import AttributionPatchingRun
 from model.probes.capture import SteppedJob
 from model.probes.direct_logit import DirectLogitResult, DirectLogitRun

@@ -11,7 +11,7 @@ from torch import Tensor
 
 from model.edits import EditTables, Segment
 from model.interventions import Intervention, InterventionPlan
-from model.lora import LoRAAdapter
+from model.features.lora import LoRAAdapter
 from model.probes.activations import massive_activations
 from model.probes.attention import ProbeAttention
 from model.probes.options import HeadStats, LayerProbe, LensEntry, Prediction, ProbeOptions, ProbeResult
@@ -39,7 +39,7 @@ class ProbeRun:
                  adapter: LoRAAdapter | None = None) -> None:
         """`interventions` edit the inspected forward as they would a completion's (model/interventions.py), its
         "prompt" being the first `num_prompt_tokens` tokens (default: all of them); `adapter`: a LoRA adapter the
-        whole sequence runs under (model/lora.py), as a completion naming it does."""
+        whole sequence runs under (model/features/lora/adapters.py), as a completion naming it does."""
         c = model.config
         T = len(token_ids)
         if T == 0:

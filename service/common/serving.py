@@ -13,9 +13,8 @@ from model.config import ModelConfig
 from model.engine import (PLAIN, EngineJob, EngineStats, InvalidOption, RequestOptions, RequestStream,
                           SamplingParams)
 from model.interventions import Intervention
+from model.features.lora import LoRAAdapter
 from model.features.sae import Dictionary, DictionaryStore
-from model.lora import LoRAAdapter
-from model.lora import load_adapter as read_adapter
 from model.probes import (AttributionPatchingRun, CaptureRun, DirectLogitRun, FeatureAttributionRun,
                           FeatureDirectLogitRun, PatchSweep, ProbeOptions, ProbeRun, SiteCapture)
 from model.text import Tokenizer
@@ -24,6 +23,7 @@ from service.common.tracing import RequestTracer
 from service.config import Settings
 from service.common.errors import APIError
 from service.common.metrics import Metrics
+from service.api.openai.lora import ServedAdapters
 from service.api.openai.responses.store import ResponseStore
 from service.common.state import ServerState
 from service.microscope.vectors import VectorStore
@@ -42,7 +42,7 @@ class Serving:
         self.responses: ResponseStore = state.responses  # stored responses /v1/responses continues (thread-safe)
         self.precision: dict = state.precision  # {"quantization": ..., "dtype": ...} as served
         self.speculative: dict | None = state.speculative  # --speculative-config as served, or None
-        self.adapters: dict[str, LoRAAdapter] = state.adapters  # LoRA adapters served, by name (the engine's own)
+        self.adapters: ServedAdapters = state.adapters  # LoRA adapters served, by name (the engine's own)
         self.saes: DictionaryStore | None = state.saes  # dictionaries served, by name (thread-safe)
         self.tracing: RequestTracer | None = state.tracing  # --otlp-traces-endpoint, else None
 
@@ -135,30 +135,12 @@ class Serving:
             raise APIError(400, str(e), param=e.param, code="invalid_value") from None
 
     async def load_adapter(self, name: str, path: str) -> None:
-        """Load a PEFT adapter folder or a llama.cpp LoRA GGUF (read on a worker thread) and serve it under `name` from
-        the next step; 400 for a name in use, or a file that does not read or that this model cannot serve."""
-        if name == self.model_name or name in self.adapters:
-            raise APIError(400, f"the name {name!r} is already served", param="lora_name", code="invalid_value")
-        try:
-            adapter = await asyncio.to_thread(read_adapter, name, path, self.config, self.settings.max_lora_rank)
-        except Exception as e:  # noqa: BLE001 - a client's file: whatever fails to read it is that client's 400
-            raise APIError(400, f"{e}" if isinstance(e, ValueError) else f"LoRA adapter {name!r}: {path}: {e}",
-                           param="lora_path", code="invalid_value") from None
-        try:
-            await self._engine.add_lora(adapter)
-        except ValueError as e:
-            raise APIError(400, str(e), param="lora_name", code="invalid_value") from None
-        self.adapters[name] = adapter
+        """Serve the adapter at `path` under `name` from the next step (`ServedAdapters.load`: 400s naming the field)."""
+        await self.adapters.load(self._engine, name, path, self.config, self.model_name, self.settings.max_lora_rank)
 
     async def unload_adapter(self, name: str) -> None:
-        """Stop serving adapter `name`: 404 for no such adapter, 400 while requests run under it."""
-        if name not in self.adapters:
-            raise APIError(404, f"no LoRA adapter {name!r} is loaded", param="lora_name", code="model_not_found")
-        try:
-            await self._engine.remove_lora(name)
-        except ValueError as e:
-            raise APIError(400, str(e), param="lora_name", code="invalid_value") from None
-        del self.adapters[name]
+        """Stop serving adapter `name` (`ServedAdapters.unload`: 404 for no such adapter, 400 while one is in use)."""
+        await self.adapters.unload(self._engine, name)
 
     def check_model(self, name: str | None, adapters: bool = False) -> str | None:
         """A request's `model`: the base model's name (or none) -> None; a LoRA adapter's name -> that name where

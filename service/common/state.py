@@ -16,13 +16,13 @@ from model.engine import Engine, RequestOptions, SpeculativeConfig
 from model.features import KVWindow
 from model.loaders import LoadedModel, load_model
 from model.features.sae import DictionaryStore, StoreLimits
-from model.lora import LoRAAdapter, load_adapter
 from model.parallel import TPModel, launch
 from model.dtypes import DTYPES
 from model.text.chat_template import read_template_option
 from service.common.tracing import RequestTracer
-from service.config import Settings, lora_module, named_path
+from service.config import Settings, named_path
 from service.common.metrics import Metrics
+from service.api.openai.lora import ServedAdapters
 from service.api.openai.responses.store import ResponseStore
 from service.microscope.vectors import VectorStore, control_vector_specs, load_control_vector
 
@@ -37,7 +37,7 @@ class ServerState:
     engine: AsyncEngine | None = None
     model_name: str = ""
     saes: DictionaryStore | None = None  # the dictionaries served (--sae, POST /v1/saes), made when the model loads
-    adapters: dict[str, LoRAAdapter] = field(default_factory=dict)  # LoRA adapters served (--lora-modules), by name
+    adapters: ServedAdapters = field(default_factory=ServedAdapters)  # LoRA adapters served (--lora-modules), by name
     load_error: str | None = None
     draining: bool = False
     fatal_error: str | None = None  # the model failed to load or the engine thread ended: /health 503, exit 1
@@ -100,13 +100,7 @@ class ServerState:
                 self.vectors.add(load_control_vector(spec, c.n_layers, c.dim))
             draft = _load_draft(config.speculative, loaded, s) if config.speculative is not None else None
             core = Engine(loaded.model, loaded.tokenizer, config, draft_model=draft)
-            for spec in s.lora_modules:  # an adapter this model cannot serve stops the server at start, naming it
-                name, path = lora_module(spec)
-                if name == (s.served_model_name or loaded.name):
-                    raise ValueError(f"LoRA adapter name {name!r} is the base model's name")
-                self.adapters[name] = load_adapter(name, path, c, s.max_lora_rank)
-                core.add_lora(self.adapters[name])
-                log.info("LoRA adapter %s: %s", name, path)
+            self.adapters.load_at_start(s.lora_modules, core, c, s.served_model_name or loaded.name, s.max_lora_rank)
             self.saes = DictionaryStore(StoreLimits(tuple(s.sae_allowed_dirs), s.sae_max_bytes), c)
             for spec in s.sae:  # a dictionary this model cannot serve stops the server at start, naming it
                 name, path = named_path(spec, "--sae")

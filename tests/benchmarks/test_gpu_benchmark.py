@@ -96,7 +96,7 @@ def test_graph_keys_through_the_benchmarks_own_reading(monkeypatch):
     from model.engine import Engine, EngineConfig
 
     from fake_cuda_graphs import fake_capture
-    from model.lora import LoRAAdapter, LoRAPart, target
+    from model.features.lora import LoRAAdapter, LoRAPart, target
     from tiny import byte_tokenizer, tiny_model
 
     if kernels.native() is None:
@@ -110,7 +110,7 @@ def test_graph_keys_through_the_benchmarks_own_reading(monkeypatch):
     adapter = LoRAAdapter("a", "a", 2)
     site, start, stop, fan_in = target(model.config, "down_proj")
     adapter.parts[(0, site)] = [LoRAPart(start, stop, torch.randn(2, fan_in), torch.randn(2, stop - start), 0.5)]
-    engine.add_lora(adapter)
+    engine.feature("lora").add(adapter)
     r: dict = {}
     r.update(gpu.graph_buckets(engine.runner.graphs))
     assert r == {"engine_graph_buckets": [1, 4], "engine_graph_buckets_failed": [2], "engine_edited_graph_buckets": [1, 2, 4],

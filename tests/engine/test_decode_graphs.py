@@ -70,7 +70,7 @@ def test_sampled_and_logprob_requests_take_the_static_step_too():
 
 
 def test_adapter_rows_replay_the_adapted_step_over_every_loaded_adapter():
-    """Rows of the base and of LoRA adapters decoding together on the static step (graph_lora.py: each row's adapter
+    """Rows of the base and of LoRA adapters decoding together on the static step (model/features/lora/graph.py: each row's adapter
     by its slot, every loaded adapter applied to the bucket with the others' rows masked to exact zeros): the tokens
     and logprobs of the ordinary step (LoRARows over the native kernels); an adapter loaded mid-run makes a new set,
     which the next adapted step holds."""
@@ -85,7 +85,7 @@ def test_adapter_rows_replay_the_adapted_step_over_every_loaded_adapter():
     def serve(mode: str):
         engine = _engine(mode, model)
         for name, seed in (("a", 1), ("b", 2)):
-            engine.add_lora(random_adapter(name, model.config, 4, seed, sites=every))
+            engine.feature("lora").add(random_adapter(name, model.config, 4, seed, sites=every))
         adapted = []
         if engine.runner.graphs is not None:
             graphs, original = engine.runner.graphs, engine.runner.graphs.run
@@ -97,7 +97,7 @@ def test_adapter_rows_replay_the_adapted_step_over_every_loaded_adapter():
         step = 0
         while engine.has_unfinished():
             if step == 6:  # a third adapter, mid-run, and a request under it
-                engine.add_lora(random_adapter("c", model.config, 8, 3, sites=("v_proj", "down_proj")))
+                engine.feature("lora").add(random_adapter("c", model.config, 8, 3, sites=("v_proj", "down_proj")))
                 engine.add_request("c", prompts[0], params, RequestOptions(lora="c"))
             for o in engine.step():
                 out.setdefault(o.request_id, []).extend((t, lp.logprob) for t, lp in zip(o.token_ids, o.logprobs))
@@ -111,7 +111,7 @@ def test_adapter_rows_replay_the_adapted_step_over_every_loaded_adapter():
         assert [t for t, _ in got[r]] == [t for t, _ in want[r]], r
         assert [lp for _, lp in got[r]] == pytest.approx([lp for _, lp in want[r]], abs=1e-5)
     assert got["c"] != got["0"]  # the third adapter changes what the base says on the same prompt
-    held = [(a.name, a.serial) for a in eager.runner.graphs.lora.adapters]
+    held = [(a.name, a.serial) for a in eager.runner.graphs.feature_parts[0].adapters]
     assert sum(adapted) > 10 and held == [("a", 1), ("b", 2), ("c", 3)]
     assert_pool_clean(eager)
 

@@ -48,7 +48,7 @@ def test_lora_graphs_are_captured_when_an_adapter_loads_never_during_a_step(monk
     buckets = engine.runner.graphs.buckets
     assert sorted(rec.keys) == sorted((b, e, False) for b in buckets for e in (False, True))
     rec.keys.clear()
-    engine.add_lora(random_adapter("a", model.config, 4, 1))
+    engine.feature("lora").add(random_adapter("a", model.config, 4, 1))
     assert sorted(rec.keys) == sorted((b, e, True) for b in buckets for e in (False, True))
     prompts = _prompts(5, seed=8, lo=5, hi=20)
 
@@ -63,11 +63,11 @@ def test_lora_graphs_are_captured_when_an_adapter_loads_never_during_a_step(monk
 
     got = serve(engine)
     off = _engine("off", model)
-    off.add_lora(random_adapter("a", model.config, 4, 1))
+    off.feature("lora").add(random_adapter("a", model.config, 4, 1))
     assert got == serve(off)
     assert rec.during_step == [] and engine.runner.path_counts["cuda_graph"] > 5
     rec.keys.clear()
-    engine.remove_lora("a")  # no adapter left: nothing to capture, and the adapted graphs are gone
+    engine.feature("lora").remove("a")  # no adapter left: nothing to capture, and the adapted graphs are gone
     assert rec.keys == [] and not any(k[2] for k in engine.runner.graphs.graphs)
     assert_pool_clean(engine)
 

@@ -1,4 +1,4 @@
-"""LoRA rows in the engine's steps (model/lora.py): the native fused step applies each adapter's deltas inside its
+"""LoRA rows in the engine's steps (model/features/lora/adapters.py): the native fused step applies each adapter's deltas inside its
 block loop bitwise as the module path does (every family's switches, float32, bfloat16 and int4 bases, prefill and
 decode, adapters and base rows mixed), and a request's tokens and logprobs do not depend on the rows beside it.
 HF transformers + PEFT as the reference: tests/service/test_lora_service.py."""
@@ -10,7 +10,7 @@ import torch
 
 from model.engine import Engine, EngineConfig, InvalidOption, RequestOptions
 from model.engine.sampling_params import SamplingParams
-from model.lora import LoRAAdapter, LoRAPart, target
+from model.features.lora import LoRAAdapter, LoRAPart, target
 from model.quantize import quantize_model
 from tiny import byte_tokenizer, tiny_family, tiny_model
 
@@ -35,7 +35,7 @@ def _run(model, native: bool, jobs: list[tuple[str | None, list[int]]], adapters
     """Each job's (request: adapter name or None, prompt) greedy tokens with every logprob; and the steps by path."""
     engine = Engine(model, byte_tokenizer(), EngineConfig(num_blocks=96, block_size=4, native_step=native))
     for a in adapters:
-        engine.add_lora(a)
+        engine.feature("lora").add(a)
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=3)
     for i, (lora, prompt) in enumerate(jobs):
         engine.add_request(str(i), prompt, params, RequestOptions(lora=lora))
@@ -81,16 +81,16 @@ def test_a_request_under_an_adapter_gets_what_it_gets_alone():
 def test_an_adapter_is_removed_only_when_no_request_runs_under_it():
     model = tiny_model()
     engine = Engine(model, byte_tokenizer(), EngineConfig(num_blocks=32, block_size=4))
-    engine.add_lora(random_adapter("a", model.config, 4, 7))
+    engine.feature("lora").add(random_adapter("a", model.config, 4, 7))
     with pytest.raises(ValueError, match="already loaded"):
-        engine.add_lora(random_adapter("a", model.config, 4, 8))
+        engine.feature("lora").add(random_adapter("a", model.config, 4, 8))
     engine.add_request("r", PROMPTS[0], SamplingParams(max_tokens=4, ignore_eos=True), RequestOptions(lora="a"))
     engine.step()
     with pytest.raises(ValueError, match="serving 1 request"):
-        engine.remove_lora("a")
+        engine.feature("lora").remove("a")
     while engine.has_unfinished():
         engine.step()
-    engine.remove_lora("a")
+    engine.feature("lora").remove("a")
     with pytest.raises(InvalidOption, match="no LoRA adapter 'a'"):
         engine.check(RequestOptions(lora="a"))
 
@@ -115,7 +115,7 @@ def test_speculation_changes_no_token_of_an_adapters_rows(method):
         if speculative is not None:
             engine.drafter.row_cost = engine.drafter.draft_cost = 0.0  # draft whatever a row may
         for a in adapters:
-            engine.add_lora(a)
+            engine.feature("lora").add(a)
         params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=2)
         for i, (lora, p) in enumerate((lora, p) for p in prompts for lora in (None, "a", "b")):
             engine.add_request(str(i), p, params, RequestOptions(lora=lora))

@@ -248,10 +248,10 @@ def test_lora_adapters_under_tensor_parallelism(tp_pair):
     for model in (one.model, two.model):
         engine = Engine(model, one.tokenizer, config)
         for a in adapters(10):
-            engine.add_lora(a)
+            engine.feature("lora").add(a)
         first = serve(engine)
-        engine.remove_lora("a")
-        engine.add_lora(adapters(20)[0])
+        engine.feature("lora").remove("a")
+        engine.feature("lora").add(adapters(20)[0])
         results.append((first, serve(engine)))
     for ref, got in zip(*results):
         for rid in ref:

@@ -1,4 +1,4 @@
-"""model/lora.py's PEFT reader: what it maps where (a fused projection's column ranges, the scaling), and the one-line
+"""model/features/lora/adapters.py's PEFT reader: what it maps where (a fused projection's column ranges, the scaling), and the one-line
 refusals of adapters it cannot serve exactly. The served numbers against PEFT itself: tests/service/test_lora_service.py."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from model.lora import load_adapter, load_peft
+from model.features.lora import load_adapter, load_peft
 from tiny import tiny_model
 
 PREFIX = "base_model.model.model.layers"
@@ -96,7 +96,7 @@ def test_llama_cpps_converter_output_reads_as_its_peft_source(tmp_path):
 
     from hf_checkpoints import save_tiny_checkpoint
     from model.loaders.hf import read_hf_config
-    from model.lora import load_gguf_lora
+    from model.features.lora import load_gguf_lora
 
     base = save_tiny_checkpoint(tmp_path / "base")
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

@@ -1,4 +1,4 @@
-"""LoRA adapters served per request (--lora-modules, model/lora.py) against HF transformers + PEFT on the same
+"""LoRA adapters served per request (--lora-modules, model/features/lora/adapters.py) against HF transformers + PEFT on the same
 files: a random-weight LLaMA saved by transformers, and two random adapters saved by PEFT (rank 8 on every
 projection; rank 64 with rsLoRA on some). Over HTTP through the openai package: prompt logprobs at every position
 within 1e-4 of PEFT's forward (float32) and the same greedy tokens; requests for the base and both adapters sent at

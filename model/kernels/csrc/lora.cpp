@@ -1,4 +1,4 @@
-// LoRA's expanding product (model/lora.py): y = t B^T for a low-rank t (n, r) and B stored transposed, bt (r, out).
+// LoRA's expanding product (model/features/lora/adapters.py): y = t B^T for a low-rank t (n, r) and B stored transposed, bt (r, out).
 //
 // With r of 8 to 64, float_linear's order (8 lanes, a horizontal sum per output) would spend more on the sums than on
 // the multiply-adds. Here each output is summed over k = 0 .. r - 1 in order, one fused multiply-add a step, and the

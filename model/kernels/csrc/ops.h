@@ -76,7 +76,7 @@ void paged_attention_range(const View& q, const View& k_pool, const View& v_pool
                            const View& out, int64_t begin, int64_t end, const Telemetry* tel = nullptr,
                            int64_t window = 0, double scale = 0.0);
 View lora_expand(const View& t, const View& bt, const Alloc& alloc);
-// One LoRA target of a block in step_layers (model/lora.py's LoRAPart): (group: which of the step's row lists it
+// One LoRA target of a block in step_layers (model/features/lora/adapters.py's LoRAPart): (group: which of the step's row lists it
 // adapts, site: 0 wqkv, 1 wo, 2 w13, 3 w2, start, stop: the columns of the site's output it adds to, scale, A (r, in),
 // B transposed (r, stop - start)), A and B in the activation dtype.
 using LoRAPart = std::tuple<int64_t, int64_t, int64_t, int64_t, double, View, View>;

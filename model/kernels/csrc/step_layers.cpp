@@ -121,7 +121,7 @@ static std::pair<int64_t, int64_t> project(const Projection& p, const T* x, cons
   return {b, e};
 }
 
-// A step's LoRA targets (model/lora.py) and scratch for their products, allocated before the parallel region.
+// A step's LoRA targets (model/features/lora/adapters.py) and scratch for their products, allocated before the parallel region.
 template <typename T>
 struct LoRAStep {
   const std::vector<View>& rows;           // per group: the packed rows (n,) under one adapter
@@ -304,7 +304,7 @@ static void run_layers(Step<T>& s, const std::vector<std::vector<View>>& layers,
         }
       }
     };
-    // LoRA (model/lora.py's LoRARows.apply, op for op): each of block l's targets at `site` adds scale * B (A x) to
+    // LoRA (model/features/lora/adapters.py's LoRARows.apply, op for op): each of block l's targets at `site` adds scale * B (A x) to
     // its group's rows of `out` (ld wide, from its column `start`), x (N, in) the projection's input. A's product
     // goes through float_gemm_range as `ops.linear` does, B's through lora_expand_range as `ops.lora_expand` does
     // (each rounded to T), the delta is rounded times the scale, then added to the output as T: the module path's
@@ -467,7 +467,7 @@ static void run_layers(Step<T>& s, const std::vector<std::vector<View>>& layers,
 // telemetry: empty (off), or model/features/telemetry/record.py's [slot (N,), sink_len (Rt,), sink_mass (L, Rt, H),
 // top_pos (L, Rt, H, k), top_prob (L, Rt, H, k), hidden (L, Rt, D)]: the attention telemetry of the rows with
 // slot >= 0, and their residual stream after each block; lora_rows, lora: the rows under LoRA adapters and each
-// block's targets (`LoRAPart`, model/lora.py's LoRARows.native_args; empty: none).  -> h after every block (N, D)
+// block's targets (`LoRAPart`, model/features/lora/adapters.py's LoRARows.native_args; empty: none).  -> h after every block (N, D)
 void step_layers(const View& h, const std::vector<std::vector<View>>& layers, double eps, const View& cos,
                  const View& ssin, const View& k_pools, const View& v_pools, const View& slots, const View& rows,
                  const View& tables, const View& lens, int64_t H, int64_t K, int64_t E, const std::vector<View>& edits,

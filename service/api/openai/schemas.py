@@ -240,22 +240,6 @@ class ChatCompletionRequest(SamplingFields):
     include_reasoning: bool = True  # vLLM's: with --reasoning-parser, return reasoning_content (false: leave it out)
 
 
-class LoadLoRARequest(BaseModel):
-    """POST /v1/load_lora_adapter (vLLM's body)."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
-    lora_name: str = Field(min_length=1, max_length=256)
-    lora_path: str = Field(min_length=1, max_length=4096)
-
-
-class UnloadLoRARequest(BaseModel):
-    """POST /v1/unload_lora_adapter (vLLM's body; its optional lora_int_id is accepted and not used)."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
-    lora_name: str = Field(min_length=1, max_length=256)
-    lora_int_id: int | None = None
-
-
 class TokenizeRequest(BaseModel):
     # exactly one of prompt / messages (checked in the route; said here for the OpenAPI document)
     model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra={

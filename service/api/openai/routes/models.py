@@ -1,4 +1,4 @@
-"""GET /v1/models (the base model and each LoRA adapter served), POST /tokenize, POST /detokenize (vLLM's)."""
+"""GET /v1/models (the base model and each adapter served), POST /tokenize, POST /detokenize (vLLM's)."""
 
 from __future__ import annotations
 
@@ -18,10 +18,7 @@ async def models(serving: Serving = Depends(get_serving)):
     base = {"id": serving.model_name, "object": "model", "created": 0, "owned_by": "llamascope",
             "max_model_len": serving.max_model_len, **serving.precision, "speculative_config": serving.speculative,
             "execution": serving.execution}
-    # each LoRA adapter as vLLM lists one: its own id, its folder as root, the base as parent
-    loras = [{"id": name, "object": "model", "created": 0, "owned_by": "llamascope", "root": a.path,
-              "parent": serving.model_name, "max_model_len": serving.max_model_len} for name, a in serving.adapters.items()]
-    return {"object": "list", "data": [base, *loras]}
+    return {"object": "list", "data": [base, *serving.adapters.cards(serving.model_name, serving.max_model_len)]}
 
 
 @router.post("/tokenize")

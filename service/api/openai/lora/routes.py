@@ -6,11 +6,27 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Depends
 from fastapi.responses import PlainTextResponse
+from pydantic import BaseModel, ConfigDict, Field
 
-from service.api.openai.schemas import LoadLoRARequest, UnloadLoRARequest
 from service.common.serving import Serving, get_serving
 
 router = APIRouter()
+
+
+class LoadLoRARequest(BaseModel):
+    """POST /v1/load_lora_adapter (vLLM's body)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_path: str = Field(min_length=1, max_length=4096)
+
+
+class UnloadLoRARequest(BaseModel):
+    """POST /v1/unload_lora_adapter (vLLM's body; its optional lora_int_id is accepted and not used)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_int_id: int | None = None
 
 
 @router.post("/v1/load_lora_adapter")

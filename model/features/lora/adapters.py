@@ -62,7 +62,7 @@ class LoRAAdapter:
     name: str
     path: str
     rank: int  # the largest of its targets' ranks
-    serial: int = 0  # which load it is (`Engine.add_lora`): the root of its requests' prefix-cache keys
+    serial: int = 0  # which load it is (`LoRA.add`, feature.py): the root of its requests' prefix-cache keys
     # (layer, site) -> its targets there
     parts: dict[tuple[int, str], list[LoRAPart]] = field(default_factory=dict)
 
