@@ -12,6 +12,9 @@ Definitions (each is what the request's thresholds and options refer to):
     Attention sink      Xiao, Tian, Chen, Han, Lewis, "Efficient Streaming Language Models with Attention Sinks"
                         (ICLR 2024): attention mass the queries put on the first token. Query 0 is left out of it
                         and of every per-head mean here (entropy, mass received): it can only attend to itself.
+    Feature grid        a dictionary's (sparse autoencoder's, transcoder's) features over the sequence, each token's
+                        top_k and every reported feature's activations, max, mean, and the tokens its decoder
+                        direction promotes and suppresses through the unembedding (feature_grid.py).
     Logit lens          nostalgebraist, "interpreting GPT: the logit lens" (2020): output(final_norm(h_l)) for the
                         block outputs h_l, read as a next-token distribution.
 
@@ -30,6 +33,7 @@ from model.probes.attribution_patching import AttributionPatchingRun
 from model.probes.capture import CaptureRun, SiteCapture
 from model.probes.compare import CompareRun, LayerComparison
 from model.probes.direct_logit import DirectLogitResult, DirectLogitRun
+from model.probes.feature_grid import FeatureGrid, FeatureGridResult, FeatureGridTooLarge, FeatureRequest
 from model.probes.options import (
     DEFAULT_INCLUDES, INCLUDES, ActivationEntry, AttentionMaps, AttentionMode, HeadStats, LayerProbe, LensEntry, Prediction,
     ProbeOptions, ProbeResult,
@@ -43,6 +47,7 @@ __all__ = [
     "LayerProbe", "Prediction",
     "LensEntry", "ProbeAttention", "ProbeOptions", "ProbeResult", "ProbeRun", "estimate_map_elements", "inspect",
     "massive_activations",
+    "FeatureGrid", "FeatureGridResult", "FeatureGridTooLarge", "FeatureRequest",
     "AttributionPatchingRun", "CaptureRun", "Cell", "CompareRun", "LayerComparison", "DirectLogitResult", "DirectLogitRun", "PatchSweep", "SiteCapture",
     "cell_interventions", "grid", "metric", "normalise",
 ]

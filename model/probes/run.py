@@ -14,6 +14,7 @@ from model.interventions import Intervention, InterventionPlan
 from model.lora import LoRAAdapter
 from model.probes.activations import massive_activations
 from model.probes.attention import ProbeAttention
+from model.probes.feature_grid import GRID_SITES, FeatureGrid, FeatureRequest
 from model.probes.options import HeadStats, LayerProbe, LensEntry, Prediction, ProbeOptions, ProbeResult
 from model.transformer import Transformer
 
@@ -36,10 +37,11 @@ class ProbeRun:
 
     def __init__(self, model: Transformer, token_ids: list[int], opts: ProbeOptions,
                  interventions: list[Intervention] | None = None, num_prompt_tokens: int | None = None,
-                 adapter: LoRAAdapter | None = None) -> None:
+                 adapter: LoRAAdapter | None = None, features: FeatureRequest | None = None) -> None:
         """`interventions` edit the inspected forward as they would a completion's (model/interventions.py), its
         "prompt" being the first `num_prompt_tokens` tokens (default: all of them); `adapter`: a LoRA adapter the
-        whole sequence runs under (model/lora.py), as a completion naming it does."""
+        whole sequence runs under (model/lora.py), as a completion naming it does; `features`: a dictionary whose
+        feature x token grid to report (model/probes/feature_grid.py), read at its site in this forward."""
         c = model.config
         T = len(token_ids)
         if T == 0:
@@ -59,6 +61,20 @@ class ProbeRun:
         self.prediction: Prediction | None = None
         self.ctx.num_tokens = T
         self.chunked = getattr(model, "supports_row_chunks", True)
+        self.grid = None
+        if features is not None:
+            hook = features.dictionary.hook_in
+            if hook.site not in GRID_SITES:
+                raise ValueError(f"features.sae: dictionary {features.name!r} reads {hook.site}, a site an inspection "
+                                 f"does not read yet (it reads {', '.join(GRID_SITES)})")
+            if not self.chunked:  # its blocks run on every rank, where no tap reaches
+                raise ValueError("features: a feature grid needs the whole model in one process; this server runs it "
+                                 "across tensor-parallel ranks")
+            if not 0 <= hook.layer < c.n_layers:
+                raise ValueError(f"features.sae: dictionary {features.name!r} reads block {hook.layer}, and the model "
+                                 f"has {c.n_layers}")
+            self.grid = FeatureGrid(model, features, T)
+            self.ctx.taps[(hook.layer, hook.site)] = self.grid.rows
         # chunk boundaries on whole pooling tiles, so each chunk's rows fill whole rows of tiles
         self.row_quantum = opts.pool_size if opts.mode == "pooled" else 1
         self.lens_positions = sorted({p % T for p in (opts.lens_positions or [-1])})
@@ -80,7 +96,12 @@ class ProbeRun:
         """Advance by about `budget_s` seconds of work (at least one chunk); None: one whole block."""
         t0 = time.perf_counter()
         while not self.done:
-            self._advance(budget_s - (time.perf_counter() - t0) if budget_s is not None else None)
+            left = budget_s - (time.perf_counter() - t0) if budget_s is not None else None
+            if self.next_layer == len(self.model.layers):  # the forward has run: the feature grid's stages
+                self.grid.advance(left)
+                self.done = self.grid.done
+            else:
+                self._advance(left)
             if budget_s is None or time.perf_counter() - t0 >= budget_s:
                 break
         self.elapsed += time.perf_counter() - t0
@@ -120,7 +141,7 @@ class ProbeRun:
             if "prediction" in self.opts.include:
                 self.prediction = self._predict(self.h[0])
             self._finish()
-            self.done = True
+            self.done = self.grid is None
             self.h = None
 
     def _chunk_rows(self, budget_s: float | None, remaining: int) -> int:
@@ -211,6 +232,7 @@ class ProbeRun:
             massive_layers=self.massive_layers, massive_dims=sorted(self.massive_dims),
             massive_tokens=sorted(self.massive_tokens), compute_ms=self.elapsed * 1e3,
             hidden_positions=self.hidden_positions, prediction=self.prediction,
+            features=self.grid.result if self.grid is not None else None,
         )
 
 
