@@ -24,7 +24,8 @@ heads, L selected layers.
 Cost is bounded: attention probabilities are computed in blocks of query rows and reduced (sums, tiles, top-k,
 chosen rows) at once, so no layers x heads x T x T tensor is ever held unless `full` maps were asked for (which the
 service refuses beyond its byte budget, see `estimate_map_elements`). A `ProbeRun` advances by a bounded amount of
-work per `step()` (chunks of query rows of a block), so the engine thread interleaves serving steps with it.
+work per `step()` (chunks of query rows of a block; after the last block, the prediction's head calls over a few
+positions each and the feature grid's slices), so the engine thread interleaves serving steps with it.
 """
 
 from model.probes.activations import BlockActivations, massive_activations
