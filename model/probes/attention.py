@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -71,6 +72,8 @@ class ProbeAttention:
         self.row_offset = 0  # first query row of the next call
         self._kv: tuple[Tensor, Tensor] | None = None  # (T, K, E) each: the block in progress's keys and values
         self._acc: tuple[Tensor, Tensor, AttentionMaps | None] | None = None  # its running sums and maps
+        # (layer, site) -> a reader of that site's rows, called as (first row, x (R, ...)) after the edits there
+        self.taps: dict[tuple[int, str], Callable[[int, Tensor], None]] = {}
 
     def rank_probe(self, layer: int) -> RankProbe:
         """This context's request for block `layer`, as each tensor-parallel rank runs it."""
@@ -78,12 +81,15 @@ class ProbeAttention:
         return RankProbe(self.opts, layer, layer in self.stat_layers, layer in self.map_layers, edits)
 
     def edit(self, layer: int, site: str, x: Tensor) -> Tensor:
-        """x (1, R, D): query rows row_offset .. row_offset + R - 1 of the sequence get its edits at (layer, site)."""
-        if self.edits is None:
-            return x
-        R = x.shape[1]
-        whole = self.row_offset == 0 and R == (self.num_tokens or R)
-        return self.edits.apply(layer, site, x, None if whole else (self.row_offset, R))
+        """x (1, R, D): query rows row_offset .. row_offset + R - 1 of the sequence get its edits at (layer, site);
+        a tap there reads the result."""
+        if self.edits is not None:
+            R = x.shape[1]
+            whole = self.row_offset == 0 and R == (self.num_tokens or R)
+            x = self.edits.apply(layer, site, x, None if whole else (self.row_offset, R))
+        if tap := self.taps.get((layer, site)):
+            tap(self.row_offset, x[0])
+        return x
 
     def merge_ranks(self, layer: int, parts: list[Stats | None]) -> None:
         """The ranks' stats for block `layer` (rank order = ascending head ranges) -> this context's, in global head

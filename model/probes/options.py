@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from torch import Tensor
 
 from model.massive import MASSIVE_RATIO, MASSIVE_THRESHOLD
+
+if TYPE_CHECKING:
+    from model.probes.feature_grid import FeatureGridResult
 
 AttentionMode = Literal["none", "full", "rows", "topk", "pooled"]
 # What an inspection can report; the default leaves out the two whose size or cost grows with the vocabulary or
@@ -161,6 +164,7 @@ class ProbeResult:
     compute_ms: float = 0.0
     hidden_positions: list[int] | None = None  # the positions of each layer's `hidden`
     prediction: Prediction | None = None
+    features: "FeatureGridResult | None" = None  # the feature x token grid (model/probes/feature_grid.py)
 
 
 @dataclass

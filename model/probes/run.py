@@ -14,6 +14,7 @@ from model.interventions import Intervention, InterventionPlan
 from model.features.lora import LoRAAdapter
 from model.probes.activations import massive_activations
 from model.probes.attention import ProbeAttention
+from model.probes.feature_grid import GRID_SITES, FeatureGrid, FeatureRequest
 from model.probes.options import HeadStats, LayerProbe, LensEntry, Prediction, ProbeOptions, ProbeResult
 from model.transformer import Transformer
 
@@ -36,10 +37,12 @@ class ProbeRun:
 
     def __init__(self, model: Transformer, token_ids: list[int], opts: ProbeOptions,
                  interventions: list[Intervention] | None = None, num_prompt_tokens: int | None = None,
-                 adapter: LoRAAdapter | None = None) -> None:
+                 adapter: LoRAAdapter | None = None, features: FeatureRequest | None = None) -> None:
         """`interventions` edit the inspected forward as they would a completion's (model/interventions.py), its
         "prompt" being the first `num_prompt_tokens` tokens (default: all of them); `adapter`: a LoRA adapter the
-        whole sequence runs under (model/features/lora/adapters.py), as a completion naming it does."""
+        whole sequence runs under (model/features/lora/adapters.py), as a completion naming it does; `features`: a
+        dictionary whose feature x token grid to report (model/probes/feature_grid.py), read at its site in this
+        forward."""
         c = model.config
         T = len(token_ids)
         if T == 0:
@@ -57,8 +60,24 @@ class ProbeRun:
         self.hidden_positions = (sorted(opts.hidden_positions) if opts.hidden_positions is not None else list(range(T))) \
             if "hidden_states" in opts.include else None
         self.prediction: Prediction | None = None
+        self.final: Tensor | None = None  # (T, D) the last block's output while the prediction's rows are left
+        self.predict_row, self.nll = 0, 0.0
         self.ctx.num_tokens = T
         self.chunked = getattr(model, "supports_row_chunks", True)
+        self.grid = None
+        if features is not None:
+            hook = features.dictionary.hook_in
+            if hook.site not in GRID_SITES:
+                raise ValueError(f"features.sae: dictionary {features.name!r} reads {hook.site}, a site an inspection "
+                                 f"does not read yet (it reads {', '.join(GRID_SITES)})")
+            if not self.chunked:  # its blocks run on every rank, where no tap reaches
+                raise ValueError("features: a feature grid needs the whole model in one process; this server runs it "
+                                 "across tensor-parallel ranks")
+            if not 0 <= hook.layer < c.n_layers:
+                raise ValueError(f"features.sae: dictionary {features.name!r} reads block {hook.layer}, and the model "
+                                 f"has {c.n_layers}")
+            self.grid = FeatureGrid(model, features, T)
+            self.ctx.taps[(hook.layer, hook.site)] = self.grid.rows
         # chunk boundaries on whole pooling tiles, so each chunk's rows fill whole rows of tiles
         self.row_quantum = opts.pool_size if opts.mode == "pooled" else 1
         self.lens_positions = sorted({p % T for p in (opts.lens_positions or [-1])})
@@ -80,7 +99,11 @@ class ProbeRun:
         """Advance by about `budget_s` seconds of work (at least one chunk); None: one whole block."""
         t0 = time.perf_counter()
         while not self.done:
-            self._advance(budget_s - (time.perf_counter() - t0) if budget_s is not None else None)
+            left = budget_s - (time.perf_counter() - t0) if budget_s is not None else None
+            if self.next_layer == len(self.model.layers):  # the forward has run: the prediction's rows, the grid's stages
+                self._after_forward(left)
+            else:
+                self._advance(left)
             if budget_s is None or time.perf_counter() - t0 >= budget_s:
                 break
         self.elapsed += time.perf_counter() - t0
@@ -117,11 +140,11 @@ class ProbeRun:
         self._reduce_block(i, self.h[0])
         self.next_layer += 1
         if self.next_layer == len(m.layers):
-            if "prediction" in self.opts.include:
-                self.prediction = self._predict(self.h[0])
             self._finish()
-            self.done = True
+            if "prediction" in self.opts.include:
+                self.final, self.predict_row, self.nll = self.h[0], 0, 0.0  # (T, D): the last block's output
             self.h = None
+            self.done = self.final is None and self.grid is None
 
     def _chunk_rows(self, budget_s: float | None, remaining: int) -> int:
         if budget_s is None or not self.chunked:
@@ -174,20 +197,35 @@ class ProbeRun:
         top = probs.topk(min(self.opts.lens_top_k, probs.shape[-1]), dim=-1)
         return [LensEntry(p, ids, ps) for p, ids, ps in zip(self.lens_positions, top.indices.tolist(), top.values.tolist())]
 
-    PREDICT_ROWS = 256  # positions per head call (each is a (rows, V) logits block)
+    PREDICT_ROWS = 64  # positions per head call (each is a (rows, V) logits block): the unit of a step's work
 
-    def _predict(self, h: Tensor) -> Prediction:
-        """h (T, D) the last block's output -> perplexity of tokens 1..T-1 and the top next tokens after T-1."""
-        m, T = self.model, h.shape[0]
-        targets = torch.tensor(self.token_ids[1:], device=h.device)
-        nll = 0.0
-        for a in range(0, T - 1, self.PREDICT_ROWS):
-            b = min(T - 1, a + self.PREDICT_ROWS)
+    def _after_forward(self, budget_s: float | None) -> None:
+        """One unit of the work after the last block: the prediction's next rows (a whole head call each, so the
+        sum runs over the same blocks whatever the budget), else the feature grid's next slice."""
+        if self.final is not None:
+            self._predict_rows()
+        elif self.grid is not None:
+            self.grid.advance(budget_s)
+        self.done = self.final is None and (self.grid is None or self.grid.done)
+
+    def _predict_rows(self) -> None:
+        """Rows predict_row .. + PREDICT_ROWS of the final output h (T, D): their next-token NLL (tokens 1..T-1);
+        after the last, the perplexity and the top next tokens after T-1."""
+        m, h, T = self.model, self.final, self.final.shape[0]
+        a = self.predict_row
+        b = min(T - 1, a + self.PREDICT_ROWS)
+        if a < b:
+            targets = torch.tensor(self.token_ids[a + 1 : b + 1], device=h.device)
             logits = m.logits(h[a:b]).float()  # (rows, V)
-            nll += float(torch.nn.functional.cross_entropy(logits, targets[a:b], reduction="sum"))
+            self.nll += float(torch.nn.functional.cross_entropy(logits, targets, reduction="sum"))
+        self.predict_row = b
+        if b < T - 1:
+            return
         last = m.logits(h[T - 1 :]).float().softmax(-1)[0]  # (V,)
         top = last.topk(min(self.opts.lens_top_k, last.shape[0]))
-        return Prediction(math.exp(nll / (T - 1)) if T > 1 else None, T - 1, top.indices.tolist(), top.values.tolist())
+        self.prediction = Prediction(math.exp(self.nll / (T - 1)) if T > 1 else None, T - 1, top.indices.tolist(),
+                                     top.values.tolist())
+        self.final = None
 
     def _finish(self) -> None:
         """Mass on the massive-activation tokens needs all of them known: filled in once the last block ran."""
@@ -211,6 +249,7 @@ class ProbeRun:
             massive_layers=self.massive_layers, massive_dims=sorted(self.massive_dims),
             massive_tokens=sorted(self.massive_tokens), compute_ms=self.elapsed * 1e3,
             hidden_positions=self.hidden_positions, prediction=self.prediction,
+            features=self.grid.result if self.grid is not None else None,
         )
 
 

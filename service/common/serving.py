@@ -16,7 +16,7 @@ from model.interventions import Intervention
 from model.features.lora import LoRAAdapter
 from model.features.sae import Dictionary, DictionaryStore
 from model.probes import (AttributionPatchingRun, CaptureRun, DirectLogitRun, FeatureAttributionRun,
-                          FeatureDirectLogitRun, PatchSweep, ProbeOptions, ProbeRun, SiteCapture)
+                          FeatureDirectLogitRun, FeatureRequest, PatchSweep, ProbeOptions, ProbeRun, SiteCapture)
 from model.text import Tokenizer
 from model.transformer import Transformer
 from service.common.tracing import RequestTracer
@@ -76,15 +76,19 @@ class Serving:
         await self._engine.run_job(job, max_queued)
 
     def new_probe(self, token_ids: list[int], opts: ProbeOptions, interventions: list[Intervention] | None = None,
-                  num_prompt_tokens: int | None = None, adapter: str | None = None) -> ProbeRun:
+                  num_prompt_tokens: int | None = None, adapter: str | None = None,
+                  features: FeatureRequest | None = None) -> ProbeRun:
         """An inspection of `token_ids` over the serving weights, under LoRA adapter `adapter` (a served name) or the
-        base, edited by `interventions`; options out of range are a 400."""
+        base, edited by `interventions`, with `features`' grid; options out of range are a 400 (naming the
+        `features.*` field at fault)."""
         # (under tensor parallelism a probe's blocks run on every rank, which serve no adapter outside engine steps)
         model = self._state.loaded.model if adapter is None else self.local_model("an inspection under a LoRA adapter")
         try:
-            return ProbeRun(model, token_ids, opts, interventions, num_prompt_tokens, self.adapter(adapter))
+            return ProbeRun(model, token_ids, opts, interventions, num_prompt_tokens, self.adapter(adapter), features)
         except ValueError as e:
-            raise APIError(400, str(e), code="invalid_value") from None
+            field = str(e).split(":", 1)[0]
+            raise APIError(400, str(e), param=field if field.startswith("features") else None,
+                           code="invalid_value") from None
 
     def local_model(self, what: str) -> Transformer:
         """The served model where its modules run in this process; 400 under tensor parallelism."""

@@ -1,4 +1,5 @@
-"""The /inspect response: JSON layout of a `model.probes.ProbeResult`, attention-map encoding, and the byte budget.
+"""The /inspect response: JSON layout of a `model.probes.ProbeResult` (with its feature grid), attention-map encoding,
+and the byte budget.
 
 Maps travel as little-endian float16 in base64 with their shape (`format: "base64"`, about 2.7 bytes a value) or
 as nested JSON lists (`format: "list"`, about 8 bytes a value). The budget is checked on an estimate made before
@@ -15,7 +16,8 @@ from dataclasses import replace
 import numpy as np
 
 from model.features import TokenTelemetry
-from model.probes import ActivationEntry, AttentionMaps, ProbeOptions, ProbeResult, estimate_map_elements
+from model.probes import (ActivationEntry, AttentionMaps, FeatureGridResult, ProbeOptions, ProbeResult,
+                          estimate_map_elements)
 from model.text import IncrementalDetokenizer
 from model.text import Tokenizer
 
@@ -206,3 +208,46 @@ def token_telemetry(t: TokenTelemetry) -> dict:
                                 for d, v, f in zip(dims[i], values[i], flags[i])],
         })
     return {"position": t.position, "sink_tokens": t.sink_tokens, "layers": layers}
+
+
+def _f32(t) -> list[float]:
+    """float32 values as the shortest decimals that read back as the same float32 (a JSON number each)."""
+    return [float(str(v)) for v in np.asarray(t, dtype=np.float32).ravel()]
+
+
+def _hook_name(hook) -> str:
+    try:
+        return hook.transformer_lens_name()
+    except ValueError:
+        return ".".join(hook.hf_module())
+
+
+def feature_grid(g: FeatureGridResult, tok: Tokenizer) -> dict:
+    """/inspect's `features` (model/probes/feature_grid.py): each token's top features as [id, activation] pairs,
+    and each reported feature's activations as sparse parallel lists (`positions`, `activations`: the nonzero ones),
+    its max and mean over the tokens, and the tokens its decoder direction promotes and suppresses."""
+    d = g.dictionary
+    by_token = []
+    for ids, values in zip(g.top_ids.tolist(), g.top_values.numpy()):
+        vals = _f32(values)
+        by_token.append([[i, v] for i, v in zip(ids, vals) if i >= 0])
+    # entries are sorted by feature: each feature's slice of them
+    counts = np.bincount(g.entry_feature.numpy(), minlength=len(g.ids)) if len(g.ids) else np.zeros(0, dtype=np.int64)
+    ends = np.cumsum(counts)
+    positions, values = g.entry_position.tolist(), _f32(g.entry_value.numpy())
+    texts: dict[int, str] = {}
+
+    def listed(ids, logits) -> list[dict]:
+        return [{"id": i, "text": texts.setdefault(i, tok.decode([i])), "logit": v} for i, v in zip(ids, _f32(logits))]
+
+    features = []
+    maxs, means = _f32(g.max.numpy()), _f32(g.mean.numpy())
+    for u, fid in enumerate(g.ids.tolist()):
+        a, b = int(ends[u] - counts[u]), int(ends[u])
+        features.append({"id": fid, "max": maxs[u], "mean": means[u], "positions": positions[a:b],
+                         "activations": values[a:b],
+                         "promotes": listed(g.promote_ids[u].tolist(), g.promote_logits[u].numpy()),
+                         "suppresses": listed(g.suppress_ids[u].tolist(), g.suppress_logits[u].numpy())})
+    return {"sae": g.name, "hook_name": _hook_name(d.hook_in), "layer": d.hook_in.layer, "site": d.hook_in.site,
+            "d_sae": d.d_sae, "top_k": g.top_k, "num_tokens": len(by_token), "by_token": by_token,
+            "features": features}

@@ -10,7 +10,7 @@ from fastapi import Request
 
 from model.engine import EngineJob
 from model.interventions import Intervention
-from model.probes import ProbeOptions, ProbeRun
+from model.probes import FeatureRequest, ProbeOptions, ProbeRun
 from service.microscope import inspect_format as fmt
 from service.common.errors import APIError
 from service.common.runner import until_disconnect
@@ -28,12 +28,12 @@ def check_inspect_length(serving: Serving, T: int, param: str = "prompt") -> Non
 
 async def run_probe(serving: Serving, request: Request | None, ids: list[int], opts: ProbeOptions,
                     interventions: list[Intervention] | None = None, num_prompt_tokens: int | None = None,
-                    adapter: str | None = None) -> ProbeRun:
+                    adapter: str | None = None, features: FeatureRequest | None = None) -> ProbeRun:
     """Step a ProbeRun on the engine thread to its end; cancelled if the client of `request` leaves (without a
     request, the caller's own cancellation is the only stop). A full inspection queue or a dead engine raise the
     engine's errors (429 / 503 through errors.install)."""
-    return await run_job(serving, request, serving.new_probe(ids, opts, interventions, num_prompt_tokens, adapter),
-                         len(ids))
+    return await run_job(serving, request,
+                         serving.new_probe(ids, opts, interventions, num_prompt_tokens, adapter, features), len(ids))
 
 
 async def run_job(serving: Serving, request: Request | None, job: EngineJob, tokens: int = 0) -> EngineJob:

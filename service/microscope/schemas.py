@@ -64,6 +64,22 @@ class InspectSummaryOptions(BaseModel):
     top_k: Int(ge=1, le=32) = 5  # attended keys per head and layer, with stream
 
 
+class InspectFeatures(BaseModel):
+    """/inspect's `features`: a served dictionary's feature x token grid (model/probes/feature_grid.py)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    sae: Annotated[str, Field(min_length=1, max_length=64)]
+    top_k: Int(ge=1, le=64) = 8
+    ids: Annotated[list[Int(ge=0, lt=1 << 24)], Field(min_length=1, max_length=1024)] | None = None
+
+    @field_validator("ids")
+    @classmethod
+    def _unique(cls, v):
+        if v is not None and len(set(v)) != len(v):
+            raise ValueError("must not repeat a feature")
+        return v
+
+
 class InspectRequest(BaseModel):
     """POST /inspect. Definitions and map layouts: model/probes.py; the request and response: docs/inspection.md."""
 
@@ -99,6 +115,7 @@ class InspectRequest(BaseModel):
     hidden_positions: list[Position] | None = Field(None, min_length=1, max_length=4096)
     hidden_dtype: Literal["float16", "float32"] = "float16"
     interventions: Interventions | None = None
+    features: InspectFeatures | None = None
 
     @field_validator("layers", "heads", "rows", "lens_positions", "hidden_positions")
     @classmethod

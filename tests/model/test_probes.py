@@ -230,3 +230,26 @@ def test_a_block_run_in_row_chunks_reports_what_the_whole_block_does(mode):
             assert torch.equal(a.maps.indices[weighted], b.maps.indices[weighted])
         assert [h.entropy for h in a.heads] == pytest.approx([h.entropy for h in b.heads], rel=1e-5)
         assert [e.token_ids for e in a.lens] == [e.token_ids for e in b.lens]
+
+
+def test_the_prediction_runs_in_slices_of_rows_and_equals_the_models_own_loss():
+    """After the last block, "prediction" runs the head over PREDICT_ROWS positions per unit of work (each step at
+    least one), so a long sequence's (T, V) logits never hold the engine thread in one step; its perplexity is
+    exp of the model's own mean next-token cross-entropy, and its top next tokens the model's."""
+    model = tiny_model(n_layers=2)
+    ids = [(5 * i) % 250 + 1 for i in range(2 * ProbeRun.PREDICT_ROWS + 20)]
+    run = ProbeRun(model, ids, ProbeOptions(include=frozenset({"prediction"})))
+    while run.next_layer < len(model.layers):
+        run.step(budget_s=None)
+    after = 0
+    while not run.step(budget_s=0.0):
+        after += 1
+    assert after >= 2  # three units of rows: at least three steps
+    p = run.result().prediction
+    with torch.inference_mode():
+        logits = model(torch.tensor([ids]))[0].float()  # (T, V)
+    nll = torch.nn.functional.cross_entropy(logits[:-1], torch.tensor(ids[1:]))
+    assert p.perplexity == pytest.approx(math.exp(nll.item()), rel=1e-4)
+    assert p.num_predicted == len(ids) - 1
+    top = logits[-1].softmax(-1).topk(5)
+    assert p.next_token_probs == pytest.approx(top.values.tolist(), rel=1e-4)

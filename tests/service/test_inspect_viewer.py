@@ -2,7 +2,8 @@
 type the prompt, run it, and read the heatmap, its colour legend, the massive-activation table and the plots off
 the page.
 
-The README's screenshot (docs/images/viewer.png) is taken here. Every run writes a fresh one to the artifacts
+The README's screenshot (docs/images/viewer.png) is taken here, and the patching, attribution and features tabs'
+(docs/images/patching.png, attribution.png, features.png). Every run writes a fresh one to the artifacts
 folder; UPDATE_SCREENSHOTS=1 also replaces the committed image and its sidecar (viewer.png.json), which records a
 hash of the viewer's sources that produced it. `test_committed_screenshot_is_current` (no browser needed) fails when
 those sources changed and the image was not taken again.
@@ -17,6 +18,7 @@ import re
 import shutil
 from pathlib import Path
 
+import httpx
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -27,6 +29,10 @@ PATCH_SCREENSHOT = ROOT / "docs" / "images" / "patching.png"
 PATCH_SIDECAR = PATCH_SCREENSHOT.with_name(PATCH_SCREENSHOT.name + ".json")
 ATTR_SCREENSHOT = ROOT / "docs" / "images" / "attribution.png"
 ATTR_SIDECAR = ATTR_SCREENSHOT.with_name(ATTR_SCREENSHOT.name + ".json")
+FEATURES_SCREENSHOT = ROOT / "docs" / "images" / "features.png"
+FEATURES_SIDECAR = FEATURES_SCREENSHOT.with_name(FEATURES_SCREENSHOT.name + ".json")
+SHIPPED_SAE = ROOT / "model" / "features" / "sae" / "shipped" / "smollm2-135m-instruct-l15-resid-post-topk4k"
+SAE_NAME = "smollm2-l15"
 ARTIFACTS = Path(os.environ.get("LLAMASCOPE_SCREENSHOT_DIR") or ROOT / "tests" / "artifacts")
 REGENERATE = "UPDATE_SCREENSHOTS=1 .venv/bin/python -m pytest tests/service/test_inspect_viewer.py"
 
@@ -283,8 +289,91 @@ def test_viewer_patching_tab_reports_errors_naming_the_field(server, page):
     assert page.text_content("#patch-status").startswith("corrupted:")
 
 
+@pytest.fixture
+def sae_server(server):
+    """The default model's server serving the shipped SAE as `SAE_NAME`: the store's load of a path the operator
+    gave, the call `--sae NAME=PATH` makes at start (service/common/state.py), on the session's server."""
+    store = server.app.state.server.saes
+    store.load(SAE_NAME, SHIPPED_SAE, trusted=True)
+    try:
+        yield server
+    finally:
+        store.unload(SAE_NAME)
+
+
+@needs_chromium
+def test_viewer_features_tab_shows_the_grid_the_api_returns(sae_server, page):
+    """The features tab on the shipped SAE: the grid's features (ids, max, mean) in the table, the tokens shaded by
+    the picked feature's activations, a hovered token's top features and a feature's promoted and suppressed tokens
+    are the values /inspect returns for the same request. docs/images/features.png is taken here."""
+    server = sae_server
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.goto(server.url + "/inspect/ui#features")
+    assert page.is_visible("#features-main") and not page.is_visible("#inspect-main")
+    page.fill("#feat-sae", SAE_NAME)  # (picked from GET /v1/saes where the server lists them)
+    page.click("#feat-run")
+    page.wait_for_selector("#feat-list tbody tr", timeout=120_000)
+    body = {"prompt": page.input_value("#feat-prompt"), "include": [], "mode": "none",
+            "features": {"sae": SAE_NAME, "top_k": 8}}
+    r = httpx.post(server.url + "/inspect", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    api, T = r.json()["features"], len(r.json()["tokens"])
+    assert api["hook_name"] == "blocks.15.hook_resid_post" and len(api["features"]) > 8
+
+    def approx(values):
+        return pytest.approx(values, rel=1e-5, abs=1e-6)
+
+    rows = page.eval_on_selector_all("#feat-list tbody tr", "rs => rs.map(r => [r.dataset.id, r.dataset.max, r.dataset.mean])")
+    assert [int(r[0]) for r in rows] == [f["id"] for f in api["features"]]
+    assert [float(r[1]) for r in rows] == approx([f["max"] for f in api["features"]])
+    assert [float(r[2]) for r in rows] == approx([f["mean"] for f in api["features"]])
+    for pick in (1, 0):  # click a feature: the tokens are shaded by its activations, its logit lists shown
+        page.click(f"#feat-list tbody tr:nth-child({pick + 1})")
+        f = api["features"][pick]
+        want = [0.0] * T
+        for p, a in zip(f["positions"], f["activations"]):
+            want[p] = a
+        assert page.get_attribute("#feat-tokens", "data-feature") == str(f["id"])
+        acts = page.eval_on_selector_all("#feat-tokens span", "s => s.map(e => Number(e.dataset.act))")
+        assert acts == approx(want)
+        for side in ("promotes", "suppresses"):
+            shown = page.eval_on_selector_all(f"#feat-{side} li", "ls => ls.map(l => Number(l.dataset.id))")
+            assert shown == [x["id"] for x in f[side]]
+    for t in (2, T - 1):  # hover a token: its top features
+        page.hover(f"#feat-tokens span[data-index='{t}']")
+        assert page.get_attribute("#feat-token-top", "data-token") == str(t)
+        top = page.eval_on_selector_all("#feat-token-top tbody tr", "rs => rs.map(r => [Number(r.dataset.id), Number(r.dataset.value)])")
+        assert [e[0] for e in top] == [e[0] for e in api["by_token"][t]]
+        assert [e[1] for e in top] == approx([e[1] for e in api["by_token"][t]])
+    # the picture: the feature active at the most tokens, and the token where it is largest
+    u = max(range(len(api["features"])), key=lambda j: len(api["features"][j]["positions"]))
+    f = api["features"][u]
+    page.click(f"#feat-list tbody tr:nth-child({u + 1})")
+    page.hover(f"#feat-tokens span[data-index='{f['positions'][f['activations'].index(max(f['activations']))]}']")
+    assert shaded_tokens(page) == len(f["positions"]) > 1
+    take_screenshot(page, "main#features-main", FEATURES_SCREENSHOT, FEATURES_SIDECAR)
+    assert not errors, errors
+
+
+def shaded_tokens(page) -> int:
+    """Tokens the picked feature shades (a background other than white)."""
+    return page.evaluate("""() => [...document.querySelectorAll('#feat-tokens span')]
+        .filter(s => s.style.background && s.style.background !== 'rgb(255, 255, 255)').length""")
+
+
+@needs_chromium
+def test_viewer_features_tab_reports_errors_naming_the_field(server, page):
+    page.goto(server.url + "/inspect/ui#features")
+    page.fill("#feat-sae", "no-such-dictionary")
+    page.click("#feat-run")
+    page.wait_for_selector("#feat-status.error", timeout=30_000)
+    assert page.text_content("#feat-status").startswith("features.sae:")
+
+
 @pytest.mark.parametrize("image,sidecar", [(SCREENSHOT, SIDECAR), (PATCH_SCREENSHOT, PATCH_SIDECAR),
-                                           (ATTR_SCREENSHOT, ATTR_SIDECAR)], ids=["viewer", "patching", "attribution"])
+                                           (ATTR_SCREENSHOT, ATTR_SIDECAR), (FEATURES_SCREENSHOT, FEATURES_SIDECAR)],
+                         ids=["viewer", "patching", "attribution", "features"])
 def test_committed_screenshot_is_current(image, sidecar):
     """The docs' screenshots were taken from the viewer's current sources (checked without a browser, so a change
     to the viewer cannot leave a picture stale even where chromium is missing)."""

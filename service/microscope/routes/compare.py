@@ -30,9 +30,10 @@ async def compare(req: CompareRequest, request: Request, serving: Serving = Depe
     the residual stream, its heads' attention maps and the logit lens (model/probes/compare.py)."""
     ref = serving.check_model(req.model, adapters=True)
     others = [serving.check_model(name, adapters=True) for name in req.compare]
-    if req.max_tokens or req.interventions:
-        raise APIError(400, "compare inspects the given sequence as it is: no max_tokens, no interventions",
-                       param="max_tokens" if req.max_tokens else "interventions", code="invalid_value")
+    if req.max_tokens or req.interventions or req.features:
+        raise APIError(400, "compare inspects the given sequence as it is: no max_tokens, no interventions, no features",
+                       param="max_tokens" if req.max_tokens else "interventions" if req.interventions else "features",
+                       code="invalid_value")
     started = time.perf_counter()
     ids = request_tokens(serving, req)
     check_inspect_length(serving, len(ids), "prompt")

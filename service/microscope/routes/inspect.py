@@ -1,5 +1,5 @@
-"""POST /inspect: attention maps and sinks, massive activations, residual norms and the logit lens of a prompt
-(optionally after generating a completion).
+"""POST /inspect: attention maps and sinks, massive activations, residual norms, the logit lens and a dictionary's
+feature x token grid of a prompt (optionally after generating a completion).
 
 The probe runs on the engine thread as a job stepped one block at a time between serving steps
 (`AsyncEngine.run_job`), on the same weights and kernels that serve completions.
@@ -16,7 +16,9 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import Response
 
 from model.engine import RequestOptions, SamplingParams
+from model.features.sae import DictionaryError
 from model.interventions import Intervention
+from model.probes import FeatureGridTooLarge, FeatureRequest
 from service.microscope import inspect_format as fmt
 from service.common.errors import APIError
 from service.microscope.edit_fields import to_interventions
@@ -56,6 +58,29 @@ async def _generate(serving: Serving, request: Request, ids: list[int], req: Ins
     return result
 
 
+def feature_request(serving: Serving, req: InspectRequest) -> FeatureRequest | None:
+    """The dictionary `features.sae` names in the server's store, with the grid's options; 400 naming the field for
+    an unknown name or ids out of its range (a site the inspection does not read: `new_probe`'s 400)."""
+    f = req.features
+    if f is None:
+        return None
+    try:
+        d = serving.saes.get(f.sae) if serving.saes is not None else None
+    except DictionaryError as e:
+        raise APIError(400, f"features.sae: {str(e).removeprefix('sae: ')}", param="features.sae",
+                       code="invalid_value") from None
+    if d is None:
+        raise APIError(400, "features.sae: this server serves no dictionaries", param="features.sae", code="invalid_value")
+    # the grid's nonzero activations, a position and a float32 decimal each (at most about 16 bytes of JSON), within
+    # the inspect budget: a grid over it stops as soon as it is known to be (a 413), not after the whole run
+    out = FeatureRequest(f.sae, d, f.top_k, f.ids, max_entries=serving.settings.max_inspect_response_bytes // 16)
+    try:
+        out.validate()
+    except ValueError as e:
+        raise APIError(400, str(e), param=str(e).split(":", 1)[0], code="invalid_value") from None
+    return out
+
+
 @router.post("/inspect")
 async def inspect(req: InspectRequest, request: Request, serving: Serving = Depends(get_serving)):
     adapter = serving.check_model(req.model, adapters=True)  # the whole inspection under a LoRA adapter, or the base
@@ -68,6 +93,7 @@ async def inspect(req: InspectRequest, request: Request, serving: Serving = Depe
                        param="max_tokens", code="context_length_exceeded")
     check_inspect_length(serving, len(ids) + req.max_tokens, "max_tokens" if req.max_tokens else "prompt")
     opts = probe_options(serving, req, len(ids) + req.max_tokens)
+    features = feature_request(serving, req)
     interventions = to_interventions(req.interventions, serving.vectors, c.n_layers, c.dim)
     completion = None
     if req.max_tokens:
@@ -76,7 +102,10 @@ async def inspect(req: InspectRequest, request: Request, serving: Serving = Depe
         opts.rows = absolute(req.rows, T, "rows")
         opts.hidden_positions = absolute(req.hidden_positions, T, "hidden_positions")
     sequence = ids + (completion["token_ids"] if completion else [])
-    run = await run_probe(serving, request, sequence, opts, interventions, len(ids), adapter)
+    try:
+        run = await run_probe(serving, request, sequence, opts, interventions, len(ids), adapter, features)
+    except FeatureGridTooLarge as e:
+        raise APIError(413, str(e), param="features.top_k", code="inspect_too_large") from None
     result = run.result()
     body = {"id": f"insp-{uuid.uuid4().hex[:24]}", "object": "inspection", "created": now(),
             "model": adapter or serving.model_name,
@@ -88,6 +117,8 @@ async def inspect(req: InspectRequest, request: Request, serving: Serving = Depe
             "interventions": len(interventions or [])}
     body.update(await run_in_threadpool(fmt.render, result, opts, req.format, serving.tokenizer, c.n_layers,
                                         req.hidden_dtype))
+    if result.features is not None:
+        body["features"] = await run_in_threadpool(fmt.feature_grid, result.features, serving.tokenizer)
     body["usage"] = {"prompt_tokens": len(ids), "completion_tokens": len(sequence) - len(ids), "total_tokens": len(sequence),
                      "compute_ms": round(result.compute_ms, 1), "response_bytes": 0}
     data = await run_in_threadpool(fmt.dumps_with_size, body)

@@ -8,8 +8,8 @@
   const $ = (id) => document.getElementById(id);
   let result = null; // the last /inspect/patch response
 
-  // ---- tabs: "#patch" / "#attribute" / "#adapters" in the address opens that one ---------------------------------
-  const TABS = ["inspect", "patch", "attribute", "adapters"];
+  // ---- tabs: "#patch" / "#attribute" / "#adapters" / "#features" in the address opens that one -------------------
+  const TABS = ["inspect", "patch", "attribute", "adapters", "features"];
   function showTab(name) {
     for (const t of TABS) {
       $(`tab-${t}`).setAttribute("aria-selected", String(t === name));
