@@ -4,7 +4,8 @@ formats (to be served as a feature). Import direction: model.engine -> model.fea
 
 from model.features.protocol import EngineView, Feature, InvalidOption, Part, StepParts, StepRow, StepView
 from model.features.kv_window import KVWindow
+from model.features.structured import StructuredOutputSpec
 from model.features.telemetry import TelemetryOptions, TokenTelemetry
 
 __all__ = ["EngineView", "Feature", "InvalidOption", "KVWindow", "Part", "StepParts", "StepRow", "StepView",
-           "TelemetryOptions", "TokenTelemetry"]
+           "StructuredOutputSpec", "TelemetryOptions", "TokenTelemetry"]
