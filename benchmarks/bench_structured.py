@@ -34,9 +34,10 @@ from pathlib import Path
 import torch
 
 from benchmarks.machine import machine_info
-import model.engine.sampler as sampler_module
+import model.features.structured.masks as masks_module
 from model.engine import Engine, EngineConfig, RequestOptions, SamplingParams
-from model.engine.structured import GrammarCompiler, PendingMasks, SequenceGrammar, StructuredOutputs, StructuredOutputSpec
+from model.features.structured import (GrammarCompiler, PendingMasks, SequenceGrammar, Structured, StructuredOutputs,
+                                       StructuredOutputSpec)
 
 PERSON = {
     "type": "object",
@@ -74,7 +75,7 @@ def timed_structured_work():
     """Adds up the engine thread's seconds inside the structured-output calls while the block runs."""
     spent = [0.0]
     patched = [(StructuredOutputs, "start_masks"), (PendingMasks, "result"), (SequenceGrammar, "accept"),
-               (sampler_module, "_apply_allowed")]
+               (masks_module, "_apply_allowed")]
     originals = [getattr(owner, name) for owner, name in patched]
 
     def timer(fn):
@@ -156,7 +157,8 @@ def main(argv: list[str] | None = None) -> dict:
                                              enable_prefix_caching=False, decode_graphs="off"))
     ps = prompts(tok, args.num_requests)
     compiles = compile_times(tok, V, 5)
-    engine.structured.compile(StructuredOutputSpec.json_schema(SCHEMA))  # as the service does before submitting
+    structured = next(f for f in engine.features.features if isinstance(f, Structured)).outputs  # the engine's own
+    structured.compile(StructuredOutputSpec.json_schema(SCHEMA))  # as the service does before submitting
     drive(engine, [(ps[0], params(4, True)), (ps[1], params(4, False))], "warmup")
 
     half = [(pr, params(args.max_tokens, i % 2 == 0)) for i, pr in enumerate(ps)]
@@ -199,7 +201,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     for r in range(args.rounds):
         for name, fn in phases.items():
-            engine.structured.masks.overlap = not name.endswith("no_overlap")
+            structured.masks.overlap = not name.endswith("no_overlap")
             cpu0 = time.process_time()
             with timed_structured_work() as spent:
                 wall, n, steps = fn()

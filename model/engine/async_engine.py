@@ -207,8 +207,8 @@ class AsyncEngine:
 
     def check(self, options: RequestOptions) -> None:
         """InvalidOption naming the request field this engine cannot serve (`Engine.check`: fixed configuration and
-        the thread-safe grammar cache only, so any thread may ask; a grammar compiles here, so call it on a worker
-        thread when the request carries one)."""
+        the features' thread-safe caches only, so any thread may ask; a feature's check may compile what the request
+        carries, so call it on a worker thread when it does)."""
         self.engine.check(options)
 
     async def generate(

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from model.engine.request import FinishReason, Sequence
 from model.engine.sampling_params import SamplingParams
+from model.features import registry as features
 
 
 @dataclass
@@ -31,15 +32,16 @@ def reaches_length(params: SamplingParams, num_output: int, num_tokens: int, win
 
 def finish_after(seq: Sequence, token: int, max_model_len: int) -> Finish | None:
     """`token`, just appended to `seq`'s output: how it ends the choice, or None. In order: a stop token (EOS or
-    stop_token_ids, not before min_tokens), a grammar it completes (advanced here by the token: structured/), then
-    `reaches_length`. A reply a grammar closed because max_tokens was near (structured/closing.py) ends with
-    "length", not "stop"."""
+    stop_token_ids, not before min_tokens), the per-row features' say (each advanced here by the token:
+    `Feature.accept`, model/features/registry.py; "stop" or "length" where one ends the choice), then
+    `reaches_length`."""
     p, sampling = seq.request.params, seq.sampling
     n_out = len(seq.output_token_ids)
     if n_out >= p.min_tokens and token in sampling.stop_ids:
         return Finish(FinishReason.STOP, token if token in p.stop_token_ids else None, stop_token=True)
-    grammar = sampling.grammar
-    grammar_done = grammar is not None and grammar.accept(token)
-    if grammar_done or reaches_length(p, n_out, seq.num_tokens, seq.window is not None, max_model_len):
-        return Finish(FinishReason.STOP if grammar_done and not grammar.closing else FinishReason.LENGTH)
+    end = features.accept(seq, token) if seq.state else None
+    if end is not None:
+        return Finish(FinishReason(end))
+    if reaches_length(p, n_out, seq.num_tokens, seq.window is not None, max_model_len):
+        return Finish(FinishReason.LENGTH)
     return None

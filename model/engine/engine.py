@@ -32,7 +32,6 @@ from model.engine.sequence_state import SamplingState
 from model.engine.speculative import Drafter, SpecDecodeStats, SpeculativeConfig, Verification
 from model.engine.stream import stream_for
 from model.engine.speculative.build import build_speculator
-from model.engine.structured import StructuredOutputs
 from model.features.protocol import EngineView, Feature
 from model.features.registry import EngineFeatures
 from model.kernels import ops
@@ -166,10 +165,6 @@ class Engine:
                             config.max_background_tokens), self.kv, self.batch
         )
         self.scheduler.max_model_len = self.max_model_len
-        # [structured outputs] grammar compiler + cache and the step's mask buffer (nothing is built until used); masks
-        # overlap the forward only off-CPU: on CPU the forward owns every core (benchmarks/bench_structured.py)
-        self.structured = StructuredOutputs(tokenizer, model.config.vocab_size, config.max_num_seqs,
-                                            overlap=torch.device(model.device).type != "cpu")
         stream = stream_for(model)
         self.distributed = getattr(model, "world_size", 1) > 1  # tensor parallelism: step failures are fatal
         self.async_scheduling = (stream.asynchronous and not self.distributed if config.async_scheduling is None
@@ -177,12 +172,12 @@ class Engine:
         self.in_flight: DecodeLaunch | None = None  # an overlapped decode step not read back yet
         # the per-row features, bound to this engine (model/features/registry.py)
         self.features = EngineFeatures(EngineView(self.distributed, self.max_model_len, config.block_size, model,
-                                                  lambda: self.requests.values()))
+                                                  lambda: self.requests.values(), tokenizer, model.config.vocab_size,
+                                                  config.max_num_seqs, torch.device(model.device).type))
         self.runner = ModelRunner(
             model, self.cache, Sampler(model.config.vocab_size, model.device, sync_free=self.async_scheduling),
             self.sizes, graph_mode=config.decode_graphs, native_step=config.native_step,
-            scratch_block=num_blocks if graphs else None, structured=self.structured, batch=self.batch, stream=stream,
-            features=self.features,
+            scratch_block=num_blocks if graphs else None, batch=self.batch, stream=stream, features=self.features,
         )
         self.features.listen(self.runner.features_changed)  # (a feature's state changed: its graphs follow)
         self.context_shift = ContextShift(model, self.cache)  # windowed sequences' evictions (model/features/kv_window/)
@@ -221,7 +216,7 @@ class Engine:
                     options: RequestOptions = PLAIN) -> Request:
         """Queue a request. ValueError for an invalid one, QueueFullError when the waiting queue is full.
         `options`: what it carries beside prompt and sampling (interventions, hidden-state reads, the registered
-        per-row features, a kv window, a grammar, background priority: model/engine/request_options.py)."""
+        per-row features, a kv window, background priority: model/engine/request_options.py)."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         if not prompt_token_ids:
@@ -241,8 +236,6 @@ class Engine:
         # n > 1 choices share the first one's cached prompt blocks; windowed choices own theirs (kv_cache_manager.py)
         share_prefix = params.n > 1 and self.config.enable_prefix_caching and options.kv_window is None
         self.scheduler.check_capacity(1 if share_prefix else params.n)
-        # [structured outputs] the grammar `check` compiled: a cache hit
-        grammar = self.structured.compile(options.structured) if options.structured is not None else None
         req = Request(request_id, list(prompt_token_ids), params, options=options)
         self.features.admit(req, c)  # the per-row features' per-request state (an intervention plan)
         req.prefix_root = self.features.prefix_key(req)  # the registered features' shares (model/features/registry.py)
@@ -251,8 +244,8 @@ class Engine:
             self._next_seq_id += 1
             seq.sampling = SamplingState(
                 generator=params.make_generator(self.model.device, offset=i),  # choice i of a seeded request: seed + i
-                stop_ids=frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.tokenizer.stop_ids),
-                grammar=grammar.new_state() if grammar is not None else None)  # [structured outputs]
+                stop_ids=frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.tokenizer.stop_ids))
+            self.features.start(seq)  # each feature's state of this choice
             seq.sampling.row = SamplingRow(params, seq.prompt_token_ids, seq.output_token_ids, seq.sampling.generator,
                                            seq.sampling.stop_ids)
             seq.output = self.output.new_state(params)
@@ -280,17 +273,12 @@ class Engine:
 
     def check(self, options: RequestOptions) -> None:
         """The one check of what a request carries beside prompt and sampling against this engine: the sink + window
-        cache fits, the per-row features' own checks (model/features/registry.py), speculation is served here, the
-        grammar compiles (into the thread-safe cache the
-        engine thread reads later). InvalidOption naming the request field. Reads only fixed configuration, so any
-        thread may ask; the service asks before it queues a request, on a worker thread when a grammar compiles."""
+        cache fits, the per-row features' own checks (model/features/registry.py; one may compile what the request
+        carries into a thread-safe cache the engine thread reads later), speculation is served here. InvalidOption
+        naming the request field. Reads only fixed configuration and such caches, so any thread may ask; the service
+        asks before it queues a request, on a worker thread where a check compiles."""
         self.features.check(options)
         self._check_speculation(options.num_speculative_tokens)
-        if options.structured is not None:
-            try:
-                self.structured.compile(options.structured)
-            except ValueError as e:
-                raise InvalidOption(options.structured.source, str(e)) from None
 
     def _check_speculation(self, k: int | None) -> None:
         """A request's `num_speculative_tokens` (None or 0: always served)."""

@@ -12,8 +12,8 @@
                           the PyTorch reference ops)
        A path runs a step only where every feature part of it allows (`Part.paths`).
        All three compute the same logits (the module path is the reference; tests hold the others to it);
-    3. runs it, scores prompt logprobs, and samples every sequence that caught up (a constrained one from the
-       tokens its grammar allows: the masks are started before the forward, model/engine/structured/).
+    3. runs it, scores prompt logprobs, and samples every sequence that caught up, from its logits as the step's
+       feature parts mask them (`Part.mask_logits`: a part may prepare its masks while the forward runs).
 
 The model is a function (tokens, positions, attention context) -> logits and knows none of this.
 """
@@ -46,7 +46,6 @@ from model.engine.scheduler import ScheduledSeq
 from model.features.protocol import StepParts, StepRow, StepView
 
 if TYPE_CHECKING:
-    from model.engine.structured import StructuredOutputs
     from model.features.registry import EngineFeatures
 
 log = logging.getLogger("llamascope.engine")
@@ -92,13 +91,12 @@ class RunnerOutput:
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, cache: PagedKVCache, sampler: Sampler, sizes: EngineSizes, *,
                  graph_mode: str = "off", native_step: bool = True, scratch_block: int | None = None,
-                 structured: StructuredOutputs | None = None, batch: PersistentBatch | None = None,
-                 stream: Stream | None = None, features: EngineFeatures | None = None) -> None:
+                 batch: PersistentBatch | None = None, stream: Stream | None = None,
+                 features: EngineFeatures | None = None) -> None:
         """`graph_mode`: EngineConfig.decode_graphs, where `scratch_block` (the padding rows' block) is given;
         `native_step`: EngineConfig.native_step; `features`: the engine's per-row features (none on a draft
         model's runner: its rows carry none)."""
         self.model, self.cache, self.sampler = model, cache, sampler
-        self.structured = structured  # grammar masks of constrained rows (model/engine/structured/)
         self.features = features
         self.batch = batch  # the running sequences' rows: the decode path's block tables
         self.stream = stream or HostStream()  # where the device work runs (model/engine/stream.py)
@@ -149,11 +147,9 @@ class ModelRunner:
                  for s, sl in zip(scheduled, batch.slices)], batch.sample, self.model, self.cache.device, paged_prefill))
         # the step as every path reads it
         ctx = ForwardContext(self.cache, batch.meta, batch.slices, batch.edits, parts or None)
-        # [structured outputs] the sampling rows' grammar masks, filled on a worker thread during the forward
-        masks = self.structured.start_masks(_mask_rows(batch.sample)) if self.structured is not None else None
         path = self._choose(batch, ctx)
         # every logits row a plain greedy row's (no prompt logprobs): the native head may pick without the logits
-        greedy = (bool(batch.sample) and not batch.prompt_logprobs and masks is None
+        greedy = (bool(batch.sample) and not batch.prompt_logprobs and not parts.masks
                   and all(seq.request.plain_greedy for seq, _ in batch.sample))
         with parts.module_hooks(self.model) if parts and path == "module" else contextlib.nullcontext():
             logits = self._forward(path, batch, ctx, greedy)  # (M, V): the batch's logits rows; or (M,) picks
@@ -175,7 +171,7 @@ class ModelRunner:
             picked = _rows(logits, [r for _, r in batch.sample],
                            identity=not batch.prompt_logprobs and logits.shape[0] == len(batch.sample))
             sampled = (SampledTensors(picked, []).read() if picked.dim() == 1
-                       else self.sampler(picked, rows, masks.result() if masks is not None else None))
+                       else self.sampler(parts.mask_logits(picked) if parts.masks else picked, rows))
             out.sampled = [(seq, t, lp) for (seq, _), t, lp in zip(batch.sample, sampled.token_ids, sampled.logprobs)]
         return out
 
@@ -256,21 +252,6 @@ def _segments(scheduled: list[ScheduledSeq], batch: StepBatch) -> list[Segment]:
 def _rows(x: Tensor, rows, identity: bool = False) -> Tensor:
     """x[rows], without a copy when the rows are 0..len-1 in order (the common decode case)."""
     return x if identity else x[rows]
-
-
-def _mask_rows(sample: list[tuple[Sequence, int]]) -> list[tuple]:
-    """[structured outputs] One entry per sampling row: (grammar, output token ids, tokens left, drafts) for a
-    sequence's first row (drafts: the rows after it verify them, masked as the grammar stands after each draft),
-    (None, (), 0, ()) for those rows."""
-    rows, prev = [], None
-    for seq, _ in sample:
-        if seq is prev:
-            rows.append((None, (), 0, ()))
-        else:
-            rows.append((seq.sampling.grammar, seq.output_token_ids,
-                         seq.request.params.max_tokens - len(seq.output_token_ids), seq.draft_token_ids))
-        prev = seq
-    return rows
 
 
 def _prompt_positions(seq: Sequence, start: int, n: int) -> tuple[int, int] | None:

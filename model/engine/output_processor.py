@@ -2,8 +2,8 @@
 detokenization, stop strings, prompt logprobs once, hidden states and the per-row features' per-token values with
 their tokens, and the `RequestOutput` deltas.
 
-The engine decides everything that needs no text (stop tokens, max_tokens, the context limit, a finished grammar,
-aborts, errors) and appends the tokens itself; each step it hands over a `StepOutputs`: the choices with new
+The engine decides everything that needs no text (stop tokens, max_tokens, the context limit, a per-row feature's
+end, aborts, errors) and appends the tokens itself; each step it hands over a `StepOutputs`: the choices with new
 tokens, those tokens, and how the engine ended any of them. This processor owns the text: it may run on another
 thread than the engine's step (AsyncEngine's output thread), touching only each choice's `OutputState`. A stop
 string is the one end it finds itself: `process` returns those ends, and the engine finishes the choice when it

@@ -75,10 +75,12 @@ class Sequence:
     num_read_positions: int = 0
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
-    # its state beside its tokens (model/engine/sequence_state.py): the sampler's side (seeded generator, stop ids,
-    # grammar) and the output processor's (detokenizer, stop strings, prompt logprobs and hidden states to deliver)
+    # its state beside its tokens (model/engine/sequence_state.py): the sampler's side (seeded generator, stop ids)
+    # and the output processor's (detokenizer, stop strings, prompt logprobs and hidden states to deliver)
     sampling: SamplingState | None = None
     output: OutputState | None = None
+    # the per-row features' state of this choice, by feature (`Feature.start`, model/features/registry.py)
+    state: dict[str, Any] = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:
@@ -155,7 +157,7 @@ class Request:
     state: dict[str, Any] = field(default_factory=dict)
     # the root of its blocks' prefix-cache hash chain: b"" for the base model, else the features' (`prefix_key`)
     prefix_root: bytes = b""
-    # Its rows need nothing per step but tokens, positions and block tables: no kv window, grammar, edits, reads,
+    # Its rows need nothing per step but tokens, positions and block tables: no kv window, edits, reads,
     # registered per-row feature (model/features/registry.py, `plain`) or background budget. A step whose every row
     # is such a decode row takes the engine's decode path (`Scheduler.schedule_decode`, `ModelRunner.execute_decode`).
     plain_decode: bool = False
@@ -167,7 +169,7 @@ class Request:
 
     def __post_init__(self) -> None:
         o, p = self.options, self.params
-        self.plain_decode = (o.kv_window is None and o.structured is None and features.plain(o) and not o.background
+        self.plain_decode = (o.kv_window is None and features.plain(o) and not o.background
                              and o.hidden_states is None)
         if p is None:  # (bookkeeping tests build requests without sampling)
             return

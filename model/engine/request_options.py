@@ -9,15 +9,12 @@ model/features/registry.py (docs/engine.md, "Per-row features").
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from model.features.kv_window import KVWindow
 from model.features.protocol import InvalidOption
+from model.features.structured.spec import StructuredOutputSpec
 from model.features.telemetry.options import TelemetryOptions
 from model.interventions import HiddenStateRead, Intervention
-
-if TYPE_CHECKING:
-    from model.engine.structured.spec import StructuredOutputSpec
 
 
 @dataclass(frozen=True)
@@ -32,7 +29,7 @@ class RequestOptions:
     telemetry: TelemetryOptions | None = None
     # the sink + window KV cache (model/features/kv_window/schedule.py)
     kv_window: KVWindow | None = None
-    # constrained decoding (model/engine/structured/): every token from those its grammar allows
+    # constrained decoding (model/features/structured/): every token from those its grammar allows
     structured: StructuredOutputSpec | None = None
     # yields to other requests in the scheduler (an activation-patching sweep's rows, model/engine/scheduler.py)
     background: bool = False
@@ -57,8 +54,6 @@ class RequestOptions:
         if self.telemetry is not None:
             self.telemetry.validate()
         if self.structured is not None:
-            from model.engine.structured.spec import StructuredOutputSpec  # the grammar package is loaded when used
-
             if not isinstance(self.structured, StructuredOutputSpec):
                 raise ValueError(f"structured must be a StructuredOutputSpec or None, got {self.structured!r}")
             self.structured.validate()  # its errors name the request field it came from

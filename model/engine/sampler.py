@@ -1,10 +1,9 @@
 """Batched sampler: one call turns the last-position logits of every scheduled sequence into its next token.
 
 Order of operations, as in vLLM v1 (`vllm/v1/sample/sampler.py`, `ops/penalties.py`, `ops/topk_topp_sampler.py`):
-    0. grammar mask    rows with structured outputs (`allowed=`): -inf at every token their grammar forbids, before
-                       anything reads the logits (vLLM applies its bitmask to the logits before the sampler too). For
-                       those rows everything below, logprobs included, sees the masked logits: their logprobs are
-                       of the model's distribution renormalised over the allowed tokens. Other rows are untouched.
+    0. masks           done before this call: the rows a per-row feature constrains come with -inf at the tokens
+                       it forbids (`Part.mask_logits`, model/features/protocol.py; vLLM applies its bitmask to the
+                       logits before its sampler too), so everything below, logprobs included, sees the masked logits.
     1. logprobs        log_softmax of the RAW model logits (vLLM's default `logprobs_mode`): what the model
                        believed, not what the processed distribution was; the processed one would report -inf
                        for every token top-k/top-p removed and change with temperature.
@@ -65,15 +64,6 @@ class SamplingRow:
     output_token_ids: Sequence[int]
     generator: torch.Generator | None = None  # required when params.seed is not None
     stop_ids: frozenset[int] = frozenset()  # EOS ids (unless ignore_eos) + stop_token_ids
-
-
-@dataclass
-class AllowedTokens:
-    """Per-row allowed-token bitmasks (structured outputs) for some rows of a batch. Layout as llguidance and
-    xgrammar write it: bit t % 32 of int32 word t // 32 set = token t allowed; tokens past the last word are not."""
-
-    bitmask: Tensor  # (M, ceil(V / 32)) int32, on any device
-    rows: list[int]  # (M,) the batch rows the masks belong to, in bitmask row order
 
 
 @dataclass
@@ -180,35 +170,6 @@ def _apply_top_k_top_p(x: Tensor, bp: _BatchParams) -> Tensor:
     top_p_thresh = torch.maximum(xs.gather(1, n_keep - 1), thresh)  # (B, 1)
     thresh = torch.where((bp.top_p < 1.0).unsqueeze(1), top_p_thresh, thresh)  # (B, 1)
     return x.masked_fill_(x < thresh, _NEG_INF)
-
-
-def _forbidden(allowed: AllowedTokens, V: int, shifts: Tensor) -> Tensor:
-    """(M, V) bool, True where the row's grammar forbids the token. A CPU bitmask is unpacked by numpy (one
-    single-threaded pass writing M x V bytes); a device bitmask by shifts, on its device."""
-    words = allowed.bitmask
-    if words.device.type == "cpu":
-        bits = torch.from_numpy(np.unpackbits(words.contiguous().numpy().view(np.uint8), axis=1, bitorder="little"))
-    else:
-        bits = ((words.unsqueeze(-1) >> shifts.to(words.device)) & 1).reshape(words.shape[0], -1)  # (M, W * 32)
-    if bits.shape[1] < V:  # a mask narrower than the vocabulary allows nothing beyond it
-        bits = torch.nn.functional.pad(bits, (0, V - bits.shape[1]))
-    return bits[:, :V] == 0
-
-
-def _apply_allowed(logits: Tensor, allowed: AllowedTokens, shifts: Tensor) -> Tensor:
-    """A (B, V) float32 copy of logits with -inf where a constrained row's grammar forbids the token; every other
-    value, and every unconstrained row, is the input's own value (bit-identical)."""
-    x = logits.to(torch.float32, copy=True)
-    if x.device.type != "cpu" and allowed.bitmask.device.type == "cpu":
-        # the packed words (M, ceil(V / 32)) go to the device from pinned memory without a wait, and are unpacked
-        # there: never the (M, V) bytes of an unpacked mask from pageable memory, which a copy waits on
-        allowed = AllowedTokens(allowed.bitmask.pin_memory().to(x.device, non_blocking=True), allowed.rows)
-    forbidden = _forbidden(allowed, x.shape[1], shifts)  # (M, V) on x's device
-    if allowed.rows == list(range(x.shape[0])):  # every row constrained (a single stream, say): in place, no gather
-        return x.masked_fill_(forbidden, _NEG_INF)
-    idx = _put(allowed.rows, torch.long, x.device)  # (M,)
-    x[idx] = x[idx].masked_fill_(forbidden, _NEG_INF)
-    return x
 
 
 def _token_logprobs(logprobs: Tensor, token_ids: Tensor, ks: Sequence[int]) -> list[TokenLogprobs]:
@@ -339,24 +300,21 @@ class Sampler:
         self.vocab_size = vocab_size
         self.device = torch.device(device)
         self.sync_free = sync_free
-        self._shifts = torch.arange(32, dtype=torch.int32, device=self.device)  # (32,): bit positions in a word
 
     @torch.no_grad()
-    def __call__(self, logits: Tensor, rows: Sequence[SamplingRow], allowed: AllowedTokens | None = None) -> SamplerOutput:
-        """logits (B, V) of any float dtype, one row per sequence -> next token and optional logprobs per row.
-        allowed: the grammar masks of the constrained rows (step 0 above)."""
-        return self.sample(logits, rows, allowed).read()
+    def __call__(self, logits: Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
+        """logits (B, V) of any float dtype, one row per sequence (masked where a feature constrains it: step 0
+        above) -> next token and optional logprobs per row."""
+        return self.sample(logits, rows).read()
 
     @torch.no_grad()
-    def sample(self, logits: Tensor, rows: Sequence[SamplingRow] | None, allowed: AllowedTokens | None = None,
+    def sample(self, logits: Tensor, rows: Sequence[SamplingRow] | None,
                plain_greedy: bool | None = None) -> SampledTensors:
         """`__call__` without reading the results back: they stay on the logits' device. With `sync_free` (the
         engine's overlapped steps) nothing here waits for the device; `plain_greedy`: every row is known to be
         `_plain_greedy` (None: checked here); then `rows` may be None, as nothing of them is read."""
-        assert rows is not None or (plain_greedy and allowed is None), "rows are read unless every row is plain greedy"
+        assert rows is not None or plain_greedy, "rows are read unless every row is plain greedy"
         self._check(logits, rows if rows is not None else range(logits.shape[0]))
-        if allowed is not None and allowed.rows:
-            logits = _apply_allowed(logits, allowed, self._shifts)
         if plain_greedy or (plain_greedy is None and all(_plain_greedy(r) for r in rows)):
             return SampledTensors(ops.greedy_pick(logits), [])  # (B,): argmax of the raw logits, no copy
         bp = _BatchParams(rows, self.vocab_size, logits.device)
@@ -383,12 +341,10 @@ class Sampler:
         return SampledTensors(tokens, want, lp)
 
     @torch.no_grad()
-    def process(self, logits: Tensor, rows: Sequence[SamplingRow], allowed: AllowedTokens | None = None) -> Tensor:
+    def process(self, logits: Tensor, rows: Sequence[SamplingRow]) -> Tensor:
         """The logits the draw sees: (B, V) float32, -inf where masked; greedy rows stop after the penalties
         (unscaled, no top-*). Exposed for tests; the input is never modified."""
         self._check(logits, rows)
-        if allowed is not None and allowed.rows:
-            logits = _apply_allowed(logits, allowed, self._shifts)
         return self._process(logits, rows, _BatchParams(rows, self.vocab_size, logits.device))
 
     def _check(self, logits: Tensor, rows: Sequence[SamplingRow]) -> None:

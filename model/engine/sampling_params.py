@@ -1,5 +1,5 @@
 """`SamplingParams`: the engine-facing form of an OpenAI request's sampling fields, validated with ranges named.
-What a request carries beside its sampling (interventions, reads, per-row features, kv window, grammar) is its
+What a request carries beside its sampling (interventions, reads, per-row features, kv window) is its
 `RequestOptions` (model/engine/request_options.py)."""
 
 from __future__ import annotations

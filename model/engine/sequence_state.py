@@ -1,7 +1,8 @@
 """A choice's state beside its tokens, split by who reads it: the sampling side (`SamplingState`: its seeded
-generator, the ids that end it, its grammar; the runner hands these to the sampler and the grammar masks) and the
-output side (`OutputState`: the streaming detokenizer, the stop-string matcher, prompt logprobs and hidden states
-not yet delivered; the output processor's alone). `Sequence.sampling` and `Sequence.output` hold them."""
+generator, the ids that end it; the runner hands these to the sampler) and the output side (`OutputState`: the
+streaming detokenizer, the stop-string matcher, prompt logprobs and hidden states not yet delivered; the output
+processor's alone). `Sequence.sampling` and `Sequence.output` hold them; the per-row features' state of the choice is
+`Sequence.state`."""
 
 from __future__ import annotations
 
@@ -15,7 +16,6 @@ from model.text.stop_strings import StopStringMatcher
 
 if TYPE_CHECKING:
     from model.engine.sampler import SamplingRow, TokenLogprobs
-    from model.engine.structured.compiler import SequenceGrammar
 
 
 @dataclass
@@ -24,7 +24,6 @@ class SamplingState:
     # ids that end this choice (min_tokens aside): its stop_token_ids, plus the checkpoint's EOS set unless
     # ignore_eos; fixed for the request's life, so built once rather than per generated token
     stop_ids: frozenset[int]
-    grammar: SequenceGrammar | None = None  # structured outputs: its grammar's state
     row: SamplingRow | None = None  # what the sampler reads of it (its output list is the sequence's own, live)
 
 

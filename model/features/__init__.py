@@ -5,7 +5,8 @@ Import direction: model.engine -> model.features -> the network."""
 
 from model.features.protocol import EngineView, Feature, InvalidOption, Part, StepParts, StepRow, StepView
 from model.features.kv_window import KVWindow
+from model.features.structured import StructuredOutputSpec
 from model.features.telemetry import TelemetryOptions, TokenTelemetry
 
 __all__ = ["EngineView", "Feature", "InvalidOption", "KVWindow", "Part", "StepParts", "StepRow", "StepView",
-           "TelemetryOptions", "TokenTelemetry"]
+           "StructuredOutputSpec", "TelemetryOptions", "TokenTelemetry"]

@@ -6,13 +6,21 @@ what its own rows compute, never its neighbours' (attention telemetry, hidden-st
 folder owns every stage of it; the engine names none of them and calls, for each registered `Feature`:
 
     check(value)              the request's option against the engine the feature is bound to (InvalidOption
-                              naming the request field); any thread, fixed configuration only (`Engine.check`)
-    admit(value, P, config)   its per-request state, made once against the prompt (P tokens) at admission
+                              naming the request field); any thread, fixed configuration and its own
+                              thread-safe caches only (`Engine.check`)
+    admit(value, P, config)   its per-request state, made once against the prompt (P tokens) at admission;
+                              start(state) its state for each choice (sequence) from it
     prefix_key(request)       its share of the root of the request's prefix-cache keys (K/V it changes is not the
                               base's), and block_key(state, start, end) its share of one block's key
     plain(value)              whether rows carrying it are still plain decoders (the engine's decode path:
                               nothing per row but tokens, positions and block tables); a class method, as is
                               block_key: they depend on the request alone
+    accept(state, token)      a token appended to a choice advances its state (`start`'s): "stop" or "length"
+                              when that ends the choice (its say in the end-of-sequence rule,
+                              model/engine/end_of_sequence.py), else None
+    drafts(state, seq, d)     the prefix of a choice's speculative drafts d its rows may verify (the kept ones
+                              then come through `accept`); a class method, as is accept: they depend on the
+                              choice alone
     prepare(step)             its part of one step (`Part`), or None when no row of the step carries it
     metrics()                 its counters, for the engine's stats
     graph_part(rows, device)  its share of the CUDA graphs (`GraphPart`), made once per engine, or None: its
@@ -34,6 +42,9 @@ and, for the `Part` a step carries, on the path the runner chose:
     native_args()             the native step's keyword arguments (model/kernels/csrc/bindings.cpp, step_layers)
     graph                     whether a pure decode step carrying it replays the featured CUDA graphs: those
                               captured with every feature's `GraphPart`, which the step's parts are loaded into
+
+    mask_logits(logits)       the step's sampled rows' logits (S, V), once the forward ran and before the sampler
+                              reads them: -inf where it forbids a token of a row it owns (every path)
     collect(outputs)          its per-token results into each sequence's outputs, once the forward ran: the engine
                               sends the kept tokens' values with them, one delta a token
 
@@ -77,7 +88,10 @@ class InvalidOption(ValueError):
 class SequenceView(Protocol):
     """What a feature reads of one of the engine's sequences (model/engine/request.py's `Sequence`)."""
 
-    request: Any  # .options (the request's RequestOptions), .params
+    request: Any  # .options (the request's RequestOptions), .params, .state (per-request feature state)
+    state: dict[str, Any]  # per-choice feature state, by feature name (`Feature.start`)
+    output_token_ids: list[int]
+    draft_token_ids: list[int]  # speculative drafts its rows verify this step
     num_computed_tokens: int
     num_evicted: int  # a kv_window's evicted tokens: cache position + num_evicted = token position past the sinks
     window: Any  # the request's kv_window, or None
@@ -122,6 +136,10 @@ class EngineView:
     model: Any = None
     # the requests the engine holds now, running or waiting (each with .options): what a feature's state serves
     requests: Callable[[], Iterable[Any]] = tuple
+    tokenizer: Any = None  # model/text/tokenizer.py's Tokenizer
+    vocab_size: int = 0
+    max_num_seqs: int = 1
+    device: str = "cpu"  # the model's device type
 
 
 class Part:
@@ -147,6 +165,11 @@ class Part:
 
     def native_args(self) -> dict[str, Any]:
         return {}
+
+    def mask_logits(self, logits: Tensor) -> Tensor:
+        """logits (S, V): the step's sampled rows, in `StepView.sample` order -> the same, with -inf where it
+        forbids a token (a copy where it changes any; the caller's raw logits stay raw)."""
+        return logits
 
     def collect(self, outputs: dict[Any, dict[str, list]]) -> None:
         """Its per-token results: outputs[sequence][feature name] = one value per sampled row, in row order."""
@@ -209,6 +232,20 @@ class Feature:
         """Its per-request state (kept on the request under `name`), or None."""
         return None
 
+    def start(self, state: Any) -> Any:
+        """Its state for one choice, from its per-request state (kept on the sequence under `name`), or None."""
+        return None
+
+    @classmethod
+    def accept(cls, state: Any, token: int) -> str | None:
+        """`token` was appended to the choice whose state this is: "stop" or "length" where that ends the choice."""
+        return None
+
+    @classmethod
+    def drafts(cls, state: Any, seq: SequenceView, drafts: list[int]) -> list[int]:
+        """The prefix of `drafts` the choice's rows may verify (all of them: it constrains none)."""
+        return drafts
+
     def prefix_key(self, request: Any) -> bytes | None:
         return None
 
@@ -268,6 +305,16 @@ class StepParts:
         for p in self.parts:
             args.update(p.native_args())
         return args
+
+    @property
+    def masks(self) -> bool:
+        """Whether a part masks the sampled rows' logits (then the sampler needs the logits, not only picks)."""
+        return any(type(p).mask_logits is not Part.mask_logits for p in self.parts)
+
+    def mask_logits(self, logits: Tensor) -> Tensor:
+        for p in self.parts:
+            logits = p.mask_logits(logits)
+        return logits
 
     def collect(self) -> dict[Any, dict[str, list]]:
         out: dict[Any, dict[str, list]] = {}

@@ -3,8 +3,9 @@
 
 `FEATURES` are the feature classes. Each engine makes one `EngineFeatures`, an instance of each bound to it (what
 a feature keeps per engine lives there: loaded dictionaries, compiled grammars, counters); the stages that depend
-on a request alone (`plain`, `block_key`) are the classes' own, asked through the functions below by the request
-and the KV manager, which hold no engine.
+on a request or a choice alone (`plain`, `block_key`, `accept`, `drafts`) are the classes' own, asked through the
+functions below by the request, the KV manager, the end-of-sequence rule and speculative verification, which hold
+no engine.
 
 The order is the order of their parts in a step: a path runs a step only when every part allows it
 (`StepParts.allow`), and the attention recorder is the first part that records.
@@ -18,9 +19,10 @@ from model.features.interventions import Interventions
 from model.features.kv_window import KVWindowFeature
 from model.features.lora import LoRA
 from model.features.protocol import EngineView, Feature, GraphPart, StepParts, StepView
+from model.features.structured import Structured
 from model.features.telemetry import Telemetry
 
-FEATURES: tuple[type[Feature], ...] = (LoRA, Interventions, KVWindowFeature, Telemetry)
+FEATURES: tuple[type[Feature], ...] = (LoRA, Interventions, KVWindowFeature, Telemetry, Structured)
 
 
 def plain(options: Any) -> bool:
@@ -34,6 +36,22 @@ def block_key(request: Any, start: int, end: int) -> bytes | None:
     keys = [k for f in FEATURES if (s := request.state.get(f.name)) is not None
             and (k := f.block_key(s, start, end)) is not None]
     return b"".join(keys) if keys else None
+
+
+def accept(seq: Any, token: int) -> str | None:
+    """`token`, just appended to a choice's output, advances each feature's state of the choice: "stop" or
+    "length" where one ends the choice there (the first that does, each advanced), else None."""
+    ends = [f.accept(state, token) for f in FEATURES if (state := seq.state.get(f.name)) is not None]
+    return next((e for e in ends if e is not None), None)
+
+
+def drafts(seq: Any, proposed: list[int]) -> list[int]:
+    """The prefix of a choice's speculative drafts that every feature of the choice lets its rows verify."""
+    for f in FEATURES:
+        state = seq.state.get(f.name)
+        if state is not None and proposed:
+            proposed = f.drafts(state, seq, proposed)
+    return proposed
 
 
 def native_args(parts: StepParts | None) -> dict[str, Any]:
@@ -82,6 +100,15 @@ class EngineFeatures:
                 state = f.admit(value, len(request.prompt_token_ids), model_config)
                 if state is not None:
                     request.state[f.name] = state
+
+    def start(self, seq: Any) -> None:
+        """Each feature's state of one choice of an admitted request, on `seq.state` under its name."""
+        for f in self.features:
+            request_state = seq.request.state.get(f.name)
+            if request_state is not None:
+                state = f.start(request_state)
+                if state is not None:
+                    seq.state[f.name] = state
 
     def prefix_key(self, request: Any) -> bytes:
         """The features' share of the root of the request's prefix-cache keys (empty: the base model's)."""

@@ -103,10 +103,12 @@ def test_general_step_asks_the_rule_for_each_token(monkeypatch):
 
 
 def _seq(params: SamplingParams, n_prompt: int, out: list[int], windowed: bool = False, grammar=None):
-    """A stand-in choice: what the rule reads of a sequence (its request's params, sampling state, window)."""
-    sampling = SimpleNamespace(stop_ids=frozenset(params.stop_token_ids) | {0}, grammar=grammar)
+    """A stand-in choice: what the rule reads of a sequence (its request's params, sampling state, window, its
+    features' state: `grammar` as the structured-output feature's)."""
+    sampling = SimpleNamespace(stop_ids=frozenset(params.stop_token_ids) | {0})
     return SimpleNamespace(request=SimpleNamespace(params=params), sampling=sampling, output_token_ids=out,
-                           num_tokens=n_prompt + len(out), window=object() if windowed else None)
+                           num_tokens=n_prompt + len(out), window=object() if windowed else None,
+                           state={} if grammar is None else {"structured": grammar})
 
 
 class _Grammar:

@@ -1,8 +1,9 @@
 """The per-row feature protocol (model/features/protocol.py) as a new feature meets it: a feature registered in
 model/features/registry.py is checked, admitted, keys its blocks, prepares a part for the steps its rows are in,
-sends its per-token values with each token, and its part's `paths` choose the execution path. The feature here is
-the test's own (it reads the existing `background` option, so no request field is added); what it records is each
-sampled row's position, which the engine's own accounting gives independently."""
+sends its per-token values with each token, and its part's `paths` choose the execution path; a feature's state of
+each choice is advanced by each appended token and may end the choice, and its part masks its rows' logits. The
+features here are the test's own (they read the existing `background` option, so no request field is added); what
+the first records is each sampled row's position, which the engine's own accounting gives independently."""
 
 from __future__ import annotations
 
@@ -113,3 +114,74 @@ def test_a_registered_feature_checks_the_request(registered):
         engine.check(RequestOptions(background=True))
     assert e.value.param == "background"
     engine.check(RequestOptions())  # not carried: not asked
+
+
+class _EvenRows(Part):
+    """Masks every odd token id in the sampled rows it owns (rows: indices into `StepView.sample`)."""
+
+    def __init__(self, rows: list[int]) -> None:
+        self.rows = rows
+
+    def mask_logits(self, logits):
+        x = logits.clone()
+        x[self.rows, 1::2] = float("-inf")
+        return x
+
+
+class _EvenTokens(Feature):
+    """A choice's own state (`start`: a count of its tokens), advanced by every appended token (`accept`), which
+    ends the choice after 4; its sampled rows may take even token ids only (`Part.mask_logits`)."""
+
+    name = "even"
+
+    @classmethod
+    def value(cls, options):
+        return True if options.background else None
+
+    def admit(self, value, num_prompt_tokens, model_config):
+        return 4
+
+    def start(self, state):
+        return {"left": state, "seen": []}
+
+    @classmethod
+    def accept(cls, state, token):
+        state["seen"].append(token)
+        state["left"] -= 1
+        return "stop" if state["left"] == 0 else None
+
+    def prepare(self, step: StepView):
+        rows = [i for i, (seq, _) in enumerate(step.sample) if self.name in seq.state]
+        return _EvenRows(rows) if rows else None
+
+
+def test_a_feature_masks_its_rows_logits_and_ends_its_choices(monkeypatch):
+    """start / accept / mask_logits: each choice of the feature's request (n = 2) keeps its own state, sees each of
+    its tokens once, takes even ids only, and ends with "stop" after 4 tokens; the free request beside it gives its
+    tokens alone, and samples odd ids there (the mask is the feature's doing)."""
+    monkeypatch.setattr(registry, "FEATURES", registry.FEATURES + (_EvenTokens,))
+    prompt = list(range(20, 29))
+    free = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    alone = _engine()
+    alone.add_request("p", prompt, free)
+    ref = [t for o in _drain(alone) for t in o.token_ids]
+    engine = _engine()
+    engine.add_request("e", prompt, SamplingParams(max_tokens=12, temperature=1.0, seed=5, n=2, ignore_eos=True),
+                       RequestOptions(background=True))
+    engine.add_request("p", prompt, free)
+    seqs = engine.requests["e"].seqs
+    outs = _drain(engine)
+    assert [t for o in outs if o.request_id == "p" for t in o.token_ids] == ref and any(t % 2 for t in ref)
+    for c, seq in enumerate(seqs):
+        tokens = [t for o in outs if o.request_id == "e" and o.index == c for t in o.token_ids]
+        assert len(tokens) == 4 and all(t % 2 == 0 for t in tokens) and seq.state["even"]["seen"] == tokens
+        assert seq.finish_reason.value == "stop"
+    assert seqs[0].state["even"] is not seqs[1].state["even"]
+    assert_pool_clean(engine)
+
+
+def _drain(engine: Engine) -> list:
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step()
+    return outs

@@ -16,7 +16,7 @@ from benchmarks.simulated_device import SimulatedStream
 from model import kernels
 from model.engine import Engine, EngineConfig, RequestOptions
 from model.engine import async_engine, stream as stream_mod
-from model.engine.sampler import AllowedTokens, _apply_allowed
+from model.features.structured.masks import AllowedTokens, _apply_allowed
 from model.kernels import ops
 from fake_cuda_graphs import fake_capture
 from test_engine import _prompts, assert_pool_clean, greedy, run

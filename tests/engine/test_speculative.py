@@ -181,7 +181,7 @@ def test_structured_outputs_under_speculation(model, draft, method):
     import json
     import re
 
-    from model.engine.structured.spec import StructuredOutputSpec
+    from model.features.structured.spec import StructuredOutputSpec
 
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
                                                "tags": {"type": "array", "items": {"enum": ["ab", "cd"]}}},

@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from model.engine import PLAIN, Engine, EngineConfig, RequestOptions, SamplingParams
-from model.engine.sampler import AllowedTokens, Sampler, SamplingRow
-from model.engine.structured import StructuredOutputSpec, StructuredOutputs
+from model.engine.sampler import Sampler, SamplingRow
+from model.features.structured import AllowedTokens, StructuredOutputSpec, StructuredOutputs
+from model.features.structured.masks import _apply_allowed
 from test_engine import assert_pool_clean, run
 
 SCHEMA = {
@@ -140,7 +141,7 @@ def test_sampler_mask_touches_only_its_rows():
     bitmask[0, 1] = 1 << 3 | 1 << 5  # tokens 35 and 37
     bitmask[0, 2] = 1 << 1  # token 65
     rows = [SamplingRow(SamplingParams(temperature=0.0, logprobs=1), [1], []) for _ in range(3)]
-    out = sampler(logits, rows, AllowedTokens(bitmask, [1]))
+    out = sampler(_apply_allowed(logits, AllowedTokens(bitmask, [1]), torch.arange(32, dtype=torch.int32)), rows)
     free = sampler(logits, rows)
     assert out.token_ids[0] == free.token_ids[0] and out.token_ids[2] == free.token_ids[2]
     assert out.logprobs[0].logprob == free.logprobs[0].logprob  # bit-identical
@@ -248,7 +249,7 @@ def test_json_object_near_max_tokens_is_closed_in_time(model, tok, max_tokens):
 
 def test_closing_plans_close_what_is_open(tok):
     """The plan from a cut JSON prefix, through the grammar: the prefix plus the plan parses."""
-    from model.engine.structured.closing import JsonCloser
+    from model.features.structured.closing import JsonCloser
 
     compiled = StructuredOutputs(tok, 258, 4).compile(StructuredOutputSpec("json_object"))  # the tiny model's vocab
     closer = JsonCloser(tok)

@@ -102,7 +102,7 @@ def test_fifty_sampled_outputs_all_valid(aclient, name, case, stream):
     for text, reason in results:
         try:
             # JSON mode bounds no string: at temperature 1 this 135M model sometimes never closes one, and a reply
-            # near max_tokens is closed by the engine (model/engine/structured/closing.py): it parses and says
+            # near max_tokens is closed by the engine (model/features/structured/closing.py): it parses and says
             # "length". Every other kind is bounded by its grammar and ends on its own.
             assert reason == "stop" or (case == "json_object" and reason == "length")
             closed += reason == "length"

@@ -18,6 +18,7 @@ import torch
 from model.engine.request import Sequence
 from model.engine.sampler import TokenLogprobs, replay_noise
 from model.engine.speculative.drafter import Drafter
+from model.features import registry as features
 
 if TYPE_CHECKING:
     from model.engine.kv_cache_manager import KVCacheManager
@@ -36,8 +37,8 @@ class Verification:
 
     def propose(self, running: list[Sequence]) -> None:
         """Ask the drafter for tokens to verify after each decoding sequence's last one (rows of several tokens).
-        A grammar's sequence keeps the drafts its grammar accepts (the verification rows are masked as it stands
-        after each); a hidden-state read gets the positions of the kept tokens only; a windowed sequence drafts no
+        A sequence keeps the drafts its per-row features let it verify (`Feature.drafts`: each verification row is
+        then as the feature stands after the drafts before it); a hidden-state read gets the positions of the kept tokens only; a windowed sequence drafts no
         further than its next eviction point (model/features/kv_window/schedule.py's chunk_limit: its K/V is evicted, and its keys shifted,
         only once its drafts are resolved, so a rollback never meets an eviction) and, its cache being bounded, past
         the context too. Per-token feature values are recorded for every verification row, and each kept token's
@@ -60,10 +61,8 @@ class Verification:
             return
         for seq, room, drafts in zip(seqs, rooms, self.drafter.propose(seqs, rooms, len(running))):
             seq.draft_token_ids = list(drafts)[:room]
-            grammar = seq.sampling.grammar
-            if grammar is not None and seq.draft_token_ids:
-                seq.draft_token_ids = grammar.valid_drafts(seq.draft_token_ids, seq.request.params.max_tokens
-                                                           - len(seq.output_token_ids))
+            if seq.state and seq.draft_token_ids:
+                seq.draft_token_ids = features.drafts(seq, seq.draft_token_ids)
             g = seq.sampling.generator
             if seq.draft_token_ids and g is not None:
                 self._noise_states[seq] = g.get_state()

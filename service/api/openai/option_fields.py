@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from model.engine import RequestOptions, SamplingParams
 from model.features import KVWindow, TelemetryOptions
-from model.engine.structured import StructuredOutputSpec
+from model.features import StructuredOutputSpec
 from service.common.errors import APIError
 from service.microscope.edit_fields import to_edits
 from service.api.openai.schemas import SamplingFields

@@ -14,7 +14,7 @@ import copy
 import json
 from typing import Any
 
-from model.engine.structured import StructuredOutputSpec
+from model.features import StructuredOutputSpec
 from service.common.errors import APIError
 from service.api.openai.schemas import SamplingFields
 

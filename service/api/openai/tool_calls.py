@@ -25,7 +25,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from model.engine.structured import StructuredOutputSpec
+from model.features import StructuredOutputSpec
 from model.text import Tokenizer
 from service.common.errors import APIError
 from service.api.openai.schemas import ChatCompletionRequest, Tool

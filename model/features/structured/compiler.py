@@ -23,8 +23,8 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from model.engine.structured.closing import MARGIN, PLAN_LIMIT, RETRY_AFTER, JsonCloser
-from model.engine.structured.spec import StructuredOutputSpec
+from model.features.structured.closing import MARGIN, PLAN_LIMIT, RETRY_AFTER, JsonCloser
+from model.features.structured.spec import StructuredOutputSpec
 from model.text.tokenizer import Tokenizer
 
 log = logging.getLogger("llamascope.engine")

@@ -1,4 +1,5 @@
-"""The token bitmask of a step's constrained rows, filled while the forward runs.
+"""The token bitmask of a step's constrained rows, filled while the forward runs, and applied to their logits
+before the sampler reads them (the step's `Part.mask_logits`, model/features/protocol.py).
 
 A row's mask depends only on its grammar state, which is final once the previous step's token was accepted, so it
 can be filled before the step's logits exist. vLLM does this on its scheduler side, overlapped with the GPU forward
@@ -9,17 +10,36 @@ row in one Python call, so the worker takes the GIL once per step, not once per 
 
 Layout (llguidance's and xgrammar's): bit t % 32 of int32 word t // 32 of a row set = token t allowed; the
 buffer is allocated once for `max_rows` rows and reused every step (docs/development.md rule 5).
+
+The mask comes first, before anything reads the logits (vLLM applies its bitmask before its sampler too,
+`vllm/v1/structured_output/__init__.py`): for a constrained row everything the sampler does, logprobs included,
+sees the masked logits, so its logprobs are the model's distribution renormalised over the allowed tokens. Other
+rows are untouched, to the bit.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
+import numpy as np
 import torch
+from torch import Tensor
 
-from model.engine.sampler import AllowedTokens
-from model.engine.structured.compiler import SequenceGrammar, import_llguidance
+from model.features.protocol import Part
+from model.features.structured.compiler import SequenceGrammar, import_llguidance
+
+_NEG_INF = float("-inf")
+
+
+@dataclass
+class AllowedTokens:
+    """Per-row allowed-token bitmasks for some rows of a batch. Layout as llguidance and xgrammar write it: bit
+    t % 32 of int32 word t // 32 set = token t allowed; tokens past the last word are not."""
+
+    bitmask: Tensor  # (M, ceil(V / 32)) int32, on any device
+    rows: list[int]  # (M,) the batch rows the masks belong to, in bitmask row order
 
 
 def _bit(b: int) -> int:
@@ -37,6 +57,48 @@ class PendingMasks:
         if self._future is not None:
             self._future.result()
         return AllowedTokens(self._bitmask, self._rows)
+
+
+class StepMasks(Part):
+    """The constrained rows' masks of one step: started before the forward, applied to the sampled rows' logits
+    after it (`mask_logits`, which waits for the fill). Any path: the mask reads the logits, not the forward."""
+
+    def __init__(self, pending: PendingMasks, shifts: Tensor) -> None:
+        self.pending, self.shifts = pending, shifts
+
+    def mask_logits(self, logits: Tensor) -> Tensor:
+        return _apply_allowed(logits, self.pending.result(), self.shifts)
+
+
+def _forbidden(allowed: AllowedTokens, V: int, shifts: Tensor) -> Tensor:
+    """(M, V) bool, True where the row's grammar forbids the token. A CPU bitmask is unpacked by numpy (one
+    single-threaded pass writing M x V bytes); a device bitmask by shifts, on its device."""
+    words = allowed.bitmask
+    if words.device.type == "cpu":
+        bits = torch.from_numpy(np.unpackbits(words.contiguous().numpy().view(np.uint8), axis=1, bitorder="little"))
+    else:
+        bits = ((words.unsqueeze(-1) >> shifts.to(words.device)) & 1).reshape(words.shape[0], -1)  # (M, W * 32)
+    if bits.shape[1] < V:  # a mask narrower than the vocabulary allows nothing beyond it
+        bits = torch.nn.functional.pad(bits, (0, V - bits.shape[1]))
+    return bits[:, :V] == 0
+
+
+def _apply_allowed(logits: Tensor, allowed: AllowedTokens, shifts: Tensor) -> Tensor:
+    """A (B, V) float32 copy of logits with -inf where a constrained row's grammar forbids the token; every other
+    value, and every unconstrained row, is the input's own value (bit-identical). shifts: (32,) int32 bit positions."""
+    x = logits.to(torch.float32, copy=True)
+    if x.device.type != "cpu" and allowed.bitmask.device.type == "cpu":
+        # the packed words (M, ceil(V / 32)) go to the device from pinned memory without a wait, and are unpacked
+        # there: never the (M, V) bytes of an unpacked mask from pageable memory, which a copy waits on
+        allowed = AllowedTokens(allowed.bitmask.pin_memory().to(x.device, non_blocking=True), allowed.rows)
+    forbidden = _forbidden(allowed, x.shape[1], shifts)  # (M, V) on x's device
+    if allowed.rows == list(range(x.shape[0])):  # every row constrained (a single stream, say): in place, no gather
+        return x.masked_fill_(forbidden, _NEG_INF)
+    idx = torch.tensor(allowed.rows, dtype=torch.long)  # (M,)
+    if x.device.type != "cpu":  # (through pinned memory: the host never waits for the device to take it)
+        idx = idx.pin_memory().to(x.device, non_blocking=True)
+    x[idx] = x[idx].masked_fill_(forbidden, _NEG_INF)
+    return x
 
 
 class GrammarMasks:
