@@ -17,9 +17,10 @@ from typing import Any
 from model.features.interventions import Interventions
 from model.features.kv_window import KVWindowFeature
 from model.features.protocol import EngineView, Feature, StepParts, StepView
+from model.features.sae.feature import SAEFeatures
 from model.features.telemetry import Telemetry
 
-FEATURES: tuple[type[Feature], ...] = (Interventions, KVWindowFeature, Telemetry)
+FEATURES: tuple[type[Feature], ...] = (Interventions, KVWindowFeature, Telemetry, SAEFeatures)
 
 
 def plain(options: Any) -> bool:
@@ -33,6 +34,14 @@ def block_key(request: Any, start: int, end: int) -> bytes | None:
     keys = [k for f in FEATURES if (s := request.state.get(f.name)) is not None
             and (k := f.block_key(s, start, end)) is not None]
     return b"".join(keys) if keys else None
+
+
+def max_cached_tokens(seq: Any) -> int | None:
+    """The most leading tokens of `seq` the prefix cache may supply (`Feature.max_cached`); None: no feature limits
+    it."""
+    state = seq.request.state
+    limits = [m for f in FEATURES if (s := state.get(f.name)) is not None and (m := f.max_cached(s, seq)) is not None]
+    return min(limits) if limits else None
 
 
 def native_args(parts: StepParts | None) -> dict[str, Any]:

@@ -13,6 +13,7 @@ from model.config import ModelConfig
 from model.engine import (PLAIN, EngineJob, EngineStats, InvalidOption, RequestOptions, RequestStream,
                           SamplingParams)
 from model.interventions import Intervention
+from model.features.sae import DictionaryStore
 from model.lora import LoRAAdapter
 from model.lora import load_adapter as read_adapter
 from model.probes import (AttributionPatchingRun, CaptureRun, DirectLogitRun, PatchSweep, ProbeOptions, ProbeRun,
@@ -43,6 +44,7 @@ class Serving:
         self.speculative: dict | None = state.speculative  # --speculative-config as served, or None
         self.adapters: dict[str, LoRAAdapter] = state.adapters  # LoRA adapters served, by name (the engine's own)
         self.tracing: RequestTracer | None = state.tracing  # --otlp-traces-endpoint, else None
+        self.saes: DictionaryStore | None = state.saes  # the dictionaries served, by name (thread-safe)
 
     @property
     def execution(self) -> dict:
