@@ -106,9 +106,10 @@ def main(argv: list[str] | None = None) -> int:
                 for r in range(args.rounds):
                     for side in (("features", "plain") if r % 2 == 0 else ("plain", "features")):
                         print(f"[features_cost] {c} streams, round {r + 1}: {side}", file=sys.stderr, flush=True)
-                        runs[str(c)][side].append(asyncio.run(streams(
-                            server.url, c, args.max_tokens, args.prompt_len,
-                            features if side == "features" else None, seed=r)))
+                        run = asyncio.run(streams(server.url, c, args.max_tokens, args.prompt_len,
+                                                  features if side == "features" else None, seed=r))
+                        runs[str(c)][side].append(run)
+                        print(f"[features_cost] {run['tok_s']:.2f} tok/s", file=sys.stderr, flush=True)
     summary = {}
     for c, sides in runs.items():
         plain = statistics.median(x["tok_s"] for x in sides["plain"])
