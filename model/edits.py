@@ -202,13 +202,17 @@ class EditTables:
         self._bank = torch.zeros(0, dim, device=self.device)
         self._base: dict[int, int] = {}
 
-    def build(self, segments: list[Segment]) -> tuple[StepEdits | None, list[tuple[Segment, list[int], list[int]]]]:
+    def build(self, segments: list[Segment], extra: list | None = None
+              ) -> tuple[StepEdits | None, list[tuple[Segment, list[int], list[int]]]]:
         """-> the table (None when no segment edits or reads anything), and per reading segment (segment, positions
-        read, and for each of its layers the first row of its block in read_out's layer-major layout)."""
+        read, and for each of its layers the first row of its block in read_out's layer-major layout). `extra`: the
+        per-row features' reads (model/features/protocol.py's `SiteRead`: layer, site, packed rows), each given its
+        `start` in read_out here."""
         L = self.n_layers
+        extra = extra or []
         plans = [s.plan for s in segments if s.plan is not None]
         reads = [s for s in segments if s.read is not None]
-        if not plans and not reads:
+        if not plans and not reads and not extra:
             return None, []
         if len(plans) != len(self._plans) or any(a is not b for a, b in zip(plans, self._plans)):
             self._base, parts, off = {}, [], 0
@@ -258,6 +262,8 @@ class EditTables:
         for s, pos in wanted:
             for k in _read_sites(s.read):
                 per_site[k] += [s.row0 + p - s.pos0 for p in pos]
+        for r in extra:
+            per_site[3 * r.layer + SITE_INDEX[r.site]] += r.rows
         read_ptr = np.zeros(3 * L + 1, dtype=np.int64)
         read_ptr[1:] = np.cumsum([len(r) for r in per_site])
         cursor = read_ptr[:-1].copy()
@@ -267,6 +273,10 @@ class EditTables:
                 starts.append(int(cursor[k]))
                 cursor[k] += len(pos)
             layouts.append((s, pos, starts))
+        for r in extra:  # after the segments' rows at its site, in the order given
+            k = 3 * r.layer + SITE_INDEX[r.site]
+            r.start = int(cursor[k])
+            cursor[k] += len(r.rows)
         read_rows = np.asarray([r for rows in per_site for r in rows], dtype=np.int64)
         dev = self.device
         edits = StepEdits(

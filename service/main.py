@@ -32,7 +32,7 @@ def create_app(settings: Settings | None = None, loaded: LoadedModel | None = No
     from service.api.anthropic.errors import AnthropicErrors
     from service.api.openai.lora import routes as adapters
     from service.api.openai.routes import chat, completions, models, responses
-    from service.microscope.routes import attribute, compare, inspect, patch, vectors, viewer
+    from service.microscope.routes import attribute, compare, inspect, patch, saes, vectors, viewer
 
     settings = settings or Settings()
     state = state or ServerState(settings)
@@ -53,7 +53,7 @@ def create_app(settings: Settings | None = None, loaded: LoadedModel | None = No
     errors.install(app)
     openapi.install(app, state)
     for r in (completions.router, chat.router, responses.router, health.router, models.router, inspect.router,
-              compare.router, patch.router, attribute.router, vectors.router, viewer.router,
+              compare.router, patch.router, attribute.router, vectors.router, saes.router, viewer.router,
               anthropic.router):
         app.include_router(r)
     if settings.enable_lora_runtime_updates:

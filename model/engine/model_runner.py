@@ -137,14 +137,16 @@ class ModelRunner:
     def execute(self, scheduled: list[ScheduledSeq]) -> RunnerOutput:
         paged_prefill = self.cache.paged_prefill  # asked once per step: the pools' attention backend decides it
         batch = self.buffers.prepare(scheduled, _prompt_positions, paged_prefill, self._prefill_tiles)
-        layouts = []
-        if any(s.seq.request.interventions is not None or s.seq.request.hidden_states is not None for s in scheduled):
-            batch.edits, layouts = self.tables.build(_segments(scheduled, batch))
         parts = StepParts()  # the per-row features' parts: none unless a row carries a feature, then nothing changes
         if self.features is not None:
             parts = self.features.prepare(StepView(
                 [StepRow(s.seq, sl.start, sl.num_new, s.seq.num_computed_tokens, sl.context_len, sl.block_ids)
                  for s, sl in zip(scheduled, batch.slices)], batch.sample, self.model, self.cache.device, paged_prefill))
+        layouts = []
+        feature_reads = parts.reads() if parts else []  # rows the features read: through the same table as reads
+        if feature_reads or any(s.seq.request.interventions is not None or s.seq.request.hidden_states is not None
+                                for s in scheduled):
+            batch.edits, layouts = self.tables.build(_segments(scheduled, batch), feature_reads)
         # the step as every path reads it
         ctx = ForwardContext(self.cache, batch.meta, batch.slices, batch.edits, parts or None)
         path = self._choose(batch, ctx)
@@ -155,6 +157,8 @@ class ModelRunner:
             logits = self._forward(path, batch, ctx, greedy)  # (M, V): the batch's logits rows; or (M,) picks
         logits = logits if logits.dim() == 1 else logits.float()
         self.path_counts[path] += 1
+        if feature_reads:
+            parts.take_reads(batch.edits.read_out)
         out = RunnerOutput(path, per_token=parts.collect() if parts else {})
         if batch.edits is not None:
             for layout in layouts:

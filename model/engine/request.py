@@ -139,6 +139,9 @@ class Sequence:
             first = read.first_prompt_position(self.num_prompt_tokens, self.num_read_positions)
             if first is not None:
                 limits.append(first)
+        first = features.max_cached_tokens(self)  # the per-row features' prompt rows still to read, likewise
+        if first is not None:
+            limits.append(first)
         return min(limits) if limits else None
 
 

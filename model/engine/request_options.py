@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from model.features.kv_window import KVWindow
 from model.features.protocol import InvalidOption
+from model.features.sae.options import FeatureReadOptions
 from model.features.structured.spec import StructuredOutputSpec
 from model.features.telemetry.options import TelemetryOptions
 from model.interventions import HiddenStateRead, Intervention
@@ -27,6 +28,8 @@ class RequestOptions:
     hidden_states: HiddenStateRead | None = None
     # the attention telemetry each sampled token carries (model/features/telemetry/)
     telemetry: TelemetryOptions | None = None
+    # a dictionary's features each token carries (model/features/sae/feature.py)
+    features: FeatureReadOptions | None = None
     # the sink + window KV cache (model/features/kv_window/schedule.py)
     kv_window: KVWindow | None = None
     # constrained decoding (model/features/structured/): every token from those its grammar allows
@@ -53,6 +56,8 @@ class RequestOptions:
             self.kv_window.validate()
         if self.telemetry is not None:
             self.telemetry.validate()
+        if self.features is not None:
+            self.features.validate()
         if self.structured is not None:
             if not isinstance(self.structured, StructuredOutputSpec):
                 raise ValueError(f"structured must be a StructuredOutputSpec or None, got {self.structured!r}")

@@ -12,6 +12,8 @@ folder owns every stage of it; the engine names none of them and calls, for each
                               start(state) its state for each choice (sequence) from it
     prefix_key(request)       its share of the root of the request's prefix-cache keys (K/V it changes is not the
                               base's), and block_key(state, start, end) its share of one block's key
+    max_cached(state, seq)    the prompt positions the prefix cache may supply a sequence at (re)admission: a
+                              feature that reads rows of the prompt has them computed, not served from the cache
     plain(value)              whether rows carrying it are still plain decoders (the engine's decode path:
                               nothing per row but tokens, positions and block tables); a class method, as is
                               block_key: they depend on the request alone
@@ -42,9 +44,11 @@ and, for the `Part` a step carries, on the path the runner chose:
     native_args()             the native step's keyword arguments (model/kernels/csrc/bindings.cpp, step_layers)
     graph                     whether a pure decode step carrying it replays the featured CUDA graphs: those
                               captured with every feature's `GraphPart`, which the step's parts are loaded into
-
     mask_logits(logits)       the step's sampled rows' logits (S, V), once the forward ran and before the sampler
                               reads them: -inf where it forbids a token of a row it owns (every path)
+    reads()                   rows of the step it reads at a site (`SiteRead`): every path fills them through the
+                              step's hidden-state reads table (model/edits.py, `StepEdits` read_rows / read_out),
+                              so a part that reads allows every path; `take_reads(values)` hands them over
     collect(outputs)          its per-token results into each sequence's outputs, once the forward ran: the engine
                               sends the kept tokens' values with them, one delta a token
 
@@ -88,6 +92,7 @@ class InvalidOption(ValueError):
 class SequenceView(Protocol):
     """What a feature reads of one of the engine's sequences (model/engine/request.py's `Sequence`)."""
 
+    seq_id: int
     request: Any  # .options (the request's RequestOptions), .params, .state (per-request feature state)
     state: dict[str, Any]  # per-choice feature state, by feature name (`Feature.start`)
     output_token_ids: list[int]
@@ -121,6 +126,18 @@ class StepView:
     model: torch.nn.Module
     device: torch.device
     paged_prefill: bool = False
+
+
+@dataclass
+class SiteRead:
+    """Rows a part reads: packed `rows` at block `layer`'s `site` (one of model/interventions.py's SITES), after
+    any edit there. `start`: where they land in the step's read_out, set by the runner's table
+    (model/edits.py, `EditTables.build`)."""
+
+    layer: int
+    site: str
+    rows: list[int]
+    start: int = -1
 
 
 @dataclass(frozen=True)
@@ -170,6 +187,14 @@ class Part:
         """logits (S, V): the step's sampled rows, in `StepView.sample` order -> the same, with -inf where it
         forbids a token (a copy where it changes any; the caller's raw logits stay raw)."""
         return logits
+
+    def reads(self) -> list[SiteRead]:
+        """The rows it reads in this step (none by default)."""
+        return []
+
+    def take_reads(self, values: list[Tensor]) -> None:
+        """Once the forward ran, before `collect`: each of `reads()`'s rows, in order, as (len(rows), D) float32
+        on the step's device."""
 
     def collect(self, outputs: dict[Any, dict[str, list]]) -> None:
         """Its per-token results: outputs[sequence][feature name] = one value per sampled row, in row order."""
@@ -223,6 +248,12 @@ class Feature:
     def block_key(cls, state: Any, start: int, end: int) -> bytes | None:
         """Its share of the prefix-cache key of the block of positions [start, end), from its per-request state:
         None where it changes nothing there (the block hashes as the base's)."""
+        return None
+
+    @classmethod
+    def max_cached(cls, state: Any, seq: SequenceView) -> int | None:
+        """The most leading tokens of `seq` the prefix cache may supply at (re)admission, from its per-request
+        state: None where the feature needs none of them computed."""
         return None
 
     def check(self, value: Any) -> None:
@@ -315,6 +346,17 @@ class StepParts:
         for p in self.parts:
             logits = p.mask_logits(logits)
         return logits
+
+    def reads(self) -> list[SiteRead]:
+        """Every part's reads, in part order."""
+        return [r for p in self.parts for r in p.reads()]
+
+    def take_reads(self, read_out: Tensor) -> None:
+        """Each part its reads' rows of the step's read_out (K, D), once the forward filled it."""
+        for p in self.parts:
+            reads = p.reads()
+            if reads:
+                p.take_reads([read_out[r.start : r.start + len(r.rows)] for r in reads])
 
     def collect(self) -> dict[Any, dict[str, list]]:
         out: dict[Any, dict[str, list]] = {}

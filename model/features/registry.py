@@ -19,10 +19,11 @@ from model.features.interventions import Interventions
 from model.features.kv_window import KVWindowFeature
 from model.features.lora import LoRA
 from model.features.protocol import EngineView, Feature, GraphPart, StepParts, StepView
+from model.features.sae.feature import SAEFeatures
 from model.features.structured import Structured
 from model.features.telemetry import Telemetry
 
-FEATURES: tuple[type[Feature], ...] = (LoRA, Interventions, KVWindowFeature, Telemetry, Structured)
+FEATURES: tuple[type[Feature], ...] = (LoRA, Interventions, KVWindowFeature, Telemetry, Structured, SAEFeatures)
 
 
 def plain(options: Any) -> bool:
@@ -52,6 +53,14 @@ def drafts(seq: Any, proposed: list[int]) -> list[int]:
         if state is not None and proposed:
             proposed = f.drafts(state, seq, proposed)
     return proposed
+
+
+def max_cached_tokens(seq: Any) -> int | None:
+    """The most leading tokens of `seq` the prefix cache may supply (`Feature.max_cached`); None: no feature limits
+    it."""
+    state = seq.request.state
+    limits = [m for f in FEATURES if (s := state.get(f.name)) is not None and (m := f.max_cached(s, seq)) is not None]
+    return min(limits) if limits else None
 
 
 def native_args(parts: StepParts | None) -> dict[str, Any]:

@@ -81,7 +81,7 @@ def _describe(schema: dict[str, Any], state: ServerState) -> None:
                 codes.add(429)
             if path == "/v1/vectors" and method == "post":
                 codes.add(409)
-            if path in ("/v1/vectors/{name}", "/v1/responses/{response_id}"):
+            if path in ("/v1/vectors/{name}", "/v1/responses/{response_id}", "/v1/saes/{name}"):
                 codes.add(404)
             if path in _STREAMING:
                 responses["200"].setdefault("content", {})["text/event-stream"] = {"itemSchema": SSE_EVENT}

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from model.engine import RequestOutput
 from model.text import Tokenizer
 from model.text.reasoning import ReasoningSplit
+from service.api.openai.feature_output import ChoiceFeatures, chunk_features, token_value
 from service.api.openai.format import chat_logprob, encode_hidden, merge_hidden, now, usage
 from service.api.openai.tool_calls import ChoiceMessage, ToolPlan
 
@@ -17,9 +18,10 @@ from service.api.openai.tool_calls import ChoiceMessage, ToolPlan
 class ChatChoices:
     def __init__(self, tok: Tokenizer, n: int, plan: ToolPlan, logprobs: bool, rid: str, model: str,
                  hidden_dtype: str | None, reasoning: Callable[[], ReasoningSplit] | None = None,
-                 include_reasoning: bool = True) -> None:
+                 include_reasoning: bool = True, features: str | None = None) -> None:
         """`reasoning`: a new split for each choice (None: no reasoning parser, the reasoning stays content);
-        `include_reasoning` false: the reasoning is split off and left out (vLLM's field)."""
+        `include_reasoning` false: the reasoning is split off and left out (vLLM's field); `features`: the dictionary
+        the request reads features of (None: none)."""
         self.tok, self.n, self.plan, self.logprobs, self.hidden_dtype = tok, n, plan, logprobs, hidden_dtype
         self.rid, self.created, self.model = rid, now(), model
         self.count = n
@@ -29,6 +31,7 @@ class ChatChoices:
         self._reasoning: dict[int, str] = {c: "" for c in range(n)}
         self._lps: dict[int, list] = {c: [] for c in range(n)}
         self._hidden: dict[int, list] = {c: [] for c in range(n)}
+        self._features = {c: ChoiceFeatures(features) for c in range(n)} if features is not None else None
 
     def envelope(self, choices: list[dict], **extra) -> dict:
         return {"id": self.rid, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
@@ -55,12 +58,15 @@ class ChatChoices:
         delta = self._messages[choice].delta(text, out.finished)  # content, or tool-call deltas once parsed
         if reasoning:
             delta = {"reasoning_content": reasoning, **(delta or {})}
-        if delta is None and not out.finished and lp is None and out.hidden_states is None:
+        features = token_value(out)
+        if delta is None and not out.finished and lp is None and out.hidden_states is None and features is None:
             return None
         c = {"index": choice, "delta": delta or {}, "logprobs": lp,
              "finish_reason": self._messages[choice].finish_reason(out.finish_reason)}
         if self.hidden_dtype is not None:
             c["hidden_states"] = encode_hidden(out.hidden_states, self.hidden_dtype)
+        if features is not None:  # one token a chunk, with its features
+            c["features"] = chunk_features(features)
         return c
 
     # ---- collected ------------------------------------------------------------------------------------------
@@ -82,6 +88,8 @@ class ChatChoices:
         self._lps[choice] += [chat_logprob(self.tok, l) for l in out.logprobs or []]
         if out.hidden_states is not None:
             self._hidden[choice].append(out.hidden_states)
+        if self._features is not None:
+            self._features[choice].add(token_value(out))
 
     def response(self, reasons: dict[int, str | None], prompt_tokens: int, completion_tokens: int,
                  cached_tokens: int) -> dict:
@@ -97,6 +105,8 @@ class ChatChoices:
                       "finish_reason": self._messages[c].finish_reason(reasons.get(c))}
             if self.hidden_dtype is not None:
                 choice["hidden_states"] = encode_hidden(merge_hidden(self._hidden[c]), self.hidden_dtype)
+            if self._features is not None:
+                choice["features"] = self._features[c].as_dict()
             choices.append(choice)
         return {"id": self.rid, "object": "chat.completion", "created": self.created, "model": self.model,
                 "choices": choices, "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}

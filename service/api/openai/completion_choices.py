@@ -10,6 +10,7 @@ import asyncio
 from model.engine import RequestOutput
 from model.text import Tokenizer
 from service.microscope import inspect_format as fmt
+from service.api.openai.feature_output import ChoiceFeatures, chunk_features, token_value
 from service.api.openai.format import LegacyLogprobs, encode_hidden, merge_hidden, now
 from service.api.openai.schemas import CompletionRequest
 
@@ -25,6 +26,8 @@ class CompletionChoices:
         self._texts: dict[int, str] = {}  # collected: each choice's text so far, its echoed prompt first
         self._lps: dict[int, LegacyLogprobs | None] = {}
         self._hidden: dict[int, list] = {c: [] for c in range(self.count)}
+        self._features = ({c: ChoiceFeatures(req.features.sae) for c in range(self.count)}
+                          if req.features is not None else None)
         self.inspection = inspection  # the `inspect` extension's summaries, computed meanwhile
 
     def envelope(self, choices: list[dict], **extra) -> dict:
@@ -53,13 +56,17 @@ class CompletionChoices:
             self._started.add(choice)
         lp = self._add_logprobs(lp, out)
         telemetry = out.features.get("telemetry")  # the per-row feature's value for this token (model/features/)
-        if not text and not out.finished and lp is None and out.hidden_states is None and telemetry is None:
+        features = token_value(out)
+        if (not text and not out.finished and lp is None and out.hidden_states is None and telemetry is None
+                and features is None):
             return None
         c = {"index": choice, "text": text, "logprobs": lp.as_dict() if lp else None, "finish_reason": out.finish_reason}
         if self.hidden_dtype is not None:
             c["hidden_states"] = encode_hidden(out.hidden_states, self.hidden_dtype)
         if telemetry is not None:  # every token's chunk is sent, with what produced it
             c["token_id"], c["inspect"] = out.token_ids[0], fmt.token_telemetry(telemetry)
+        if features is not None:  # one token a chunk, with its features
+            c["features"] = chunk_features(features)
         return c
 
     # ---- collected ------------------------------------------------------------------------------------------
@@ -73,6 +80,8 @@ class CompletionChoices:
         self._add_logprobs(self._lps[choice], out)
         if out.hidden_states is not None:
             self._hidden[choice].append(out.hidden_states)
+        if self._features is not None:
+            self._features[choice].add(token_value(out))
 
     def collected(self, reasons: dict[int, str | None]) -> list[dict]:
         choices = []
@@ -83,6 +92,8 @@ class CompletionChoices:
                       "finish_reason": reasons.get(c)}
             if self.hidden_dtype is not None:
                 choice["hidden_states"] = encode_hidden(merge_hidden(self._hidden[c]), self.hidden_dtype)
+            if self._features is not None:
+                choice["features"] = self._features[c].as_dict()
             choices.append(choice)
         return choices
 

@@ -6,11 +6,11 @@ what the engine can serve when the request is submitted (`Serving.add_requests` 
 from __future__ import annotations
 
 from model.engine import RequestOptions, SamplingParams
-from model.features import KVWindow, TelemetryOptions
-from model.features import StructuredOutputSpec
+from model.features import InvalidOption, KVWindow, StructuredOutputSpec, TelemetryOptions
+from model.features.sae import DictionaryError, FeatureReadOptions
 from service.common.errors import APIError
 from service.microscope.edit_fields import to_edits
-from service.api.openai.schemas import SamplingFields
+from service.api.openai.schemas import FeaturesOptions, SamplingFields
 from service.common.serving import Serving
 
 
@@ -30,6 +30,25 @@ def kv_window(req: SamplingFields, serving: Serving, max_tokens: int) -> KVWindo
     return window
 
 
+def feature_read(o: FeaturesOptions | None, serving: Serving) -> FeatureReadOptions | None:
+    """The request's `features`, its dictionary resolved by name now (the request keeps that object, whatever is
+    unloaded later); 400 naming the field for an unknown name or a value the dictionary cannot serve."""
+    if o is None:
+        return None
+    try:
+        if serving.saes is None:
+            raise DictionaryError("sae", "no dictionary is loaded")
+        d = serving.saes.get(o.sae)
+        positions = o.positions if isinstance(o.positions, str) else tuple(o.positions)
+        read = FeatureReadOptions(o.sae, d, o.top_k, positions, tuple(o.ids or ()), o.error_norm)
+        read.validate()
+    except DictionaryError as e:
+        raise APIError(400, f"features.{e}", param="features.sae", code="invalid_value") from None
+    except InvalidOption as e:
+        raise APIError(400, str(e), param=e.param, code="invalid_value") from None
+    return read
+
+
 def to_options(req: SamplingFields, serving: Serving, params: SamplingParams, adapter: str | None,
                telemetry: TelemetryOptions | None = None,
                structured: StructuredOutputSpec | None = None) -> RequestOptions:
@@ -39,7 +58,8 @@ def to_options(req: SamplingFields, serving: Serving, params: SamplingParams, ad
     window = kv_window(req, serving, params.max_tokens)
     interventions, read = to_edits(req.interventions, req.return_hidden_states, serving.vectors, c.n_layers, c.dim)
     return RequestOptions(
-        interventions=interventions, hidden_states=read, telemetry=telemetry, kv_window=window, structured=structured,
+        interventions=interventions, hidden_states=read, telemetry=telemetry, features=feature_read(req.features, serving),
+        kv_window=window, structured=structured,
         num_speculative_tokens=req.num_speculative_tokens, lora=adapter)
 
 

@@ -40,6 +40,19 @@ STREAM_OPTIONS_NEED_STREAM = {
     "then": {"required": ["stream"], "properties": {"stream": {"const": True}}}}
 
 
+class FeaturesOptions(BaseModel):
+    """`features` (llamascope extension, docs/api.md#features): each token's top features of a served dictionary
+    (`GET /v1/saes`) at its site (model/features/sae/feature.py)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    sae: Annotated[str, Field(min_length=1, max_length=64)]
+    top_k: Int(ge=1, le=64) = 8
+    positions: Literal["generated", "prompt", "all"] | Annotated[list[Int(ge=0, lt=1 << 24)],
+                                                                   Field(min_length=1, max_length=4096)] = "generated"
+    ids: Annotated[list[Int(ge=0, lt=1 << 31)], Field(max_length=256)] | None = None
+    error_norm: bool = False
+
+
 class KVWindowOptions(BaseModel):
     """`kv_window` (llamascope extension): the sink + window KV cache (StreamingLLM, Xiao et al. 2024): keep the first
     `sink_tokens` tokens' K/V and the most recent `window`, so generation runs past the context (docs/engine.md)."""
@@ -123,6 +136,8 @@ class SamplingFields(BaseModel):
     # llamascope extensions: edits of the residual stream for this request's rows, and block outputs returned
     interventions: Interventions | None = None
     return_hidden_states: HiddenStatesOptions | None = None
+    # llamascope extension: each token's features of a served dictionary
+    features: FeaturesOptions | None = None
     # llamascope extension
     kv_window: KVWindowOptions | None = None
     # llamascope extension: at most this many speculative drafts a step for this request (0: none); the server's

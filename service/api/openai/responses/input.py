@@ -110,6 +110,7 @@ def chat_request(req: ResponsesRequest, items: list[dict]) -> ChatCompletionRequ
         "top_logprobs": req.top_logprobs if req.logprobs else None,
         "seed": req.seed, "top_k": req.top_k, "min_p": req.min_p, "repetition_penalty": req.repetition_penalty,
         "stop": req.stop, "interventions": req.interventions, "stream": req.stream,
+        "features": req.features,
     }
     try:
         return ChatCompletionRequest.model_validate({k: v for k, v in fields.items() if v is not None})

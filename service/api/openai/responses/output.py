@@ -20,6 +20,7 @@ import uuid
 
 from model.engine import RequestOutput
 from model.text import Tokenizer
+from service.api.openai.feature_output import ChoiceFeatures, chunk_features, token_value
 from service.api.openai.format import chat_logprob, now, sse
 from service.api.openai.responses.schemas import ResponsesRequest
 from service.api.openai.tool_calls import ChoiceMessage, ToolPlan
@@ -49,6 +50,7 @@ class ResponseOutput:
         self._logprobs: list[dict] = []
         self._open: dict | None = None  # the item being streamed
         self._sequence = 0
+        self.features = ChoiceFeatures(req.features.sae) if req.features is not None else None
 
     # ---- events ---------------------------------------------------------------------------------------------
 
@@ -129,6 +131,10 @@ class ResponseOutput:
         self._logprobs += logprobs
         delta = self.reply.delta(out.text, out.finished)
         mode, events = self.plan.mode, []
+        features = token_value(out)
+        if self.features is not None and features is not None:  # llamascope's event: one a token, before its text
+            self.features.add(features)
+            events.append(self._event("response.features.delta", **chunk_features(features)))
         if mode == "none" and (delta or logprobs):
             events += self._text(delta["content"] if delta else "", logprobs)
         elif mode == "named" and delta:
@@ -194,6 +200,7 @@ class ResponseOutput:
             "tools": [t.model_dump(exclude_none=True) for t in r.tools or []], "top_logprobs": r.top_logprobs,
             "truncation": r.truncation, "store": r.store, "metadata": r.metadata or {}, "user": r.user,
             "background": False, "reasoning": None, "usage": usage,
+            **({"features": self.features.as_dict()} if self.features is not None else {}),
         }
 
 

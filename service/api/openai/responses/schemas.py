@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
-from service.api.openai.schemas import JsonSchemaObject, check_stop
+from service.api.openai.schemas import FeaturesOptions, JsonSchemaObject, check_stop
 from service.common.fields import Float, FunctionName, Int, NonEmptyText, StopText, Text
 from service.microscope.schemas import Interventions
 
@@ -220,6 +220,8 @@ class ResponsesRequest(BaseModel):
     stop: StopText | Annotated[list[StopText], Field(max_length=16)] | None = None
     # llamascope extension: edits of the residual stream for this request's rows (docs/api.md#interventions)
     interventions: Interventions | None = None
+    # llamascope extension: each token's features of a served dictionary (docs/api.md#features)
+    features: FeaturesOptions | None = None
 
     @field_validator("stop", mode="before")
     @classmethod

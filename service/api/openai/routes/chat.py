@@ -26,7 +26,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request, serving
     choices = ChatChoices(serving.tokenizer, params.n, run.plan, bool(req.logprobs), f"chatcmpl-{stats.request_id}",
                           model, hidden_dtype(req),
                           reasoning_splits(serving, req, run.text, run.options.structured is not None),
-                          req.include_reasoning)
+                          req.include_reasoning, req.features.sae if req.features is not None else None)
     outputs = await start(serving, [run.prompt], params, stats, run.options)  # refusals raise here, before any response
     if req.stream:
         return stream_response(serving, stats, outputs, choices,
