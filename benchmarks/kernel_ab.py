@@ -13,6 +13,13 @@ of `--reps` runs of `max(1, 64 // R)` calls a side, which side first alternating
 through all the layers in turn (one row: weights from memory, as a decode step reads them), medians of the passes,
 alternating likewise. Ratios > 1: this checkout faster. A line says where the two builds' outputs differ.
 
+`--types Q4_K Q6_K Q8_0 Q4_0`: only the layers a file's tensors of those GGUF types become (TYPE_KINDS: Q4_K ->
+Int4Linear-kq, Q4_0 -> Int4Linear-sym, Q6_K -> Int6Linear, Q8_0 and what is requantized to int8 -> Int8Linear),
+e.g. each type of a Q4_K_M file alone; `--rows` any row counts (1 16 32 512). `--json FILE`: the figures, each row
+count's and kind's, with the host and both builds' instruction sets, written there. To A/B the AVX2-only build on a
+host with more, run with `LLAMASCOPE_NATIVE_KERNELS=portable` and a base .so of the same kind (kernels.module_name's
+name with the flags `[]`: `kernels.build_dir() / kernels.module_name([])`).
+
 `--step`: instead, whole steps of `step_layers` (csrc/step_layers.cpp: every block of the file in one call, as
 the engine's native step runs it), R decode rows each over `--context` cached positions of a float16 pool, the two
 builds alternating, medians of `--reps` x `max(1, 16 // R)` calls a side.
@@ -22,6 +29,8 @@ from __future__ import annotations
 
 import argparse
 import collections
+import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -29,9 +38,22 @@ from types import ModuleType
 
 import torch
 
+from benchmarks.machine import machine_info
 from model import kernels
 from model.loaders.checkpoint import load_model
 from model.quantize import QuantLinear
+
+
+# a GGUF type -> the kind of layer (kind()) the server loads its tensors as (model/loaders/gguf_blocks.py)
+TYPE_KINDS = {"Q4_K": "Int4Linear-kq", "Q4_0": "Int4Linear-sym", "Q6_K": "Int6Linear", "Q8_0": "Int8Linear"}
+
+
+def built_for(lib: ModuleType) -> str:
+    """A loaded build's instruction set (kernels.instruction_set), from the build.json beside its .so."""
+    try:
+        return kernels.instruction_set(json.loads((Path(lib.__file__).parent / "build.json").read_text())["flags"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return "unknown"
 
 
 def kind(m: QuantLinear) -> str:
@@ -45,6 +67,9 @@ def main() -> None:
     p.add_argument("--model", type=Path, nargs="+", required=True)
     p.add_argument("--rows", type=int, nargs="+", default=[1, 32, 512])
     p.add_argument("--reps", type=int, default=4)
+    p.add_argument("--types", nargs="+", choices=sorted(TYPE_KINDS), default=None,
+                   help="only the layers of these GGUF types (default: every quantized layer)")
+    p.add_argument("--json", type=Path, default=None, help="write the figures here")
     p.add_argument("--step", action="store_true", help="whole step_layers steps instead of the linear layers")
     p.add_argument("--context", type=int, default=512, help="with --step: cached positions each row attends over")
     args = p.parse_args()
@@ -52,6 +77,13 @@ def main() -> None:
     if new is None:
         raise SystemExit("this checkout's native kernels are off or failed to build")
     torch.manual_seed(0)
+    wanted = None if args.types is None else {TYPE_KINDS[t] for t in args.types}
+    report = {"machine": machine_info("cpu", torch.get_num_threads()), "loadavg_before": os.getloadavg(),
+              "setting": os.environ.get(kernels.ENV_VAR, "1"),
+              "builds": {"base": {"so": str(args.base_so), "built_for": built_for(base)},
+                         "new": {"so": str(new.__file__), "built_for": built_for(new)}}, "runs": []}
+    print(f"base built for {report['builds']['base']['built_for']}, new for {report['builds']['new']['built_for']}",
+          flush=True)
     for path in args.model:
         lm = load_model(str(path), quantization="auto")
         if args.step:
@@ -59,10 +91,12 @@ def main() -> None:
                 step_ab(path.name, lm.model, base, new, rows, args.context, args.reps)
             continue
         layers = [m for n, m in lm.model.named_modules() if isinstance(m, QuantLinear)
-                  and m.native_buffers() is not None and "embed" not in n and "head" not in n]
+                  and m.native_buffers() is not None and "embed" not in n and "head" not in n
+                  and (wanted is None or kind(m) in wanted)]
         for rows in args.rows:
             calls = [(kind(m), m.in_features * m.out_features * rows, m.native_op, m.native_buffers(),
                       torch.randn(rows, m.in_features)) for m in layers]
+            differ = 0
             inner = max(1, 64 // rows)  # a call of one row is tens of microseconds: many of them
             med = {side: collections.defaultdict(float) for side in ("base", "new")}
             macs: dict[str, float] = collections.defaultdict(float)
@@ -70,6 +104,7 @@ def main() -> None:
                 fa, fb = getattr(base, op), getattr(new, op)
                 if not torch.equal(fa(x, *bufs), fb(x, *bufs)):
                     print(f"  {path.name} {op} rows {rows}: the builds' outputs differ")
+                    differ += 1
                 times: dict[str, list[float]] = {"base": [], "new": []}
                 for r in range(args.reps):  # each side `inner` calls in a row, which side first alternating
                     for side, f in ((("base", fa), ("new", fb)) if r % 2 == 0 else (("new", fb), ("base", fa))):
@@ -95,6 +130,14 @@ def main() -> None:
                                 f" ({med['base'][k] / med['new'][k]:.2f}x)" for k in macs)
             print(f"{path.name} rows {rows}: {by_kind}  | a pass {pa * 1e3:.1f} -> {pb * 1e3:.1f} ms ({pa / pb:.2f}x)",
                   flush=True)
+            report["runs"].append({"model": path.name, "rows": rows, "outputs_differ": differ,
+                                   "gmac_s": gmacs, "ratio": {k: med["base"][k] / med["new"][k] for k in macs},
+                                   "pass_ms": {"base": pa * 1e3, "new": pb * 1e3}, "pass_ratio": pa / pb})
+    report["loadavg_after"] = os.getloadavg()
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+        print(f"wrote {args.json}")
 
 
 def step_ab(name: str, model, base: ModuleType, new: ModuleType, rows: int, context: int, reps: int) -> None:

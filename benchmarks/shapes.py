@@ -21,6 +21,14 @@ the two servers alternating (ours, llama-server, ours, ...), each round a fresh 
 median over a side's rounds (peak memory: the highest), so a slow spell of the shared host (figures here moved 20-40%
 within an hour) falls on a round of each side instead of on all of one side's measurements.
 
+`--avx2`: both sides built for AVX2 alone on a host that has more (an AVX-512 one), so the AVX2 paths are what is
+measured: ours with `LLAMASCOPE_NATIVE_KERNELS=portable` (the kernels' AVX2, FMA and F16C build), llama-server and
+llama-quantize built from `--llama-cpp-src` (a llama.cpp tree) with `GGML_NATIVE=OFF` and AVX2, FMA, F16C and BMI2
+alone, AVX-512, AVX-VNNI and AMX off (`AVX2_CMAKE`; into its build-avx2 folder, once). Either way the JSON records the
+instruction set each side was built for: ours from /v1/models `execution.cpu_kernels`, llama-server's from the
+`system_info` line of its log where it has one (ggml's compiled CPU features: `AVX2 = 1 | ... | AVX512 = 1`), else from
+its build's CMakeCache.txt (`peer_built_for`).
+
 `--load-only --starts N`: load times alone, N starts of each server alternating (ours, llama-server, ours, ...), each
 stopped as soon as it is ready, medians; writes `--out` (default benchmarks/results/shapes-load.json).
 """
@@ -75,7 +83,15 @@ SHAPES = {
     "qwen2.5-1.5b": Shape(28, 1536, 12, 2, 8960, True, 1e6, "qwen2", qkv_bias=True),
     "qwen3-4b": Shape(36, 2560, 32, 8, 9728, True, 1e6, "qwen3", head_dim=128, qk_norm=True),
     "mistral-7b": Shape(32, 4096, 32, 8, 14336, False, 1e6, "llama"),
+    # HuggingFaceTB/SmolLM2-135M config.json (the default model's shape): a smoke run's file, seconds to make
+    "smollm2-135m": Shape(30, 576, 9, 3, 1536, True, 100000.0),
 }
+# llama.cpp built for AVX2 alone (ggml/CMakeLists.txt's options; GGML_NATIVE=OFF, else -march=native turns on what the
+# build host has): what a Zen 2 / Zen 3 or a client CPU without AVX-512 runs
+AVX2_CMAKE = ["-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON", "-DGGML_BMI2=ON",
+              "-DGGML_AVX_VNNI=OFF", "-DGGML_AVX512=OFF", "-DGGML_AVX512_VBMI=OFF", "-DGGML_AVX512_VNNI=OFF",
+              "-DGGML_AVX512_BF16=OFF", "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF",
+              "-DLLAMA_CURL=OFF", "-DBUILD_SHARED_LIBS=OFF", "-DCMAKE_BUILD_TYPE=Release"]
 CONTEXT = vs.CONCURRENT * vs.SLOT_CONTEXT  # 20,480 tokens, both sides
 WEIGHT_STD = 0.02
 
@@ -89,7 +105,7 @@ def _tokenizer_fields(default_gguf: Path):
 
 def write_random(path: Path, shape: Shape | tuple, default_gguf: Path, qtype: str = "Q8_0", seed: int = 0) -> None:
     """A random-weight GGUF of `shape` (a `SHAPES` entry, or its first seven fields as a tuple: a llama one) whose
-    matrices are Q8_0 or Q4_0 blocks of random integers (weights of std ~0.02, norms 1, biases 0), the default
+    matrices are Q8_0, Q4_0 or (Q4_K_M: Q4_K and Q6_K, KQ_BLOCKS) blocks of random integers (weights of std ~0.02, norms 1, biases 0), the default
     model's tokenizer; the family's tensors and keys as llama.cpp's converter names them; written tensor by tensor,
     never the whole model in memory."""
     from gguf import GGMLQuantizationType as Q, GGUFValueType, GGUFWriter
@@ -116,7 +132,7 @@ def write_random(path: Path, shape: Shape | tuple, default_gguf: Path, qtype: st
     if shape.head_dim:  # (conversion/base.py writes the key and value widths where the config names head_dim)
         w.add_key_length(hd)
         w.add_value_length(hd)
-    w.add_file_type({"Q8_0": 7, "Q4_0": 2}[qtype])  # llama_ftype MOSTLY_Q8_0 / MOSTLY_Q4_0
+    w.add_file_type({"Q8_0": 7, "Q4_0": 2, "Q4_K_M": 15}[qtype])  # llama_ftype MOSTLY_Q8_0 / _Q4_0 / _Q4_K_M
     for f in tok_fields:  # the default model's tokenizer, as it is
         if f.types[0] == GGUFValueType.ARRAY:
             w.add_key_value(f.name, f.contents(), f.types[0], sub_type=f.types[-1])
@@ -137,32 +153,51 @@ def write_random(path: Path, shape: Shape | tuple, default_gguf: Path, qtype: st
     tensors.append(("output_norm.weight", (dim,)))
     if not tied:
         tensors.append(("output.weight", (vocab, dim)))
-    block = {"Q8_0": 34, "Q4_0": 18}[qtype]
     for name, shp in tensors:
         if len(shp) == 1:
             w.add_tensor_info(name, shp, np.dtype(np.float32), shp[0] * 4)
         else:
-            nbytes = shp[0] * shp[1] // 32 * block
-            w.add_tensor_info(name, (shp[0], shp[1] // 32 * block), np.dtype(np.uint8), nbytes, raw_dtype=Q[qtype])
+            t = _tensor_type(name, qtype)
+            size, per = KQ_BLOCKS[t][:2]
+            nbytes = shp[0] * shp[1] // per * size
+            w.add_tensor_info(name, (shp[0], shp[1] // per * size), np.dtype(np.uint8), nbytes, raw_dtype=Q[t])
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
     rng = np.random.default_rng(seed)
-    # uniform q: Q8_0's in [-127, 127] has std 73 d; Q4_0's d (q - 8), q in [0, 15], std 4.6 d
-    d = np.frombuffer(np.float16(WEIGHT_STD / (73.3 if qtype == "Q8_0" else 4.61)).tobytes(), dtype=np.uint8)
     for name, shp in tensors:
         if len(shp) == 1:  # norms 1, biases 0
             w.write_tensor_data((np.zeros if name.endswith(".bias") else np.ones)(shp, dtype=np.float32))
             continue
-        blocks = np.empty((shp[0], shp[1] // 32, block), dtype=np.uint8)
-        blocks[..., 0:2] = d
+        t = _tensor_type(name, qtype)
+        size, per, scales = KQ_BLOCKS[t]
+        blocks = np.empty((shp[0], shp[1] // per, size), dtype=np.uint8)
         for a in range(0, shp[0], 4096):  # (random bytes made in row chunks: rng temporaries stay small)
-            blocks[a : a + 4096, :, 2:] = rng.integers(0, 256, size=blocks[a : a + 4096, :, 2:].shape, dtype=np.uint8)
-        if qtype == "Q8_0":
+            blocks[a : a + 4096] = rng.integers(0, 256, size=blocks[a : a + 4096].shape, dtype=np.uint8)
+        for at, value in scales:  # the float16 scales at their places, the rest random quants
+            blocks[..., at : at + 2] = np.frombuffer(np.float16(value).tobytes(), dtype=np.uint8)
+        if t == "Q8_0":
             blocks[..., 2:] = np.where(blocks[..., 2:] == 128, 129, blocks[..., 2:])  # int8 -128 is not a Q8_0 value
         w.write_tensor_data(blocks.reshape(shp[0], -1))
         del blocks
     w.close()
+
+
+# GGUF block types write_random writes: (bytes a block, weights a block, (offset, value) of each float16 scale).
+# Uniform quants: Q8_0's in [-127, 127] have std 73 d, Q4_0's d (q - 8) std 4.6 d; the K-quants' (ggml-common.h
+# block_q4_K {d; dmin; scales[12]; qs[128]}, block_q6_K {ql[128]; qh[64]; scales[16]; d}) take random 6-bit and
+# int8 sub-block scales from the random bytes, so only their order of magnitude is a model's: files for timing.
+KQ_BLOCKS = {"Q8_0": (34, 32, ((0, WEIGHT_STD / 73.3),)), "Q4_0": (18, 32, ((0, WEIGHT_STD / 4.61),)),
+             "Q4_K": (144, 256, ((0, WEIGHT_STD / 200), (2, WEIGHT_STD / 400))),
+             "Q6_K": (210, 256, ((208, WEIGHT_STD / 2000),))}
+
+
+def _tensor_type(name: str, qtype: str) -> str:
+    """A matrix's block type in a file of `qtype`: Q4_K_M puts Q6_K in the head and the attn_v / ffn_down matrices
+    (llama.cpp's llama-quant.cpp gives half of those Q6_K, the rest Q4_K: all of them here), Q4_K elsewhere."""
+    if qtype != "Q4_K_M":
+        return qtype
+    return "Q6_K" if name == "output.weight" or "attn_v" in name or "ffn_down" in name else "Q4_K"
 
 
 def model_file(cache: Path, shape: str, qtype: str, quantize_bin: Path, default_gguf: Path) -> Path:
@@ -183,6 +218,50 @@ def model_file(cache: Path, shape: str, qtype: str, quantize_bin: Path, default_
                         str(len(os.sched_getaffinity(0)))], check=True, stdout=subprocess.DEVNULL)
         out.with_suffix(".part").rename(out)
     return out
+
+
+def build_llama_avx2(src: Path) -> tuple[Path, Path]:
+    """llama-server and llama-quantize of the llama.cpp tree `src`, built for AVX2 alone (AVX2_CMAKE) into
+    src/build-avx2 where not built yet, on every core."""
+    build = src / "build-avx2"
+    server, quantize = build / "bin" / "llama-server", build / "bin" / "llama-quantize"
+    if not (server.is_file() and quantize.is_file()):
+        print(f"building llama-server and llama-quantize AVX2-only in {build}", flush=True)
+        subprocess.run(["cmake", "-S", str(src), "-B", str(build), *AVX2_CMAKE], check=True, stdout=subprocess.DEVNULL)
+        subprocess.run(["cmake", "--build", str(build), "--target", "llama-server", "llama-quantize",
+                        "-j", str(len(os.sched_getaffinity(0)))], check=True, stdout=subprocess.DEVNULL)
+    return server, quantize
+
+
+# ggml's CPU features (its CMake options, and the names llama.cpp's system_info line gives them: ggml-cpu.cpp
+# ggml_backend_cpu_get_features), richest first -> the name kernels.instruction_set gives a build of ours
+PEER_ISA = (("AMX_INT8", "avx512-vnni+amx"), ("AVX512_VNNI", "avx512-vnni"), ("AVX512", "avx512"),
+            ("AVX_VNNI", "avx2+avx-vnni"), ("AVX2", "avx2"))
+
+
+def peer_built_for(binary: Path, log_path: Path) -> dict:
+    """What llama-server was built for: the `system_info: ... | CPU : SSE3 = 1 | ... |` line of its log where it has
+    one (llama.cpp prints it at trace verbosity only, since common/common.cpp `common_init` logs it with COM_TRC),
+    else its build's CMakeCache.txt (the binary in <build>/bin): the GGML_* options that are ON, or "native" where
+    GGML_NATIVE is (-march=native: the build host's own). -> the source, the features, the instruction set."""
+    try:
+        line = next((ln.strip() for ln in log_path.read_text(errors="replace").splitlines() if "system_info" in ln), "")
+    except OSError:
+        line = ""
+    if line:  # "| CPU : SSE3 = 1 | SSSE3 = 1 | ..."
+        have = {f.split("=")[0].split(":")[-1].strip() for f in line.split("|") if f.strip().endswith("= 1")}
+        source = line
+    else:
+        cache = binary.resolve().parent.parent / "CMakeCache.txt"
+        try:
+            on = [ln.split(":", 1)[0] for ln in cache.read_text().splitlines() if ln.startswith("GGML_") and ln.endswith("=ON")]
+        except OSError:
+            return {"source": None, "features": [], "instruction_set": "unknown"}
+        if "GGML_NATIVE" in on:
+            return {"source": str(cache), "features": ["NATIVE"], "instruction_set": "native"}
+        have, source = {o.removeprefix("GGML_") for o in on}, str(cache)
+    return {"source": source, "features": sorted(have),
+            "instruction_set": next((name for feature, name in PEER_ISA if feature in have), "unknown")}
 
 
 def _peak_bytes(pid: int) -> int:
@@ -287,12 +366,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     p.add_argument("--ours-args", default="")
     p.add_argument("--client", choices=("raw", "httpx"), default="raw")
+    p.add_argument("--avx2", action="store_true", help="both sides built for AVX2 alone: ours with "
+                   "LLAMASCOPE_NATIVE_KERNELS=portable, llama-server and llama-quantize built from --llama-cpp-src")
+    p.add_argument("--llama-cpp-src", type=Path, default=None,
+                   help="with --avx2: a llama.cpp source tree to build them from (AVX2_CMAKE, into its build-avx2)")
     p.add_argument("--load-only", action="store_true", help="load times alone: --starts starts of each server")
     p.add_argument("--starts", type=int, default=4, help="with --load-only: starts of each server, alternating")
     p.add_argument("--out", type=Path, default=None, help="default benchmarks/results/shapes.json "
                    "(--load-only: shapes-load.json)")
     args = p.parse_args(argv)
     args.out = args.out or Path("benchmarks/results/shapes-load.json" if args.load_only else "benchmarks/results/shapes.json")
+    if args.avx2:
+        os.environ["LLAMASCOPE_NATIVE_KERNELS"] = "portable"  # our servers (started from this process) load it
+        if args.llama_cpp_src is None:
+            print("--avx2 needs --llama-cpp-src (a llama.cpp tree to build llama-server AVX2-only from)", file=sys.stderr)
+            return 2
+        args.llama_server, args.llama_quantize = build_llama_avx2(args.llama_cpp_src)
     for tool in (args.llama_server, args.llama_quantize):
         if not tool.is_file():
             print(f"{tool} not found (llama.cpp peer; see benchmarks/README.md)", file=sys.stderr)
@@ -301,7 +390,8 @@ def main(argv: list[str] | None = None) -> int:
     from model.loaders.checkpoint import default_model_path
 
     logs = Path(tempfile.mkdtemp(prefix="shapes-"))
-    result = {"machine": machine_info("cpu", args.threads), "context_tokens": CONTEXT, "runs": []}
+    result = {"machine": machine_info("cpu", args.threads), "context_tokens": CONTEXT, "avx2_only": args.avx2,
+              "llama_server": str(args.llama_server), "runs": []}
     print(f"server logs in {logs}", flush=True)
     for shape in args.shapes:
         for qtype in args.types:
@@ -327,6 +417,10 @@ def main(argv: list[str] | None = None) -> int:
                     "llama-server", lambda: vs.LlamaServer(args.llama_server, path, args.threads, logs / f"{path.stem}.peer.{r}.log"),
                     vocab, r, args.client))
             run["ours"], run["llama-server"] = medians(sides["ours"]), medians(sides["llama-server"])
+            run["built_for"] = {"ours": run["ours"]["model_card"].get("execution", {}).get("cpu_kernels"),
+                                "llama-server": peer_built_for(args.llama_server, logs / f"{path.stem}.peer.0.log")}
+            print(f"  built for: ours {run['built_for']['ours']}, llama-server "
+                  f"{run['built_for']['llama-server']['instruction_set']}", flush=True)
             o, pe = run["ours"], run["llama-server"]
             run["ratios"] = {k: o[k] / pe[k] for k in ("decode_tok_s", "throughput_tok_s", "prefill_tok_s")}
             run["ratios"]["peak_rss"] = o["peak_rss_bytes"] / pe["peak_rss_bytes"]

@@ -59,7 +59,11 @@ on 2 cores, every core at once; a C++ compiler). Where the build is missing, the
 fails, the server runs on PyTorch ops. The model-load log line says which is in use: `CPU kernels: native (avx2)`
 (`native (avx2, vnni)` where the CPU has AVX-VNNI or AVX512-VNNI, `native (avx2, vnni, zmm)` where it also has
 AVX512-BW and the quantized kernels take 512-bit tiles, `native (avx2, vnni, zmm, amx)` where the CPU has AMX-INT8
-and the kernel grants it: Q4_K's many-row steps on the tile unit), `off`, or `unavailable: <why>`.
+and the kernel grants it: Q4_K's many-row steps on the tile unit), `off`, or `unavailable: <why>`; then the
+instruction set the loaded build was made for, `built for avx2` (`avx2+avx-vnni`, `avx512-vnni`, `avx512-vnni+amx`),
+as `/v1/models` `execution.cpu_kernels` says it too. To measure the AVX2-only path on a CPU that has more (an
+AVX-512 host), start the server (or a benchmark) with `LLAMASCOPE_NATIVE_KERNELS=portable`: it then says
+`built for avx2`, and runs what an AMD Zen 2 / Zen 3 or an Intel client CPU runs.
 
 Test-only variables: `LLAMASCOPE_CHROMIUM` (the chromium binary the viewer test drives; default `chromium` on
 `PATH`), `LLAMASCOPE_SCREENSHOT_DIR` (where the viewer test writes its fresh screenshot; default

@@ -34,6 +34,7 @@ from model.engine.stream import stream_for
 from model.engine.speculative.build import build_speculator
 from model.features.protocol import EngineView, Feature
 from model.features.registry import EngineFeatures
+from model import kernels
 from model.kernels import ops
 from model.loaders.memory import check_fits
 from model.text.tokenizer import Tokenizer
@@ -205,6 +206,9 @@ class Engine:
         self.decode_graphs = ("off" if self.runner.graphs is None else
                               "captured" if self.runner.graphs.capture else "static buffers, not captured")
         cuda = self.cache.device.type == "cuda"
+        # the instruction set the native CPU kernels serving this engine were built for (kernels.instruction_set:
+        # "avx2" under LLAMASCOPE_NATIVE_KERNELS=portable on any x86 host); None off the CPU or where they are off
+        self.cpu_kernels = kernels.built_for() if self.cache.device.type == "cpu" else None
         # paths the engine fell back from at start (`stats().fallbacks`; each logged where it was decided: the
         # Triton kernel's first launch, model/kernels/triton_attention.py; `CudaGraphs.enabled`)
         self.fallbacks = {"triton_decode_attention": int(cuda and self.decode_attention != "triton"),

@@ -160,6 +160,32 @@ def loaded_vnni_flags() -> list[str]:
     return vnni_flags() if _portable is None else _portable
 
 
+def instruction_set(flags: list[str]) -> str:
+    """What a build's instruction-set flags (compile_flags' vnni part) are for, as /v1/models `execution` and the
+    model-load line name it: "avx2" (AVX2, FMA and F16C alone: `LLAMASCOPE_NATIVE_KERNELS=portable`), "avx2+avx-vnni"
+    (`portable-vnni`: 256-bit `vpdpbusd`, no AVX-512), "avx512-vnni" (the EVEX `vpdpbusd`, 512-bit tiles with
+    AVX512-BW), "avx512-vnni+amx" (and AMX-INT8 tiles). The builds for a CPU of more flags are one of these too."""
+    if "-mavx512vnni" in flags:
+        return "avx512-vnni" + ("+amx" if "-mamx-int8" in flags else "")
+    return "avx2+avx-vnni" if "-mavxvnni" in flags else "avx2"
+
+
+def built_for() -> str | None:
+    """instruction_set of the build native() loaded (as its build.json records it: a compatible_build loaded in place
+    of this CPU's own says its own flags), "generic" for one without AVX2; None where the kernels are off or
+    unavailable."""
+    m = native()
+    if m is None:
+        return None
+    if not m.avx2:
+        return "generic"
+    try:
+        flags = json.loads((Path(m.__file__).parent / "build.json").read_text())["flags"]
+    except (OSError, ValueError, KeyError, TypeError):
+        flags = loaded_vnni_flags()
+    return instruction_set(flags)
+
+
 def build_dir() -> Path:
     return Path(os.environ.get("LLAMASCOPE_KERNELS_DIR") or Path.home() / ".cache" / "llamascope" / "kernels")
 

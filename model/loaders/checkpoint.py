@@ -234,6 +234,8 @@ def _load_model(path, dtype, device, quantization, shard, reserve_bytes, start: 
                         ", ".join(others))
     # Load (or, the first time on this machine, build) the native CPU kernels now rather than in the first request.
     cpu_kernels = kernels.status() if torch.device(device).type == "cpu" else "not used on " + str(device)
+    if torch.device(device).type == "cpu" and kernels.built_for() is not None:  # what the loaded build is for
+        cpu_kernels += f", built for {kernels.built_for()}"
     seconds = time.perf_counter() - start
     loaded = LoadedModel(model, tokenizer, path, name, seconds, weight_bytes, process_peak_bytes())
     log.info("loaded %s (%s, %d parameters; %s (quantization %s%s); %s; CPU kernels: %s) in %.1fs", name,

@@ -121,7 +121,8 @@ class ServerState:
             self.speculative = config.speculative.to_dict() if config.speculative is not None else None
             self.kv_cache_dtype = str(core.cache.k.dtype).removeprefix("torch.")
             self.kv_cache_tokens = core.kv_cache_tokens
-            self.execution = {"decode_attention": core.decode_attention, "decode_graphs": core.decode_graphs}
+            self.execution = {"decode_attention": core.decode_attention, "decode_graphs": core.decode_graphs,
+                              "cpu_kernels": core.cpu_kernels}
             self.engine = engine
             log.info("serving %s: %s", self.model_name, self.precision)
             if self.speculative is not None:

@@ -211,6 +211,29 @@ def test_prefill_attention_benchmark_times_a_chunk_against_a_base_build(tmp_path
     assert run["bitwise_equal"] is True  # the same build on both sides
 
 
+def test_shapes_writes_a_q4_k_m_file_of_q4_k_and_q6_k_blocks(tmp_path):
+    """write_random's Q4_K_M (no llama-quantize): Q6_K in attn_v and ffn_down, Q4_K elsewhere, as the gguf package
+    reads the file; it loads as Q4_K int4 and Q6_K int6 layers and serves a greedy token."""
+    from gguf import GGUFReader
+
+    from benchmarks.kernel_ab import kind
+    from benchmarks.shapes import Shape, write_random
+    from model.loaders import default_model_path, load_model
+    from model.quantize import QuantLinear
+    from tiny import greedy_tokens
+
+    path = tmp_path / "kq.gguf"
+    write_random(path, Shape(2, 256, 4, 2, 512, True, 10000.0), default_model_path(), "Q4_K_M")
+    types = {t.name: t.tensor_type.name for t in GGUFReader(path).tensors if len(t.shape) == 2}
+    assert {n: t for n, t in types.items() if n != "token_embd.weight"} == {
+        f"blk.{i}.{m}.weight": "Q6_K" if m in ("attn_v", "ffn_down") else "Q4_K" for i in range(2)
+        for m in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")}
+    m = load_model(path, quantization="auto")
+    kinds = {kind(x) for n, x in m.model.named_modules() if isinstance(x, QuantLinear) and "embed" not in n}
+    assert {"Int4Linear-kq", "Int6Linear"} <= kinds
+    assert len(greedy_tokens(m.model, [[1, 2, 3]], n=2)[0]) == 2
+
+
 @pytest.mark.parametrize("name", ["qwen2.5-1.5b", "qwen3-4b", "mistral-7b"])
 def test_shapes_writes_each_familys_file_as_the_converter_does(tmp_path, name):
     """benchmarks.shapes' random files of the families' shapes (here at 2 layers and a tenth of the width, the same

@@ -420,7 +420,7 @@ def test_native_and_pytorch_paths_agree_on_greedy_tokens():
 
 def test_off_and_unavailable_fall_back_to_pytorch(monkeypatch):
     with kernels.disabled():
-        assert kernels.native() is None and kernels.status() == "off"
+        assert kernels.native() is None and kernels.status() == "off" and kernels.built_for() is None
     monkeypatch.setattr(kernels, "_tried", False)
     monkeypatch.setattr(kernels, "_module", None)
     monkeypatch.setattr(kernels, "load", lambda *a: (_ for _ in ()).throw(OSError("no C++ compiler")))
@@ -600,6 +600,23 @@ def test_the_build_uses_vnni_where_the_cpu_has_it():
     assert bool(native.amx) == (kernels.cpu_has_avx2() and "-mamx-int8" in flags)
     # a CPU with AMX runs a kernel that grants it (Linux 5.16 on), also beside pytest's faulthandler stack
     assert native.amx_permitted() == bool(native.amx)
+
+
+@pytest.mark.parametrize("flags, want", [
+    (kernels.PORTABLE[0], "avx2"), (kernels.PORTABLE[1], "avx2+avx-vnni"), (kernels.PORTABLE[2], "avx512-vnni"),
+    (["-mavxvnni", "-mavx512vnni", "-mavx512vl", "-mprefer-vector-width=256", "-mavx512bw", "-mamx-tile",
+      "-mamx-int8"], "avx512-vnni+amx"),  # a Sapphire Rapids' own: the EVEX form and AMX name it
+])
+def test_a_build_names_the_instruction_set_it_is_for(flags, want):
+    assert kernels.instruction_set(flags) == want
+
+
+def test_the_loaded_build_says_what_it_was_built_for():
+    """/v1/models and the load line say the instruction set of the build that runs, from its own record (build.json):
+    the one the flags it was compiled with name, and what the module says it has (VNNI, AMX)."""
+    isa = kernels.built_for()
+    assert isa == kernels.instruction_set(kernels.loaded_vnni_flags())
+    assert ("vnni" in isa) == bool(native.vnni) and isa.endswith("+amx") == bool(native.amx)
 
 
 @pytest.mark.parametrize("block", [32, 256])

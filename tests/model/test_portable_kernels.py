@@ -25,7 +25,7 @@ FILES = ["tests/model/test_native_kernels.py", "tests/model/test_kv_int8_kernels
 
 
 # each portable build this CPU can run, and what its status says
-RUNNABLE = [(setting, "native (avx2, vnni)" if flags else "native (avx2)")
+RUNNABLE = [(setting, ("native (avx2, vnni)" if flags else "native (avx2)") + f" {kernels.instruction_set(flags)}")
             for setting, flags in kernels.PORTABLE_SETTINGS.items()
             if kernels._features(flags) <= kernels.cpu_flags()]
 
@@ -34,7 +34,7 @@ RUNNABLE = [(setting, "native (avx2, vnni)" if flags else "native (avx2)")
 @pytest.mark.parametrize("setting, want", RUNNABLE)
 def test_the_kernel_tests_pass_on_the_portable_builds(setting, want):
     env = {**os.environ, "LLAMASCOPE_NATIVE_KERNELS": setting}
-    probe = "from model import kernels; m = kernels.native(); print(kernels.status(), m.zmm, m.amx)"
+    probe = "from model import kernels; m = kernels.native(); print(kernels.status(), kernels.built_for(), m.zmm, m.amx)"
     status = subprocess.run([sys.executable, "-c", probe], env=env, cwd=ROOT, capture_output=True, text=True,
                             timeout=900, check=True).stdout.strip()
     assert status == f"{want} False False", status

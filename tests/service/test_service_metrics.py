@@ -73,7 +73,8 @@ def test_fallbacks_and_the_decode_paths_are_visible(metrics_server):
     assert all(("llamascope_engine_fallbacks", frozenset({("kind", k)})) in s.samples for k in kinds)
     execution = metrics_server.client.get("/v1/models").json()["data"][0]["execution"]
     assert execution == {"decode_attention": "native" if kernels.native() is not None else "torch",
-                         "decode_graphs": "off", "fallbacks": dict.fromkeys(kinds, 0)}
+                         "decode_graphs": "off", "cpu_kernels": kernels.built_for(),
+                         "fallbacks": dict.fromkeys(kinds, 0)}
 
 
 def _completion(metrics_server, prompt: list[int], max_tokens: int = 5, **extra) -> dict:

@@ -180,7 +180,9 @@ static inline __m256 hsum8x8(const __m256* a) {
 // loaded once for the NQ queries. With VNNI the key's quants are read as unsigned (x ^ 0x80 = k + 128: vpdpbusd
 // multiplies unsigned by signed bytes) and the query's 128 * sum(q) taken off after; AVX2 alone multiplies |k| by q
 // given k's sign (vpmaddubsw), or for a head size of 16s alone widens both to int16 (vpmaddwd); a head size the
-// vectors do not divide, one key at a time. All give the same integers.
+// vectors do not divide, one key at a time. All give the same integers. LS_INT8_KV_WIDEN (a build define that only
+// benchmarks/int8_kv_dot.py sets) makes an AVX2-alone build take the widening form for head sizes of 32s too: the
+// A/B of the two forms on one host.
 template <int NQ, typename At>
 [[gnu::always_inline]] static inline void int_products8(const QuantizedQueries& Q, int64_t i, int64_t s, int64_t E, const At& at, __m256i* out) {
   const int8_t* k[8];
@@ -225,7 +227,7 @@ template <int NQ, typename At>
     for (int u = 0; u < NQ; ++u) out[u] = _mm256_sub_epi32(hsum8x8i(d[u]), _mm256_set1_epi32(Q.offset[i + u]));
     return;
   }
-#else
+#elif !defined(LS_INT8_KV_WIDEN)
   if (E % 32 == 0) {  // AVX2 alone, 32 bytes at a time: |k| times q with k's sign (vpmaddubsw), as ggml's q8_0 dot
     const __m256i ones = _mm256_set1_epi16(1);
     for (int j = 0; j < 8; ++j) {
