@@ -36,7 +36,8 @@ def to_options(req: SamplingFields, serving: Serving, params: SamplingParams, ad
     """Everything the request carries beside prompt and sampling, checked against the model and the deployment;
     `adapter`: the LoRA adapter the request's `model` names (`Serving.check_model`), or None."""
     c = serving.config
-    interventions, read = to_edits(req.interventions, req.return_hidden_states, serving.vectors, c.n_layers, c.dim)
+    interventions, read = to_edits(req.interventions, req.return_hidden_states, serving.vectors, c.n_layers, c.dim,
+                                   serving.saes, c)
     return RequestOptions(
         interventions=interventions, hidden_states=read, telemetry=telemetry,
         kv_window=kv_window(req, serving, params.max_tokens), structured=structured,

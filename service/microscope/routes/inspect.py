@@ -68,7 +68,7 @@ async def inspect(req: InspectRequest, request: Request, serving: Serving = Depe
                        param="max_tokens", code="context_length_exceeded")
     check_inspect_length(serving, len(ids) + req.max_tokens, "max_tokens" if req.max_tokens else "prompt")
     opts = probe_options(serving, req, len(ids) + req.max_tokens)
-    interventions = to_interventions(req.interventions, serving.vectors, c.n_layers, c.dim)
+    interventions = to_interventions(req.interventions, serving.vectors, c.n_layers, c.dim, serving.saes, c)
     completion = None
     if req.max_tokens:
         completion = await _generate(serving, request, ids, req, interventions, adapter)
