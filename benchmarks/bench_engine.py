@@ -69,6 +69,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "every block's output (each its own vector), alternating with the plain run --intervened-rounds "
                         "times on an engine without prefix caching (so neither run reuses the other's blocks)")
     e.add_argument("--intervened-rounds", type=int, default=3)
+    e.add_argument("--steer-sae", metavar="PATH",
+                   help="with --intervened-fraction: the intervened requests steer by a feature of this dictionary "
+                        "instead (each its own feature, all positions; docs/inspection.md#steering-by-feature)")
+    e.add_argument("--steer-op", choices=["add", "clamp"], default="add",
+                   help="with --steer-sae: add scale x the feature's decoder row, or clamp its activation")
+    e.add_argument("--steer-amount", type=float, default=8.0, help="with --steer-sae: add's scale, clamp's value")
     args = p.parse_args(argv)
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
@@ -224,7 +230,17 @@ def _intervened_phase(args, lm, config, workload, sizes, clock) -> dict:
     ours.warm_up(engine, lm.model.config.vocab_size)
     n = len(workload.prompts)
     every = max(1, round(1 / args.intervened_fraction))
-    edits = [ours.add_every_layer(lm.model.config, seed=i) if i % every == 0 else None for i in range(n)]
+    if args.steer_sae:
+        from model.features.sae import load_dictionary
+
+        d = load_dictionary(args.steer_sae, config=lm.model.config)
+        edits = [ours.steer_by_feature(d, args.steer_op, i, args.steer_amount) if i % every == 0 else None
+                 for i in range(n)]
+        what = f"{args.steer_op} of one feature of {Path(args.steer_sae).name} ({args.steer_amount:g}), all positions, " \
+               "each request its own feature"
+    else:
+        edits = [ours.add_every_layer(lm.model.config, seed=i) if i % every == 0 else None for i in range(n)]
+        what = "one add on every block's output, all positions, each request its own vector"
     plain, edited, ratios = [], [], []
     for r in range(args.intervened_rounds):
         _progress(f"llamascope: concurrent plain / intervened, round {r + 1}/{args.intervened_rounds}")
@@ -243,7 +259,7 @@ def _intervened_phase(args, lm, config, workload, sizes, clock) -> dict:
         edited.append(b["throughput_tok_s"])
         ratios.append(edited[-1] / plain[-1])
     return {"intervened_requests": sum(e is not None for e in edits), "requests": n,
-            "intervention": "one add on every block's output, all positions, each request its own vector",
+            "intervention": what,
             "plain_tok_s_rounds": plain, "intervened_tok_s_rounds": edited, "ratio_rounds": ratios,
             "ratio_median": statistics.median(ratios), "load_avg": list(os.getloadavg())}
 

@@ -145,6 +145,18 @@ def logprob_steps(engine: Engine, prompt: list[int], max_tokens: int, k: int) ->
     return steps
 
 
+def steer_by_feature(d, op: str, seed: int, amount: float) -> list[Intervention]:
+    """A request steering by one feature of dictionary `d` (feature `seed * 97 mod d_sae`): `add` of amount x its
+    decoder row where the dictionary writes, or `clamp` of its activation to amount (service/microscope/
+    edit_fields.py resolves the API's feature items the same way)."""
+    from model.features.sae import FeatureClamp
+
+    F, h = seed * 97 % d.d_sae, d.hook_out
+    if op == "add":
+        return [Intervention(h.layer, h.site, "add", "all", d.decoder_direction(F).float().clone(), scale=amount)]
+    return [Intervention(h.layer, h.site, "clamp", "all", clamp=FeatureClamp(d, F, amount))]
+
+
 def add_every_layer(config, seed: int, norm: float = 1.0) -> list[Intervention]:
     """One `add` at every block's output, all positions (a steering vector at every layer: the cost benchmarks'
     intervention), a random direction of the given norm."""

@@ -22,16 +22,31 @@ and edits of single attention heads (model/interventions.py's head sites), besid
     head_ops  (Q_h, 5) int64       [row, head, u, keep, put], sorted by row; the vectors are the first E entries of
                                    `bank` rows
 
-A step with head ops runs the module path (the fused native step and the CUDA graphs leave `has_head_edits` steps
-to it). An entry is applied in float32 whatever the activation dtype: x -= (x . u) u (the dot product accumulated in
-float64), then x = x * keep + put, rounded once to the activation dtype. For a single `add` that is x + v, for a
-`set` the value itself: bitwise what a forward hook doing the same computes. Rows no op names are never touched,
-so they are bit-identical to a forward without interventions. On CPU the native kernel applies it (the module path
-and the fused decode path then agree bitwise); `apply_reference` is the PyTorch definition.
+and feature clamps (model/features/sae/steer.py), applied at a site after its ops, x += (v - f_F(x)) s(x) d_F: those
+of elementwise dictionaries as a table like the ops,
+
+    clamp_ptr    (3L + 1,) int64  site k's clamps are clamp_ops[clamp_ptr[k] : clamp_ptr[k + 1]], in order (a row's
+                                  clamps in its request's order: each reads x as the one before left it)
+    clamp_ops    (Qc, 4) int64    [row, w_F, d_F, b_dec (-1: not subtracted from the input)], rows of `bank`
+    clamp_params (Qc, 6) float64  [activation, b_enc_F, threshold_F or b_mag_F, exp(r_mag_F), v, normalization]
+                                  (codes: steer.py's KIND, NORM)
+
+and those that need the full encode (TopK, GroupMax), after them, as PyTorch on the module path:
+
+    clamps    {k: [(rows (n,) int64, clamp), ...]}   site k's, each on its rows, in the requests' order
+
+A step with head ops or full-encode clamps runs the module path (the fused native step and the CUDA graphs leave
+`module_only` steps to it), and the CUDA graphs leave it any step with a clamp. An entry is applied in float32
+whatever the activation dtype: x -= (x . u) u (the dot product accumulated in float64), then x = x * keep + put,
+rounded once to the activation dtype. For a single `add` that is x + v, for a `set` the value itself: bitwise what a
+forward hook doing the same computes. Rows no op names are never touched, so they are bit-identical to a forward
+without interventions. On CPU the native kernel applies it (the module path and the fused decode path then agree
+bitwise); `apply_reference` is the PyTorch definition.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -52,15 +67,30 @@ class StepEdits:
     read_out: Tensor  # (K, D) float32
     head_ptr: Tensor | None = None  # (4L + 1,) int64, None: no head ops
     head_ops: Tensor | None = None  # (Q_h, 5) int64
+    clamps: dict[int, list[tuple[Tensor, object]]] | None = None  # site k -> (rows (n,) int64, FeatureClamp)
+    clamp_ptr: Tensor | None = None  # (3L + 1,) int64, None: no table clamps
+    clamp_ops: Tensor | None = None  # (Qc, 4) int64
+    clamp_params: Tensor | None = None  # (Qc, 6) float64
 
     def __post_init__(self) -> None:
         self.site_ptr_host = self.site_ptr.cpu().numpy()  # host copies: which sites have work is decided without a sync
         self.read_ptr_host = self.read_ptr.cpu().numpy()
         self.head_ptr_host = self.head_ptr.cpu().numpy() if self.head_ptr is not None else None
+        self.clamp_ptr_host = self.clamp_ptr.cpu().numpy() if self.clamp_ptr is not None else None
 
     @property
     def has_edits(self) -> bool:
-        return self.ops.shape[0] > 0 or self.has_head_edits
+        return self.ops.shape[0] > 0 or self.has_head_edits or self.has_clamps
+
+    @property
+    def has_clamps(self) -> bool:
+        return bool(self.clamps) or (self.clamp_ops is not None and self.clamp_ops.shape[0] > 0)
+
+    @property
+    def module_only(self) -> bool:
+        """Whether the step needs the module path: edits of single heads (only it has those sites) or clamps that
+        need the full encode (PyTorch there)."""
+        return self.has_head_edits or bool(self.clamps)
 
     @property
     def has_head_edits(self) -> bool:
@@ -75,7 +105,10 @@ class StepEdits:
 
     def tensors(self) -> list[Tensor]:
         """The native decode kernel's trailing argument (model/kernels/csrc/interventions.cpp)."""
-        return [self.site_ptr, self.ops, self.bank, self.read_ptr, self.read_rows, self.read_out]
+        base = [self.site_ptr, self.ops, self.bank, self.read_ptr, self.read_rows, self.read_out]
+        if self.clamp_ops is None or self.clamp_ops.shape[0] == 0:
+            return base
+        return base + [self.clamp_ptr, self.clamp_ops, self.clamp_params]
 
     def apply(self, layer: int, site: str, x: Tensor, window: tuple[int, int] | None = None) -> Tensor:
         """Edit x (.., N, D) in place at (layer, site) and record the reads there; returns x. Its rows are
@@ -90,6 +123,24 @@ class StepEdits:
             ops = self.ops[a:b] if window is None else _window(self.ops[a:b], *window)
             if ops.shape[0]:
                 apply_ops(x2, ops, self.bank)
+        if self.clamp_ptr_host is not None and self.clamp_ptr_host[k] < self.clamp_ptr_host[k + 1]:
+            a, b = int(self.clamp_ptr_host[k]), int(self.clamp_ptr_host[k + 1])
+            ops, params = self.clamp_ops[a:b], self.clamp_params[a:b]
+            if window is not None:  # (a site's clamp rows are in request order, not sorted: a mask keeps it)
+                on = (ops[:, 0] >= window[0]) & (ops[:, 0] < window[0] + window[1])
+                ops, params = ops[on].clone(), params[on]
+                ops[:, 0] -= window[0]
+            if ops.shape[0]:
+                apply_clamps(x2, ops, params, self.bank)
+        if self.clamps and k in self.clamps:
+            for rows, clamp in self.clamps[k]:
+                if window is not None:
+                    rows = rows - window[0]
+                    rows = rows[(rows >= 0) & (rows < window[1])]
+                if rows.numel():
+                    y = x2[rows]  # (n, D)
+                    clamp.apply(y)
+                    x2[rows] = y
         r0, r1 = int(self.read_ptr_host[k]), int(self.read_ptr_host[k + 1])
         if r0 < r1:
             rows = self.read_rows[r0:r1]
@@ -120,7 +171,9 @@ class StepEdits:
     def without_reads(self) -> "StepEdits":
         """The edits alone (what tensor-parallel workers are sent: rank 0 takes the reads)."""
         empty = torch.zeros_like(self.read_ptr)
-        return StepEdits(self.site_ptr, self.ops, self.bank, empty, self.read_rows[:0], self.read_out[:0])
+        return StepEdits(self.site_ptr, self.ops, self.bank, empty, self.read_rows[:0], self.read_out[:0],
+                         clamps=self.clamps, clamp_ptr=self.clamp_ptr, clamp_ops=self.clamp_ops,
+                         clamp_params=self.clamp_params)
 
     def restrict(self, layer: int) -> "StepEdits":
         """The part of the table one block reads (what a tensor-parallel rank is sent to probe one block)."""
@@ -129,7 +182,17 @@ class StepEdits:
         ptr[3 * layer + 1 : 3 * layer + 4] = self.site_ptr[3 * layer + 1 : 3 * layer + 4] - a
         ptr[3 * layer + 4 :] = b - a
         empty = torch.zeros_like(self.read_ptr)
-        return StepEdits(ptr, self.ops[a:b].clone(), self.bank, empty, self.read_rows[:0], self.read_out[:0])
+        clamps = {k: c for k, c in (self.clamps or {}).items() if 3 * layer <= k < 3 * layer + 3} or None
+        table = {}
+        if self.clamp_ptr is not None:
+            ca, cb = int(self.clamp_ptr_host[3 * layer]), int(self.clamp_ptr_host[3 * layer + 3])
+            cptr = torch.zeros_like(self.clamp_ptr)
+            cptr[3 * layer + 1 : 3 * layer + 4] = self.clamp_ptr[3 * layer + 1 : 3 * layer + 4] - ca
+            cptr[3 * layer + 4 :] = cb - ca
+            table = dict(clamp_ptr=cptr, clamp_ops=self.clamp_ops[ca:cb].clone(),
+                         clamp_params=self.clamp_params[ca:cb].clone())
+        return StepEdits(ptr, self.ops[a:b].clone(), self.bank, empty, self.read_rows[:0], self.read_out[:0],
+                         clamps=clamps, **table)
 
 
 def _window(ops: Tensor, row_offset: int, n: int) -> Tensor:
@@ -149,6 +212,46 @@ def apply_ops(x: Tensor, ops: Tensor, bank: Tensor) -> None:
         native.apply_edits(x, ops, bank)
     else:
         apply_reference(x, ops, bank)
+
+
+def apply_clamps(x: Tensor, ops: Tensor, params: Tensor, bank: Tensor) -> None:
+    """x (N, D) in place: each clamp op's row, in order (see the module docstring)."""
+    native = usable(x)
+    if native is not None and x.is_contiguous() and bank.device.type == "cpu":
+        native.apply_clamps(x, ops.contiguous(), params.contiguous(), bank)
+    else:
+        clamp_reference(x, ops, params, bank)
+
+
+def clamp_reference(x: Tensor, ops: Tensor, params: Tensor, bank: Tensor) -> None:
+    """The PyTorch definition of `apply_clamps` (csrc/interventions.cpp's arithmetic, in float64): the ops in rounds
+    where each row appears once, so a row's second clamp reads what its first left."""
+    count: dict[int, int] = {}
+    rank = []  # each op's index among its row's ops
+    for r in ops[:, 0].tolist():
+        rank.append(count.get(r, 0))
+        count[r] = rank[-1] + 1
+    rank_t = torch.tensor(rank, device=ops.device)
+    zeros = torch.zeros(1, bank.shape[1], device=bank.device)
+    for j in range(max(rank) + 1):
+        sel = torch.nonzero(rank_t == j).squeeze(1)
+        op, p = ops[sel], params[sel].double()
+        r = op[:, 0]
+        y = x[r].double()  # (n, D)
+        w, dF = bank[op[:, 1]].double(), bank[op[:, 2]].double()
+        bd = torch.where((op[:, 3] >= 0)[:, None], bank[op[:, 3].clamp_min(0)], zeros).double()
+        kind, b, third, er, v, norm = p.unbind(-1)
+        D = y.shape[1]
+        mu = torch.where(norm == 2, y.mean(-1), 0.0)
+        sd = (y - y.mean(-1, keepdim=True)).pow(2).sum(-1).div(D - 1).sqrt()
+        c = torch.where(norm == 1, math.sqrt(D) / y.pow(2).sum(-1).sqrt(), torch.where(norm == 2, 1.0 / (sd + 1e-5), 1.0))
+        s = torch.where(norm == 1, 1.0 / c, torch.where(norm == 2, sd, 1.0))
+        a = (((y - mu[:, None]) * c[:, None] - bd) * w).sum(-1)
+        pre = a + b
+        f = torch.where(kind == 0, pre.clamp_min(0.0), torch.where(
+            kind == 1, torch.where(pre > third, pre.clamp_min(0.0), 0.0),
+            torch.where(pre > 0, (a * er + third).clamp_min(0.0), 0.0)))
+        x[r] = (y + ((v - f) * s)[:, None] * dF).float().to(x.dtype)
 
 
 def apply_reference(x: Tensor, ops: Tensor, bank: Tensor) -> None:
@@ -224,7 +327,8 @@ class EditTables:
             self._bank = torch.cat(parts).to(self.device) if parts else torch.zeros(0, self.dim, device=self.device)
             self._plans = plans
         chunks, head_chunks = [], []
-        for s in segments:
+        clamp_rows: dict[tuple[int, int, int], list[np.ndarray]] = {}  # (k, segment, clamp index) -> rows
+        for j, s in enumerate(segments):
             if s.plan is None:
                 continue
             base = self._base[id(s.plan)]
@@ -238,6 +342,32 @@ class EditTables:
                     hb = np.repeat(_head_template(pat.heads, base)[:, None, :], n, 1)
                     hb[:, :, 1] = rows
                     head_chunks.append(hb.reshape(-1, 6))
+                for k, ci in pat.clamps:
+                    clamp_rows.setdefault((int(k), j, int(ci)), []).append(rows)
+        clamps: dict[int, list[tuple[Tensor, object]]] | None = None
+        clamp_table = {}
+        if clamp_rows:  # per site, by segment, then in the request's order (a row's clamps apply in that order)
+            clamps, sites, cops, cparams = {}, [], [], []
+            for k, j, ci in sorted(clamp_rows):
+                rows = np.concatenate(clamp_rows[k, j, ci])
+                plan = segments[j].plan
+                entry = plan.clamp_rows[ci]
+                if entry is None:  # full encode: the module path's PyTorch
+                    clamps.setdefault(k, []).append((torch.from_numpy(rows).to(self.device), plan.clamps[ci]))
+                    continue
+                base = self._base[id(plan)]
+                op = np.empty((rows.size, 4), dtype=np.int64)
+                op[:, 0] = rows
+                op[:, 1:] = [e + base if e >= 0 else -1 for e in entry]
+                sites.append(np.full(rows.size, k, dtype=np.int64))
+                cops.append(op)
+                cparams.append(np.tile(np.asarray(plan.clamp_params[ci], dtype=np.float64), (rows.size, 1)))
+            clamps = clamps or None
+            if cops:
+                cptr = np.searchsorted(np.concatenate(sites), np.arange(3 * L + 1)).astype(np.int64)
+                clamp_table = dict(clamp_ptr=torch.from_numpy(cptr).to(self.device),
+                                   clamp_ops=torch.from_numpy(np.concatenate(cops)).to(self.device),
+                                   clamp_params=torch.from_numpy(np.concatenate(cparams)).to(self.device))
         head_ptr = head_ops = None
         if head_chunks:
             table = np.concatenate(head_chunks)
@@ -282,7 +412,7 @@ class EditTables:
         edits = StepEdits(
             torch.from_numpy(site_ptr).to(dev), torch.from_numpy(np.ascontiguousarray(ops)).to(dev), self._bank,
             torch.from_numpy(read_ptr).to(dev), torch.from_numpy(read_rows).to(dev),
-            torch.zeros(len(read_rows), self.dim, device=dev), head_ptr, head_ops)
+            torch.zeros(len(read_rows), self.dim, device=dev), head_ptr, head_ops, clamps, **clamp_table)
         return edits, layouts
 
 

@@ -24,6 +24,12 @@ Operations on the positions they apply to:
     set          x[dims] = values                     zero or mean ablation (Sun et al. 2024, section 3)
     scale        x[dims] *= factor
     project_out  x -= (x . u) u,  u = vector / |vector|   directional ablation (Arditi et al. 2024)
+    clamp        x += (v - f_F(x)) d_F                 a sparse autoencoder's feature F held at v (Templeton et al.
+                                                      2024; model/features/sae/steer.py's `FeatureClamp`)
+
+Steering by feature `add`s a dictionary's decoder row (resolved to a vector where the request is read); `clamp`
+reads the row's own activation of the feature, so it is not affine in x: it is kept apart from the entry
+(`Pattern.clamps`) and applied after it, in request order (model/edits.py's clamp table).
 
 Order at one (layer, site): the `project_out` item first (at most one per site), then `set`, `scale` and `add`
 in the order given. Those three are per-dimension affine maps, x -> x * keep + put, so any run of them composes
@@ -66,7 +72,7 @@ class HeadShape:
 
     def count(self, site: str) -> int:
         return self.n_kv_heads if site in ("head_k", "head_v") else self.n_heads
-OPS = ("add", "set", "scale", "project_out")
+OPS = ("add", "set", "scale", "project_out", "clamp")
 POSITION_SETS = ("all", "prompt", "generated")
 MAX_POSITIONS = 4096  # explicit positions per item
 
@@ -86,6 +92,7 @@ class Intervention:
     values: tuple[float, ...] = ()  # set: one per dim
     factor: float = 1.0  # scale
     head: int | None = None  # at a head site: the query head (head_q, head_output) or KV head (head_k, head_v)
+    clamp: object = None  # clamp: a FeatureClamp (model/features/sae/steer.py): validate, digest, apply
 
     def validate(self, n_layers: int, dim: int, where: str = "intervention", heads: HeadShape | None = None) -> None:
         """ValueError naming the field (`where.field`) for anything this model cannot take. A head site needs the
@@ -130,6 +137,16 @@ class Intervention:
                 raise bad("vector", "project_out needs a non-zero direction")
             if not math.isfinite(self.scale):
                 raise bad("scale", "must be finite")
+        if self.op == "clamp":
+            if self.clamp is None:
+                raise bad("feature", "clamp needs a dictionary's feature")
+            if self.head is not None:
+                raise bad("site", "clamp acts on a residual site, not one head")
+            if self.clamp.width != dim:
+                raise bad("feature", f"the dictionary reads {self.clamp.width} values; the model's width is {dim}")
+            self.clamp.validate(where)
+        elif self.clamp is not None:
+            raise bad("feature", f"only op 'clamp' takes a feature clamp, not {self.op!r}")
         if self.op in ("set", "scale"):
             if not self.dims:
                 raise bad("dims", f"{self.op} needs the dimensions it changes")
@@ -173,6 +190,8 @@ class Intervention:
                  .encode())
         if self.vector is not None and self.op in ("add", "project_out"):
             h.update(self.vector.detach().to(torch.float32).contiguous().cpu().numpy().tobytes())
+        if self.op == "clamp":  # the dictionary's content, the feature and the value
+            h.update(self.clamp.digest())
         return h.digest()
 
 
@@ -242,17 +261,20 @@ class Pattern:
     keep: np.ndarray  # (S,) int64
     put: np.ndarray  # (S,) int64
     heads: np.ndarray = field(default_factory=lambda: np.zeros((0, 5), dtype=np.int64))  # (S_h, 5) int64
+    # feature clamps after the entry, (S_c, 2) [k, index into the plan's `clamps`], by site, in request order
+    clamps: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), dtype=np.int64))
     # (bank offset, (S, 5) op rows) as model/edits.py last laid them out: decode steps reuse them
     template: tuple[int, np.ndarray] | None = field(default=None, repr=False)
 
     @property
     def empty(self) -> bool:
-        return self.sites.size == 0 and self.heads.shape[0] == 0
+        return self.sites.size == 0 and self.heads.shape[0] == 0 and self.clamps.shape[0] == 0
 
 
 class InterventionPlan:
     """One sequence's interventions (its prompt's length P fixed), compiled: the few distinct `Pattern`s its
-    tokens can get (prompt, generated, and each explicit position), and the vectors they read (`vectors`)."""
+    tokens can get (prompt, generated, and each explicit position), the vectors they read (`vectors`) and the
+    feature clamps (`clamps`, the items' FeatureClamps, which patterns name by index)."""
 
     def __init__(self, items: list[Intervention], num_prompt_tokens: int, n_layers: int, dim: int,
                  heads: HeadShape | None = None) -> None:
@@ -263,6 +285,8 @@ class InterventionPlan:
         self.digests = [it.digest() for it in self.items]
         self.explicit = sorted({p for it in self.items if not isinstance(it.positions, str) for p in it.positions})
         self._explicit_set = set(self.explicit)
+        self.clamps = [it.clamp for it in self.items if it.op == "clamp"]
+        clamp_index = {i: j for j, i in enumerate(i for i, it in enumerate(self.items) if it.op == "clamp")}
         vectors: list[Tensor] = []
         by_subset: dict[tuple[int, ...], tuple[int, int, int]] = {}  # item ids at one site -> vector indices
 
@@ -282,9 +306,13 @@ class InterventionPlan:
             for i, it in enumerate(self.items):
                 if it.applies(position, num_prompt_tokens):
                     by_site.setdefault(key(it), []).append(i)
-            rows, head_rows = [], []
+            rows, head_rows, clamp_rows = [], [], []
             for k in sorted(by_site):
-                ids = tuple(sorted(by_site[k], key=lambda i: self.items[i].op != "project_out"))
+                clamp_rows += [(k[0], clamp_index[i]) for i in by_site[k] if i in clamp_index]
+                ids = tuple(sorted((i for i in by_site[k] if i not in clamp_index),
+                                   key=lambda i: self.items[i].op != "project_out"))
+                if not ids:
+                    continue
                 if ids not in by_subset:
                     e = compose([self.items[i] for i in ids], dim if len(k) == 1 else heads.head_dim)
                     by_subset[ids] = (index(e.u), index(e.keep), index(e.put))
@@ -292,8 +320,21 @@ class InterventionPlan:
                     (rows if len(k) == 1 else head_rows).append((*k, *by_subset[ids]))
             a = np.asarray(rows, dtype=np.int64).reshape(-1, 4)
             return Pattern(a[:, 0].copy(), a[:, 1].copy(), a[:, 2].copy(), a[:, 3].copy(),
-                           np.asarray(head_rows, dtype=np.int64).reshape(-1, 5))
+                           np.asarray(head_rows, dtype=np.int64).reshape(-1, 5),
+                           np.asarray(clamp_rows, dtype=np.int64).reshape(-1, 2))
 
+        # each elementwise clamp's table entry: its vectors' indices (w, d, b_dec or -1) and parameters; None for the
+        # clamps the module path computes (model/features/sae/steer.py)
+        self.clamp_rows: list[tuple[int, int, int] | None] = []
+        self.clamp_params: list[list[float] | None] = []
+        for c in self.clamps:
+            if c.elementwise:
+                vs, params = c.table_entry()
+                self.clamp_rows.append((index(vs[0]), index(vs[1]), index(vs[2]) if len(vs) > 2 else -1))
+                self.clamp_params.append(params)
+            else:
+                self.clamp_rows.append(None)
+                self.clamp_params.append(None)
         self.patterns: dict[object, Pattern] = {}
         # stand-ins for the positions no explicit index names: any prompt position gets what -1 gets (< P, not
         # explicit), any generated one what a position past every sequence gets

@@ -130,7 +130,7 @@ class CudaGraphs:
         if self.capture and (key not in self.graphs or (featured and not self._current())):
             return False
         return not edited or (self.edits.fits(batch.edits) and not batch.edits.reads_sub_blocks
-                              and not batch.edits.has_head_edits)
+                              and not batch.edits.module_only and not batch.edits.has_clamps)
 
     def _bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)

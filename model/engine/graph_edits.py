@@ -60,7 +60,7 @@ class GraphEdits:
 
     def apply(self, layer: int, site: str, x: Tensor) -> Tensor:
         """x (1, b, D) in place, the first b rows of the buffers; records block outputs."""
-        if site not in SITE_INDEX:  # a head site: steps editing heads run the module path (`has_head_edits`)
+        if site not in SITE_INDEX:  # a head site: steps editing heads run the module path (`module_only`)
             return x
         b = x.shape[1]
         k = 3 * layer + SITE_INDEX[site]

@@ -79,7 +79,7 @@ class NativeStep:
         meta = ctx.meta
         if ctx.parts and not ctx.parts.allow("native"):
             return False
-        if ctx.edits is not None and ctx.edits.has_head_edits:  # edits of single heads: the module path's sites
+        if ctx.edits is not None and ctx.edits.module_only:  # head edits, full-encode clamps: the module path's
             return False
         return (meta.all_paged and meta.paged_rows.numel() == meta.num_tokens
                 and ops.native_pool(self.model.dtype, ctx.cache.k.dtype) and kernels.native() is not None)

@@ -16,7 +16,7 @@ dispatch and a temporary. These kernels do each of those in one call, on the sam
     argmax_rows                           argmax.cpp           greedy picks, torch.argmax's index (ops.greedy_pick)
     lora_expand                           lora.cpp             LoRA's B product, one fused multiply-add order (model/features/lora/adapters.py)
     step_layers                           step_layers.cpp      every block of a step in one parallel region
-    apply_edits                           interventions.cpp    a step's interventions on chosen rows (model/edits.py)
+    apply_edits, apply_clamps             interventions.cpp    a step's interventions on chosen rows (model/edits.py)
     gguf_convert                          gguf_convert.cpp     a GGUF matrix's blocks into the int4 / int6 / int8
                                                                 layout, on every thread (model/loaders/gguf_blocks.py)
 

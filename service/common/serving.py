@@ -10,6 +10,7 @@ import asyncio
 from fastapi import Request
 
 from model.config import ModelConfig
+from model.features.sae import DictionaryStore
 from model.engine import (PLAIN, EngineJob, EngineStats, InvalidOption, RequestOptions, RequestStream,
                           SamplingParams)
 from model.interventions import Intervention
@@ -39,11 +40,11 @@ class Serving:
         self.metrics: Metrics = state.metrics
         self.max_model_len: int = state.max_model_len  # prompt + max_tokens, clamped to the KV pool at start-up
         self.vectors: VectorStore = state.vectors  # stored vectors interventions name (thread-safe)
+        self.saes: DictionaryStore | None = state.saes  # the dictionaries served, by name (thread-safe)
         self.responses: ResponseStore = state.responses  # stored responses /v1/responses continues (thread-safe)
         self.precision: dict = state.precision  # {"quantization": ..., "dtype": ...} as served
         self.speculative: dict | None = state.speculative  # --speculative-config as served, or None
         self.adapters: ServedAdapters = state.adapters  # LoRA adapters served, by name (the engine's own)
-        self.saes: DictionaryStore | None = state.saes  # dictionaries served, by name (thread-safe)
         self.tracing: RequestTracer | None = state.tracing  # --otlp-traces-endpoint, else None
 
     @property

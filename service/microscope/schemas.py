@@ -26,13 +26,29 @@ class VectorRef(BaseModel):
     name: VectorName
 
 
+HookName = Annotated[str, Field(min_length=1, max_length=256)]  # model/hook_names.py's vocabularies
+
+
+class FeatureRef(BaseModel):
+    """A dictionary's feature: `sae`, a name the server serves (GET /v1/saes), and the feature's index."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    sae: VectorName
+    id: Int(ge=0, lt=1 << 30)
+
+
 class InterventionItem(BaseModel):
-    """One edit of the residual stream (docs/api.md "Interventions"; model/interventions.py)."""
+    """One edit of the residual stream (docs/api.md "Interventions"; model/interventions.py). The place is `layer` +
+    `site` (default block_output), or `hook` (a TransformerLens hook name or an HF module path), or for a `feature`
+    the dictionary's own hook."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
     layer: LayerIndex | Annotated[list[LayerIndex], Field(min_length=1, max_length=1024)] | None = None
-    site: Literal["block_output", "attention_output", "mlp_output"] = "block_output"
-    op: Literal["add", "set", "scale", "project_out"] = "add"
+    site: Literal["block_output", "attention_output", "mlp_output"] | None = None
+    hook: HookName | None = None
+    op: Literal["add", "set", "scale", "project_out", "clamp"] = "add"
+    feature: FeatureRef | None = None  # add: scale x its decoder row; clamp: its activation held at `value`
+    value: Float | None = None  # clamp
     positions: Literal["all", "prompt", "generated"] | Annotated[list[TokenIndex], Field(min_length=1, max_length=4096)] = "all"
     vector: Annotated[list[Float], Field(min_length=1, max_length=1 << 16)] | VectorRef | None = None
     scale: Float = 1.0
@@ -45,10 +61,12 @@ Interventions = Annotated[list[InterventionItem], Field(max_length=256)]
 
 
 class HiddenStatesOptions(BaseModel):
-    """`return_hidden_states`: block outputs returned with each generated token."""
+    """`return_hidden_states`: block outputs returned with each generated token, named by `layers` or by `hooks`
+    (names of block outputs: blocks.L.hook_resid_post, model.layers.L, ...)."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
-    layers: Annotated[list[LayerIndex], Field(min_length=1, max_length=1024)]
+    layers: Annotated[list[LayerIndex], Field(min_length=1, max_length=1024)] | None = None
+    hooks: Annotated[list[HookName], Field(min_length=1, max_length=1024)] | None = None
     positions: Literal["last", "all"] | Annotated[list[TokenIndex], Field(min_length=1, max_length=4096)] = "last"
     dtype: Literal["float32", "float16"] = "float32"
 

@@ -5,7 +5,11 @@
 // The table (one forward's, `StepEdits`): ops (Q, 4) int64 [row, u, keep, put] (rows of bank (V, D) float32,
 // -1: absent). step_layers (step_layers.cpp) calls `apply_site` and then `read_site` at a block's three sites
 // (k = 3 layer + site: attention_output, mlp_output, block_output), with the whole table as its trailing argument
-// [site_ptr, ops, bank, read_ptr (3L + 1), read_rows, read_out].
+// [site_ptr, ops, bank, read_ptr (3L + 1), read_rows, read_out, clamp_ptr (3L + 1), clamp_ops, clamp_params]: the
+// last three are the site's feature clamps, applied after its entries (`apply_clamps`).
+#include <algorithm>
+#include <cmath>
+
 #include "ops.h"
 #include "simd.h"
 
@@ -34,6 +38,80 @@ static void apply_impl(T* x, int64_t D, const int64_t* ops, int64_t Q, const flo
   }
 }
 
+// Feature clamps (model/features/sae/steer.py): x += (v - f_F(x)) s(x) d_F for an elementwise dictionary, after
+// the site's entries. clamp_ops (Qc, 4) int64 [row, w_F, d_F, b_dec (-1: not applied to the input)], bank rows;
+// params (Qc, 6) float64 [activation (0 relu, 1 jumprelu, 2 gated), b_enc_F, threshold_F or b_mag_F, exp(r_mag_F),
+// v, normalization (0 none, 1 constant_norm_rescale, 2 layer_norm)]. Everything in float64, rounded once to the
+// row's dtype, as FeatureClamp.apply.
+template <typename T>
+static void clamp_impl(T* x, int64_t D, const int64_t* ops, int64_t Q, const double* params, const float* bank) {
+  for (int64_t q = 0; q < Q; ++q) {
+    const int64_t* op = ops + 4 * q;
+    const double* p = params + 6 * q;
+    T* row = x + op[0] * D;
+    const float* w = bank + op[1] * D;
+    const float* dF = bank + op[2] * D;
+    const float* bd = op[3] >= 0 ? bank + op[3] * D : nullptr;
+    const int kind = static_cast<int>(p[0]), norm = static_cast<int>(p[5]);
+    double mu = 0.0, c = 1.0, s = 1.0;  // normalize(x) = (x - mu) c; the output rescaling s
+    if (norm == 1) {
+      double ss = 0.0;
+      for (int64_t d = 0; d < D; ++d) ss += static_cast<double>(to_f(row[d])) * static_cast<double>(to_f(row[d]));
+      c = std::sqrt(static_cast<double>(D)) / std::sqrt(ss);
+      s = 1.0 / c;
+    } else if (norm == 2) {
+      for (int64_t d = 0; d < D; ++d) mu += static_cast<double>(to_f(row[d]));
+      mu /= static_cast<double>(D);
+      double var = 0.0;
+      for (int64_t d = 0; d < D; ++d) {
+        const double e = static_cast<double>(to_f(row[d])) - mu;
+        var += e * e;
+      }
+      const double sd = std::sqrt(var / static_cast<double>(D - 1));  // unbiased, as torch.std
+      c = 1.0 / (sd + 1e-5);
+      s = sd;
+    }
+    double a = 0.0;
+    for (int64_t d = 0; d < D; ++d) {
+      double xn = (static_cast<double>(to_f(row[d])) - mu) * c;
+      if (bd) xn -= static_cast<double>(bd[d]);
+      a += xn * static_cast<double>(w[d]);
+    }
+    const double pre = a + p[1];
+    double f = 0.0;
+    if (kind == 0)
+      f = pre > 0.0 ? pre : 0.0;
+    else if (kind == 1)
+      f = pre > p[2] && pre > 0.0 ? pre : 0.0;
+    else if (pre > 0.0)
+      f = std::max(a * p[3] + p[2], 0.0);
+    const double delta = (p[4] - f) * s;
+    for (int64_t d = 0; d < D; ++d)
+      row[d] = from_f<T>(static_cast<float>(static_cast<double>(to_f(row[d])) + delta * static_cast<double>(dF[d])));
+  }
+}
+
+void apply_clamps(const View& x, const View& ops, const View& params, const View& bank) {
+  LS_CHECK(x.dim() == 2 && x.is_contiguous(), "apply_clamps: x (N, D) contiguous");
+  LS_CHECK(ops.dim() == 2 && ops.size(1) == 4 && ops.scalar_type() == kLong && ops.is_contiguous(),
+           "apply_clamps: ops (Qc, 4) int64");
+  LS_CHECK(params.dim() == 2 && params.size(1) == 6 && params.size(0) == ops.size(0) &&
+               params.scalar_type() == kDouble && params.is_contiguous(),
+           "apply_clamps: params (Qc, 6) float64");
+  LS_CHECK(bank.scalar_type() == kFloat && bank.is_contiguous() && (bank.numel() == 0 || bank.size(1) == x.size(1)),
+           "apply_clamps: bank (V, D) float32");
+  const int64_t Q = ops.size(0), D = x.size(1);
+  if (Q == 0) return;
+  if (x.scalar_type() == kFloat)
+    clamp_impl<float>(x.data_ptr<float>(), D, ops.data_ptr<int64_t>(), Q, params.data_ptr<double>(),
+                      bank.data_ptr<float>());
+  else if (x.scalar_type() == kBFloat16)
+    clamp_impl<bf16>(x.data_ptr<bf16>(), D, ops.data_ptr<int64_t>(), Q, params.data_ptr<double>(),
+                     bank.data_ptr<float>());
+  else
+    LS_CHECK(false, "apply_clamps: float32 or bfloat16");
+}
+
 void apply_edits(const View& x, const View& ops, const View& bank) {
   LS_CHECK(x.dim() == 2 && x.is_contiguous(), "apply_edits: x (N, D) contiguous");
   LS_CHECK(ops.dim() == 2 && ops.size(1) == 4 && ops.scalar_type() == kLong && ops.is_contiguous(),
@@ -55,8 +133,11 @@ void apply_site(const View& x, const std::vector<View>& edits, int64_t site) {
   if (edits.empty()) return;
   const int64_t* ptr = edits[0].data_ptr<int64_t>();
   const int64_t a = ptr[site], b = ptr[site + 1];
-  if (a == b) return;
-  apply_edits(x, edits[1].narrow(0, a, b - a), edits[2]);
+  if (a < b) apply_edits(x, edits[1].narrow(0, a, b - a), edits[2]);
+  if (edits.size() < 9) return;
+  const int64_t* cptr = edits[6].data_ptr<int64_t>();
+  const int64_t ca = cptr[site], cb = cptr[site + 1];
+  if (ca < cb) apply_clamps(x, edits[7].narrow(0, ca, cb - ca), edits[8].narrow(0, ca, cb - ca), edits[2]);
 }
 
 void read_site(const View& h, const std::vector<View>& edits, int64_t site) {

@@ -90,6 +90,7 @@ void step_layers(const View& h, const std::vector<std::vector<View>>& layers, do
 void gguf_convert(const View& raw, int64_t type, const View& order, const View& data,
                   const View& scales);
 void apply_edits(const View& x, const View& ops, const View& bank);
+void apply_clamps(const View& x, const View& ops, const View& params, const View& bank);
 void apply_site(const View& x, const std::vector<View>& edits, int64_t site);
 void read_site(const View& h, const std::vector<View>& edits, int64_t site);
 }  // namespace ls

@@ -114,6 +114,7 @@ struct f16 {
 
 template <typename T> constexpr ScalarType dtype_of();
 template <> constexpr ScalarType dtype_of<float>() { return kFloat; }
+template <> constexpr ScalarType dtype_of<double>() { return kDouble; }
 template <> constexpr ScalarType dtype_of<bf16>() { return kBFloat16; }
 template <> constexpr ScalarType dtype_of<f16>() { return kHalf; }
 template <> constexpr ScalarType dtype_of<int64_t>() { return kLong; }

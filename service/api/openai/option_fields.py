@@ -56,7 +56,8 @@ def to_options(req: SamplingFields, serving: Serving, params: SamplingParams, ad
     `adapter`: the LoRA adapter the request's `model` names (`Serving.check_model`), or None."""
     c = serving.config
     window = kv_window(req, serving, params.max_tokens)
-    interventions, read = to_edits(req.interventions, req.return_hidden_states, serving.vectors, c.n_layers, c.dim)
+    interventions, read = to_edits(req.interventions, req.return_hidden_states, serving.vectors, c.n_layers, c.dim,
+                                   serving.saes, c)
     return RequestOptions(
         interventions=interventions, hidden_states=read, telemetry=telemetry, features=feature_read(req.features, serving),
         kv_window=window, structured=structured,

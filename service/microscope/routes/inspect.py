@@ -94,7 +94,7 @@ async def inspect(req: InspectRequest, request: Request, serving: Serving = Depe
     check_inspect_length(serving, len(ids) + req.max_tokens, "max_tokens" if req.max_tokens else "prompt")
     opts = probe_options(serving, req, len(ids) + req.max_tokens)
     features = feature_request(serving, req)
-    interventions = to_interventions(req.interventions, serving.vectors, c.n_layers, c.dim)
+    interventions = to_interventions(req.interventions, serving.vectors, c.n_layers, c.dim, serving.saes, c)
     completion = None
     if req.max_tokens:
         completion = await _generate(serving, request, ids, req, interventions, adapter)
