@@ -61,7 +61,7 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     if not errors:
         return "invalid request", None
     e = errors[0]
-    loc = [str(p) for p in e.get("loc", ()) if p != "body" and p != "str" and "[" not in str(p)]  # drop union tags
+    loc = [str(p) for p in e.get("loc", ()) if p not in ("body", "str", "constrained-str") and "[" not in str(p)]  # drop union tags
     if e.get("type") == "json_invalid":
         return "the request body is not valid JSON", None
     param = ".".join(loc) or None

@@ -10,7 +10,7 @@ from service.common.errors import envelope
 
 # the viewer and its docs page hold no data (the viewer asks for the key itself)
 OPEN_PATHS = {"/health", "/inspect/ui", "/inspect/ui/inspect.js", "/inspect/ui/patch.js", "/inspect/ui/attribute.js",
-              "/inspect/ui/lora.js",
+              "/inspect/ui/lora.js", "/inspect/ui/features.js",
               "/inspect/ui/docs"}
 # Requests to these are counted in llamascope_requests_total{endpoint,status} here, at the edge, so that refusals
 # before any route code runs (401, 413, validation 400, 404) are counted like everything else.

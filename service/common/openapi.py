@@ -39,6 +39,7 @@ SSE_EVENT = {"type": "object", "required": ["data"],
 _ERRORS = {400: "invalid request", 401: "missing or invalid API key", 404: "unknown model or route",
            413: "request body too large (or, for /inspect and /inspect/attribute, the sequence or the estimated size)",
            409: "a stored vector of that name exists", 429: "queue full (see Retry-After)", 500: "generation failed",
+           403: "loading dictionaries at run time is off (--sae-allowed-dirs)",
            503: "loading, or shutting down (see Retry-After)"}
 _STREAMING = {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages"}
 _QUEUED = _STREAMING | {"/inspect", "/inspect/patch", "/inspect/attribute", "/v1/vectors"}  # routes that can answer 429
@@ -83,6 +84,8 @@ def _describe(schema: dict[str, Any], state: ServerState) -> None:
                 codes.add(409)
             if path in ("/v1/vectors/{name}", "/v1/responses/{response_id}", "/v1/saes/{name}"):
                 codes.add(404)
+            if path == "/v1/saes" and method == "post":
+                codes.add(403)
             if path in _STREAMING:
                 responses["200"].setdefault("content", {})["text/event-stream"] = {"itemSchema": SSE_EVENT}
             if s.api_key is not None:

@@ -17,7 +17,6 @@ HeadIndex = Int(ge=0, lt=1 << 16)
 PatchSite = Literal["block_output", "attention_output", "mlp_output", "head_output", "head_q", "head_k", "head_v"]
 Position = Int(ge=-(1 << 20), lt=1 << 20)  # negative: from the end
 TokenIndex = Int(ge=0, lt=1 << 20)
-HookName = str  # checked by model/hook_names.parse_hook (an empty or unknown name is a 400 naming `hook`)
 VectorName = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")]
 
 
@@ -26,7 +25,7 @@ class VectorRef(BaseModel):
     name: VectorName
 
 
-HookName = Annotated[str, Field(min_length=1, max_length=256)]  # model/hook_names.py's vocabularies
+HookName = Annotated[str, Field(min_length=1, max_length=256)]  # checked by model/hook_names.parse_hook (400 naming `hook`)
 
 
 class FeatureRef(BaseModel):

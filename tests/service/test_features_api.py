@@ -193,7 +193,7 @@ def test_saes_are_listed_loaded_within_the_allowed_directories_and_unloaded(live
 def test_run_time_loading_is_off_without_allowed_directories(tiny_live, saes):
     with tiny_live(Settings()) as server:
         r = httpx.post(server.url + "/v1/saes", json={"name": "a", "path": str(saes / "allowed" / "topk1")})
-        assert r.status_code == 400 and r.json()["error"]["code"] == "sae_loading_off"
+        assert r.status_code == 403 and r.json()["error"]["code"] == "sae_loading_off"
         assert httpx.get(server.url + "/v1/saes").json()["data"] == []
 
 

@@ -65,7 +65,7 @@ async def list_saes(serving: Serving = Depends(get_serving)):
 async def load_sae(req: SAELoadRequest, serving: Serving = Depends(get_serving)):
     store = _store(serving)
     if not store.limits.allowed:
-        raise APIError(400, "loading dictionaries at run time is off: the server was started without "
+        raise APIError(403, "loading dictionaries at run time is off: the server was started without "
                             "--sae-allowed-dirs", param="path", code="sae_loading_off")
     options = {k: v for k, v in (("format", req.format), ("hook_name", req.hook_name)) if v is not None}
     try:  # files are read on a worker thread: the event loop and the engine keep serving meanwhile
