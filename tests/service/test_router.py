@@ -149,6 +149,10 @@ def test_a_killed_model_fails_only_its_own_stream_and_restarts(router):
     assert last["error"]["code"] == "model_unavailable" and "beta" in last["error"]["message"]
     assert not any("usage" in json.loads(e) for e in events[1:-2])  # it did not finish
     assert other["finish_reason"] == "length"
+    # the front notices the exit within its watch interval, which a stream's error can beat: wait for the restart
+    deadline = time.monotonic() + 120
+    while router.models()["beta"]["status"]["restarts"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.1)
     m = router.wait_state("beta", "loaded")
     assert m["status"]["restarts"] == 1
     assert complete(router.url, "beta", PROMPTS[1]) == before
