@@ -57,7 +57,6 @@ def create_router_app(options: RouterOptions, catalog: dict[str, CatalogEntry]):
 
     # no /docs or /openapi.json of its own: those go to the first model's process, which documents the API
     app = FastAPI(title="llamascope router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.pool = pool
     errors.install(app)
 
     @app.get("/health")
@@ -119,7 +118,6 @@ def create_router_app(options: RouterOptions, catalog: dict[str, CatalogEntry]):
         from starlette.middleware.cors import CORSMiddleware
 
         outer = CORSMiddleware(outer, allow_origins=origins, allow_methods=["GET", "POST"], allow_headers=["*"])
-    outer.state = app.state  # the pool, for whoever holds the app
     return outer
 
 
