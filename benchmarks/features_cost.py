@@ -6,8 +6,9 @@ workload without features, at 32 concurrent streams and at one (issue 69: >= 0.8
     .venv/bin/python -m benchmarks.features_cost --concurrency 32 --rounds 5 --out benchmarks/results/x.json
 
 The dictionary is random, written in SAELens' format (cfg.json + sae_weights.safetensors) to a temporary folder
-and served with `--sae`: TopK (k 32) at `--hook` (block 15's output, where the shipped SAE reads), float32 unless
-`--sae-dtype` says otherwise. One server serves both workloads, alternating by round (features, then plain, then
+and served with `--sae`: TopK (k 32) at `--hook` (block 15's output, where the shipped SAE reads), its per-token
+reads encoding with `--sae-encoder` (the server's default, int8, unless given; what it served is recorded from
+GET /v1/saes; the int8 encoder's error against float32: benchmarks/sae_encoder_error.py). One server serves both workloads, alternating by round (features, then plain, then
 plain, then features, ...); output tok/s = every streamed token / the wall time from the first request to the last
 token; medians over the rounds. The client (httpx, in this process) shares the machine's cores with the server.
 """
@@ -86,6 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--sae-encoder", choices=["int8", "float32"], default=None,
+                   help="the server's --sae-encoder (default: its own default)")
     p.add_argument("--server-args", default="")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
@@ -101,7 +104,10 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         write_sae(Path(tmp) / "bench", d_in, args.d_sae, args.hook)
         sae_args = f"{args.server_args} --sae bench={Path(tmp) / 'bench'}"
+        if args.sae_encoder:
+            sae_args += f" --sae-encoder {args.sae_encoder}"
         with Server(ROOT, args.model, sae_args, sys.executable) as server:
+            served = httpx.get(server.url + "/v1/saes").json()["data"][0]
             for c in args.concurrency:
                 for r in range(args.rounds):
                     for side in (("features", "plain") if r % 2 == 0 else ("plain", "features")):
@@ -118,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{c} streams: plain {plain:.1f} tok/s, with features {feat:.1f} tok/s: {feat / plain:.2f}x",
               file=sys.stderr)
     report = {"machine": machine_info("cpu", os.cpu_count() or 1), "workload": {**vars(args), "out": None},
+              "served": {k: served[k] for k in ("d_sae", "activation", "k", "encoder", "bytes")},
               "summary": summary, "runs": runs}
     print(json.dumps(report, indent=1, default=str))
     if args.out:

@@ -142,6 +142,11 @@ class Settings(BaseSettings):
         json_schema_extra={"shown_default": "none (off)"})
     sae_max_bytes: int = Field(1 << 30, ge=0, description="bytes all served dictionaries may take together, in "
                                "float32; a load past it is refused before its tensors are read")
+    sae_encoder: Literal["int8", "float32"] = Field(
+        "int8", description="precision a dictionary's encoder has in the per-token reads of a request's `features` "
+        "(its W_enc in int8 blocks of 32, as GGUF's Q8_0: a quarter of float32's bytes a step, activations within "
+        "the error docs/inspection.md#features reports; or float32, exact); /inspect's grid, attribution and "
+        "steering always encode in float32. POST /v1/saes may name another for its dictionary")
     max_vectors: int = Field(64, ge=1, description="stored vectors (POST /v1/vectors, --control-vector) held at once")
     max_stored_responses: int = Field(
         1024, ge=0, description="responses kept for `previous_response_id` and GET /v1/responses/{id} (`store: true`), "
@@ -268,8 +273,9 @@ def build_parser(prog: str = "python -m service") -> argparse.ArgumentParser:
         help = help_text(name).replace("%", "%%")  # argparse %-formats help strings
         if field.annotation is bool:
             p.add_argument(flag(name), action=argparse.BooleanOptionalAction, default=None, help=help)
-        elif get_origin(field.annotation) is list:  # several values after one flag, as vLLM's --lora-modules
-            p.add_argument(flag(name), nargs="+", default=None, help=help)
+        elif get_origin(field.annotation) is list:  # several values after one flag, as vLLM's --lora-modules;
+            # the flag given again adds to them (`--sae a=A --sae b=B`), as a user who repeats a flag means
+            p.add_argument(flag(name), nargs="+", action="extend", default=None, help=help)
         else:
             p.add_argument(flag(name), default=None, choices=choices(name), help=help)
     return p

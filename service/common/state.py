@@ -101,7 +101,7 @@ class ServerState:
             draft = _load_draft(config.speculative, loaded, s) if config.speculative is not None else None
             core = Engine(loaded.model, loaded.tokenizer, config, draft_model=draft)
             self.adapters.load_at_start(s.lora_modules, core, c, s.served_model_name or loaded.name, s.max_lora_rank)
-            self.saes = DictionaryStore(StoreLimits(tuple(s.sae_allowed_dirs), s.sae_max_bytes), c)
+            self.saes = DictionaryStore(StoreLimits(tuple(s.sae_allowed_dirs), s.sae_max_bytes, encoder=s.sae_encoder), c)
             for spec in s.sae:  # a dictionary this model cannot serve stops the server at start, naming it
                 name, path = named_path(spec, "--sae")
                 d = self.saes.load(name, path, trusted=True)

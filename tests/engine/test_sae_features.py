@@ -102,15 +102,15 @@ def serve(e: Engine, requests: dict[str, tuple], arrive_at: dict[str, int] | Non
     return out
 
 
-def check_rows(hf, d: Dictionary, read: FeatureReadOptions, seq: list[int], rows) -> None:
-    """Each served row equals the dictionary's encode of HF's activation at its position, within 1e-4 of the
-    largest activation: its top-k values (as a sorted list: ties may order ids either way) and the activations at
-    the ids it names, and each named id's activation; the error norm likewise."""
+def check_rows(hf, d: Dictionary, read: FeatureReadOptions, seq: list[int], rows, within: float = 1e-4) -> None:
+    """Each served row equals the dictionary's (float32) encode of HF's activation at its position, within `within`
+    of the largest activation: its top-k values (as a sorted list: ties may order ids either way) and the
+    activations at the ids it names, and each named id's activation; the error norm likewise."""
     x = hf_activations(hf, d, seq)
     f = d.encode(x)  # (T, F)
     scale = f.abs().max().item()
     assert scale > 0
-    tol = 1e-4 * scale
+    tol = within * scale
     for a in rows:
         ref = f[a.position]
         assert len(a.ids) == len(a.values) == read.top_k
@@ -157,12 +157,15 @@ def test_served_features_equal_the_dictionary_on_hf_activations(models, path):
         check_rows(hf, dicts[kind], read, seq, r["prompt"] + [a for a in r["own"] if a is not None])
 
 
-def test_batched_equals_alone_bitwise_through_chunks_prefix_cache_and_preemption(models):
+@pytest.mark.parametrize("encoder", ["float32", "int8"])
+def test_batched_equals_alone_bitwise_through_chunks_prefix_cache_and_preemption(models, encoder):
     """Twelve requests, some sharing a prefix, arriving over time on a pool small enough to preempt, with a step
     budget that chunks prefills: three dictionaries and none among them. Each request's tokens and features equal
-    what it gets alone, to the last bit."""
+    what it gets alone, to the last bit, with either encoder precision."""
     hf, model = models
     dicts = [dictionary("topk", 30), dictionary("relu", 31), dictionary("mlp_out", 32)]
+    for d in dicts:
+        d.encoder = encoder
     g = torch.Generator().manual_seed(2)
     prefix = torch.randint(0, 256, (9,), generator=g).tolist()
     reqs = {}
@@ -186,6 +189,37 @@ def test_batched_equals_alone_bitwise_through_chunks_prefix_cache_and_preemption
             assert [a.position for a in alone["prompt"]] + [a.position for a in alone["own"] if a] == want
         else:
             assert alone["own"] == [] and alone["prompt"] == []
+
+
+@pytest.mark.parametrize("kind", ["relu", "transcoder", "topk"])
+def test_int8_encoder_is_within_its_rounding_of_the_float32_encode(models, kind):
+    """`encoder` "int8" (W_enc and the activations rounded to int8 blocks of 32, the native kernel): each served row
+    within 2% of the largest activation of the float32 encode of HF's activations (the rounding's own size: both
+    sides' steps are 1/127 of their block's largest), and not equal to it (the int8 kernel did run). Activations
+    without a cut-off (relu); of a TopK, its largest 3 of 6 and no named ids (the rounding may swap which feature
+    is 6th, and a named id's activation with it, as a threshold's may with a JumpReLU's)."""
+    if kernels.native() is None:
+        pytest.skip(f"native kernels: {kernels.status()}")
+    hf, model = models
+    d = dictionary(kind, 60)
+    d.encoder = "int8"
+    read = FeatureReadOptions("d", d, top_k=3 if kind == "topk" else 6, positions="all",
+                              ids=() if kind == "topk" else (0, 5, F - 1))
+    prompt = list(range(70, 87))
+    r = serve(engine(model), {"q": (prompt, 5, read)})["q"]
+    rows = r["prompt"] + [a for a in r["own"] if a is not None]
+    check_rows(hf, d, read, prompt + r["tokens"], rows, within=2e-2)
+    with pytest.raises(AssertionError):
+        check_rows(hf, d, read, prompt + r["tokens"], rows, within=1e-7)
+    if kind != "transcoder":  # the error norm from the int8 features: within 10% of the float32 one's (the decoder
+        # sums every active feature's rounding, each ~1% of the largest activation, through rows of norm ~2)
+        read = FeatureReadOptions("d", d, positions="all", error_norm=True)
+        r = serve(engine(model), {"e": (prompt, 5, read)})["e"]
+        x = hf_activations(hf, d, prompt + r["tokens"])
+        for a in r["prompt"] + r["own"]:
+            f = d.encode(x[a.position : a.position + 1])
+            want = (x[a.position] - d.decode(f, x[a.position : a.position + 1])[0]).norm().item()
+            assert a.error_norm == pytest.approx(want, rel=0.1)
 
 
 def test_prompt_rows_are_computed_not_taken_from_the_prefix_cache(models):

@@ -58,7 +58,7 @@ def saes(tmp_path_factory) -> Path:
 def live(tiny_live, saes):
     allowed = saes / "allowed"
     settings = Settings(sae=[f"topk1={allowed / 'topk1'}", f"relu0={allowed / 'relu0'}", f"mid={allowed / 'mid'}"],
-                        sae_allowed_dirs=[str(allowed)], chat_template=TEMPLATE)
+                        sae_allowed_dirs=[str(allowed)], chat_template=TEMPLATE, sae_encoder="float32")
     with tiny_live(settings) as server:
         yield server
 
@@ -169,7 +169,8 @@ def test_saes_are_listed_loaded_within_the_allowed_directories_and_unloaded(live
     assert listed["topk1"] | {} == {"name": "topk1", "object": "sae", "format": listed["topk1"]["format"],
                                     "hook_in": "blocks.1.hook_resid_post", "hook_out": "blocks.1.hook_resid_post",
                                     "d_in": D, "d_sae": F, "d_out": D, "activation": "topk", "k": 5,
-                                    "bytes": (2 * D * F + F + D) * 4, "dtype": "float32", "transcoder": False}
+                                    "bytes": (2 * D * F + F + D) * 4, "dtype": "float32", "encoder": "float32",
+                                    "transcoder": False}
     assert listed["relu0"]["hook_in"] == "blocks.0.hook_mlp_out" and listed["relu0"]["k"] is None
     allowed = saes / "allowed"
     for path, param in ((saes / "outside" / "other", "path"), (allowed / "link", "path"),
@@ -188,6 +189,31 @@ def test_saes_are_listed_loaded_within_the_allowed_directories_and_unloaded(live
     assert httpx.delete(live.url + "/v1/saes/again").status_code == 404
     r = post(live, "/v1/completions", body)
     assert r.status_code == 400 and r.json()["error"]["param"] == "features.sae"
+
+
+def test_an_int8_encoder_reads_within_its_rounding_of_the_float32_one(live, saes):
+    """POST /v1/saes with `encoder` "int8" (the server's default here is float32): listed so, and each token's top
+    features within 2% of the largest activation of the same dictionary's float32 reads, on the same greedy tokens;
+    an encoder the server does not have is a 400 naming it."""
+    r = post(live, "/v1/saes", {"name": "q8", "path": str(saes / "allowed" / "relu0"), "encoder": "int8"})
+    assert r.status_code == 200 and r.json()["encoder"] == "int8", r.text
+    try:
+        read = {"top_k": 4, "positions": "all", "ids": [0, 7]}
+        body = {"prompt": "rounded features", "max_tokens": 5, "temperature": 0.0, "ignore_eos": True}
+        got = {name: post(live, "/v1/completions", {**body, "features": {"sae": name, **read}}).json()["choices"][0]
+               for name in ("relu0", "q8")}
+        assert got["q8"]["text"] == got["relu0"]["text"]  # reading changes nothing
+        exact, rounded = (got[n]["features"]["prompt"] + got[n]["features"]["tokens"] for n in ("relu0", "q8"))
+        tol = 2e-2 * max(t["activation"] for e in exact for t in e["top"])
+        assert len(exact) == len(rounded) > 0
+        for e, q in zip(exact, rounded):
+            assert [t["activation"] for t in q["top"]] == pytest.approx([t["activation"] for t in e["top"]], abs=tol)
+            assert q["ids"] == pytest.approx(e["ids"], abs=tol)
+        assert exact != rounded  # the int8 kernel did run
+    finally:
+        httpx.delete(live.url + "/v1/saes/q8")
+    r = post(live, "/v1/saes", {"name": "q4", "path": str(saes / "allowed" / "relu0"), "encoder": "int4"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "encoder", r.text
 
 
 def test_run_time_loading_is_off_without_allowed_directories(tiny_live, saes):
@@ -218,3 +244,14 @@ def test_the_shipped_sae_on_the_default_model(default_model):
         for e in entries:
             acts = [t["activation"] for t in e["top"]]
             assert 0 < len(acts) <= 32 and acts == sorted(acts, reverse=True)
+
+
+def test_the_sae_flag_takes_several_and_adds_when_repeated(saes):
+    """`--sae a=A b=B` and `--sae a=A --sae b=B` name the same two dictionaries (a repeated list flag adds, as a
+    user repeating it means); the same name twice stops the server at start."""
+    from service.config import parse_cli
+
+    a, b = (f"{n}={saes / 'allowed' / n}" for n in ("topk1", "relu0"))
+    assert parse_cli(["--sae", a, b]).sae == parse_cli(["--sae", a, "--sae", b]).sae == [a, b]
+    with pytest.raises(SystemExit):
+        parse_cli(["--sae", a, "--sae", a])

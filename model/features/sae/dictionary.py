@@ -40,8 +40,11 @@ import torch
 from torch import Tensor
 
 from model.hook_names import Hook, parse_hook
+from model.quantize.layers import Int8Linear
+from model.quantize.layouts import GROUP_SIZE
 
 ACTIVATIONS = ("relu", "jumprelu", "topk", "groupmax", "gated")
+ENCODERS = ("int8", "float32")  # how a request's per-token reads encode (feature.py `Served`)
 NORMALIZATIONS = ("none", "constant_norm_rescale", "layer_norm")
 LAYER_NORM_EPS = 1e-5  # SAELens sae.py run_time_activation_ln_in's default
 
@@ -84,6 +87,9 @@ class Dictionary:
     normalize_activations: str = "none"
     source: str = ""
     transcoder: bool = False
+    # per-token reads (a request's `features`) encode with W_enc in this precision; everything else (/inspect's
+    # grid, attribution, steering, `encode` itself) in the dictionary's dtype
+    encoder: str = "float32"
     meta: dict = field(default_factory=dict)  # the file's own description (model name, hook names as written)
 
     def __post_init__(self) -> None:
@@ -130,6 +136,8 @@ class Dictionary:
                 raise DictionaryError(name, f"dtype {t.dtype} differs from W_enc's {self.W_enc.dtype}")
         if self.activation not in ACTIVATIONS:
             raise DictionaryError("architecture", f"unknown activation {self.activation!r}; served: {list(ACTIVATIONS)}")
+        if self.encoder not in ENCODERS:
+            raise DictionaryError("encoder", f"{self.encoder!r} is not served; choose from {list(ENCODERS)}")
         if self.normalize_activations not in NORMALIZATIONS:
             raise DictionaryError("normalize_activations", f"{self.normalize_activations!r} is not served; "
                                                            f"choose from {list(NORMALIZATIONS)}")
@@ -224,11 +232,22 @@ class Dictionary:
         f = self.encode(x)
         return self.decode(f, x), f
 
+    def int8_encoder(self) -> Int8Linear | None:
+        """W_enc^T (F, D_in) as an int8 layer (GGUF Q8_0: blocks of 32 inputs, a float16 scale each), made once and
+        kept: what per-token reads multiply by where `encoder` is "int8" (feature.py `Served`). None where D_in is
+        not whole blocks of 32 (those read in float32)."""
+        if self.d_in % GROUP_SIZE:
+            return None
+        if getattr(self, "_int8", None) is None:
+            self._int8 = Int8Linear.from_float(self.W_enc.detach().T.float().cpu())
+        return self._int8
+
     def decoder_direction(self, feature: int) -> Tensor:
         """Feature `feature`'s decoder row (D_out,): what one unit of its activation adds at `hook_out`."""
         return self.W_dec[feature]
 
     def to(self, dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> "Dictionary":
+        self._int8 = None  # made again from the weights as they are now
         for name, t in self.tensors().items():
             setattr(self, name, t.to(dtype=dtype if t.is_floating_point() else None, device=device))
         return self

@@ -28,7 +28,8 @@ from torch import Tensor
 from model.features.protocol import Feature, InvalidOption, Part, SequenceView, SiteRead, StepView
 from model.features.sae.dictionary import Dictionary, top_features
 from model.features.sae.options import FeatureReadOptions
-from model.kernels import ops
+from model.kernels import native, ops
+from model.quantize.layers import Int8Linear
 
 
 @dataclass
@@ -73,15 +74,29 @@ class _Row:
 
 class Served:
     """A dictionary as one engine encodes it: on the step's device, its encoder (and, once asked for an error norm,
-    its decoder) transposed to (out, in) for `ops.linear`, whose one reduction order per output whatever the number
-    of rows (model/kernels/csrc/float_linear.cpp) makes a row's features the same batched as alone."""
+    its decoder) transposed to (out, in), multiplied by a kernel with one reduction order per output whatever the
+    number of rows, which makes a row's features the same batched as alone.
+
+    `encoder` "float32": `ops.linear` (model/kernels/csrc/float_linear.cpp), equal to `Dictionary.encode` within
+    float32 rounding. "int8": W_enc rounded to int8 in blocks of 32 inputs with a float16 scale each (GGUF's Q8_0,
+    `Int8Linear`), the activations rounded likewise, exact integer block sums (the model's own int8 layers'
+    kernel): a quarter of the bytes each step reads (a 16k-feature encoder of a 576-wide site is 38 MB in float32,
+    more than a third of the int4 default model), at an error docs/inspection.md#features reports against the
+    float32 encode. Only where the native CPU kernels run (elsewhere the encoder stays float32) and the site's
+    width is whole blocks of 32."""
 
     def __init__(self, d: Dictionary, device: torch.device) -> None:
         self.source = d  # the request's object (held: no other dictionary can take its id while this lives)
         self.d = d if d.W_enc.device == device else Dictionary(
             **{k: getattr(d, k) for k in d.__dataclass_fields__}).to(device=device)
-        self.w_enc = self.d.W_enc.T.contiguous()  # (F, D_in)
+        native_int8 = d.encoder == "int8" and device.type == "cpu" and native() is not None
+        self.q_enc: Int8Linear | None = d.int8_encoder() if native_int8 else None
+        self.w_enc = self.d.W_enc.T.contiguous() if self.q_enc is None else None  # (F, D_in)
         self._w_dec: Tensor | None = None
+
+    @property
+    def precision(self) -> str:
+        return "int8" if self.q_enc is not None else "float32"
 
     @property
     def w_dec(self) -> Tensor:  # (D_out, F)
@@ -89,13 +104,26 @@ class Served:
             self._w_dec = self.d.W_dec.T.contiguous()
         return self._w_dec
 
-    def encode(self, x: Tensor) -> Tensor:
-        """x (R, D_in) -> f (R, F): `Dictionary.encode` with its matmul row by row in one order."""
+    def encode_top(self, x: Tensor, k: int, dense: bool) -> tuple[Tensor | None, Tensor, Tensor]:
+        """x (R, D_in) -> (f (R, F) where `dense` or the activation needs it, else None; each row's k largest
+        activations (R, k) and their ids (R, k), largest first). A TopK dictionary's own selection already holds
+        its k largest: their first k, relu'd, are `top_features` of its f without forming f (R x F floats written,
+        then searched again)."""
+        d = self.d
+        pre = self._pre(x)  # (R, F)
+        if not dense and d.activation == "topk" and k <= d.k:
+            values, ids = pre.topk(d.k, dim=-1, sorted=True)  # (R, d.k) x 2
+            return None, values[:, :k].relu(), ids[:, :k]
+        f = d._activate(pre)
+        return (f, *top_features(f, k))
+
+    def _pre(self, x: Tensor) -> Tensor:  # (R, D_in) -> the encoder's pre-activations (R, F)
         d = self.d
         x, _ = d._normalize(x.to(d.dtype))
         if d.apply_b_dec_to_input:
             x = x - d.b_dec
-        return d._activate(ops.linear(x, self.w_enc) + d.b_enc)
+        pre = ops.linear(x, self.w_enc) if self.q_enc is None else self.q_enc(x.float()).to(d.dtype)
+        return pre + d.b_enc
 
     def error_norm(self, x: Tensor, f: Tensor) -> Tensor:
         """|x - decode(f)| (R,) for an autoencoder: `Dictionary.decode` with its matmul in one order."""
@@ -126,11 +154,11 @@ class StepFeatures(Part):
     @torch.no_grad()
     def take_reads(self, values: list[Tensor]) -> None:
         for (served, rows), x in zip(self.groups, values):  # x (R, D_in) float32
-            f = served.encode(x)  # (R, F)
             k = max(r.state.options.top_k for r in rows)
-            top_v, top_i = top_features(f, k)  # (R, k) x 2
-            err = served.error_norm(x, f).tolist() if any(r.state.options.error_norm for r in rows) else None
             ask = sorted({i for r in rows for i in r.state.options.ids})
+            want_err = any(r.state.options.error_norm for r in rows)
+            f, top_v, top_i = served.encode_top(x, k, dense=bool(ask) or want_err)  # (R, F) or None, (R, k) x 2
+            err = served.error_norm(x, f).tolist() if want_err else None
             col = {i: j for j, i in enumerate(ask)}
             picked = f[:, ask].float().cpu().tolist() if ask else [[] for _ in rows]  # (R, n_ids)
             top_v, top_i = top_v.float().cpu().tolist(), top_i.cpu().tolist()

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from model.features.sae.dictionary import Dictionary, DictionaryError
+from model.features.sae.dictionary import ENCODERS, Dictionary, DictionaryError
 from model.features.sae.load import load_dictionary
 
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # a path segment of /v1/saes/{name}
@@ -27,11 +27,13 @@ NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # a path segment of /v1/s
 @dataclass(frozen=True)
 class StoreLimits:
     """What a server lets its dictionaries take: the directories run-time loads may read (empty: run-time loading
-    off; dictionaries named at start are read wherever the operator put them), and their bytes together."""
+    off; dictionaries named at start are read wherever the operator put them), and their bytes together; and the
+    precision their per-token reads encode in unless a load names one (`Dictionary.encoder`)."""
 
     allowed: tuple[str, ...] = ()
     max_bytes: int = 1 << 30
     dtype: torch.dtype = torch.float32
+    encoder: str = "int8"
 
 
 class DictionaryStore:
@@ -63,13 +65,17 @@ class DictionaryStore:
         with self._lock:
             return sum(d.nbytes for d in self._dicts.values())
 
-    def load(self, name: str, path: str | os.PathLike, *, trusted: bool = False, **options) -> Dictionary:
+    def load(self, name: str, path: str | os.PathLike, *, trusted: bool = False, encoder: str | None = None,
+             **options) -> Dictionary:
         """Read the dictionary at `path` and serve it as `name`. `trusted`: a path the operator gave at start (no
-        allowed-directory check); a client's path must lie under `limits.allowed`. `options`: load_dictionary's
-        (format, hook_name, hook_name_out, norm_scaling_factor). DictionaryError naming the field on refusal, with
-        nothing loaded."""
+        allowed-directory check); a client's path must lie under `limits.allowed`. `encoder`: its per-token reads'
+        precision (default `limits.encoder`). `options`: load_dictionary's (format, hook_name, hook_name_out,
+        norm_scaling_factor). DictionaryError naming the field on refusal, with nothing loaded."""
         if not NAME.fullmatch(name):
             raise DictionaryError("name", f"{name!r} is not a name: letters, digits, '.', '_', '-', at most 64")
+        encoder = encoder or self.limits.encoder
+        if encoder not in ENCODERS:
+            raise DictionaryError("encoder", f"{encoder!r} is not served; choose from {list(ENCODERS)}")
         with self._lock:
             if name in self._dicts:
                 raise DictionaryError("name", f"{name!r} is already loaded (DELETE /v1/saes/{name} first)")
@@ -77,6 +83,9 @@ class DictionaryStore:
         allowed = None if trusted else list(self.limits.allowed)
         d = load_dictionary(path, allowed=allowed, max_bytes=left, config=self.config, dtype=self.limits.dtype,
                             **options)
+        d.encoder = encoder
+        if encoder == "int8":
+            d.int8_encoder()  # rounded here, on the loading thread, not by the first request's step
         with self._lock:
             if name in self._dicts:
                 raise DictionaryError("name", f"{name!r} is already loaded (DELETE /v1/saes/{name} first)")

@@ -14,7 +14,7 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, Depends
 from pydantic import BaseModel, ConfigDict, Field
 
-from model.features.sae import FORMATS, Dictionary, DictionaryError
+from model.features.sae import ENCODERS, FORMATS, Dictionary, DictionaryError
 from service.common.errors import APIError
 from service.common.serving import Serving, get_serving
 
@@ -32,6 +32,7 @@ class SAELoadRequest(BaseModel):
     path: Annotated[str, Field(min_length=1, max_length=4096)]
     format: Literal[FORMATS] | None = None  # type: ignore[valid-type]
     hook_name: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+    encoder: Literal[ENCODERS] | None = None  # type: ignore[valid-type]  # default: the server's --sae-encoder
 
 
 def _hook_name(hook) -> str:
@@ -47,7 +48,8 @@ def describe(name: str, d: Dictionary) -> dict:
     return {"name": name, "object": "sae", "format": d.source, "hook_in": _hook_name(d.hook_in),
             "hook_out": _hook_name(d.hook_out), "d_in": d.d_in, "d_sae": d.d_sae, "d_out": d.d_out,
             "activation": d.activation, "k": d.k if d.activation in ("topk", "groupmax") else None,
-            "bytes": d.nbytes, "dtype": str(d.dtype).removeprefix("torch."), "transcoder": d.transcoder}
+            "bytes": d.nbytes, "dtype": str(d.dtype).removeprefix("torch."), "encoder": d.encoder,
+            "transcoder": d.transcoder}
 
 
 def _store(serving: Serving):
@@ -67,7 +69,8 @@ async def load_sae(req: SAELoadRequest, serving: Serving = Depends(get_serving))
     if not store.limits.allowed:
         raise APIError(403, "loading dictionaries at run time is off: the server was started without "
                             "--sae-allowed-dirs", param="path", code="sae_loading_off")
-    options = {k: v for k, v in (("format", req.format), ("hook_name", req.hook_name)) if v is not None}
+    options = {k: v for k, v in (("format", req.format), ("hook_name", req.hook_name), ("encoder", req.encoder))
+               if v is not None}
     try:  # files are read on a worker thread: the event loop and the engine keep serving meanwhile
         d = await asyncio.to_thread(store.load, req.name, req.path, **options)
     except DictionaryError as e:
