@@ -106,14 +106,14 @@ class Served:
 
     def encode_top(self, x: Tensor, k: int, dense: bool) -> tuple[Tensor | None, Tensor, Tensor]:
         """x (R, D_in) -> (f (R, F) where `dense` or the activation needs it, else None; each row's k largest
-        activations (R, k) and their ids (R, k), largest first). A TopK dictionary's own selection already holds
-        its k largest: their first k, relu'd, are `top_features` of its f without forming f (R x F floats written,
-        then searched again)."""
+        activations (R, k) and their ids (R, k), largest first). Where the activation keeps the order of the
+        pre-activations (relu; a TopK's own selection, which holds its k largest) the k largest pre-activations,
+        relu'd, are `top_features` of f without forming it (R x F floats written, then searched again)."""
         d = self.d
         pre = self._pre(x)  # (R, F)
-        if not dense and d.activation == "topk" and k <= d.k:
-            values, ids = pre.topk(d.k, dim=-1, sorted=True)  # (R, d.k) x 2
-            return None, values[:, :k].relu(), ids[:, :k]
+        if not dense and (d.activation == "relu" or (d.activation == "topk" and k <= d.k)):
+            values, ids = pre.topk(k, dim=-1, sorted=True)  # (R, k) x 2
+            return None, values.relu_(), ids
         f = d._activate(pre)
         return (f, *top_features(f, k))
 
@@ -123,7 +123,7 @@ class Served:
         if d.apply_b_dec_to_input:
             x = x - d.b_dec
         pre = ops.linear(x, self.w_enc) if self.q_enc is None else self.q_enc(x.float()).to(d.dtype)
-        return pre + d.b_enc
+        return pre.add_(d.b_enc)
 
     def error_norm(self, x: Tensor, f: Tensor) -> Tensor:
         """|x - decode(f)| (R,) for an autoencoder: `Dictionary.decode` with its matmul in one order."""
