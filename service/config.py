@@ -140,8 +140,9 @@ class Settings(BaseSettings):
         default_factory=list, description="directories POST /v1/saes may load dictionaries from (symlinks resolved, "
         "as vLLM's --allowed-local-media-path); without one, loading at run time is off",
         json_schema_extra={"shown_default": "none (off)"})
-    sae_max_bytes: int = Field(1 << 30, ge=0, description="bytes all served dictionaries may take together, in "
-                               "float32; a load past it is refused before its tensors are read")
+    sae_max_bytes: int = Field(1 << 30, ge=0, description="bytes all served dictionaries may take together (their "
+                               "float32 tensors, and int8 encoders: --sae-encoder); a load past it is refused, one "
+                               "whose float32 tensors alone pass it before they are read")
     sae_encoder: Literal["int8", "float32"] = Field(
         "int8", description="precision a dictionary's encoder has in the per-token reads of a request's `features` "
         "(its W_enc in int8 blocks of 32, as GGUF's Q8_0: a quarter of float32's bytes a step, activations within "

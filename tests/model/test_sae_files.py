@@ -135,6 +135,9 @@ def test_the_store_serves_by_name_within_its_bound_and_its_directories(tmp_path)
     store = DictionaryStore(StoreLimits(allowed=(str(tmp_path / "allowed"),), max_bytes=20_000), CFG)
     d = store.load("one", one)
     assert store.get("one") is d and store.names() == ["one"] and store.nbytes == d.nbytes
+    # the store's default int8 encoder, made at load, counts against the bound: 32 x 64 int8 and a float16 scale a
+    # block of 32
+    assert d.encoder == "int8" and d.nbytes == 16_768 + 32 * 64 + 32 * 2 * 2
     for name, path, field, fragment in (("one", one, "name", "already loaded"),
                                         ("a/b", one, "name", "is not a name"),
                                         ("two", write_saelens(tmp_path / "allowed" / "two"), "max_bytes", "over the bound"),

@@ -118,7 +118,9 @@ class Dictionary:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.nbytes for t in self.tensors().values())
+        """Its tensors' bytes, and its int8 encoder's once made (`int8_encoder`): what it holds in memory."""
+        q = getattr(self, "_int8", None)
+        return sum(t.nbytes for t in self.tensors().values()) + (q.decode_bytes if q is not None else 0)
 
     def validate(self) -> None:
         """DictionaryError naming the field for weights that do not make one dictionary."""
