@@ -40,7 +40,8 @@ and those that need the full encode (TopK, GroupMax), after them, as PyTorch on 
     clamps    {k: [(rows (n,) int64, clamp), ...]}   site k's, each on its rows, in the requests' order
 
 A step with head ops or full-encode clamps runs the module path (the fused native step and the CUDA graphs leave
-`module_only` steps to it), and the CUDA graphs leave it any step with a clamp. An entry is applied in float32
+`module_only` steps to it), and the CUDA graphs leave another path any step with a clamp, an edit at a site they do
+not edit or a read of one they do not record (`edits_beyond`, `reads_beyond`). An entry is applied in float32
 whatever the activation dtype: x -= (x . u) u (the dot product accumulated in float64), then x = x * keep + put,
 rounded once to the activation dtype. For a single `add` that is x + v, for a `set` the value itself: bitwise what a
 forward hook doing the same computes. Rows no op names are never touched, so they are bit-identical to a forward
