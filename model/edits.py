@@ -331,7 +331,7 @@ class EditTables:
     """Builds each forward's `StepEdits` from its segments. The bank is rebuilt only when the set of plans changes
     (in steady decoding it does not: the same sequences step after step)."""
 
-    def __init__(self, n_layers: int, dim: int, device: torch.device, norm_eps: float = 1e-5) -> None:
+    def __init__(self, n_layers: int, dim: int, device: torch.device, norm_eps: float) -> None:
         """`norm_eps`: the model's RMSNorm epsilon (mlp_normalized's reads)."""
         self.n_layers, self.dim, self.device, self.norm_eps = n_layers, dim, torch.device(device), norm_eps
         self._plans: list[InterventionPlan] = []  # held (not just their ids) so no new plan can reuse an id
