@@ -21,8 +21,9 @@ class AttentionContext(Protocol):
         ...
 
     def edit(self, layer: int, site: str, x: Tensor) -> Tensor:
-        """Block `layer`'s output at `site` ("attention_output", "mlp_output" before their residual adds,
-        "block_output" after the block), x (B, T, D) -> the same, edited (model/interventions.py) or as it is.
+        """Block `layer`'s activation at `site` ("attention_output", "mlp_output" before their residual adds,
+        "resid_mid" between them, "mlp_input" the feed-forward's input, "block_output" after the block), x (B, T, D)
+        -> the same, edited (model/interventions.py) or as it is.
         Inside the attention module, per head: "head_q", "head_k", "head_v" (B, T, H | K | K, E), views of the
         fused projection before RoPE, edited in place (the return value is not used), and "head_output" (B, T, H, E),
         the heads' outputs before wo."""

@@ -3,17 +3,21 @@
 Every execution path reads the same table, so each row gets exactly its own sequence's edits whatever shares its
 step (model/interventions.py says what an edit is):
 
-    site_ptr  (L * 3 + 1,) int64   the ops of site k = 3 layer + s are ops[site_ptr[k] : site_ptr[k + 1]]
+    site_ptr  (S L + 1,) int64     the ops of site k = S layer + s (S = SITES_PER_BLOCK, s = SITE_INDEX[site]) are
+                                   ops[site_ptr[k] : site_ptr[k + 1]]
     ops       (Q, 4) int64         [row, u, keep, put]: a packed row and its entry's vectors (rows of `bank`, -1:
                                    absent); a row appears at most once per site
     bank      (V, D) float32       the step's vectors (the plans' `vectors`, concatenated)
 
-and reads (block outputs, and where a read asks, the sub-blocks' outputs), per site like the ops:
+and reads (block outputs, and where a read asks, the block's other sites), per site like the ops:
 
-    read_ptr  (3L + 1,) int64      rows read at site k = 3 layer + s (after its edits) are
+    read_ptr  (S L + 1,) int64     rows read at site k = S layer + s (after its edits) are
                                    read_rows[read_ptr[k] : read_ptr[k + 1]]
     read_rows (K,) int64
     read_out  (K, D) float32       filled by the forward
+
+(mlp_normalized is no tensor a block hands over: its reads are taken at resid_mid, after its edits, as
+rms_norm(x, ones, eps), the norm without its gain: `norm_eps` is the model's.)
 
 and edits of single attention heads (model/interventions.py's head sites), beside them:
 
@@ -25,7 +29,7 @@ and edits of single attention heads (model/interventions.py's head sites), besid
 and feature clamps (model/features/sae/steer.py), applied at a site after its ops, x += (v - f_F(x)) s(x) d_F: those
 of elementwise dictionaries as a table like the ops,
 
-    clamp_ptr    (3L + 1,) int64  site k's clamps are clamp_ops[clamp_ptr[k] : clamp_ptr[k + 1]], in order (a row's
+    clamp_ptr    (S L + 1,) int64 site k's clamps are clamp_ops[clamp_ptr[k] : clamp_ptr[k + 1]], in order (a row's
                                   clamps in its request's order: each reads x as the one before left it)
     clamp_ops    (Qc, 4) int64    [row, w_F, d_F, b_dec (-1: not subtracted from the input)], rows of `bank`
     clamp_params (Qc, 6) float64  [activation, b_enc_F, threshold_F or b_mag_F, exp(r_mag_F), v, normalization]
@@ -36,7 +40,8 @@ and those that need the full encode (TopK, GroupMax), after them, as PyTorch on 
     clamps    {k: [(rows (n,) int64, clamp), ...]}   site k's, each on its rows, in the requests' order
 
 A step with head ops or full-encode clamps runs the module path (the fused native step and the CUDA graphs leave
-`module_only` steps to it), and the CUDA graphs leave it any step with a clamp. An entry is applied in float32
+`module_only` steps to it), and the CUDA graphs leave another path any step with a clamp, an edit at a site they do
+not edit or a read of one they do not record (`edits_beyond`, `reads_beyond`). An entry is applied in float32
 whatever the activation dtype: x -= (x . u) u (the dot product accumulated in float64), then x = x * keep + put,
 rounded once to the activation dtype. For a single `add` that is x + v, for a `set` the value itself: bitwise what a
 forward hook doing the same computes. Rows no op names are never touched, so they are bit-identical to a forward
@@ -53,24 +58,29 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from model.interventions import HEAD_SITE_INDEX, SITE_INDEX, HiddenStateRead, InterventionPlan
+from model.interventions import HEAD_SITE_INDEX, SITE_INDEX, SITES_PER_BLOCK, HiddenStateRead, InterventionPlan
+from model.kernels import ops as kernel_ops
 from model.kernels import usable
+
+S = SITES_PER_BLOCK
+RESID_MID, MLP_NORMALIZED = SITE_INDEX["resid_mid"], SITE_INDEX["mlp_normalized"]
 
 
 @dataclass
 class StepEdits:
-    site_ptr: Tensor  # (3L + 1,) int64
+    site_ptr: Tensor  # (S L + 1,) int64
     ops: Tensor  # (Q, 4) int64
     bank: Tensor  # (V, D) float32
-    read_ptr: Tensor  # (3L + 1,) int64
+    read_ptr: Tensor  # (S L + 1,) int64
     read_rows: Tensor  # (K,) int64
     read_out: Tensor  # (K, D) float32
     head_ptr: Tensor | None = None  # (4L + 1,) int64, None: no head ops
     head_ops: Tensor | None = None  # (Q_h, 5) int64
     clamps: dict[int, list[tuple[Tensor, object]]] | None = None  # site k -> (rows (n,) int64, FeatureClamp)
-    clamp_ptr: Tensor | None = None  # (3L + 1,) int64, None: no table clamps
+    clamp_ptr: Tensor | None = None  # (S L + 1,) int64, None: no table clamps
     clamp_ops: Tensor | None = None  # (Qc, 4) int64
     clamp_params: Tensor | None = None  # (Qc, 6) float64
+    norm_eps: float = 1e-5  # the model's RMSNorm epsilon: mlp_normalized's reads
 
     def __post_init__(self) -> None:
         self.site_ptr_host = self.site_ptr.cpu().numpy()  # host copies: which sites have work is decided without a sync
@@ -97,11 +107,15 @@ class StepEdits:
         """Whether a row edits a single head: only the module path has those sites (model/transformer.py)."""
         return self.head_ops is not None and self.head_ops.shape[0] > 0
 
-    @property
-    def reads_sub_blocks(self) -> bool:
-        """Whether a row reads an attention or MLP output (the CUDA graphs record block outputs only)."""
-        p = self.read_ptr_host
-        return bool(((p[1::3] > p[0:-1:3]) | (p[2::3] > p[1:-1:3])).any())
+    def reads_beyond(self, sites: tuple[str, ...]) -> bool:
+        """Whether a row reads a site other than `sites` (the CUDA graphs record block outputs only)."""
+        return _beyond(self.read_ptr_host, sites)
+
+    def edits_beyond(self, sites: tuple[str, ...]) -> bool:
+        """Whether a row is edited at a site other than `sites` (the CUDA graphs edit the sub-blocks' outputs and
+        the block's output only)."""
+        return _beyond(self.site_ptr_host, sites) or (self.clamp_ptr_host is not None
+                                                      and _beyond(self.clamp_ptr_host, sites))
 
     def tensors(self) -> list[Tensor]:
         """The native decode kernel's trailing argument (model/kernels/csrc/interventions.cpp)."""
@@ -116,7 +130,7 @@ class StepEdits:
         longer sequence, as `ProbeRun` runs one). At a head site x is (.., N, heads, E), a view it edits in place."""
         if site in HEAD_SITE_INDEX:
             return self._apply_heads(4 * layer + HEAD_SITE_INDEX[site], x, window)
-        k = 3 * layer + SITE_INDEX[site]
+        k = S * layer + SITE_INDEX[site]
         a, b = int(self.site_ptr_host[k]), int(self.site_ptr_host[k + 1])
         x2 = x.view(-1, x.shape[-1])  # (N, D)
         if a < b:
@@ -141,16 +155,26 @@ class StepEdits:
                     y = x2[rows]  # (n, D)
                     clamp.apply(y)
                     x2[rows] = y
+        self._read(k, x2, window)
+        if SITE_INDEX[site] == RESID_MID:
+            self._read(k + MLP_NORMALIZED - RESID_MID, x2, window, self._normalized)
+        return x
+
+    def _normalized(self, x: Tensor) -> Tensor:
+        """x (n, D) -> x / rms(x), the RMSNorm without its gain, as the norm computes it (one row at a time)."""
+        return kernel_ops.rms_norm(x, torch.ones(x.shape[-1], dtype=x.dtype, device=x.device), self.norm_eps)
+
+    def _read(self, k: int, x2: Tensor, window: tuple[int, int] | None, f=None) -> None:
+        """The reads at site k from x2 (N, D) (through `f`, rows -> values, where given) into read_out."""
         r0, r1 = int(self.read_ptr_host[k]), int(self.read_ptr_host[k + 1])
         if r0 < r1:
             rows = self.read_rows[r0:r1]
             if window is None:
-                self.read_out[r0:r1] = x2[rows].float()
+                self.read_out[r0:r1] = (x2[rows] if f is None else f(x2[rows])).float()
             else:
                 rows = rows - window[0]
                 idx = torch.nonzero((rows >= 0) & (rows < window[1])).squeeze(1)
-                self.read_out[r0 + idx] = x2[rows[idx]].float()
-        return x
+                self.read_out[r0 + idx] = (x2[rows[idx]] if f is None else f(x2[rows[idx]])).float()
 
     def _apply_heads(self, k: int, x: Tensor, window: tuple[int, int] | None) -> Tensor:
         if self.head_ptr_host is None or self.head_ptr_host[k] == self.head_ptr_host[k + 1]:
@@ -173,26 +197,34 @@ class StepEdits:
         empty = torch.zeros_like(self.read_ptr)
         return StepEdits(self.site_ptr, self.ops, self.bank, empty, self.read_rows[:0], self.read_out[:0],
                          clamps=self.clamps, clamp_ptr=self.clamp_ptr, clamp_ops=self.clamp_ops,
-                         clamp_params=self.clamp_params)
+                         clamp_params=self.clamp_params, norm_eps=self.norm_eps)
 
     def restrict(self, layer: int) -> "StepEdits":
         """The part of the table one block reads (what a tensor-parallel rank is sent to probe one block)."""
-        a, b = int(self.site_ptr_host[3 * layer]), int(self.site_ptr_host[3 * layer + 3])
+        k0, k1 = S * layer, S * layer + S  # the block's sites
+        a, b = int(self.site_ptr_host[k0]), int(self.site_ptr_host[k1])
         ptr = torch.zeros_like(self.site_ptr)
-        ptr[3 * layer + 1 : 3 * layer + 4] = self.site_ptr[3 * layer + 1 : 3 * layer + 4] - a
-        ptr[3 * layer + 4 :] = b - a
+        ptr[k0 + 1 : k1 + 1] = self.site_ptr[k0 + 1 : k1 + 1] - a
+        ptr[k1 + 1 :] = b - a
         empty = torch.zeros_like(self.read_ptr)
-        clamps = {k: c for k, c in (self.clamps or {}).items() if 3 * layer <= k < 3 * layer + 3} or None
+        clamps = {k: c for k, c in (self.clamps or {}).items() if k0 <= k < k1} or None
         table = {}
         if self.clamp_ptr is not None:
-            ca, cb = int(self.clamp_ptr_host[3 * layer]), int(self.clamp_ptr_host[3 * layer + 3])
+            ca, cb = int(self.clamp_ptr_host[k0]), int(self.clamp_ptr_host[k1])
             cptr = torch.zeros_like(self.clamp_ptr)
-            cptr[3 * layer + 1 : 3 * layer + 4] = self.clamp_ptr[3 * layer + 1 : 3 * layer + 4] - ca
-            cptr[3 * layer + 4 :] = cb - ca
+            cptr[k0 + 1 : k1 + 1] = self.clamp_ptr[k0 + 1 : k1 + 1] - ca
+            cptr[k1 + 1 :] = cb - ca
             table = dict(clamp_ptr=cptr, clamp_ops=self.clamp_ops[ca:cb].clone(),
                          clamp_params=self.clamp_params[ca:cb].clone())
         return StepEdits(ptr, self.ops[a:b].clone(), self.bank, empty, self.read_rows[:0], self.read_out[:0],
-                         clamps=clamps, **table)
+                         clamps=clamps, norm_eps=self.norm_eps, **table)
+
+
+def _beyond(ptr, sites: tuple[str, ...]) -> bool:
+    """Whether a per-site pointer (S L + 1,) has entries at a site not among `sites`."""
+    counts = (ptr[1:] - ptr[:-1]).reshape(-1, S)  # (L, S)
+    other = [i for s, i in SITE_INDEX.items() if s not in sites]
+    return bool(counts[:, other].any())
 
 
 def _window(ops: Tensor, row_offset: int, n: int) -> Tensor:
@@ -299,8 +331,9 @@ class EditTables:
     """Builds each forward's `StepEdits` from its segments. The bank is rebuilt only when the set of plans changes
     (in steady decoding it does not: the same sequences step after step)."""
 
-    def __init__(self, n_layers: int, dim: int, device: torch.device) -> None:
-        self.n_layers, self.dim, self.device = n_layers, dim, torch.device(device)
+    def __init__(self, n_layers: int, dim: int, device: torch.device, norm_eps: float) -> None:
+        """`norm_eps`: the model's RMSNorm epsilon (mlp_normalized's reads)."""
+        self.n_layers, self.dim, self.device, self.norm_eps = n_layers, dim, torch.device(device), norm_eps
         self._plans: list[InterventionPlan] = []  # held (not just their ids) so no new plan can reuse an id
         self._bank = torch.zeros(0, dim, device=self.device)
         self._base: dict[int, int] = {}
@@ -364,7 +397,7 @@ class EditTables:
                 cparams.append(np.tile(np.asarray(plan.clamp_params[ci], dtype=np.float64), (rows.size, 1)))
             clamps = clamps or None
             if cops:
-                cptr = np.searchsorted(np.concatenate(sites), np.arange(3 * L + 1)).astype(np.int64)
+                cptr = np.searchsorted(np.concatenate(sites), np.arange(S * L + 1)).astype(np.int64)
                 clamp_table = dict(clamp_ptr=torch.from_numpy(cptr).to(self.device),
                                    clamp_ops=torch.from_numpy(np.concatenate(cops)).to(self.device),
                                    clamp_params=torch.from_numpy(np.concatenate(cparams)).to(self.device))
@@ -377,24 +410,24 @@ class EditTables:
         if chunks:
             table = np.concatenate(chunks)
             table = table[np.argsort(table[:, 0], kind="stable")]
-            site_ptr = np.searchsorted(table[:, 0], np.arange(3 * L + 1)).astype(np.int64)
+            site_ptr = np.searchsorted(table[:, 0], np.arange(S * L + 1)).astype(np.int64)
             ops = table[:, 1:]
         else:
-            site_ptr, ops = np.zeros(3 * L + 1, dtype=np.int64), np.zeros((0, 4), dtype=np.int64)
-        # reads, site-major (k = 3 layer + s): for each site the reading segments' wanted rows
+            site_ptr, ops = np.zeros(S * L + 1, dtype=np.int64), np.zeros((0, 4), dtype=np.int64)
+        # reads, site-major (k = S layer + s): for each site the reading segments' wanted rows
         wanted: list[tuple[Segment, list[int]]] = []
         for s in reads:
             pos = [p for p in range(max(s.pos0, s.read_from), s.pos0 + s.n) if s.read.wants(p, s.num_prompt_tokens)]
             if pos:
                 wanted.append((s, pos))
-        per_site: list[list[int]] = [[] for _ in range(3 * L)]
+        per_site: list[list[int]] = [[] for _ in range(S * L)]
         layouts: list[tuple[Segment, list[int], list[int]]] = []
         for s, pos in wanted:
             for k in _read_sites(s.read):
                 per_site[k] += [s.row0 + p - s.pos0 for p in pos]
         for r in extra:
-            per_site[3 * r.layer + SITE_INDEX[r.site]] += r.rows
-        read_ptr = np.zeros(3 * L + 1, dtype=np.int64)
+            per_site[S * r.layer + SITE_INDEX[r.site]] += r.rows
+        read_ptr = np.zeros(S * L + 1, dtype=np.int64)
         read_ptr[1:] = np.cumsum([len(r) for r in per_site])
         cursor = read_ptr[:-1].copy()
         for s, pos in wanted:  # where each segment's rows land in read_out, per (layer, site) in the read's order
@@ -404,7 +437,7 @@ class EditTables:
                 cursor[k] += len(pos)
             layouts.append((s, pos, starts))
         for r in extra:  # after the segments' rows at its site, in the order given
-            k = 3 * r.layer + SITE_INDEX[r.site]
+            k = S * r.layer + SITE_INDEX[r.site]
             r.start = int(cursor[k])
             cursor[k] += len(r.rows)
         read_rows = np.asarray([r for rows in per_site for r in rows], dtype=np.int64)
@@ -412,13 +445,14 @@ class EditTables:
         edits = StepEdits(
             torch.from_numpy(site_ptr).to(dev), torch.from_numpy(np.ascontiguousarray(ops)).to(dev), self._bank,
             torch.from_numpy(read_ptr).to(dev), torch.from_numpy(read_rows).to(dev),
-            torch.zeros(len(read_rows), self.dim, device=dev), head_ptr, head_ops, clamps, **clamp_table)
+            torch.zeros(len(read_rows), self.dim, device=dev), head_ptr, head_ops, clamps, **clamp_table,
+            norm_eps=self.norm_eps)
         return edits, layouts
 
 
 def _read_sites(read: HiddenStateRead) -> list[int]:
-    """The sites k = 3 layer + s a read takes, layer-major (its values' column order)."""
-    return [3 * layer + SITE_INDEX[site] for layer in read.layers for site in read.sites]
+    """The sites k = S layer + s a read takes, layer-major (its values' column order)."""
+    return [S * layer + SITE_INDEX[site] for layer in read.layers for site in read.sites]
 
 
 def _template(pat, base: int) -> np.ndarray:

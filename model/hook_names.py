@@ -35,13 +35,16 @@ HF module paths (`modeling_llama.py`; EleutherAI sparsify names its folders afte
     model.layers.L.mlp.down_proj               input  -> (L, mlp_hidden)        output -> (L, mlp_output)
     model.layers.L.post_feedforward_layernorm  (Gemma's sandwich norm)          output -> (L, mlp_output)
 
-The sites of model/interventions.py that exist on every execution path (ENGINE_SITES), and those named here for
-dictionaries that the network does not hand its context yet (NEW_SITES):
+The sites of model/interventions.py that exist on every execution path (ENGINE_SITES: the block's D-wide SITES
+and head_output), among them those between the two sub-blocks,
 
-    embeddings       the residual stream's start, the embedding rows (times Granite's multiplier)     D
     resid_mid        h + attention_output: the stream between the attention and the MLP sub-blocks     D
     mlp_input        ffn_norm(resid_mid): the MLP's normed input, gain included (HF's mlp input)        D
     mlp_normalized   resid_mid / rms(resid_mid): the same without the gain (TL's ln2.hook_normalized)   D
+
+and those named here for dictionaries that the network does not hand its context yet (NEW_SITES):
+
+    embeddings       the residual stream's start, the embedding rows (times Granite's multiplier)     D
     mlp_hidden       silu(w1 x) * w3 x: the MLP's hidden activation, w2's input                          F
 
 Every name here is for the pre-norm LLaMA layout; a post-norm model (OLMo-2) puts its norms after each sub-block,
@@ -54,8 +57,9 @@ import re
 from dataclasses import dataclass
 
 # Sites of model/interventions.py a dictionary can read (head_output: all heads, flattened to H * E).
-ENGINE_SITES = ("attention_output", "mlp_output", "block_output", "head_output")
-NEW_SITES = ("embeddings", "resid_mid", "mlp_input", "mlp_normalized", "mlp_hidden")
+ENGINE_SITES = ("attention_output", "resid_mid", "mlp_normalized", "mlp_input", "mlp_output", "block_output",
+                "head_output")
+NEW_SITES = ("embeddings", "mlp_hidden")
 DICTIONARY_SITES = ENGINE_SITES + NEW_SITES
 NORM_SITES = ("resid_mid", "mlp_input", "mlp_normalized")  # named through a norm module or TL's ln2
 

@@ -1,9 +1,17 @@
 """Interventions: a request's edits of the residual stream, validated, and compiled per token position.
 
-An edit acts at one of three sites of block `layer` (model/transformer.py's `Block.forward` hands each to its
-attention context, `ctx.edit(layer, site, x)`):
+An edit acts at one of the sites of block `layer` (model/transformer.py's `Block.forward` hands each to its
+attention context, `ctx.edit(layer, site, x)`), in the block's order:
 
     attention_output   the attention sub-block's output wo(...), before its residual add      x (.., D)
+    resid_mid          the residual stream between the two sub-blocks, h + attention_output: what HF's
+                       post_attention_layernorm takes (TransformerLens' hook_resid_mid); an edit here is the
+                       stream's, so the MLP and every later block see it                       x (.., D)
+    mlp_normalized     resid_mid / rms(resid_mid), the MLP's normed input without the norm's gain
+                       (TransformerLens' ln2.hook_normalized): read only, taken from resid_mid after its edits
+                       (model/edits.py), never handed to the context                          x (.., D)
+    mlp_input          ffn_norm(resid_mid), the feed-forward's input, gain included (HF's mlp input; under
+                       post-norm, OLMo-2, resid_mid itself, as a copy: an edit there is the MLP's alone)  x (.., D)
     mlp_output         the feed-forward sub-block's output w2(...), before its residual add   x (.., D)
     block_output       the residual stream after the block (both adds): what a HF forward hook on the decoder
                        layer returns, where /inspect reports massive activations, and where llama.cpp adds a
@@ -52,8 +60,13 @@ import numpy as np
 import torch
 from torch import Tensor
 
-SITES = ("attention_output", "mlp_output", "block_output")
+# A block's sites in the order it computes them; site k = SITES_PER_BLOCK * layer + SITE_INDEX[site] in every table
+# (model/edits.py) and in the native step, whose numbering (csrc/ops.h's `Site`) must stay this one.
+SITES = ("attention_output", "resid_mid", "mlp_normalized", "mlp_input", "mlp_output", "block_output")
 SITE_INDEX = {s: i for i, s in enumerate(SITES)}
+SITES_PER_BLOCK = len(SITES)
+READ_ONLY_SITES = ("mlp_normalized",)  # computed for the rows that read it, edited nowhere
+EDIT_SITES = tuple(s for s in SITES if s not in READ_ONLY_SITES)
 HEAD_SITES = ("head_q", "head_k", "head_v", "head_output")
 HEAD_SITE_INDEX = {s: i for i, s in enumerate(HEAD_SITES)}
 
@@ -111,8 +124,10 @@ class Intervention:
             if not isinstance(self.head, int) or not 0 <= self.head < n:
                 raise bad("head", f"{self.head!r} is out of range [0, {n}) for {self.site}")
             dim = heads.head_dim
+        elif self.site in READ_ONLY_SITES:
+            raise bad("site", f"{self.site!r} is read, not edited (edit resid_mid or mlp_input instead)")
         elif self.site not in SITES:
-            raise bad("site", f"unknown {self.site!r}; choose from {list(SITES + HEAD_SITES)}")
+            raise bad("site", f"unknown {self.site!r}; choose from {list(EDIT_SITES + HEAD_SITES)}")
         elif self.head is not None:
             raise bad("head", f"only the head sites {list(HEAD_SITES)} take a head")
         if self.op not in OPS:
@@ -252,7 +267,7 @@ def compose(items: list[Intervention], dim: int) -> Entry:
 
 @dataclass
 class Pattern:
-    """The edits one token gets, as op templates sorted by site (k = 3 layer + site): vector indices into the
+    """The edits one token gets, as op templates sorted by site (k = SITES_PER_BLOCK layer + site): vector indices into the
     plan's `vectors` (-1: absent); and its edits of single heads, `heads` (S_h, 5): [k_h = 4 layer + head site,
     head, u, keep, put]."""
 
@@ -298,7 +313,7 @@ class InterventionPlan:
 
         def key(it: Intervention) -> tuple[int, ...]:  # residual sites (k,), head sites (k_h, head)
             if it.head is None:
-                return (3 * it.layer + SITE_INDEX[it.site],)
+                return (SITES_PER_BLOCK * it.layer + SITE_INDEX[it.site],)
             return (4 * it.layer + HEAD_SITE_INDEX[it.site], it.head)
 
         def compile_at(position: int) -> Pattern:
@@ -380,10 +395,10 @@ class InterventionPlan:
 class HiddenStateRead:
     """Which block outputs (residual stream) to return for a sequence, and at which positions: "last" (each
     generated token's own position p, the row its logits came from), "all" (every position the sequence
-    computes), or explicit indices. `sites` (default: the block output alone) may also name the sub-blocks'
-    outputs, `attention_output` and `mlp_output` (after any edit there, before their residual add): what an
-    activation-patching sweep copies (model/probes/patching.py). The values come back (positions, layers x sites,
-    D), layer-major: column j is layer layers[j // S], site sites[j % S]."""
+    computes), or explicit indices. `sites` (default: the block output alone) may name any of a block's SITES (after
+    any edit there; a sub-block's output before its residual add): what an activation-patching sweep copies
+    (model/probes/patching.py). The values come back (positions, layers x sites, D), layer-major: column j is layer
+    layers[j // S], site sites[j % S]."""
 
     layers: list[int]
     positions: str | tuple[int, ...] = "last"

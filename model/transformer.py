@@ -214,9 +214,10 @@ class Block(nn.Module):
         self.feed_forward = FeedForward(config, layer_idx)
 
     def forward(self, h: Tensor, cos: Tensor, sin: Tensor, ctx: AttentionContext) -> Tensor:
-        # (B, T, D) -> (B, T, D): the residual stream after both residual adds. The context may edit the three
-        # sites (model/interventions.py; contexts without edits return x as it is): a sub-block's output is what
-        # its residual add takes (post-normed, scaled by Granite's residual multiplier).
+        # (B, T, D) -> (B, T, D): the residual stream after both residual adds. The context may edit the block's
+        # sites (model/interventions.py's SITES, in this order; contexts without edits return x as it is): a
+        # sub-block's output is what its residual add takes (post-normed, scaled by Granite's residual multiplier);
+        # resid_mid the stream between the two; mlp_input what the feed-forward takes.
         layer = self.attention.layer_idx
         if self.post_norm:
             a = self.attention_norm(self.attention(h, cos, sin, ctx))  # (B, T, D)
@@ -224,8 +225,11 @@ class Block(nn.Module):
             a = self.attention(self.attention_norm(h), cos, sin, ctx)
         if self.residual_multiplier != 1.0:
             a = a * self.residual_multiplier
-        h = h + ctx.edit(layer, "attention_output", a)
-        m = self.ffn_norm(self.feed_forward(h, ctx)) if self.post_norm else self.feed_forward(self.ffn_norm(h), ctx)
+        h = ctx.edit(layer, "resid_mid", h + ctx.edit(layer, "attention_output", a))
+        if self.post_norm:  # no norm before the MLP: its input is the stream itself, handed as a copy (an edit there
+            m = self.ffn_norm(self.feed_forward(ctx.edit(layer, "mlp_input", h.clone()), ctx))  # is the MLP's alone)
+        else:
+            m = self.feed_forward(ctx.edit(layer, "mlp_input", self.ffn_norm(h)), ctx)
         if self.residual_multiplier != 1.0:
             m = m * self.residual_multiplier
         return ctx.edit(layer, "block_output", h + ctx.edit(layer, "mlp_output", m))

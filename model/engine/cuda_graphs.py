@@ -38,7 +38,7 @@ import torch
 from torch import Tensor
 
 from model.engine.forward_context import ForwardContext
-from model.engine.graph_edits import GraphEdits
+from model.engine.graph_edits import GRAPH_SITES, GraphEdits
 from model.engine.input_batch import InputBuffers, StepBatch
 from model.engine.paged_cache import AttentionMetadata, PagedKVCache
 from model.features.protocol import StepParts
@@ -129,7 +129,8 @@ class CudaGraphs:
         # featured graphs are captured for the features' state now (`features_changed`): none for it, no replay
         if self.capture and (key not in self.graphs or (featured and not self._current())):
             return False
-        return not edited or (self.edits.fits(batch.edits) and not batch.edits.reads_sub_blocks
+        return not edited or (self.edits.fits(batch.edits) and not batch.edits.reads_beyond(("block_output",))
+                              and not batch.edits.edits_beyond(GRAPH_SITES)
                               and not batch.edits.module_only and not batch.edits.has_clamps)
 
     def _bucket(self, n: int) -> int:

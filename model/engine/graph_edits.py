@@ -4,13 +4,15 @@ per row an index into a bank), for model/engine/cuda_graphs.py.
 A graph replays fixed kernels over fixed addresses, so the ragged table of model/edits.py (ops per site, of any
 length) is rewritten before each replay into dense per-site, per-row indices into a static bank:
 
-    idx    (3L, B, 3) int64    each row's entry at site k: bank rows of u, keep, put
-    on     (3L, B) bool        which rows have an entry there (the others are left exactly as they are)
+    idx    (S L, B, 3) int64   each row's entry at site k (model/edits.py's numbering): bank rows of u, keep, put
+    on     (S L, B) bool       which rows have an entry there (the others are left exactly as they are)
     bank   (2 + C, D) float32  row 0 zeros (no u, no put), row 1 ones (no keep), then the step's vectors
     hidden (L, B, D) float32   every block's output, for the step's hidden-state reads
 
-The captured forward applies, at every site, x -= (x . u) u; x = x * keep + put on the rows that are `on`:
-model/edits.py's `apply_dense`, the PyTorch definition of an edit, a handful of fixed-shape kernels. Graphs with these ops are
+The captured forward applies, at the sub-blocks' outputs and the block's output (GRAPH_SITES; a step editing or
+reading another site replays no graph, so the captured kernels stay three a block), x -= (x . u) u;
+x = x * keep + put on the rows that are `on`: model/edits.py's `apply_dense`, the PyTorch definition of an edit, a
+handful of fixed-shape kernels. Graphs with these ops are
 a second variant per bucket, replayed only for steps that edit or read something; the plain variant stays as it
 was. A step whose vectors exceed the bank's C rows runs on the module path.
 """
@@ -22,12 +24,14 @@ import torch
 from torch import Tensor
 
 from model.edits import StepEdits, apply_dense
-from model.interventions import SITE_INDEX
+from model.interventions import SITE_INDEX, SITES_PER_BLOCK
+
+GRAPH_SITES = ("attention_output", "mlp_output", "block_output")  # the sites a captured graph edits
 
 
 class GraphEdits:
     def __init__(self, n_layers: int, dim: int, max_rows: int, capacity: int, device: torch.device) -> None:
-        S, B = 3 * n_layers, max_rows
+        S, B = SITES_PER_BLOCK * n_layers, max_rows
         self.n_layers, self.capacity = n_layers, capacity
         self.idx = torch.zeros(S, B, 3, dtype=torch.long, device=device)
         self.on = torch.zeros(S, B, dtype=torch.bool, device=device)
@@ -60,10 +64,10 @@ class GraphEdits:
 
     def apply(self, layer: int, site: str, x: Tensor) -> Tensor:
         """x (1, b, D) in place, the first b rows of the buffers; records block outputs."""
-        if site not in SITE_INDEX:  # a head site: steps editing heads run the module path (`module_only`)
+        if site not in GRAPH_SITES:  # a head site or one of the stream's others: such steps replay no graph
             return x
         b = x.shape[1]
-        k = 3 * layer + SITE_INDEX[site]
+        k = SITES_PER_BLOCK * layer + SITE_INDEX[site]
         apply_dense(x[0], self.idx[k, :b], self.on[k, :b], self.bank)  # (b, D), the rows that are `on`
         if site == "block_output":
             self.hidden[layer, :b] = x[0].float()
@@ -72,7 +76,7 @@ class GraphEdits:
     def store_reads(self, edits: StepEdits) -> None:
         """After a replay: the step's reads from the recorded block outputs."""
         for layer in range(self.n_layers):
-            k = 3 * layer + 2  # block_output (the runner sends reads of other sites to the module path)
+            k = SITES_PER_BLOCK * layer + SITE_INDEX["block_output"]  # (steps reading other sites replay no graph)
             a, b = int(edits.read_ptr_host[k]), int(edits.read_ptr_host[k + 1])
             if a < b:
                 edits.read_out[a:b] = self.hidden[layer, edits.read_rows[a:b]]

@@ -121,7 +121,7 @@ class ModelRunner:
         # prefill chunks in one kernel launch per layer where the attention backend is Triton (CUDA); the pools'
         # backend is fixed once the model is loaded, so asked once
         self._prefill_tiles = cache.prefill_tiles
-        self.tables = EditTables(model.config.n_layers, model.config.dim, cache.device)
+        self.tables = EditTables(model.config.n_layers, model.config.dim, cache.device, model.config.norm_eps)
 
     def capture_graphs(self) -> None:
         if self.graphs is not None and self.graphs.capture:

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from model.attention import sdpa
-from model.interventions import HEAD_SITES, SITES
+from model.interventions import EDIT_SITES, HEAD_SITES
 from model.features.lora import LoRAAdapter
 from model.transformer import Transformer
 
@@ -48,7 +48,7 @@ class SiteCapture:
     adapter: LoRAAdapter | None = None
 
     def __post_init__(self) -> None:
-        if unknown := set(self.sites) - set(SITES + HEAD_SITES):
+        if unknown := set(self.sites) - set(EDIT_SITES + HEAD_SITES):  # (the sites a block hands its context)
             raise ValueError(f"sites: unknown {sorted(unknown)}")
 
     def _at(self, x: Tensor) -> Tensor:  # (1, T, ...) -> (P, ...) float32, a copy

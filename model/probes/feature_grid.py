@@ -36,7 +36,7 @@ from model.features.sae import Dictionary
 
 LOGIT_TOKENS = 10  # tokens listed per feature on each side
 # the sites an inspection's forward hands its attention context (model/transformer.py's `ctx.edit` calls)
-GRID_SITES = ("block_output", "attention_output", "mlp_output", "head_output")
+GRID_SITES = ("block_output", "attention_output", "resid_mid", "mlp_input", "mlp_output", "head_output")
 
 
 class FeatureGridTooLarge(ValueError):

@@ -25,7 +25,8 @@ Here a sweep runs on the serving engine as ordinary rows (service/microscope/rou
                  prefix cache serves their whole blocks.
 
 Sites: "block_output" (the residual stream after block l, what a HF forward hook on the decoder layer returns),
-"attention_output" and "mlp_output" (the sub-blocks' outputs before their residual adds); and per head (a cell per
+"attention_output" and "mlp_output" (the sub-blocks' outputs before their residual adds), "resid_mid" (the stream
+between them) and "mlp_input" (the MLP's normed input): the sites an intervention sets (EDIT_SITES); and per head (a cell per
 head: `heads` are query heads, and head_k / head_v sweep the KV heads those read): "head_output" (a head's output
 before wo, TransformerLens' hook_z), "head_q", "head_k", "head_v" (before RoPE: at one position the rotation is the
 same in both runs, so this is the same patch as after it). The source values of the head sites are read by one
@@ -39,7 +40,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from model.interventions import HEAD_SITES, SITES, HeadShape, HiddenStateRead, Intervention
+from model.interventions import EDIT_SITES, HEAD_SITES, HeadShape, HiddenStateRead, Intervention
 
 METRICS = ("logit_diff", "logprob")
 DIRECTIONS = ("denoise", "noise")
@@ -74,7 +75,7 @@ class PatchSweep:
     def validate(self, n_layers: int) -> None:
         """ValueError whose message starts with the field it is about ("layers: ...")."""
         T = self.num_tokens
-        known = SITES + HEAD_SITES
+        known = EDIT_SITES + HEAD_SITES
         if not self.sites or any(s not in known for s in self.sites):
             bad = [s for s in self.sites if s not in known]
             raise ValueError(f"sites: unknown {bad[0]!r}; choose from {list(known)}" if bad else "sites: give at least one")
@@ -109,7 +110,7 @@ class PatchSweep:
 
     @property
     def residual_sites(self) -> list[str]:
-        return [s for s in self.sites if s in SITES]
+        return [s for s in self.sites if s in EDIT_SITES]
 
     def heads_of(self, site: str) -> list[int | None]:
         """The head axis of a site: [None] at a residual site; the swept query heads, or for head_k / head_v the KV

@@ -54,7 +54,7 @@ class ProbeRun:
         edits = None
         if interventions:
             plan = InterventionPlan(interventions, num_prompt_tokens or T, c.n_layers, c.dim)
-            edits, _ = EditTables(c.n_layers, c.dim, model.device).build([Segment(0, 0, T, plan)])
+            edits, _ = EditTables(c.n_layers, c.dim, model.device, c.norm_eps).build([Segment(0, 0, T, plan)])
         self.ctx = ProbeAttention(opts, c.n_heads, c.n_kv_heads, every, set(self.report) if opts.mode != "none" else set(),
                                   edits, c.sliding_window, c.attention_multiplier, adapter)
         self.hidden_positions = (sorted(opts.hidden_positions) if opts.hidden_positions is not None else list(range(T))) \

@@ -19,7 +19,7 @@ import torch
 
 from model.features.sae import DictionaryError, DictionaryStore, FeatureClamp
 from model.hook_names import parse_hook
-from model.interventions import SITES, HiddenStateRead, Intervention, validate_all
+from model.interventions import EDIT_SITES, SITES, HiddenStateRead, Intervention, validate_all
 from service.common.errors import APIError
 from service.microscope.schemas import HiddenStatesOptions, InterventionItem
 from service.microscope.vectors import VectorStore
@@ -49,8 +49,11 @@ def to_edits(items: list[InterventionItem] | None, hidden: HiddenStatesOptions |
     """A request's `interventions` (as `to_interventions`) and `return_hidden_states`: both read, then both
     validated against the model, the interventions first."""
     out, names = _expand(items, store, saes, config)
-    read = None if hidden is None else HiddenStateRead(
-        _read_layers(hidden, config), hidden.positions if isinstance(hidden.positions, str) else tuple(hidden.positions))
+    read = None
+    if hidden is not None:
+        layers, site = _read_place(hidden, config)
+        read = HiddenStateRead(layers, hidden.positions if isinstance(hidden.positions, str) else tuple(hidden.positions),
+                               (site,))
     if out is not None:
         try:
             validate_all(out, n_layers, dim, names)
@@ -64,25 +67,31 @@ def to_edits(items: list[InterventionItem] | None, hidden: HiddenStatesOptions |
     return out, read
 
 
-def _read_layers(hidden: HiddenStatesOptions, config) -> list[int]:
-    """`layers`, or the blocks whose outputs `hooks` name (this field returns block outputs only)."""
+def _read_place(hidden: HiddenStatesOptions, config) -> tuple[list[int], str]:
+    """`layers` + `site` (default block_output), or the blocks and the one site that `hooks` name."""
     if (hidden.layers is None) == (hidden.hooks is None):
         raise _bad("return_hidden_states.layers", "give the blocks as `layers` or as `hooks`, one of the two",
                    "invalid_value")
     if hidden.layers is not None:
-        return list(hidden.layers)
-    layers = []
+        return list(hidden.layers), hidden.site or "block_output"
+    if hidden.site is not None:
+        raise _bad("return_hidden_states.site", "`hooks` name their site: leave out `site`", "invalid_value")
+    layers, site = [], None
     for i, name in enumerate(hidden.hooks):
         where = f"return_hidden_states.hooks[{i}]"
         try:
             hook = parse_hook(name, config=config, where=where)
         except ValueError as e:
             raise APIError(400, str(e), param=where, code="invalid_value") from None
-        if hook.site != "block_output":
-            raise _bad(where, f"{name!r} is {hook.site} of block {hook.layer}; this field returns block outputs "
-                              "(blocks.L.hook_resid_post, blocks.L+1.hook_resid_pre, model.layers.L)", "invalid_value")
+        if hook.site not in SITES:
+            raise _bad(where, f"{name!r} is {hook.site} of block {hook.layer}, which this field does not return "
+                              f"(it returns {list(SITES)})", "invalid_value")
+        if site not in (None, hook.site):
+            raise _bad(where, f"{name!r} is {hook.site} of block {hook.layer}; the hooks before it name {site}: "
+                              "one request returns one site", "invalid_value")
+        site = hook.site
         layers.append(hook.layer)
-    return layers
+    return layers, site
 
 
 def _place(it: InterventionItem, where: str, config) -> tuple[list[int] | None, str]:
@@ -97,10 +106,11 @@ def _place(it: InterventionItem, where: str, config) -> tuple[list[int] | None, 
         hook = parse_hook(it.hook, config=config, where=f"{where}.hook")
     except ValueError as e:
         raise _error(str(e)) from None
-    if hook.site not in SITES:
+    if hook.site not in EDIT_SITES:
         raise _bad(f"{where}.hook", f"{it.hook!r} is {hook.site} of block {hook.layer}, which interventions do not "
-                                    f"edit; they edit {list(SITES)} (blocks.L.hook_resid_post, hook_attn_out, "
-                                    "hook_mlp_out, model.layers.L[.self_attn | .mlp])")
+                                    f"edit; they edit {list(EDIT_SITES)} (blocks.L.hook_resid_post, hook_attn_out, "
+                                    "hook_resid_mid, hook_mlp_out, model.layers.L[.self_attn | .mlp], "
+                                    "model.layers.L.mlp.input)")
     return [hook.layer], hook.site
 
 
@@ -126,10 +136,10 @@ def _feature(it: InterventionItem, where: str, saes: DictionaryStore | None) -> 
                                        f"{d.hook_out.layer}, not the site it reads, so its features are not clamped "
                                        "(steer them with op 'add')")
     hook = d.hook_out if it.op == "add" else d.hook_in
-    if hook.site not in SITES:
+    if hook.site not in EDIT_SITES:
         raise _bad(f"{where}.feature.sae", f"{it.feature.sae!r} {'writes' if it.op == 'add' else 'reads'} "
                                            f"{hook.site} of block {hook.layer}, which interventions do not edit "
-                                           f"(they edit {list(SITES)})")
+                                           f"(they edit {list(EDIT_SITES)})")
     positions = it.positions if isinstance(it.positions, str) else tuple(it.positions)
     if it.op == "add":
         if it.value is not None:

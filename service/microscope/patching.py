@@ -27,7 +27,8 @@ from service.common.serving import Serving
 WAVE = 32  # cells a submission; two waves in flight keep the engine's batches full without filling its queue
 RESPONSE_BYTES_PER_CELL = 48  # two numbers of the grids as JSON, with separators
 RESIDUAL_SITES = ["attention_output", "mlp_output", "block_output"]  # what `sites: "all"` names
-PATCH_HOOK_SITES = (*RESIDUAL_SITES, "head_output")  # the sites a hook name can reach (model/hook_names.py)
+PATCH_HOOK_SITES = (*RESIDUAL_SITES, "resid_mid", "mlp_input", "head_output")  # what a hook name can reach here
+# (model/hook_names.py; mlp_normalized is read, never set, so it is not patched)
 
 
 def prompt_tokens(serving: Serving, value, add_generation_prompt: bool, field: str) -> list[int]:

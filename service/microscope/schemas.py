@@ -14,7 +14,8 @@ from service.common.fields import ChatMessage, Float, Int, NonEmptyText, TokenId
 
 LayerIndex = Int(ge=0, lt=1 << 16)
 HeadIndex = Int(ge=0, lt=1 << 16)
-PatchSite = Literal["block_output", "attention_output", "mlp_output", "head_output", "head_q", "head_k", "head_v"]
+PatchSite = Literal["block_output", "attention_output", "mlp_output", "resid_mid", "mlp_input", "head_output", "head_q",
+                    "head_k", "head_v"]
 Position = Int(ge=-(1 << 20), lt=1 << 20)  # negative: from the end
 TokenIndex = Int(ge=0, lt=1 << 20)
 VectorName = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")]
@@ -43,7 +44,7 @@ class InterventionItem(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True)
     layer: LayerIndex | Annotated[list[LayerIndex], Field(min_length=1, max_length=1024)] | None = None
-    site: Literal["block_output", "attention_output", "mlp_output"] | None = None
+    site: Literal["block_output", "attention_output", "mlp_output", "resid_mid", "mlp_input"] | None = None
     hook: HookName | None = None
     op: Literal["add", "set", "scale", "project_out", "clamp"] = "add"
     feature: FeatureRef | None = None  # add: scale x its decoder row; clamp: its activation held at `value`
@@ -60,11 +61,13 @@ Interventions = Annotated[list[InterventionItem], Field(max_length=256)]
 
 
 class HiddenStatesOptions(BaseModel):
-    """`return_hidden_states`: block outputs returned with each generated token, named by `layers` or by `hooks`
-    (names of block outputs: blocks.L.hook_resid_post, model.layers.L, ...)."""
+    """`return_hidden_states`: one site of some blocks (default their outputs) returned with each generated token,
+    named by `layers` + `site` or by `hooks` (names of one site: blocks.L.hook_resid_post, model.layers.L, ...)."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
     layers: Annotated[list[LayerIndex], Field(min_length=1, max_length=1024)] | None = None
+    site: Literal["block_output", "attention_output", "resid_mid", "mlp_normalized", "mlp_input",
+                  "mlp_output"] | None = None
     hooks: Annotated[list[HookName], Field(min_length=1, max_length=1024)] | None = None
     positions: Literal["last", "all"] | Annotated[list[TokenIndex], Field(min_length=1, max_length=4096)] = "last"
     dtype: Literal["float32", "float16"] = "float32"

@@ -29,6 +29,8 @@ def dictionaries():
         "topk": random_dictionary("topk", layer=0, site="mlp_output", seed=1, k=4, input_scale=4.0),
         "jumprelu": random_dictionary("jumprelu", layer=0, site="block_output", seed=2, apply_b_dec=True,
                                       normalize="constant_norm_rescale"),
+        "relu@resid_mid": random_dictionary("relu", layer=0, site="resid_mid", seed=3, input_scale=4.0),
+        "jumprelu@mlp_input": random_dictionary("jumprelu", layer=1, site="mlp_input", seed=4, apply_b_dec=True),
     }
 
 
@@ -91,22 +93,30 @@ def _clamp_hook(d, F: int, v: float, P: int, positions):
     return it, hook
 
 
-@pytest.mark.parametrize("name", ["relu", "topk", "jumprelu"])
+@pytest.mark.parametrize("name", ["relu", "topk", "jumprelu", "relu@resid_mid", "jumprelu@mlp_input"])
 def test_a_clamp_equals_the_hooked_forward(model, dictionaries, name):
     d = dictionaries[name]
     prompt = _prompts(1, seed=5, lo=12, hi=12)[0]
     it, hook = _clamp_hook(d, 3, 6.0, len(prompt), "all")
     block = model.layers[it.layer]
-    module = {"block_output": block, "attention_output": block.attention, "mlp_output": block.feed_forward}[it.site]
     got = serve(_engine(model, decode_graphs="off"), {"r": (prompt, greedy(6, prompt_logprobs=0), [it])})["r"]
-    ids, handle = list(prompt), module.register_forward_hook(hook)
+    ids, handles, seen = list(prompt), [], {}
+    if it.site == "resid_mid":  # the attention output that makes the stream h + a the clamped one
+        handles.append(block.register_forward_pre_hook(lambda m, a: seen.__setitem__("h", a[0])))
+        handles.append(block.attention.register_forward_hook(lambda m, a, o: hook(m, a, seen["h"] + o) - seen["h"]))
+    elif it.site == "mlp_input":  # the feed-forward's input
+        handles.append(block.feed_forward.register_forward_pre_hook(lambda m, a: (hook(m, a, a[0]), *a[1:])))
+    else:
+        module = {"block_output": block, "attention_output": block.attention, "mlp_output": block.feed_forward}[it.site]
+        handles.append(module.register_forward_hook(hook))
     try:
         with torch.inference_mode():
             for _ in range(6):
                 logits = model(torch.tensor([ids]))[0]
                 ids.append(int(logits[-1].argmax()))
     finally:
-        handle.remove()
+        for h in handles:
+            h.remove()
     assert got["tokens"] == ids[len(prompt):]
     want = logits.log_softmax(-1)[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])].tolist()
     assert got["prompt_lp"][1:] == pytest.approx(want, abs=1e-4)

@@ -51,6 +51,9 @@ def dictionary(kind: str, seed: int, hook: str = "blocks.1.hook_resid_post") -> 
     if kind == "mlp_out":
         kw.update(activation="relu", hook_in=parse_hook("blocks.0.hook_mlp_out"),
                   hook_out=parse_hook("blocks.0.hook_mlp_out"))
+    if kind in ("resid_mid", "mlp_input"):  # the stream between the sub-blocks; the MLP's normed input (HF's names)
+        name = {"resid_mid": "blocks.1.hook_resid_mid", "mlp_input": "model.layers.2.mlp.input"}[kind]
+        kw.update(activation="relu", hook_in=parse_hook(name), hook_out=parse_hook(name))
     return Dictionary(**kw)
 
 
@@ -125,7 +128,7 @@ def check_rows(hf, d: Dictionary, read: FeatureReadOptions, seq: list[int], rows
             assert a.error_norm is None
 
 
-KINDS = ["relu", "jumprelu", "topk", "gated", "transcoder", "mlp_out"]
+KINDS = ["relu", "jumprelu", "topk", "gated", "transcoder", "mlp_out", "resid_mid", "mlp_input"]
 
 
 @pytest.mark.parametrize("path", list(PATHS))
@@ -136,7 +139,7 @@ def test_served_features_equal_the_dictionary_on_hf_activations(models, path):
     e = engine(model, **PATHS[path])
     g = torch.Generator().manual_seed(1)
     reqs, reads, dicts = {}, {}, {}
-    # the decode graphs record block outputs only: steps reading a sub-block's output run another path
+    # the decode graphs record block outputs only: steps reading another site run another path
     for i, kind in enumerate(KINDS if path != "graph" else KINDS[:4]):
         d = dicts[kind] = dictionary(kind, seed=10 + i)
         positions = ("generated", "all", "prompt", (0, 3, 9, 14, 20))[i % 4] if path != "graph" else "generated"
@@ -246,7 +249,7 @@ def test_invalid_options_name_their_field(models):
                         (FeatureReadOptions("d", d, ids=(F,)), "features.ids"),
                         (FeatureReadOptions("d", d, positions="last"), "features.positions"),
                         (FeatureReadOptions("d", dictionary("transcoder", 51), error_norm=True), "features.error_norm"),
-                        (FeatureReadOptions("d", dictionary("relu", 52, hook="blocks.1.hook_resid_mid")),
+                        (FeatureReadOptions("d", dictionary("relu", 52, hook="hook_embed")),
                          "features.sae")]:
         with pytest.raises(ValueError) as err:
             e.check(RequestOptions(features=read))

@@ -30,7 +30,7 @@ def grid_of(model, ids, d, budget=None, top_k=3, feature_ids=None):
     return run.result().features
 
 
-@pytest.mark.parametrize("site", ["block_output", "mlp_output", "head_output"])
+@pytest.mark.parametrize("site", ["block_output", "mlp_output", "head_output", "resid_mid", "mlp_input"])
 def test_stepped_grid_equals_the_whole_run_and_the_captured_encode(site):
     model = tiny_model(seed=3, n_layers=3)
     ids = list(torch.randint(3, 250, (70,), generator=torch.Generator().manual_seed(1)).tolist())
@@ -67,8 +67,8 @@ def test_a_grid_too_large_for_the_response_stops_with_its_error():
 def test_sites_an_inspection_does_not_read_are_refused_naming_the_field():
     model = tiny_model(seed=3, n_layers=2)
     d = random_dictionary(model, 0, "block_output")
-    d.hook_in = Hook(0, "resid_mid")
-    with pytest.raises(ValueError, match="^features.sae: .*resid_mid"):
+    d.hook_in = Hook(0, "mlp_normalized")  # no tensor a block hands its context
+    with pytest.raises(ValueError, match="^features.sae: .*mlp_normalized"):
         ProbeRun(model, [5, 6, 7], ProbeOptions(include=frozenset()), features=FeatureRequest("d", d))
     with pytest.raises(ValueError, match="^features.ids: 24 is out of range"):
         ProbeRun(model, [5, 6, 7], ProbeOptions(include=frozenset()),

@@ -61,7 +61,7 @@ def test_a_steering_edit_equals_a_hooked_hf_forward(family):
     v = torch.randn(ours.config.dim, generator=g)
     items = [Intervention(1, "block_output", "add", "all", v / v.norm() * 4.0),
              Intervention(0, "block_output", "set", (0, 5), dims=(2, 17, 40), values=(0.0, 5.0, -3.0))]
-    handles = [hf_hook(hf, it) for it in items]
+    handles = [h for it in items for h in hf_hook(hf, it)]
     try:
         with torch.inference_mode():
             ref = hf(torch.tensor([IDS])).logits[0]
@@ -103,3 +103,97 @@ def test_engine_reads_and_telemetry_follow_hf(family):
         row = layer.maps.values[:, -1]  # (H, T): the last row's weights per head
         assert torch.allclose(last.sink_mass[layer.layer], row[:, 0], atol=1e-5), name
         assert torch.allclose(last.top_probs[layer.layer], row.topk(3).values, atol=1e-5), name
+
+
+def _hf_stream_hooks(name: str, hf, items: list[Intervention], seen: dict) -> list:
+    """HF hooks doing `items` (a `set` at resid_mid, an `add` at mlp_input, every position) in each family's layout,
+    and recording both sites into `seen` {(layer, site): (T, D)}. resid_mid is the stream after the attention's
+    residual add: the attention output a of `residual + a` (times Granite's multiplier; OLMo-2's post-norm output)
+    is replaced by the one that makes the sum the edited stream; mlp_input is the MLP's input (OLMo-2's has no norm
+    before it: the stream itself)."""
+    handles = []
+    for l, layer in enumerate(hf.model.layers):
+        mine = [it for it in items if it.layer == l]
+        kept = {}
+        handles.append(layer.register_forward_pre_hook(
+            lambda m, a, kw, kept=kept: kept.__setitem__("h", a[0] if a else kw["hidden_states"]), with_kwargs=True))
+
+        def edit(x, its):  # (1, T, D)
+            x = x.clone()
+            for it in its:
+                if it.op == "set":
+                    x[0, :, list(it.dims)] = torch.tensor(it.values)
+                else:
+                    x[0] += it.scale * it.vector
+            return x
+
+        mid = [it for it in mine if it.site == "resid_mid"]
+        mult = getattr(layer, "residual_multiplier", 1.0)
+
+        def stream(a, kept=kept, mid=mid, mult=mult):  # a as the add takes it -> (the edited stream - h), unscaled
+            s = edit(kept["h"] + a * mult, mid) if mid else kept["h"] + a * mult
+            return (s - kept["h"]) / mult
+
+        module = layer.post_attention_layernorm if name == "olmo2" else layer.self_attn
+        handles.append(module.register_forward_hook(
+            lambda m, a, o, stream=stream: (stream(o[0]),) + tuple(o[1:]) if isinstance(o, tuple) else stream(o)))
+
+        def mlp_in(m, a, l=l, mine=mine, kept=kept):
+            if name == "olmo2":  # the MLP's input is the stream itself
+                seen[(l, "resid_mid")] = a[0][0].float().clone()
+            x = edit(a[0], [it for it in mine if it.site == "mlp_input"])
+            seen[(l, "mlp_input")] = x[0].float().clone()
+            return (x, *a[1:])
+        handles.append(layer.mlp.register_forward_pre_hook(mlp_in))
+        if name != "olmo2":
+            handles.append(layer.post_attention_layernorm.register_forward_pre_hook(
+                lambda m, a, l=l: seen.__setitem__((l, "resid_mid"), a[0][0].float().clone())))
+    return handles
+
+
+def test_stream_sites_follow_hf(family):
+    """A set at block 0's resid_mid and an add at block 1's mlp_input in each family's layout: the module path's
+    logits equal HF's with the same edits as hooks (1e-4), and the engine's reads of both sites (native step, the
+    edits on) equal HF's tensors there (1e-5 of their scale)."""
+    name, ours, hf = family
+    v = torch.randn(ours.config.dim, generator=torch.Generator().manual_seed(2))
+    items = [Intervention(0, "resid_mid", "set", "all", dims=(3, 40), values=(6.0, -5.0)),
+             Intervention(1, "mlp_input", "add", "all", v / v.norm() * 3.0)]
+    seen: dict = {}
+    handles = _hf_stream_hooks(name, hf, items, seen)
+    try:
+        with torch.inference_mode():
+            ref = hf(torch.tensor([IDS])).logits[0]
+    finally:
+        for h in handles:
+            h.remove()
+    got = our_logits(ours, IDS, items)
+    with torch.inference_mode():
+        plain = hf(torch.tensor([IDS])).logits[0]
+    assert (got - ref).abs().max().item() <= 1e-4, name
+    assert (ref - plain).abs().max().item() > 1e-2
+
+    prompt = IDS[:14]
+    engine = Engine(ours, byte_tokenizer(), EngineConfig(num_blocks=32, block_size=4, max_num_batched_tokens=8))
+    engine.add_request("r", prompt, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True),
+                       RequestOptions(interventions=items,
+                                      hidden_states=HiddenStateRead([0, 1], "all", ("resid_mid", "mlp_input"))))
+    tokens, reads = [], []
+    while engine.has_unfinished():
+        for o in engine.step():
+            tokens += o.token_ids
+            reads += [o.hidden_states] if o.hidden_states is not None else []
+    assert engine.runner.path_counts["native"] > 0
+    seq = prompt + tokens
+    seen.clear()
+    handles = _hf_stream_hooks(name, hf, items, seen)
+    try:
+        with torch.inference_mode():
+            hf(torch.tensor([seq[:-1]]))
+    finally:
+        for h in handles:
+            h.remove()
+    values = torch.cat([h.values for h in reads])  # (T - 1, 2 x 2, D)
+    for j, key in enumerate((l, s) for l in (0, 1) for s in ("resid_mid", "mlp_input")):
+        want = seen[key]
+        assert ((values[:, j] - want).abs().max() / want.abs().max()).item() <= 1e-5, (name, key)

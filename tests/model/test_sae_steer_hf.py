@@ -85,7 +85,8 @@ def our_logits(model, ids: list[int], items: list[Intervention]) -> torch.Tensor
     T, bs = len(ids), 16
     cache = PagedKVCache.for_model(model, num_blocks=-(-T // bs), block_size=bs)
     plan = InterventionPlan(items, T, model.config.n_layers, model.config.dim)
-    edits, _ = EditTables(model.config.n_layers, model.config.dim, model.device).build([Segment(0, 0, T, plan)])
+    edits, _ = EditTables(model.config.n_layers, model.config.dim, model.device,
+                          model.config.norm_eps).build([Segment(0, 0, T, plan)])
     ctx = ForwardContext.from_slices(cache, [SeqSlice(0, T, T, list(range(-(-T // bs))))], edits)
     with torch.inference_mode():
         return model(torch.tensor([ids]), torch.arange(T)[None], ctx)[0]

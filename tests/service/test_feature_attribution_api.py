@@ -192,7 +192,7 @@ PATCH = {"clean": CLEAN, "corrupted": CORRUPTED, "answer": " ", "contrast": "x"}
                             "features": {"sae": "nothing"}}, "features.sae"),
     ("/inspect/attribute", {"method": "direct_logit", "prompt": CLEAN, "answer": " ", "contrast": "x",
                             "hook": HOOK}, "hook"),
-    ("/inspect/patch", {**PATCH, "hook": f"blocks.{LAYER}.hook_resid_mid"}, "hook"),  # not a patching site
+    ("/inspect/patch", {**PATCH, "hook": f"blocks.{LAYER}.ln2.hook_normalized"}, "hook"),  # read only: not patched
     ("/inspect/patch", {**PATCH, "hook": "blocks.0.hook_resid_pre"}, "hook"),  # the embeddings
     ("/inspect/patch", {**PATCH, "hook": f"blocks.{N_LAYERS}.hook_resid_post"}, "hook"),
     ("/inspect/patch", {**PATCH, "hook": "blocks.1.hook_nothing"}, "hook"),

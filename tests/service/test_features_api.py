@@ -46,6 +46,7 @@ def saes(tmp_path_factory) -> Path:
     write_saelens(root / "allowed" / "topk1")
     write_saelens(root / "allowed" / "relu0", "blocks.0.hook_mlp_out", "standard", seed=1)
     write_saelens(root / "allowed" / "mid", "blocks.1.hook_resid_mid", "standard", seed=2)
+    write_saelens(root / "allowed" / "post", "blocks.0.mlp.hook_post", "standard", seed=5, d_in=2 * D)  # F = 2 D wide
     write_saelens(root / "outside" / "other", seed=3)
     (root / "allowed" / "link").symlink_to(root / "outside" / "other")
     (root / "allowed" / "broken").mkdir()
@@ -57,7 +58,8 @@ def saes(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def live(tiny_live, saes):
     allowed = saes / "allowed"
-    settings = Settings(sae=[f"topk1={allowed / 'topk1'}", f"relu0={allowed / 'relu0'}", f"mid={allowed / 'mid'}"],
+    settings = Settings(sae=[f"topk1={allowed / 'topk1'}", f"relu0={allowed / 'relu0'}", f"mid={allowed / 'mid'}",
+                             f"post={allowed / 'post'}"],
                         sae_allowed_dirs=[str(allowed)], chat_template=TEMPLATE, sae_encoder="float32")
     with tiny_live(settings) as server:
         yield server
@@ -83,9 +85,12 @@ def reference(live, saes: Path, name: str, ids: list[int]) -> torch.Tensor:
     d = load_dictionary(saes / "allowed" / name)
     model = live.model
     block = model.layers[d.hook_in.layer]
-    module = {"block_output": block, "mlp_output": block.feed_forward}[d.hook_in.site]
     seen = {}
-    handle = module.register_forward_hook(lambda m, a, o: seen.__setitem__("x", o[0].float().clone()))
+    if d.hook_in.site == "resid_mid":  # the stream between the sub-blocks: the MLP's norm's input
+        handle = block.ffn_norm.register_forward_pre_hook(lambda m, a: seen.__setitem__("x", a[0][0].float().clone()))
+    else:
+        module = {"block_output": block, "mlp_output": block.feed_forward}[d.hook_in.site]
+        handle = module.register_forward_hook(lambda m, a, o: seen.__setitem__("x", o[0].float().clone()))
     try:
         with torch.inference_mode():
             model(torch.tensor([ids]))
@@ -150,7 +155,7 @@ def test_chat_and_responses_carry_features(live):
     ({"sae": "topk1", "positions": "last"}, "features.positions"),
     ({"sae": "topk1", "top_k": "8"}, "features.top_k"),
     ({"sae": "topk1", "extra": 1}, "features.extra"),
-    ({"sae": "mid"}, "features.sae"),  # loaded, but at a site the engine does not read yet
+    ({"sae": "post"}, "features.sae"),  # loaded, but at a site the engine does not read yet (F wide)
 ])
 def test_refusals_name_the_field_and_the_server_keeps_serving(live, features, param):
     for path, body in (("/v1/completions", {"prompt": "x", "max_tokens": 2}),
@@ -161,11 +166,32 @@ def test_refusals_name_the_field_and_the_server_keeps_serving(live, features, pa
     assert post(live, "/v1/completions", {"prompt": "x", "max_tokens": 2}).status_code == 200
 
 
+def test_a_dictionary_at_resid_mid_is_served_and_equals_the_reference(live, saes):
+    """blocks.1.hook_resid_mid (many SAELens releases read there): every row's features equal the dictionary's encode
+    of the stream after block 1's attention, read by a hook on the MLP's norm's input."""
+    body = {"prompt": "between the sub-blocks", "max_tokens": 4, "temperature": 0.0, "ignore_eos": True,
+            "features": {"sae": "mid", "top_k": 3, "positions": "all", "ids": [1, 7]}}
+    r = post(live, "/v1/completions", body)
+    assert r.status_code == 200, r.text
+    feats = r.json()["choices"][0]["features"]
+    prompt = live.app.state.server.loaded.tokenizer.encode(body["prompt"])
+    tokens = greedy_tokens(live.model, [prompt], 4)[0]
+    f = reference(live, saes, "mid", prompt + tokens[:3])
+    rows = feats["prompt"] + feats["tokens"]
+    assert [e["position"] for e in rows] == list(range(len(prompt) + 3))
+    tol = 1e-4 * f.abs().max().item()
+    for e in rows:
+        ref = f[e["position"]]
+        assert [t["activation"] for t in e["top"]] == pytest.approx(ref.topk(len(e["top"])).values.tolist(), abs=tol)
+        assert e["ids"] == pytest.approx(ref[[1, 7]].tolist(), abs=tol)
+    assert any(e["top"] for e in rows)  # features fire, so the equality means something
+
+
 def test_saes_are_listed_loaded_within_the_allowed_directories_and_unloaded(live, saes):
     r = httpx.get(live.url + "/v1/saes")
     assert r.status_code == 200
     listed = {d["name"]: d for d in r.json()["data"]}
-    assert set(listed) == {"topk1", "relu0", "mid"}
+    assert set(listed) == {"topk1", "relu0", "mid", "post"}
     assert listed["topk1"] | {} == {"name": "topk1", "object": "sae", "format": listed["topk1"]["format"],
                                     "hook_in": "blocks.1.hook_resid_post", "hook_out": "blocks.1.hook_resid_post",
                                     "d_in": D, "d_sae": F, "d_out": D, "activation": "topk", "k": 5,

@@ -29,7 +29,8 @@ DICTIONARIES = {
     "resid": ("blocks.1.hook_resid_post", "topk", 64, 48),
     "attn": ("blocks.0.hook_attn_out", "standard", 64, 40),
     "heads": ("blocks.2.attn.hook_z", "jumprelu", 64, 40),
-    "mid": ("blocks.1.hook_resid_mid", "standard", 64, 16),  # a site /inspect does not read yet
+    "mid": ("blocks.1.hook_resid_mid", "standard", 64, 40),
+    "normalized": ("blocks.1.ln2.hook_normalized", "standard", 64, 16),  # a site /inspect does not read yet
 }
 
 
@@ -87,7 +88,7 @@ def close(got: torch.Tensor, want: torch.Tensor) -> None:
     assert (got - want).abs().max().item() <= 1e-4 * scale, ((got - want).abs().max().item(), scale)
 
 
-@pytest.mark.parametrize("name", ["resid", "attn", "heads"])
+@pytest.mark.parametrize("name", ["resid", "attn", "heads", "mid"])
 def test_grid_equals_the_dictionarys_encode_of_hf_activations(grid_server, name):
     live, hf, paths = grid_server
     top_k, ids = 3, [0, 7]
@@ -158,7 +159,7 @@ def test_promoted_and_suppressed_tokens_equal_the_unembedding_of_each_direction(
 
 @pytest.mark.parametrize("features,param,fragment", [
     ({"sae": "nope"}, "features.sae", "no dictionary named 'nope'"),
-    ({"sae": "mid"}, "features.sae", "resid_mid"),
+    ({"sae": "normalized"}, "features.sae", "mlp_normalized"),
     ({"sae": "resid", "ids": [48]}, "features.ids", "out of range [0, 48)"),
     ({"sae": "resid", "ids": [3, 3]}, "features.ids", "repeat"),
     ({"sae": "resid", "top_k": 0}, "features.top_k", ""),

@@ -125,6 +125,60 @@ def test_grid_equals_hf_hooks(patch_server, direction, metric):
     assert ours[:, :, 0].sub(same).abs().max().item() <= 1e-4
 
 
+def hf_stream_patch(hf, source, target, answer, contrast, site: str, layer: int, position: int) -> float:
+    """One cell at resid_mid (the stream between the sub-blocks, post_attention_layernorm's input) or mlp_input (the
+    MLP's input), from the definition: keep the source's value there, and run the target with the stream (as the
+    attention output that makes `residual + attn` that value) or the MLP's input written at `position`."""
+    block = hf.model.layers[layer]
+    kept = {}
+    if site == "resid_mid":
+        h = block.post_attention_layernorm.register_forward_pre_hook(lambda m, a: kept.__setitem__("x", a[0][0].clone()))
+    else:
+        h = block.mlp.register_forward_pre_hook(lambda m, a: kept.__setitem__("x", a[0][0].clone()))
+    try:
+        hf_metric(hf, source, answer, contrast)
+    finally:
+        h.remove()
+    seen = {}
+    if site == "resid_mid":
+        def attn(m, a, out):
+            o = out[0].clone()
+            o[0, position] = kept["x"][position] - seen["h"][0, position]
+            return (o,) + tuple(out[1:])
+        handles = [block.register_forward_pre_hook(
+                       lambda m, a, kw: seen.__setitem__("h", a[0] if a else kw["hidden_states"]), with_kwargs=True),
+                   block.self_attn.register_forward_hook(attn)]
+    else:
+        def mlp_in(m, a):
+            x = a[0].clone()
+            x[0, position] = kept["x"][position]
+            return (x, *a[1:])
+        handles = [block.mlp.register_forward_pre_hook(mlp_in)]
+    try:
+        return hf_metric(hf, target, answer, contrast)
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def test_stream_sites_equal_hf_hooks(patch_server):
+    """Sites resid_mid and mlp_input (what an intervention sets there: the stream itself, and the MLP's input alone)."""
+    live, hf, _ = patch_server
+    tok = byte_tokenizer()
+    clean, corrupted = tok.encode(CLEAN), tok.encode(CORRUPTED)
+    answer, contrast = tok.encode(" ", add_bos=False)[0], tok.encode("x", add_bos=False)[0]
+    sites, layers, positions = ["resid_mid", "mlp_input"], [0, 2, 3], [10, 14, len(clean) - 1]
+    r = post(live, {"clean": CLEAN, "corrupted": CORRUPTED, "answer": " ", "contrast": "x", "sites": sites,
+                    "layers": layers, "positions": positions})
+    assert r.status_code == 200, r.text
+    got = torch.tensor(r.json()["raw"], dtype=torch.float64)  # (S, L, P)
+    ref = torch.tensor([[[hf_stream_patch(hf, clean, corrupted, answer, contrast, s, l, p) for p in positions]
+                         for l in layers] for s in sites], dtype=torch.float64)
+    print(f"stream sites: max |ours - HF| {(got - ref).abs().max():.2e}, grid spans [{ref.min():.2f}, {ref.max():.2f}]")
+    assert (got - ref).abs().max().item() <= 1e-4
+    assert ref.max() - ref.min() > 0.1  # cells differ, so the equality means something
+
+
 def test_rows_share_batches_with_traffic_and_the_prefix_cache(patch_server):
     """A sweep while completions stream: each completion's tokens are those it gets alone; the sweep's grid is HF's;
     cells past the first block took the target's blocks from the prefix cache."""

@@ -9,12 +9,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from model.features.protocol import InvalidOption
+from model.interventions import SITES
 
 MAX_TOP_K = 64
 MAX_IDS = 256
 POSITION_MODES = ("generated", "prompt", "all")
-# the sites every execution path reads a row at (model/edits.py's StepEdits reads)
-READ_SITES = ("attention_output", "mlp_output", "block_output")
+# the sites every execution path reads a row at (model/edits.py's StepEdits reads): a block's every D-wide site
+READ_SITES = SITES
 
 
 @dataclass(frozen=True, eq=False)

@@ -3,12 +3,14 @@
 // activation dtype, exactly as model/edits.py's `apply_reference` defines it. Rows no op names are not touched.
 //
 // The table (one forward's, `StepEdits`): ops (Q, 4) int64 [row, u, keep, put] (rows of bank (V, D) float32,
-// -1: absent). step_layers (step_layers.cpp) calls `apply_site` and then `read_site` at a block's three sites
-// (k = 3 layer + site: attention_output, mlp_output, block_output), with the whole table as its trailing argument
-// [site_ptr, ops, bank, read_ptr (3L + 1), read_rows, read_out, clamp_ptr (3L + 1), clamp_ops, clamp_params]: the
-// last three are the site's feature clamps, applied after its entries (`apply_clamps`).
+// -1: absent). step_layers (step_layers.cpp) calls `apply_site` and then `read_site` at a block's sites
+// (k = SITES_PER_BLOCK layer + site, ops.h's `Site`), with the whole table as its trailing argument
+// [site_ptr, ops, bank, read_ptr (S L + 1), read_rows, read_out, clamp_ptr (S L + 1), clamp_ops, clamp_params]: the
+// last three are the site's feature clamps, applied after its entries (`apply_clamps`). mlp_normalized has no
+// entries: `read_normalized` reads it from resid_mid.
 #include <algorithm>
 #include <cmath>
+#include <vector>
 
 #include "ops.h"
 #include "simd.h"
@@ -157,6 +159,30 @@ void read_site(const View& h, const std::vector<View>& edits, int64_t site) {
       for (int64_t d = 0; d < D; ++d) out[i * D + d] = to_f(src[d]);
     }
   }
+}
+
+template <typename T>
+static void read_normalized_impl(const T* h, int64_t D, const int64_t* rows, int64_t a, int64_t b, float* out,
+                                 float eps) {
+  const std::vector<T> ones(D, from_f<T>(1.f));
+  std::vector<T> row(D);
+  for (int64_t i = a; i < b; ++i) {
+    rms_norm_row(h + rows[i] * D, ones.data(), row.data(), D, eps);  // times 1: the normalized row as the norm rounds it
+    for (int64_t d = 0; d < D; ++d) out[i * D + d] = to_f(row[d]);
+  }
+}
+
+void read_normalized(const View& h, const std::vector<View>& edits, int64_t site, double eps) {
+  if (edits.empty()) return;
+  const int64_t* ptr = edits[3].data_ptr<int64_t>();
+  const int64_t a = ptr[site], b = ptr[site + 1];
+  if (a == b) return;
+  const int64_t* rows = edits[4].data_ptr<int64_t>();
+  float* out = edits[5].data_ptr<float>();
+  if (h.scalar_type() == kFloat)
+    read_normalized_impl<float>(h.data_ptr<float>(), h.size(1), rows, a, b, out, static_cast<float>(eps));
+  else
+    read_normalized_impl<bf16>(h.data_ptr<bf16>(), h.size(1), rows, a, b, out, static_cast<float>(eps));
 }
 
 }  // namespace ls

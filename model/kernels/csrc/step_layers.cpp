@@ -205,7 +205,7 @@ static void run_layers(Step<T>& s, const std::vector<std::vector<View>>& layers,
                        const std::vector<std::vector<Projection>>& proj, double eps, std::vector<View>& k_pools,
                        std::vector<View>& v_pools, const int64_t* slots, const View& q,
                        const View& att, const View& rows, const View& tables, const View& lens,
-                       const View& ht, const View& subt, const std::vector<View>& edits,
+                       const View& ht, const View& subt, const View& xnt, const std::vector<View>& edits,
                        const std::vector<View>& telemetry, const std::vector<Telemetry>& tel,
                        const std::vector<Own<T>>& own, const std::vector<std::vector<View>>& extras,
                        const Switches& sw, const LoRAStep<T>& lora) {
@@ -251,6 +251,26 @@ static void run_layers(Step<T>& s, const std::vector<std::vector<View>>& layers,
 #pragma omp barrier
       }
       return x;
+    };
+    // norm_for with edits (never the few-row path): every row normed into xn (under post_norm: h copied, so an edit
+    // of the MLP's input leaves the stream), the rows' edits and reads at `site` (mlp_input) by one thread, then
+    // rounded for p
+    const auto norm_edited = [&](const Projection& p, const View& w, int64_t site) -> const T* {
+      for (int64_t m = rb; m < re; ++m) {
+        if (sw.post_norm)
+          std::memcpy(s.xn + m * D, s.h + m * D, D * sizeof(T));
+        else
+          rms_norm_row(s.h + m * D, w.data_ptr<T>(), s.xn + m * D, D, feps);
+      }
+#pragma omp barrier
+#pragma omp single
+      {
+        apply_site(xnt, edits, site);
+        read_site(xnt, edits, site);
+      }
+      quantize_share(p, s.xn, N, s, tid, nt);
+#pragma omp barrier
+      return s.xn;
     };
     // this thread's rows of `sub` (a sub-block's output, rounded to T; already scaled unless post-normed) ->
     // post-normed by w and scaled, as the residual add takes them; then added to h (its rows), or edited and added
@@ -426,12 +446,21 @@ static void run_layers(Step<T>& s, const std::vector<std::vector<View>>& layers,
                             sw.window, sw.scale);
 #pragma omp barrier
       round_for(wo, s.att);
+      const int64_t k = SITES_PER_BLOCK * static_cast<int64_t>(l);  // the block's first site in the tables
       if (lora.at(l, 1))
-        project_out_adapted(wo, s.att, 3 * l, w[0], l, 1);
+        project_out_adapted(wo, s.att, k + ATTENTION_OUTPUT, w[0], l, 1);
       else
-        project_out(wo, s.att, via_sub, 3 * l, w[0]);  // attention_output
+        project_out(wo, s.att, via_sub, k + ATTENTION_OUTPUT, w[0]);
+      if (edited) {  // h is resid_mid now; its reads normed without the gain are mlp_normalized's
+#pragma omp single
+        {
+          apply_site(ht, edits, k + RESID_MID);
+          read_site(ht, edits, k + RESID_MID);
+          read_normalized(ht, edits, k + MLP_NORMALIZED, eps);
+        }
+      }
       // feed-forward: h + w2(silu(w1 x) * w3 x), x = norm(h)
-      const T* xf = norm_for(w13, w[1]);
+      const T* xf = edited ? norm_edited(w13, w[1], k + MLP_INPUT) : norm_for(w13, w[1]);
       project(w13, xf, acts, s, 16, tid, nt, [&](int64_t m, int64_t n, float y) { s.gu[m * 2 * F + n] = from_f<T>(y); });
 #pragma omp barrier
       if (lora.at(l, 2)) apply_lora(l, 2, xf, D, s.gu, 2 * F);
@@ -441,14 +470,14 @@ static void run_layers(Step<T>& s, const std::vector<std::vector<View>>& layers,
 #pragma omp barrier
       }
       if (lora.at(l, 3))
-        project_out_adapted(w2, act, 3 * l + 1, w[1], l, 3);
+        project_out_adapted(w2, act, k + MLP_OUTPUT, w[1], l, 3);
       else
-        project_out(w2, act, via_sub, 3 * l + 1, w[1]);  // mlp_output
+        project_out(w2, act, via_sub, k + MLP_OUTPUT, w[1]);
       if (edited) {
 #pragma omp single
         {
-          apply_site(ht, edits, 3 * l + 2);  // block_output
-          read_site(ht, edits, 3 * l + 2);
+          apply_site(ht, edits, k + BLOCK_OUTPUT);
+          read_site(ht, edits, k + BLOCK_OUTPUT);
         }
       }
       if (!telemetry.empty()) keep_rows(ht, rows, telemetry[0], telemetry[5], static_cast<int64_t>(l), rb, re);
@@ -463,7 +492,7 @@ static void run_layers(Step<T>& s, const std::vector<std::vector<View>>& layers,
 // (`PagedKVCache.set_step` with paged_prefill); extras: per block [bqkv, q_norm, k_norm] (each empty where the model
 // has none; the list empty: none at all); window, scale, residual, post_norm, qk_norm: the `Switches`; edits: the
 // step's interventions table (empty: none;
-// interventions.cpp), applied at the block's three sites as `Block.forward` hands them to its attention context;
+// interventions.cpp), applied at the block's sites (ops.h's `Site`) as `Block.forward` hands them to its attention context;
 // telemetry: empty (off), or model/features/telemetry/record.py's [slot (N,), sink_len (Rt,), sink_mass (L, Rt, H),
 // top_pos (L, Rt, H, k), top_prob (L, Rt, H, k), hidden (L, Rt, D)]: the attention telemetry of the rows with
 // slot >= 0, and their residual stream after each block; lora_rows, lora: the rows under LoRA adapters and each
@@ -597,7 +626,7 @@ void step_layers(const View& h, const std::vector<std::vector<View>>& layers, do
     float* lx = lora_x.data_ptr<float>();
     float* lf = lora_f.data_ptr<float>();
     const LoRAStep<float> ls{lora_rows, lora, roff, lx, lx + roff.back() * widest_in, lf, lf + lora_t};
-    run_layers(s, layers, proj, eps, kp, vp, sl, q, att, rows, tables, lens, h, sub, edits, telemetry, tel, owns(own_t.data_ptr<float>()),
+    run_layers(s, layers, proj, eps, kp, vp, sl, q, att, rows, tables, lens, h, sub, xn, edits, telemetry, tel, owns(own_t.data_ptr<float>()),
                extras, sw, ls);
   } else {
     Step<bf16> s{N, D, H, K, E, F, h.data_ptr<bf16>(), xn.data_ptr<bf16>(), qkv.data_ptr<bf16>(), att.data_ptr<bf16>(),
@@ -606,7 +635,7 @@ void step_layers(const View& h, const std::vector<std::vector<View>>& layers, do
     bf16* lx = lora_x.data_ptr<bf16>();
     float* lf = lora_f.data_ptr<float>();
     const LoRAStep<bf16> ls{lora_rows, lora, roff, lx, lx + roff.back() * widest_in, lf, lf + lora_t};
-    run_layers(s, layers, proj, eps, kp, vp, sl, q, att, rows, tables, lens, h, sub, edits, telemetry, tel, owns(own_t.data_ptr<bf16>()),
+    run_layers(s, layers, proj, eps, kp, vp, sl, q, att, rows, tables, lens, h, sub, xn, edits, telemetry, tel, owns(own_t.data_ptr<bf16>()),
                extras, sw, ls);
   }
 }
