@@ -131,6 +131,16 @@ void apply_edits(const View& x, const View& ops, const View& bank) {
     LS_CHECK(false, "apply_edits: float32 or bfloat16");
 }
 
+bool site_touched(const std::vector<View>& edits, int64_t site) {
+  if (edits.empty()) return false;
+  for (size_t i : {size_t(0), size_t(3), size_t(6)}) {  // site_ptr, read_ptr, clamp_ptr (where the table has clamps)
+    if (i >= edits.size()) break;
+    const int64_t* ptr = edits[i].data_ptr<int64_t>();
+    if (ptr[site] < ptr[site + 1]) return true;
+  }
+  return false;
+}
+
 void apply_site(const View& x, const std::vector<View>& edits, int64_t site) {
   if (edits.empty()) return;
   const int64_t* ptr = edits[0].data_ptr<int64_t>();

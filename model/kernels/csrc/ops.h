@@ -93,6 +93,8 @@ void apply_edits(const View& x, const View& ops, const View& bank);
 void apply_clamps(const View& x, const View& ops, const View& params, const View& bank);
 // A block's sites as model/interventions.py's SITES numbers them (the tables' site k = SITES_PER_BLOCK layer + site).
 enum Site : int64_t { ATTENTION_OUTPUT, RESID_MID, MLP_NORMALIZED, MLP_INPUT, MLP_OUTPUT, BLOCK_OUTPUT, SITES_PER_BLOCK };
+// Whether the table has work at `site` (edits, clamps or reads): a step's other sites keep the fused residual add.
+bool site_touched(const std::vector<View>& edits, int64_t site);
 void apply_site(const View& x, const std::vector<View>& edits, int64_t site);
 void read_site(const View& h, const std::vector<View>& edits, int64_t site);
 // The reads at `site` of h's rows normalized without a gain, x / rms(x) (rms_norm_row with a gain of ones).

@@ -210,10 +210,15 @@ static void run_layers(Step<T>& s, const std::vector<std::vector<View>>& layers,
                        const std::vector<Own<T>>& own, const std::vector<std::vector<View>>& extras,
                        const Switches& sw, const LoRAStep<T>& lora) {
   // Interventions (interventions.cpp) and telemetry run on one thread between barriers (`omp single`, whose own
-  // barrier ends it): they touch a few rows. With edits, a sub-block's output is rounded to T into `sub`, edited,
-  // then added: the module path's h + edit(a), bit for bit; without, the add is fused into the projection. A post-norm
-  // (OLMo-2) needs the whole row of the sub-block's output first: it goes through `sub` too.
-  const bool edited = !edits.empty(), via_sub = edited || sw.post_norm;
+  // barrier ends it): they touch a few rows. At a site the table edits or reads (`touched`), a sub-block's output is
+  // rounded to T into `sub`, edited, then added: the module path's h + edit(a), bit for bit; at every other site the
+  // add is fused into the projection, which is the same sum (the output rounded to T, then added): a step that steers
+  // or reads at one site of one block pays for that site alone, and keeps the few-row path. A post-norm (OLMo-2)
+  // needs the whole row of the sub-block's output first: it goes through `sub` at every site.
+  const bool edited = !edits.empty();
+  std::vector<char> touched(edited ? layers.size() * SITES_PER_BLOCK : 0);
+  for (size_t k = 0; k < touched.size(); ++k) touched[k] = site_touched(edits, static_cast<int64_t>(k));
+  const auto at = [&](int64_t k) { return edited && touched[k] != 0; };
   const bool scaled = sw.residual != 1.f;
   const float mult = sw.residual;
   // a sub-block's output y (float32, before rounding) as its residual add takes it: rounded to T, then (scaled)
@@ -222,7 +227,7 @@ static void run_layers(Step<T>& s, const std::vector<std::vector<View>>& layers,
   const auto plain_out = [](float y) { return round_to<T>(y); };
   const auto scaled_out = [mult](float y) { return round_to<T>(round_to<T>(y) * mult); };
   const int64_t N = s.N, D = s.D, H = s.H, K = s.K, E = s.E, F = s.F, QKV = (H + 2 * K) * E, R = rows.numel();
-  const bool few = !own.empty();  // the few-row path (FEW_ROWS): never with edits
+  const bool few = !own.empty();  // the few-row path (FEW_ROWS): never with edits or reads of the MLP's input
   const float feps = static_cast<float>(eps);
 #pragma omp parallel num_threads(num_threads())  // (never more threads than `own` holds)
   {
@@ -284,11 +289,11 @@ static void run_layers(Step<T>& s, const std::vector<std::vector<View>>& layers,
           if (scaled)
             for (int64_t n = 0; n < D; ++n) row[n] = from_f<T>(to_f(row[n]) * sw.residual);
         }
-        if (!edited)
+        if (!at(site))
           for (int64_t n = 0; n < D; ++n) s.h[m * D + n] = from_f<T>(to_f(s.h[m * D + n]) + to_f(row[n]));
       }
 #pragma omp barrier
-      if (edited) {
+      if (at(site)) {
 #pragma omp single
         add_edited(s, subt, edits, site);
       }
@@ -450,8 +455,8 @@ static void run_layers(Step<T>& s, const std::vector<std::vector<View>>& layers,
       if (lora.at(l, 1))
         project_out_adapted(wo, s.att, k + ATTENTION_OUTPUT, w[0], l, 1);
       else
-        project_out(wo, s.att, via_sub, k + ATTENTION_OUTPUT, w[0]);
-      if (edited) {  // h is resid_mid now; its reads normed without the gain are mlp_normalized's
+        project_out(wo, s.att, sw.post_norm || at(k + ATTENTION_OUTPUT), k + ATTENTION_OUTPUT, w[0]);
+      if (at(k + RESID_MID) || at(k + MLP_NORMALIZED)) {  // h is resid_mid now; its reads normed without the gain are mlp_normalized's
 #pragma omp single
         {
           apply_site(ht, edits, k + RESID_MID);
@@ -460,7 +465,7 @@ static void run_layers(Step<T>& s, const std::vector<std::vector<View>>& layers,
         }
       }
       // feed-forward: h + w2(silu(w1 x) * w3 x), x = norm(h)
-      const T* xf = edited ? norm_edited(w13, w[1], k + MLP_INPUT) : norm_for(w13, w[1]);
+      const T* xf = at(k + MLP_INPUT) ? norm_edited(w13, w[1], k + MLP_INPUT) : norm_for(w13, w[1]);
       project(w13, xf, acts, s, 16, tid, nt, [&](int64_t m, int64_t n, float y) { s.gu[m * 2 * F + n] = from_f<T>(y); });
 #pragma omp barrier
       if (lora.at(l, 2)) apply_lora(l, 2, xf, D, s.gu, 2 * F);
@@ -472,8 +477,8 @@ static void run_layers(Step<T>& s, const std::vector<std::vector<View>>& layers,
       if (lora.at(l, 3))
         project_out_adapted(w2, act, k + MLP_OUTPUT, w[1], l, 3);
       else
-        project_out(w2, act, via_sub, k + MLP_OUTPUT, w[1]);
-      if (edited) {
+        project_out(w2, act, sw.post_norm || at(k + MLP_OUTPUT), k + MLP_OUTPUT, w[1]);
+      if (at(k + BLOCK_OUTPUT)) {
 #pragma omp single
         {
           apply_site(ht, edits, k + BLOCK_OUTPUT);
@@ -607,7 +612,9 @@ void step_layers(const View& h, const std::vector<std::vector<View>>& layers, do
   const int64_t* sl = slots.data_ptr<int64_t>();
   // the few-row path's per-thread buffers (FEW_ROWS): xn (D), act (F), rounded activations, per row and thread
   // (post-norms and a q/k norm over the whole projection need whole rows between barriers: the many-row path)
-  const bool few = edits.empty() && !any_lora && N <= FEW_ROWS && E % 8 == 0 && !post_norm && qk_norm != 2;
+  bool mlp_input = false;  // an edit or read of the MLP's normed input: xn is shared then (norm_edited)
+  for (int64_t l = 0; l < L && !edits.empty(); ++l) mlp_input = mlp_input || site_touched(edits, SITES_PER_BLOCK * l + MLP_INPUT);
+  const bool few = !mlp_input && !any_lora && N <= FEW_ROWS && E % 8 == 0 && !post_norm && qk_norm != 2;
   const int64_t threads = few ? num_threads() : 0;
   const View own_t = alloc(dtype, {threads, N, D + F});
   std::vector<ActBuffers> own_acts(threads, ActBuffers(N, widest_in, any_k));
