@@ -112,7 +112,7 @@ def dumps_with_size_steps(body: dict) -> Generator[None, None, bytes]:
     """Compact JSON of `body` with `usage.response_bytes` set to the length of the body that carries it, yielding
     between pieces. `body` must hold a `usage` dict; its other keys are encoded once, its `usage` last of all, when
     the length is known (its own digits count too)."""
-    out: list[bytes] = []
+    out: list[bytes] = [b"{"]
     at = -1  # where the usage value goes
     size = 2  # the braces
     for n, (k, v) in enumerate(body.items()):
@@ -136,5 +136,6 @@ def dumps_with_size_steps(body: dict) -> Generator[None, None, bytes]:
             break
         usage["response_bytes"] = total
     out[at] = encoded
+    out.append(b"}")
     yield
-    return b"{" + b"".join(out) + b"}"
+    return b"".join(out)  # one copy of the whole
