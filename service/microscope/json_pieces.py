@@ -5,11 +5,11 @@ An inspection's response runs to tens of megabytes (attention maps, a feature gr
 whole encoding without returning to the interpreter loop), so wherever it runs, on the event loop or a worker thread,
 the engine thread and the event loop stand still for all of it: every request in flight stalls for that long. Made
 here instead as a generator of pieces, each one `json.dumps` call over at most `CHUNK` items of a list (each a
-scalar or a short list of them) or `STRING_CHUNK` characters of a string, whose caller (`PieceJob`, the engine
-thread's job) takes as many as a time budget allows.
+scalar or a short list of them) or `STRING_CHUNK` characters of a string, whose caller (service/microscope/probing.py
+`ThenRespond`, the engine thread's job) takes as many as a time budget allows.
 
 The bytes are those of `json.dumps(x, ensure_ascii=False, separators=(",", ":"), allow_nan=False)` where x holds
-finite floats only; a non-finite float (a model that overflows) becomes null, as `_nan_to_none` would make it.
+finite floats only; a non-finite float (a model that overflows) becomes null (`nan_to_none`).
 """
 
 from __future__ import annotations
@@ -22,8 +22,6 @@ CHUNK = 512  # list items per json.dumps call: each a scalar or a list of at mos
 SMALL = 16  # a list or dict of at most this many scalars is one item
 STRING_CHUNK = 1 << 16  # characters of a long string per json.dumps call (base64 maps run to megabytes)
 _SCALARS = frozenset({str, int, float, bool, type(None)})
-
-Steps = Generator[None, None, "object"]  # a computation that yields between bounded units of work
 
 
 def drain(steps: Generator):
