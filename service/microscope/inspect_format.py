@@ -9,8 +9,8 @@ any compute, so a request that would be too large costs nothing but its 413.
 from __future__ import annotations
 
 import base64
-import json
 import math
+from collections.abc import Generator
 from dataclasses import replace
 
 import numpy as np
@@ -20,10 +20,13 @@ from model.probes import (ActivationEntry, AttentionMaps, FeatureGridResult, Pro
                           estimate_map_elements)
 from model.text import IncrementalDetokenizer
 from model.text import Tokenizer
+from service.microscope.json_pieces import drain, dumps_with_size_steps
 
 BYTES_PER_VALUE = {"base64": 8 / 3, "list": 8.0}  # float16 in base64 (2 bytes x 4/3); a rounded decimal in JSON
 BYTES_PER_TOKEN = 80  # the token list entry
 BYTES_PER_NORM = 10  # one residual norm per token per layer
+# tokens (or features) per unit of a `*_steps` generator: each unit a few milliseconds of the engine thread's job
+ROWS_PER_UNIT = 64
 
 
 def estimate_bytes(opts: ProbeOptions, fmt: str, T: int, n_layers: int, n_heads: int, dim: int = 0,
@@ -103,12 +106,19 @@ def encode_maps(maps: AttentionMaps, opts: ProbeOptions, fmt: str) -> dict:
 def token_list(tok: Tokenizer, ids: list[int]) -> list[dict]:
     """Each token: id, its own text, its vocabulary piece, and its [start, end) span in the decoded sequence
     (a token that ends inside a UTF-8 character gets an empty span; the token completing it spans the character)."""
+    return drain(token_list_steps(tok, ids))
+
+
+def token_list_steps(tok: Tokenizer, ids: list[int]) -> Generator[None, None, list[dict]]:
+    """`token_list`, yielding every `ROWS_PER_UNIT` tokens."""
     detok = IncrementalDetokenizer(tok)
     out, pos = [], 0
     for i, t in enumerate(ids):
         delta = detok.feed(t)
         out.append({"index": i, "id": t, "text": tok.decode([t]), "piece": tok.id_to_token(t), "offset": [pos, pos + len(delta)]})
         pos += len(delta)
+        if i % ROWS_PER_UNIT == ROWS_PER_UNIT - 1:
+            yield
     return out
 
 
@@ -135,7 +145,14 @@ def summary(result: ProbeResult, tokens: list[dict], n_layers: int) -> dict:
 
 def render(result: ProbeResult, opts: ProbeOptions, fmt: str, tok: Tokenizer, n_layers: int,
            hidden_dtype: str = "float16") -> dict:
-    tokens = token_list(tok, result.token_ids)
+    """The response's tokens, layers, summary and prediction."""
+    return drain(render_steps(result, opts, fmt, tok, n_layers, hidden_dtype))
+
+
+def render_steps(result: ProbeResult, opts: ProbeOptions, fmt: str, tok: Tokenizer, n_layers: int,
+                 hidden_dtype: str = "float16") -> Generator[None, None, dict]:
+    """`render`, yielding between blocks of tokens and after each layer."""
+    tokens = yield from token_list_steps(tok, result.token_ids)
     layers = []
     for p in result.layers:
         layer = {"layer": p.layer, "max_abs": p.max_abs, "median_abs": p.median_abs,
@@ -156,6 +173,7 @@ def render(result: ProbeResult, opts: ProbeOptions, fmt: str, tok: Tokenizer, n_
         if p.hidden is not None:
             layer["hidden_states"] = {"positions": result.hidden_positions, "values": encode_array(p.hidden, fmt, hidden_dtype)}
         layers.append(layer)
+        yield
     out = {"tokens": tokens, "layers": layers, "summary": summary(result, tokens, n_layers)}
     if result.prediction is not None:
         pr = result.prediction
@@ -165,29 +183,10 @@ def render(result: ProbeResult, opts: ProbeOptions, fmt: str, tok: Tokenizer, n_
     return out
 
 
-def _nan_to_none(x):
-    if isinstance(x, float):
-        return _finite(x)
-    if isinstance(x, dict):
-        return {k: _nan_to_none(v) for k, v in x.items()}
-    if isinstance(x, list):
-        return [_nan_to_none(v) for v in x]
-    return x
-
-
 def dumps_with_size(body: dict) -> bytes:
-    """Compact JSON with `usage.response_bytes` set to the length of the body that carries it."""
-    body["usage"]["response_bytes"] = 0
-    try:
-        json.dumps(body, allow_nan=False)
-    except ValueError:  # a model that overflows (float16 inf, NaN) still gets a valid JSON answer: null there
-        body = _nan_to_none(body)
-    for _ in range(3):  # the size's own digits change the size; two rounds settle it
-        data = json.dumps(body, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
-        if body["usage"]["response_bytes"] == len(data):
-            break
-        body["usage"]["response_bytes"] = len(data)
-    return data
+    """Compact JSON with `usage.response_bytes` set to the length of the body that carries it; a model that
+    overflows (float16 inf, NaN) still gets a valid JSON answer: null there (service/microscope/json_pieces.py)."""
+    return drain(dumps_with_size_steps(body))
 
 
 def token_telemetry(t: TokenTelemetry) -> dict:
@@ -226,15 +225,26 @@ def feature_grid(g: FeatureGridResult, tok: Tokenizer) -> dict:
     """/inspect's `features` (model/probes/feature_grid.py): each token's top features as [id, activation] pairs,
     and each reported feature's activations as sparse parallel lists (`positions`, `activations`: the nonzero ones),
     its max and mean over the tokens, and the tokens its decoder direction promotes and suppresses."""
+    return drain(feature_grid_steps(g, tok))
+
+
+def feature_grid_steps(g: FeatureGridResult, tok: Tokenizer) -> Generator[None, None, dict]:
+    """`feature_grid`, yielding every `ROWS_PER_UNIT` tokens, entries or features."""
     d = g.dictionary
     by_token = []
-    for ids, values in zip(g.top_ids.tolist(), g.top_values.numpy()):
+    top_ids, top_values = g.top_ids.tolist(), g.top_values.numpy()
+    for r, (ids, values) in enumerate(zip(top_ids, top_values)):
         vals = _f32(values)
         by_token.append([[i, v] for i, v in zip(ids, vals) if i >= 0])
+        if r % ROWS_PER_UNIT == ROWS_PER_UNIT - 1:
+            yield
     # entries are sorted by feature: each feature's slice of them
     counts = np.bincount(g.entry_feature.numpy(), minlength=len(g.ids)) if len(g.ids) else np.zeros(0, dtype=np.int64)
     ends = np.cumsum(counts)
-    positions, values = g.entry_position.tolist(), _f32(g.entry_value.numpy())
+    positions, entry_values, values = g.entry_position.tolist(), g.entry_value.numpy(), []
+    for a in range(0, len(entry_values), ROWS_PER_UNIT * 16):
+        values += _f32(entry_values[a : a + ROWS_PER_UNIT * 16])
+        yield
     texts: dict[int, str] = {}
 
     def listed(ids, logits) -> list[dict]:
@@ -248,6 +258,8 @@ def feature_grid(g: FeatureGridResult, tok: Tokenizer) -> dict:
                          "activations": values[a:b],
                          "promotes": listed(g.promote_ids[u].tolist(), g.promote_logits[u].numpy()),
                          "suppresses": listed(g.suppress_ids[u].tolist(), g.suppress_logits[u].numpy())})
+        if u % ROWS_PER_UNIT == ROWS_PER_UNIT - 1:
+            yield
     return {"sae": g.name, "hook_name": _hook_name(d.hook_in), "layer": d.hook_in.layer, "site": d.hook_in.site,
             "d_sae": d.d_sae, "top_k": g.top_k, "num_tokens": len(by_token), "by_token": by_token,
             "features": features}

@@ -1,10 +1,12 @@
 """Inspections stepped on the engine thread between serving steps (`AsyncEngine.run_job`), on the weights and kernels
 that serve completions: the one runner /inspect, /v1/vectors and the `inspect` extension of /v1/completions share,
-and the length limit (--max-inspect-tokens) each of them checks before it submits anything."""
+the job that builds a response in the same slices (`ThenRespond`), and the length limit (--max-inspect-tokens) each
+of them checks before it submits anything."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Generator
 
 from fastapi import Request
 
@@ -24,6 +26,40 @@ def check_inspect_length(serving: Serving, T: int, param: str = "prompt") -> Non
     if T > limit:
         raise APIError(413, f"inspecting {T} tokens exceeds the limit of {limit} (max_inspect_tokens)",
                        param=param, code="inspect_too_long")
+
+
+class ThenRespond:
+    """An EngineJob: `job` to its end, then the response `respond()` builds from it, in the same slices of the
+    engine thread. `respond` returns a generator that yields between units of a few milliseconds of work and
+    returns the response's bytes (`data`).
+
+    Building a large response (an inspection's maps and feature grid, tens of megabytes of JSON) is pure Python and
+    one long C call per `json.dumps`, both under the GIL: on the event loop it stalls every stream, and on a worker
+    thread it holds the GIL the engine thread needs between its native calls, so every serving step waits for it.
+    On the engine thread, in the job's own slices, serving steps run between its units as they do between the
+    forward's chunks."""
+
+    def __init__(self, job, respond: Callable[[], Generator[None, None, bytes]]) -> None:
+        self.job, self.respond = job, respond
+        self.building: Generator[None, None, bytes] | None = None
+        self.data: bytes | None = None
+        self.units = 0  # the response's units run, for a test to see it built in pieces
+
+    def step(self, budget_s: float) -> bool:
+        t0 = time.perf_counter()
+        if self.building is None:
+            if not self.job.step(budget_s):
+                return False
+            self.building = self.respond()
+        while True:
+            try:
+                next(self.building)
+            except StopIteration as stop:
+                self.data = stop.value
+                return True
+            self.units += 1
+            if time.perf_counter() - t0 >= budget_s:
+                return False
 
 
 async def run_probe(serving: Serving, request: Request | None, ids: list[int], opts: ProbeOptions,

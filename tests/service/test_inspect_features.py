@@ -8,6 +8,8 @@ bad request a 400 naming its field, the server serving on."""
 from __future__ import annotations
 
 import json
+import threading
+from collections import Counter
 from pathlib import Path
 
 import httpx
@@ -201,3 +203,29 @@ def test_grid_over_prompt_and_completion_and_under_an_intervention(grid_server):
     for u, e in enumerate(g["features"]):
         dense[u, e["positions"]] = torch.tensor(e["activations"])
     close(dense, f[:, [e["id"] for e in g["features"]]].T)
+
+
+def test_the_response_is_built_and_encoded_on_the_engine_thread(grid_server, monkeypatch):
+    """Building an inspection's response (tokens, layers, the grid) and encoding it as JSON hold the GIL while they
+    run; on the event loop or a worker thread they stall every serving step for that long. Every unit of it runs on
+    the engine thread, as slices of the inspection's job (service/microscope/probing.py `ThenRespond`)."""
+    from service.microscope import inspect_format, json_pieces
+
+    live, _, _ = grid_server
+    seen: Counter = Counter()
+
+    def spy(module, name):
+        real = getattr(module, name)
+
+        def counted(*args):
+            seen[(name, threading.current_thread().name)] += 1
+            return real(*args)
+        monkeypatch.setattr(module, name, counted)
+
+    spy(json_pieces, "_dumps")  # the encoding's pieces
+    spy(inspect_format, "_f32")  # the grid's rows and entries
+    spy(inspect_format, "_entry")  # the layers' activation entries
+    r = post(live, {"features": {"sae": "resid", "top_k": 4}, "include": ["massive", "norms"]})
+    assert r.status_code == 200, r.text
+    assert {name for name, _ in seen} == {"_dumps", "_f32", "_entry"}
+    assert {thread for _, thread in seen} == {"llamascope-engine"}, seen

@@ -1,8 +1,9 @@
 """POST /inspect: attention maps and sinks, massive activations, residual norms, the logit lens and a dictionary's
 feature x token grid of a prompt (optionally after generating a completion).
 
-The probe runs on the engine thread as a job stepped one block at a time between serving steps
-(`AsyncEngine.run_job`), on the same weights and kernels that serve completions.
+The probe runs on the engine thread as a job stepped in bounded slices between serving steps (`AsyncEngine.run_job`),
+on the same weights and kernels that serve completions, and so does the building and encoding of its response
+(`ThenRespond`).
 """
 
 from __future__ import annotations
@@ -10,20 +11,21 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections.abc import Generator
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import Response
 
 from model.engine import RequestOptions, SamplingParams
 from model.features.sae import DictionaryError
 from model.interventions import Intervention
-from model.probes import FeatureGridTooLarge, FeatureRequest
+from model.probes import FeatureGridTooLarge, FeatureRequest, ProbeRun
 from service.microscope import inspect_format as fmt
 from service.common.errors import APIError
 from service.microscope.edit_fields import to_interventions
 from service.microscope.inspect_request import absolute, probe_options, request_tokens
-from service.microscope.probing import check_inspect_length, run_probe
+from service.microscope.json_pieces import dumps_with_size_steps
+from service.microscope.probing import ThenRespond, check_inspect_length, run_job
 from service.api.openai.format import now
 from service.common.runner import RunStats, start, until_disconnect
 from service.microscope.schemas import InspectRequest
@@ -81,6 +83,29 @@ def feature_request(serving: Serving, req: InspectRequest) -> FeatureRequest | N
     return out
 
 
+def _respond(serving: Serving, req: InspectRequest, probe: ProbeRun, ids: list[int], sequence: list[int],
+             completion: dict | None, num_interventions: int, adapter: str | None) -> Generator[None, None, bytes]:
+    """The body of a finished probe, built on the engine thread in the probe's slices (`ThenRespond`): yields
+    between units of work, returns the JSON."""
+    c, opts = serving.config, probe.opts
+    result = probe.result()
+    body = {"id": f"insp-{uuid.uuid4().hex[:24]}", "object": "inspection", "created": now(),
+            "model": adapter or serving.model_name,
+            "mode": opts.mode, "format": req.format,
+            "config": {"n_layers": c.n_layers, "n_heads": c.n_heads, "n_kv_heads": c.n_kv_heads,
+                       "head_dim": c.head_dim, "dim": c.dim, "vocab_size": c.vocab_size},
+            "layers_selected": opts.selected_layers(c.n_layers), "heads_selected": result.heads,
+            "kv_groups": result.kv_groups, "num_prompt_tokens": len(ids), "completion": completion,
+            "interventions": num_interventions}
+    body.update((yield from fmt.render_steps(result, opts, req.format, serving.tokenizer, c.n_layers,
+                                             req.hidden_dtype)))
+    if result.features is not None:
+        body["features"] = yield from fmt.feature_grid_steps(result.features, serving.tokenizer)
+    body["usage"] = {"prompt_tokens": len(ids), "completion_tokens": len(sequence) - len(ids),
+                     "total_tokens": len(sequence), "compute_ms": round(result.compute_ms, 1), "response_bytes": 0}
+    return (yield from dumps_with_size_steps(body))
+
+
 @router.post("/inspect")
 async def inspect(req: InspectRequest, request: Request, serving: Serving = Depends(get_serving)):
     adapter = serving.check_model(req.model, adapters=True)  # the whole inspection under a LoRA adapter, or the base
@@ -102,26 +127,14 @@ async def inspect(req: InspectRequest, request: Request, serving: Serving = Depe
         opts.rows = absolute(req.rows, T, "rows")
         opts.hidden_positions = absolute(req.hidden_positions, T, "hidden_positions")
     sequence = ids + (completion["token_ids"] if completion else [])
+    probe = serving.new_probe(sequence, opts, interventions, len(ids), adapter, features)
+    job = ThenRespond(probe, lambda: _respond(serving, req, probe, ids, sequence, completion, len(interventions or []),
+                                              adapter))
     try:
-        run = await run_probe(serving, request, sequence, opts, interventions, len(ids), adapter, features)
+        await run_job(serving, request, job, len(sequence))
     except FeatureGridTooLarge as e:
         raise APIError(413, str(e), param="features.top_k", code="inspect_too_large") from None
-    result = run.result()
-    body = {"id": f"insp-{uuid.uuid4().hex[:24]}", "object": "inspection", "created": now(),
-            "model": adapter or serving.model_name,
-            "mode": opts.mode, "format": req.format,
-            "config": {"n_layers": c.n_layers, "n_heads": c.n_heads, "n_kv_heads": c.n_kv_heads, "head_dim": c.head_dim,
-                       "dim": c.dim, "vocab_size": c.vocab_size},
-            "layers_selected": opts.selected_layers(c.n_layers), "heads_selected": result.heads,
-            "kv_groups": result.kv_groups, "num_prompt_tokens": len(ids), "completion": completion,
-            "interventions": len(interventions or [])}
-    body.update(await run_in_threadpool(fmt.render, result, opts, req.format, serving.tokenizer, c.n_layers,
-                                        req.hidden_dtype))
-    if result.features is not None:
-        body["features"] = await run_in_threadpool(fmt.feature_grid, result.features, serving.tokenizer)
-    body["usage"] = {"prompt_tokens": len(ids), "completion_tokens": len(sequence) - len(ids), "total_tokens": len(sequence),
-                     "compute_ms": round(result.compute_ms, 1), "response_bytes": 0}
-    data = await run_in_threadpool(fmt.dumps_with_size, body)
+    result = probe.result()
     log.info("inspect tokens=%d mode=%s layers=%d compute_ms=%.0f latency_ms=%.0f bytes=%d", len(sequence), opts.mode,
-             len(result.layers), result.compute_ms, (time.perf_counter() - started) * 1e3, len(data))
-    return Response(data, media_type="application/json")
+             len(result.layers), result.compute_ms, (time.perf_counter() - started) * 1e3, len(job.data))
+    return Response(job.data, media_type="application/json")
