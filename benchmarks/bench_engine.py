@@ -71,7 +71,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     e.add_argument("--intervened-rounds", type=int, default=3)
     e.add_argument("--steer-sae", metavar="PATH",
                    help="with --intervened-fraction: the intervened requests steer by a feature of this dictionary "
-                        "instead (each its own feature, all positions; docs/inspection.md#steering-by-feature)")
+                        "instead (each its own feature, all positions; docs/inspection.md#steering-by-feature); "
+                        "'random-jumprelu': a random 4,096-feature JumpReLU at block 15's output "
+                        "(benchmarks/features_cost.py's write_sae)")
     e.add_argument("--steer-op", choices=["add", "clamp"], default="add",
                    help="with --steer-sae: add scale x the feature's decoder row, or clamp its activation")
     e.add_argument("--steer-amount", type=float, default=8.0, help="with --steer-sae: add's scale, clamp's value")
@@ -233,7 +235,16 @@ def _intervened_phase(args, lm, config, workload, sizes, clock) -> dict:
     if args.steer_sae:
         from model.features.sae import load_dictionary
 
-        d = load_dictionary(args.steer_sae, config=lm.model.config)
+        if args.steer_sae == "random-jumprelu":
+            import tempfile
+
+            from benchmarks.features_cost import write_sae
+
+            folder = Path(tempfile.mkdtemp()) / "random-jumprelu"
+            write_sae(folder, lm.model.config.dim, 4096, "blocks.15.hook_resid_post", architecture="jumprelu")
+            d = load_dictionary(folder, config=lm.model.config)
+        else:
+            d = load_dictionary(args.steer_sae, config=lm.model.config)
         edits = [ours.steer_by_feature(d, args.steer_op, i, args.steer_amount) if i % every == 0 else None
                  for i in range(n)]
         what = f"{args.steer_op} of one feature of {Path(args.steer_sae).name} ({args.steer_amount:g}), all positions, " \

@@ -36,14 +36,17 @@ from benchmarks.serve_throughput import ROOT, Server
 WORDS = "the of and to in is was for on that with as by at from it an be this are".split()
 
 
-def write_sae(folder: Path, d_in: int, d_sae: int, hook: str, k: int = 32) -> None:
+def write_sae(folder: Path, d_in: int, d_sae: int, hook: str, k: int = 32, architecture: str = "topk") -> None:
+    """A random dictionary in SAELens' format: TopK (k) or JumpReLU (thresholds uniform in [0, 1))."""
     folder.mkdir(parents=True, exist_ok=True)
     g = torch.Generator().manual_seed(0)
-    save_file({"W_enc": torch.randn(d_in, d_sae, generator=g) / d_in**0.5, "b_enc": torch.zeros(d_sae),
-               "W_dec": torch.randn(d_sae, d_in, generator=g) / d_sae**0.5, "b_dec": torch.zeros(d_in)},
-              str(folder / "sae_weights.safetensors"))
+    tensors = {"W_enc": torch.randn(d_in, d_sae, generator=g) / d_in**0.5, "b_enc": torch.zeros(d_sae),
+               "W_dec": torch.randn(d_sae, d_in, generator=g) / d_sae**0.5, "b_dec": torch.zeros(d_in)}
+    if architecture == "jumprelu":
+        tensors["threshold"] = torch.rand(d_sae, generator=g)
+    save_file(tensors, str(folder / "sae_weights.safetensors"))
     (folder / "cfg.json").write_text(json.dumps({
-        "architecture": "topk", "d_in": d_in, "d_sae": d_sae, "k": k, "dtype": "float32",
+        "architecture": architecture, "d_in": d_in, "d_sae": d_sae, "k": k, "dtype": "float32",
         "apply_b_dec_to_input": False, "normalize_activations": "none",
         "metadata": {"hook_name": hook, "sae_lens_version": "6.54.12"}}))
 
