@@ -61,7 +61,12 @@ def test_a_steering_edit_equals_a_hooked_hf_forward(family):
     v = torch.randn(ours.config.dim, generator=g)
     items = [Intervention(1, "block_output", "add", "all", v / v.norm() * 4.0),
              Intervention(0, "block_output", "set", (0, 5), dims=(2, 17, 40), values=(0.0, 5.0, -3.0))]
-    handles = [h for it in items for h in hf_hook(hf, it)]
+    assert_edits_follow_hooks(ours, hf, items, [h for it in items for h in hf_hook(hf, it)])
+
+
+def assert_edits_follow_hooks(ours, hf, items, handles, name: str = "") -> None:
+    """Our logits under `items` equal HF's with `handles` (its forward hooks doing the same) within 1e-4, and the
+    edits move HF's logits (the hooks are removed once run)."""
     try:
         with torch.inference_mode():
             ref = hf(torch.tensor([IDS])).logits[0]
@@ -71,7 +76,7 @@ def test_a_steering_edit_equals_a_hooked_hf_forward(family):
     got = our_logits(ours, IDS, items)
     with torch.inference_mode():
         plain = hf(torch.tensor([IDS])).logits[0]
-    assert (got - ref).abs().max().item() <= 1e-4
+    assert (got - ref).abs().max().item() <= 1e-4, name
     assert (ref - plain).abs().max().item() > 1e-2
 
 
@@ -160,18 +165,7 @@ def test_stream_sites_follow_hf(family):
     items = [Intervention(0, "resid_mid", "set", "all", dims=(3, 40), values=(6.0, -5.0)),
              Intervention(1, "mlp_input", "add", "all", v / v.norm() * 3.0)]
     seen: dict = {}
-    handles = _hf_stream_hooks(name, hf, items, seen)
-    try:
-        with torch.inference_mode():
-            ref = hf(torch.tensor([IDS])).logits[0]
-    finally:
-        for h in handles:
-            h.remove()
-    got = our_logits(ours, IDS, items)
-    with torch.inference_mode():
-        plain = hf(torch.tensor([IDS])).logits[0]
-    assert (got - ref).abs().max().item() <= 1e-4, name
-    assert (ref - plain).abs().max().item() > 1e-2
+    assert_edits_follow_hooks(ours, hf, items, _hf_stream_hooks(name, hf, items, seen), name)
 
     prompt = IDS[:14]
     engine = Engine(ours, byte_tokenizer(), EngineConfig(num_blocks=32, block_size=4, max_num_batched_tokens=8))

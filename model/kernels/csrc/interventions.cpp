@@ -152,13 +152,22 @@ void apply_site(const View& x, const std::vector<View>& edits, int64_t site) {
   if (ca < cb) apply_clamps(x, edits[7].narrow(0, ca, cb - ca), edits[8].narrow(0, ca, cb - ca), edits[2]);
 }
 
-void read_site(const View& h, const std::vector<View>& edits, int64_t site) {
-  if (edits.empty()) return;
+// The reads at `site`: entries [a, b) of read_rows and read_out (a == b: none).
+struct SiteReads {
+  int64_t a = 0, b = 0;
+  const int64_t* rows = nullptr;
+  float* out = nullptr;
+};
+
+static SiteReads reads_at(const std::vector<View>& edits, int64_t site) {
+  if (edits.empty()) return {};
   const int64_t* ptr = edits[3].data_ptr<int64_t>();
-  const int64_t a = ptr[site], b = ptr[site + 1];
+  return {ptr[site], ptr[site + 1], edits[4].data_ptr<int64_t>(), edits[5].data_ptr<float>()};
+}
+
+void read_site(const View& h, const std::vector<View>& edits, int64_t site) {
+  const auto [a, b, rows, out] = reads_at(edits, site);
   if (a == b) return;
-  const int64_t* rows = edits[4].data_ptr<int64_t>();
-  float* out = edits[5].data_ptr<float>();
   const int64_t D = h.size(1);
   for (int64_t i = a; i < b; ++i) {
     if (h.scalar_type() == kFloat) {
@@ -183,12 +192,8 @@ static void read_normalized_impl(const T* h, int64_t D, const int64_t* rows, int
 }
 
 void read_normalized(const View& h, const std::vector<View>& edits, int64_t site, double eps) {
-  if (edits.empty()) return;
-  const int64_t* ptr = edits[3].data_ptr<int64_t>();
-  const int64_t a = ptr[site], b = ptr[site + 1];
+  const auto [a, b, rows, out] = reads_at(edits, site);
   if (a == b) return;
-  const int64_t* rows = edits[4].data_ptr<int64_t>();
-  float* out = edits[5].data_ptr<float>();
   if (h.scalar_type() == kFloat)
     read_normalized_impl<float>(h.data_ptr<float>(), h.size(1), rows, a, b, out, static_cast<float>(eps));
   else
