@@ -26,21 +26,20 @@ and edits of single attention heads (model/interventions.py's head sites), besid
     head_ops  (Q_h, 5) int64       [row, head, u, keep, put], sorted by row; the vectors are the first E entries of
                                    `bank` rows
 
-and feature clamps (model/features/sae/steer.py), applied at a site after its ops, x += (v - f_F(x)) s(x) d_F: those
-of elementwise dictionaries as a table like the ops,
+and feature clamps (model/features/sae/steer.py), applied at a site after its ops, x += (v - f_F(x)) s(x) d_F, as a
+table like the ops,
 
     clamp_ptr    (S L + 1,) int64 site k's clamps are clamp_ops[clamp_ptr[k] : clamp_ptr[k + 1]], in order (a row's
                                   clamps in its request's order: each reads x as the one before left it)
     clamp_ops    (Qc, 4) int64    [row, w_F, d_F, b_dec (-1: not subtracted from the input)], rows of `bank`
-    clamp_params (Qc, 6) float64  [activation, b_enc_F, threshold_F or b_mag_F, exp(r_mag_F), v, normalization]
+    clamp_params (Qc, 7) float64  [activation, b_enc_F, threshold_F or b_mag_F or k, exp(r_mag_F) or the encoder's
+                                  index, v, normalization, F]
                                   (codes: steer.py's KIND, NORM)
+    encoders     [W_enc^T (F, D), b_enc (F,), ...] float32: the TopK and GroupMax dictionaries' encoders, whose
+                                  encode of a row says whether F is selected
 
-and those that need the full encode (TopK, GroupMax), after them, as PyTorch on the module path:
-
-    clamps    {k: [(rows (n,) int64, clamp), ...]}   site k's, each on its rows, in the requests' order
-
-A step with head ops or full-encode clamps runs the module path (the fused native step and the CUDA graphs leave
-`module_only` steps to it), and the CUDA graphs leave another path any step with a clamp, an edit at a site they do
+A step with head ops runs the module path (the fused native step and the CUDA graphs leave `module_only` steps to
+it), and the CUDA graphs leave another path any step with a clamp, an edit at a site they do
 not edit or a read of one they do not record (`edits_beyond`, `reads_beyond`). An entry is applied in float32
 whatever the activation dtype: x -= (x . u) u (the dot product accumulated in float64), then x = x * keep + put,
 rounded once to the activation dtype. For a single `add` that is x + v, for a `set` the value itself: bitwise what a
@@ -52,7 +51,7 @@ bitwise); `apply_reference` is the PyTorch definition.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -76,10 +75,10 @@ class StepEdits:
     read_out: Tensor  # (K, D) float32
     head_ptr: Tensor | None = None  # (4L + 1,) int64, None: no head ops
     head_ops: Tensor | None = None  # (Q_h, 5) int64
-    clamps: dict[int, list[tuple[Tensor, object]]] | None = None  # site k -> (rows (n,) int64, FeatureClamp)
-    clamp_ptr: Tensor | None = None  # (S L + 1,) int64, None: no table clamps
+    clamp_ptr: Tensor | None = None  # (S L + 1,) int64, None: no clamps
     clamp_ops: Tensor | None = None  # (Qc, 4) int64
-    clamp_params: Tensor | None = None  # (Qc, 6) float64
+    clamp_params: Tensor | None = None  # (Qc, 7) float64
+    encoders: list[Tensor] = field(default_factory=list)  # [W_enc^T (F, D), b_enc (F,), ...] float32
     norm_eps: float = 1e-5  # the model's RMSNorm epsilon: mlp_normalized's reads
 
     def __post_init__(self) -> None:
@@ -94,13 +93,12 @@ class StepEdits:
 
     @property
     def has_clamps(self) -> bool:
-        return bool(self.clamps) or (self.clamp_ops is not None and self.clamp_ops.shape[0] > 0)
+        return self.clamp_ops is not None and self.clamp_ops.shape[0] > 0
 
     @property
     def module_only(self) -> bool:
-        """Whether the step needs the module path: edits of single heads (only it has those sites) or clamps that
-        need the full encode (PyTorch there)."""
-        return self.has_head_edits or bool(self.clamps)
+        """Whether the step needs the module path: edits of single heads (only it has those sites)."""
+        return self.has_head_edits
 
     @property
     def has_head_edits(self) -> bool:
@@ -122,7 +120,7 @@ class StepEdits:
         base = [self.site_ptr, self.ops, self.bank, self.read_ptr, self.read_rows, self.read_out]
         if self.clamp_ops is None or self.clamp_ops.shape[0] == 0:
             return base
-        return base + [self.clamp_ptr, self.clamp_ops, self.clamp_params]
+        return base + [self.clamp_ptr, self.clamp_ops, self.clamp_params] + self.encoders
 
     def apply(self, layer: int, site: str, x: Tensor, window: tuple[int, int] | None = None) -> Tensor:
         """Edit x (.., N, D) in place at (layer, site) and record the reads there; returns x. Its rows are
@@ -145,16 +143,7 @@ class StepEdits:
                 ops, params = ops[on].clone(), params[on]
                 ops[:, 0] -= window[0]
             if ops.shape[0]:
-                apply_clamps(x2, ops, params, self.bank)
-        if self.clamps and k in self.clamps:
-            for rows, clamp in self.clamps[k]:
-                if window is not None:
-                    rows = rows - window[0]
-                    rows = rows[(rows >= 0) & (rows < window[1])]
-                if rows.numel():
-                    y = x2[rows]  # (n, D)
-                    clamp.apply(y)
-                    x2[rows] = y
+                apply_clamps(x2, ops, params, self.bank, self.encoders)
         self._read(k, x2, window)
         if SITE_INDEX[site] == RESID_MID:
             self._read(k + MLP_NORMALIZED - RESID_MID, x2, window, self._normalized)
@@ -196,8 +185,8 @@ class StepEdits:
         """The edits alone (what tensor-parallel workers are sent: rank 0 takes the reads)."""
         empty = torch.zeros_like(self.read_ptr)
         return StepEdits(self.site_ptr, self.ops, self.bank, empty, self.read_rows[:0], self.read_out[:0],
-                         clamps=self.clamps, clamp_ptr=self.clamp_ptr, clamp_ops=self.clamp_ops,
-                         clamp_params=self.clamp_params, norm_eps=self.norm_eps)
+                         clamp_ptr=self.clamp_ptr, clamp_ops=self.clamp_ops, clamp_params=self.clamp_params,
+                         encoders=self.encoders, norm_eps=self.norm_eps)
 
     def restrict(self, layer: int) -> "StepEdits":
         """The part of the table one block reads (what a tensor-parallel rank is sent to probe one block)."""
@@ -207,7 +196,6 @@ class StepEdits:
         ptr[k0 + 1 : k1 + 1] = self.site_ptr[k0 + 1 : k1 + 1] - a
         ptr[k1 + 1 :] = b - a
         empty = torch.zeros_like(self.read_ptr)
-        clamps = {k: c for k, c in (self.clamps or {}).items() if k0 <= k < k1} or None
         table = {}
         if self.clamp_ptr is not None:
             ca, cb = int(self.clamp_ptr_host[k0]), int(self.clamp_ptr_host[k1])
@@ -217,7 +205,7 @@ class StepEdits:
             table = dict(clamp_ptr=cptr, clamp_ops=self.clamp_ops[ca:cb].clone(),
                          clamp_params=self.clamp_params[ca:cb].clone())
         return StepEdits(ptr, self.ops[a:b].clone(), self.bank, empty, self.read_rows[:0], self.read_out[:0],
-                         clamps=clamps, norm_eps=self.norm_eps, **table)
+                         encoders=self.encoders, norm_eps=self.norm_eps, **table)
 
 
 def _beyond(ptr, sites: tuple[str, ...]) -> bool:
@@ -246,18 +234,19 @@ def apply_ops(x: Tensor, ops: Tensor, bank: Tensor) -> None:
         apply_reference(x, ops, bank)
 
 
-def apply_clamps(x: Tensor, ops: Tensor, params: Tensor, bank: Tensor) -> None:
+def apply_clamps(x: Tensor, ops: Tensor, params: Tensor, bank: Tensor, encoders: list[Tensor] = ()) -> None:
     """x (N, D) in place: each clamp op's row, in order (see the module docstring)."""
     native = usable(x)
     if native is not None and x.is_contiguous() and bank.device.type == "cpu":
-        native.apply_clamps(x, ops.contiguous(), params.contiguous(), bank)
+        native.apply_clamps(x, ops.contiguous(), params.contiguous(), bank, list(encoders))
     else:
-        clamp_reference(x, ops, params, bank)
+        clamp_reference(x, ops, params, bank, encoders)
 
 
-def clamp_reference(x: Tensor, ops: Tensor, params: Tensor, bank: Tensor) -> None:
-    """The PyTorch definition of `apply_clamps` (csrc/interventions.cpp's arithmetic, in float64): the ops in rounds
-    where each row appears once, so a row's second clamp reads what its first left."""
+def clamp_reference(x: Tensor, ops: Tensor, params: Tensor, bank: Tensor, encoders: list[Tensor] = ()) -> None:
+    """The PyTorch definition of `apply_clamps` (csrc/interventions.cpp's arithmetic, in float64; a TopK or GroupMax
+    clamp's selection from the row's encode in float32): the ops in rounds where each row appears once, so a row's
+    second clamp reads what its first left."""
     count: dict[int, int] = {}
     rank = []  # each op's index among its row's ops
     for r in ops[:, 0].tolist():
@@ -272,17 +261,32 @@ def clamp_reference(x: Tensor, ops: Tensor, params: Tensor, bank: Tensor) -> Non
         y = x[r].double()  # (n, D)
         w, dF = bank[op[:, 1]].double(), bank[op[:, 2]].double()
         bd = torch.where((op[:, 3] >= 0)[:, None], bank[op[:, 3].clamp_min(0)], zeros).double()
-        kind, b, third, er, v, norm = p.unbind(-1)
+        kind, b, third, er, v, norm, F = p.unbind(-1)
         D = y.shape[1]
         mu = torch.where(norm == 2, y.mean(-1), 0.0)
         sd = (y - y.mean(-1, keepdim=True)).pow(2).sum(-1).div(D - 1).sqrt()
         c = torch.where(norm == 1, math.sqrt(D) / y.pow(2).sum(-1).sqrt(), torch.where(norm == 2, 1.0 / (sd + 1e-5), 1.0))
         s = torch.where(norm == 1, 1.0 / c, torch.where(norm == 2, sd, 1.0))
-        a = (((y - mu[:, None]) * c[:, None] - bd) * w).sum(-1)
+        xn = (y - mu[:, None]) * c[:, None] - bd  # (n, D)
+        a = (xn * w).sum(-1)
         pre = a + b
         f = torch.where(kind == 0, pre.clamp_min(0.0), torch.where(
             kind == 1, torch.where(pre > third, pre.clamp_min(0.0), 0.0),
             torch.where(pre > 0, (a * er + third).clamp_min(0.0), 0.0)))
+        f = torch.where(kind >= 3, pre.clamp_min(0.0), f)
+        for i in torch.nonzero(kind >= 3).squeeze(1).tolist():  # topk, groupmax: is F selected at all?
+            W, be = encoders[2 * int(er[i])], encoders[2 * int(er[i]) + 1]
+            row = W @ xn[i].float() + be  # (F,) float32
+            k, Fi = int(third[i]), int(F[i])
+            if kind[i] == 4:  # GroupMax: F's group of F / k features
+                g = row.shape[0] // k
+                row = row[Fi // g * g : Fi // g * g + g]
+                Fi %= g
+                selected = int((row > row[Fi]).sum()) == 0
+            else:
+                selected = int((row > row[Fi]).sum()) < k
+            if not selected:
+                f[i] = 0.0
         x[r] = (y + ((v - f) * s)[:, None] * dF).float().to(x.dtype)
 
 
@@ -377,30 +381,35 @@ class EditTables:
                     head_chunks.append(hb.reshape(-1, 6))
                 for k, ci in pat.clamps:
                     clamp_rows.setdefault((int(k), j, int(ci)), []).append(rows)
-        clamps: dict[int, list[tuple[Tensor, object]]] | None = None
         clamp_table = {}
         if clamp_rows:  # per site, by segment, then in the request's order (a row's clamps apply in that order)
-            clamps, sites, cops, cparams = {}, [], [], []
+            sites, cops, cparams = [], [], []
+            encoders: dict[int, int] = {}  # id(W_enc) -> its index in the step's encoders
+            enc_list: list[Tensor] = []
             for k, j, ci in sorted(clamp_rows):
                 rows = np.concatenate(clamp_rows[k, j, ci])
                 plan = segments[j].plan
-                entry = plan.clamp_rows[ci]
-                if entry is None:  # full encode: the module path's PyTorch
-                    clamps.setdefault(k, []).append((torch.from_numpy(rows).to(self.device), plan.clamps[ci]))
-                    continue
                 base = self._base[id(plan)]
                 op = np.empty((rows.size, 4), dtype=np.int64)
                 op[:, 0] = rows
-                op[:, 1:] = [e + base if e >= 0 else -1 for e in entry]
+                op[:, 1:] = [e + base if e >= 0 else -1 for e in plan.clamp_rows[ci]]
                 sites.append(np.full(rows.size, k, dtype=np.int64))
                 cops.append(op)
-                cparams.append(np.tile(np.asarray(plan.clamp_params[ci], dtype=np.float64), (rows.size, 1)))
-            clamps = clamps or None
+                params = np.asarray(plan.clamp_params[ci], dtype=np.float64)
+                enc = plan.clamp_encoders[ci]
+                if enc is not None:  # a TopK / GroupMax clamp: its dictionary's encoder, once a step
+                    if id(enc[0]) not in encoders:
+                        encoders[id(enc[0])] = len(enc_list) // 2
+                        enc_list += [enc[0].to(self.device), enc[1].to(self.device)]
+                    params = params.copy()
+                    params[3] = encoders[id(enc[0])]
+                cparams.append(np.tile(params, (rows.size, 1)))
             if cops:
                 cptr = np.searchsorted(np.concatenate(sites), np.arange(S * L + 1)).astype(np.int64)
                 clamp_table = dict(clamp_ptr=torch.from_numpy(cptr).to(self.device),
                                    clamp_ops=torch.from_numpy(np.concatenate(cops)).to(self.device),
-                                   clamp_params=torch.from_numpy(np.concatenate(cparams)).to(self.device))
+                                   clamp_params=torch.from_numpy(np.concatenate(cparams)).to(self.device),
+                                   encoders=enc_list)
         head_ptr = head_ops = None
         if head_chunks:
             table = np.concatenate(head_chunks)
@@ -445,7 +454,7 @@ class EditTables:
         edits = StepEdits(
             torch.from_numpy(site_ptr).to(dev), torch.from_numpy(np.ascontiguousarray(ops)).to(dev), self._bank,
             torch.from_numpy(read_ptr).to(dev), torch.from_numpy(read_rows).to(dev),
-            torch.zeros(len(read_rows), self.dim, device=dev), head_ptr, head_ops, clamps, **clamp_table,
+            torch.zeros(len(read_rows), self.dim, device=dev), head_ptr, head_ops, **clamp_table,
             norm_eps=self.norm_eps)
         return edits, layouts
 

@@ -1,7 +1,7 @@
 """Steering by feature in the engine, on a tiny random model: 32 concurrent requests with mixed feature edits (add
 and clamp, dictionaries of three activations at three sites, every kind of positions), plain rows among them, each
 give exactly (tokens and every logprob, bitwise) what they give alone, with the native step on and off (a step
-holding a clamp runs the module path, `StepEdits.module_only`); a clamp equals an uncached forward hooked with the
+holding any clamp, a TopK's included, runs the fused step); a clamp equals an uncached forward hooked with the
 dictionary's own encode; the prefix cache keys blocks by the clamp (dictionary content, feature, value)."""
 
 from __future__ import annotations
@@ -62,9 +62,10 @@ def test_32_concurrent_feature_edits_each_equal_alone(model, dictionaries, path)
     engine = _engine(model, max_num_seqs=32, max_num_batched_tokens=96, **kw)
     batched = serve(engine, reqs, {r: int(r) // 4 for r in reqs})
     counts = engine.runner.path_counts
-    assert counts["module"] > 0, counts
-    if path == "native":
-        assert counts["native"] > 0, counts  # the steps without a clamp
+    if path == "native":  # every step, a TopK's clamps included, in the fused step
+        assert counts["native"] > 0 and counts["module"] == 0, counts
+    else:
+        assert counts["module"] > 0, counts
     plain = serve(_engine(model, **kw), {r: (p, sp, None) for r, (p, sp, _) in reqs.items()})
     moved = 0
     for r, req in reqs.items():
@@ -138,12 +139,16 @@ def test_block_digests_key_the_clamp(dictionaries):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("name", ["relu", "jumprelu", "gated"])
+@pytest.mark.parametrize("name", ["relu", "jumprelu", "gated", "topk", "groupmax"])
 def test_native_clamp_equals_the_reference(dictionaries, name, dtype):
     """The C++ clamp (csrc/interventions.cpp) against FeatureClamp.apply, the PyTorch definition, within the
-    tolerance the projection test uses (both take float64 dot products, in different orders)."""
+    tolerance the projection test uses (both take float64 dot products, in different orders); a TopK's and a
+    GroupMax's selection from the row's whole encode (their clamps' features both selected and not, at these rows)."""
     d = {"relu": dictionaries["relu"], "jumprelu": dictionaries["jumprelu"],
-         "gated": random_dictionary("gated", seed=4, apply_b_dec=True, normalize="layer_norm", input_scale=8.0)}[name]
+         "gated": random_dictionary("gated", seed=4, apply_b_dec=True, normalize="layer_norm", input_scale=8.0),
+         "topk": random_dictionary("topk", seed=5, k=6, apply_b_dec=True, input_scale=8.0),
+         "groupmax": random_dictionary("groupmax", seed=6, k=4, normalize="constant_norm_rescale",
+                                       input_scale=8.0)}[name]
     g = torch.Generator().manual_seed(0)
     x = (torch.randn(37, 64, generator=g) * 8).to(dtype)
     rows = torch.randperm(37, generator=g)[:20]
@@ -154,9 +159,13 @@ def test_native_clamp_equals_the_reference(dictionaries, name, dtype):
     ops = torch.cat([p[0] for p in parts])
     params = torch.cat([p[1] for p in parts])
     bank = torch.cat([native_clamp_table(c, rows[:1], 0)[2] for c in clamps])
+    encoders = list(clamps[0].encoder() or ())
+    if encoders:  # the selection matters here: some clamped rows have F selected, some not
+        active = torch.cat([(c.activation(x[rows[j::3]].float()) > 0) for j, c in enumerate(clamps)])
+        assert 0 < int(active.sum()) < active.numel()
     a, b, c_ = x.clone(), x.clone(), x.clone()
-    kernels.native().apply_clamps(a, ops, params, bank)
-    clamp_reference(b, ops, params, bank)
+    kernels.native().apply_clamps(a, ops, params, bank, encoders)
+    clamp_reference(b, ops, params, bank, encoders)
     for c, r in [(clamps[0], rows[0::3]), (clamps[1], rows[1::3]), (clamps[2], rows[2::3]), (clamps[2], rows[0::3])]:
         y = c_[r]
         c.apply(y)  # the definition, model/features/sae/steer.py
@@ -170,10 +179,12 @@ def test_native_clamp_equals_the_reference(dictionaries, name, dtype):
     assert not torch.equal(a, x)
 
 
-def native_clamp_table(c: FeatureClamp, rows: torch.Tensor, base: int):
-    """One clamp on `rows` as model/edits.py's clamp table: ops (n, 4), params (n, 6), and its bank rows, which a
-    caller places at `base`."""
+def native_clamp_table(c: FeatureClamp, rows: torch.Tensor, base: int, encoder: int = 0):
+    """One clamp on `rows` as model/edits.py's clamp table: ops (n, 4), params (n, 7), and its bank rows, which a
+    caller places at `base`; a TopK or GroupMax clamp's encoder at index `encoder` of the step's encoders."""
     vs, params = c.table_entry()
+    if c.encoder() is not None:
+        params[3] = float(encoder)
     n = rows.numel()
     ops = torch.stack([rows, torch.full((n,), base), torch.full((n,), base + 1),
                        torch.full((n,), base + 2 if len(vs) > 2 else -1)], 1)

@@ -9,12 +9,13 @@ site's activation x becomes x + decode(f with f_F = v) - decode(f). The decoder 
                                             std(x) under "layer_norm" (SAELens sae.py `run_time_activation_norm_fn_out`)
 
 with f_F(x) the dictionary's own activation of F at x (model/features/sae/dictionary.py's `encode`: normalization,
-`apply_b_dec_to_input`, the threshold of a JumpReLU, a gated dictionary's magnitude path). For an elementwise
-activation (relu, jumprelu, gated) that is a rank-1 read of x, a = (normalize(x) - b_dec?) . W_enc[:, F], in float64
-as model/edits.py's project_out takes its dot product: an entry of the step's table (`table_entry`), applied by the
-native kernel on the CPU's paths; TopK and GroupMax decide F's value against every other feature, so there f_F is
-the full `encode` of the row, one row at a time, on the module path (`apply`). Either way a row's edit depends on that
-row alone, whatever else its step holds.
+`apply_b_dec_to_input`, the threshold of a JumpReLU, a gated dictionary's magnitude path). Its value is a rank-1 read
+of x, a = (normalize(x) - b_dec?) . W_enc[:, F], in float64 as model/edits.py's project_out takes its dot product:
+an entry of the step's table (`table_entry`), applied by the native kernel on the CPU's paths (the fused step
+included). TopK and GroupMax also decide whether F is selected at all, against the row's whole encode (every
+feature, or F's group): the table names the dictionary's encoder for that (`encoder`), which the kernel reads in
+float32. Either way a row's edit depends on that row alone, whatever else its step holds. `apply` is the PyTorch
+definition, the full `encode` of each row.
 
 A transcoder writes another site than it reads: clamping one of its features would need its output site's
 activation replaced by its whole output, which the engine does not compute, so the API refuses it (`add` of a
@@ -33,7 +34,8 @@ from torch import Tensor
 from model.features.sae.dictionary import Dictionary
 
 ELEMENTWISE = ("relu", "jumprelu", "gated")
-KIND = {"relu": 0, "jumprelu": 1, "gated": 2}  # the table's codes (model/edits.py, csrc/interventions.cpp)
+KIND = {"relu": 0, "jumprelu": 1, "gated": 2, "topk": 3, "groupmax": 4}  # the table's codes (model/edits.py,
+# csrc/interventions.cpp)
 NORM = {"none": 0, "constant_norm_rescale": 1, "layer_norm": 2}
 
 
@@ -78,23 +80,37 @@ class FeatureClamp:
 
     @property
     def elementwise(self) -> bool:
-        """Whether f_F reads x through F's encoder column alone (then the clamp is a table entry every CPU path
-        applies, model/edits.py); TopK and GroupMax need the full encode (the module path, `apply`)."""
+        """Whether f_F reads x through F's encoder column alone; TopK and GroupMax also read the row's whole encode
+        (`encoder`)."""
         return self.dictionary.activation in ELEMENTWISE
 
     def table_entry(self) -> tuple[list[Tensor], list[float]]:
-        """An elementwise clamp as model/edits.py's table holds it: its vectors [w_F, d_F (, b_dec when applied to
-        the input)] (D,) float32, and its parameters [activation, b_enc_F, threshold_F or b_mag_F, exp(r_mag_F),
-        value, normalization] (csrc/interventions.cpp's `clamp_impl` reads them)."""
+        """The clamp as model/edits.py's table holds it: its vectors [w_F, d_F (, b_dec when applied to the input)]
+        (D,) float32, and its parameters [activation, b_enc_F, threshold_F or b_mag_F or k, exp(r_mag_F) or the
+        encoder's index in the step (set there), value, normalization, F] (csrc/interventions.cpp's `clamp_impl`
+        reads them)."""
         d, F = self.dictionary, self.feature
         vectors = [d.W_enc[:, F].float().clone(), d.W_dec[F].float().clone()]
         if d.apply_b_dec_to_input:
             vectors.append(d.b_dec.float().clone())
         third = float(d.threshold[F]) if d.activation == "jumprelu" else float(d.b_mag[F]) if d.activation == "gated" \
-            else 0.0
+            else float(d.k)
         er = math.exp(float(d.r_mag[F])) if d.activation == "gated" else 0.0
         return vectors, [float(KIND[d.activation]), float(d.b_enc[F]), third, er, float(self.value),
-                         float(NORM[d.normalize_activations])]
+                         float(NORM[d.normalize_activations]), float(F)]
+
+    def encoder(self) -> tuple[Tensor, Tensor] | None:
+        """(W_enc^T (F, D), b_enc (F,)) float32, contiguous: what a TopK or GroupMax clamp reads to decide whether F
+        is selected, a feature's encoder row after another (None for the elementwise activations), made once per
+        dictionary."""
+        d = self.dictionary
+        if self.elementwise:
+            return None
+        cached = d.__dict__.get("_clamp_encoder")
+        if cached is None:
+            cached = d.__dict__["_clamp_encoder"] = (d.W_enc.detach().T.float().contiguous(),
+                                                     d.b_enc.detach().float().contiguous())
+        return cached
 
     def digest(self) -> bytes:
         return dictionary_digest(self.dictionary) + struct.pack("<qd", self.feature, self.value)

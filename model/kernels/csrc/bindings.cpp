@@ -178,5 +178,5 @@ PYBIND11_MODULE(module, m) {
           ls::gguf_convert(view(raw), type, view(order), view(data), view(scales));
         }, nogil(), "a GGUF matrix's rows (N, row bytes) -> an int4 / int8 layer's buffers");
   m.def("apply_edits", [](Tensor& x, const Tensor& ops, const Tensor& bank) { ls::apply_edits(view(x), view(ops), view(bank)); }, nogil(), "interventions: each op row (Q, 4) of x (N, D) gets its entry from bank (V, D)");
-  m.def("apply_clamps", [](Tensor& x, const Tensor& ops, const Tensor& params, const Tensor& bank) { ls::apply_clamps(view(x), view(ops), view(params), view(bank)); }, nogil(), "feature clamps: each op row (Qc, 4) of x (N, D), its parameters (Qc, 6) float64, its vectors in bank (V, D)");
+  m.def("apply_clamps", [](Tensor& x, const Tensor& ops, const Tensor& params, const Tensor& bank, const std::vector<Tensor>& encoders) { ls::apply_clamps(view(x), view(ops), view(params), view(bank), views(encoders)); }, nogil(), "feature clamps: each op row (Qc, 4) of x (N, D), its parameters (Qc, 7) float64, its vectors in bank (V, D), the TopK / GroupMax encoders [W_enc^T (F, D), b_enc (F,), ...]");
 }

@@ -90,7 +90,8 @@ void step_layers(const View& h, const std::vector<std::vector<View>>& layers, do
 void gguf_convert(const View& raw, int64_t type, const View& order, const View& data,
                   const View& scales);
 void apply_edits(const View& x, const View& ops, const View& bank);
-void apply_clamps(const View& x, const View& ops, const View& params, const View& bank);
+void apply_clamps(const View& x, const View& ops, const View& params, const View& bank,
+                  const std::vector<View>& encoders);
 // A block's sites as model/interventions.py's SITES numbers them (the tables' site k = SITES_PER_BLOCK layer + site).
 enum Site : int64_t { ATTENTION_OUTPUT, RESID_MID, MLP_NORMALIZED, MLP_INPUT, MLP_OUTPUT, BLOCK_OUTPUT, SITES_PER_BLOCK };
 // Whether the table has work at `site` (edits, clamps or reads): a step's other sites keep the fused residual add.
