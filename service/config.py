@@ -146,7 +146,7 @@ class Settings(BaseSettings):
     sae_encoder: Literal["int8", "float32"] = Field(
         "int8", description="precision a dictionary's encoder has in the per-token reads of a request's `features` "
         "(its W_enc in int8 blocks of 32, as GGUF's Q8_0: a quarter of float32's bytes a step, activations within "
-        "the error docs/inspection.md#features reports; or float32, exact); /inspect's grid, attribution and "
+        "the error docs/inspection.md#the-encoders-precision reports; or float32, exact); /inspect's grid, attribution and "
         "steering always encode in float32. POST /v1/saes may name another for its dictionary")
     max_vectors: int = Field(64, ge=1, description="stored vectors (POST /v1/vectors, --control-vector) held at once")
     max_stored_responses: int = Field(

@@ -81,8 +81,8 @@ class Served:
     float32 rounding. "int8": W_enc rounded to int8 in blocks of 32 inputs with a float16 scale each (GGUF's Q8_0,
     `Int8Linear`), the activations rounded likewise, exact integer block sums (the model's own int8 layers'
     kernel): a quarter of the bytes each step reads (a 16k-feature encoder of a 576-wide site is 38 MB in float32,
-    more than a third of the int4 default model), at an error docs/inspection.md#features reports against the
-    float32 encode. Only where the native CPU kernels run (elsewhere the encoder stays float32) and the site's
+    more than a third of the int4 default model), at an error docs/inspection.md ("The encoder's precision")
+    reports against the float32 encode. Only where the native CPU kernels run (elsewhere the encoder stays float32) and the site's
     width is whole blocks of 32."""
 
     def __init__(self, d: Dictionary, device: torch.device) -> None:
@@ -112,7 +112,7 @@ class Served:
         d = self.d
         pre = self._pre(x)  # (R, F)
         if not dense and (d.activation == "relu" or (d.activation == "topk" and k <= d.k)):
-            values, ids = pre.topk(k, dim=-1, sorted=True)  # (R, k) x 2
+            values, ids = pre.topk(min(k, pre.shape[-1]), dim=-1, sorted=True)  # (R, k) x 2
             return None, values.relu_(), ids
         f = d._activate(pre)
         return (f, *top_features(f, k))
