@@ -103,11 +103,16 @@ static void clamp_impl(T* x, int64_t D, const int64_t* ops, int64_t Q, const dou
       const int64_t lo = kind == 3 ? 0 : F / G * G, hi = kind == 3 ? Fn : lo + G;  // the rivals
       const int64_t out = kind == 3 ? k : 1;  // F is out once this many rivals are above it
       for (int64_t d = 0; d < D; ++d) xf[d] = static_cast<float>(xn[d]);
+      // a feature's pre-activation: 8 lanes of fused multiply-adds over D in order, then their sum and the tail's
+      // (one order whatever else the step holds; one chain of scalar adds would wait on each add's latency)
       const auto pre_of = [&](int64_t j) {
         const float* wr = W + j * D;
-        float acc = 0.f;
-        for (int64_t d = 0; d < D; ++d) acc += xf[d] * wr[d];
-        return acc + b[j];
+        __m256 acc = _mm256_setzero_ps();
+        int64_t d = 0;
+        for (; d + 8 <= D; d += 8) acc = _mm256_fmadd_ps(load8(xf.data() + d), load8(wr + d), acc);
+        float sum = hsum(acc);
+        for (; d < D; ++d) sum += xf[d] * wr[d];
+        return sum + b[j];
       };
       const float mine = pre_of(F);
       int64_t above = 0;
