@@ -396,11 +396,11 @@ class EditTables:
                 sites.append(np.full(rows.size, k, dtype=np.int64))
                 cops.append(op)
                 params = np.asarray(plan.clamp_params[ci], dtype=np.float64)
-                enc = plan.clamp_encoders[ci]
-                if enc is not None:  # a TopK / GroupMax clamp: its dictionary's encoder, once a step
+                enc = plan.clamps[ci].encoder(self.device)
+                if enc is not None:  # a TopK / GroupMax clamp: its dictionary's encoder, named once a step
                     if id(enc[0]) not in encoders:
                         encoders[id(enc[0])] = len(enc_list) // 2
-                        enc_list += [enc[0].to(self.device), enc[1].to(self.device)]
+                        enc_list += list(enc)
                     params = params.copy()
                     params[3] = encoders[id(enc[0])]
                 cparams.append(np.tile(params, (rows.size, 1)))

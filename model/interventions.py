@@ -338,16 +338,13 @@ class InterventionPlan:
                            np.asarray(head_rows, dtype=np.int64).reshape(-1, 5),
                            np.asarray(clamp_rows, dtype=np.int64).reshape(-1, 2))
 
-        # each clamp's table entry: its vectors' indices (w, d, b_dec or -1), parameters, and for a TopK or GroupMax
-        # dictionary the encoder its selection reads (model/features/sae/steer.py)
+        # each clamp's table entry: its vectors' indices (w, d, b_dec or -1) and parameters (model/features/sae/steer.py)
         self.clamp_rows: list[tuple[int, int, int]] = []
         self.clamp_params: list[list[float]] = []
-        self.clamp_encoders: list[tuple | None] = []
         for c in self.clamps:
             vs, params = c.table_entry()
             self.clamp_rows.append((index(vs[0]), index(vs[1]), index(vs[2]) if len(vs) > 2 else -1))
             self.clamp_params.append(params)
-            self.clamp_encoders.append(c.encoder())
         self.patterns: dict[object, Pattern] = {}
         # stand-ins for the positions no explicit index names: any prompt position gets what -1 gets (< P, not
         # explicit), any generated one what a position past every sequence gets

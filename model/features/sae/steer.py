@@ -99,18 +99,19 @@ class FeatureClamp:
         return vectors, [float(KIND[d.activation]), float(d.b_enc[F]), third, er, float(self.value),
                          float(NORM[d.normalize_activations]), float(F)]
 
-    def encoder(self) -> tuple[Tensor, Tensor] | None:
-        """(W_enc^T (F, D), b_enc (F,)) float32, contiguous: what a TopK or GroupMax clamp reads to decide whether F
-        is selected, a feature's encoder row after another (None for the elementwise activations), made once per
-        dictionary."""
+    def encoder(self, device: torch.device | str = "cpu") -> tuple[Tensor, Tensor] | None:
+        """(W_enc^T (F, D), b_enc (F,)) float32, contiguous, on `device`: what a TopK or GroupMax clamp reads to
+        decide whether F is selected, a feature's encoder row after another (None for the elementwise activations),
+        made once per dictionary and device (a step names it, never copies it)."""
         d = self.dictionary
         if self.elementwise:
             return None
-        cached = d.__dict__.get("_clamp_encoder")
-        if cached is None:
-            cached = d.__dict__["_clamp_encoder"] = (d.W_enc.detach().T.float().contiguous(),
-                                                     d.b_enc.detach().float().contiguous())
-        return cached
+        per_device = d.__dict__.setdefault("_clamp_encoder", {})
+        device = torch.device(device)
+        if device not in per_device:
+            per_device[device] = (d.W_enc.detach().T.float().contiguous().to(device),
+                                  d.b_enc.detach().float().contiguous().to(device))
+        return per_device[device]
 
     def digest(self) -> bytes:
         return dictionary_digest(self.dictionary) + struct.pack("<qd", self.feature, self.value)
